@@ -1,0 +1,37 @@
+# dflash developer commands. `make train` and `make test` install what they need first.
+PYTHON     ?= python3
+VENV       ?= .venv
+# CPU build by default (it lies on this machine's disk); GPU users: make install TORCH_SPEC='torch==2.9.1'
+TORCH_SPEC ?= torch==2.13.0
+BIN        := $(VENV)/bin
+STAMP      := $(VENV)/.installed
+
+.PHONY: help install train test test-fast lint clean
+
+help:  ## list the targets
+	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+install: $(STAMP)  ## create .venv with the pinned torch and dflash[dev] (editable)
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install -q --upgrade pip
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+train: install  ## run the tiny default training end to end on CPU
+	$(BIN)/dflash-train $(ARGS)
+
+test: install  ## run every CPU test (gpu-marked tests skip without CUDA)
+	$(BIN)/python -m pytest -q
+
+test-fast: install  ## skip the slow end-to-end tests
+	$(BIN)/python -m pytest -q -m "not slow"
+
+lint: install  ## ruff check + format check
+	$(BIN)/ruff check dflash tests scripts
+	$(BIN)/ruff format --check dflash tests scripts
+
+clean:  ## remove the virtualenv, caches and run outputs
+	rm -rf $(VENV) outputs multirun .pytest_cache .ruff_cache *.egg-info

@@ -1,0 +1,156 @@
+"""Anchors, draft blocks, labels, loss weights and the training attention mask (DESIGN section 1).
+
+Everything here that draws random numbers runs on the host, from a generator seeded by
+(seed, epoch, sample id): the draw for a sample never depends on which batch it landed in,
+and a resumed run draws exactly what an uninterrupted one would.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+
+def position_weights(block_size: int, gamma: float) -> torch.Tensor:
+    """w_0 = 0 (the anchor is given), w_k = exp(-(k-1)/gamma) for k >= 1."""
+    k = torch.arange(block_size, dtype=torch.float32)
+    weights = torch.exp(-(k - 1) / gamma)
+    weights[0] = 0.0
+    return weights
+
+
+def valid_anchor_positions(loss_mask: np.ndarray) -> np.ndarray:
+    """Positions p with loss_mask[p] and loss_mask[p + 1]: the anchor and its first target are supervised."""
+    supervised = loss_mask.astype(bool)
+    return np.flatnonzero(supervised[:-1] & supervised[1:])
+
+
+def sample_rng(seed: int, epoch: int, sample_id: int) -> np.random.Generator:
+    return np.random.default_rng([seed, epoch, sample_id])
+
+
+def sample_anchors(loss_mask: np.ndarray, num_anchors: int, rng: np.random.Generator) -> np.ndarray:
+    """Up to num_anchors distinct valid positions, sorted; empty when the sample has none."""
+    candidates = valid_anchor_positions(loss_mask)
+    if len(candidates) <= num_anchors:
+        return candidates
+    return np.sort(rng.choice(candidates, size=num_anchors, replace=False))
+
+
+@dataclass
+class DraftBlocks:
+    """One batch of draft blocks; Q = num_blocks * block_size query positions per sample."""
+
+    block_ids: torch.Tensor  # [B, Q] anchor token, then MASK (or the true token under mask_ramp)
+    positions: torch.Tensor  # [B, Q] a + k
+    labels: torch.Tensor  # [B, Q] ids[a + k] (0 where invalid)
+    weights: torch.Tensor  # [B, Q] loss weight: w_k where a label is supervised, else 0
+    valid: torch.Tensor  # [B, Q] bool, a supervised label (accuracy counts these, unweighted)
+    anchors: torch.Tensor  # [B, A] anchor positions (0 for padding blocks)
+    anchor_valid: torch.Tensor  # [B, A] bool; False = padding block
+    block_size: int
+
+    @property
+    def num_blocks(self) -> int:
+        return self.anchors.shape[1]
+
+    def to(self, device: torch.device, non_blocking: bool = False) -> DraftBlocks:
+        moved = {
+            name: getattr(self, name).to(device, non_blocking=non_blocking)
+            for name in ("block_ids", "positions", "labels", "weights", "valid", "anchors", "anchor_valid")
+        }
+        return DraftBlocks(**moved, block_size=self.block_size)
+
+
+def build_blocks(
+    input_ids: torch.Tensor,
+    loss_mask: torch.Tensor,
+    lengths: torch.Tensor,
+    sample_ids: list[int],
+    *,
+    epoch: int,
+    seed: int,
+    block_size: int,
+    num_anchors: int,
+    mask_token_id: int,
+    gamma: float,
+    keep_fraction: float = 0.0,
+) -> DraftBlocks:
+    """Draw anchors per sample and lay out their blocks, labels and weights (host tensors).
+
+    keep_fraction (noise=mask_ramp): each non-anchor block position keeps its true token instead
+    of MASK with this probability; such positions carry no loss and no accuracy.
+    """
+    ids_np = input_ids.numpy()
+    mask_np = loss_mask.numpy()
+    batch = ids_np.shape[0]
+    per_sample, keep_draws = [], []
+    for row, sample_id in enumerate(sample_ids):
+        rng = sample_rng(seed, epoch, sample_id)
+        length = int(lengths[row])
+        anchors = sample_anchors(mask_np[row, :length], num_anchors, rng)
+        per_sample.append(anchors)
+        # Drawn whether or not noise is on, so the anchor stream is the same in every noise mode.
+        keep_draws.append(rng.random((len(anchors), block_size)))
+    num_blocks = max(1, max(len(a) for a in per_sample))  # >= 1: an empty batch still has a shape
+
+    anchors = np.zeros((batch, num_blocks), dtype=np.int64)
+    anchor_valid = np.zeros((batch, num_blocks), dtype=bool)
+    keep = np.zeros((batch, num_blocks, block_size), dtype=bool)
+    for row, sample_anchors_ in enumerate(per_sample):
+        anchors[row, : len(sample_anchors_)] = sample_anchors_
+        anchor_valid[row, : len(sample_anchors_)] = True
+        keep[row, : len(sample_anchors_)] = keep_draws[row] < keep_fraction
+    keep[:, :, 0] = False
+
+    offsets = np.arange(block_size)
+    positions = anchors[:, :, None] + offsets  # [B, A, Bs]
+    seq_len = ids_np.shape[1]
+    in_range = positions < lengths.numpy()[:, None, None]
+    gather_pos = np.minimum(positions, seq_len - 1)
+    true_ids = np.take_along_axis(ids_np, gather_pos.reshape(batch, -1), axis=1).reshape(positions.shape)
+    supervised = np.take_along_axis(mask_np, gather_pos.reshape(batch, -1), axis=1).reshape(positions.shape)
+    keep &= in_range
+
+    valid = in_range & supervised.astype(bool) & anchor_valid[:, :, None] & ~keep
+    valid[:, :, 0] = False  # position 0 is the anchor itself: nothing to predict
+    block_ids = np.where(keep, true_ids, mask_token_id)
+    block_ids[:, :, 0] = true_ids[:, :, 0]
+    labels = np.where(valid, true_ids, 0)
+    weights = position_weights(block_size, gamma).numpy()[None, None, :] * valid
+
+    flat = (batch, num_blocks * block_size)
+    return DraftBlocks(
+        block_ids=torch.from_numpy(block_ids.reshape(flat)),
+        positions=torch.from_numpy(positions.reshape(flat)),
+        labels=torch.from_numpy(labels.reshape(flat)),
+        weights=torch.from_numpy(weights.reshape(flat).astype(np.float32)),
+        valid=torch.from_numpy(valid.reshape(flat)),
+        anchors=torch.from_numpy(anchors),
+        anchor_valid=torch.from_numpy(anchor_valid),
+        block_size=block_size,
+    )
+
+
+def block_attention_mask(
+    anchors_BA: torch.Tensor, anchor_valid_BA: torch.Tensor, ctx_len: int, block_size: int
+) -> torch.Tensor:
+    """Dense bool mask [B, Q, S + Q] (True = visible) for queries of block j with anchor a_j.
+
+    - context key i is visible iff i < a_j, strictly: the anchor's own target hidden state does
+      not exist yet at inference (the anchor is the token the target just emitted);
+    - every key of the query's own block is visible (bidirectional, no causal mask in the block);
+    - keys of other blocks never are.
+    Padding blocks see no context and no other block; they see only their own keys, which keeps
+    every softmax row finite (an all-masked row is NaN), and carry no loss.
+    """
+    bsz, num_blocks = anchors_BA.shape
+    device = anchors_BA.device
+    ctx_idx = torch.arange(ctx_len, device=device)
+    ctx_visible = (ctx_idx[None, None, :] < anchors_BA[:, :, None]) & anchor_valid_BA[:, :, None]  # [B, A, S]
+    ctx_visible = ctx_visible.repeat_interleave(block_size, dim=1)  # [B, Q, S]
+    block_of = torch.arange(num_blocks * block_size, device=device) // block_size
+    same_block = (block_of[:, None] == block_of[None, :]).expand(bsz, -1, -1)  # [B, Q, Q]
+    return torch.cat([ctx_visible, same_block], dim=2)

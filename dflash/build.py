@@ -1,0 +1,211 @@
+"""Turns a composed config into a runnable job. The only module that reads the whole `cfg`:
+each component receives its own node (as a typed dataclass) plus runtime objects.
+
+Order matters: every check that can fail on a bad config runs before any weights load.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
+
+from dflash.checkpoint import WEIGHTS_FILE
+from dflash.config.schema import (
+    DataConfig,
+    DrafterConfig,
+    LrScheduleConfig,
+    LrScheduleKind,
+    OptimizerConfig,
+    TargetConfig,
+)
+from dflash.config.validate import resolve_device_split, resolve_layer_ids, validate
+from dflash.data.schedule import BatchPlanner
+from dflash.data.synthetic import load_or_generate
+from dflash.evaluate import evaluate_spec_decode
+from dflash.logging.sinks import build_sinks
+from dflash.models.drafter import DFlashDrafter, drafter_config
+from dflash.models.target import FrozenTarget, load_target_config
+from dflash.noise import NoiseSchedule
+from dflash.trainer.step import BlockSettings, DrafterStep
+from dflash.trainer.sync import LoopSettings, SyncTrainer
+
+log = logging.getLogger(__name__)
+
+
+def node(cfg: DictConfig, key: str) -> Any:
+    """A config node as its schema dataclass (resolved, typed)."""
+    return OmegaConf.to_object(cfg[key])
+
+
+def visible_cuda_devices() -> int:
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
+def build_drafter(cfg: DrafterConfig, target_config: Any, layer_ids: list[int], device: str) -> DFlashDrafter:
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(cfg.init_seed)
+        drafter = DFlashDrafter(drafter_config(cfg, target_config, layer_ids))
+    return drafter.to(device)
+
+
+def build_optimizer(cfg: OptimizerConfig, params) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(
+        params, lr=cfg.lr, betas=(cfg.betas[0], cfg.betas[1]), weight_decay=cfg.weight_decay, eps=cfg.eps
+    )
+
+
+def build_lr_scheduler(cfg: LrScheduleConfig, optimizer, total_steps: int):
+    warmup = int(round(cfg.warmup_ratio * total_steps))
+    if LrScheduleKind(cfg.kind) is LrScheduleKind.cosine:
+        return get_cosine_schedule_with_warmup(optimizer, warmup, total_steps)
+    return get_constant_schedule_with_warmup(optimizer, warmup)
+
+
+def total_steps_for(cfg: DictConfig, planner: BatchPlanner) -> int:
+    if cfg.train.total_steps is not None:
+        return cfg.train.total_steps
+    return sum(planner.batches_per_epoch(epoch) for epoch in range(cfg.train.epochs))
+
+
+def load_resume_weights(drafter: DFlashDrafter, directory: Path) -> None:
+    from safetensors.torch import load_file
+
+    path = directory / WEIGHTS_FILE
+    if not path.is_file():
+        raise ValueError(f"resume={directory}: no {WEIGHTS_FILE} there")
+    try:
+        drafter.load_state_dict(load_file(str(path)), strict=True)
+    except Exception as exc:
+        raise ValueError(f"resume={directory}: drafter weights do not fit the configured drafter ({exc})") from exc
+
+
+@dataclass
+class Run:
+    cfg: DictConfig
+    run_dir: Path
+    target: FrozenTarget
+    trainer: SyncTrainer
+    excluded_token_ids: list[int]
+    resolved: dict[str, Any]
+
+    def execute(self) -> dict[str, Any]:
+        started = time.perf_counter()
+        ok = False
+        try:
+            with torch.autograd.set_detect_anomaly(self.cfg.debug.detect_anomaly):
+                self.trainer.run()
+            eval_metrics = evaluate_spec_decode(
+                self.target, self.trainer.step_fn.drafter, node(self.cfg, "eval"), self.excluded_token_ids
+            )
+            for sink in self.trainer.sinks:
+                sink.log(eval_metrics, self.trainer.position.step)
+            summary = self._summary(eval_metrics, time.perf_counter() - started)
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            print(format_summary(summary), flush=True)
+            ok = True
+            return summary
+        finally:
+            for sink in self.trainer.sinks:
+                sink.close(ok)
+
+    def _summary(self, eval_metrics: dict[str, float], wall_s: float) -> dict[str, Any]:
+        history = self.trainer.history
+        first, last = history[0], history[-1]
+        return {
+            "run_dir": str(self.run_dir),
+            "checkpoint": str(self.trainer.settings.checkpoint_dir / "last"),
+            "steps": self.trainer.position.step,
+            "wall_s": round(wall_s, 1),
+            "train/acc_first_window": first["train/acc"],
+            "train/acc": last["train/acc"],
+            "train/loss_first_window": first["train/loss"],
+            "train/loss": last["train/loss"],
+            "train/tau_sim": last["train/tau_sim"],
+            **eval_metrics,
+        }
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    lossless = summary["eval/lossless_frac"] == 1.0
+    lines = [
+        "",
+        "=== dflash run summary ===",
+        f"run dir           {summary['run_dir']}",
+        f"drafter           {summary['checkpoint']}",
+        f"steps             {summary['steps']}  ({summary['wall_s']} s)",
+        f"train loss        {summary['train/loss_first_window']:.3f} -> {summary['train/loss']:.3f}",
+        f"train accuracy    {summary['train/acc_first_window']:.3f} -> {summary['train/acc']:.3f}",
+        f"tau (simulated)   {summary['train/tau_sim']:.3f}",
+        f"tau (spec decode) {summary['eval/tau']:.3f} over {int(summary['eval/num_prompts'])} held-out prompts",
+        f"lossless          {'yes' if lossless else 'NO'}: speculative output "
+        f"{'identical to' if lossless else 'DIFFERS from'} plain greedy decoding",
+    ]
+    return "\n".join(lines)
+
+
+def build_run(cfg: DictConfig) -> Run:
+    target_cfg: TargetConfig = node(cfg, "target")
+    drafter_cfg: DrafterConfig = node(cfg, "drafter")
+    data_cfg: DataConfig = node(cfg, "data")
+
+    # 1. Everything checkable without weights.
+    target_config = load_target_config(target_cfg)
+    validate(cfg, target_config.num_hidden_layers, target_config.vocab_size, visible_cuda_devices())
+    layer_ids = resolve_layer_ids(cfg, target_config.num_hidden_layers)
+    target_devices, drafter_devices = resolve_device_split(cfg, visible_cuda_devices())
+    resume_dir = Path(cfg.resume) if cfg.resume else None
+    if resume_dir is not None and not resume_dir.is_dir():
+        raise ValueError(f"resume={cfg.resume}: no such checkpoint directory")
+    run_dir = Path(cfg.paths.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    run_config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
+    (run_dir / "config_resolved.yaml").write_text(run_config_yaml)
+    torch.manual_seed(cfg.seed)
+
+    # 2. Models and data.
+    target = FrozenTarget.from_config(target_cfg, layer_ids, torch.device(target_devices[0]))
+    drafter = build_drafter(drafter_cfg, target_config, layer_ids, drafter_devices[0])
+    if resume_dir is not None:
+        load_resume_weights(drafter, resume_dir)
+    excluded = [drafter_cfg.mask_token_id]
+    dataset = load_or_generate(target, target_cfg, data_cfg, Path(cfg.paths.cache_dir), excluded)
+    planner = BatchPlanner(dataset.lengths, node(cfg, "scheduler"), cfg.seed)
+    total_steps = total_steps_for(cfg, planner)
+
+    # 3. Optimization and the loop.
+    optimizer = build_optimizer(node(cfg, "optimizer"), drafter.parameters())
+    step_fn = DrafterStep(
+        target,
+        drafter,
+        optimizer,
+        build_lr_scheduler(node(cfg, "lr_schedule"), optimizer, total_steps),
+        NoiseSchedule.from_config(node(cfg, "noise")),
+        BlockSettings(seed=cfg.seed, num_anchors=drafter_cfg.num_anchors, gamma=cfg.loss.gamma),
+        grad_clip=cfg.optimizer.grad_clip,
+    )
+    resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    settings = LoopSettings(
+        total_steps=total_steps,
+        stop_after=min(total_steps, cfg.debug.max_steps or total_steps),
+        log_every=cfg.logger.every_steps,
+        checkpoint_every=cfg.checkpoint.every_steps,
+        keep_last=cfg.checkpoint.keep_last,
+        checkpoint_dir=run_dir / "checkpoints",
+        run_config_yaml=run_config_yaml,
+    )
+    trainer = SyncTrainer(step_fn, dataset, planner, build_sinks(node(cfg, "logger"), run_dir, resolved), settings)
+    if resume_dir is not None:
+        trainer.restore(resume_dir)
+    log.info(
+        "dflash: %d samples, %d steps (%d/epoch at epoch 0), target layers %s, devices %s -> %s",
+        len(dataset), total_steps, planner.batches_per_epoch(0), layer_ids, target_devices, drafter_devices,
+    )
+    return Run(cfg, run_dir, target, trainer, excluded, resolved)

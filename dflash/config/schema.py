@@ -1,0 +1,242 @@
+"""Typed schemas for every config group, registered in Hydra's ConfigStore.
+
+`conf/config.yaml` lists `dflash_schema` first in its defaults, so every YAML file and every
+command-line override is merged into these dataclasses: an unknown key, a wrong type or an
+unknown enum value fails at compose time with the dotted key in the message.
+
+This module imports only the standard library, omegaconf and hydra (no torch), so that
+`dflash-train --help`, `--cfg job` and tab completion stay fast.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any, Dict, List, Optional
+
+from omegaconf import MISSING
+
+
+class SchedulerKind(str, Enum):
+    shuffle = "shuffle"
+    interleave = "interleave"
+
+
+class LrScheduleKind(str, Enum):
+    cosine = "cosine"
+    constant = "constant"
+
+
+class NoiseKind(str, Enum):
+    none = "none"
+    mask_ramp = "mask_ramp"
+    feature = "feature"
+
+
+class PipelineKind(str, Enum):
+    sync = "sync"
+
+
+class DeviceKind(str, Enum):
+    cpu = "cpu"
+    cuda = "cuda"
+
+
+class DataKind(str, Enum):
+    synthetic = "synthetic"
+
+
+class SinkKind(str, Enum):
+    jsonl = "jsonl"
+    console = "console"
+    wandb = "wandb"
+
+
+@dataclass
+class TargetConfig:
+    name: str = MISSING
+    # Local checkpoint directory (AutoModelForCausalLM.from_pretrained). Required for real targets.
+    path: Optional[str] = None
+    # transformers config fields for a random-init target (used when `path` is null).
+    arch: Optional[Dict[str, Any]] = None
+    # The model_type the target must have; a path to another architecture is refused early.
+    model_type: str = "qwen3"
+    init_seed: int = 0
+    # "auto": bfloat16 on CUDA, float32 on CPU.
+    dtype: str = "auto"
+
+
+@dataclass
+class DrafterConfig:
+    name: str = MISSING
+    num_layers: int = MISSING
+    block_size: int = MISSING
+    mask_token_id: int = MISSING
+    # Number of fused target layers (n_feat); ignored when target_layer_ids is given.
+    num_features: int = 5
+    # null: DESIGN formula over the target's layer count.
+    target_layer_ids: Optional[List[int]] = None
+    # Anchors (blocks) per sample per step; paper: 512.
+    num_anchors: int = 512
+    # Qwen3 fields of the draft layers; null copies the target's value.
+    intermediate_size: Optional[int] = None
+    num_attention_heads: Optional[int] = None
+    num_key_value_heads: Optional[int] = None
+    head_dim: Optional[int] = None
+    init_seed: int = 0
+
+
+@dataclass
+class DataConfig:
+    name: str = MISSING
+    kind: DataKind = DataKind.synthetic
+    num_samples: int = 1024
+    prompt_len_min: int = 8
+    prompt_len_max: int = 48
+    gen_len_min: int = 16
+    gen_len_max: int = 80
+    max_length: int = 3072
+    seed: int = 0
+    # Samples generated per target forward while building the synthetic set.
+    generation_batch_size: int = 64
+
+
+@dataclass
+class SchedulerConfig:
+    kind: SchedulerKind = SchedulerKind.interleave
+    # Upper bounds (exclusive, the last inclusive) of the length buckets.
+    bucket_edges: List[int] = field(default_factory=lambda: [256, 512, 1024, 2048, 3296, 8192])
+    # Padded tokens (batch_size * longest sample) a batch may hold.
+    tokens_per_batch: int = 16384
+
+
+@dataclass
+class GpuConfig:
+    device: DeviceKind = DeviceKind.cpu
+    # Number of target devices; the drafter gets `drafter` devices (null: all the rest).
+    target: int = 1
+    drafter: Optional[int] = 1
+    # Both roles on the same device (gpu=single).
+    shared: bool = False
+
+
+@dataclass
+class OptimizerConfig:
+    name: str = "adamw"
+    lr: float = 6e-4
+    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    weight_decay: float = 0.0
+    eps: float = 1e-8
+    grad_clip: float = 1.0
+
+
+@dataclass
+class LrScheduleConfig:
+    kind: LrScheduleKind = LrScheduleKind.cosine
+    warmup_ratio: float = 0.04
+
+
+@dataclass
+class LossConfig:
+    # Position weight w_k = exp(-(k-1)/gamma); paper: 7 for B=16, 5 for B=10, 4 for B=8.
+    gamma: float = 7.0
+
+
+@dataclass
+class NoiseConfig:
+    kind: NoiseKind = NoiseKind.none
+    # mask_ramp: share of non-anchor block positions that keep their true token at step 0.
+    start: float = 0.0
+    # feature: std of the Gaussian added to the fused context feature after warmup.
+    std: float = 0.0
+    warmup_steps: int = 0
+
+
+@dataclass
+class PipelineConfig:
+    kind: PipelineKind = PipelineKind.sync
+
+
+@dataclass
+class WandbConfig:
+    project: str = "dflash"
+    entity: Optional[str] = None
+    # null: WANDB_MODE if set, else online with an API key and offline without one.
+    mode: Optional[str] = None
+    group: Optional[str] = None
+    name: Optional[str] = None
+    tags: List[str] = field(default_factory=list)
+    finish_timeout_s: float = 30.0
+
+
+@dataclass
+class LoggerConfig:
+    sinks: List[SinkKind] = field(default_factory=lambda: [SinkKind.jsonl])
+    every_steps: int = 10
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class CheckpointConfig:
+    every_steps: int = 1000
+    keep_last: int = 3
+
+
+@dataclass
+class EvalConfig:
+    # Held-out prompts decoded speculatively at the end of training.
+    num_prompts: int = 8
+    prompt_len: int = 16
+    max_new_tokens: int = 64
+    seed: int = 12345
+
+
+@dataclass
+class DebugConfig:
+    name: str = "none"
+    # Stop after this many optimizer steps (the LR schedule still spans the whole run).
+    max_steps: Optional[int] = None
+    detect_anomaly: bool = False
+
+
+@dataclass
+class PathsConfig:
+    output_dir: str = MISSING
+    cache_dir: str = MISSING
+
+
+@dataclass
+class TrainConfig:
+    epochs: int = 6
+    # Overrides epochs: total optimizer steps (the LR schedule spans exactly these).
+    total_steps: Optional[int] = None
+
+
+@dataclass
+class Config:
+    target: TargetConfig = field(default_factory=TargetConfig)
+    drafter: DrafterConfig = field(default_factory=DrafterConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    gpu: GpuConfig = field(default_factory=GpuConfig)
+    optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
+    lr_schedule: LrScheduleConfig = field(default_factory=LrScheduleConfig)
+    loss: LossConfig = field(default_factory=LossConfig)
+    noise: NoiseConfig = field(default_factory=NoiseConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
+    logger: LoggerConfig = field(default_factory=LoggerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    eval: EvalConfig = field(default_factory=EvalConfig)
+    debug: DebugConfig = field(default_factory=DebugConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    seed: int = 0
+    # A checkpoint directory to continue from (same batches, same losses).
+    resume: Optional[str] = None
+
+
+def register_configs() -> None:
+    """Register the root schema; idempotent (Hydra's ConfigStore replaces same-name entries)."""
+    from hydra.core.config_store import ConfigStore
+
+    ConfigStore.instance().store(name="dflash_schema", node=Config)

@@ -1,0 +1,148 @@
+"""Cross-field checks that run after composition and before any model weights load.
+
+Each failure is a ValueError naming the dotted config key(s) involved. The schema already
+rejects unknown keys, wrong types and unknown enum values at compose time; these are the
+rules that involve several fields, the target's architecture or the visible devices.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dflash.config.schema import DeviceKind, NoiseKind, PipelineKind
+from dflash.models.layer_ids import default_target_layer_ids
+
+
+def resolve_layer_ids(cfg: Any, num_target_layers: int) -> list[int]:
+    """drafter.target_layer_ids, or the DESIGN default for drafter.num_features."""
+    if cfg.drafter.target_layer_ids is not None:
+        return list(cfg.drafter.target_layer_ids)
+    return default_target_layer_ids(num_target_layers, cfg.drafter.num_features)
+
+
+def resolve_device_split(cfg: Any, visible_cuda_devices: int) -> tuple[list[str], list[str]]:
+    """(target devices, drafter devices) from the `gpu` group."""
+    gpu = cfg.gpu
+    if gpu.target < 1:
+        raise ValueError(f"gpu.target must be >= 1, got {gpu.target}")
+    if gpu.drafter is not None and gpu.drafter < 1:
+        raise ValueError(f"gpu.drafter must be >= 1 (or null for the rest), got {gpu.drafter}")
+    if DeviceKind(gpu.device) is DeviceKind.cpu:
+        drafters = gpu.drafter or 1
+        return ["cpu"] * gpu.target, ["cpu"] * drafters
+    if visible_cuda_devices == 0:
+        raise ValueError(f"gpu.device=cuda but no CUDA device is visible; use gpu=cpu (gpu={cfg.gpu.device})")
+    if gpu.shared:
+        # Both roles on the same devices (separate streams): gpu=single.
+        drafters = gpu.drafter if gpu.drafter is not None else gpu.target
+        if gpu.target > visible_cuda_devices or drafters > gpu.target:
+            raise ValueError(
+                f"gpu.shared=true puts gpu.drafter={drafters} drafters on the gpu.target={gpu.target} target "
+                f"devices; needs gpu.drafter <= gpu.target <= {visible_cuda_devices} visible CUDA devices"
+            )
+        targets = [f"cuda:{i}" for i in range(gpu.target)]
+        return targets, targets[:drafters]
+    drafters = gpu.drafter if gpu.drafter is not None else visible_cuda_devices - gpu.target
+    if drafters < 1 or gpu.target + drafters > visible_cuda_devices:
+        raise ValueError(
+            f"gpu.target={gpu.target} + gpu.drafter={gpu.drafter if gpu.drafter is not None else 'rest'} "
+            f"needs {gpu.target + max(drafters, 1)} CUDA devices; {visible_cuda_devices} visible"
+        )
+    return (
+        [f"cuda:{i}" for i in range(gpu.target)],
+        [f"cuda:{i}" for i in range(gpu.target, gpu.target + drafters)],
+    )
+
+
+def validate(cfg: Any, num_target_layers: int, target_vocab_size: int, visible_cuda_devices: int) -> None:
+    drafter = cfg.drafter
+    layer_ids = resolve_layer_ids(cfg, num_target_layers)
+    bad = [i for i in layer_ids if not 0 <= i < num_target_layers]
+    if bad:
+        raise ValueError(
+            f"drafter.target_layer_ids {layer_ids}: {bad} out of range for a target with "
+            f"{num_target_layers} layers (valid: 0..{num_target_layers - 1})"
+        )
+    if len(set(layer_ids)) != len(layer_ids):
+        raise ValueError(f"drafter.target_layer_ids {layer_ids} repeats a layer")
+    if not 0 <= drafter.mask_token_id < target_vocab_size:
+        raise ValueError(
+            f"drafter.mask_token_id={drafter.mask_token_id} is outside the target's embedding rows "
+            f"(target vocab_size {target_vocab_size}); pick an unused id below it"
+        )
+    if drafter.block_size < 2:
+        raise ValueError(f"drafter.block_size must be >= 2 (anchor + at least one draft), got {drafter.block_size}")
+    for key in ("num_layers", "num_anchors"):
+        if getattr(drafter, key) < 1:
+            raise ValueError(f"drafter.{key} must be >= 1, got {getattr(drafter, key)}")
+    if not cfg.loss.gamma > 0:
+        raise ValueError(f"loss.gamma must be > 0, got {cfg.loss.gamma}")
+
+    _validate_data_and_scheduler(cfg)
+    _validate_optimization(cfg)
+    _validate_noise(cfg)
+    targets, drafters = resolve_device_split(cfg, visible_cuda_devices)
+    if PipelineKind(cfg.pipeline.kind) is PipelineKind.sync and (len(targets) != 1 or len(drafters) != 1):
+        raise ValueError(
+            f"pipeline=sync runs one target and one drafter; got gpu.target={cfg.gpu.target}, "
+            f"gpu.drafter={cfg.gpu.drafter} ({len(targets)} + {len(drafters)} devices)"
+        )
+    if cfg.logger.every_steps < 1:
+        raise ValueError(f"logger.every_steps must be >= 1, got {cfg.logger.every_steps}")
+    if cfg.checkpoint.every_steps < 1 or cfg.checkpoint.keep_last < 1:
+        raise ValueError("checkpoint.every_steps and checkpoint.keep_last must be >= 1")
+
+
+def _validate_data_and_scheduler(cfg: Any) -> None:
+    data, sched = cfg.data, cfg.scheduler
+    edges = list(sched.bucket_edges)
+    if not edges or any(b <= a for a, b in zip(edges, edges[1:])) or edges[0] < 1:
+        raise ValueError(f"scheduler.bucket_edges must be positive and strictly increasing, got {edges}")
+    if edges[-1] < data.max_length:
+        raise ValueError(
+            f"scheduler.bucket_edges ends at {edges[-1]} < data.max_length={data.max_length}: "
+            "the longest samples would have no bucket"
+        )
+    if sched.tokens_per_batch < data.max_length:
+        raise ValueError(
+            f"scheduler.tokens_per_batch={sched.tokens_per_batch} < data.max_length={data.max_length}: "
+            "a longest sample would not fit in a batch"
+        )
+    if not 1 <= data.prompt_len_min <= data.prompt_len_max:
+        raise ValueError("data.prompt_len_min must be in [1, data.prompt_len_max]")
+    if not 2 <= data.gen_len_min <= data.gen_len_max:
+        raise ValueError("data.gen_len_min must be in [2, data.gen_len_max] (an anchor needs a next token)")
+    if data.num_samples < 1:
+        raise ValueError(f"data.num_samples must be >= 1, got {data.num_samples}")
+    if cfg.train.epochs < 1:
+        raise ValueError(f"train.epochs must be >= 1, got {cfg.train.epochs}")
+    if cfg.train.total_steps is not None and cfg.train.total_steps < 1:
+        raise ValueError(f"train.total_steps must be >= 1 or null, got {cfg.train.total_steps}")
+
+
+def _validate_optimization(cfg: Any) -> None:
+    opt = cfg.optimizer
+    if opt.name != "adamw":
+        raise ValueError(f"optimizer.name={opt.name!r}: only 'adamw' is implemented")
+    if len(opt.betas) != 2 or not all(0.0 <= b < 1.0 for b in opt.betas):
+        raise ValueError(f"optimizer.betas must be two numbers in [0, 1), got {list(opt.betas)}")
+    if not opt.lr > 0:
+        raise ValueError(f"optimizer.lr must be > 0, got {opt.lr}")
+    if not opt.grad_clip > 0:
+        raise ValueError(f"optimizer.grad_clip must be > 0, got {opt.grad_clip}")
+    if not 0.0 <= cfg.lr_schedule.warmup_ratio < 1.0:
+        raise ValueError(f"lr_schedule.warmup_ratio must be in [0, 1), got {cfg.lr_schedule.warmup_ratio}")
+
+
+def _validate_noise(cfg: Any) -> None:
+    noise = cfg.noise
+    kind = NoiseKind(noise.kind)
+    if kind is NoiseKind.none:
+        return
+    # A schedule that silently does nothing is the bug this group exists to avoid.
+    if noise.warmup_steps < 1:
+        raise ValueError(f"noise={kind.value} needs noise.warmup_steps >= 1, got {noise.warmup_steps}")
+    if kind is NoiseKind.mask_ramp and not 0.0 < noise.start <= 1.0:
+        raise ValueError(f"noise=mask_ramp needs noise.start in (0, 1], got {noise.start}")
+    if kind is NoiseKind.feature and not noise.std > 0.0:
+        raise ValueError(f"noise=feature needs noise.std > 0, got {noise.std}")

@@ -1,0 +1,49 @@
+"""Token dataset: concatenated ids and loss masks with offsets, stored as safetensors (no pickle)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+
+class TokenDataset:
+    """Samples of (input_ids, loss_mask); loss_mask is 1 on supervised (assistant) tokens."""
+
+    def __init__(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, offsets: torch.Tensor):
+        assert input_ids.shape == loss_mask.shape and offsets[-1] == input_ids.numel()
+        self.input_ids = input_ids.to(torch.int64)
+        self.loss_mask = loss_mask.to(torch.uint8)
+        self.offsets = offsets.to(torch.int64)
+        self.lengths = (self.offsets[1:] - self.offsets[:-1]).numpy()
+
+    @classmethod
+    def from_samples(cls, samples: list[tuple[list[int], list[int]]]) -> TokenDataset:
+        lengths = [len(ids) for ids, _ in samples]
+        offsets = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64)
+        ids = torch.tensor([t for sample_ids, _ in samples for t in sample_ids], dtype=torch.int64)
+        mask = torch.tensor([m for _, sample_mask in samples for m in sample_mask], dtype=torch.uint8)
+        return cls(ids, mask, offsets)
+
+    def __len__(self) -> int:
+        return len(self.lengths)
+
+    def __getitem__(self, index: int) -> tuple[torch.Tensor, torch.Tensor]:
+        start, end = int(self.offsets[index]), int(self.offsets[index + 1])
+        return self.input_ids[start:end], self.loss_mask[start:end]
+
+    def save(self, path: Path) -> None:
+        """Atomic: a crash mid-write never leaves a truncated cache behind."""
+        tmp = path.with_suffix(".tmp")
+        save_file(
+            {"input_ids": self.input_ids.to(torch.int32), "loss_mask": self.loss_mask, "offsets": self.offsets},
+            str(tmp),
+        )
+        tmp.replace(path)
+
+    @classmethod
+    def load(cls, path: Path) -> TokenDataset:
+        tensors = load_file(str(path))
+        return cls(tensors["input_ids"], tensors["loss_mask"], tensors["offsets"])

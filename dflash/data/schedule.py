@@ -1,0 +1,113 @@
+"""Length buckets and the batch order (config group `scheduler`).
+
+Samples fall into length buckets; batches are packed inside a bucket up to a padded-token
+budget, so long buckets give small batches. The order of batches in an epoch is a pure
+function of (seed, epoch): a run resumed at batch k of epoch e sees exactly what it would have.
+
+- shuffle: flat shuffle of all batches (the baseline; it produces runs of long batches).
+- interleave: diversity-first smooth weighted round-robin. Each bucket keeps its overall share
+  of the epoch, and the next pick prefers a bucket other than the last one while that bucket
+  is not behind its share.
+"""
+
+from __future__ import annotations
+
+import bisect
+from dataclasses import dataclass
+from functools import lru_cache
+
+import numpy as np
+
+from dflash.config.schema import SchedulerConfig, SchedulerKind
+
+
+def bucket_of(length: int, edges: list[int]) -> int:
+    """Index of the first edge with length < edge; the last bucket also takes length == last edge."""
+    index = bisect.bisect_right(edges, length)
+    return min(index, len(edges) - 1)
+
+
+@dataclass(frozen=True)
+class PlannedBatch:
+    epoch: int
+    index: int  # position in the epoch's order
+    bucket: int
+    sample_ids: tuple[int, ...]
+
+
+def pack_bucket(sample_ids: np.ndarray, lengths: np.ndarray, tokens_per_batch: int) -> list[list[int]]:
+    """Greedy packing in the given order: a batch grows while batch_size * longest <= budget."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for sample_id in sample_ids:
+        length = int(lengths[sample_id])
+        if current and (len(current) + 1) * max(longest, length) > tokens_per_batch:
+            batches.append(current)
+            current, longest = [], 0
+        current.append(int(sample_id))
+        longest = max(longest, length)
+    if current:
+        batches.append(current)
+    return batches
+
+
+def interleave_order(bucket_of_batch: list[int]) -> list[int]:
+    """Smooth weighted round-robin over buckets; returns batch positions in the new order."""
+    queues: dict[int, list[int]] = {}
+    for position, bucket in enumerate(bucket_of_batch):
+        queues.setdefault(bucket, []).append(position)
+    weight = {bucket: len(queue) for bucket, queue in queues.items()}
+    credit = dict.fromkeys(queues, 0.0)
+    order: list[int] = []
+    last = None
+    while len(order) < len(bucket_of_batch):
+        live = [b for b in queues if queues[b]]
+        total = sum(weight[b] for b in live)
+        for b in live:
+            credit[b] += weight[b]
+        others = [b for b in live if b != last]
+        best_other = max(others, key=lambda b: (credit[b], -b)) if others else None
+        if best_other is not None and credit[best_other] >= 0:
+            pick = best_other
+        else:
+            pick = max(live, key=lambda b: (credit[b], -b))
+        credit[pick] -= total
+        order.append(queues[pick].pop(0))
+        last = pick
+    return order
+
+
+class BatchPlanner:
+    """Plans every epoch's batches for a dataset; plans are cached and deterministic."""
+
+    def __init__(self, lengths: np.ndarray, cfg: SchedulerConfig, seed: int):
+        self.lengths = np.asarray(lengths)
+        self.edges = list(cfg.bucket_edges)
+        self.tokens_per_batch = cfg.tokens_per_batch
+        self.kind = SchedulerKind(cfg.kind)
+        self.seed = seed
+        self.sample_bucket = np.array([bucket_of(int(n), self.edges) for n in self.lengths], dtype=np.int64)
+
+    @property
+    def num_buckets(self) -> int:
+        return len(self.edges)
+
+    @lru_cache(maxsize=4)
+    def epoch(self, epoch: int) -> tuple[PlannedBatch, ...]:
+        batches: list[tuple[int, list[int]]] = []
+        for bucket in range(self.num_buckets):
+            members = np.flatnonzero(self.sample_bucket == bucket)
+            members = np.random.default_rng([self.seed, epoch, bucket]).permutation(members)
+            batches += [(bucket, ids) for ids in pack_bucket(members, self.lengths, self.tokens_per_batch)]
+        if self.kind is SchedulerKind.shuffle:
+            order = np.random.default_rng([self.seed, epoch]).permutation(len(batches)).tolist()
+        else:
+            order = interleave_order([bucket for bucket, _ in batches])
+        return tuple(
+            PlannedBatch(epoch=epoch, index=i, bucket=batches[j][0], sample_ids=tuple(batches[j][1]))
+            for i, j in enumerate(order)
+        )
+
+    def batches_per_epoch(self, epoch: int) -> int:
+        return len(self.epoch(epoch))

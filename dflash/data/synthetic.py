@@ -1,0 +1,102 @@
+"""Training text the target writes itself: random prompts continued greedily by the target.
+
+DFlash trains on target-generated responses; for the tiny random-init target this is the only
+text there is. Prompts are context (loss_mask 0), the continuation is supervised (loss_mask 1).
+The set is cached on disk, keyed by the target, the data config and the seed.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+from dflash.config.schema import DataConfig, TargetConfig
+from dflash.data.dataset import TokenDataset
+from dflash.models.target import FrozenTarget
+
+log = logging.getLogger(__name__)
+
+
+def cache_key(target_cfg: TargetConfig, data_cfg: DataConfig, excluded_token_ids: list[int]) -> str:
+    payload = {
+        "target": OmegaConf.to_container(OmegaConf.structured(target_cfg), resolve=True, enum_to_str=True),
+        "data": OmegaConf.to_container(OmegaConf.structured(data_cfg), resolve=True, enum_to_str=True),
+        "excluded": sorted(excluded_token_ids),
+    }
+    for key in ("name",):  # renaming an option does not change the text it produces
+        payload["target"].pop(key, None)
+        payload["data"].pop(key, None)
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def random_prompts(
+    num: int, length_min: int, length_max: int, vocab_size: int, excluded: list[int], rng: np.random.Generator
+) -> list[np.ndarray]:
+    allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(excluded, dtype=np.int64))
+    lengths = rng.integers(length_min, length_max + 1, size=num)
+    return [rng.choice(allowed, size=int(n)) for n in lengths]
+
+
+@torch.no_grad()
+def greedy_continue(target: FrozenTarget, prompts: list[np.ndarray], num_new: int) -> list[list[int]]:
+    """Greedy continuations of `num_new` tokens, batched with left padding and the target's KV cache."""
+    longest = max(len(p) for p in prompts)
+    input_ids = torch.zeros((len(prompts), longest), dtype=torch.int64)
+    attention_mask = torch.zeros_like(input_ids)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, longest - len(prompt) :] = torch.from_numpy(prompt)
+        attention_mask[row, longest - len(prompt) :] = 1
+    out = target.model.generate(
+        input_ids=input_ids.to(target.device),
+        attention_mask=attention_mask.to(target.device),
+        max_new_tokens=num_new,
+        min_new_tokens=num_new,
+        do_sample=False,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[:, longest:].cpu().tolist()
+
+
+def generate_dataset(target: FrozenTarget, cfg: DataConfig, excluded_token_ids: list[int]) -> TokenDataset:
+    rng = np.random.default_rng(cfg.seed)
+    vocab_size = target.config.vocab_size
+    prompts = random_prompts(
+        cfg.num_samples, cfg.prompt_len_min, cfg.prompt_len_max, vocab_size, excluded_token_ids, rng
+    )
+    gen_lengths = rng.integers(cfg.gen_len_min, cfg.gen_len_max + 1, size=cfg.num_samples)
+    samples: list[tuple[list[int], list[int]]] = [([], [])] * cfg.num_samples
+    # Similar prompt lengths batch together (little padding). A greedy continuation is prefix-
+    # consistent, so each sample is cut to its own length from its batch's longest.
+    order = np.argsort([len(p) for p in prompts], kind="stable")
+    for start in range(0, cfg.num_samples, cfg.generation_batch_size):
+        chunk = order[start : start + cfg.generation_batch_size]
+        continuations = greedy_continue(target, [prompts[i] for i in chunk], int(gen_lengths[chunk].max()))
+        for index, continuation in zip(chunk, continuations):
+            prompt = prompts[index].tolist()
+            response = continuation[: gen_lengths[index]]
+            samples[index] = (
+                (prompt + response)[: cfg.max_length],
+                ([0] * len(prompt) + [1] * len(response))[: cfg.max_length],
+            )
+    return TokenDataset.from_samples(samples)
+
+
+def load_or_generate(
+    target: FrozenTarget, target_cfg: TargetConfig, cfg: DataConfig, cache_dir: Path, excluded_token_ids: list[int]
+) -> TokenDataset:
+    path = Path(cache_dir) / "synthetic" / f"{cfg.name}-{cache_key(target_cfg, cfg, excluded_token_ids)}.safetensors"
+    if path.exists():
+        log.info("data: reusing %s", path)
+        return TokenDataset.load(path)
+    log.info("data: generating %d samples with the target -> %s", cfg.num_samples, path)
+    dataset = generate_dataset(target, cfg, excluded_token_ids)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    dataset.save(path)
+    return dataset

@@ -1,0 +1,183 @@
+"""The DFlash drafter: Qwen3-style layers with target-context KV injection.
+
+Parameter names follow the z-lab / SGLang / vLLM layout (`layers.*`, `fc`, `hidden_norm`,
+`norm`) so `state_dict()` is the exported checkpoint as is. The drafter owns no embedding and
+no LM head: callers pass block embeddings from the target's frozen `embed_tokens` and project
+the returned hidden states with the target's frozen `lm_head`.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers import PretrainedConfig, Qwen3Config
+from transformers.models.qwen3.modeling_qwen3 import (
+    Qwen3MLP,
+    Qwen3RMSNorm,
+    Qwen3RotaryEmbedding,
+    apply_rotary_pos_emb,
+)
+
+from dflash.config.schema import DrafterConfig
+
+# Qwen3 fields a drafter copies from its target (hidden size must match: KV injection and the
+# shared embed_tokens / lm_head see the target's hidden states).
+_COPIED_FIELDS = (
+    "vocab_size",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "rms_norm_eps",
+    "max_position_embeddings",
+    "rope_parameters",
+)
+
+
+def drafter_config(cfg: DrafterConfig, target: PretrainedConfig, layer_ids: list[int]) -> Qwen3Config:
+    """The drafter's Qwen3Config: target fields, drafter overrides and the DFlash fields."""
+    # Hybrid targets (Qwen3-Next) nest text fields the same way; getattr keeps this generic.
+    fields = {name: getattr(target, name) for name in _COPIED_FIELDS if getattr(target, name, None) is not None}
+    if "rope_parameters" in fields:
+        # Draft layers rotate the whole head (Qwen3); a hybrid target's partial rotary does not apply.
+        fields["rope_parameters"] = {k: v for k, v in fields["rope_parameters"].items() if k != "partial_rotary_factor"}
+    if "head_dim" not in fields:
+        fields["head_dim"] = target.hidden_size // target.num_attention_heads
+    for name in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
+        value = getattr(cfg, name)
+        if value is not None:
+            fields[name] = value
+    config = Qwen3Config(
+        **fields,
+        num_hidden_layers=cfg.num_layers,
+        attention_bias=False,
+        tie_word_embeddings=False,
+    )
+    config.architectures = ["DFlashDraftModel"]
+    config.block_size = cfg.block_size
+    config.num_target_layers = target.num_hidden_layers
+    config.dflash_config = {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(layer_ids)}
+    return config
+
+
+class DFlashAttention(nn.Module):
+    """Queries from block tokens; keys/values = [proj(context); proj(block)] with the same weights."""
+
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.head_dim = config.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.q_proj = nn.Linear(config.hidden_size, self.num_heads * self.head_dim, bias=False)
+        self.k_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.v_proj = nn.Linear(config.hidden_size, self.num_kv_heads * self.head_dim, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * self.head_dim, config.hidden_size, bias=False)
+        self.q_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+        self.k_norm = Qwen3RMSNorm(self.head_dim, eps=config.rms_norm_eps)
+
+    def _heads(self, x: torch.Tensor, num_heads: int) -> torch.Tensor:
+        return x.view(*x.shape[:-1], num_heads, self.head_dim)
+
+    def forward(
+        self,
+        block_BQH: torch.Tensor,
+        ctx_BSH: torch.Tensor,
+        block_rope: tuple[torch.Tensor, torch.Tensor],
+        ctx_rope: tuple[torch.Tensor, torch.Tensor],
+        attn_mask: torch.Tensor,
+    ) -> torch.Tensor:
+        bsz, q_len, _ = block_BQH.shape
+        q = self.q_norm(self._heads(self.q_proj(block_BQH), self.num_heads)).transpose(1, 2)
+        k_blk = self.k_norm(self._heads(self.k_proj(block_BQH), self.num_kv_heads)).transpose(1, 2)
+        k_ctx = self.k_norm(self._heads(self.k_proj(ctx_BSH), self.num_kv_heads)).transpose(1, 2)
+        v_blk = self._heads(self.v_proj(block_BQH), self.num_kv_heads).transpose(1, 2)
+        v_ctx = self._heads(self.v_proj(ctx_BSH), self.num_kv_heads).transpose(1, 2)
+        # RoPE at absolute positions: context at 0..S-1, block token k of anchor a at a + k.
+        q, k_blk = apply_rotary_pos_emb(q, k_blk, *block_rope)
+        cos_ctx, sin_ctx = ctx_rope
+        k_ctx = apply_rotary_pos_emb(k_ctx, k_ctx, cos_ctx, sin_ctx)[0]
+        k = torch.cat([k_ctx, k_blk], dim=2)
+        v = torch.cat([v_ctx, v_blk], dim=2)
+        out = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=attn_mask, enable_gqa=self.num_heads != self.num_kv_heads
+        )
+        return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
+
+
+class DFlashDecoderLayer(nn.Module):
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.self_attn = DFlashAttention(config)
+        self.mlp = Qwen3MLP(config)
+        self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+
+    def forward(self, hidden_BQH, ctx_BSH, block_rope, ctx_rope, attn_mask):
+        hidden_BQH = hidden_BQH + self.self_attn(
+            self.input_layernorm(hidden_BQH), ctx_BSH, block_rope, ctx_rope, attn_mask
+        )
+        return hidden_BQH + self.mlp(self.post_attention_layernorm(hidden_BQH))
+
+
+class DFlashDrafter(nn.Module):
+    def __init__(self, config: Qwen3Config):
+        super().__init__()
+        self.config = config
+        self.block_size: int = config.block_size
+        self.mask_token_id: int = config.dflash_config["mask_token_id"]
+        self.target_layer_ids: list[int] = list(config.dflash_config["target_layer_ids"])
+        hidden = config.hidden_size
+        self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        self.fc = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False)
+        self.hidden_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
+        # Not a parameter and not exported: recomputed from config.
+        self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        std = self.config.initializer_range
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, mean=0.0, std=std)
+            elif isinstance(module, Qwen3RMSNorm):
+                nn.init.ones_(module.weight)
+
+    def context(
+        self,
+        features_BSF: torch.Tensor,
+        feature_noise_std: float = 0.0,
+        noise_generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """fc + hidden_norm over the concatenated target layers, plus noise=feature's Gaussian."""
+        ctx_BSH = self.hidden_norm(self.fc(features_BSF.to(self.fc.weight.dtype)))
+        if feature_noise_std > 0.0:
+            noise = torch.randn(ctx_BSH.shape, generator=noise_generator, device=ctx_BSH.device, dtype=ctx_BSH.dtype)
+            ctx_BSH = ctx_BSH + feature_noise_std * noise
+        return ctx_BSH
+
+    def forward(
+        self,
+        features_BSF: torch.Tensor,
+        block_emb_BQH: torch.Tensor,
+        block_pos_BQ: torch.Tensor,
+        attn_mask_BQK: torch.Tensor,
+        feature_noise_std: float = 0.0,
+        noise_generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """Hidden states of the block positions (after the final norm), [B, Q, H].
+
+        attn_mask_BQK: bool, True = visible; keys are [context 0..S-1, block tokens 0..Q-1].
+        """
+        ctx_BSH = self.context(features_BSF, feature_noise_std, noise_generator)
+        bsz, ctx_len, _ = ctx_BSH.shape
+        ctx_pos = torch.arange(ctx_len, device=ctx_BSH.device).unsqueeze(0).expand(bsz, -1)
+        hidden = block_emb_BQH.to(ctx_BSH.dtype)
+        block_rope = self.rotary_emb(hidden, block_pos_BQ)
+        ctx_rope = self.rotary_emb(hidden, ctx_pos)
+        mask = attn_mask_BQK.unsqueeze(1)
+        for layer in self.layers:
+            hidden = layer(hidden, ctx_BSH, block_rope, ctx_rope, mask)
+        return self.norm(hidden)

@@ -1,0 +1,73 @@
+"""Shared fixtures: composing configs from conf/, a session-wide data cache, tiny saved targets."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from hydra import compose, initialize_config_dir
+from hydra.core.global_hydra import GlobalHydra
+from omegaconf import DictConfig
+
+from dflash.config.schema import register_configs
+
+CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+
+# Small enough for a test, large enough to fill every bucket and train a few steps.
+FAST = ["data.num_samples=48", "eval.num_prompts=2", "eval.max_new_tokens=12"]
+
+
+def compose_config(overrides: list[str] | None = None, output_dir: Path | None = None, cache_dir: Path | None = None) -> DictConfig:
+    register_configs()
+    GlobalHydra.instance().clear()
+    overrides = list(overrides or [])
+    if output_dir is not None:
+        overrides.append(f"paths.output_dir={output_dir}")
+    if cache_dir is not None:
+        overrides.append(f"paths.cache_dir={cache_dir}")
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        return compose(config_name="config", overrides=overrides)
+
+
+@pytest.fixture(scope="session")
+def data_cache(tmp_path_factory) -> Path:
+    """One synthetic-data cache for the whole session: each data config is generated once."""
+    return tmp_path_factory.mktemp("data_cache")
+
+
+@pytest.fixture
+def make_cfg(tmp_path, data_cache):
+    def _make(overrides: list[str] | None = None, output_dir: Path | None = None) -> DictConfig:
+        return compose_config(FAST + list(overrides or []), output_dir or tmp_path / "run", data_cache)
+
+    return _make
+
+
+def save_tiny_model(directory: Path, model_type: str) -> Path:
+    """A random-init model of a real architecture saved as a local checkpoint directory."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
+                  num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, max_position_embeddings=512)
+    if model_type == "qwen3":
+        config = AutoConfig.for_model("qwen3", num_hidden_layers=6, **common)
+    else:  # qwen3_next: hybrid Gated DeltaNet (linear attention) + full attention layers, MoE MLP
+        config = AutoConfig.for_model(
+            "qwen3_next", num_hidden_layers=6, linear_num_value_heads=4, linear_num_key_heads=2,
+            linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
+            moe_intermediate_size=32, shared_expert_intermediate_size=32, full_attention_interval=2, **common,
+        )
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_next_dir(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("qwen3_next"), "qwen3_next")

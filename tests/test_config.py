@@ -1,0 +1,195 @@
+"""The config contract: every option composes and builds, the default keys are pinned, and bad
+input fails with a message that names the key."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from hydra.errors import ConfigCompositionException
+from omegaconf import OmegaConf
+
+from dflash.build import build_run
+from dflash.config.validate import resolve_device_split
+from tests.conftest import CONF_DIR, compose_config
+
+SNAPSHOT = Path(__file__).parent / "snapshots" / "default_config_keys.txt"
+NOT_OPTION_GROUPS = {"hydra", "experiment"}
+CUDA_OPTIONS = {("gpu", "single"), ("gpu", "split")}
+
+
+def group_options() -> list[tuple[str, str]]:
+    return sorted(
+        (group.name, option.stem)
+        for group in CONF_DIR.iterdir()
+        if group.is_dir() and group.name not in NOT_OPTION_GROUPS
+        for option in group.glob("*.yaml")
+    )
+
+
+def option_overrides(group: str, option: str, request) -> list[str]:
+    """What an option needs beyond itself to build against the tiny target on this machine."""
+    extra = {
+        ("target", "qwen3_8b"): lambda: [f"target.path={request.getfixturevalue('tiny_qwen3_dir')}"],
+        ("target", "qwen3_next_80b"): lambda: [f"target.path={request.getfixturevalue('tiny_qwen3_next_dir')}"],
+        ("drafter", "b16"): lambda: ["drafter.mask_token_id=511", "target.arch.num_hidden_layers=12"],
+    }
+    return [f"{group}={option}"] + extra.get((group, option), list)()
+
+
+def error_text(exc: BaseException) -> str:
+    parts = []
+    while exc is not None:
+        parts.append(str(exc))
+        exc = exc.__cause__
+    return "\n".join(parts)
+
+
+@pytest.mark.parametrize("group,option", group_options(), ids=lambda v: str(v))
+def test_every_option_composes_and_builds(group, option, make_cfg, request, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = make_cfg(option_overrides(group, option, request))
+    assert OmegaConf.select(cfg, group) is not None
+    if (group, option) in CUDA_OPTIONS:
+        with pytest.raises(ValueError, match="gpu.device=cuda but no CUDA device is visible"):
+            build_run(cfg)
+        return
+    run = build_run(cfg)
+    try:
+        assert run.trainer.settings.total_steps > 0
+        assert len(run.trainer.dataset) == cfg.data.num_samples
+    finally:
+        for sink in run.trainer.sinks:
+            sink.close(True)
+
+
+@pytest.mark.parametrize("experiment", sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml")))
+def test_every_experiment_composes(experiment):
+    cfg = compose_config([f"experiment={experiment}"])
+    OmegaConf.to_container(cfg.drafter)  # the schema accepted every key
+
+
+def flat_keys(cfg) -> list[str]:
+    def walk(node, prefix):
+        if isinstance(node, dict):
+            for key, value in node.items():
+                yield from walk(value, f"{prefix}{key}.")
+        else:
+            yield prefix[:-1]
+
+    return sorted(walk(OmegaConf.to_container(cfg, resolve=False), ""))
+
+
+def test_default_config_keys_snapshot():
+    keys = flat_keys(compose_config())
+    expected = SNAPSHOT.read_text().split()
+    assert keys == expected, (
+        "default config keys changed; if intended, regenerate tests/snapshots/default_config_keys.txt "
+        "(python -c 'from tests.test_config import *; print(*flat_keys(compose_config()), sep=chr(10))')"
+    )
+
+
+def test_default_is_the_tiny_cpu_run():
+    cfg = compose_config()
+    choices = {"target": "tiny", "drafter": "tiny", "gpu": "cpu", "pipeline": "sync", "scheduler": "interleave"}
+    for key, name in choices.items():
+        assert OmegaConf.select(cfg, f"{key}.name", default=None) in (name, None)
+    assert cfg.gpu.device == "cpu" and cfg.pipeline.kind == "sync" and cfg.target.name == "tiny"
+
+
+@pytest.mark.parametrize(
+    "override,key",
+    [
+        ("optimizer.lrr=1", "optimizer.lrr"),  # unknown key
+        ("optimizer.lr=fast", "optimizer.lr"),  # wrong type
+        ("optimizer.betas=[0.9,high]", "optimizer.betas"),
+        ("noise.kind=gaussian", "noise.kind"),  # unknown enum value
+        ("scheduler=fifo", "scheduler"),  # unknown group option
+    ],
+)
+def test_bad_override_names_the_key(override, key):
+    with pytest.raises(ConfigCompositionException) as info:
+        compose_config([override])
+    assert key in error_text(info.value)
+
+
+def test_typo_inside_an_experiment_yaml_names_the_key(tmp_path):
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "typo.yaml").write_text("# @package _global_\noptimizer:\n  weight_decy: 0.1\n")
+    with pytest.raises(ConfigCompositionException) as info:
+        compose_config([f"hydra.searchpath=[file://{tmp_path}]", "experiment=typo"])
+    assert "weight_decy" in error_text(info.value) and "optimizer" in error_text(info.value)
+
+
+def test_gpu_split_from_config():
+    cfg = compose_config(["gpu=split", "gpu.target=5"])
+    targets, drafters = resolve_device_split(cfg, visible_cuda_devices=8)
+    assert targets == [f"cuda:{i}" for i in range(5)] and drafters == ["cuda:5", "cuda:6", "cuda:7"]
+    single = compose_config(["gpu=single"])
+    assert resolve_device_split(single, visible_cuda_devices=1) == (["cuda:0"], ["cuda:0"])
+    with pytest.raises(ValueError, match=r"gpu.target=5 \+ gpu.drafter=4"):
+        resolve_device_split(compose_config(["gpu=split", "gpu.target=5", "gpu.drafter=4"]), 8)
+    with pytest.raises(ValueError, match="gpu.target=8"):
+        resolve_device_split(compose_config(["gpu=split", "gpu.target=8"]), 8)
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["drafter.target_layer_ids=[1,9]"], "drafter.target_layer_ids"),
+        (["drafter.mask_token_id=512"], "drafter.mask_token_id"),
+        (["drafter.block_size=1"], "drafter.block_size"),
+        (["loss.gamma=0"], "loss.gamma"),
+        (["noise=mask_ramp", "noise.warmup_steps=0"], "noise.warmup_steps"),
+        (["noise=feature", "noise.std=0"], "noise.std"),
+        (["optimizer.betas=[0.9]"], "optimizer.betas"),
+        (["scheduler.bucket_edges=[48,40,128]"], "scheduler.bucket_edges"),
+        (["data.max_length=256"], "data.max_length"),
+        (["gpu.target=2"], "gpu.target=2"),
+    ],
+)
+def test_cross_field_errors_name_the_key_before_any_model_loads(overrides, message, make_cfg, monkeypatch):
+    from dflash.models.target import FrozenTarget
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded before the config was validated")
+
+    monkeypatch.setattr(FrozenTarget, "from_config", no_load)
+    with pytest.raises(ValueError, match=message.replace("[", r"\[")):
+        build_run(make_cfg(overrides))
+
+
+def test_real_target_without_path_names_the_key():
+    cfg = compose_config(["target=qwen3_8b"])
+    with pytest.raises(Exception, match="target.path"):
+        build_run(cfg)
+
+
+def test_wrong_architecture_at_path_is_refused(tiny_qwen3_dir, make_cfg):
+    with pytest.raises(ValueError, match="expects target.model_type='qwen3_next'"):
+        build_run(make_cfg(["target=qwen3_next_80b", f"target.path={tiny_qwen3_dir}"]))
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "dflash.train", *args], capture_output=True, text=True, timeout=120
+    )
+
+
+def test_cli_cfg_job_info_and_shell_completion():
+    job = run_cli("--cfg", "job", "optimizer.lr=1e-3")
+    assert job.returncode == 0, job.stderr
+    assert "lr: 0.001" in job.stdout and "drafter:" in job.stdout
+    tree = run_cli("--info", "defaults-tree")
+    assert tree.returncode == 0, tree.stderr
+    assert "drafter: tiny" in tree.stdout and "scheduler: interleave" in tree.stdout
+    completion = run_cli("-sc", "install=bash")
+    assert completion.returncode == 0 and "complete" in completion.stdout
+
+
+def test_entry_module_does_not_import_torch():
+    code = "import sys, dflash.train; assert 'torch' not in sys.modules, 'torch imported'"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr

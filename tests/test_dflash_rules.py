@@ -1,0 +1,251 @@
+"""Every rule of DESIGN section 1, tested directly (each one prevents a bug someone shipped)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from transformers import AutoConfig
+
+from dflash.blocks import block_attention_mask, build_blocks, position_weights, sample_anchors, sample_rng
+from dflash.config.schema import DrafterConfig
+from dflash.loss import draft_loss, tau_from_accuracy
+from dflash.models.drafter import DFlashDrafter, drafter_config
+from dflash.models.layer_ids import default_target_layer_ids
+from dflash.models.target import FrozenTarget
+
+MASK_ID = 511
+
+
+def tiny_target() -> FrozenTarget:
+    from transformers import AutoModelForCausalLM
+
+    config = AutoConfig.for_model(
+        "qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+    )
+    torch.manual_seed(0)
+    return FrozenTarget(AutoModelForCausalLM.from_config(config), [1, 3])
+
+
+def tiny_drafter(target: FrozenTarget, block_size: int = 4) -> DFlashDrafter:
+    cfg = DrafterConfig(name="t", num_layers=2, block_size=block_size, mask_token_id=MASK_ID, num_anchors=8)
+    torch.manual_seed(1)
+    return DFlashDrafter(drafter_config(cfg, target.config, target.layer_ids))
+
+
+def blocks_for(ids, loss_mask, *, block_size=4, num_anchors=8, gamma=4.0, epoch=0, sample_ids=None, keep=0.0):
+    ids = torch.as_tensor(ids)
+    loss_mask = torch.as_tensor(loss_mask, dtype=torch.uint8)
+    if ids.dim() == 1:
+        ids, loss_mask = ids[None], loss_mask[None]
+    lengths = torch.full((ids.shape[0],), ids.shape[1])
+    return build_blocks(
+        ids, loss_mask, lengths, sample_ids or list(range(ids.shape[0])), epoch=epoch, seed=0,
+        block_size=block_size, num_anchors=num_anchors, mask_token_id=MASK_ID, gamma=gamma, keep_fraction=keep,
+    )
+
+
+# -- context feature layers -------------------------------------------------------------------
+
+def test_default_layer_ids_follow_the_design_formula():
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B
+    assert default_target_layer_ids(36, 1) == [18]
+    assert default_target_layer_ids(6, 2) == [1, 3]
+
+
+def test_target_features_are_hidden_states_of_layer_id_plus_one():
+    target = tiny_target()
+    ids = torch.randint(0, 500, (2, 10))
+    out = target.model(ids, output_hidden_states=True)
+    expected = torch.cat([out.hidden_states[2], out.hidden_states[4]], dim=-1)  # layers 1 and 3
+    torch.testing.assert_close(target.features(ids), expected)
+    torch.testing.assert_close(target(ids).features, expected)
+
+
+# -- anchors ----------------------------------------------------------------------------------
+
+def test_anchors_need_loss_mask_at_p_and_p_plus_1():
+    loss_mask = np.array([0, 0, 1, 1, 0, 1, 1, 1, 0])
+    rng = sample_rng(0, 0, 0)
+    assert sample_anchors(loss_mask, 100, rng).tolist() == [2, 5, 6]
+
+
+def test_anchor_draw_is_per_sample_not_per_batch():
+    ids = torch.arange(40).reshape(2, 20)
+    mask = torch.ones(2, 20)
+    alone = blocks_for(ids[1], mask[1], num_anchors=5, sample_ids=[7])
+    batched = blocks_for(ids, mask, num_anchors=5, sample_ids=[3, 7])
+    assert alone.anchors[0].tolist() == batched.anchors[1].tolist()
+    next_epoch = blocks_for(ids[1], mask[1], num_anchors=5, sample_ids=[7], epoch=1)
+    assert next_epoch.anchors[0].tolist() != alone.anchors[0].tolist()  # drawn afresh each epoch
+
+
+def test_sample_without_anchor_is_masked_not_raised():
+    ids = torch.arange(24).reshape(2, 12)
+    mask = torch.zeros(2, 12)
+    mask[0, 4:] = 1  # sample 1 has no supervised token at all
+    blocks = blocks_for(ids, mask)
+    assert blocks.anchor_valid[1].sum() == 0
+    assert blocks.weights[1].sum() == 0 and not blocks.valid[1].any()
+    all_empty = blocks_for(ids, torch.zeros(2, 12))
+    assert all_empty.weights.sum() == 0
+
+
+# -- blocks, labels, weights ------------------------------------------------------------------
+
+def test_block_is_anchor_then_mask_and_labels_are_ids_at_a_plus_k():
+    ids = torch.arange(100, 120)
+    blocks = blocks_for(ids, torch.ones(20), block_size=4, num_anchors=3)
+    for j, anchor in enumerate(blocks.anchors[0].tolist()):
+        sl = slice(4 * j, 4 * j + 4)
+        assert blocks.block_ids[0, sl].tolist() == [100 + anchor, MASK_ID, MASK_ID, MASK_ID]
+        assert blocks.positions[0, sl].tolist() == [anchor + k for k in range(4)]
+        expected = [0] + [100 + anchor + k if anchor + k < 20 else 0 for k in range(1, 4)]
+        assert blocks.labels[0, sl].tolist() == expected  # no shift: position k predicts a + k
+
+
+def test_loss_weights_decay_from_position_one_and_skip_the_anchor():
+    w = position_weights(5, gamma=7.0)
+    assert w[0] == 0
+    assert torch.allclose(w[1:], torch.tensor([math.exp(-(k - 1) / 7.0) for k in range(1, 5)]))
+
+
+def test_weights_zero_past_the_end_and_on_unsupervised_tokens():
+    ids = torch.arange(10)
+    mask = torch.tensor([0, 0, 1, 1, 1, 1, 1, 0, 1, 1])
+    blocks = blocks_for(ids, mask, block_size=4, num_anchors=10)
+    positions, weights = blocks.positions[0], blocks.weights[0]
+    for q in range(len(positions)):
+        pos = int(positions[q])
+        supervised = pos < 10 and bool(mask[pos]) and q % 4 != 0
+        assert (weights[q] > 0) == supervised
+
+
+# -- attention mask ---------------------------------------------------------------------------
+
+def test_mask_context_strictly_before_anchor_bidirectional_block_nothing_across():
+    anchors = torch.tensor([[3, 6]])
+    valid = torch.tensor([[True, True]])
+    mask = block_attention_mask(anchors, valid, ctx_len=10, block_size=3)[0]  # [6, 10 + 6]
+    ctx, blk = mask[:, :10], mask[:, 10:]
+    assert ctx[:3].tolist() == [[i < 3 for i in range(10)]] * 3  # i < a strictly: not the anchor itself
+    assert ctx[3:].tolist() == [[i < 6 for i in range(10)]] * 3
+    expected_blocks = torch.block_diag(torch.ones(3, 3), torch.ones(3, 3)).bool()
+    assert torch.equal(blk, expected_blocks)  # full square inside a block: no causal mask
+
+
+def test_padding_blocks_see_no_context_and_no_other_block():
+    mask = block_attention_mask(torch.tensor([[4, 0]]), torch.tensor([[True, False]]), ctx_len=8, block_size=2)[0]
+    assert not mask[2:, :8].any()
+    assert not mask[2:, 8:10].any() and not mask[:2, 10:].any()
+
+
+def test_drafter_output_respects_the_mask_rules():
+    """Behaviour, not just the mask tensor: what a block may and may not depend on."""
+    target = tiny_target()
+    drafter = tiny_drafter(target).eval()
+    ids = torch.randint(0, 500, (1, 24))
+    blocks = blocks_for(ids[0], torch.ones(24), block_size=4, num_anchors=2)
+    a0 = int(blocks.anchors[0, 0])
+
+    def run(features, block_ids):
+        mask = block_attention_mask(blocks.anchors, blocks.anchor_valid, features.shape[1], 4)
+        return drafter(features, target.embed_tokens(block_ids), blocks.positions, mask)
+
+    features = target.features(ids)
+    base = run(features, blocks.block_ids)
+    later = features.clone()
+    later[:, a0:] += 1.0  # the anchor's own position and after: invisible to block 0
+    assert torch.allclose(run(later, blocks.block_ids)[:, :4], base[:, :4])
+    before = features.clone()
+    before[:, a0 - 1] += 1.0
+    assert not torch.allclose(run(before, blocks.block_ids)[:, :4], base[:, :4])
+    other = blocks.block_ids.clone()
+    other[0, 4] = (other[0, 4] + 1) % 500  # block 1's anchor: invisible to block 0
+    assert torch.allclose(run(features, other)[:, :4], base[:, :4])
+    own = blocks.block_ids.clone()
+    own[0, 3] = 7  # last position of block 0 changes its first positions too (bidirectional)
+    assert not torch.allclose(run(features, own)[:, :1], base[:, :1])
+
+
+# -- loss, accuracy, tau ----------------------------------------------------------------------
+
+def test_loss_is_weighted_mean_and_reduces_across_replicas_once():
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    ids = torch.randint(0, 500, (2, 16))
+    mask = torch.ones(2, 16)
+    mask[1, :14] = 0  # sample 1 has a single anchor: a "short" replica
+    blocks = blocks_for(ids, mask, num_anchors=4)
+    features = target.features(ids)
+
+    def stats_for(rows):
+        sub = type(blocks)(**{k: getattr(blocks, k)[rows] for k in
+                              ("block_ids", "positions", "labels", "weights", "valid", "anchors", "anchor_valid")},
+                           block_size=4)
+        att = block_attention_mask(sub.anchors, sub.anchor_valid, 16, 4)
+        hidden = drafter(features[rows], target.embed_tokens(sub.block_ids), sub.positions, att)
+        return draft_loss(hidden, target.lm_head, sub), hidden
+
+    full, hidden = stats_for(slice(0, 2))
+    logits = target.lm_head(hidden)
+    ce = torch.nn.functional.cross_entropy(logits.flatten(0, 1), blocks.labels.flatten(), reduction="none")
+    manual = (ce * blocks.weights.flatten()).sum() / blocks.weights.sum()
+    torch.testing.assert_close(full.loss(), manual)
+    a, _ = stats_for(slice(0, 1))
+    b, _ = stats_for(slice(1, 2))
+    combined = (a.weighted_ce + b.weighted_ce) / (a.weight + b.weight)
+    torch.testing.assert_close(combined, full.loss(), rtol=1e-5, atol=1e-6)
+    assert not torch.isclose((a.loss() + b.loss()) / 2, full.loss())  # mean of means is the bug
+
+
+def test_empty_batch_gives_zero_loss_and_finite_zero_grads():
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    ids = torch.randint(0, 500, (2, 12))
+    blocks = blocks_for(ids, torch.zeros(2, 12))
+    att = block_attention_mask(blocks.anchors, blocks.anchor_valid, 12, 4)
+    hidden = drafter(target.features(ids), target.embed_tokens(blocks.block_ids), blocks.positions, att)
+    loss = draft_loss(hidden, target.lm_head, blocks).loss()
+    loss.backward()
+    assert loss.item() == 0.0
+    assert all(torch.isfinite(p.grad).all() and p.grad.abs().sum() == 0 for p in drafter.parameters())
+
+
+def test_accuracy_is_unweighted_per_position():
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    ids = torch.randint(0, 500, (1, 20))
+    blocks = blocks_for(ids[0], torch.ones(20), num_anchors=4)
+    att = block_attention_mask(blocks.anchors, blocks.anchor_valid, 20, 4)
+    hidden = drafter(target.features(ids), target.embed_tokens(blocks.block_ids), blocks.positions, att)
+    stats = draft_loss(hidden, target.lm_head, blocks)
+    pred = target.lm_head(hidden).argmax(-1)
+    for k in range(1, 4):
+        cols = slice(k, None, 4)
+        valid = blocks.valid[0, cols]
+        assert stats.counted[k] == valid.sum()
+        assert stats.correct[k] == ((pred[0, cols] == blocks.labels[0, cols]) & valid).sum()
+    assert stats.counted[0] == 0
+
+
+def test_tau_sim_is_one_plus_sum_of_prefix_products():
+    assert tau_from_accuracy([float("nan"), 0.5, 0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
+    assert tau_from_accuracy([float("nan"), 1.0, 1.0, 1.0]) == 4.0
+    assert tau_from_accuracy([float("nan"), 0.0, 1.0]) == 1.0
+
+
+# -- drafter structure ------------------------------------------------------------------------
+
+def test_drafter_parameters_are_the_exported_layout_and_share_target_embeddings():
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    names = set(drafter.state_dict())
+    assert {"fc.weight", "hidden_norm.weight", "norm.weight"} <= names
+    assert all(n.startswith(("layers.", "fc.", "hidden_norm.", "norm.")) for n in names)
+    assert "layers.0.self_attn.k_proj.weight" in names and "layers.1.mlp.gate_proj.weight" in names
+    assert not any("embed" in n or "lm_head" in n for n in names)
+    assert drafter.fc.weight.shape == (64, 2 * 64)

@@ -1,0 +1,140 @@
+"""The reference trainer end to end: outputs, resume equivalence, atomic checkpoints, sinks."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash import checkpoint as checkpoint_module
+from dflash.build import build_run
+from dflash.checkpoint import load_drafter
+from dflash.train import train
+
+SHORT = ["train.total_steps=8", "logger.every_steps=1", "checkpoint.every_steps=4"]
+
+
+def read_metrics(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def losses(run_dir: Path) -> dict[int, float]:
+    return {row["step"]: row["train/loss"] for row in read_metrics(run_dir) if "train/loss" in row}
+
+
+def test_train_writes_metrics_checkpoints_and_summary(make_cfg):
+    cfg = make_cfg(SHORT)
+    summary = train(cfg)
+    run_dir = Path(cfg.paths.output_dir)
+    rows = read_metrics(run_dir)
+    assert [r["step"] for r in rows if "train/loss" in r] == list(range(1, 9))
+    for key in ("train/loss", "train/acc", "train/acc_pos_1", "train/tau_sim", "train/grad_norm", "train/lr",
+                "perf/tokens_per_s"):
+        assert all(isinstance(r[key], float) for r in rows if "train/loss" in r), key
+    assert "eval/tau" in rows[-1] and rows[-1]["eval/tau"] >= 1.0
+    ckpts = run_dir / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_0000004", "step_0000008"]
+    assert (ckpts / "last").resolve() == (ckpts / "step_0000008").resolve()
+    assert summary["eval/lossless_frac"] == 1.0
+    assert json.loads((run_dir / "summary.json").read_text())["steps"] == 8
+    assert (run_dir / "config_resolved.yaml").read_text().count("gamma: 4.0") == 1
+    state = torch.load(ckpts / "last" / "trainer_state.pt", weights_only=True)  # never arbitrary pickles
+    assert state["position"]["step"] == 8
+    assert load_drafter(ckpts / "last").block_size == 4
+
+
+def test_resume_continues_with_the_same_batches_and_losses(make_cfg, tmp_path):
+    full = make_cfg(SHORT)
+    train(full)
+    full_dir = Path(full.paths.output_dir)
+    resumed = make_cfg(SHORT + [f"resume={full_dir / 'checkpoints' / 'step_0000004'}"], tmp_path / "resumed")
+    train(resumed)
+    expected = losses(full_dir)
+    got = losses(tmp_path / "resumed")
+    assert sorted(got) == [5, 6, 7, 8]
+    assert all(got[s] == expected[s] for s in got), (got, expected)  # bitwise on CPU
+
+
+def test_failed_checkpoint_write_keeps_the_previous_one(make_cfg, monkeypatch):
+    cfg = make_cfg(["train.total_steps=4", "checkpoint.every_steps=2"])
+    run = build_run(cfg)
+    real_save = torch.save
+
+    def failing_save(obj, path, *args, **kwargs):
+        if run.trainer.position.step == 4:
+            raise OSError("disk full")
+        return real_save(obj, path, *args, **kwargs)
+
+    monkeypatch.setattr(checkpoint_module.torch, "save", failing_save)
+    with pytest.raises(OSError, match="disk full"):
+        run.execute()
+    ckpts = Path(cfg.paths.output_dir) / "checkpoints"
+    assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_0000002"]
+    assert (ckpts / "last").resolve().name == "step_0000002"
+    assert torch.load(ckpts / "last" / "trainer_state.pt", weights_only=True)["position"]["step"] == 2
+
+
+def test_corrupt_checkpoint_is_refused_naming_the_path(make_cfg, tmp_path):
+    cfg = make_cfg(["train.total_steps=2"])
+    train(cfg)
+    last = (Path(cfg.paths.output_dir) / "checkpoints" / "last").resolve()
+    (last / "trainer_state.pt").write_bytes(b"\x00garbage")
+    with pytest.raises(ValueError, match=f"resume={last}.*trainer_state.pt is corrupt"):
+        build_run(make_cfg([f"resume={last}"], tmp_path / "x"))
+    with pytest.raises(ValueError, match="no such checkpoint directory"):
+        build_run(make_cfg([f"resume={tmp_path / 'missing'}"]))
+
+
+def test_a_failing_job_still_closes_every_sink(make_cfg, monkeypatch):
+    cfg = make_cfg(["train.total_steps=3"])
+    run = build_run(cfg)
+    closed = []
+
+    class Spy:
+        def log(self, metrics, step):
+            pass
+
+        def close(self, ok):
+            closed.append(ok)
+
+    run.trainer.sinks.append(Spy())
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("drafter step failed")
+
+    monkeypatch.setattr(run.trainer, "step_fn", boom)
+    with pytest.raises(RuntimeError, match="drafter step failed"):
+        run.execute()
+    assert closed == [False]
+
+
+def test_wandb_sink_offline_records_the_run(make_cfg, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    cfg = make_cfg(["logger=wandb", "train.total_steps=2", "logger.every_steps=1"])
+    train(cfg)
+    run_dir = Path(cfg.paths.output_dir)
+    offline = list((run_dir / "wandb").glob("offline-run-*"))
+    assert len(offline) == 1 and list(offline[0].glob("*.wandb"))
+
+
+@pytest.mark.slow
+def test_make_train_default_run_learns_and_decodes_losslessly(tmp_path, data_cache):
+    """What `make train` runs: the CLI, the full tiny default, its summary."""
+    result = subprocess.run(
+        [sys.executable, "-m", "dflash.train", f"hydra.run.dir={tmp_path}", f"paths.cache_dir={data_cache}"],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "=== dflash run summary ===" in result.stdout
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["train/acc"] > summary["train/acc_first_window"] + 0.2
+    assert summary["eval/tau"] > 1.2
+    assert summary["eval/lossless_frac"] == 1.0
+    assert (tmp_path / ".hydra" / "config.yaml").is_file() and (tmp_path / ".hydra" / "overrides.yaml").is_file()
+    assert (tmp_path / "metrics.jsonl").is_file()
+    assert (tmp_path / "checkpoints" / "last" / "model.safetensors").is_file()
