@@ -84,7 +84,9 @@ def load_resume_weights(drafter: DFlashDrafter, directory: Path) -> None:
     try:
         drafter.load_state_dict(load_file(str(path)), strict=True)
     except Exception as exc:
-        raise ValueError(f"resume={directory}: drafter weights do not fit the configured drafter ({exc})") from exc
+        raise ValueError(
+            f"resume={directory}: drafter weights do not fit the configured drafter ({exc})"
+        ) from exc
 
 
 @dataclass
@@ -201,11 +203,18 @@ def build_run(cfg: DictConfig) -> Run:
         checkpoint_dir=run_dir / "checkpoints",
         run_config_yaml=run_config_yaml,
     )
-    trainer = SyncTrainer(step_fn, dataset, planner, build_sinks(node(cfg, "logger"), run_dir, resolved), settings)
+    trainer = SyncTrainer(
+        step_fn, dataset, planner, build_sinks(node(cfg, "logger"), run_dir, resolved), settings
+    )
     if resume_dir is not None:
         trainer.restore(resume_dir)
     log.info(
         "dflash: %d samples, %d steps (%d/epoch at epoch 0), target layers %s, devices %s -> %s",
-        len(dataset), total_steps, planner.batches_per_epoch(0), layer_ids, target_devices, drafter_devices,
+        len(dataset),
+        total_steps,
+        planner.batches_per_epoch(0),
+        layer_ids,
+        target_devices,
+        drafter_devices,
     )
     return Run(cfg, run_dir, target, trainer, excluded, resolved)

@@ -58,7 +58,9 @@ def read_drafter_config(directory: Path) -> Qwen3Config:
         raise ValueError(f"{path}: not a readable drafter config ({exc})") from exc
     missing = [key for key in ("block_size", "dflash_config") if key not in raw]
     if missing or "mask_token_id" not in raw.get("dflash_config", {}):
-        raise ValueError(f"{path}: not a DFlash drafter config (missing {missing or ['dflash_config.mask_token_id']})")
+        raise ValueError(
+            f"{path}: not a DFlash drafter config (missing {missing or ['dflash_config.mask_token_id']})"
+        )
     return Qwen3Config.from_dict(raw)
 
 
@@ -114,4 +116,6 @@ def load_trainer_state(directory: Path) -> dict[str, Any]:
         # weights_only: a checkpoint can never run code on load.
         return torch.load(path, map_location="cpu", weights_only=True)
     except Exception as exc:  # torch raises several types for truncated or foreign files
-        raise ValueError(f"resume={directory}: {path.name} is corrupt or not a dflash trainer state ({exc})") from exc
+        raise ValueError(
+            f"resume={directory}: {path.name} is corrupt or not a dflash trainer state ({exc})"
+        ) from exc

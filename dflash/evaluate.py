@@ -34,5 +34,7 @@ def evaluate_spec_decode(
         "eval/lossless_frac": identical / len(prompts),
         "eval/num_prompts": float(len(prompts)),
     }
-    metrics.update({f"eval/accept_len_{k}_frac": histogram[k] / len(lengths) for k in range(1, len(histogram))})
+    metrics.update(
+        {f"eval/accept_len_{k}_frac": histogram[k] / len(lengths) for k in range(1, len(histogram))}
+    )
     return metrics

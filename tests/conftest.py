@@ -18,7 +18,9 @@ CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 FAST = ["data.num_samples=48", "eval.num_prompts=2", "eval.max_new_tokens=12"]
 
 
-def compose_config(overrides: list[str] | None = None, output_dir: Path | None = None, cache_dir: Path | None = None) -> DictConfig:
+def compose_config(
+    overrides: list[str] | None = None, output_dir: Path | None = None, cache_dir: Path | None = None
+) -> DictConfig:
     register_configs()
     GlobalHydra.instance().clear()
     overrides = list(overrides or [])
@@ -48,15 +50,32 @@ def save_tiny_model(directory: Path, model_type: str) -> Path:
     """A random-init model of a real architecture saved as a local checkpoint directory."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    common = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
-                  num_key_value_heads=2, head_dim=16, tie_word_embeddings=False, max_position_embeddings=512)
+    common = dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+        max_position_embeddings=512,
+    )
     if model_type == "qwen3":
         config = AutoConfig.for_model("qwen3", num_hidden_layers=6, **common)
     else:  # qwen3_next: hybrid Gated DeltaNet (linear attention) + full attention layers, MoE MLP
         config = AutoConfig.for_model(
-            "qwen3_next", num_hidden_layers=6, linear_num_value_heads=4, linear_num_key_heads=2,
-            linear_key_head_dim=16, linear_value_head_dim=16, num_experts=4, num_experts_per_tok=2,
-            moe_intermediate_size=32, shared_expert_intermediate_size=32, full_attention_interval=2, **common,
+            "qwen3_next",
+            num_hidden_layers=6,
+            linear_num_value_heads=4,
+            linear_num_key_heads=2,
+            linear_key_head_dim=16,
+            linear_value_head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=32,
+            shared_expert_intermediate_size=32,
+            full_attention_interval=2,
+            **common,
         )
     torch.manual_seed(0)
     AutoModelForCausalLM.from_config(config).save_pretrained(directory)
@@ -71,3 +90,12 @@ def tiny_qwen3_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3_next_dir(tmp_path_factory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("qwen3_next"), "qwen3_next")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs CUDA")
+    for item in items:
+        if "gpu" in item.keywords:
+            item.add_marker(skip)

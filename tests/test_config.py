@@ -33,7 +33,9 @@ def option_overrides(group: str, option: str, request) -> list[str]:
     """What an option needs beyond itself to build against the tiny target on this machine."""
     extra = {
         ("target", "qwen3_8b"): lambda: [f"target.path={request.getfixturevalue('tiny_qwen3_dir')}"],
-        ("target", "qwen3_next_80b"): lambda: [f"target.path={request.getfixturevalue('tiny_qwen3_next_dir')}"],
+        ("target", "qwen3_next_80b"): lambda: [
+            f"target.path={request.getfixturevalue('tiny_qwen3_next_dir')}"
+        ],
         ("drafter", "b16"): lambda: ["drafter.mask_token_id=511", "target.arch.num_hidden_layers=12"],
     }
     return [f"{group}={option}"] + extra.get((group, option), list)()
@@ -93,7 +95,13 @@ def test_default_config_keys_snapshot():
 
 def test_default_is_the_tiny_cpu_run():
     cfg = compose_config()
-    choices = {"target": "tiny", "drafter": "tiny", "gpu": "cpu", "pipeline": "sync", "scheduler": "interleave"}
+    choices = {
+        "target": "tiny",
+        "drafter": "tiny",
+        "gpu": "cpu",
+        "pipeline": "sync",
+        "scheduler": "interleave",
+    }
     for key, name in choices.items():
         assert OmegaConf.select(cfg, f"{key}.name", default=None) in (name, None)
     assert cfg.gpu.device == "cpu" and cfg.pipeline.kind == "sync" and cfg.target.name == "tiny"
@@ -117,7 +125,9 @@ def test_bad_override_names_the_key(override, key):
 
 def test_typo_inside_an_experiment_yaml_names_the_key(tmp_path):
     (tmp_path / "experiment").mkdir()
-    (tmp_path / "experiment" / "typo.yaml").write_text("# @package _global_\noptimizer:\n  weight_decy: 0.1\n")
+    (tmp_path / "experiment" / "typo.yaml").write_text(
+        "# @package _global_\noptimizer:\n  weight_decy: 0.1\n"
+    )
     with pytest.raises(ConfigCompositionException) as info:
         compose_config([f"hydra.searchpath=[file://{tmp_path}]", "experiment=typo"])
     assert "weight_decy" in error_text(info.value) and "optimizer" in error_text(info.value)

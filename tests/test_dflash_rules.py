@@ -23,8 +23,15 @@ def tiny_target() -> FrozenTarget:
     from transformers import AutoModelForCausalLM
 
     config = AutoConfig.for_model(
-        "qwen3", vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=6,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+        "qwen3",
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
     )
     torch.manual_seed(0)
     return FrozenTarget(AutoModelForCausalLM.from_config(config), [1, 3])
@@ -43,12 +50,22 @@ def blocks_for(ids, loss_mask, *, block_size=4, num_anchors=8, gamma=4.0, epoch=
         ids, loss_mask = ids[None], loss_mask[None]
     lengths = torch.full((ids.shape[0],), ids.shape[1])
     return build_blocks(
-        ids, loss_mask, lengths, sample_ids or list(range(ids.shape[0])), epoch=epoch, seed=0,
-        block_size=block_size, num_anchors=num_anchors, mask_token_id=MASK_ID, gamma=gamma, keep_fraction=keep,
+        ids,
+        loss_mask,
+        lengths,
+        sample_ids or list(range(ids.shape[0])),
+        epoch=epoch,
+        seed=0,
+        block_size=block_size,
+        num_anchors=num_anchors,
+        mask_token_id=MASK_ID,
+        gamma=gamma,
+        keep_fraction=keep,
     )
 
 
 # -- context feature layers -------------------------------------------------------------------
+
 
 def test_default_layer_ids_follow_the_design_formula():
     assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B
@@ -66,6 +83,7 @@ def test_target_features_are_hidden_states_of_layer_id_plus_one():
 
 
 # -- anchors ----------------------------------------------------------------------------------
+
 
 def test_anchors_need_loss_mask_at_p_and_p_plus_1():
     loss_mask = np.array([0, 0, 1, 1, 0, 1, 1, 1, 0])
@@ -95,6 +113,7 @@ def test_sample_without_anchor_is_masked_not_raised():
 
 
 # -- blocks, labels, weights ------------------------------------------------------------------
+
 
 def test_block_is_anchor_then_mask_and_labels_are_ids_at_a_plus_k():
     ids = torch.arange(100, 120)
@@ -126,6 +145,7 @@ def test_weights_zero_past_the_end_and_on_unsupervised_tokens():
 
 # -- attention mask ---------------------------------------------------------------------------
 
+
 def test_mask_context_strictly_before_anchor_bidirectional_block_nothing_across():
     anchors = torch.tensor([[3, 6]])
     valid = torch.tensor([[True, True]])
@@ -138,7 +158,9 @@ def test_mask_context_strictly_before_anchor_bidirectional_block_nothing_across(
 
 
 def test_padding_blocks_see_no_context_and_no_other_block():
-    mask = block_attention_mask(torch.tensor([[4, 0]]), torch.tensor([[True, False]]), ctx_len=8, block_size=2)[0]
+    mask = block_attention_mask(
+        torch.tensor([[4, 0]]), torch.tensor([[True, False]]), ctx_len=8, block_size=2
+    )[0]
     assert not mask[2:, :8].any()
     assert not mask[2:, 8:10].any() and not mask[:2, 10:].any()
 
@@ -173,6 +195,7 @@ def test_drafter_output_respects_the_mask_rules():
 
 # -- loss, accuracy, tau ----------------------------------------------------------------------
 
+
 def test_loss_is_weighted_mean_and_reduces_across_replicas_once():
     target = tiny_target()
     drafter = tiny_drafter(target)
@@ -183,9 +206,13 @@ def test_loss_is_weighted_mean_and_reduces_across_replicas_once():
     features = target.features(ids)
 
     def stats_for(rows):
-        sub = type(blocks)(**{k: getattr(blocks, k)[rows] for k in
-                              ("block_ids", "positions", "labels", "weights", "valid", "anchors", "anchor_valid")},
-                           block_size=4)
+        sub = type(blocks)(
+            **{
+                k: getattr(blocks, k)[rows]
+                for k in ("block_ids", "positions", "labels", "weights", "valid", "anchors", "anchor_valid")
+            },
+            block_size=4,
+        )
         att = block_attention_mask(sub.anchors, sub.anchor_valid, 16, 4)
         hidden = drafter(features[rows], target.embed_tokens(sub.block_ids), sub.positions, att)
         return draft_loss(hidden, target.lm_head, sub), hidden
@@ -239,6 +266,7 @@ def test_tau_sim_is_one_plus_sum_of_prefix_products():
 
 
 # -- drafter structure ------------------------------------------------------------------------
+
 
 def test_drafter_parameters_are_the_exported_layout_and_share_target_embeddings():
     target = tiny_target()

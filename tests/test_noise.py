@@ -30,7 +30,11 @@ def test_mask_ramp_keeps_the_scheduled_share_of_true_tokens_without_loss():
     mask = torch.ones(64, 128)
     blocks = blocks_for(ids, mask, block_size=8, num_anchors=32, keep=noise.keep_fraction(500))
     in_range = blocks.positions < 128
-    non_anchor = (torch.arange(blocks.block_ids.shape[1]) % 8 != 0) & in_range & blocks.anchor_valid.repeat_interleave(8, 1)
+    non_anchor = (
+        (torch.arange(blocks.block_ids.shape[1]) % 8 != 0)
+        & in_range
+        & blocks.anchor_valid.repeat_interleave(8, 1)
+    )
     kept = (blocks.block_ids != MASK_ID) & non_anchor
     share = kept.sum() / non_anchor.sum()
     assert share.item() == pytest.approx(0.3, abs=0.02)  # measured at the mid-warmup step

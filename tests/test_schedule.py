@@ -50,7 +50,9 @@ def test_each_batch_once_deterministic_per_seed_and_epoch(kind):
 def test_interleave_breaks_same_bucket_runs_and_keeps_each_share():
     # One bucket holds ~52% of the batches, as in the run that produced the "fluffy" loss.
     rng = np.random.default_rng(1)
-    lengths = np.concatenate([rng.integers(10, 47, 600), rng.integers(48, 79, 300), rng.integers(80, 128, 480)])
+    lengths = np.concatenate(
+        [rng.integers(10, 47, 600), rng.integers(48, 79, 300), rng.integers(80, 128, 480)]
+    )
     shuffled = [b.bucket for b in planner("shuffle", lengths, budget=256).epoch(0)]
     interleaved = [b.bucket for b in planner("interleave", lengths, budget=256).epoch(0)]
     assert Counter(shuffled) == Counter(interleaved)

@@ -32,8 +32,15 @@ def test_train_writes_metrics_checkpoints_and_summary(make_cfg):
     run_dir = Path(cfg.paths.output_dir)
     rows = read_metrics(run_dir)
     assert [r["step"] for r in rows if "train/loss" in r] == list(range(1, 9))
-    for key in ("train/loss", "train/acc", "train/acc_pos_1", "train/tau_sim", "train/grad_norm", "train/lr",
-                "perf/tokens_per_s"):
+    for key in (
+        "train/loss",
+        "train/acc",
+        "train/acc_pos_1",
+        "train/tau_sim",
+        "train/grad_norm",
+        "train/lr",
+        "perf/tokens_per_s",
+    ):
         assert all(isinstance(r[key], float) for r in rows if "train/loss" in r), key
     assert "eval/tau" in rows[-1] and rows[-1]["eval/tau"] >= 1.0
     ckpts = run_dir / "checkpoints"
@@ -127,7 +134,9 @@ def test_make_train_default_run_learns_and_decodes_losslessly(tmp_path, data_cac
     """What `make train` runs: the CLI, the full tiny default, its summary."""
     result = subprocess.run(
         [sys.executable, "-m", "dflash.train", f"hydra.run.dir={tmp_path}", f"paths.cache_dir={data_cache}"],
-        capture_output=True, text=True, timeout=900,
+        capture_output=True,
+        text=True,
+        timeout=900,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "=== dflash run summary ===" in result.stdout
@@ -135,6 +144,8 @@ def test_make_train_default_run_learns_and_decodes_losslessly(tmp_path, data_cac
     assert summary["train/acc"] > summary["train/acc_first_window"] + 0.2
     assert summary["eval/tau"] > 1.2
     assert summary["eval/lossless_frac"] == 1.0
-    assert (tmp_path / ".hydra" / "config.yaml").is_file() and (tmp_path / ".hydra" / "overrides.yaml").is_file()
+    assert (tmp_path / ".hydra" / "config.yaml").is_file() and (
+        tmp_path / ".hydra" / "overrides.yaml"
+    ).is_file()
     assert (tmp_path / "metrics.jsonl").is_file()
     assert (tmp_path / "checkpoints" / "last" / "model.safetensors").is_file()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Any, Dict, List, Optional
+from typing import Any, Optional
 
 from omegaconf import MISSING
 
@@ -58,7 +58,7 @@ class TargetConfig:
     # Local checkpoint directory (AutoModelForCausalLM.from_pretrained). Required for real targets.
     path: Optional[str] = None
     # transformers config fields for a random-init target (used when `path` is null).
-    arch: Optional[Dict[str, Any]] = None
+    arch: Optional[dict[str, Any]] = None
     # The model_type the target must have; a path to another architecture is refused early.
     model_type: str = "qwen3"
     init_seed: int = 0
@@ -75,7 +75,7 @@ class DrafterConfig:
     # Number of fused target layers (n_feat); ignored when target_layer_ids is given.
     num_features: int = 5
     # null: DESIGN formula over the target's layer count.
-    target_layer_ids: Optional[List[int]] = None
+    target_layer_ids: Optional[list[int]] = None
     # Anchors (blocks) per sample per step; paper: 512.
     num_anchors: int = 512
     # Qwen3 fields of the draft layers; null copies the target's value.
@@ -105,7 +105,7 @@ class DataConfig:
 class SchedulerConfig:
     kind: SchedulerKind = SchedulerKind.interleave
     # Upper bounds (exclusive, the last inclusive) of the length buckets.
-    bucket_edges: List[int] = field(default_factory=lambda: [256, 512, 1024, 2048, 3296, 8192])
+    bucket_edges: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048, 3296, 8192])
     # Padded tokens (batch_size * longest sample) a batch may hold.
     tokens_per_batch: int = 16384
 
@@ -124,7 +124,7 @@ class GpuConfig:
 class OptimizerConfig:
     name: str = "adamw"
     lr: float = 6e-4
-    betas: List[float] = field(default_factory=lambda: [0.9, 0.999])
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     weight_decay: float = 0.0
     eps: float = 1e-8
     grad_clip: float = 1.0
@@ -165,13 +165,13 @@ class WandbConfig:
     mode: Optional[str] = None
     group: Optional[str] = None
     name: Optional[str] = None
-    tags: List[str] = field(default_factory=list)
+    tags: list[str] = field(default_factory=list)
     finish_timeout_s: float = 30.0
 
 
 @dataclass
 class LoggerConfig:
-    sinks: List[SinkKind] = field(default_factory=lambda: [SinkKind.jsonl])
+    sinks: list[SinkKind] = field(default_factory=lambda: [SinkKind.jsonl])
     every_steps: int = 10
     wandb: WandbConfig = field(default_factory=WandbConfig)
 

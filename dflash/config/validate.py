@@ -71,7 +71,9 @@ def validate(cfg: Any, num_target_layers: int, target_vocab_size: int, visible_c
             f"(target vocab_size {target_vocab_size}); pick an unused id below it"
         )
     if drafter.block_size < 2:
-        raise ValueError(f"drafter.block_size must be >= 2 (anchor + at least one draft), got {drafter.block_size}")
+        raise ValueError(
+            f"drafter.block_size must be >= 2 (anchor + at least one draft), got {drafter.block_size}"
+        )
     for key in ("num_layers", "num_anchors"):
         if getattr(drafter, key) < 1:
             raise ValueError(f"drafter.{key} must be >= 1, got {getattr(drafter, key)}")

@@ -38,7 +38,11 @@ class TokenDataset:
         """Atomic: a crash mid-write never leaves a truncated cache behind."""
         tmp = path.with_suffix(".tmp")
         save_file(
-            {"input_ids": self.input_ids.to(torch.int32), "loss_mask": self.loss_mask, "offsets": self.offsets},
+            {
+                "input_ids": self.input_ids.to(torch.int32),
+                "loss_mask": self.loss_mask,
+                "offsets": self.offsets,
+            },
             str(tmp),
         )
         tmp.replace(path)

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import bisect
 from dataclasses import dataclass
-from functools import lru_cache
 
 import numpy as np
 
@@ -87,14 +86,19 @@ class BatchPlanner:
         self.tokens_per_batch = cfg.tokens_per_batch
         self.kind = SchedulerKind(cfg.kind)
         self.seed = seed
+        self._plans: dict[int, tuple[PlannedBatch, ...]] = {}
         self.sample_bucket = np.array([bucket_of(int(n), self.edges) for n in self.lengths], dtype=np.int64)
 
     @property
     def num_buckets(self) -> int:
         return len(self.edges)
 
-    @lru_cache(maxsize=4)
     def epoch(self, epoch: int) -> tuple[PlannedBatch, ...]:
+        if epoch not in self._plans:
+            self._plans[epoch] = self._plan(epoch)
+        return self._plans[epoch]
+
+    def _plan(self, epoch: int) -> tuple[PlannedBatch, ...]:
         batches: list[tuple[int, list[int]]] = []
         for bucket in range(self.num_buckets):
             members = np.flatnonzero(self.sample_bucket == bucket)

@@ -89,9 +89,17 @@ def generate_dataset(target: FrozenTarget, cfg: DataConfig, excluded_token_ids: 
 
 
 def load_or_generate(
-    target: FrozenTarget, target_cfg: TargetConfig, cfg: DataConfig, cache_dir: Path, excluded_token_ids: list[int]
+    target: FrozenTarget,
+    target_cfg: TargetConfig,
+    cfg: DataConfig,
+    cache_dir: Path,
+    excluded_token_ids: list[int],
 ) -> TokenDataset:
-    path = Path(cache_dir) / "synthetic" / f"{cfg.name}-{cache_key(target_cfg, cfg, excluded_token_ids)}.safetensors"
+    path = (
+        Path(cache_dir)
+        / "synthetic"
+        / f"{cfg.name}-{cache_key(target_cfg, cfg, excluded_token_ids)}.safetensors"
+    )
     if path.exists():
         log.info("data: reusing %s", path)
         return TokenDataset.load(path)

@@ -39,10 +39,14 @@ _COPIED_FIELDS = (
 def drafter_config(cfg: DrafterConfig, target: PretrainedConfig, layer_ids: list[int]) -> Qwen3Config:
     """The drafter's Qwen3Config: target fields, drafter overrides and the DFlash fields."""
     # Hybrid targets (Qwen3-Next) nest text fields the same way; getattr keeps this generic.
-    fields = {name: getattr(target, name) for name in _COPIED_FIELDS if getattr(target, name, None) is not None}
+    fields = {
+        name: getattr(target, name) for name in _COPIED_FIELDS if getattr(target, name, None) is not None
+    }
     if "rope_parameters" in fields:
         # Draft layers rotate the whole head (Qwen3); a hybrid target's partial rotary does not apply.
-        fields["rope_parameters"] = {k: v for k, v in fields["rope_parameters"].items() if k != "partial_rotary_factor"}
+        fields["rope_parameters"] = {
+            k: v for k, v in fields["rope_parameters"].items() if k != "partial_rotary_factor"
+        }
     if "head_dim" not in fields:
         fields["head_dim"] = target.hidden_size // target.num_attention_heads
     for name in ("intermediate_size", "num_attention_heads", "num_key_value_heads", "head_dim"):
@@ -154,7 +158,9 @@ class DFlashDrafter(nn.Module):
         """fc + hidden_norm over the concatenated target layers, plus noise=feature's Gaussian."""
         ctx_BSH = self.hidden_norm(self.fc(features_BSF.to(self.fc.weight.dtype)))
         if feature_noise_std > 0.0:
-            noise = torch.randn(ctx_BSH.shape, generator=noise_generator, device=ctx_BSH.device, dtype=ctx_BSH.dtype)
+            noise = torch.randn(
+                ctx_BSH.shape, generator=noise_generator, device=ctx_BSH.device, dtype=ctx_BSH.dtype
+            )
             ctx_BSH = ctx_BSH + feature_noise_std * noise
         return ctx_BSH
 

@@ -21,7 +21,9 @@ def load_target_config(cfg: TargetConfig) -> PretrainedConfig:
     try:
         config = AutoConfig.from_pretrained(cfg.path)
     except (OSError, ValueError) as exc:
-        raise ValueError(f"target.path={cfg.path!r}: cannot read a transformers config there ({exc})") from exc
+        raise ValueError(
+            f"target.path={cfg.path!r}: cannot read a transformers config there ({exc})"
+        ) from exc
     if config.model_type != cfg.model_type:
         raise ValueError(
             f"target.path={cfg.path!r} holds a {config.model_type!r} model, but target={cfg.name} "
@@ -52,9 +54,7 @@ class FrozenTarget(nn.Module):
         self.layer_ids = list(layer_ids)
 
     @classmethod
-    def from_config(
-        cls, cfg: TargetConfig, layer_ids: list[int], device: torch.device
-    ) -> FrozenTarget:
+    def from_config(cls, cfg: TargetConfig, layer_ids: list[int], device: torch.device) -> FrozenTarget:
         dtype = resolve_dtype(cfg.dtype, device)
         if cfg.path is None:
             config = load_target_config(cfg)

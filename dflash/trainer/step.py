@@ -26,7 +26,9 @@ class BlockSettings:
     gamma: float
 
 
-def make_blocks(batch: Batch, drafter: DFlashDrafter, settings: BlockSettings, keep_fraction: float) -> DraftBlocks:
+def make_blocks(
+    batch: Batch, drafter: DFlashDrafter, settings: BlockSettings, keep_fraction: float
+) -> DraftBlocks:
     return build_blocks(
         batch.input_ids,
         batch.loss_mask,
@@ -96,7 +98,9 @@ class StepMetrics:
 
     def snapshot(self) -> dict[str, float]:
         """Host floats for the window (the one place that reads device values)."""
-        weighted_ce, weight, grad_norm = (t.item() for t in (self.weighted_ce, self.weight, self.grad_norm_sum))
+        weighted_ce, weight, grad_norm = (
+            t.item() for t in (self.weighted_ce, self.weight, self.grad_norm_sum)
+        )
         correct, counted = self.correct.tolist(), self.counted.tolist()
         acc = [c / n if n > 0 else float("nan") for c, n in zip(correct, counted)]
         metrics = {

@@ -130,7 +130,9 @@ class SyncTrainer:
                     batch.input_ids.to(self.target.device), batch.attention_mask.to(self.target.device)
                 )
                 self.step_fn(batch, features, self.position.step)
-                self.position = DataPosition(self.position.epoch, self.position.index + 1, self.position.step + 1)
+                self.position = DataPosition(
+                    self.position.epoch, self.position.index + 1, self.position.step + 1
+                )
                 step = self.position.step
                 if step % settings.log_every == 0 or step == settings.stop_after:
                     self._log(window_start)
