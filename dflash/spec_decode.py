@@ -56,7 +56,8 @@ def draft_block(
         block_size=block_size,
     )
     hidden = drafter(features_1SF, target.embed_tokens(block_ids), positions, mask)
-    return target.lm_head(hidden)[0, 1:].argmax(-1).tolist()
+    # fp32 drafter (master weights) in front of a bf16 target head on GPU.
+    return target.lm_head(hidden.to(target.lm_head.weight.dtype))[0, 1:].argmax(-1).tolist()
 
 
 @torch.no_grad()

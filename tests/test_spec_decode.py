@@ -33,3 +33,13 @@ def test_a_perfect_drafter_is_accepted_whole_blocks(monkeypatch):
     result = speculative_generate(target, drafter, prompt, 40)
     assert result.output_ids == truth
     assert result.acceptance_lengths[:-1] == [drafter.block_size] * (len(result.acceptance_lengths) - 1)
+
+
+def test_fp32_drafter_drives_a_bf16_target():
+    """The GPU layout (bf16 target, fp32 master-weight drafter), exercised on CPU."""
+    target = tiny_target()
+    drafter = tiny_drafter(target).eval()
+    target.model.to(torch.bfloat16)
+    prompt = torch.randint(0, 500, (8,)).tolist()
+    result = speculative_generate(target, drafter, prompt, 6)
+    assert result.output_ids == greedy_generate(target, prompt, 6)
