@@ -16,7 +16,9 @@ pytestmark = pytest.mark.gpu
 def test_single_gpu_run_trains_in_bf16_and_decodes_losslessly(make_cfg):
     cfg = make_cfg(["gpu=single", "train.total_steps=20", "logger.every_steps=5"])
     summary = train(cfg)
-    rows = [json.loads(line) for line in (Path(cfg.paths.output_dir) / "metrics.jsonl").read_text().splitlines()]
+    rows = [
+        json.loads(line) for line in (Path(cfg.paths.output_dir) / "metrics.jsonl").read_text().splitlines()
+    ]
     losses = [r["train/loss"] for r in rows if "train/loss" in r]
     assert len(losses) == 4 and all(torch.isfinite(torch.tensor(losses)))
     assert summary["eval/lossless_frac"] == 1.0
