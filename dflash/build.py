@@ -24,6 +24,7 @@ from dflash.config.schema import (
     LrScheduleConfig,
     LrScheduleKind,
     OptimizerConfig,
+    PipelineKind,
     TargetConfig,
 )
 from dflash.config.validate import resolve_device_split, resolve_layer_ids, validate
@@ -34,8 +35,10 @@ from dflash.logging.sinks import build_sinks
 from dflash.models.drafter import DFlashDrafter, drafter_config
 from dflash.models.target import FrozenTarget, load_target_config
 from dflash.noise import NoiseSchedule
+from dflash.pipeline.runner import AsyncTrainer, FaultInjection
+from dflash.trainer.state import CheckpointSettings
 from dflash.trainer.step import BlockSettings, DrafterStep
-from dflash.trainer.sync import LoopSettings, SyncTrainer
+from dflash.trainer.sync import SyncTrainer
 
 log = logging.getLogger(__name__)
 
@@ -69,10 +72,12 @@ def build_lr_scheduler(cfg: LrScheduleConfig, optimizer, total_steps: int):
     return get_constant_schedule_with_warmup(optimizer, warmup)
 
 
-def total_steps_for(cfg: DictConfig, planner: BatchPlanner) -> int:
+def total_steps_for(cfg: DictConfig, planner: BatchPlanner, num_replicas: int) -> int:
+    """Optimizer steps; with several drafter replicas each step consumes one batch per replica."""
     if cfg.train.total_steps is not None:
         return cfg.train.total_steps
-    return sum(planner.batches_per_epoch(epoch) for epoch in range(cfg.train.epochs))
+    batches = sum(planner.batches_per_epoch(epoch) for epoch in range(cfg.train.epochs))
+    return max(1, batches // num_replicas)
 
 
 def load_resume_weights(drafter: DFlashDrafter, directory: Path) -> None:
@@ -93,10 +98,9 @@ def load_resume_weights(drafter: DFlashDrafter, directory: Path) -> None:
 class Run:
     cfg: DictConfig
     run_dir: Path
-    target: FrozenTarget
-    trainer: SyncTrainer
+    trainer: SyncTrainer | AsyncTrainer
     excluded_token_ids: list[int]
-    resolved: dict[str, Any]
+    total_steps: int  # the LR schedule spans these
 
     def execute(self) -> dict[str, Any]:
         started = time.perf_counter()
@@ -105,25 +109,24 @@ class Run:
             with torch.autograd.set_detect_anomaly(self.cfg.debug.detect_anomaly):
                 self.trainer.run()
             eval_metrics = evaluate_spec_decode(
-                self.target, self.trainer.step_fn.drafter, node(self.cfg, "eval"), self.excluded_token_ids
+                self.trainer.target, self.trainer.drafter, node(self.cfg, "eval"), self.excluded_token_ids
             )
-            for sink in self.trainer.sinks:
-                sink.log(eval_metrics, self.trainer.position.step)
+            self.trainer.metrics_log.log(eval_metrics, self.trainer.position.step)
             summary = self._summary(eval_metrics, time.perf_counter() - started)
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             print(format_summary(summary), flush=True)
             ok = True
             return summary
         finally:
-            for sink in self.trainer.sinks:
-                sink.close(ok)
+            self.trainer.metrics_log.close(ok)
 
     def _summary(self, eval_metrics: dict[str, float], wall_s: float) -> dict[str, Any]:
-        history = self.trainer.history
+        history = self.trainer.metrics_log.history
         first, last = history[0], history[-1]
         return {
             "run_dir": str(self.run_dir),
-            "checkpoint": str(self.trainer.settings.checkpoint_dir / "last"),
+            "checkpoint": str(self.trainer.checkpoints.directory / "last"),
+            "pipeline": str(self.cfg.pipeline.kind.value),
             "steps": self.trainer.position.step,
             "wall_s": round(wall_s, 1),
             "train/acc_first_window": first["train/acc"],
@@ -142,7 +145,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         "=== dflash run summary ===",
         f"run dir           {summary['run_dir']}",
         f"drafter           {summary['checkpoint']}",
-        f"steps             {summary['steps']}  ({summary['wall_s']} s)",
+        f"steps             {summary['steps']}  ({summary['wall_s']} s, pipeline={summary['pipeline']})",
         f"train loss        {summary['train/loss_first_window']:.3f} -> {summary['train/loss']:.3f}",
         f"train accuracy    {summary['train/acc_first_window']:.3f} -> {summary['train/acc']:.3f}",
         f"tau (simulated)   {summary['train/tau_sim']:.3f}",
@@ -153,7 +156,22 @@ def format_summary(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def build_run(cfg: DictConfig) -> Run:
+def build_step_fn(
+    cfg: DictConfig, target: FrozenTarget, drafter: DFlashDrafter, total_steps: int
+) -> DrafterStep:
+    optimizer = build_optimizer(node(cfg, "optimizer"), drafter.parameters())
+    return DrafterStep(
+        target,
+        drafter,
+        optimizer,
+        build_lr_scheduler(node(cfg, "lr_schedule"), optimizer, total_steps),
+        NoiseSchedule.from_config(node(cfg, "noise")),
+        BlockSettings(seed=cfg.seed, num_anchors=cfg.drafter.num_anchors, gamma=cfg.loss.gamma),
+        grad_clip=cfg.optimizer.grad_clip,
+    )
+
+
+def build_run(cfg: DictConfig, faults: FaultInjection | None = None) -> Run:
     target_cfg: TargetConfig = node(cfg, "target")
     drafter_cfg: DrafterConfig = node(cfg, "drafter")
     data_cfg: DataConfig = node(cfg, "data")
@@ -172,49 +190,61 @@ def build_run(cfg: DictConfig) -> Run:
     (run_dir / "config_resolved.yaml").write_text(run_config_yaml)
     torch.manual_seed(cfg.seed)
 
-    # 2. Models and data.
-    target = FrozenTarget.from_config(target_cfg, layer_ids, torch.device(target_devices[0]))
-    drafter = build_drafter(drafter_cfg, target_config, layer_ids, drafter_devices[0])
+    # 2. Models and data: one frozen target per target device, one drafter replica per drafter
+    # device (identical init, so replicas start, and stay, identical).
+    targets = [FrozenTarget.from_config(target_cfg, layer_ids, torch.device(d)) for d in target_devices]
+    drafters = [build_drafter(drafter_cfg, target_config, layer_ids, d) for d in drafter_devices]
     if resume_dir is not None:
-        load_resume_weights(drafter, resume_dir)
+        for drafter in drafters:
+            load_resume_weights(drafter, resume_dir)
     excluded = [drafter_cfg.mask_token_id]
-    dataset = load_or_generate(target, target_cfg, data_cfg, Path(cfg.paths.cache_dir), excluded)
+    dataset = load_or_generate(targets[0], target_cfg, data_cfg, Path(cfg.paths.cache_dir), excluded)
     planner = BatchPlanner(dataset.lengths, node(cfg, "scheduler"), cfg.seed)
-    total_steps = total_steps_for(cfg, planner)
+    total_steps = total_steps_for(cfg, planner, len(drafters))
 
-    # 3. Optimization and the loop.
-    optimizer = build_optimizer(node(cfg, "optimizer"), drafter.parameters())
-    step_fn = DrafterStep(
-        target,
-        drafter,
-        optimizer,
-        build_lr_scheduler(node(cfg, "lr_schedule"), optimizer, total_steps),
-        NoiseSchedule.from_config(node(cfg, "noise")),
-        BlockSettings(seed=cfg.seed, num_anchors=drafter_cfg.num_anchors, gamma=cfg.loss.gamma),
-        grad_clip=cfg.optimizer.grad_clip,
+    # 3. Optimization and the loop. Each replica steps with the target on its own device.
+    def target_on(device: str) -> FrozenTarget:
+        return next((t for t in targets if str(t.device) == str(torch.device(device))), targets[0])
+
+    step_fns = [
+        build_step_fn(cfg, target_on(d), drafter, total_steps)
+        for d, drafter in zip(drafter_devices, drafters)
+    ]
+    sinks = build_sinks(
+        node(cfg, "logger"), run_dir, OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     )
-    resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    settings = LoopSettings(
-        total_steps=total_steps,
-        stop_after=min(total_steps, cfg.debug.max_steps or total_steps),
-        log_every=cfg.logger.every_steps,
-        checkpoint_every=cfg.checkpoint.every_steps,
-        keep_last=cfg.checkpoint.keep_last,
-        checkpoint_dir=run_dir / "checkpoints",
-        run_config_yaml=run_config_yaml,
+    checkpoints = CheckpointSettings(
+        run_dir / "checkpoints", cfg.checkpoint.every_steps, cfg.checkpoint.keep_last, run_config_yaml
     )
-    trainer = SyncTrainer(
-        step_fn, dataset, planner, build_sinks(node(cfg, "logger"), run_dir, resolved), settings
-    )
+    stop_after = min(total_steps, cfg.debug.max_steps or total_steps)
+    if PipelineKind(cfg.pipeline.kind) is PipelineKind.sync:
+        trainer = SyncTrainer(
+            step_fns[0], dataset, planner, sinks, stop_after, cfg.logger.every_steps, checkpoints
+        )
+    else:
+        trainer = AsyncTrainer(
+            targets,
+            step_fns,
+            dataset,
+            planner,
+            sinks,
+            stop_after,
+            cfg.logger.every_steps,
+            checkpoints,
+            node(cfg, "pipeline"),
+            data_cfg.max_length,
+            faults,
+        )
     if resume_dir is not None:
         trainer.restore(resume_dir)
     log.info(
-        "dflash: %d samples, %d steps (%d/epoch at epoch 0), target layers %s, devices %s -> %s",
+        "dflash: %d samples, %d steps (%d batches in epoch 0), target layers %s, devices %s -> %s, pipeline=%s",
         len(dataset),
         total_steps,
         planner.batches_per_epoch(0),
         layer_ids,
         target_devices,
         drafter_devices,
+        cfg.pipeline.kind.value,
     )
-    return Run(cfg, run_dir, target, trainer, excluded, resolved)
+    return Run(cfg, run_dir, trainer, excluded, total_steps)

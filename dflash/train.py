@@ -7,6 +7,7 @@ that tests call with a composed config.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -31,7 +32,13 @@ def train(cfg: DictConfig) -> dict[str, Any]:
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> float:
-    summary = train(cfg)
+    from dflash.trainer.signals import StopRequested
+
+    try:
+        summary = train(cfg)
+    except StopRequested as stop:
+        # A checkpoint was written; exit as schedulers expect from a signalled job.
+        sys.exit(128 + stop.signum)
     return float(summary.get("train/tau_sim", 0.0))
 
 

@@ -60,11 +60,10 @@ def test_every_option_composes_and_builds(group, option, make_cfg, request, monk
         return
     run = build_run(cfg)
     try:
-        assert run.trainer.settings.total_steps > 0
+        assert run.total_steps > 0
         assert len(run.trainer.dataset) == cfg.data.num_samples
     finally:
-        for sink in run.trainer.sinks:
-            sink.close(True)
+        run.trainer.metrics_log.close(True)
 
 
 @pytest.mark.parametrize("experiment", sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml")))

@@ -33,8 +33,8 @@ class NoiseKind(str, Enum):
     feature = "feature"
 
 
-class PipelineKind(str, Enum):
-    sync = "sync"
+# Functional form: `async` is a Python keyword, and OmegaConf matches enum members by name.
+PipelineKind = Enum("PipelineKind", {"sync": "sync", "async": "async"}, type=str)
 
 
 class DeviceKind(str, Enum):
@@ -154,7 +154,19 @@ class NoiseConfig:
 
 @dataclass
 class PipelineConfig:
-    kind: PipelineKind = PipelineKind.sync
+    kind: PipelineKind = PipelineKind["sync"]
+    # async: packets of target features waiting for a drafter (producers block beyond it).
+    hs_queue_size: int = 8
+    # async: collated batches waiting per target device.
+    prefetch_depth: int = 4
+    # async: collate/pad/pin worker threads.
+    num_workers: int = 2
+    # async: run every bucket's largest shape through the target before the clock starts.
+    warmup: bool = True
+    # async: how often the main thread collects metric windows and checks thread health.
+    poll_interval_s: float = 0.05
+    # async: how long threads get to stop after a failure or a stop request.
+    shutdown_timeout_s: float = 10.0
 
 
 @dataclass

@@ -22,6 +22,16 @@ class Batch:
     def sample_ids(self) -> list[int]:
         return list(self.plan.sample_ids)
 
+    def pin_memory(self) -> Batch:
+        """Page-locked copies, so host->device copies can be non-blocking."""
+        return Batch(
+            self.input_ids.pin_memory(),
+            self.attention_mask.pin_memory(),
+            self.loss_mask.pin_memory(),
+            self.lengths,
+            self.plan,
+        )
+
     @property
     def real_tokens(self) -> int:
         return int(self.lengths.sum())

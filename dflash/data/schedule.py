@@ -115,3 +115,11 @@ class BatchPlanner:
 
     def batches_per_epoch(self, epoch: int) -> int:
         return len(self.epoch(epoch))
+
+    def at(self, seq: int) -> PlannedBatch:
+        """The batch at global position `seq` of the schedule (epoch after epoch)."""
+        epoch = 0
+        while seq >= self.batches_per_epoch(epoch):
+            seq -= self.batches_per_epoch(epoch)
+            epoch += 1
+        return self.epoch(epoch)[seq]

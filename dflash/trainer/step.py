@@ -7,13 +7,13 @@ tensors in `StepMetrics` until whoever logs calls `snapshot()`.
 from __future__ import annotations
 
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
 from dflash.blocks import DraftBlocks, block_attention_mask, build_blocks
 from dflash.data.collate import Batch
-from dflash.loss import LossStats, draft_loss, tau_from_accuracy
+from dflash.loss import LossStats, draft_loss
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import FrozenTarget
 from dflash.noise import NoiseSchedule
@@ -63,55 +63,71 @@ def drafter_forward_loss(
 
 
 @dataclass
+class MetricWindow:
+    """Host copy of one replica's sums over a log window."""
+
+    end_step: int
+    steps: int
+    real_tokens: int
+    anchors: int
+    values: torch.Tensor  # host float32: [weighted_ce, weight, grad_norm_sum, correct[B], counted[B]]
+    ready: torch.cuda.Event | None = None  # set while the device->host copy may be in flight
+
+    def is_ready(self) -> bool:
+        return self.ready is None or self.ready.query()
+
+    @property
+    def block_size(self) -> int:
+        return (self.values.numel() - 3) // 2
+
+    def sums(self) -> tuple[float, float, float, list[float], list[float]]:
+        values = self.values.tolist()  # a host tensor: no device sync
+        block = self.block_size
+        return values[0], values[1], values[2], values[3 : 3 + block], values[3 + block :]
+
+
 class StepMetrics:
-    """Running sums over a log window, on the drafter's device."""
+    """Running sums over a log window, kept on the drafter's device.
 
-    block_size: int
-    device: torch.device
-    weighted_ce: torch.Tensor = field(init=False)
-    weight: torch.Tensor = field(init=False)
-    correct: torch.Tensor = field(init=False)
-    counted: torch.Tensor = field(init=False)
-    grad_norm_sum: torch.Tensor = field(init=False)
-    steps: int = 0
-    real_tokens: int = 0
-    anchors: int = 0
+    `publish()` hands the window to the host without a sync: one non-blocking copy into a pinned
+    buffer plus a CUDA event the reader polls. Only `MetricWindow` values ever reach the host.
+    """
 
-    def __post_init__(self) -> None:
-        self.reset()
-
-    def reset(self) -> None:
-        zeros = lambda *shape: torch.zeros(shape, device=self.device)  # noqa: E731
-        self.weighted_ce, self.weight, self.grad_norm_sum = zeros(), zeros(), zeros()
-        self.correct, self.counted = zeros(self.block_size), zeros(self.block_size)
+    def __init__(self, block_size: int, device: torch.device):
+        self.block_size, self.device = block_size, device
+        self._sums = torch.zeros(3 + 2 * block_size, device=device)
         self.steps = self.real_tokens = self.anchors = 0
 
     def add(self, stats: LossStats, grad_norm: torch.Tensor, real_tokens: int, anchors: int) -> None:
-        self.weighted_ce += stats.weighted_ce.detach()
-        self.weight += stats.weight
-        self.correct += stats.correct
-        self.counted += stats.counted
-        self.grad_norm_sum += grad_norm.detach()
+        block = self.block_size
+        self._sums[0] += stats.weighted_ce.detach()
+        self._sums[1] += stats.weight
+        self._sums[2] += grad_norm.detach()
+        self._sums[3 : 3 + block] += stats.correct
+        self._sums[3 + block :] += stats.counted
         self.steps += 1
         self.real_tokens += real_tokens
         self.anchors += anchors
 
-    def snapshot(self) -> dict[str, float]:
-        """Host floats for the window (the one place that reads device values)."""
-        weighted_ce, weight, grad_norm = (
-            t.item() for t in (self.weighted_ce, self.weight, self.grad_norm_sum)
-        )
-        correct, counted = self.correct.tolist(), self.counted.tolist()
-        acc = [c / n if n > 0 else float("nan") for c, n in zip(correct, counted)]
-        metrics = {
-            "train/loss": weighted_ce / weight if weight > 0 else 0.0,
-            "train/acc": sum(correct[1:]) / max(1.0, sum(counted[1:])),
-            "train/tau_sim": tau_from_accuracy(acc),
-            "train/grad_norm": grad_norm / max(1, self.steps),
-            "train/anchors_per_step": self.anchors / max(1, self.steps),
-        }
-        metrics.update({f"train/acc_pos_{k}": acc[k] for k in range(1, self.block_size)})
-        return metrics
+    def publish(self, end_step: int) -> MetricWindow:
+        if self.device.type == "cuda":
+            host = torch.empty(self._sums.shape, dtype=self._sums.dtype, pin_memory=True)
+            host.copy_(self._sums, non_blocking=True)
+            ready = torch.cuda.Event()
+            ready.record()
+        else:
+            host, ready = self._sums.clone(), None
+        window = MetricWindow(end_step, self.steps, self.real_tokens, self.anchors, host, ready)
+        self._sums.zero_()  # same stream as the copy: ordered after it
+        self.steps = self.real_tokens = self.anchors = 0
+        return window
+
+    def snapshot_and_reset(self, end_step: int) -> MetricWindow:
+        """Publish and wait (the sync trainer, at log steps only)."""
+        window = self.publish(end_step)
+        if window.ready is not None:
+            window.ready.synchronize()
+        return window
 
 
 class DrafterStep:
@@ -134,21 +150,46 @@ class DrafterStep:
         self.noise_generator = torch.Generator(device=self.device)
         self.metrics = StepMetrics(drafter.block_size, self.device)
 
-    def __call__(self, batch: Batch, features_BSF: torch.Tensor, step: int) -> None:
+    def forward_backward(
+        self, batch: Batch, features_BSF: torch.Tensor, step: int, seq: int
+    ) -> tuple[LossStats, int]:
+        """Backward of the weighted-CE *numerator*; `apply` divides by the step's total weight.
+
+        Dividing once by the weight summed over every replica is what keeps a replica that drew
+        a short or empty batch from counting as much as one that drew a full batch.
+        """
         blocks = make_blocks(batch, self.drafter, self.block_settings, self.noise.keep_fraction(step))
         num_anchors = int(blocks.anchor_valid.sum())  # host tensor: no device sync
         blocks = blocks.to(self.device, non_blocking=True)
-        feature_std = self.noise.feature_std(step)
-        # Seeded by step: resumed runs draw the same feature noise without saving generator state.
-        self.noise_generator.manual_seed(self.block_settings.seed * 1_000_003 + step)
+        # Seeded by the batch's schedule position: resumed runs and any replica count draw the
+        # same feature noise for the same batch, with no generator state to save.
+        self.noise_generator.manual_seed(self.block_settings.seed * 1_000_003 + seq)
         stats = drafter_forward_loss(
-            self.target, self.drafter, features_BSF.to(self.device), blocks, feature_std, self.noise_generator
+            self.target,
+            self.drafter,
+            features_BSF.to(self.device, non_blocking=True),
+            blocks,
+            self.noise.feature_std(step),
+            self.noise_generator,
         )
-        stats.loss().backward()
+        stats.weighted_ce.backward()
+        return stats, num_anchors
+
+    def apply(self, total_weight: torch.Tensor) -> torch.Tensor:
+        """grads /= total weight, clip, AdamW, LR schedule; returns the pre-clip grad norm."""
+        scale = 1.0 / total_weight.clamp_min(1e-6)
+        grads = [p.grad for p in self.drafter.parameters() if p.grad is not None]
+        torch._foreach_mul_(grads, scale)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.grad_clip)
         self.optimizer.step()
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def __call__(self, batch: Batch, features_BSF: torch.Tensor, step: int, seq: int) -> None:
+        """One step of a single replica (the sync trainer)."""
+        stats, num_anchors = self.forward_backward(batch, features_BSF, step, seq)
+        grad_norm = self.apply(stats.weight)
         self.metrics.add(stats, grad_norm, batch.real_tokens, num_anchors)
 
     @property

@@ -1,0 +1,160 @@
+"""DrafterLoop: one thread per drafter replica, and the gradient sync that keeps replicas identical.
+
+Replicas are data parallel: every step each one trains on its own batch, then the replicas sum
+their gradients of the weighted-CE numerator and their weights (in-process, then across nodes
+through torch.distributed when it is initialized), and all divide by the same total. Replicas
+start from the same weights and apply the same update, so they stay identical.
+
+Nothing in the step reads a device value on the host; metrics leave through `StepMetrics.publish`.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import deque
+from contextlib import nullcontext
+
+import torch
+import torch.distributed as dist
+
+from dflash.pipeline.queues import HiddenStateQueue
+from dflash.pipeline.target_worker import HiddenStatePacket
+from dflash.trainer.step import DrafterStep, MetricWindow
+
+
+class ReplicaGradSync:
+    """Sums flattened gradients and loss weights over the drafter replicas of this process (and
+    over processes, when torch.distributed is initialized), with a barrier per step."""
+
+    def __init__(self, num_replicas: int, devices: list[torch.device]):
+        self.num_replicas = num_replicas
+        self.devices = devices
+        self._slots: list[torch.Tensor | None] = [None] * num_replicas
+        self._total: torch.Tensor | None = None
+        self._barrier = threading.Barrier(num_replicas, action=self._reduce)
+        self._checkpoint_barrier = threading.Barrier(num_replicas)
+
+    def _reduce(self) -> None:
+        # Runs in one thread once every replica has deposited its vector.
+        home = self._slots[0].device
+        total = self._slots[0].clone()
+        for slot in self._slots[1:]:
+            total += slot.to(home, non_blocking=True)
+        if dist.is_available() and dist.is_initialized():
+            dist.all_reduce(total, op=dist.ReduceOp.SUM)
+        self._total = total
+
+    def all_reduce(self, replica: int, drafter: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor:
+        """Replace this replica's grads by the sum over replicas; returns the summed weight."""
+        if self.num_replicas == 1 and not (dist.is_available() and dist.is_initialized()):
+            return weight
+        params = list(drafter.parameters())
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads] + [weight.reshape(1).to(grads[0].dtype)])
+        self._slots[replica] = flat
+        self._barrier.wait()  # the last replica to arrive runs _reduce
+        self._barrier.wait()  # everyone has the total before any slot is reused
+        total = self._total.to(flat.device, non_blocking=True)
+        offset = 0
+        for param in params:
+            count = param.numel()
+            param.grad = total[offset : offset + count].view_as(param).clone()
+            offset += count
+        return total[offset]
+
+    def checkpoint_rendezvous(self) -> None:
+        """Every replica stops here around a checkpoint, so replica 0 saves a consistent state."""
+        self._checkpoint_barrier.wait()
+
+    def abort(self) -> None:
+        self._barrier.abort()
+        self._checkpoint_barrier.abort()
+
+
+class DrafterLoop:
+    def __init__(
+        self,
+        replica: int,
+        step_fn: DrafterStep,
+        inbox: HiddenStateQueue[HiddenStatePacket],
+        grad_sync: ReplicaGradSync,
+        start_step: int,
+        stop_after: int,
+        log_every: int,
+        on_consumed,
+        checkpoint_every: int,
+        on_checkpoint,
+        fault_at_step: int | None = None,
+    ):
+        self.replica, self.step_fn, self.inbox, self.grad_sync = replica, step_fn, inbox, grad_sync
+        self.step = start_step
+        self.stop_after, self.log_every = stop_after, log_every
+        self.on_consumed = on_consumed  # called with the batch seq once its update is applied
+        self.checkpoint_every, self.on_checkpoint = checkpoint_every, on_checkpoint
+        self.fault_at_step = fault_at_step
+        self.device = step_fn.device
+        self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        self.stop_requested = threading.Event()
+        self._windows: deque[MetricWindow] = deque()
+        self._lock = threading.Lock()
+        self.batches = 0
+        self.tokens = 0
+        self.busy_s = 0.0
+        self.wait_s = 0.0
+
+    def drain_windows(self) -> list[MetricWindow]:
+        """Completed metric windows, oldest first (host floats; never waits on the device)."""
+        with self._lock:
+            done = []
+            while self._windows and self._windows[0].is_ready():
+                done.append(self._windows.popleft())
+            return done
+
+    def get_metrics(self) -> dict[str, float]:
+        with self._lock:
+            return {
+                "batches": self.batches,
+                "tokens": self.tokens,
+                "busy_s": self.busy_s,
+                "wait_s": self.wait_s,
+                "opt_step": self.step,
+            }
+
+    def run(self) -> None:
+        stream_ctx = torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
+        with stream_ctx:
+            while self.step < self.stop_after and not self.stop_requested.is_set():
+                started = time.perf_counter()
+                packet = self.inbox.get()  # raises QueueClosed at shutdown
+                fetched = time.perf_counter()
+                if self.fault_at_step is not None and self.step == self.fault_at_step:
+                    raise RuntimeError(
+                        f"injected drafter fault at step {self.step} on replica {self.replica}"
+                    )
+                if packet.ready is not None:
+                    torch.cuda.current_stream(self.device).wait_event(packet.ready)  # no host sync
+                    packet.features.record_stream(torch.cuda.current_stream(self.device))
+                step_fn = self.step_fn
+                stats, anchors = step_fn.forward_backward(
+                    packet.batch, packet.features, self.step, packet.seq
+                )
+                total_weight = self.grad_sync.all_reduce(self.replica, step_fn.drafter, stats.weight)
+                grad_norm = step_fn.apply(total_weight)
+                step_fn.metrics.add(stats, grad_norm, packet.batch.real_tokens, anchors)
+                self.step += 1
+                self.on_consumed(packet.seq)
+                if self.step % self.log_every == 0 or self.step == self.stop_after:
+                    window = step_fn.metrics.publish(self.step)
+                    with self._lock:
+                        self._windows.append(window)
+                with self._lock:
+                    self.batches += 1
+                    self.tokens += packet.batch.real_tokens
+                    self.wait_s += fetched - started
+                    self.busy_s += time.perf_counter() - fetched
+                if self.step % self.checkpoint_every == 0 and self.step != self.stop_after:
+                    self.grad_sync.checkpoint_rendezvous()
+                    if self.replica == 0:
+                        self.on_checkpoint(self.step)
+                    self.grad_sync.checkpoint_rendezvous()

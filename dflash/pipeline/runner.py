@@ -1,0 +1,257 @@
+"""The asynchronous trainer (`pipeline=async`): starts the pipeline threads, watches them from the
+main thread, logs metric windows, and stops everything on completion, failure or a signal.
+
+    feed thread ─► collate workers ─► per-device queues ─► TargetWorker x T ─► HiddenStateQueue ─► DrafterLoop x D
+
+Failure rule: the first exception in any thread is recorded, every queue is closed and the
+gradient barrier aborted (so no thread stays blocked), all threads are joined, and the main
+thread re-raises that exception with its original traceback. No thread outlives `run()`.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import defaultdict
+from dataclasses import dataclass
+
+from dflash.config.schema import PipelineConfig
+from dflash.data.dataset import TokenDataset
+from dflash.data.schedule import BatchPlanner
+from dflash.logging.sinks import MetricSink
+from dflash.models.target import FrozenTarget
+from dflash.pipeline.drafter_loop import DrafterLoop, ReplicaGradSync
+from dflash.pipeline.prefetch import BatchPrefetcher
+from dflash.pipeline.queues import HiddenStateQueue, QueueClosed
+from dflash.pipeline.target_worker import TargetWorker
+from dflash.trainer import state
+from dflash.trainer.metrics_log import MetricsLog
+from dflash.trainer.signals import StopRequested, stop_on_signals
+from dflash.trainer.state import CheckpointSettings, DataPosition
+from dflash.trainer.step import DrafterStep
+
+log = logging.getLogger(__name__)
+
+
+class ConsumedTracker:
+    """Which schedule positions have been trained on, for exact resumes with reordering."""
+
+    def __init__(self, position: DataPosition):
+        self._lock = threading.Lock()
+        self.next_seq = position.next_seq
+        self.done = set(position.done_beyond)
+
+    def mark(self, seq: int) -> None:
+        with self._lock:
+            self.done.add(seq)
+            while self.next_seq in self.done:
+                self.done.remove(self.next_seq)
+                self.next_seq += 1
+
+    def position(self, step: int) -> DataPosition:
+        with self._lock:
+            return DataPosition(self.next_seq, step, sorted(self.done))
+
+
+@dataclass
+class FaultInjection:
+    """Tests only: make a target worker or a drafter raise at a given batch / step."""
+
+    target_at_batch: int | None = None
+    drafter_at_step: int | None = None
+
+
+class AsyncTrainer:
+    def __init__(
+        self,
+        targets: list[FrozenTarget],
+        step_fns: list[DrafterStep],
+        dataset: TokenDataset,
+        planner: BatchPlanner,
+        sinks: list[MetricSink],
+        stop_after: int,
+        log_every: int,
+        checkpoints: CheckpointSettings,
+        cfg: PipelineConfig,
+        max_length: int,
+        faults: FaultInjection | None = None,
+    ):
+        self.targets, self.step_fns = targets, step_fns
+        self.step_fn = step_fns[0]  # replicas are identical: replica 0 speaks for all
+        self.drafter = self.step_fn.drafter
+        self.target = targets[0]
+        self.dataset, self.planner = dataset, planner
+        self.stop_after, self.log_every, self.checkpoints = stop_after, log_every, checkpoints
+        self.cfg, self.max_length = cfg, max_length
+        self.faults = faults or FaultInjection()
+        self.metrics_log = MetricsLog(sinks)
+        self.position = DataPosition()
+        self._failure: tuple[str, BaseException] | None = None
+        self._failure_lock = threading.Lock()
+        self.threads: list[threading.Thread] = []
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def restore(self, directory) -> None:
+        self.position = state.restore(directory, self.step_fns)
+
+    def save(self):
+        return state.save(self.checkpoints, self.step_fn, self.position)
+
+    # -- construction ------------------------------------------------------------------------
+    def _build(self) -> None:
+        num_drafters = len(self.step_fns)
+        start = self.position
+        needed = (self.stop_after - start.step) * num_drafters
+        self.tracker = ConsumedTracker(start)
+        self.prefetcher = BatchPrefetcher(
+            self.dataset,
+            self.planner,
+            [t.device for t in self.targets],
+            num_workers=self.cfg.num_workers,
+            depth_per_device=self.cfg.prefetch_depth,
+            start_seq=start.next_seq,
+            end_seq=start.next_seq + needed + len(start.done_beyond),
+            skip_seqs=set(start.done_beyond),
+        )
+        self.hs_queue = HiddenStateQueue(self.cfg.hs_queue_size, self.planner.num_buckets)
+        self.workers = [
+            TargetWorker(
+                i, target, self.prefetcher.device_queues[i], self.hs_queue, self.faults.target_at_batch
+            )
+            for i, target in enumerate(self.targets)
+        ]
+        self.grad_sync = ReplicaGradSync(num_drafters, [s.device for s in self.step_fns])
+        self.loops = [
+            DrafterLoop(
+                i,
+                step_fn,
+                self.hs_queue,
+                self.grad_sync,
+                start.step,
+                self.stop_after,
+                self.log_every,
+                self.tracker.mark,
+                self.checkpoints.every_steps,
+                self._checkpoint_from_replica0,
+                self.faults.drafter_at_step,
+            )
+            for i, step_fn in enumerate(self.step_fns)
+        ]
+
+    def _warm_up(self) -> None:
+        shapes = []
+        for edge in self.planner.edges:
+            seq_len = min(edge, self.max_length)
+            shapes.append((max(1, self.planner.tokens_per_batch // seq_len), seq_len))
+        started = time.perf_counter()
+        for worker in self.workers:
+            worker.warm_up(shapes)
+        log.info(
+            "warm-up: %d target shapes on %d device(s) in %.1f s",
+            len(shapes),
+            len(self.workers),
+            time.perf_counter() - started,
+        )
+
+    # -- threads -----------------------------------------------------------------------------
+    def _spawn(self, name: str, fn) -> None:
+        def body() -> None:
+            try:
+                fn()
+            except (QueueClosed, threading.BrokenBarrierError):
+                pass  # shutdown, or another thread failed first
+            except BaseException as exc:  # noqa: BLE001 - every failure must reach the main thread
+                self._fail(name, exc)
+
+        thread = threading.Thread(target=body, name=f"dflash-{name}", daemon=True)
+        self.threads.append(thread)
+        thread.start()
+
+    def _fail(self, name: str, exc: BaseException) -> None:
+        with self._failure_lock:
+            if self._failure is None:
+                exc.add_note(f"(raised in pipeline thread {name!r})")
+                self._failure = (name, exc)
+        self._close_everything()
+
+    def _close_everything(self) -> None:
+        self.prefetcher.close()
+        self.hs_queue.close()
+        self.grad_sync.abort()
+        for loop in self.loops:
+            loop.stop_requested.set()
+
+    def _join_all(self) -> None:
+        deadline = time.perf_counter() + self.cfg.shutdown_timeout_s
+        for thread in self.threads:
+            thread.join(max(0.0, deadline - time.perf_counter()))
+        alive = [t.name for t in self.threads if t.is_alive()]
+        if alive:
+            raise RuntimeError(
+                f"pipeline threads did not stop within {self.cfg.shutdown_timeout_s} s: {alive}"
+            )
+
+    def _checkpoint_from_replica0(self, step: int) -> None:
+        # Runs in drafter thread 0 while every replica waits at the checkpoint barrier.
+        self.position = self.tracker.position(step)
+        self.save()
+
+    def _collect_windows(self, pending: dict, window_start: list[float]) -> None:
+        for loop in self.loops:
+            for window in loop.drain_windows():
+                pending[window.end_step][loop.replica] = window
+        for step in sorted(pending):
+            if len(pending[step]) < len(self.loops):
+                break
+            now = time.perf_counter()
+            by_replica = pending.pop(step)
+            windows = [by_replica[i] for i in range(len(self.loops))]
+            pipeline_stats = self.prefetcher.get_batch_stats()
+            pipeline_stats["queue/hs_depth"] = float(self.hs_queue.qsize())
+            pipeline_stats["queue/hs_fill"] = self.hs_queue.fill_ratio()
+            self.metrics_log.log_window(step, windows, now - window_start[0], self.step_fn.lr, pipeline_stats)
+            window_start[0] = now
+
+    def run(self) -> None:
+        self._build()
+        if self.cfg.warmup:
+            self._warm_up()
+        pending: dict[int, dict] = defaultdict(dict)
+        window_start = [time.perf_counter()]
+        stop_signum = None
+        with stop_on_signals() as stop:
+            self._spawn("feed", self.prefetcher.feed)
+            for i in range(self.cfg.num_workers):
+                self._spawn(f"collate{i}", self.prefetcher.work)
+            for worker in self.workers:
+                self._spawn(f"target{worker.index}", worker.run)
+            drafter_threads = len(self.threads)
+            for loop in self.loops:
+                self._spawn(f"drafter{loop.replica}", loop.run)
+            drafters = self.threads[drafter_threads:]
+            try:
+                while any(t.is_alive() for t in drafters) and self._failure is None:
+                    if stop.is_set() and stop_signum is None:
+                        stop_signum = stop.signum
+                        log.warning("stop requested: finishing the current step, then a checkpoint")
+                        for loop in self.loops:
+                            loop.stop_requested.set()
+                    time.sleep(self.cfg.poll_interval_s)
+                    self._collect_windows(pending, window_start)
+            finally:
+                if stop_signum is not None:
+                    # Let drafters finish the step they are in, then unblock whoever waits.
+                    for thread in drafters:
+                        thread.join(self.cfg.shutdown_timeout_s)
+                self._close_everything()
+                self._join_all()
+        if self._failure is not None:
+            raise self._failure[1]
+        self._collect_windows(pending, window_start)
+        steps = {loop.step for loop in self.loops}
+        assert len(steps) == 1, f"drafter replicas stopped at different steps: {steps}"
+        self.position = self.tracker.position(steps.pop())
+        self.save()
+        if stop_signum is not None:
+            raise StopRequested(stop_signum)
