@@ -30,6 +30,7 @@ from dflash.config.schema import (
 from dflash.config.validate import resolve_device_split, resolve_layer_ids, validate
 from dflash.data.schedule import BatchPlanner
 from dflash.data.synthetic import load_or_generate
+from dflash.distributed import ProcessGroupInfo, init_from_env
 from dflash.evaluate import evaluate_spec_decode
 from dflash.logging.sinks import build_sinks
 from dflash.models.drafter import DFlashDrafter, drafter_config
@@ -101,6 +102,7 @@ class Run:
     trainer: SyncTrainer | AsyncTrainer
     excluded_token_ids: list[int]
     total_steps: int  # the LR schedule spans these
+    process_group: ProcessGroupInfo
 
     def execute(self) -> dict[str, Any]:
         started = time.perf_counter()
@@ -108,6 +110,9 @@ class Run:
         try:
             with torch.autograd.set_detect_anomaly(self.cfg.debug.detect_anomaly):
                 self.trainer.run()
+            if not self.process_group.is_main:
+                ok = True
+                return {"rank": self.process_group.rank, "steps": self.trainer.position.step}
             eval_metrics = evaluate_spec_decode(
                 self.trainer.target, self.trainer.drafter, node(self.cfg, "eval"), self.excluded_token_ids
             )
@@ -119,6 +124,7 @@ class Run:
             return summary
         finally:
             self.trainer.metrics_log.close(ok)
+            self.process_group.close()
 
     def _summary(self, eval_metrics: dict[str, float], wall_s: float) -> dict[str, Any]:
         history = self.trainer.metrics_log.history
@@ -184,6 +190,11 @@ def build_run(cfg: DictConfig, faults: FaultInjection | None = None) -> Run:
     resume_dir = Path(cfg.resume) if cfg.resume else None
     if resume_dir is not None and not resume_dir.is_dir():
         raise ValueError(f"resume={cfg.resume}: no such checkpoint directory")
+    process_group = init_from_env(cfg.gpu.device.value)
+    if process_group.world_size > 1 and PipelineKind(cfg.pipeline.kind) is PipelineKind.sync:
+        raise ValueError(
+            "pipeline=sync runs in one process; use pipeline=async under torchrun (WORLD_SIZE > 1)"
+        )
     run_dir = Path(cfg.paths.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     run_config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
@@ -200,7 +211,7 @@ def build_run(cfg: DictConfig, faults: FaultInjection | None = None) -> Run:
     excluded = [drafter_cfg.mask_token_id]
     dataset = load_or_generate(targets[0], target_cfg, data_cfg, Path(cfg.paths.cache_dir), excluded)
     planner = BatchPlanner(dataset.lengths, node(cfg, "scheduler"), cfg.seed)
-    total_steps = total_steps_for(cfg, planner, len(drafters))
+    total_steps = total_steps_for(cfg, planner, len(drafters) * process_group.world_size)
 
     # 3. Optimization and the loop. Each replica steps with the target on its own device.
     def target_on(device: str) -> FrozenTarget:
@@ -210,9 +221,9 @@ def build_run(cfg: DictConfig, faults: FaultInjection | None = None) -> Run:
         build_step_fn(cfg, target_on(d), drafter, total_steps)
         for d, drafter in zip(drafter_devices, drafters)
     ]
-    sinks = build_sinks(
-        node(cfg, "logger"), run_dir, OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
-    )
+    resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    # Multi-node: rank 0 alone logs (and checkpoints; see AsyncTrainer.save).
+    sinks = build_sinks(node(cfg, "logger"), run_dir, resolved) if process_group.is_main else []
     checkpoints = CheckpointSettings(
         run_dir / "checkpoints", cfg.checkpoint.every_steps, cfg.checkpoint.keep_last, run_config_yaml
     )
@@ -234,6 +245,7 @@ def build_run(cfg: DictConfig, faults: FaultInjection | None = None) -> Run:
             node(cfg, "pipeline"),
             data_cfg.max_length,
             faults,
+            process_group,
         )
     if resume_dir is not None:
         trainer.restore(resume_dir)
@@ -247,4 +259,4 @@ def build_run(cfg: DictConfig, faults: FaultInjection | None = None) -> Run:
         drafter_devices,
         cfg.pipeline.kind.value,
     )
-    return Run(cfg, run_dir, trainer, excluded, total_steps)
+    return Run(cfg, run_dir, trainer, excluded, total_steps, process_group)

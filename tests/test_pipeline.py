@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import threading
 import time
 from pathlib import Path
@@ -254,3 +255,49 @@ def test_sigterm_writes_a_checkpoint_and_resume_finishes_identically(tmp_path, d
     straight, resumed = losses(tmp_path / "straight"), losses(tmp_path / "resumed")
     assert min(resumed) == stopped_at + 1 and max(resumed) == 300
     assert all(resumed[s] == straight[s] for s in resumed)
+
+
+@pytest.mark.slow
+def test_two_processes_on_gloo_equal_two_replicas_in_one_process(tmp_path, data_cache):
+    """torchrun, 2 ranks x 1 drafter, gradients all-reduced on gloo == 1 process x 2 drafters."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from tests.conftest import FAST
+
+    args = FAST + [
+        "pipeline=async",
+        "train.total_steps=6",
+        "eval.num_prompts=1",
+        f"paths.cache_dir={data_cache}",
+    ]
+    # torchrun gives each rank one intra-op thread; the single process gets the same, so both
+    # sum in the same order and the comparison can be bitwise.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    for launcher, extra, out in [
+        (["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"], [], "ddp"),
+        ([], ["gpu.drafter=2"], "local"),
+    ]:
+        result = subprocess.run(
+            [
+                sys.executable,
+                *launcher,
+                "-m",
+                "dflash.train",
+                *args,
+                *extra,
+                f"hydra.run.dir={tmp_path / out}",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env,
+        )
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    ddp = load_file(str(tmp_path / "ddp" / "checkpoints" / "last" / "model.safetensors"))
+    local = load_file(str(tmp_path / "local" / "checkpoints" / "last" / "model.safetensors"))
+    assert ddp.keys() == local.keys()
+    assert all(torch.equal(ddp[k], local[k]) for k in ddp)
+    assert pipeline_threads() == []

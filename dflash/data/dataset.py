@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import numpy as np
@@ -36,7 +37,8 @@ class TokenDataset:
 
     def save(self, path: Path) -> None:
         """Atomic: a crash mid-write never leaves a truncated cache behind."""
-        tmp = path.with_suffix(".tmp")
+        # Per-process temp name: several ranks may build the same cache at once.
+        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         save_file(
             {
                 "input_ids": self.input_ids.to(torch.int32),

@@ -136,9 +136,7 @@ class DrafterLoop:
                     torch.cuda.current_stream(self.device).wait_event(packet.ready)  # no host sync
                     packet.features.record_stream(torch.cuda.current_stream(self.device))
                 step_fn = self.step_fn
-                stats, anchors = step_fn.forward_backward(
-                    packet.batch, packet.features, self.step, packet.seq
-                )
+                stats, anchors = step_fn.forward_backward(packet.batch, packet.features, self.step)
                 total_weight = self.grad_sync.all_reduce(self.replica, step_fn.drafter, stats.weight)
                 grad_norm = step_fn.apply(total_weight)
                 step_fn.metrics.add(stats, grad_norm, packet.batch.real_tokens, anchors)

@@ -25,7 +25,7 @@ from dflash.pipeline.queues import OrderedQueue, QueueClosed
 
 @dataclass
 class Dispatched:
-    seq: int  # global position in the schedule (across epochs)
+    seq: int  # this process's position in the schedule (across epochs)
     batch: Batch
 
 
@@ -83,11 +83,15 @@ class BatchPrefetcher:
         start_seq: int,
         end_seq: int,
         skip_seqs: set[int] | None = None,
+        rank: int = 0,
+        world_size: int = 1,
     ):
         self.dataset, self.planner = dataset, planner
         self.devices = target_devices
         self.start_seq, self.end_seq = start_seq, end_seq
         self.skip_seqs = skip_seqs or set()
+        # Multi-node: this process's seq s is schedule position s * world_size + rank.
+        self.rank, self.world_size = rank, world_size
         self.device_queues = [OrderedQueue[Dispatched](depth_per_device) for _ in target_devices]
         self._work: queue.Queue = queue.Queue(maxsize=max(2, num_workers * 2))
         self._lock = threading.Lock()
@@ -119,7 +123,7 @@ class BatchPrefetcher:
             for seq in range(self.start_seq, self.end_seq):
                 if seq in self.skip_seqs:
                     continue
-                plan = self.planner.at(seq)
+                plan = self.planner.at(seq * self.world_size + self.rank)
                 lengths = self.dataset.lengths[list(plan.sample_ids)]
                 device, key = self.dispatch(plan.bucket, lengths)
                 while not self._stop.is_set():

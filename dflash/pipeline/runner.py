@@ -19,6 +19,7 @@ from dataclasses import dataclass
 from dflash.config.schema import PipelineConfig
 from dflash.data.dataset import TokenDataset
 from dflash.data.schedule import BatchPlanner
+from dflash.distributed import ProcessGroupInfo
 from dflash.logging.sinks import MetricSink
 from dflash.models.target import FrozenTarget
 from dflash.pipeline.drafter_loop import DrafterLoop, ReplicaGradSync
@@ -76,6 +77,7 @@ class AsyncTrainer:
         cfg: PipelineConfig,
         max_length: int,
         faults: FaultInjection | None = None,
+        process_group: ProcessGroupInfo | None = None,
     ):
         self.targets, self.step_fns = targets, step_fns
         self.step_fn = step_fns[0]  # replicas are identical: replica 0 speaks for all
@@ -85,6 +87,7 @@ class AsyncTrainer:
         self.stop_after, self.log_every, self.checkpoints = stop_after, log_every, checkpoints
         self.cfg, self.max_length = cfg, max_length
         self.faults = faults or FaultInjection()
+        self.process_group = process_group or ProcessGroupInfo()
         self.metrics_log = MetricsLog(sinks)
         self.position = DataPosition()
         self._failure: tuple[str, BaseException] | None = None
@@ -96,7 +99,9 @@ class AsyncTrainer:
         self.position = state.restore(directory, self.step_fns)
 
     def save(self):
-        return state.save(self.checkpoints, self.step_fn, self.position)
+        if self.process_group.is_main:  # every rank holds the same weights; one writes them
+            return state.save(self.checkpoints, self.step_fn, self.position)
+        return None
 
     # -- construction ------------------------------------------------------------------------
     def _build(self) -> None:
@@ -113,6 +118,8 @@ class AsyncTrainer:
             start_seq=start.next_seq,
             end_seq=start.next_seq + needed + len(start.done_beyond),
             skip_seqs=set(start.done_beyond),
+            rank=self.process_group.rank,
+            world_size=self.process_group.world_size,
         )
         self.hs_queue = HiddenStateQueue(self.cfg.hs_queue_size, self.planner.num_buckets)
         self.workers = [

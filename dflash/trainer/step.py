@@ -150,9 +150,7 @@ class DrafterStep:
         self.noise_generator = torch.Generator(device=self.device)
         self.metrics = StepMetrics(drafter.block_size, self.device)
 
-    def forward_backward(
-        self, batch: Batch, features_BSF: torch.Tensor, step: int, seq: int
-    ) -> tuple[LossStats, int]:
+    def forward_backward(self, batch: Batch, features_BSF: torch.Tensor, step: int) -> tuple[LossStats, int]:
         """Backward of the weighted-CE *numerator*; `apply` divides by the step's total weight.
 
         Dividing once by the weight summed over every replica is what keeps a replica that drew
@@ -161,9 +159,10 @@ class DrafterStep:
         blocks = make_blocks(batch, self.drafter, self.block_settings, self.noise.keep_fraction(step))
         num_anchors = int(blocks.anchor_valid.sum())  # host tensor: no device sync
         blocks = blocks.to(self.device, non_blocking=True)
-        # Seeded by the batch's schedule position: resumed runs and any replica count draw the
-        # same feature noise for the same batch, with no generator state to save.
-        self.noise_generator.manual_seed(self.block_settings.seed * 1_000_003 + seq)
+        # Seeded by the batch's place in the schedule: resumed runs, any replica or node count
+        # draw the same feature noise for the same batch, with no generator state to save.
+        plan = batch.plan
+        self.noise_generator.manual_seed((self.block_settings.seed << 40) ^ (plan.epoch << 24) ^ plan.index)
         stats = drafter_forward_loss(
             self.target,
             self.drafter,
@@ -186,9 +185,9 @@ class DrafterStep:
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
-    def __call__(self, batch: Batch, features_BSF: torch.Tensor, step: int, seq: int) -> None:
+    def __call__(self, batch: Batch, features_BSF: torch.Tensor, step: int) -> None:
         """One step of a single replica (the sync trainer)."""
-        stats, num_anchors = self.forward_backward(batch, features_BSF, step, seq)
+        stats, num_anchors = self.forward_backward(batch, features_BSF, step)
         grad_norm = self.apply(stats.weight)
         self.metrics.add(stats, grad_norm, batch.real_tokens, num_anchors)
 

@@ -60,7 +60,7 @@ class SyncTrainer:
                 features = self.target.features(
                     batch.input_ids.to(self.target.device), batch.attention_mask.to(self.target.device)
                 )
-                self.step_fn(batch, features, self.position.step, seq)
+                self.step_fn(batch, features, self.position.step)
                 self.position = DataPosition(next_seq=seq + 1, step=self.position.step + 1)
                 step = self.position.step
                 if step % self.log_every == 0 or step == self.stop_after:

@@ -1,0 +1,40 @@
+"""Beyond one node: the same per-node process under torchrun (or SLURM's srun + torchrun).
+
+Each process runs the whole per-node pipeline; drafter gradients are summed across processes
+with torch.distributed (NCCL on GPU, gloo on CPU) inside the replicas' gradient sync. Rank r
+trains on schedule positions r, r + W, r + 2W, ... (W = world size). Rank 0 alone writes
+metrics, checkpoints and the final evaluation.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import torch.distributed as dist
+
+
+@dataclass(frozen=True)
+class ProcessGroupInfo:
+    rank: int = 0
+    world_size: int = 1
+    owns_group: bool = False  # we initialized it, so we tear it down
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+    def close(self) -> None:
+        if self.owns_group and dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def init_from_env(device_kind: str) -> ProcessGroupInfo:
+    """Join the process group torchrun describes in the environment (WORLD_SIZE, RANK, ...)."""
+    world_size = int(os.environ.get("WORLD_SIZE", "1"))
+    if world_size == 1:
+        return ProcessGroupInfo()
+    owns = not dist.is_initialized()
+    if owns:
+        dist.init_process_group(backend="nccl" if device_kind == "cuda" else "gloo")
+    return ProcessGroupInfo(dist.get_rank(), dist.get_world_size(), owns)
