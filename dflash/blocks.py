@@ -57,8 +57,12 @@ class DraftBlocks:
         return self.anchors.shape[1]
 
     def to(self, device: torch.device, non_blocking: bool = False) -> DraftBlocks:
+        # Page-locked staging makes the host->device copies truly asynchronous on CUDA.
+        pin = torch.device(device).type == "cuda"
         moved = {
-            name: getattr(self, name).to(device, non_blocking=non_blocking)
+            name: (getattr(self, name).pin_memory() if pin else getattr(self, name)).to(
+                device, non_blocking=non_blocking
+            )
             for name in ("block_ids", "positions", "labels", "weights", "valid", "anchors", "anchor_valid")
         }
         return DraftBlocks(**moved, block_size=self.block_size)

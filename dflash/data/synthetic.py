@@ -52,15 +52,16 @@ def greedy_continue(target: FrozenTarget, prompts: list[np.ndarray], num_new: in
     for row, prompt in enumerate(prompts):
         input_ids[row, longest - len(prompt) :] = torch.from_numpy(prompt)
         attention_mask[row, longest - len(prompt) :] = 1
-    out = target.model.generate(
-        input_ids=input_ids.to(target.device),
-        attention_mask=attention_mask.to(target.device),
-        max_new_tokens=num_new,
-        min_new_tokens=num_new,
-        do_sample=False,
-        eos_token_id=None,
-        pad_token_id=0,
-    )
+    with target.padded_attention():
+        out = target.model.generate(
+            input_ids=input_ids.to(target.device),
+            attention_mask=attention_mask.to(target.device),
+            max_new_tokens=num_new,
+            min_new_tokens=num_new,
+            do_sample=False,
+            eos_token_id=None,
+            pad_token_id=0,
+        )
     return out[:, longest:].cpu().tolist()
 
 

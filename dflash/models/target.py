@@ -2,13 +2,22 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 
 import torch
 from torch import nn
-from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from dflash.config.schema import TargetConfig
+
+# transformers' SDPA attention under a name that has no mask function: with it, a forward builds
+# no mask and runs the causal kernel, instead of inspecting position ids or a padding mask on
+# the host (a GPU sync per forward). Only right-padded or unpadded inputs may use it.
+CAUSAL_ATTENTION = "dflash_causal_sdpa"
+AttentionInterface.register(CAUSAL_ATTENTION, sdpa_attention_forward)
 
 
 def load_target_config(cfg: TargetConfig) -> PretrainedConfig:
@@ -52,6 +61,18 @@ class FrozenTarget(nn.Module):
         super().__init__()
         self.model = model.eval().requires_grad_(False)
         self.layer_ids = list(layer_ids)
+        self._masked_attention = model.config._attn_implementation
+        model.config._attn_implementation = CAUSAL_ATTENTION
+
+    @contextmanager
+    def padded_attention(self) -> Iterator[None]:
+        """The model's own masked attention, for left-padded batches (data generation). Not
+        thread-safe: use it before the pipeline threads start."""
+        self.model.config._attn_implementation = self._masked_attention
+        try:
+            yield
+        finally:
+            self.model.config._attn_implementation = CAUSAL_ATTENTION
 
     @classmethod
     def from_config(cls, cfg: TargetConfig, layer_ids: list[int], device: torch.device) -> FrozenTarget:
@@ -87,11 +108,16 @@ class FrozenTarget(nn.Module):
         return torch.cat([hidden_states[i + 1] for i in self.layer_ids], dim=-1)
 
     @torch.no_grad()
-    def features(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-        """Context features only: runs the decoder stack without the LM head."""
-        out = self.model.base_model(
-            input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False
-        )
+    def features(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """Context features of right-padded ids [B, S]; runs the decoder stack without the LM head.
+
+        No attention mask, on purpose: under causal attention (and causal linear attention in
+        hybrid targets) a real token never sees the padding after it, so its features are exact;
+        padding positions get features nobody reads (the context a block sees ends before its
+        anchor). A padding mask would make transformers inspect it on the host, a GPU sync per
+        batch, and leave the fast causal kernels.
+        """
+        out = self.model.base_model(input_ids=input_ids, output_hidden_states=True, use_cache=False)
         return self._fuse(out.hidden_states)
 
     @torch.no_grad()

@@ -103,12 +103,16 @@ class DrafterLoop:
         self.busy_s = 0.0
         self.wait_s = 0.0
 
-    def drain_windows(self) -> list[MetricWindow]:
-        """Completed metric windows, oldest first (host floats; never waits on the device)."""
+    def drain_windows(self, wait: bool = False) -> list[MetricWindow]:
+        """Completed metric windows, oldest first. Never waits on the device unless `wait`
+        (once the threads have stopped, so the last window is not lost)."""
         with self._lock:
             done = []
-            while self._windows and self._windows[0].is_ready():
-                done.append(self._windows.popleft())
+            while self._windows and (wait or self._windows[0].is_ready()):
+                window = self._windows.popleft()
+                if window.ready is not None:
+                    window.ready.synchronize()
+                done.append(window)
             return done
 
     def get_metrics(self) -> dict[str, float]:
@@ -139,7 +143,9 @@ class DrafterLoop:
                 stats, anchors = step_fn.forward_backward(packet.batch, packet.features, self.step)
                 total_weight = self.grad_sync.all_reduce(self.replica, step_fn.drafter, stats.weight)
                 grad_norm = step_fn.apply(total_weight)
-                step_fn.metrics.add(stats, grad_norm, packet.batch.real_tokens, anchors)
+                step_fn.metrics.add(
+                    stats, grad_norm, len(packet.batch.plan.sample_ids), packet.batch.real_tokens, anchors
+                )
                 self.step += 1
                 self.on_consumed(packet.seq)
                 if self.step % self.log_every == 0 or self.step == self.stop_after:

@@ -204,9 +204,9 @@ class AsyncTrainer:
         self.position = self.tracker.position(step)
         self.save()
 
-    def _collect_windows(self, pending: dict, window_start: list[float]) -> None:
+    def _collect_windows(self, pending: dict, window_start: list[float], wait: bool = False) -> None:
         for loop in self.loops:
-            for window in loop.drain_windows():
+            for window in loop.drain_windows(wait):
                 pending[window.end_step][loop.replica] = window
         for step in sorted(pending):
             if len(pending[step]) < len(self.loops):
@@ -255,7 +255,7 @@ class AsyncTrainer:
                 self._join_all()
         if self._failure is not None:
             raise self._failure[1]
-        self._collect_windows(pending, window_start)
+        self._collect_windows(pending, window_start, wait=True)
         steps = {loop.step for loop in self.loops}
         assert len(steps) == 1, f"drafter replicas stopped at different steps: {steps}"
         self.position = self.tracker.position(steps.pop())

@@ -54,7 +54,7 @@ class TargetWorker:
         """Run every bucket's largest shape once before the clock starts (kernel autotuning, FLA)."""
         for batch_size, seq_len in shapes:
             ids = torch.zeros((batch_size, seq_len), dtype=torch.int64, device=self.device)
-            self.target.features(ids, torch.ones_like(ids))
+            self.target.features(ids)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)  # once, before the pipeline starts: not the hot path
 
@@ -70,10 +70,7 @@ class TargetWorker:
                         f"injected target fault at batch {self.batches} on worker {self.index}"
                     )
                 batch = item.batch
-                features = self.target.features(
-                    batch.input_ids.to(self.device, non_blocking=True),
-                    batch.attention_mask.to(self.device, non_blocking=True),
-                )
+                features = self.target.features(batch.input_ids.to(self.device, non_blocking=True))
                 ready = None
                 if self.stream is not None:
                     ready = torch.cuda.Event()

@@ -31,6 +31,7 @@ def window_metrics(windows: list[MetricWindow], elapsed_s: float, lr: float) -> 
         "train/grad_norm": grad_norm / max(1, steps),
         "train/lr": lr,
         "perf/tokens_per_s": sum(w.real_tokens for w in windows) / elapsed_s,
+        "perf/samples_per_s": sum(w.samples for w in windows) / elapsed_s,
         "perf/anchors_per_s": sum(w.anchors for w in windows) / elapsed_s,
         "perf/step_time_s": elapsed_s / max(1, windows[0].steps),
     }

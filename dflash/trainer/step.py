@@ -68,6 +68,7 @@ class MetricWindow:
 
     end_step: int
     steps: int
+    samples: int
     real_tokens: int
     anchors: int
     values: torch.Tensor  # host float32: [weighted_ce, weight, grad_norm_sum, correct[B], counted[B]]
@@ -96,9 +97,11 @@ class StepMetrics:
     def __init__(self, block_size: int, device: torch.device):
         self.block_size, self.device = block_size, device
         self._sums = torch.zeros(3 + 2 * block_size, device=device)
-        self.steps = self.real_tokens = self.anchors = 0
+        self.steps = self.samples = self.real_tokens = self.anchors = 0
 
-    def add(self, stats: LossStats, grad_norm: torch.Tensor, real_tokens: int, anchors: int) -> None:
+    def add(
+        self, stats: LossStats, grad_norm: torch.Tensor, samples: int, real_tokens: int, anchors: int
+    ) -> None:
         block = self.block_size
         self._sums[0] += stats.weighted_ce.detach()
         self._sums[1] += stats.weight
@@ -106,6 +109,7 @@ class StepMetrics:
         self._sums[3 : 3 + block] += stats.correct
         self._sums[3 + block :] += stats.counted
         self.steps += 1
+        self.samples += samples
         self.real_tokens += real_tokens
         self.anchors += anchors
 
@@ -117,9 +121,9 @@ class StepMetrics:
             ready.record()
         else:
             host, ready = self._sums.clone(), None
-        window = MetricWindow(end_step, self.steps, self.real_tokens, self.anchors, host, ready)
+        window = MetricWindow(end_step, self.steps, self.samples, self.real_tokens, self.anchors, host, ready)
         self._sums.zero_()  # same stream as the copy: ordered after it
-        self.steps = self.real_tokens = self.anchors = 0
+        self.steps = self.samples = self.real_tokens = self.anchors = 0
         return window
 
     def snapshot_and_reset(self, end_step: int) -> MetricWindow:
@@ -189,7 +193,7 @@ class DrafterStep:
         """One step of a single replica (the sync trainer)."""
         stats, num_anchors = self.forward_backward(batch, features_BSF, step)
         grad_norm = self.apply(stats.weight)
-        self.metrics.add(stats, grad_norm, batch.real_tokens, num_anchors)
+        self.metrics.add(stats, grad_norm, len(batch.plan.sample_ids), batch.real_tokens, num_anchors)
 
     @property
     def lr(self) -> float:

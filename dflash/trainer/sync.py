@@ -57,9 +57,7 @@ class SyncTrainer:
                     raise StopRequested(stop.signum)
                 seq = self.position.next_seq
                 batch = collate(self.dataset, self.planner.at(seq))
-                features = self.target.features(
-                    batch.input_ids.to(self.target.device), batch.attention_mask.to(self.target.device)
-                )
+                features = self.target.features(batch.input_ids.to(self.target.device))
                 self.step_fn(batch, features, self.position.step)
                 self.position = DataPosition(next_seq=seq + 1, step=self.position.step + 1)
                 step = self.position.step
