@@ -35,6 +35,7 @@ from dflash.evaluate import evaluate_spec_decode
 from dflash.logging.sinks import build_sinks
 from dflash.models.drafter import DFlashDrafter, drafter_config
 from dflash.models.target import FrozenTarget, load_target_config
+from dflash.monitor.monitor import Monitor
 from dflash.noise import NoiseSchedule
 from dflash.pipeline.runner import AsyncTrainer, FaultInjection
 from dflash.trainer.state import CheckpointSettings
@@ -116,18 +117,19 @@ class Run:
             eval_metrics = evaluate_spec_decode(
                 self.trainer.target, self.trainer.drafter, node(self.cfg, "eval"), self.excluded_token_ids
             )
-            self.trainer.metrics_log.log(eval_metrics, self.trainer.position.step)
+            for sink in self.trainer.monitor.sinks:
+                sink.log(eval_metrics, self.trainer.position.step)
             summary = self._summary(eval_metrics, time.perf_counter() - started)
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             print(format_summary(summary), flush=True)
             ok = True
             return summary
         finally:
-            self.trainer.metrics_log.close(ok)
+            self.trainer.monitor.close(ok)
             self.process_group.close()
 
     def _summary(self, eval_metrics: dict[str, float], wall_s: float) -> dict[str, Any]:
-        history = self.trainer.metrics_log.history
+        history = self.trainer.monitor.history
         first, last = history[0], history[-1]
         return {
             "run_dir": str(self.run_dir),
@@ -163,7 +165,7 @@ def format_summary(summary: dict[str, Any]) -> str:
 
 
 def build_step_fn(
-    cfg: DictConfig, target: FrozenTarget, drafter: DFlashDrafter, total_steps: int
+    cfg: DictConfig, target: FrozenTarget, drafter: DFlashDrafter, total_steps: int, num_buckets: int
 ) -> DrafterStep:
     optimizer = build_optimizer(node(cfg, "optimizer"), drafter.parameters())
     return DrafterStep(
@@ -174,6 +176,7 @@ def build_step_fn(
         NoiseSchedule.from_config(node(cfg, "noise")),
         BlockSettings(seed=cfg.seed, num_anchors=cfg.drafter.num_anchors, gamma=cfg.loss.gamma),
         grad_clip=cfg.optimizer.grad_clip,
+        num_buckets=num_buckets,
     )
 
 
@@ -218,27 +221,24 @@ def build_run(cfg: DictConfig, faults: FaultInjection | None = None) -> Run:
         return next((t for t in targets if str(t.device) == str(torch.device(device))), targets[0])
 
     step_fns = [
-        build_step_fn(cfg, target_on(d), drafter, total_steps)
+        build_step_fn(cfg, target_on(d), drafter, total_steps, planner.num_buckets)
         for d, drafter in zip(drafter_devices, drafters)
     ]
     resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     # Multi-node: rank 0 alone logs (and checkpoints; see AsyncTrainer.save).
-    sinks = build_sinks(node(cfg, "logger"), run_dir, resolved) if process_group.is_main else []
+    stop_after = min(total_steps, cfg.debug.max_steps or total_steps)
+    sinks = build_sinks(node(cfg, "logger"), run_dir, resolved, stop_after) if process_group.is_main else []
     checkpoints = CheckpointSettings(
         run_dir / "checkpoints", cfg.checkpoint.every_steps, cfg.checkpoint.keep_last, run_config_yaml
     )
-    stop_after = min(total_steps, cfg.debug.max_steps or total_steps)
     if PipelineKind(cfg.pipeline.kind) is PipelineKind.sync:
-        trainer = SyncTrainer(
-            step_fns[0], dataset, planner, sinks, stop_after, cfg.logger.every_steps, checkpoints
-        )
+        trainer = SyncTrainer(step_fns[0], dataset, planner, stop_after, cfg.logger.every_steps, checkpoints)
     else:
         trainer = AsyncTrainer(
             targets,
             step_fns,
             dataset,
             planner,
-            sinks,
             stop_after,
             cfg.logger.every_steps,
             checkpoints,
@@ -247,6 +247,7 @@ def build_run(cfg: DictConfig, faults: FaultInjection | None = None) -> Run:
             faults,
             process_group,
         )
+    trainer.monitor = Monitor(node(cfg, "monitor"), sinks, trainer, stop_after)
     if resume_dir is not None:
         trainer.restore(resume_dir)
     log.info(

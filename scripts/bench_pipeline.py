@@ -35,6 +35,7 @@ def measure(pipeline: str, overrides: list[str], steps: int, warmup: int, out: P
             overrides=[
                 *overrides,
                 f"pipeline={pipeline}",
+                "monitor.interval_s=0",
                 f"train.total_steps={warmup + steps}",
                 f"logger.every_steps={steps if warmup == 0 else warmup}",
                 f"checkpoint.every_steps={warmup + steps}",
@@ -47,11 +48,11 @@ def measure(pipeline: str, overrides: list[str], steps: int, warmup: int, out: P
     try:
         run.trainer.run()
     finally:
-        run.trainer.metrics_log.close(True)
-    timed = run.trainer.metrics_log.history[1:] if warmup else run.trainer.metrics_log.history
+        run.trainer.monitor.close(True)
+    timed = run.trainer.monitor.history[1:] if warmup else run.trainer.monitor.history
     tokens_per_s = sum(h["perf/tokens_per_s"] for h in timed) / len(timed)
     samples_per_s = sum(h["perf/samples_per_s"] for h in timed) / len(timed)
-    windows = [round(h["train/loss"], 4) for h in run.trainer.metrics_log.history]
+    windows = [round(h["train/loss"], 4) for h in run.trainer.monitor.history]
     return {
         "tokens_per_s": tokens_per_s,
         "samples_per_s": samples_per_s,

@@ -15,7 +15,7 @@ from dflash.config.schema import register_configs
 CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
 
 # Small enough for a test, large enough to fill every bucket and train a few steps.
-FAST = ["data.num_samples=48", "eval.num_prompts=2", "eval.max_new_tokens=12"]
+FAST = ["data.num_samples=48", "eval.num_prompts=2", "eval.max_new_tokens=12", "monitor.interval_s=0"]
 
 
 def compose_config(

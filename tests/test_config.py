@@ -63,7 +63,7 @@ def test_every_option_composes_and_builds(group, option, make_cfg, request, monk
         assert run.total_steps > 0
         assert len(run.trainer.dataset) == cfg.data.num_samples
     finally:
-        run.trainer.metrics_log.close(True)
+        run.trainer.monitor.close(True)
 
 
 @pytest.mark.parametrize("experiment", sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml")))

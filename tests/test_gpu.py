@@ -33,7 +33,7 @@ def test_target_runs_in_bf16_and_drafter_keeps_fp32_master_weights(make_cfg):
         assert next(run.trainer.drafter.parameters()).dtype == torch.float32
         assert run.trainer.target.device.type == "cuda"
     finally:
-        run.trainer.metrics_log.close(True)
+        run.trainer.monitor.close(True)
 
 
 def test_async_pipeline_hot_path_has_no_host_sync(make_cfg):
@@ -47,14 +47,14 @@ def test_async_pipeline_hot_path_has_no_host_sync(make_cfg):
         with SyncDetector() as detector:
             run.trainer.run()
     finally:
-        run.trainer.metrics_log.close(True)
+        run.trainer.monitor.close(True)
     hot = detector.in_threads("dflash-target") + detector.in_threads("dflash-drafter")
     sites = {}
     for event in hot:
         sites.setdefault(event.stack.strip().splitlines()[-4:-2].__str__(), event)
     report = "\n\n".join(f"[{e.thread}] {e.message[:80]}\n{e.stack}" for e in sites.values())
     assert hot == [], f"{len(hot)} syncs on the hot path {detector.by_thread()}:\n{report}"
-    assert len(run.trainer.metrics_log.history) == 6  # the metrics still reached the host
+    assert len(run.trainer.monitor.history) == 6  # the metrics still reached the host
 
 
 def test_async_tracks_sync_on_gpu(make_cfg, tmp_path):

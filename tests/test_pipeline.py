@@ -56,7 +56,7 @@ def test_replicas_stay_identical_and_every_drafter_reports(make_cfg, tmp_path):
     assert all(torch.equal(replicas[0][k], replicas[1][k]) for k in replicas[0])
     start = build_run(make_cfg(["pipeline=async", "gpu.target=2", "gpu.drafter=2"], tmp_path / "fresh"))
     assert not torch.equal(start.trainer.drafter.fc.weight, run.trainer.drafter.fc.weight)  # it trained
-    start.trainer.metrics_log.close(True)
+    start.trainer.monitor.close(True)
     rows = [
         json.loads(line) for line in (Path(cfg.paths.output_dir) / "metrics.jsonl").read_text().splitlines()
     ]

@@ -108,7 +108,7 @@ def test_a_failing_job_still_closes_every_sink(make_cfg, monkeypatch):
         def close(self, ok):
             closed.append(ok)
 
-    run.trainer.metrics_log.sinks.append(Spy())
+    run.trainer.monitor.sinks.append(Spy())
 
     def boom(*args, **kwargs):
         raise RuntimeError("drafter step failed")

@@ -170,6 +170,16 @@ class PipelineConfig:
 
 
 @dataclass
+class MonitorConfig:
+    # Seconds between ticks (one flat dict of floats to every sink); 0: one tick per log window.
+    interval_s: float = 10.0
+    # NVML telemetry (gpu/): off is the escape hatch when the driver misbehaves.
+    telemetry: bool = True
+    # CUDA caching-allocator stats (cuda/), peaks reset per tick.
+    cuda_stats: bool = True
+
+
+@dataclass
 class WandbConfig:
     project: str = "dflash"
     entity: Optional[str] = None
@@ -179,6 +189,9 @@ class WandbConfig:
     name: Optional[str] = None
     tags: list[str] = field(default_factory=list)
     finish_timeout_s: float = 30.0
+    # Ticks waiting for the W&B thread; when full the oldest is dropped (and counted), so a
+    # stalled W&B never holds up the monitor or training.
+    queue_size: int = 100
 
 
 @dataclass
@@ -237,6 +250,7 @@ class Config:
     noise: NoiseConfig = field(default_factory=NoiseConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
+    monitor: MonitorConfig = field(default_factory=MonitorConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     eval: EvalConfig = field(default_factory=EvalConfig)
     debug: DebugConfig = field(default_factory=DebugConfig)

@@ -11,6 +11,7 @@ import logging
 import math
 import os
 import threading
+from collections import deque
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -44,14 +45,88 @@ class JsonlSink:
 
 
 class ConsoleSink:
-    KEYS = ("train/loss", "train/acc", "train/tau_sim", "train/grad_norm", "train/lr", "perf/tokens_per_s")
+    """One readable line per tick, under a progress bar for the whole run (tqdm)."""
+
+    KEYS = (
+        "train/loss",
+        "train/acc",
+        "train/tau_sim",
+        "train/grad_norm",
+        "train/lr",
+        "perf/tokens_per_s",
+        "perf/data_wait_frac",
+        "queue/hs_fill",
+        "gpu/drafter/util_pct",
+    )
+
+    def __init__(self, total_steps: int):
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, leave=True)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
-        parts = [f"{k.split('/')[-1]}={metrics[k]:.4g}" for k in self.KEYS if k in metrics]
-        log.info("step %d  %s", step, "  ".join(parts))
+        if "train/loss" not in metrics:
+            return  # evaluation rows are printed in the run summary
+        self.bar.update(max(0, step - self.bar.n))
+        parts = [f"{k.split('/', 1)[-1]}={metrics[k]:.4g}" for k in self.KEYS if k in metrics]
+        self.bar.write(f"step {step:>6}  " + "  ".join(parts))
 
     def close(self, ok: bool) -> None:
-        pass
+        self.bar.close()
+
+
+class BackgroundSink:
+    """Runs a slow sink (W&B) on its own thread behind a bounded queue that drops the oldest tick.
+
+    The monitor only enqueues, so a stalled network can never hold up training; dropped ticks are
+    counted and reported as `monitor/<name>_dropped` in later ticks.
+    """
+
+    def __init__(self, name: str, sink: MetricSink, queue_size: int, close_timeout_s: float):
+        self.name, self.sink = name, sink
+        self.close_timeout_s = close_timeout_s
+        self._items: deque = deque()
+        self._queue_size = queue_size
+        self._cond = threading.Condition()
+        self._closed = False
+        self.dropped = 0
+        self._thread = threading.Thread(target=self._run, name=f"dflash-sink-{name}", daemon=True)
+        self._thread.start()
+
+    def health(self) -> dict[str, float]:
+        return {f"monitor/{self.name}_dropped": float(self.dropped)}
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        with self._cond:
+            if len(self._items) >= self._queue_size:
+                self._items.popleft()
+                self.dropped += 1
+            self._items.append((dict(metrics), step))
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._items and not self._closed:
+                    self._cond.wait()
+                if not self._items:
+                    return
+                metrics, step = self._items.popleft()
+            try:
+                self.sink.log(metrics, step)
+            except Exception as exc:  # a sink failure must not take the run down
+                log.warning("%s sink: dropped a tick (%s)", self.name, exc)
+
+    def close(self, ok: bool) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(self.close_timeout_s)
+        if self._thread.is_alive():
+            log.warning(
+                "%s sink: still busy after %.0f s; closing with ticks unsent", self.name, self.close_timeout_s
+            )
+        self.sink.close(ok)
 
 
 def wandb_mode(cfg: WandbConfig) -> str:
@@ -80,7 +155,16 @@ class WandbSink:
             reinit="finish_previous",
         )
 
+        self._defined: set[str] = set()
+
     def log(self, metrics: dict[str, float], step: int) -> None:
+        # Each drafter gets its own x-axis (its optimizer step), so step skew between drafters shows.
+        for key in metrics:
+            prefix = key.split("/", 1)[0]
+            if prefix.startswith("drafter") and prefix not in self._defined:
+                self.run.define_metric(f"{prefix}/opt_step")
+                self.run.define_metric(f"{prefix}/*", step_metric=f"{prefix}/opt_step")
+                self._defined.add(prefix)
         self.run.log(metrics, step=step)
 
     def close(self, ok: bool) -> None:
@@ -92,13 +176,18 @@ class WandbSink:
             log.warning("wandb: finish() did not return within %.0f s; continuing", self.timeout_s)
 
 
-def build_sinks(cfg: LoggerConfig, run_dir: Path, resolved_config: dict[str, Any]) -> list[MetricSink]:
+def build_sinks(
+    cfg: LoggerConfig, run_dir: Path, resolved_config: dict[str, Any], total_steps: int
+) -> list[MetricSink]:
     sinks: list[MetricSink] = []
     for kind in dict.fromkeys(SinkKind(k) for k in cfg.sinks):
         if kind is SinkKind.jsonl:
             sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
         elif kind is SinkKind.console:
-            sinks.append(ConsoleSink())
+            sinks.append(ConsoleSink(total_steps))
         elif kind is SinkKind.wandb:
-            sinks.append(WandbSink(cfg.wandb, run_dir, resolved_config))
+            wandb_sink = WandbSink(cfg.wandb, run_dir, resolved_config)
+            sinks.append(
+                BackgroundSink("wandb", wandb_sink, cfg.wandb.queue_size, cfg.wandb.finish_timeout_s)
+            )
     return sinks

@@ -98,8 +98,7 @@ class DrafterLoop:
         self.stop_requested = threading.Event()
         self._windows: deque[MetricWindow] = deque()
         self._lock = threading.Lock()
-        self.batches = 0
-        self.tokens = 0
+        self.batches = self.samples = self.tokens = self.anchors = 0
         self.busy_s = 0.0
         self.wait_s = 0.0
 
@@ -119,7 +118,9 @@ class DrafterLoop:
         with self._lock:
             return {
                 "batches": self.batches,
+                "samples": self.samples,
                 "tokens": self.tokens,
+                "anchors": self.anchors,
                 "busy_s": self.busy_s,
                 "wait_s": self.wait_s,
                 "opt_step": self.step,
@@ -143,17 +144,17 @@ class DrafterLoop:
                 stats, anchors = step_fn.forward_backward(packet.batch, packet.features, self.step)
                 total_weight = self.grad_sync.all_reduce(self.replica, step_fn.drafter, stats.weight)
                 grad_norm = step_fn.apply(total_weight)
-                step_fn.metrics.add(
-                    stats, grad_norm, len(packet.batch.plan.sample_ids), packet.batch.real_tokens, anchors
-                )
+                step_fn.metrics.add(stats, grad_norm, packet.batch, anchors)
                 self.step += 1
                 self.on_consumed(packet.seq)
                 if self.step % self.log_every == 0 or self.step == self.stop_after:
-                    window = step_fn.metrics.publish(self.step)
+                    window = step_fn.metrics.publish(self.step, step_fn.lr)
                     with self._lock:
                         self._windows.append(window)
                 with self._lock:
                     self.batches += 1
+                    self.samples += len(packet.batch.plan.sample_ids)
+                    self.anchors += anchors
                     self.tokens += packet.batch.real_tokens
                     self.wait_s += fetched - started
                     self.busy_s += time.perf_counter() - fetched

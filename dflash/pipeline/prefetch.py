@@ -32,8 +32,8 @@ class Dispatched:
 class BatchStats:
     """Running counters updated at dispatch; `snapshot()` is atomic (taken under the lock)."""
 
-    def __init__(self, num_buckets: int, lock: threading.Lock):
-        self._lock = lock
+    def __init__(self, num_buckets: int):
+        self._lock = threading.Lock()
         self.bucket_counts = np.zeros(num_buckets, dtype=np.int64)
         self.batches = 0
         self.samples = 0
@@ -42,7 +42,11 @@ class BatchStats:
         self.real_tokens = 0
         self.padded_tokens = 0
 
-    def record(self, bucket: int, lengths: np.ndarray) -> None:  # caller holds the lock
+    def record(self, bucket: int, lengths: np.ndarray) -> None:
+        with self._lock:
+            self._record(bucket, lengths)
+
+    def _record(self, bucket: int, lengths: np.ndarray) -> None:
         self.bucket_counts[bucket] += 1
         self.batches += 1
         self.samples += len(lengths)
@@ -98,7 +102,7 @@ class BatchPrefetcher:
         self._round_robin = 0  # the ONE shared dispatch counter
         self._per_device_keys = [0] * len(target_devices)
         self.dispatch_counts = [0] * len(target_devices)
-        self.stats = BatchStats(planner.num_buckets, self._lock)
+        self.stats = BatchStats(planner.num_buckets)
         self.num_workers = num_workers
         self.pin = any(d.type == "cuda" for d in target_devices)
         self._stop = threading.Event()
@@ -111,7 +115,7 @@ class BatchPrefetcher:
             key = self._per_device_keys[device]
             self._per_device_keys[device] += 1
             self.dispatch_counts[device] += 1
-            self.stats.record(bucket, lengths)
+            self.stats.record(bucket, lengths)  # inside the dispatch lock: counts follow dispatch order
             return device, key
 
     def get_batch_stats(self) -> dict[str, float]:

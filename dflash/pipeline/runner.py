@@ -16,21 +16,22 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass
 
+import torch
+
 from dflash.config.schema import PipelineConfig
 from dflash.data.dataset import TokenDataset
 from dflash.data.schedule import BatchPlanner
 from dflash.distributed import ProcessGroupInfo
-from dflash.logging.sinks import MetricSink
 from dflash.models.target import FrozenTarget
+from dflash.monitor.monitor import Monitor
 from dflash.pipeline.drafter_loop import DrafterLoop, ReplicaGradSync
 from dflash.pipeline.prefetch import BatchPrefetcher
 from dflash.pipeline.queues import HiddenStateQueue, QueueClosed
 from dflash.pipeline.target_worker import TargetWorker
 from dflash.trainer import state
-from dflash.trainer.metrics_log import MetricsLog
 from dflash.trainer.signals import StopRequested, stop_on_signals
 from dflash.trainer.state import CheckpointSettings, DataPosition
-from dflash.trainer.step import DrafterStep
+from dflash.trainer.step import DrafterStep, MetricWindow
 
 log = logging.getLogger(__name__)
 
@@ -70,7 +71,6 @@ class AsyncTrainer:
         step_fns: list[DrafterStep],
         dataset: TokenDataset,
         planner: BatchPlanner,
-        sinks: list[MetricSink],
         stop_after: int,
         log_every: int,
         checkpoints: CheckpointSettings,
@@ -88,7 +88,8 @@ class AsyncTrainer:
         self.cfg, self.max_length = cfg, max_length
         self.faults = faults or FaultInjection()
         self.process_group = process_group or ProcessGroupInfo()
-        self.metrics_log = MetricsLog(sinks)
+        self.monitor: Monitor | None = None  # attached by the builder
+        self._pending: dict[int, dict[int, MetricWindow]] = defaultdict(dict)
         self.position = DataPosition()
         self._failure: tuple[str, BaseException] | None = None
         self._failure_lock = threading.Lock()
@@ -204,28 +205,52 @@ class AsyncTrainer:
         self.position = self.tracker.position(step)
         self.save()
 
-    def _collect_windows(self, pending: dict, window_start: list[float], wait: bool = False) -> None:
+    # -- probe for the monitor ---------------------------------------------------------------
+    def completed_windows(self, wait: bool) -> list[list[MetricWindow]]:
+        """Windows every replica has published, by step (replicas publish at the same steps)."""
         for loop in self.loops:
             for window in loop.drain_windows(wait):
-                pending[window.end_step][loop.replica] = window
-        for step in sorted(pending):
-            if len(pending[step]) < len(self.loops):
+                self._pending[window.end_step][loop.replica] = window
+        groups = []
+        for step in sorted(self._pending):
+            if len(self._pending[step]) < len(self.loops):
                 break
-            now = time.perf_counter()
-            by_replica = pending.pop(step)
-            windows = [by_replica[i] for i in range(len(self.loops))]
-            pipeline_stats = self.prefetcher.get_batch_stats()
-            pipeline_stats["queue/hs_depth"] = float(self.hs_queue.qsize())
-            pipeline_stats["queue/hs_fill"] = self.hs_queue.fill_ratio()
-            self.metrics_log.log_window(step, windows, now - window_start[0], self.step_fn.lr, pipeline_stats)
-            window_start[0] = now
+            by_replica = self._pending.pop(step)
+            groups.append([by_replica[i] for i in range(len(self.loops))])
+        return groups
+
+    def pipeline_stats(self) -> dict[str, float]:
+        stats = self.prefetcher.get_batch_stats()
+        stats["queue/hs_depth"] = float(self.hs_queue.qsize())
+        stats["queue/hs_fill"] = self.hs_queue.fill_ratio()
+        for bucket, depth in enumerate(self.hs_queue.bucket_sizes()):
+            stats[f"queue/hs_bucket_{bucket}_depth"] = float(depth)
+        for index, device_queue in enumerate(self.prefetcher.device_queues):
+            stats[f"queue/prefetch_target{index}_depth"] = float(device_queue.qsize())
+        stats["queue/producer_wait_total_s"] = self.hs_queue.producer_wait_s
+        stats["queue/consumer_wait_total_s"] = self.hs_queue.consumer_wait_s
+        for worker in self.workers:
+            counters = worker.counters()
+            name = f"target{worker.index}"
+            stats[f"count/{name}_batches"] = counters["batches"]
+            stats[f"count/{name}_tokens"] = counters["tokens"]
+            stats[f"worker/{name}_busy_total_s"] = counters["busy_s"]
+        for loop in self.loops:
+            counters = loop.get_metrics()
+            name = f"drafter{loop.replica}"
+            for key in ("batches", "samples", "tokens", "anchors"):
+                stats[f"count/{name}_{key}"] = counters[key]
+            stats[f"worker/{name}_busy_total_s"] = counters["busy_s"]
+            stats[f"worker/{name}_wait_total_s"] = counters["wait_s"]
+        return stats
+
+    def role_devices(self) -> dict[str, list[torch.device]]:
+        return {"target": [t.device for t in self.targets], "drafter": [s.device for s in self.step_fns]}
 
     def run(self) -> None:
         self._build()
         if self.cfg.warmup:
             self._warm_up()
-        pending: dict[int, dict] = defaultdict(dict)
-        window_start = [time.perf_counter()]
         stop_signum = None
         with stop_on_signals() as stop:
             self._spawn("feed", self.prefetcher.feed)
@@ -245,7 +270,7 @@ class AsyncTrainer:
                         for loop in self.loops:
                             loop.stop_requested.set()
                     time.sleep(self.cfg.poll_interval_s)
-                    self._collect_windows(pending, window_start)
+                    self.monitor.maybe_tick()
             finally:
                 if stop_signum is not None:
                     # Let drafters finish the step they are in, then unblock whoever waits.
@@ -255,7 +280,7 @@ class AsyncTrainer:
                 self._join_all()
         if self._failure is not None:
             raise self._failure[1]
-        self._collect_windows(pending, window_start, wait=True)
+        self.monitor.maybe_tick(wait=True, force=True)
         steps = {loop.step for loop in self.loops}
         assert len(steps) == 1, f"drafter replicas stopped at different steps: {steps}"
         self.position = self.tracker.position(steps.pop())

@@ -64,27 +64,39 @@ def drafter_forward_loss(
 
 @dataclass
 class MetricWindow:
-    """Host copy of one replica's sums over a log window."""
+    """Host copy of one replica's sums over a log window.
+
+    values (host float32): [weighted_ce, weight, grad_norm_sum, correct[B], counted[B],
+    weighted_ce per bucket[NB], weight per bucket[NB]].
+    """
 
     end_step: int
     steps: int
     samples: int
     real_tokens: int
     anchors: int
-    values: torch.Tensor  # host float32: [weighted_ce, weight, grad_norm_sum, correct[B], counted[B]]
+    buckets: list[int]  # bucket of each batch, in training order (same-bucket runs)
+    lr: float
+    block_size: int
+    num_buckets: int
+    values: torch.Tensor
     ready: torch.cuda.Event | None = None  # set while the device->host copy may be in flight
 
     def is_ready(self) -> bool:
         return self.ready is None or self.ready.query()
 
-    @property
-    def block_size(self) -> int:
-        return (self.values.numel() - 3) // 2
-
-    def sums(self) -> tuple[float, float, float, list[float], list[float]]:
-        values = self.values.tolist()  # a host tensor: no device sync
-        block = self.block_size
-        return values[0], values[1], values[2], values[3 : 3 + block], values[3 + block :]
+    def sums(self) -> dict[str, object]:
+        v = self.values.tolist()  # a host tensor: no device sync
+        b, nb = self.block_size, self.num_buckets
+        return {
+            "weighted_ce": v[0],
+            "weight": v[1],
+            "grad_norm": v[2],
+            "correct": v[3 : 3 + b],
+            "counted": v[3 + b : 3 + 2 * b],
+            "bucket_weighted_ce": v[3 + 2 * b : 3 + 2 * b + nb],
+            "bucket_weight": v[3 + 2 * b + nb :],
+        }
 
 
 class StepMetrics:
@@ -94,26 +106,32 @@ class StepMetrics:
     buffer plus a CUDA event the reader polls. Only `MetricWindow` values ever reach the host.
     """
 
-    def __init__(self, block_size: int, device: torch.device):
-        self.block_size, self.device = block_size, device
-        self._sums = torch.zeros(3 + 2 * block_size, device=device)
-        self.steps = self.samples = self.real_tokens = self.anchors = 0
+    def __init__(self, block_size: int, num_buckets: int, device: torch.device):
+        self.block_size, self.num_buckets, self.device = block_size, num_buckets, device
+        self._sums = torch.zeros(3 + 2 * block_size + 2 * num_buckets, device=device)
+        self._reset_host()
 
-    def add(
-        self, stats: LossStats, grad_norm: torch.Tensor, samples: int, real_tokens: int, anchors: int
-    ) -> None:
-        block = self.block_size
+    def _reset_host(self) -> None:
+        self.steps = self.samples = self.real_tokens = self.anchors = 0
+        self.buckets: list[int] = []
+
+    def add(self, stats: LossStats, grad_norm: torch.Tensor, batch: Batch, anchors: int) -> None:
+        b, nb = self.block_size, self.num_buckets
+        bucket = batch.plan.bucket  # a host int: indexing by it launches no sync
         self._sums[0] += stats.weighted_ce.detach()
         self._sums[1] += stats.weight
         self._sums[2] += grad_norm.detach()
-        self._sums[3 : 3 + block] += stats.correct
-        self._sums[3 + block :] += stats.counted
+        self._sums[3 : 3 + b] += stats.correct
+        self._sums[3 + b : 3 + 2 * b] += stats.counted
+        self._sums[3 + 2 * b + bucket] += stats.weighted_ce.detach()
+        self._sums[3 + 2 * b + nb + bucket] += stats.weight
         self.steps += 1
-        self.samples += samples
-        self.real_tokens += real_tokens
+        self.samples += len(batch.plan.sample_ids)
+        self.real_tokens += batch.real_tokens
         self.anchors += anchors
+        self.buckets.append(bucket)
 
-    def publish(self, end_step: int) -> MetricWindow:
+    def publish(self, end_step: int, lr: float) -> MetricWindow:
         if self.device.type == "cuda":
             host = torch.empty(self._sums.shape, dtype=self._sums.dtype, pin_memory=True)
             host.copy_(self._sums, non_blocking=True)
@@ -121,16 +139,21 @@ class StepMetrics:
             ready.record()
         else:
             host, ready = self._sums.clone(), None
-        window = MetricWindow(end_step, self.steps, self.samples, self.real_tokens, self.anchors, host, ready)
+        window = MetricWindow(
+            end_step,
+            self.steps,
+            self.samples,
+            self.real_tokens,
+            self.anchors,
+            self.buckets,
+            lr,
+            self.block_size,
+            self.num_buckets,
+            host,
+            ready,
+        )
         self._sums.zero_()  # same stream as the copy: ordered after it
-        self.steps = self.samples = self.real_tokens = self.anchors = 0
-        return window
-
-    def snapshot_and_reset(self, end_step: int) -> MetricWindow:
-        """Publish and wait (the sync trainer, at log steps only)."""
-        window = self.publish(end_step)
-        if window.ready is not None:
-            window.ready.synchronize()
+        self._reset_host()
         return window
 
 
@@ -146,13 +169,14 @@ class DrafterStep:
         noise: NoiseSchedule,
         block_settings: BlockSettings,
         grad_clip: float,
+        num_buckets: int,
     ):
         self.target, self.drafter = target, drafter
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
         self.noise, self.block_settings, self.grad_clip = noise, block_settings, grad_clip
         self.device = next(drafter.parameters()).device
         self.noise_generator = torch.Generator(device=self.device)
-        self.metrics = StepMetrics(drafter.block_size, self.device)
+        self.metrics = StepMetrics(drafter.block_size, num_buckets, self.device)
 
     def forward_backward(self, batch: Batch, features_BSF: torch.Tensor, step: int) -> tuple[LossStats, int]:
         """Backward of the weighted-CE *numerator*; `apply` divides by the step's total weight.
@@ -189,11 +213,12 @@ class DrafterStep:
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
-    def __call__(self, batch: Batch, features_BSF: torch.Tensor, step: int) -> None:
-        """One step of a single replica (the sync trainer)."""
+    def __call__(self, batch: Batch, features_BSF: torch.Tensor, step: int) -> int:
+        """One step of a single replica (the sync trainer); returns the number of anchors."""
         stats, num_anchors = self.forward_backward(batch, features_BSF, step)
         grad_norm = self.apply(stats.weight)
-        self.metrics.add(stats, grad_norm, len(batch.plan.sample_ids), batch.real_tokens, num_anchors)
+        self.metrics.add(stats, grad_norm, batch, num_anchors)
+        return num_anchors
 
     @property
     def lr(self) -> float:

@@ -1,23 +1,27 @@
 """The reference trainer (`pipeline=sync`): target forward, then the drafter step, in one thread.
 
-It is the correctness oracle for the asynchronous pipeline and its performance baseline.
-Host reads of device values happen only at log steps (`StepMetrics.snapshot`).
+It is the correctness oracle for the asynchronous pipeline and its performance baseline. It
+exposes the same probe to the monitor (windows, batch stats, counters); the monitor ticks
+between steps, on this same thread.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections import deque
+
+import torch
 
 from dflash.data.collate import collate
 from dflash.data.dataset import TokenDataset
 from dflash.data.schedule import BatchPlanner
-from dflash.logging.sinks import MetricSink
+from dflash.monitor.monitor import Monitor
+from dflash.pipeline.prefetch import BatchStats
 from dflash.trainer import state
-from dflash.trainer.metrics_log import MetricsLog
 from dflash.trainer.signals import StopRequested, stop_on_signals
 from dflash.trainer.state import CheckpointSettings, DataPosition
-from dflash.trainer.step import DrafterStep
+from dflash.trainer.step import DrafterStep, MetricWindow
 
 log = logging.getLogger(__name__)
 
@@ -28,7 +32,6 @@ class SyncTrainer:
         step_fn: DrafterStep,
         dataset: TokenDataset,
         planner: BatchPlanner,
-        sinks: list[MetricSink],
         stop_after: int,
         log_every: int,
         checkpoints: CheckpointSettings,
@@ -38,17 +41,70 @@ class SyncTrainer:
         self.target = step_fn.target
         self.dataset, self.planner = dataset, planner
         self.stop_after, self.log_every, self.checkpoints = stop_after, log_every, checkpoints
-        self.metrics_log = MetricsLog(sinks)
         self.position = DataPosition()
+        self.monitor: Monitor | None = None  # attached by the builder
+        self.batch_stats = BatchStats(planner.num_buckets)
+        self._windows: deque[MetricWindow] = deque()
+        self._counters = dict.fromkeys(
+            [
+                "count/target0_batches",
+                "count/target0_tokens",
+                "worker/target0_busy_total_s",
+                "count/drafter0_batches",
+                "count/drafter0_samples",
+                "count/drafter0_tokens",
+                "count/drafter0_anchors",
+                "worker/drafter0_busy_total_s",
+                "worker/drafter0_wait_total_s",
+            ],
+            0.0,
+        )
 
+    # -- probe for the monitor ---------------------------------------------------------------
+    def completed_windows(self, wait: bool) -> list[list[MetricWindow]]:
+        done = []
+        while self._windows and (wait or self._windows[0].is_ready()):
+            window = self._windows.popleft()
+            if window.ready is not None:
+                window.ready.synchronize()
+            done.append([window])
+        return done
+
+    def pipeline_stats(self) -> dict[str, float]:
+        return {**self.batch_stats.snapshot(), **self._counters}
+
+    def role_devices(self) -> dict[str, list[torch.device]]:
+        return {"target": [self.target.device], "drafter": [self.step_fn.device]}
+
+    # -- checkpoints -------------------------------------------------------------------------
     def restore(self, directory) -> None:
         self.position = state.restore(directory, [self.step_fn])
 
     def save(self):
         return state.save(self.checkpoints, self.step_fn, self.position)
 
+    # -- loop --------------------------------------------------------------------------------
+    def _train_one(self, seq: int) -> None:
+        counters = self._counters
+        started = time.perf_counter()
+        batch = collate(self.dataset, self.planner.at(seq))
+        self.batch_stats.record(batch.plan.bucket, batch.lengths.numpy())
+        collated = time.perf_counter()
+        features = self.target.features(batch.input_ids.to(self.target.device))
+        targeted = time.perf_counter()
+        anchors = self.step_fn(batch, features, self.position.step)
+        done = time.perf_counter()
+        counters["count/target0_batches"] += 1
+        counters["count/target0_tokens"] += batch.real_tokens
+        counters["worker/target0_busy_total_s"] += targeted - collated
+        counters["count/drafter0_batches"] += 1
+        counters["count/drafter0_samples"] += len(batch.plan.sample_ids)
+        counters["count/drafter0_tokens"] += batch.real_tokens
+        counters["count/drafter0_anchors"] += anchors
+        counters["worker/drafter0_busy_total_s"] += done - targeted
+        counters["worker/drafter0_wait_total_s"] += targeted - started  # the drafter waits for data
+
     def run(self) -> None:
-        window_start = time.perf_counter()
         with stop_on_signals() as stop:
             while self.position.step < self.stop_after:
                 if stop.is_set():
@@ -56,17 +112,13 @@ class SyncTrainer:
                     self.save()
                     raise StopRequested(stop.signum)
                 seq = self.position.next_seq
-                batch = collate(self.dataset, self.planner.at(seq))
-                features = self.target.features(batch.input_ids.to(self.target.device))
-                self.step_fn(batch, features, self.position.step)
+                self._train_one(seq)
                 self.position = DataPosition(next_seq=seq + 1, step=self.position.step + 1)
                 step = self.position.step
                 if step % self.log_every == 0 or step == self.stop_after:
-                    snapshot = self.step_fn.metrics.snapshot_and_reset(step)
-                    self.metrics_log.log_window(
-                        step, [snapshot], time.perf_counter() - window_start, self.step_fn.lr
-                    )
-                    window_start = time.perf_counter()
+                    self._windows.append(self.step_fn.metrics.publish(step, self.step_fn.lr))
+                self.monitor.maybe_tick()
                 if step % self.checkpoints.every_steps == 0 and step != self.stop_after:
                     self.save()
+        self.monitor.maybe_tick(wait=True, force=True)
         self.save()

@@ -1,0 +1,115 @@
+"""The Monitor: every `monitor.interval_s`, on the main thread, one flat dict of floats to the sinks.
+
+It reads what the pipeline stages expose (completed metric windows, batch stats, queue depths,
+per-worker counters), NVML telemetry and CUDA allocator stats. It never touches a device tensor:
+windows arrive as host floats through pinned copies, everything else is host counters.
+
+`interval_s: 0` ticks once per completed metric window (every `logger.every_steps` steps), which
+is what step-exact comparisons (sync vs async, resume) read.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+
+from dflash.config.schema import MonitorConfig
+from dflash.logging.sinks import MetricSink
+from dflash.monitor.telemetry import GpuTelemetry, cuda_allocator_stats
+from dflash.monitor.train_metrics import train_metrics
+from dflash.trainer.step import MetricWindow
+
+log = logging.getLogger(__name__)
+
+
+class PipelineProbe(Protocol):
+    """What a trainer exposes to the monitor (host values only, cheap, thread-safe)."""
+
+    def completed_windows(self, wait: bool) -> list[list[MetricWindow]]:
+        """Log windows every replica has published, oldest first; one list of replicas each."""
+
+    def pipeline_stats(self) -> dict[str, float]:
+        """Instant values (batch/, queue/ depths) and cumulative counters (worker/*, *_s totals)."""
+
+    def role_devices(self) -> dict[str, list[torch.device]]: ...
+
+
+@dataclass
+class Monitor:
+    cfg: MonitorConfig
+    sinks: list[MetricSink]
+    probe: PipelineProbe
+    total_steps: int
+    history: list[dict[str, float]] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        roles = self.probe.role_devices()
+        self.telemetry = GpuTelemetry(roles, enabled=self.cfg.telemetry)
+        self.cuda_devices = [d for devices in roles.values() for d in devices if d.type == "cuda"]
+        self._last_tick = time.perf_counter()
+        self._last_counters: dict[str, float] = {}
+
+    def maybe_tick(self, wait: bool = False, force: bool = False) -> None:
+        """Tick if the interval has passed (or `force`); cheap to call often."""
+        now = time.perf_counter()
+        if not force and self.cfg.interval_s > 0 and now - self._last_tick < self.cfg.interval_s:
+            return
+        groups = self.probe.completed_windows(wait)
+        if self.cfg.interval_s == 0:
+            for group in groups:
+                self._tick([group])
+        elif groups or force:
+            self._tick(groups)
+
+    def _tick(self, groups: list[list[MetricWindow]]) -> None:
+        now = time.perf_counter()
+        elapsed = max(now - self._last_tick, 1e-9)
+        metrics = train_metrics(groups) if groups else {}
+        metrics.update(self._pipeline_metrics(elapsed))
+        if self.telemetry is not None:
+            metrics.update(self.telemetry.read())
+        if self.cfg.cuda_stats and self.cuda_devices:
+            metrics.update(cuda_allocator_stats(self.cuda_devices))
+        for sink in self.sinks:
+            metrics.update(getattr(sink, "health", dict)())
+        step = int(metrics.get("train/opt_step", self.history[-1]["step"] if self.history else 0))
+        self._last_tick = now
+        if groups:
+            self.history.append({"step": float(step), **metrics})
+        for sink in self.sinks:
+            sink.log(metrics, step)
+
+    def _pipeline_metrics(self, elapsed: float) -> dict[str, float]:
+        stats = self.probe.pipeline_stats()
+        previous, self._last_counters = self._last_counters, dict(stats)
+        metrics: dict[str, float] = {}
+        for key, value in stats.items():
+            if key.endswith("_total_s"):  # cumulative seconds -> share of this tick's wall time
+                share = (value - previous.get(key, 0.0)) / elapsed
+                metrics[key.removesuffix("_total_s") + "_frac"] = min(max(share, 0.0), 1.0)
+            elif key.startswith("count/"):  # cumulative counts: logged as is, rates derived
+                metrics["worker/" + key.removeprefix("count/")] = float(value)
+            else:
+                metrics[key] = float(value)
+        delta = {k: stats[k] - previous.get(k, 0.0) for k in stats if k.startswith("count/")}
+        drafters = sorted({k.split("/")[1].split("_")[0] for k in delta if k.startswith("count/drafter")})
+        for name, rate in (
+            ("tokens", "tokens_per_s"),
+            ("samples", "samples_per_s"),
+            ("anchors", "anchors_per_s"),
+        ):
+            metrics[f"perf/{rate}"] = sum(delta.get(f"count/{d}_{name}", 0.0) for d in drafters) / elapsed
+        waits = [metrics[f"worker/{d}_wait_frac"] for d in drafters if f"worker/{d}_wait_frac" in metrics]
+        if waits:
+            metrics["perf/data_wait_frac"] = sum(waits) / len(waits)
+        return metrics
+
+    def close(self, ok: bool) -> None:
+        if self.telemetry is not None:
+            self.telemetry.close()
+        for sink in self.sinks:
+            sink.close(ok)

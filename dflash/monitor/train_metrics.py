@@ -1,0 +1,64 @@
+"""`train/` and `drafter{i}/` metrics from the replicas' metric windows (host floats only)."""
+
+from __future__ import annotations
+
+import itertools
+
+from dflash.loss import tau_from_accuracy
+from dflash.trainer.step import MetricWindow
+
+
+def longest_run(buckets: list[int]) -> int:
+    return max((len(list(group)) for _, group in itertools.groupby(buckets)), default=0)
+
+
+def train_metrics(groups: list[list[MetricWindow]]) -> dict[str, float]:
+    """Merge windows (several log windows, each with one window per replica).
+
+    Reduced the DESIGN way: sums of weighted-CE numerators and of weights, divided once, so a
+    replica or a window with few supervised positions weighs what it holds and no more.
+    """
+    first = groups[0][0]
+    block, num_buckets = first.block_size, first.num_buckets
+    total = {"weighted_ce": 0.0, "weight": 0.0, "grad_norm": 0.0}
+    correct, counted = [0.0] * block, [0.0] * block
+    bucket_ce, bucket_w = [0.0] * num_buckets, [0.0] * num_buckets
+    per_replica: dict[int, dict[str, float]] = {}
+    steps = run_max = 0
+    for group in groups:
+        for replica, window in enumerate(group):
+            sums = window.sums()
+            for key in total:
+                total[key] += sums[key]
+            correct = [a + b for a, b in zip(correct, sums["correct"])]
+            counted = [a + b for a, b in zip(counted, sums["counted"])]
+            bucket_ce = [a + b for a, b in zip(bucket_ce, sums["bucket_weighted_ce"])]
+            bucket_w = [a + b for a, b in zip(bucket_w, sums["bucket_weight"])]
+            mine = per_replica.setdefault(replica, {"weighted_ce": 0.0, "weight": 0.0})
+            mine["weighted_ce"] += sums["weighted_ce"]
+            mine["weight"] += sums["weight"]
+            mine["lr"], mine["opt_step"] = window.lr, float(window.end_step)
+            run_max = max(run_max, longest_run(window.buckets))
+            steps += window.steps if replica == 0 else 0
+    acc = [c / n if n > 0 else float("nan") for c, n in zip(correct, counted)]
+    last = groups[-1][0]
+    metrics = {
+        "train/loss": total["weighted_ce"] / total["weight"] if total["weight"] > 0 else 0.0,
+        "train/acc": sum(correct[1:]) / max(1.0, sum(counted[1:])),
+        "train/tau_sim": tau_from_accuracy(acc),
+        "train/grad_norm": total["grad_norm"] / max(1, steps * len(groups[0])),
+        "train/lr": last.lr,
+        "train/opt_step": float(last.end_step),
+        "batch/same_bucket_run_max": float(run_max),
+    }
+    metrics.update({f"train/acc_pos_{k}": acc[k] for k in range(1, block)})
+    for bucket in range(num_buckets):
+        if bucket_w[bucket] > 0:  # a bucket not seen in this tick has no loss, not a zero loss
+            metrics[f"train/loss_bucket_{bucket}"] = bucket_ce[bucket] / bucket_w[bucket]
+    for replica, mine in per_replica.items():
+        metrics[f"drafter{replica}/loss"] = (
+            mine["weighted_ce"] / mine["weight"] if mine["weight"] > 0 else 0.0
+        )
+        metrics[f"drafter{replica}/lr"] = mine["lr"]
+        metrics[f"drafter{replica}/opt_step"] = mine["opt_step"]
+    return metrics

@@ -1,0 +1,148 @@
+"""The monitor: every metric family reaches the sinks with plausible values, a stalled sink never
+holds up training, and missing NVML costs only its own metrics and one warning."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import threading
+import types
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash.build import build_run
+from dflash.logging.sinks import BackgroundSink
+from dflash.monitor.telemetry import GpuTelemetry
+
+FAMILIES = ("train/", "drafter0/", "drafter1/", "batch/", "queue/", "worker/", "perf/")
+
+
+def rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_async_run_logs_every_family_with_plausible_values(make_cfg, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = make_cfg(
+        [
+            "pipeline=async",
+            "gpu.target=2",
+            "gpu.drafter=2",
+            "train.total_steps=12",
+            "logger.every_steps=3",
+            "logger=wandb",
+        ]
+    )
+    run = build_run(cfg)
+    wandb_run = next(s for s in run.trainer.monitor.sinks if isinstance(s, BackgroundSink)).sink.run
+    sent: list[dict] = []
+    real_log = wandb_run.log
+    monkeypatch.setattr(
+        wandb_run, "log", lambda data, step=None: (sent.append(dict(data)), real_log(data, step=step))
+    )
+    run.execute()
+    run_dir = Path(cfg.paths.output_dir)
+    ticks = [r for r in rows(run_dir) if "train/loss" in r]
+    assert [r["step"] for r in ticks] == [3, 6, 9, 12]
+    for row in ticks:
+        for family in FAMILIES:
+            assert any(k.startswith(family) for k in row), (family, sorted(row))
+        assert all(isinstance(v, float) for k, v in row.items() if k != "step")
+        assert sum(row[f"batch/bucket_{i}_pct"] for i in range(3)) == pytest.approx(100.0)
+        assert 0.0 < row["batch/padding_efficiency"] <= 1.0
+        assert 0.0 <= row["batch/bucket_entropy"] <= 1.0
+        assert 1 <= row["batch/same_bucket_run_max"] <= 3
+        assert row["drafter0/opt_step"] == row["drafter1/opt_step"] == row["step"]
+        assert row["drafter0/lr"] == row["drafter1/lr"] == row["train/lr"]
+        assert any(k.startswith("train/loss_bucket_") for k in row)
+        assert 0.0 <= row["queue/hs_fill"] <= 1.0
+        for name in ("target0", "target1", "drafter0", "drafter1"):
+            assert row[f"worker/{name}_batches"] >= 0 and 0.0 <= row[f"worker/{name}_busy_frac"] <= 1.0
+        assert row["perf/tokens_per_s"] > 0 and 0.0 <= row["perf/data_wait_frac"] <= 1.0
+        assert not any(k.startswith("gpu/") for k in row)  # no GPU here: left out, not zero
+    assert ticks[-1]["worker/drafter0_batches"] + ticks[-1]["worker/drafter1_batches"] == 24
+
+    # The W&B sink (a real offline run) received every tick with the same keys as metrics.jsonl.
+    jsonl_rows = [{k: v for k, v in r.items() if k != "step"} for r in rows(run_dir)]
+    assert [sorted(r) for r in sent] == [sorted(r) for r in jsonl_rows]
+    assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+def test_a_stalled_sink_does_not_hold_up_training(make_cfg):
+    release = threading.Event()
+
+    class StalledSink:
+        calls = 0
+
+        def log(self, metrics, step):
+            StalledSink.calls += 1
+            release.wait()  # a W&B upload that never returns
+
+        def close(self, ok):
+            pass
+
+    run = build_run(make_cfg(["train.total_steps=20", "logger.every_steps=1"]))
+    stalled = BackgroundSink("stalled", StalledSink(), queue_size=3, close_timeout_s=0.5)
+    run.trainer.monitor.sinks.append(stalled)
+    finished = threading.Event()
+    worker = threading.Thread(target=lambda: (run.execute(), finished.set()))
+    worker.start()
+    worker.join(120)
+    release.set()
+    assert finished.is_set()  # training, eval and close all completed while the sink was stuck
+    assert StalledSink.calls == 1 and stalled.dropped >= 20 - 1 - 3
+    jsonl = [r for r in rows(Path(run.run_dir)) if "train/loss" in r]
+    assert len(jsonl) == 20 and jsonl[-1]["monitor/stalled_dropped"] > 0
+
+
+def test_without_nvml_gpu_metrics_are_left_out_after_one_warning(monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "pynvml", None)  # import fails as if nvidia-ml-py were absent
+    with caplog.at_level(logging.WARNING):
+        telemetry = GpuTelemetry({"target": [torch.device("cuda:0")], "drafter": [torch.device("cuda:1")]})
+        assert telemetry.read() == {} and telemetry.read() == {}
+    assert len([r for r in caplog.records if "NVML unavailable" in r.message]) == 1
+
+
+def fake_nvml(unsupported: str) -> types.ModuleType:
+    nv = types.ModuleType("pynvml")
+    nv.NVML_TEMPERATURE_GPU, nv.NVML_CLOCK_SM = 0, 1
+    nv.nvmlInit = nv.nvmlShutdown = lambda: None
+    handles = {"GPU-aaaa": "h-aaaa", "GPU-bbbb": "h-bbbb"}
+    nv.nvmlDeviceGetHandleByUUID = lambda uuid: handles[uuid]
+    value = {"h-aaaa": 10, "h-bbbb": 30}
+    nv.nvmlDeviceGetUtilizationRates = lambda h: types.SimpleNamespace(gpu=value[h])
+    nv.nvmlDeviceGetMemoryInfo = lambda h: types.SimpleNamespace(used=value[h] * 1e9)
+    nv.nvmlDeviceGetPowerUsage = lambda h: value[h] * 1000
+    nv.nvmlDeviceGetTemperature = lambda h, sensor: value[h] + 40
+    nv.nvmlDeviceGetClockInfo = lambda h, clock: 1980
+
+    def unsupported_field(h):
+        raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
+
+    nv.nvmlDeviceGetCurrentClocksEventReasons = lambda h: 0
+    setattr(nv, unsupported, unsupported_field)
+    return nv
+
+
+def test_nvml_maps_devices_by_uuid_and_drops_unsupported_fields(monkeypatch, caplog):
+    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml("nvmlDeviceGetPowerUsage"))
+    # CUDA index 0 is NVML's "bbbb" and index 1 is "aaaa": NVML ignores CUDA_VISIBLE_DEVICES.
+    uuids = {0: "bbbb", 1: "GPU-aaaa"}
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda i: types.SimpleNamespace(uuid=uuids[i]))
+    with caplog.at_level(logging.WARNING):
+        telemetry = GpuTelemetry({"target": [torch.device("cuda:0")], "drafter": [torch.device("cuda:1")]})
+        first, second = telemetry.read(), telemetry.read()
+    assert first["gpu/cuda0/util_pct"] == 30 and first["gpu/cuda1/util_pct"] == 10
+    assert first["gpu/target/util_pct"] == 30 and first["gpu/drafter/temp_c"] == 50
+    assert first["gpu/cuda1/mem_used_gb"] == pytest.approx(10)
+    assert not any("power" in k for k in first) and first == second
+    assert len([r for r in caplog.records if "power_w" in r.message]) == 1
+
+
+def test_telemetry_switch_turns_nvml_off(monkeypatch):
+    monkeypatch.setitem(sys.modules, "pynvml", fake_nvml("nvmlDeviceGetPowerUsage"))
+    telemetry = GpuTelemetry({"target": [torch.device("cuda:0")]}, enabled=False)
+    assert telemetry.nvml is None and telemetry.read() == {}
