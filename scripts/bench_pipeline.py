@@ -1,11 +1,16 @@
 #!/usr/bin/env python
-"""Throughput of pipeline=sync vs pipeline=async on the same config, side by side in one run.
+"""Training throughput of two variants of the same config, measured side by side in one run.
 
-    python scripts/bench_pipeline.py [--steps N] [--warmup-steps W] [hydra overrides ...]
-    python scripts/bench_pipeline.py gpu=single target.arch.hidden_size=1024 ...
+    python scripts/bench_pipeline.py [--compare pipeline|monitor] [--steps N] [hydra overrides ...]
 
-Each pipeline trains W steps (not timed: kernel autotuning, allocator growth), then N timed
-steps; the table reports tokens/s and samples/s of the timed window and async/sync ratios.
+--compare pipeline (default): pipeline=sync vs pipeline=async.
+--compare monitor: pipeline=async with the monitor ticking every 0.5 s with NVML and allocator
+    telemetry and a metric window every step, vs a quiet monitor (one window at the end, no
+    telemetry): the cost of observability.
+
+Each variant first runs the same config untimed (CUDA context, kernels, allocator), then trains
+N steps timed from the first step to the last (async target warm-up excluded). Tokens/s and
+samples/s come from the pipeline's own counters; the table ends with the ratio of the two.
 """
 
 from __future__ import annotations
@@ -13,51 +18,66 @@ from __future__ import annotations
 import argparse
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from hydra import compose, initialize_config_dir  # noqa: E402
-from hydra.core.global_hydra import GlobalHydra  # noqa: E402
-
 from dflash.build import build_run  # noqa: E402
-from dflash.config.schema import register_configs  # noqa: E402
+from dflash.tools.compose import compose_config  # noqa: E402
 
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+VARIANTS = {
+    "pipeline": {
+        "sync": ["pipeline=sync"],
+        "async": ["pipeline=async"],
+    },
+    "monitor": {
+        "monitor quiet": [
+            "pipeline=async",
+            "monitor.interval_s=1e9",
+            "monitor.telemetry=false",
+            "monitor.cuda_stats=false",
+            "logger.every_steps=1000000",
+        ],
+        "monitor 0.5s": [
+            "pipeline=async",
+            "monitor.interval_s=0.5",
+            "monitor.telemetry=true",
+            "monitor.cuda_stats=true",
+            "logger.every_steps=1",
+        ],
+    },
+}
 
 
-def measure(pipeline: str, overrides: list[str], steps: int, warmup: int, out: Path) -> dict[str, float]:
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(
-            "config",
-            overrides=[
-                *overrides,
-                f"pipeline={pipeline}",
-                "monitor.interval_s=0",
-                f"train.total_steps={warmup + steps}",
-                f"logger.every_steps={steps if warmup == 0 else warmup}",
-                f"checkpoint.every_steps={warmup + steps}",
-                f"paths.output_dir={out / pipeline}",
-            ],
-        )
-    if warmup and steps % warmup:
-        raise SystemExit("--steps must be a multiple of --warmup-steps (windows are log_every long)")
+def measure(overrides: list[str], steps: int, out: Path) -> dict[str, float]:
+    cfg = compose_config(
+        [
+            *overrides,
+            f"train.total_steps={steps}",
+            f"checkpoint.every_steps={steps}",
+            f"paths.output_dir={out}",
+        ]
+    )
     run = build_run(cfg)
+    trainer = run.trainer
     try:
-        run.trainer.run()
+        if hasattr(trainer, "prepare"):
+            trainer.prepare()
+        started = time.perf_counter()
+        trainer.run()
+        elapsed = time.perf_counter() - started
     finally:
-        run.trainer.monitor.close(True)
-    timed = run.trainer.monitor.history[1:] if warmup else run.trainer.monitor.history
-    tokens_per_s = sum(h["perf/tokens_per_s"] for h in timed) / len(timed)
-    samples_per_s = sum(h["perf/samples_per_s"] for h in timed) / len(timed)
-    windows = [round(h["train/loss"], 4) for h in run.trainer.monitor.history]
+        trainer.monitor.close(True)
+    counters = trainer.pipeline_stats()
+    tokens = sum(v for k, v in counters.items() if k.startswith("count/drafter") and k.endswith("_tokens"))
+    samples = sum(v for k, v in counters.items() if k.startswith("count/drafter") and k.endswith("_samples"))
+    loss = trainer.monitor.history[-1]["train/loss"] if trainer.monitor.history else float("nan")
     return {
-        "tokens_per_s": tokens_per_s,
-        "samples_per_s": samples_per_s,
-        "loss": timed[-1]["train/loss"],
-        "windows": windows,
+        "tokens_per_s": tokens / elapsed,
+        "samples_per_s": samples / elapsed,
+        "seconds": elapsed,
+        "loss": loss,
     }
 
 
@@ -65,24 +85,26 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
+    parser.add_argument("--compare", choices=sorted(VARIANTS), default="pipeline")
     parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--warmup-steps", type=int, default=50)
+    parser.add_argument("--warmup-steps", type=int, default=30, help="untimed run before each variant")
     args, overrides = parser.parse_known_args()
+    results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        results = {
-            p: measure(p, overrides, args.steps, args.warmup_steps, Path(tmp)) for p in ("sync", "async")
-        }
+        for name, variant in VARIANTS[args.compare].items():
+            measure([*overrides, *variant], args.warmup_steps, Path(tmp) / f"warm-{len(results)}")
+            results[name] = measure([*overrides, *variant], args.steps, Path(tmp) / f"run-{len(results)}")
+    print(f"\noverrides: {' '.join(overrides) or '(defaults)'}; {args.steps} timed steps")
+    print("| variant | tokens/s | samples/s | seconds | final loss |\n|---|---|---|---|---|")
+    for name, r in results.items():
+        print(
+            f"| {name} | {r['tokens_per_s']:,.0f} | {r['samples_per_s']:,.1f} | {r['seconds']:.1f} | {r['loss']:.4f} |"
+        )
+    (a, ra), (b, rb) = results.items()
     print(
-        f"\noverrides: {' '.join(overrides) or '(defaults)'}; {args.steps} timed steps after {args.warmup_steps}"
+        f"| {b} / {a} | {rb['tokens_per_s'] / ra['tokens_per_s']:.3f}x | "
+        f"{rb['samples_per_s'] / ra['samples_per_s']:.3f}x | | |"
     )
-    print("| pipeline | tokens/s | samples/s | final loss |\n|---|---|---|---|")
-    for name, r in results.items():
-        print(f"| {name} | {r['tokens_per_s']:,.0f} | {r['samples_per_s']:,.1f} | {r['loss']:.4f} |")
-    ratio_tokens = results["async"]["tokens_per_s"] / results["sync"]["tokens_per_s"]
-    ratio_samples = results["async"]["samples_per_s"] / results["sync"]["samples_per_s"]
-    print(f"| async/sync | {ratio_tokens:.2f}x | {ratio_samples:.2f}x | |")
-    for name, r in results.items():
-        print(f"{name} loss per window: {r['windows']}")
 
 
 if __name__ == "__main__":

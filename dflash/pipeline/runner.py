@@ -94,6 +94,7 @@ class AsyncTrainer:
         self._failure: tuple[str, BaseException] | None = None
         self._failure_lock = threading.Lock()
         self.threads: list[threading.Thread] = []
+        self.prefetcher: BatchPrefetcher | None = None
 
     # -- checkpoints -------------------------------------------------------------------------
     def restore(self, directory) -> None:
@@ -247,10 +248,15 @@ class AsyncTrainer:
     def role_devices(self) -> dict[str, list[torch.device]]:
         return {"target": [t.device for t in self.targets], "drafter": [s.device for s in self.step_fns]}
 
+    def prepare(self) -> None:
+        """Build the pipeline and warm the target up (once; run() calls it if nobody did)."""
+        if getattr(self, "prefetcher", None) is None:
+            self._build()
+            if self.cfg.warmup:
+                self._warm_up()
+
     def run(self) -> None:
-        self._build()
-        if self.cfg.warmup:
-            self._warm_up()
+        self.prepare()
         stop_signum = None
         with stop_on_signals() as stop:
             self._spawn("feed", self.prefetcher.feed)

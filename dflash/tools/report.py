@@ -1,0 +1,230 @@
+"""`dflash-report RUN_DIR [--compare RUN_DIR2]`: plots and a one-page summary from metrics.jsonl.
+
+Writes RUN_DIR/report/*.png and RUN_DIR/report/report.md:
+loss and accuracy (loss per bucket as colored points: a bucket-driven, "fluffy" loss shows as
+separated bands), bucket mix per tick, longest same-bucket run, grad norm, queue depths,
+per-drafter loss and optimizer step, GPU utilization and power per device (when the run had
+NVML telemetry). With --compare, the main curves of two runs overlaid.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+from pathlib import Path
+
+import numpy as np
+
+
+def load_rows(run_dir: Path) -> list[dict]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise SystemExit(f"dflash-report: {path} not found (is {run_dir} a dflash run directory?)")
+    rows = []
+    for number, line in enumerate(path.read_text().splitlines(), start=1):
+        try:
+            rows.append(json.loads(line))
+        except json.JSONDecodeError:
+            print(f"dflash-report: skipping unreadable line {path}:{number}")
+    return rows
+
+
+def series(rows: list[dict], key: str) -> tuple[np.ndarray, np.ndarray]:
+    points = [(r["step"], r[key]) for r in rows if r.get(key) is not None]
+    if not points:
+        return np.array([]), np.array([])
+    steps, values = zip(*points)
+    return np.asarray(steps, dtype=float), np.asarray(values, dtype=float)
+
+
+def keys_matching(rows: list[dict], pattern: str) -> list[str]:
+    regex = re.compile(pattern)
+    return sorted(
+        {k for r in rows for k in r if regex.fullmatch(k)},
+        key=lambda k: [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", k)],
+    )
+
+
+def bucket_mix_per_tick(rows: list[dict]) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+    """batch/ stats are cumulative; the share of each bucket among batches dispatched per tick."""
+    pct_keys = keys_matching(rows, r"batch/bucket_\d+_pct")
+    ticks = [r for r in rows if "batch/dispatched" in r and all(k in r for k in pct_keys)]
+    if len(ticks) < 1 or not pct_keys:
+        return np.array([]), {}
+    counts = np.array([[r[k] * r["batch/dispatched"] / 100 for k in pct_keys] for r in ticks])
+    per_tick = np.diff(np.vstack([np.zeros(len(pct_keys)), counts]), axis=0)
+    totals = per_tick.sum(axis=1, keepdims=True)
+    shares = np.divide(per_tick, totals, out=np.zeros_like(per_tick), where=totals > 0) * 100
+    steps = np.array([r["step"] for r in ticks], dtype=float)
+    return steps, {k.split("/")[1].removesuffix("_pct"): shares[:, i] for i, k in enumerate(pct_keys)}
+
+
+def plot_run(rows: list[dict], out: Path, title: str) -> list[str]:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    written = []
+
+    def save(fig, name: str) -> None:
+        fig.suptitle(f"{title}: {name.replace('_', ' ')}")
+        fig.tight_layout()
+        fig.savefig(out / f"{name}.png", dpi=110)
+        plt.close(fig)
+        written.append(f"{name}.png")
+
+    fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for key in keys_matching(rows, r"train/loss_bucket_\d+"):
+        steps, values = series(rows, key)
+        ax_loss.scatter(steps, values, s=12, alpha=0.7, label=key.split("_", 1)[1].replace("_", " "))
+    steps, values = series(rows, "train/loss")
+    ax_loss.plot(steps, values, color="black", linewidth=1.2, label="all buckets")
+    ax_loss.set(xlabel="optimizer step", ylabel="weighted CE loss", title="loss, colored by length bucket")
+    ax_loss.legend(fontsize=8)
+    for key, label in (("train/acc", "accuracy (k >= 1)"), ("train/tau_sim", "tau_sim / block")):
+        steps, values = series(rows, key)
+        if key == "train/tau_sim" and len(values):
+            block = 1 + len(keys_matching(rows, r"train/acc_pos_\d+"))
+            values = values / block
+        ax_acc.plot(steps, values, label=label)
+    ax_acc.set(xlabel="optimizer step", ylim=(0, 1), title="accuracy and simulated acceptance")
+    ax_acc.legend(fontsize=8)
+    save(fig, "loss_accuracy")
+
+    fig, (ax_mix, ax_run) = plt.subplots(1, 2, figsize=(12, 4.2))
+    steps, shares = bucket_mix_per_tick(rows)
+    if shares:
+        ax_mix.stackplot(steps, *shares.values(), labels=list(shares), alpha=0.8)
+        ax_mix.legend(fontsize=8, loc="upper right")
+    ax_mix.set(xlabel="optimizer step", ylabel="% of batches in the tick", ylim=(0, 100), title="bucket mix")
+    steps, values = series(rows, "batch/same_bucket_run_max")
+    ax_run.step(steps, values, where="post")
+    ax_run.set(xlabel="optimizer step", ylabel="batches", title="longest same-bucket run per tick")
+    save(fig, "buckets")
+
+    fig, (ax_grad, ax_queue) = plt.subplots(1, 2, figsize=(12, 4.2))
+    steps, values = series(rows, "train/grad_norm")
+    ax_grad.plot(steps, values)
+    ax_grad.set(xlabel="optimizer step", ylabel="pre-clip grad norm", title="grad norm", yscale="log")
+    for key in keys_matching(rows, r"queue/(hs_depth|prefetch_target\d+_depth)"):
+        steps, values = series(rows, key)
+        ax_queue.plot(steps, values, label=key.split("/")[1])
+    ax_queue.set(xlabel="optimizer step", ylabel="items", title="queue depths")
+    if ax_queue.lines:
+        ax_queue.legend(fontsize=8)
+    else:
+        ax_queue.text(0.5, 0.5, "no queues (pipeline=sync)", ha="center", transform=ax_queue.transAxes)
+    save(fig, "grad_norm_queues")
+
+    fig, (ax_dl, ax_ds) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for key in keys_matching(rows, r"drafter\d+/loss"):
+        steps, values = series(rows, key)
+        ax_dl.plot(steps, values, label=key.split("/")[0])
+        steps, opt = series(rows, key.replace("/loss", "/opt_step"))
+        ax_ds.plot(steps, opt - steps, label=key.split("/")[0])
+    ax_dl.set(xlabel="optimizer step", ylabel="loss", title="loss per drafter replica")
+    ax_ds.set(xlabel="optimizer step", ylabel="drafter step - logged step", title="drafter step skew")
+    for ax in (ax_dl, ax_ds):
+        if ax.lines:
+            ax.legend(fontsize=8)
+    save(fig, "drafters")
+
+    util_keys = keys_matching(rows, r"gpu/cuda\d+/util_pct")
+    fig, (ax_util, ax_power) = plt.subplots(1, 2, figsize=(12, 4.2))
+    for key in util_keys:
+        device = key.split("/")[1]
+        ax_util.plot(*series(rows, key), label=device)
+        ax_power.plot(*series(rows, f"gpu/{device}/power_w"), label=device)
+    ax_util.set(xlabel="optimizer step", ylabel="%", title="GPU utilization", ylim=(0, 100))
+    ax_power.set(xlabel="optimizer step", ylabel="W", title="GPU power")
+    for ax in (ax_util, ax_power):
+        if ax.lines:
+            ax.legend(fontsize=8)
+        else:
+            ax.text(0.5, 0.5, "no NVML telemetry in this run", ha="center", transform=ax.transAxes)
+    save(fig, "gpus")
+    return written
+
+
+def plot_compare(rows_a: list[dict], rows_b: list[dict], name_a: str, name_b: str, out: Path) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = ("train/loss", "train/acc", "train/tau_sim", "perf/tokens_per_s")
+    fig, axes = plt.subplots(1, len(keys), figsize=(16, 3.8))
+    for ax, key in zip(axes, keys):
+        for rows, name in ((rows_a, name_a), (rows_b, name_b)):
+            ax.plot(*series(rows, key), label=name)
+        ax.set(xlabel="optimizer step", title=key)
+        ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(out / "compare.png", dpi=110)
+    plt.close(fig)
+    return "compare.png"
+
+
+def final_values(rows: list[dict]) -> dict[str, float]:
+    last: dict[str, float] = {}
+    for row in rows:
+        last.update({k: v for k, v in row.items() if v is not None})
+    return last
+
+
+def summary_markdown(
+    run_dir: Path, rows: list[dict], images: list[str], compare: tuple[Path, list[dict]] | None
+) -> str:
+    last = final_values(rows)
+    keys = [
+        "step",
+        "train/loss",
+        "train/acc",
+        "train/tau_sim",
+        "eval/tau",
+        "eval/lossless_frac",
+        "train/grad_norm",
+        "perf/tokens_per_s",
+        "perf/data_wait_frac",
+        "batch/padding_efficiency",
+        "batch/bucket_entropy",
+    ]
+    lines = [f"# dflash run report: `{run_dir}`", ""]
+    if compare:
+        other = final_values(compare[1])
+        lines += [f"| metric | {run_dir.name} | {compare[0].name} |", "|---|---|---|"]
+        lines += [
+            f"| {k} | {last.get(k, float('nan')):.4g} | {other.get(k, float('nan')):.4g} |" for k in keys
+        ]
+    else:
+        lines += ["| metric | final |", "|---|---|"]
+        lines += [f"| {k} | {last[k]:.4g} |" for k in keys if k in last]
+    lines.append("")
+    lines += [f"![{name}]({name})" for name in images]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("run_dir", type=Path)
+    parser.add_argument("--compare", type=Path, help="a second run dir whose main curves are overlaid")
+    parser.add_argument("--out", type=Path, help="output folder (default RUN_DIR/report)")
+    args = parser.parse_args(argv)
+    rows = [r for r in load_rows(args.run_dir)]
+    out = args.out or args.run_dir / "report"
+    out.mkdir(parents=True, exist_ok=True)
+    images = plot_run(rows, out, args.run_dir.name)
+    compare = None
+    if args.compare:
+        compare = (args.compare, load_rows(args.compare))
+        images.append(plot_compare(rows, compare[1], args.run_dir.name, args.compare.name, out))
+    (out / "report.md").write_text(summary_markdown(args.run_dir, rows, images, compare))
+    print(f"dflash-report: wrote {len(images)} plots and report.md to {out}")
+
+
+if __name__ == "__main__":
+    main()
