@@ -6,13 +6,9 @@ from pathlib import Path
 
 import pytest
 import torch
-from hydra import compose, initialize_config_dir
-from hydra.core.global_hydra import GlobalHydra
 from omegaconf import DictConfig
 
-from dflash.config.schema import register_configs
-
-CONF_DIR = Path(__file__).resolve().parent.parent / "conf"
+from dflash.tools.compose import compose_config as compose_dflash_config
 
 # Small enough for a test, large enough to fill every bucket and train a few steps.
 FAST = ["data.num_samples=48", "eval.num_prompts=2", "eval.max_new_tokens=12", "monitor.interval_s=0"]
@@ -21,15 +17,12 @@ FAST = ["data.num_samples=48", "eval.num_prompts=2", "eval.max_new_tokens=12", "
 def compose_config(
     overrides: list[str] | None = None, output_dir: Path | None = None, cache_dir: Path | None = None
 ) -> DictConfig:
-    register_configs()
-    GlobalHydra.instance().clear()
     overrides = list(overrides or [])
     if output_dir is not None:
         overrides.append(f"paths.output_dir={output_dir}")
     if cache_dir is not None:
         overrides.append(f"paths.cache_dir={cache_dir}")
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="config", overrides=overrides)
+    return compose_dflash_config(overrides)
 
 
 @pytest.fixture(scope="session")

@@ -13,7 +13,8 @@ from omegaconf import OmegaConf
 
 from dflash.build import build_run
 from dflash.config.validate import resolve_device_split
-from tests.conftest import CONF_DIR, compose_config
+from dflash.tools.compose import CONF_DIR
+from tests.conftest import compose_config
 
 SNAPSHOT = Path(__file__).parent / "snapshots" / "default_config_keys.txt"
 NOT_OPTION_GROUPS = {"hydra", "experiment"}

@@ -28,7 +28,7 @@ def windowed_entropy(buckets: list[int], num_buckets: int, window: int) -> tuple
     for start in range(0, max(1, len(buckets) - window + 1)):
         counts = np.bincount(buckets[start : start + window], minlength=num_buckets)
         p = counts[counts > 0] / counts.sum()
-        values.append(float(-(p * np.log(p)).sum() / math.log(max(2, num_buckets))))
+        values.append(abs(float(-(p * np.log(p)).sum() / math.log(max(2, num_buckets)))))
     return float(np.mean(values)), float(np.min(values))
 
 

@@ -1,0 +1,66 @@
+"""dflash-report and dflash-schedule on real run output."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dflash.tools import report, schedule_report
+from dflash.train import train
+
+
+def test_report_writes_plots_and_a_summary_and_compares_two_runs(make_cfg, tmp_path, capsys):
+    runs = []
+    for name, scheduler in (("a", "interleave"), ("b", "shuffle")):
+        cfg = make_cfg(
+            [f"scheduler={scheduler}", "train.total_steps=12", "logger.every_steps=3"], tmp_path / name
+        )
+        train(cfg)
+        runs.append(Path(cfg.paths.output_dir))
+    with (runs[0] / "metrics.jsonl").open("a") as f:
+        f.write("{not json\n")  # a torn last line must not stop the report
+    report.main([str(runs[0]), "--compare", str(runs[1])])
+    out = runs[0] / "report"
+    images = [
+        "loss_accuracy.png",
+        "buckets.png",
+        "grad_norm_queues.png",
+        "drafters.png",
+        "gpus.png",
+        "compare.png",
+    ]
+    for name in images:
+        assert (out / name).stat().st_size > 10_000, name  # a rendered figure, not an empty file
+    summary = (out / "report.md").read_text()
+    assert "| metric | a | b |" in summary and "| train/loss |" in summary
+    assert all(f"]({name})" in summary for name in images)
+    assert "skipping unreadable line" in capsys.readouterr().out
+
+
+def test_bucket_mix_per_tick_is_the_delta_of_cumulative_counts():
+    rows = [
+        {"step": 1, "batch/dispatched": 4, "batch/bucket_0_pct": 50.0, "batch/bucket_1_pct": 50.0},
+        {"step": 2, "batch/dispatched": 8, "batch/bucket_0_pct": 25.0, "batch/bucket_1_pct": 75.0},
+    ]
+    steps, shares = report.bucket_mix_per_tick(rows)
+    assert list(steps) == [1, 2]
+    assert list(shares["bucket_0"]) == [50.0, 0.0] and list(shares["bucket_1"]) == [50.0, 100.0]
+
+
+def test_schedule_report_shows_interleave_breaking_runs(make_cfg, capsys, data_cache):
+    schedule_report.main(["data.num_samples=48", f"paths.cache_dir={data_cache}"])
+    text = capsys.readouterr().out
+    assert "scheduler=shuffle" in text and "scheduler=interleave" in text
+    longest = [
+        int(line.split("(longest ")[1].rstrip(")")) for line in text.splitlines() if "(longest" in line
+    ]
+    assert len(longest) == 2 and longest[1] <= longest[0]
+
+
+def test_schedule_report_statistics():
+    buckets = [0, 0, 0, 1, 1, 0, 2]
+    assert dict(schedule_report.run_lengths(buckets)) == {3: 1, 2: 1, 1: 2}
+    mean_h, min_h = schedule_report.windowed_entropy([0, 1, 2, 0, 1, 2], 3, 3)
+    assert abs(mean_h - 1.0) < 1e-9 and abs(min_h - 1.0) < 1e-9
+    assert schedule_report.windowed_entropy([0, 0, 0], 3, 3) == (0.0, 0.0)
+    assert json.dumps(schedule_report.report({"x": [0, 1]}, 2, 2))
