@@ -250,7 +250,7 @@ class AsyncTrainer:
 
     def prepare(self) -> None:
         """Build the pipeline and warm the target up (once; run() calls it if nobody did)."""
-        if getattr(self, "prefetcher", None) is None:
+        if self.prefetcher is None:
             self._build()
             if self.cfg.warmup:
                 self._warm_up()
