@@ -29,8 +29,28 @@ class ProcessGroupInfo:
             dist.destroy_process_group()
 
 
+def export_submitit_environment() -> None:
+    """Under a multi-task submitit/SLURM job, describe the group the way torchrun would."""
+    if "WORLD_SIZE" in os.environ or int(os.environ.get("SLURM_NTASKS", "1")) <= 1:
+        return
+    try:
+        import submitit
+
+        env = submitit.JobEnvironment()
+    except (ImportError, RuntimeError):
+        return  # not a submitit job: plain srun users launch torchrun themselves
+    os.environ.update(
+        RANK=str(env.global_rank),
+        LOCAL_RANK=str(env.local_rank),
+        WORLD_SIZE=str(env.num_tasks),
+        MASTER_ADDR=env.hostnames[0],
+        MASTER_PORT=os.environ.get("MASTER_PORT", str(20000 + int(env.job_id.split("_")[0]) % 20000)),
+    )
+
+
 def init_from_env(device_kind: str) -> ProcessGroupInfo:
-    """Join the process group torchrun describes in the environment (WORLD_SIZE, RANK, ...)."""
+    """Join the process group torchrun (or a multi-node submitit job) describes in the environment."""
+    export_submitit_environment()
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         return ProcessGroupInfo()

@@ -27,7 +27,20 @@ def train(cfg: DictConfig) -> dict[str, Any]:
     from dflash.build import build_run
 
     run = build_run(cfg)
-    return run.execute()
+    try:
+        return run.execute()
+    finally:
+        release_devices()
+
+
+def release_devices() -> None:
+    """Multirun runs jobs in one process: the next job starts with free memory and fresh peaks."""
+    import torch
+
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+        for index in range(torch.cuda.device_count()):
+            torch.cuda.reset_peak_memory_stats(index)
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
@@ -39,7 +52,11 @@ def main(cfg: DictConfig) -> float:
     except StopRequested as stop:
         # A checkpoint was written; exit as schedulers expect from a signalled job.
         sys.exit(128 + stop.signum)
-    return float(summary.get("train/tau_sim", 0.0))
+    if "rank" in summary:  # a non-zero torchrun rank: rank 0 reports the objective
+        return float("nan")
+    if cfg.objective not in summary:
+        raise ValueError(f"objective={cfg.objective!r} is not a summary metric; have {sorted(summary)}")
+    return float(summary[cfg.objective])
 
 
 if __name__ == "__main__":

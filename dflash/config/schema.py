@@ -259,6 +259,8 @@ class Config:
     seed: int = 0
     # A checkpoint directory to continue from (same batches, same losses).
     resume: Optional[str] = None
+    # The summary metric the task function returns (what a Hydra sweeper optimizes).
+    objective: str = "eval/tau"
 
 
 def register_configs() -> None:

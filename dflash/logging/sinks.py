@@ -138,16 +138,28 @@ def wandb_mode(cfg: WandbConfig) -> str:
     return "online" if os.environ.get("WANDB_API_KEY") else "offline"
 
 
+def sweep_naming() -> tuple[str | None, str | None]:
+    """(group, name) for a job of a Hydra multirun: the sweep dir and the job's own overrides."""
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    if not HydraConfig.initialized() or HydraConfig.get().mode != RunMode.MULTIRUN:
+        return None, None
+    hydra_cfg = HydraConfig.get()
+    return Path(hydra_cfg.sweep.dir).name, hydra_cfg.job.override_dirname or None
+
+
 class WandbSink:
     def __init__(self, cfg: WandbConfig, run_dir: Path, resolved_config: dict[str, Any]):
         import wandb
 
         self.timeout_s = cfg.finish_timeout_s
+        sweep_group, job_name = sweep_naming()
         self.run = wandb.init(
             project=cfg.project,
             entity=cfg.entity,
-            group=cfg.group,
-            name=cfg.name,
+            group=cfg.group or sweep_group,  # runs of one sweep share a group
+            name=cfg.name or job_name,  # ... and are named by the overrides that differ
             tags=list(cfg.tags),
             config=resolved_config,
             dir=str(run_dir),

@@ -1,0 +1,110 @@
+"""Hydra callbacks. `RunRecordCallback` writes `run.json` into every job dir, under any launcher
+(basic, multirun, submitit/SLURM), also when the job fails.
+
+run.json: resolved config, group choices, overrides, versions of dflash and its libraries, the
+git commit of the code, the devices, start/end time, exit status (with the error of a failed
+job), final metrics, and the dflash threads alive when the job started (multirun runs jobs in one
+process: a thread left by an earlier job would show here).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import threading
+import time
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.core.utils import JobReturn, JobStatus
+from hydra.experimental.callback import Callback
+from omegaconf import DictConfig, OmegaConf
+
+LIBRARIES = ("dflash", "torch", "transformers", "hydra-core", "omegaconf", "safetensors", "wandb", "numpy")
+
+
+def library_versions() -> dict[str, str]:
+    versions = {}
+    for name in LIBRARIES:
+        try:
+            versions[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            versions[name] = "not installed"
+    return versions
+
+
+def git_commit(directory: Path) -> dict[str, Any]:
+    def git(*args: str) -> str:
+        return subprocess.run(
+            ["git", "-C", str(directory), *args], capture_output=True, text=True, timeout=10, check=True
+        ).stdout.strip()
+
+    try:
+        return {
+            "commit": git("rev-parse", "HEAD"),
+            "dirty": bool(git("status", "--porcelain", "--untracked-files=no")),
+        }
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "dirty": None}
+
+
+def device_inventory() -> dict[str, Any]:
+    import torch
+
+    cuda = []
+    if torch.cuda.is_available():
+        cuda = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+    return {"host": platform.node(), "cpu_count": os.cpu_count(), "cuda_devices": cuda}
+
+
+def dflash_threads() -> list[str]:
+    return sorted(t.name for t in threading.enumerate() if t.name.startswith("dflash-"))
+
+
+class RunRecordCallback(Callback):
+    def __init__(self, filename: str = "run.json") -> None:
+        self.filename = filename
+        self._started: dict[str, float] = {}
+        self._threads_at_start: dict[str, list[str]] = {}
+
+    def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
+        output_dir = HydraConfig.get().runtime.output_dir
+        self._started[output_dir] = time.time()
+        self._threads_at_start[output_dir] = dflash_threads()
+
+    def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        hydra_cfg = HydraConfig.get()
+        output_dir = Path(hydra_cfg.runtime.output_dir)
+        failed = job_return.status == JobStatus.FAILED
+        summary_path = output_dir / "summary.json"
+        record = {
+            "status": "FAILED" if failed else "COMPLETED",
+            "error": f"{type(job_return._return_value).__name__}: {job_return._return_value}"
+            if failed
+            else None,
+            "start_time": self._started.pop(str(output_dir), None),
+            "end_time": time.time(),
+            "job": {"name": hydra_cfg.job.name, "num": hydra_cfg.job.get("num"), "mode": str(hydra_cfg.mode)},
+            "choices": OmegaConf.to_container(hydra_cfg.runtime.choices),
+            "overrides": list(hydra_cfg.overrides.task),
+            "config": _resolved(config),
+            "versions": library_versions(),
+            "git": git_commit(Path(__file__).resolve().parent),
+            "devices": device_inventory(),
+            "threads_at_start": self._threads_at_start.pop(str(output_dir), []),
+            "metrics": json.loads(summary_path.read_text()) if summary_path.is_file() else {},
+        }
+        tmp = output_dir / f".{self.filename}.tmp"
+        tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
+        tmp.replace(output_dir / self.filename)
+
+
+def _resolved(config: DictConfig) -> dict[str, Any]:
+    try:
+        return OmegaConf.to_container(config, resolve=True, enum_to_str=True)
+    except Exception:  # an unresolvable value (the failure itself, maybe): keep what can be kept
+        return OmegaConf.to_container(config, resolve=False, enum_to_str=True)
