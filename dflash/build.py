@@ -117,8 +117,7 @@ class Run:
             eval_metrics = evaluate_spec_decode(
                 self.trainer.target, self.trainer.drafter, node(self.cfg, "eval"), self.excluded_token_ids
             )
-            for sink in self.trainer.monitor.sinks:
-                sink.log(eval_metrics, self.trainer.position.step)
+            self.trainer.monitor.log(eval_metrics, self.trainer.position.step)
             summary = self._summary(eval_metrics, time.perf_counter() - started)
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             print(format_summary(summary), flush=True)

@@ -39,20 +39,25 @@ def make_cfg(tmp_path, data_cache):
     return _make
 
 
+# The tiny target's architecture (conf/target/tiny.yaml uses the same numbers).
+TINY_ARCH = dict(
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=6,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    tie_word_embeddings=False,
+    max_position_embeddings=512,
+)
+
+
 def save_tiny_model(directory: Path, model_type: str) -> Path:
     """A random-init model of a real architecture saved as a local checkpoint directory."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    common = dict(
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        tie_word_embeddings=False,
-        max_position_embeddings=512,
-    )
+    common = {k: v for k, v in TINY_ARCH.items() if k != "num_hidden_layers"}
     if model_type == "qwen3":
         config = AutoConfig.for_model("qwen3", num_hidden_layers=6, **common)
     else:  # qwen3_next: hybrid Gated DeltaNet (linear attention) + full attention layers, MoE MLP

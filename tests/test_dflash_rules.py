@@ -22,17 +22,9 @@ MASK_ID = 511
 def tiny_target() -> FrozenTarget:
     from transformers import AutoModelForCausalLM
 
-    config = AutoConfig.for_model(
-        "qwen3",
-        vocab_size=512,
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=6,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        tie_word_embeddings=False,
-    )
+    from tests.conftest import TINY_ARCH
+
+    config = AutoConfig.for_model("qwen3", **TINY_ARCH)
     torch.manual_seed(0)
     return FrozenTarget(AutoModelForCausalLM.from_config(config), [1, 3])
 

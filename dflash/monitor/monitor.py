@@ -108,6 +108,11 @@ class Monitor:
             metrics["perf/data_wait_frac"] = sum(waits) / len(waits)
         return metrics
 
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        """Rows outside the tick cadence (the final evaluation)."""
+        for sink in self.sinks:
+            sink.log(metrics, step)
+
     def close(self, ok: bool) -> None:
         if self.telemetry is not None:
             self.telemetry.close()

@@ -27,9 +27,8 @@ class ReplicaGradSync:
     """Sums flattened gradients and loss weights over the drafter replicas of this process (and
     over processes, when torch.distributed is initialized), with a barrier per step."""
 
-    def __init__(self, num_replicas: int, devices: list[torch.device]):
+    def __init__(self, num_replicas: int):
         self.num_replicas = num_replicas
-        self.devices = devices
         self._slots: list[torch.Tensor | None] = [None] * num_replicas
         self._total: torch.Tensor | None = None
         self._barrier = threading.Barrier(num_replicas, action=self._reduce)
@@ -123,7 +122,6 @@ class DrafterLoop:
                 "anchors": self.anchors,
                 "busy_s": self.busy_s,
                 "wait_s": self.wait_s,
-                "opt_step": self.step,
             }
 
     def run(self) -> None:

@@ -101,7 +101,6 @@ class BatchPrefetcher:
         self._lock = threading.Lock()
         self._round_robin = 0  # the ONE shared dispatch counter
         self._per_device_keys = [0] * len(target_devices)
-        self.dispatch_counts = [0] * len(target_devices)
         self.stats = BatchStats(planner.num_buckets)
         self.num_workers = num_workers
         self.pin = any(d.type == "cuda" for d in target_devices)
@@ -114,7 +113,6 @@ class BatchPrefetcher:
             self._round_robin += 1
             key = self._per_device_keys[device]
             self._per_device_keys[device] += 1
-            self.dispatch_counts[device] += 1
             self.stats.record(bucket, lengths)  # inside the dispatch lock: counts follow dispatch order
             return device, key
 

@@ -39,7 +39,6 @@ class HiddenStateQueue(Generic[T]):
         self._closed = False
         self.producer_wait_s = 0.0
         self.consumer_wait_s = 0.0
-        self.total_put = 0
 
     def put(self, item: T, bucket: int) -> None:
         with self._lock:
@@ -52,7 +51,6 @@ class HiddenStateQueue(Generic[T]):
                 raise QueueClosed
             self._items.append((bucket, item))
             self._buckets[bucket] += 1
-            self.total_put += 1
             self._not_empty.notify()
 
     def get(self) -> T:

@@ -130,7 +130,7 @@ class AsyncTrainer:
             )
             for i, target in enumerate(self.targets)
         ]
-        self.grad_sync = ReplicaGradSync(num_drafters, [s.device for s in self.step_fns])
+        self.grad_sync = ReplicaGradSync(num_drafters)
         self.loops = [
             DrafterLoop(
                 i,
