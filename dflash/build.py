@@ -173,7 +173,7 @@ def build_step_fn(
         optimizer,
         build_lr_scheduler(node(cfg, "lr_schedule"), optimizer, total_steps),
         NoiseSchedule.from_config(node(cfg, "noise")),
-        BlockSettings(seed=cfg.seed, num_anchors=cfg.drafter.num_anchors, gamma=cfg.loss.gamma),
+        BlockSettings(cfg.seed, cfg.drafter.num_anchors, cfg.loss.gamma, cfg.loss.logits_chunk),
         grad_clip=cfg.optimizer.grad_clip,
         num_buckets=num_buckets,
     )

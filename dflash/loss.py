@@ -13,6 +13,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from dflash.blocks import DraftBlocks
 
@@ -32,16 +33,52 @@ class LossStats:
         return self.weighted_ce / self.weight.clamp_min(1e-6)
 
 
-def draft_loss(hidden_BQH: torch.Tensor, lm_head: nn.Module, blocks: DraftBlocks) -> LossStats:
-    logits = lm_head(hidden_BQH).float()
-    ce = F.cross_entropy(logits.flatten(0, 1), blocks.labels.flatten(), reduction="none")
-    weights = blocks.weights.flatten()
+def _weighted_ce_and_hits(
+    hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    logits = lm_head(hidden).float()
+    ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
     with torch.no_grad():
-        hit = (logits.argmax(-1) == blocks.labels) & blocks.valid
+        hit = (logits.argmax(-1) == labels) & valid
+    return (ce * weights.flatten()).sum(), hit
+
+
+def draft_loss(
+    hidden_BQH: torch.Tensor, lm_head: nn.Module, blocks: DraftBlocks, logits_chunk: int = 0
+) -> LossStats:
+    """Loss statistics of one batch of blocks.
+
+    logits_chunk > 0 projects at most that many block positions per sample through the LM head
+    at a time and recomputes each chunk's logits in backward (activation checkpointing): the
+    [B, Q, vocab] float logits never exist at once. At paper scale (512 anchors x 16 positions x
+    a 151k vocab) they would take ~5 GB per sample.
+    """
+    q_len = hidden_BQH.shape[1]
+    if logits_chunk <= 0 or logits_chunk >= q_len:
+        weighted_ce, hit = _weighted_ce_and_hits(
+            hidden_BQH, lm_head, blocks.labels, blocks.weights, blocks.valid
+        )
+    else:
+        weighted_ce, hits = hidden_BQH.new_zeros((), dtype=torch.float32), []
+        for start in range(0, q_len, logits_chunk):
+            part = slice(start, start + logits_chunk)
+            chunk_ce, chunk_hit = checkpoint(
+                _weighted_ce_and_hits,
+                hidden_BQH[:, part],
+                lm_head,
+                blocks.labels[:, part],
+                blocks.weights[:, part],
+                blocks.valid[:, part],
+                use_reentrant=False,
+            )
+            weighted_ce = weighted_ce + chunk_ce
+            hits.append(chunk_hit)
+        hit = torch.cat(hits, dim=1)
+    with torch.no_grad():
         per_position = (blocks.labels.shape[0], -1, blocks.block_size)
         correct = hit.view(per_position).sum(dim=(0, 1)).float()
         counted = blocks.valid.view(per_position).sum(dim=(0, 1)).float()
-    return LossStats(weighted_ce=(ce * weights).sum(), weight=weights.sum(), correct=correct, counted=counted)
+    return LossStats(weighted_ce=weighted_ce, weight=blocks.weights.sum(), correct=correct, counted=counted)
 
 
 def tau_from_accuracy(acc_per_position: list[float]) -> float:

@@ -152,6 +152,7 @@ def test_gpu_split_from_config():
         (["drafter.mask_token_id=512"], "drafter.mask_token_id"),
         (["drafter.block_size=1"], "drafter.block_size"),
         (["loss.gamma=0"], "loss.gamma"),
+        (["loss.logits_chunk=-1"], "loss.logits_chunk"),
         (["noise=mask_ramp", "noise.warmup_steps=0"], "noise.warmup_steps"),
         (["noise=feature", "noise.std=0"], "noise.std"),
         (["optimizer.betas=[0.9]"], "optimizer.betas"),

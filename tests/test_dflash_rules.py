@@ -233,6 +233,27 @@ def test_loss_is_weighted_mean_and_reduces_across_replicas_once():
     assert not torch.isclose((a.loss() + b.loss()) / 2, full.loss())  # mean of means is the bug
 
 
+def test_chunked_lm_head_gives_the_same_loss_accuracy_and_gradients():
+    target = tiny_target()
+    ids = torch.randint(0, 500, (2, 24))
+    blocks = blocks_for(ids, torch.ones(2, 24), num_anchors=6)  # Q = 24 positions per sample
+    att = block_attention_mask(blocks.anchors, blocks.anchor_valid, 24, 4)
+    features, emb = target.features(ids), target.embed_tokens(blocks.block_ids)
+    results = []
+    for chunk in (0, 5, 24):  # 5 does not divide Q, nor align with blocks
+        drafter = tiny_drafter(target)
+        hidden = drafter(features, emb, blocks.positions, att)
+        stats = draft_loss(hidden, target.lm_head, blocks, logits_chunk=chunk)
+        stats.loss().backward()
+        results.append((stats, [p.grad.clone() for p in drafter.parameters()]))
+    (reference, ref_grads), *others = results
+    for stats, grads in others:
+        torch.testing.assert_close(stats.weighted_ce, reference.weighted_ce)
+        assert torch.equal(stats.correct, reference.correct) and torch.equal(stats.counted, reference.counted)
+        for grad, ref in zip(grads, ref_grads):
+            torch.testing.assert_close(grad, ref)
+
+
 def test_empty_batch_gives_zero_loss_and_finite_zero_grads():
     target = tiny_target()
     drafter = tiny_drafter(target)

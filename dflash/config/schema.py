@@ -140,6 +140,9 @@ class LrScheduleConfig:
 class LossConfig:
     # Position weight w_k = exp(-(k-1)/gamma); paper: 7 for B=16, 5 for B=10, 4 for B=8.
     gamma: float = 7.0
+    # Block positions per sample sent through the LM head at once, recomputed in backward;
+    # bounds the logits memory to chunk x vocab floats per sample. 0: all positions at once.
+    logits_chunk: int = 2048
 
 
 @dataclass

@@ -79,6 +79,8 @@ def validate(cfg: Any, num_target_layers: int, target_vocab_size: int, visible_c
             raise ValueError(f"drafter.{key} must be >= 1, got {getattr(drafter, key)}")
     if not cfg.loss.gamma > 0:
         raise ValueError(f"loss.gamma must be > 0, got {cfg.loss.gamma}")
+    if cfg.loss.logits_chunk < 0:
+        raise ValueError(f"loss.logits_chunk must be >= 0 (0: no chunking), got {cfg.loss.logits_chunk}")
 
     _validate_data_and_scheduler(cfg)
     _validate_optimization(cfg)

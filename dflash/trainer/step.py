@@ -24,6 +24,7 @@ class BlockSettings:
     seed: int
     num_anchors: int
     gamma: float
+    logits_chunk: int = 0  # block positions per LM-head chunk (0: all at once)
 
 
 def make_blocks(
@@ -51,6 +52,7 @@ def drafter_forward_loss(
     blocks: DraftBlocks,
     feature_noise_std: float,
     noise_generator: torch.Generator | None,
+    logits_chunk: int = 0,
 ) -> LossStats:
     with torch.no_grad():
         block_emb = target.embed_tokens(blocks.block_ids)  # frozen: no gradient to the embeddings
@@ -59,7 +61,7 @@ def drafter_forward_loss(
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device_type == "cuda" else nullcontext()
     with autocast:
         hidden = drafter(features_BSF, block_emb, blocks.positions, mask, feature_noise_std, noise_generator)
-        return draft_loss(hidden, target.lm_head, blocks)
+        return draft_loss(hidden, target.lm_head, blocks, logits_chunk)
 
 
 @dataclass
@@ -198,6 +200,7 @@ class DrafterStep:
             blocks,
             self.noise.feature_std(step),
             self.noise_generator,
+            self.block_settings.logits_chunk,
         )
         stats.weighted_ce.backward()
         return stats, num_anchors
