@@ -128,7 +128,7 @@ class Run:
             self.process_group.close()
 
     def _summary(self, eval_metrics: dict[str, float], wall_s: float) -> dict[str, Any]:
-        history = self.trainer.monitor.history
+        history = self.trainer.monitor.window_history
         first, last = history[0], history[-1]
         return {
             "run_dir": str(self.run_dir),

@@ -44,7 +44,11 @@ class Monitor:
     sinks: list[MetricSink]
     probe: PipelineProbe
     total_steps: int
+    # Every tick that carried train metrics, as logged.
     history: list[dict[str, float]] = field(default_factory=list)
+    # train/ metrics of each log window (every logger.every_steps steps), whatever the tick
+    # cadence: step-based, so a run summary does not depend on how fast the machine is.
+    window_history: list[dict[str, float]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         roles = self.probe.role_devices()
@@ -68,6 +72,8 @@ class Monitor:
     def _tick(self, groups: list[list[MetricWindow]]) -> None:
         now = time.perf_counter()
         elapsed = max(now - self._last_tick, 1e-9)
+        for group in groups:
+            self.window_history.append({"step": float(group[0].end_step), **train_metrics([group])})
         metrics = train_metrics(groups) if groups else {}
         metrics.update(self._pipeline_metrics(elapsed))
         if self.telemetry is not None:
