@@ -52,10 +52,6 @@ class DraftBlocks:
     anchor_valid: torch.Tensor  # [B, A] bool; False = padding block
     block_size: int
 
-    @property
-    def num_blocks(self) -> int:
-        return self.anchors.shape[1]
-
     def to(self, device: torch.device, non_blocking: bool = False) -> DraftBlocks:
         # Page-locked staging makes the host->device copies truly asynchronous on CUDA.
         pin = torch.device(device).type == "cuda"

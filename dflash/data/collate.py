@@ -12,9 +12,8 @@ from dflash.data.schedule import PlannedBatch
 
 @dataclass
 class Batch:
-    input_ids: torch.Tensor  # [B, S] int64, 0-padded
-    attention_mask: torch.Tensor  # [B, S] int64, 1 on real tokens
-    loss_mask: torch.Tensor  # [B, S] uint8, 1 on supervised tokens
+    input_ids: torch.Tensor  # [B, S] int64, 0-padded on the right (the only tensor sent to a device)
+    loss_mask: torch.Tensor  # [B, S] uint8, 1 on supervised tokens (read on the host: anchors)
     lengths: torch.Tensor  # [B] int64
     plan: PlannedBatch
 
@@ -23,14 +22,8 @@ class Batch:
         return list(self.plan.sample_ids)
 
     def pin_memory(self) -> Batch:
-        """Page-locked copies, so host->device copies can be non-blocking."""
-        return Batch(
-            self.input_ids.pin_memory(),
-            self.attention_mask.pin_memory(),
-            self.loss_mask.pin_memory(),
-            self.lengths,
-            self.plan,
-        )
+        """Page-locked ids, so the host->device copy can be non-blocking."""
+        return Batch(self.input_ids.pin_memory(), self.loss_mask, self.lengths, self.plan)
 
     @property
     def real_tokens(self) -> int:
@@ -42,11 +35,9 @@ def collate(dataset: TokenDataset, plan: PlannedBatch, pad_id: int = 0) -> Batch
     seq_len = max(len(ids) for ids, _ in samples)
     batch = len(samples)
     input_ids = torch.full((batch, seq_len), pad_id, dtype=torch.int64)
-    attention_mask = torch.zeros((batch, seq_len), dtype=torch.int64)
     loss_mask = torch.zeros((batch, seq_len), dtype=torch.uint8)
     for row, (ids, mask) in enumerate(samples):
         input_ids[row, : len(ids)] = ids
-        attention_mask[row, : len(ids)] = 1
         loss_mask[row, : len(ids)] = mask
-    lengths = attention_mask.sum(dim=1)
-    return Batch(input_ids, attention_mask, loss_mask, lengths, plan)
+    lengths = torch.tensor([len(ids) for ids, _ in samples], dtype=torch.int64)
+    return Batch(input_ids, loss_mask, lengths, plan)

@@ -76,8 +76,7 @@ class Monitor:
             self.window_history.append({"step": float(group[0].end_step), **train_metrics([group])})
         metrics = train_metrics(groups) if groups else {}
         metrics.update(self._pipeline_metrics(elapsed))
-        if self.telemetry is not None:
-            metrics.update(self.telemetry.read())
+        metrics.update(self.telemetry.read())
         if self.cfg.cuda_stats and self.cuda_devices:
             metrics.update(cuda_allocator_stats(self.cuda_devices))
         for sink in self.sinks:
@@ -120,7 +119,6 @@ class Monitor:
             sink.log(metrics, step)
 
     def close(self, ok: bool) -> None:
-        if self.telemetry is not None:
-            self.telemetry.close()
+        self.telemetry.close()
         for sink in self.sinks:
             sink.close(ok)

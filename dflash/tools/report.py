@@ -214,7 +214,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compare", type=Path, help="a second run dir whose main curves are overlaid")
     parser.add_argument("--out", type=Path, help="output folder (default RUN_DIR/report)")
     args = parser.parse_args(argv)
-    rows = [r for r in load_rows(args.run_dir)]
+    rows = load_rows(args.run_dir)
     out = args.out or args.run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
     images = plot_run(rows, out, args.run_dir.name)
