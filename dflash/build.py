@@ -17,7 +17,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 
-from dflash.checkpoint import WEIGHTS_FILE
+from dflash.checkpoint import load_drafter_weights
 from dflash.config.schema import (
     DataConfig,
     DrafterConfig,
@@ -80,20 +80,6 @@ def total_steps_for(cfg: DictConfig, planner: BatchPlanner, num_replicas: int) -
         return cfg.train.total_steps
     batches = sum(planner.batches_per_epoch(epoch) for epoch in range(cfg.train.epochs))
     return max(1, batches // num_replicas)
-
-
-def load_resume_weights(drafter: DFlashDrafter, directory: Path) -> None:
-    from safetensors.torch import load_file
-
-    path = directory / WEIGHTS_FILE
-    if not path.is_file():
-        raise ValueError(f"resume={directory}: no {WEIGHTS_FILE} there")
-    try:
-        drafter.load_state_dict(load_file(str(path)), strict=True)
-    except Exception as exc:
-        raise ValueError(
-            f"resume={directory}: drafter weights do not fit the configured drafter ({exc})"
-        ) from exc
 
 
 @dataclass
@@ -209,7 +195,10 @@ def build_run(cfg: DictConfig, faults: FaultInjection | None = None) -> Run:
     drafters = [build_drafter(drafter_cfg, target_config, layer_ids, d) for d in drafter_devices]
     if resume_dir is not None:
         for drafter in drafters:
-            load_resume_weights(drafter, resume_dir)
+            try:
+                load_drafter_weights(drafter, resume_dir)
+            except ValueError as exc:
+                raise ValueError(f"resume={resume_dir}: {exc}") from exc
     excluded = [drafter_cfg.mask_token_id]
     dataset = load_or_generate(targets[0], target_cfg, data_cfg, Path(cfg.paths.cache_dir), excluded)
     planner = BatchPlanner(dataset.lengths, node(cfg, "scheduler"), cfg.seed)

@@ -64,15 +64,23 @@ def read_drafter_config(directory: Path) -> Qwen3Config:
     return Qwen3Config.from_dict(raw)
 
 
+def load_drafter_weights(drafter: DFlashDrafter, directory: Path) -> None:
+    """model.safetensors of `directory` into `drafter`; every key must match both ways."""
+    path = Path(directory) / WEIGHTS_FILE
+    try:
+        state = load_file(str(path))
+    except (OSError, SafetensorError) as exc:
+        raise ValueError(f"{path}: unreadable drafter weights ({exc})") from exc
+    try:
+        drafter.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise ValueError(f"{path}: weights do not fit the drafter ({exc})") from exc
+
+
 def load_drafter(directory: Path, device: torch.device | str = "cpu") -> DFlashDrafter:
     """A drafter defined only by config.json + model.safetensors (ours or any z-lab-layout export)."""
-    directory = Path(directory)
-    drafter = DFlashDrafter(read_drafter_config(directory))
-    try:
-        state = load_file(str(directory / WEIGHTS_FILE))
-    except (OSError, SafetensorError) as exc:
-        raise ValueError(f"{directory / WEIGHTS_FILE}: unreadable drafter weights ({exc})") from exc
-    drafter.load_state_dict(state, strict=True)
+    drafter = DFlashDrafter(read_drafter_config(Path(directory)))
+    load_drafter_weights(drafter, directory)
     return drafter.to(device)
 
 

@@ -149,3 +149,11 @@ def test_make_train_default_run_learns_and_decodes_losslessly(tmp_path, data_cac
     ).is_file()
     assert (tmp_path / "metrics.jsonl").is_file()
     assert (tmp_path / "checkpoints" / "last" / "model.safetensors").is_file()
+
+
+def test_resume_into_a_different_drafter_is_refused_naming_the_checkpoint(make_cfg, tmp_path):
+    cfg = make_cfg(["train.total_steps=2"])
+    train(cfg)
+    last = (Path(cfg.paths.output_dir) / "checkpoints" / "last").resolve()
+    with pytest.raises(ValueError, match=f"resume={last}.*model.safetensors: weights do not fit"):
+        build_run(make_cfg([f"resume={last}", "drafter.num_layers=3"], tmp_path / "other"))
