@@ -18,6 +18,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
+from dflash.pipeline.counters import WorkCounters
 from dflash.pipeline.queues import HiddenStateQueue
 from dflash.pipeline.target_worker import HiddenStatePacket
 from dflash.trainer.step import DrafterStep, MetricWindow
@@ -97,9 +98,7 @@ class DrafterLoop:
         self.stop_requested = threading.Event()
         self._windows: deque[MetricWindow] = deque()
         self._lock = threading.Lock()
-        self.batches = self.samples = self.tokens = self.anchors = 0
-        self.busy_s = 0.0
-        self.wait_s = 0.0
+        self.counters = WorkCounters(f"drafter{replica}", counts_anchors=True)
 
     def drain_windows(self, wait: bool = False) -> list[MetricWindow]:
         """Completed metric windows, oldest first. Never waits on the device unless `wait`
@@ -112,17 +111,6 @@ class DrafterLoop:
                     window.ready.synchronize()
                 done.append(window)
             return done
-
-    def get_metrics(self) -> dict[str, float]:
-        with self._lock:
-            return {
-                "batches": self.batches,
-                "samples": self.samples,
-                "tokens": self.tokens,
-                "anchors": self.anchors,
-                "busy_s": self.busy_s,
-                "wait_s": self.wait_s,
-            }
 
     def run(self) -> None:
         stream_ctx = torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
@@ -149,13 +137,12 @@ class DrafterLoop:
                     window = step_fn.metrics.publish(self.step, step_fn.lr)
                     with self._lock:
                         self._windows.append(window)
-                with self._lock:
-                    self.batches += 1
-                    self.samples += len(packet.batch.plan.sample_ids)
-                    self.anchors += anchors
-                    self.tokens += packet.batch.real_tokens
-                    self.wait_s += fetched - started
-                    self.busy_s += time.perf_counter() - fetched
+                self.counters.record(
+                    packet.batch,
+                    waited_s=fetched - started,
+                    busy_s=time.perf_counter() - fetched,
+                    anchors=anchors,
+                )
                 if self.step % self.checkpoint_every == 0 and self.step != self.stop_after:
                     self.grad_sync.checkpoint_rendezvous()
                     if self.replica == 0:

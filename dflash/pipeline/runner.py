@@ -230,19 +230,8 @@ class AsyncTrainer:
             stats[f"queue/prefetch_target{index}_depth"] = float(device_queue.qsize())
         stats["queue/producer_wait_total_s"] = self.hs_queue.producer_wait_s
         stats["queue/consumer_wait_total_s"] = self.hs_queue.consumer_wait_s
-        for worker in self.workers:
-            counters = worker.counters()
-            name = f"target{worker.index}"
-            stats[f"count/{name}_batches"] = counters["batches"]
-            stats[f"count/{name}_tokens"] = counters["tokens"]
-            stats[f"worker/{name}_busy_total_s"] = counters["busy_s"]
-        for loop in self.loops:
-            counters = loop.get_metrics()
-            name = f"drafter{loop.replica}"
-            for key in ("batches", "samples", "tokens", "anchors"):
-                stats[f"count/{name}_{key}"] = counters[key]
-            stats[f"worker/{name}_busy_total_s"] = counters["busy_s"]
-            stats[f"worker/{name}_wait_total_s"] = counters["wait_s"]
+        for worker in [*self.workers, *self.loops]:
+            stats.update(worker.counters.stats())
         return stats
 
     def role_devices(self) -> dict[str, list[torch.device]]:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import threading
 import time
 from contextlib import nullcontext
 from dataclasses import dataclass
@@ -10,6 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash.models.target import FrozenTarget
+from dflash.pipeline.counters import WorkCounters
 from dflash.pipeline.prefetch import Dispatched
 from dflash.pipeline.queues import HiddenStateQueue, OrderedQueue
 
@@ -35,20 +35,7 @@ class TargetWorker:
         self.device = target.device
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.fault_at_batch = fault_at_batch  # tests: raise at this batch to exercise failure paths
-        self._lock = threading.Lock()
-        self.batches = 0
-        self.tokens = 0
-        self.busy_s = 0.0
-        self.wait_s = 0.0
-
-    def counters(self) -> dict[str, float]:
-        with self._lock:
-            return {
-                "batches": self.batches,
-                "tokens": self.tokens,
-                "busy_s": self.busy_s,
-                "wait_s": self.wait_s,
-            }
+        self.counters = WorkCounters(f"target{index}")
 
     def warm_up(self, shapes: list[tuple[int, int]]) -> None:
         """Run every bucket's largest shape once before the clock starts (kernel autotuning, FLA)."""
@@ -65,9 +52,9 @@ class TargetWorker:
                 started = time.perf_counter()
                 item = self.inbox.get()  # raises QueueClosed at shutdown
                 fetched = time.perf_counter()
-                if self.fault_at_batch is not None and self.batches == self.fault_at_batch:
+                if self.fault_at_batch is not None and self.counters.batches == self.fault_at_batch:
                     raise RuntimeError(
-                        f"injected target fault at batch {self.batches} on worker {self.index}"
+                        f"injected target fault at batch {self.counters.batches} on worker {self.index}"
                     )
                 batch = item.batch
                 features = self.target.features(batch.input_ids.to(self.device, non_blocking=True))
@@ -77,9 +64,5 @@ class TargetWorker:
                     ready.record(self.stream)
                 packet = HiddenStatePacket(item.seq, batch, features, ready)
                 done = time.perf_counter()
-                with self._lock:
-                    self.batches += 1
-                    self.tokens += batch.real_tokens
-                    self.wait_s += fetched - started
-                    self.busy_s += done - fetched
+                self.counters.record(batch, waited_s=fetched - started, busy_s=done - fetched)
                 self.outbox.put(packet, batch.plan.bucket)

@@ -17,6 +17,7 @@ from dflash.data.collate import collate
 from dflash.data.dataset import TokenDataset
 from dflash.data.schedule import BatchPlanner
 from dflash.monitor.monitor import Monitor
+from dflash.pipeline.counters import WorkCounters
 from dflash.pipeline.prefetch import BatchStats
 from dflash.trainer import state
 from dflash.trainer.signals import StopRequested, stop_on_signals
@@ -45,20 +46,10 @@ class SyncTrainer:
         self.monitor: Monitor | None = None  # attached by the builder
         self.batch_stats = BatchStats(planner.num_buckets)
         self._windows: deque[MetricWindow] = deque()
-        self._counters = dict.fromkeys(
-            [
-                "count/target0_batches",
-                "count/target0_tokens",
-                "worker/target0_busy_total_s",
-                "count/drafter0_batches",
-                "count/drafter0_samples",
-                "count/drafter0_tokens",
-                "count/drafter0_anchors",
-                "worker/drafter0_busy_total_s",
-                "worker/drafter0_wait_total_s",
-            ],
-            0.0,
-        )
+        # The same counters as the async workers; in one thread the drafter "waits" while the
+        # batch is collated and the target runs, and the target waits while the drafter steps.
+        self.target_counters = WorkCounters("target0")
+        self.drafter_counters = WorkCounters("drafter0", counts_anchors=True)
 
     # -- probe for the monitor ---------------------------------------------------------------
     def completed_windows(self, wait: bool) -> list[list[MetricWindow]]:
@@ -71,7 +62,11 @@ class SyncTrainer:
         return done
 
     def pipeline_stats(self) -> dict[str, float]:
-        return {**self.batch_stats.snapshot(), **self._counters}
+        return {
+            **self.batch_stats.snapshot(),
+            **self.target_counters.stats(),
+            **self.drafter_counters.stats(),
+        }
 
     def role_devices(self) -> dict[str, list[torch.device]]:
         return {"target": [self.target.device], "drafter": [self.step_fn.device]}
@@ -85,7 +80,6 @@ class SyncTrainer:
 
     # -- loop --------------------------------------------------------------------------------
     def _train_one(self, seq: int) -> None:
-        counters = self._counters
         started = time.perf_counter()
         batch = collate(self.dataset, self.planner.at(seq))
         self.batch_stats.record(batch.plan.bucket, batch.lengths.numpy())
@@ -94,15 +88,12 @@ class SyncTrainer:
         targeted = time.perf_counter()
         anchors = self.step_fn(batch, features, self.position.step)
         done = time.perf_counter()
-        counters["count/target0_batches"] += 1
-        counters["count/target0_tokens"] += batch.real_tokens
-        counters["worker/target0_busy_total_s"] += targeted - collated
-        counters["count/drafter0_batches"] += 1
-        counters["count/drafter0_samples"] += len(batch.plan.sample_ids)
-        counters["count/drafter0_tokens"] += batch.real_tokens
-        counters["count/drafter0_anchors"] += anchors
-        counters["worker/drafter0_busy_total_s"] += done - targeted
-        counters["worker/drafter0_wait_total_s"] += targeted - started  # the drafter waits for data
+        self.target_counters.record(
+            batch, waited_s=(collated - started) + (done - targeted), busy_s=targeted - collated
+        )
+        self.drafter_counters.record(
+            batch, waited_s=targeted - started, busy_s=done - targeted, anchors=anchors
+        )
 
     def run(self) -> None:
         with stop_on_signals() as stop:
