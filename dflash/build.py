@@ -19,7 +19,6 @@ from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_
 
 from dflash.checkpoint import load_drafter_weights
 from dflash.config.schema import (
-    DataConfig,
     DrafterConfig,
     LrScheduleConfig,
     LrScheduleKind,
@@ -28,6 +27,7 @@ from dflash.config.schema import (
     TargetConfig,
 )
 from dflash.config.validate import resolve_device_split, resolve_layer_ids, validate
+from dflash.data.dataset import TokenDataset
 from dflash.data.schedule import BatchPlanner
 from dflash.data.synthetic import load_or_generate
 from dflash.distributed import ProcessGroupInfo, init_from_env
@@ -87,7 +87,6 @@ class Run:
     cfg: DictConfig
     run_dir: Path
     trainer: SyncTrainer | AsyncTrainer
-    excluded_token_ids: list[int]
     total_steps: int  # the LR schedule spans these
     process_group: ProcessGroupInfo
 
@@ -101,7 +100,10 @@ class Run:
                 ok = True
                 return {"rank": self.process_group.rank, "steps": self.trainer.position.step}
             eval_metrics = evaluate_spec_decode(
-                self.trainer.target, self.trainer.drafter, node(self.cfg, "eval"), self.excluded_token_ids
+                self.trainer.target,
+                self.trainer.drafter,
+                node(self.cfg, "eval"),
+                [self.cfg.drafter.mask_token_id],
             )
             self.trainer.monitor.log(eval_metrics, self.trainer.position.step)
             summary = self._summary(eval_metrics, time.perf_counter() - started)
@@ -165,10 +167,19 @@ def build_step_fn(
     )
 
 
+def load_training_data(cfg: DictConfig, target: FrozenTarget) -> TokenDataset:
+    """The samples `cfg.data` describes: written by `target` the first time, then read from the cache.
+
+    The drafter's mask id never appears in a generated prompt.
+    """
+    return load_or_generate(
+        target, node(cfg, "target"), node(cfg, "data"), Path(cfg.paths.cache_dir), [cfg.drafter.mask_token_id]
+    )
+
+
 def build_run(cfg: DictConfig, faults: FaultInjection | None = None) -> Run:
     target_cfg: TargetConfig = node(cfg, "target")
     drafter_cfg: DrafterConfig = node(cfg, "drafter")
-    data_cfg: DataConfig = node(cfg, "data")
 
     # 1. Everything checkable without weights.
     target_config = load_target_config(target_cfg)
@@ -199,8 +210,7 @@ def build_run(cfg: DictConfig, faults: FaultInjection | None = None) -> Run:
                 load_drafter_weights(drafter, resume_dir)
             except ValueError as exc:
                 raise ValueError(f"resume={resume_dir}: {exc}") from exc
-    excluded = [drafter_cfg.mask_token_id]
-    dataset = load_or_generate(targets[0], target_cfg, data_cfg, Path(cfg.paths.cache_dir), excluded)
+    dataset = load_training_data(cfg, targets[0])
     planner = BatchPlanner(dataset.lengths, node(cfg, "scheduler"), cfg.seed)
     total_steps = total_steps_for(cfg, planner, len(drafters) * process_group.world_size)
 
@@ -231,7 +241,7 @@ def build_run(cfg: DictConfig, faults: FaultInjection | None = None) -> Run:
             cfg.logger.every_steps,
             checkpoints,
             node(cfg, "pipeline"),
-            data_cfg.max_length,
+            cfg.data.max_length,
             faults,
             process_group,
         )
@@ -248,4 +258,4 @@ def build_run(cfg: DictConfig, faults: FaultInjection | None = None) -> Run:
         drafter_devices,
         cfg.pipeline.kind.value,
     )
-    return Run(cfg, run_dir, trainer, excluded, total_steps, process_group)
+    return Run(cfg, run_dir, trainer, total_steps, process_group)

@@ -94,17 +94,24 @@ def test_default_config_keys_snapshot():
 
 
 def test_default_is_the_tiny_cpu_run():
-    cfg = compose_config()
-    choices = {
+    from dflash.tools.compose import compose_config as compose_with_hydra
+
+    cfg = compose_with_hydra([], return_hydra_config=True)
+    choices = cfg.hydra.runtime.choices
+    expected = {
         "target": "tiny",
         "drafter": "tiny",
+        "data": "tiny_synthetic",
         "gpu": "cpu",
         "pipeline": "sync",
         "scheduler": "interleave",
+        "logger": "jsonl",
+        "noise": "none",
+        "experiment": None,
+        "debug": "none",
     }
-    for key, name in choices.items():
-        assert OmegaConf.select(cfg, f"{key}.name", default=None) in (name, None)
-    assert cfg.gpu.device == "cpu" and cfg.pipeline.kind == "sync" and cfg.target.name == "tiny"
+    assert {group: choices[group] for group in expected} == expected
+    assert cfg.gpu.device == "cpu" and cfg.target.path is None and cfg.drafter.block_size == 4
 
 
 @pytest.mark.parametrize(

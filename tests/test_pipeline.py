@@ -6,6 +6,9 @@ from __future__ import annotations
 import json
 import math
 import os
+import signal
+import subprocess
+import sys
 import threading
 import time
 from pathlib import Path
@@ -13,6 +16,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from dflash.build import build_run
 from dflash.config.schema import SchedulerConfig, SchedulerKind
@@ -22,6 +26,7 @@ from dflash.pipeline.prefetch import BatchPrefetcher
 from dflash.pipeline.queues import HiddenStateQueue, OrderedQueue, QueueClosed
 from dflash.pipeline.runner import FaultInjection
 from dflash.train import train
+from tests.conftest import FAST, compose_config
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -218,12 +223,6 @@ def test_async_resume_continues_bitwise(make_cfg, tmp_path):
 
 @pytest.mark.slow
 def test_sigterm_writes_a_checkpoint_and_resume_finishes_identically(tmp_path, data_cache):
-    import signal
-    import subprocess
-    import sys
-
-    from tests.conftest import FAST
-
     args = FAST + [
         "pipeline=async",
         "train.total_steps=300",
@@ -248,8 +247,6 @@ def test_sigterm_writes_a_checkpoint_and_resume_finishes_identically(tmp_path, d
     stopped_at = torch.load(last / "trainer_state.pt", weights_only=True)["position"]["step"]
     assert 5 <= stopped_at < 300
 
-    from tests.conftest import compose_config
-
     train(compose_config(args + [f"resume={last.resolve()}"], tmp_path / "resumed", data_cache))
     train(compose_config(args, tmp_path / "straight", data_cache))
     straight, resumed = losses(tmp_path / "straight"), losses(tmp_path / "resumed")
@@ -260,13 +257,6 @@ def test_sigterm_writes_a_checkpoint_and_resume_finishes_identically(tmp_path, d
 @pytest.mark.slow
 def test_two_processes_on_gloo_equal_two_replicas_in_one_process(tmp_path, data_cache):
     """torchrun, 2 ranks x 1 drafter, gradients all-reduced on gloo == 1 process x 2 drafters."""
-    import subprocess
-    import sys
-
-    from safetensors.torch import load_file
-
-    from tests.conftest import FAST
-
     args = FAST + [
         "pipeline=async",
         "train.total_steps=6",

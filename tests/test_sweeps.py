@@ -141,22 +141,15 @@ def test_submitit_launcher_runs_each_job_in_its_own_process(tmp_path, data_cache
 
 
 def test_slurm_launcher_option_composes_with_the_keys_users_set():
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
+    from dflash.tools.compose import compose_config
 
-    from dflash.config.schema import register_configs
-    from dflash.tools.compose import CONF_DIR
-
-    register_configs()
-    GlobalHydra.instance().clear()
     overrides = [
         "hydra/launcher=slurm",
         "hydra.launcher.partition=gpu",
         "hydra.launcher.nodes=2",
         "hydra.launcher.setup=['source ~/venv/bin/activate']",
     ]
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=overrides, return_hydra_config=True)
+    cfg = compose_config(overrides, return_hydra_config=True)
     launcher = cfg.hydra.launcher
     assert launcher._target_.endswith("SlurmLauncher")
     assert (launcher.partition, launcher.nodes, launcher.tasks_per_node, launcher.gpus_per_node) == (
@@ -169,21 +162,15 @@ def test_slurm_launcher_option_composes_with_the_keys_users_set():
 
 
 def test_wandb_groups_sweep_jobs_and_names_them_by_their_overrides():
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
     from hydra.core.hydra_config import HydraConfig
     from hydra.types import RunMode
     from omegaconf import OmegaConf, open_dict
 
-    from dflash.config.schema import register_configs
     from dflash.logging.sinks import sweep_naming
-    from dflash.tools.compose import CONF_DIR
+    from dflash.tools.compose import compose_config
 
     def hydra_context(mode: RunMode) -> None:
-        register_configs()
-        GlobalHydra.instance().clear()
-        with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-            cfg = compose("config", overrides=["loss.gamma=7"], return_hydra_config=True)
+        cfg = compose_config(["loss.gamma=7"], return_hydra_config=True)
         OmegaConf.set_readonly(cfg, False)
         with open_dict(cfg):
             cfg.hydra.mode = mode

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 
 from dflash.tools import report, schedule_report
@@ -63,4 +62,6 @@ def test_schedule_report_statistics():
     mean_h, min_h = schedule_report.windowed_entropy([0, 1, 2, 0, 1, 2], 3, 3)
     assert abs(mean_h - 1.0) < 1e-9 and abs(min_h - 1.0) < 1e-9
     assert schedule_report.windowed_entropy([0, 0, 0], 3, 3) == (0.0, 0.0)
-    assert json.dumps(schedule_report.report({"x": [0, 1]}, 2, 2))
+    text = schedule_report.report({"x": [0, 0, 0, 1]}, 2, 2)
+    assert "scheduler=x: 4 batches" in text and "b0=75.0%  b1=25.0%" in text
+    assert "1:1  3:1   (longest 3)" in text and "mean 0.333  min 0.000" in text

@@ -9,7 +9,8 @@ from omegaconf import DictConfig
 CONF_DIR = Path(__file__).resolve().parent.parent.parent / "conf"
 
 
-def compose_config(overrides: list[str]) -> DictConfig:
+def compose_config(overrides: list[str], return_hydra_config: bool = False) -> DictConfig:
+    """The config `dflash-train <overrides>` would run; with `hydra` (choices, launcher) on request."""
     from hydra import compose, initialize_config_dir
     from hydra.core.global_hydra import GlobalHydra
 
@@ -18,4 +19,4 @@ def compose_config(overrides: list[str]) -> DictConfig:
     register_configs()
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="config", overrides=overrides)
+        return compose(config_name="config", overrides=overrides, return_hydra_config=return_hydra_config)

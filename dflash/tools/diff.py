@@ -105,17 +105,11 @@ def expand(paths: list[Path]) -> list[Path]:
 
 
 def default_run() -> RunInfo:
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf, open_dict
 
-    from dflash.config.schema import register_configs
-    from dflash.tools.compose import CONF_DIR
+    from dflash.tools.compose import compose_config
 
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose("config", overrides=["paths.output_dir=."], return_hydra_config=True)
+    cfg = compose_config(["paths.output_dir=."], return_hydra_config=True)
     choices = {
         k: v
         for k, v in OmegaConf.to_container(cfg.hydra.runtime.choices).items()

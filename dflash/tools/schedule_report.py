@@ -58,22 +58,19 @@ def main(argv: list[str] | None = None) -> None:
     args, overrides = parser.parse_known_args(argv)
 
     import torch
-    from omegaconf import OmegaConf
 
+    from dflash.build import load_training_data, node
     from dflash.config.schema import SchedulerConfig, SchedulerKind
     from dflash.config.validate import resolve_layer_ids
     from dflash.data.schedule import BatchPlanner
-    from dflash.data.synthetic import load_or_generate
     from dflash.models.target import FrozenTarget, load_target_config
     from dflash.tools.compose import compose_config
 
     cfg = compose_config(overrides)
-    target_cfg = OmegaConf.to_object(cfg.target)
+    target_cfg = node(cfg, "target")
     layer_ids = resolve_layer_ids(cfg, load_target_config(target_cfg).num_hidden_layers)
-    target = FrozenTarget.from_config(target_cfg, layer_ids, torch.device("cpu"))
-    dataset = load_or_generate(
-        target, target_cfg, OmegaConf.to_object(cfg.data), cfg.paths.cache_dir, [cfg.drafter.mask_token_id]
-    )
+    # The target only writes the data when it is not cached yet; CPU is enough for a look.
+    dataset = load_training_data(cfg, FrozenTarget.from_config(target_cfg, layer_ids, torch.device("cpu")))
     orders = {}
     for kind in (SchedulerKind.shuffle, SchedulerKind.interleave):
         sched = SchedulerConfig(kind, list(cfg.scheduler.bucket_edges), cfg.scheduler.tokens_per_batch)
