@@ -24,26 +24,49 @@ from dflash.pipeline.target_worker import HiddenStatePacket
 from dflash.trainer.step import DrafterStep, MetricWindow
 
 
+def _ready_event(device: torch.device) -> torch.cuda.Event | None:
+    """An event after the work queued so far on this thread's stream for `device` (None on CPU)."""
+    if device.type != "cuda":
+        return None
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
+
+
 class ReplicaGradSync:
     """Sums flattened gradients and loss weights over the drafter replicas of this process (and
-    over processes, when torch.distributed is initialized), with a barrier per step."""
+    over processes, when torch.distributed is initialized), with a barrier per step.
+
+    On GPU every replica works on its own stream, so the hand-over is ordered with CUDA events,
+    never a host sync: the reduction waits for each replica's vector, each replica waits for the
+    total, and record_stream keeps memory from being reused while another stream still reads it.
+    """
 
     def __init__(self, num_replicas: int):
         self.num_replicas = num_replicas
-        self._slots: list[torch.Tensor | None] = [None] * num_replicas
-        self._total: torch.Tensor | None = None
+        self._slots: list[tuple[torch.Tensor, torch.cuda.Event | None] | None] = [None] * num_replicas
+        self._total: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
         self._barrier = threading.Barrier(num_replicas, action=self._reduce)
         self._checkpoint_barrier = threading.Barrier(num_replicas)
 
     def _reduce(self) -> None:
-        # Runs in one thread once every replica has deposited its vector.
-        home = self._slots[0].device
-        total = self._slots[0].clone()
-        for slot in self._slots[1:]:
-            total += slot.to(home, non_blocking=True)
-        if dist.is_available() and dist.is_initialized():
-            dist.all_reduce(total, op=dist.ReduceOp.SUM)
-        self._total = total
+        # Runs in one thread (the last to arrive) once every replica has deposited its vector.
+        home = self._slots[0][0].device
+        stream = torch.cuda.current_stream(home) if home.type == "cuda" else None
+        with torch.cuda.stream(stream) if stream is not None else nullcontext():
+            for flat, ready in self._slots:
+                if ready is not None:
+                    # A copy from another GPU runs on that device's current stream in this
+                    # thread, so it too must wait for the replica's vector.
+                    for waiting in {stream, torch.cuda.current_stream(flat.device)}:
+                        waiting.wait_event(ready)
+                    flat.record_stream(torch.cuda.current_stream(flat.device))
+            total = self._slots[0][0].clone()
+            for flat, _ in self._slots[1:]:
+                total += flat.to(home, non_blocking=True)
+            if dist.is_available() and dist.is_initialized():
+                dist.all_reduce(total, op=dist.ReduceOp.SUM)
+            self._total = (total, _ready_event(home))
 
     def all_reduce(self, replica: int, drafter: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor:
         """Replace this replica's grads by the sum over replicas; returns the summed weight."""
@@ -52,10 +75,16 @@ class ReplicaGradSync:
         params = list(drafter.parameters())
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads] + [weight.reshape(1).to(grads[0].dtype)])
-        self._slots[replica] = flat
+        self._slots[replica] = (flat, _ready_event(flat.device))
         self._barrier.wait()  # the last replica to arrive runs _reduce
-        self._barrier.wait()  # everyone has the total before any slot is reused
-        total = self._total.to(flat.device, non_blocking=True)
+        total, done = self._total
+        self._barrier.wait()  # everyone holds the total before the next step replaces it
+        if done is not None:
+            stream = torch.cuda.current_stream(flat.device)
+            stream.wait_event(done)
+            if total.device == flat.device:
+                total.record_stream(stream)
+        total = total.to(flat.device, non_blocking=True)
         offset = 0
         for param in params:
             count = param.numel()
