@@ -19,6 +19,7 @@ from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_
 
 from dflash.checkpoint import load_drafter_weights
 from dflash.config.schema import (
+    DataKind,
     DrafterConfig,
     LrScheduleConfig,
     LrScheduleKind,
@@ -27,17 +28,21 @@ from dflash.config.schema import (
     TargetConfig,
 )
 from dflash.config.validate import resolve_device_split, resolve_layer_ids, validate
+from dflash.data.chat import ChatRenderer
 from dflash.data.dataset import TokenDataset
+from dflash.data.prepare import PrepStats, load_or_prepare
 from dflash.data.schedule import BatchPlanner
 from dflash.data.synthetic import load_or_generate
 from dflash.distributed import ProcessGroupInfo, init_from_env
-from dflash.evaluate import evaluate_spec_decode
+from dflash.evaluate import PromptSet, evaluate, load_prompt_sets
 from dflash.logging.sinks import build_sinks
 from dflash.models.drafter import DFlashDrafter, drafter_config
 from dflash.models.target import FrozenTarget, load_target_config
+from dflash.models.tokenizer import load_tokenizer
 from dflash.monitor.monitor import Monitor
 from dflash.noise import NoiseSchedule
 from dflash.pipeline.runner import AsyncTrainer, FaultInjection
+from dflash.trainer.periodic_eval import PeriodicEval
 from dflash.trainer.state import CheckpointSettings
 from dflash.trainer.step import BlockSettings, DrafterStep
 from dflash.trainer.sync import SyncTrainer
@@ -89,6 +94,7 @@ class Run:
     trainer: SyncTrainer | AsyncTrainer
     total_steps: int  # the LR schedule spans these
     process_group: ProcessGroupInfo
+    eval_prompts: list[PromptSet]  # the end-of-training evaluation
 
     def execute(self) -> dict[str, Any]:
         started = time.perf_counter()
@@ -99,12 +105,14 @@ class Run:
             if not self.process_group.is_main:
                 ok = True
                 return {"rank": self.process_group.rank, "steps": self.trainer.position.step}
-            eval_metrics = evaluate_spec_decode(
+            report = evaluate(
                 self.trainer.target,
                 self.trainer.drafter,
+                self.eval_prompts,
                 node(self.cfg, "eval"),
-                [self.cfg.drafter.mask_token_id],
+                timing=False,
             )
+            eval_metrics = report.metrics()
             self.trainer.monitor.log(eval_metrics, self.trainer.position.step)
             summary = self._summary(eval_metrics, time.perf_counter() - started)
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -134,7 +142,6 @@ class Run:
 
 
 def format_summary(summary: dict[str, Any]) -> str:
-    lossless = summary["eval/lossless_frac"] == 1.0
     lines = [
         "",
         "=== dflash run summary ===",
@@ -145,9 +152,13 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"train accuracy    {summary['train/acc_first_window']:.3f} -> {summary['train/acc']:.3f}",
         f"tau (simulated)   {summary['train/tau_sim']:.3f}",
         f"tau (spec decode) {summary['eval/tau']:.3f} over {int(summary['eval/num_prompts'])} held-out prompts",
-        f"lossless          {'yes' if lossless else 'NO'}: speculative output "
-        f"{'identical to' if lossless else 'DIFFERS from'} plain greedy decoding",
     ]
+    if "eval/lossless_frac" in summary:
+        lossless = summary["eval/lossless_frac"] == 1.0
+        lines.append(
+            f"lossless          {'yes' if lossless else 'NO'}: speculative output "
+            f"{'identical to' if lossless else 'DIFFERS from'} plain greedy decoding"
+        )
     return "\n".join(lines)
 
 
@@ -167,14 +178,47 @@ def build_step_fn(
     )
 
 
-def load_training_data(cfg: DictConfig, target: FrozenTarget) -> TokenDataset:
-    """The samples `cfg.data` describes: written by `target` the first time, then read from the cache.
+def load_training_data(
+    cfg: DictConfig, target: FrozenTarget | None = None
+) -> tuple[TokenDataset, PrepStats | None]:
+    """The samples `cfg.data` describes, from the cache when it holds them.
 
-    The drafter's mask id never appears in a generated prompt.
+    synthetic: written by `target` the first time (a CPU copy when None: tools that only need
+    the data); the drafter's mask id never appears in a generated prompt. conversations:
+    rendered and tokenized from `data.files` (no model needed).
     """
-    return load_or_generate(
-        target, node(cfg, "target"), node(cfg, "data"), Path(cfg.paths.cache_dir), [cfg.drafter.mask_token_id]
-    )
+    data_cfg = node(cfg, "data")
+    if DataKind(data_cfg.kind) is DataKind.synthetic:
+        if target is None:
+            layer_ids = resolve_layer_ids(cfg, load_target_config(node(cfg, "target")).num_hidden_layers)
+            target = FrozenTarget.from_config(node(cfg, "target"), layer_ids, torch.device("cpu"))
+        dataset = load_or_generate(
+            target, node(cfg, "target"), data_cfg, Path(cfg.paths.cache_dir), [cfg.drafter.mask_token_id]
+        )
+        return dataset, None
+    renderer = ChatRenderer(load_tokenizer(node(cfg, "target"), "data.kind=conversations"))
+    dataset, stats = load_or_prepare(renderer, data_cfg, Path(cfg.paths.cache_dir))
+    # Text data: the mask id must be a token the tokenizer never produces (a reserved special).
+    holding_mask = int((dataset.input_ids == cfg.drafter.mask_token_id).sum())
+    if holding_mask:
+        raise ValueError(
+            f"drafter.mask_token_id={cfg.drafter.mask_token_id} occurs {holding_mask} times in the "
+            f"training data (data.files={list(data_cfg.files)}); pick an id the tokenizer never produces"
+        )
+    return dataset, stats
+
+
+def eval_prompt_sets(cfg: DictConfig, vocab_size: int, limit: int) -> list[PromptSet]:
+    """The held-out prompts: `eval.benchmarks` files (chat template), else random token prompts."""
+    eval_cfg = node(cfg, "eval")
+    for key in ("num_prompts", "periodic_num_prompts", "max_new_tokens"):
+        if getattr(eval_cfg, key) < 1:
+            raise ValueError(f"eval.{key} must be >= 1, got {getattr(eval_cfg, key)}")
+
+    def renderer() -> ChatRenderer:
+        return ChatRenderer(load_tokenizer(node(cfg, "target"), "eval.benchmarks"))
+
+    return load_prompt_sets(eval_cfg, renderer, vocab_size, [cfg.drafter.mask_token_id], limit)
 
 
 def build_run(cfg: DictConfig, faults: FaultInjection | None = None) -> Run:
@@ -186,6 +230,10 @@ def build_run(cfg: DictConfig, faults: FaultInjection | None = None) -> Run:
     validate(cfg, target_config.num_hidden_layers, target_config.vocab_size, visible_cuda_devices())
     layer_ids = resolve_layer_ids(cfg, target_config.num_hidden_layers)
     target_devices, drafter_devices = resolve_device_split(cfg, visible_cuda_devices())
+    eval_prompts = eval_prompt_sets(cfg, target_config.vocab_size, cfg.eval.num_prompts)
+    periodic_prompts = None
+    if cfg.eval.every_steps > 0:
+        periodic_prompts = eval_prompt_sets(cfg, target_config.vocab_size, cfg.eval.periodic_num_prompts)
     resume_dir = Path(cfg.resume) if cfg.resume else None
     if resume_dir is not None and not resume_dir.is_dir():
         raise ValueError(f"resume={cfg.resume}: no such checkpoint directory")
@@ -210,7 +258,9 @@ def build_run(cfg: DictConfig, faults: FaultInjection | None = None) -> Run:
                 load_drafter_weights(drafter, resume_dir)
             except ValueError as exc:
                 raise ValueError(f"resume={resume_dir}: {exc}") from exc
-    dataset = load_training_data(cfg, targets[0])
+    dataset, prep_stats = load_training_data(cfg, targets[0])
+    if prep_stats is not None:
+        log.info("data: %s", "; ".join(line.strip() for line in prep_stats.lines()))
     planner = BatchPlanner(dataset.lengths, node(cfg, "scheduler"), cfg.seed)
     total_steps = total_steps_for(cfg, planner, len(drafters) * process_group.world_size)
 
@@ -246,6 +296,9 @@ def build_run(cfg: DictConfig, faults: FaultInjection | None = None) -> Run:
             process_group,
         )
     trainer.monitor = Monitor(node(cfg, "monitor"), sinks, trainer, stop_after)
+    if periodic_prompts is not None and process_group.is_main:
+        trainer.periodic_eval = PeriodicEval(node(cfg, "eval"), targets[0], drafters[0], periodic_prompts)
+        trainer.periodic_eval.monitor = trainer.monitor
     if resume_dir is not None:
         trainer.restore(resume_dir)
     log.info(
@@ -258,4 +311,4 @@ def build_run(cfg: DictConfig, faults: FaultInjection | None = None) -> Run:
         drafter_devices,
         cfg.pipeline.kind.value,
     )
-    return Run(cfg, run_dir, trainer, total_steps, process_group)
+    return Run(cfg, run_dir, trainer, total_steps, process_group, eval_prompts)

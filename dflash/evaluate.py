@@ -1,40 +1,259 @@
-"""Speculative decoding of held-out prompts: mean acceptance length and the lossless check."""
+"""Speculative-decoding evaluation: acceptance length, its histogram, losslessness, speedup.
+
+Prompt sets: `eval.benchmarks` maps a benchmark name to a local JSONL file, one prompt per
+line ({"prompt": "..."} as one user turn, or {"messages": [...]}, or {"turns": [...]} whose
+first turn is used), rendered with the target's chat template. Without benchmark files (a
+random-init target has no tokenizer), one set of random held-out token prompts.
+
+Per benchmark and temperature: mean tau (tokens produced per target verification), the
+acceptance-length histogram, and at temperature 0 the fraction of prompts whose DFlash output
+equals plain greedy output. With timing on: time per output token of plain (KV-cached, one
+token per forward) over DFlash decoding, timed with CUDA events on GPU, after warm-up runs.
+"""
 
 from __future__ import annotations
 
+import json
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
 import numpy as np
+import torch
 
 from dflash.config.schema import EvalConfig
 from dflash.data.synthetic import random_prompts
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import FrozenTarget
-from dflash.spec_decode import greedy_generate, speculative_generate
+from dflash.spec_decode import DecodeResult, plain_generate, speculative_generate
+
+RANDOM_SET = "heldout"
 
 
-def evaluate_spec_decode(
-    target: FrozenTarget, drafter: DFlashDrafter, cfg: EvalConfig, excluded_token_ids: list[int]
-) -> dict[str, float]:
+@dataclass
+class PromptSet:
+    name: str
+    prompts: list[list[int]]
+
+
+def read_prompt_file(name: str, path: str, renderer: Any, limit: int) -> PromptSet:
+    """The first `limit` prompts of a JSONL benchmark file, as chat-template token ids."""
+    prompts = []
+    with Path(path).open(encoding="utf-8") as handle:
+        for line_no, line in enumerate(handle, start=1):
+            if len(prompts) == limit:
+                break
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+                if "messages" in record:  # the conversation up to its first reply
+                    messages = []
+                    for message in record["messages"]:
+                        if message["role"] == "assistant":
+                            break
+                        messages.append({"role": message["role"], "content": message["content"]})
+                    if messages[-1]["role"] != "user":
+                        raise KeyError("no user turn before the first assistant turn")
+                else:
+                    text = record["prompt"] if "prompt" in record else record["turns"][0]
+                    messages = [{"role": "user", "content": str(text)}]
+            except (json.JSONDecodeError, KeyError, IndexError, TypeError) as exc:
+                raise ValueError(
+                    f"eval.benchmarks.{name}: {path}:{line_no}: expected {{'prompt': str}}, "
+                    f"{{'messages': [...]}} or {{'turns': [...]}} ({type(exc).__name__}: {exc})"
+                ) from exc
+            prompts.append(renderer.prompt_ids(messages))
+    if not prompts:
+        raise ValueError(f"eval.benchmarks.{name}: {path} holds no prompt")
+    return PromptSet(name, prompts)
+
+
+def load_prompt_sets(
+    cfg: EvalConfig, renderer_factory: Callable[[], Any], vocab_size: int, excluded: list[int], limit: int
+) -> list[PromptSet]:
+    if cfg.benchmarks:
+        renderer = renderer_factory()
+        return [read_prompt_file(n, p, renderer, limit) for n, p in sorted(cfg.benchmarks.items())]
     rng = np.random.default_rng(cfg.seed)
-    prompts = random_prompts(
-        cfg.num_prompts, cfg.prompt_len, cfg.prompt_len, target.config.vocab_size, excluded_token_ids, rng
+    prompts = random_prompts(limit, cfg.prompt_len, cfg.prompt_len, vocab_size, excluded, rng)
+    return [PromptSet(RANDOM_SET, [p.tolist() for p in prompts])]
+
+
+@dataclass
+class BenchmarkResult:
+    benchmark: str
+    temperature: float
+    num_prompts: int
+    output_tokens: int
+    verifications: int  # target forwards after the prefill
+    tau: float
+    # histogram[k] = share of verifications that produced k tokens (index 0 unused).
+    acceptance_histogram: list[float]
+    lossless_frac: float | None = None  # temperature 0 only
+    plain_ms_per_token: float | None = None
+    dflash_ms_per_token: float | None = None
+    speedup: float | None = None
+    timing_device: str | None = None
+
+
+class Stopwatch:
+    """Elapsed seconds of a callable: CUDA events on GPU (no host sync inside), else wall clock."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+
+    def __call__(self, fn: Callable[[], DecodeResult]) -> tuple[DecodeResult, float]:
+        if self.cuda:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            result = fn()
+            end.record()
+            end.synchronize()
+            return result, start.elapsed_time(end) / 1000.0
+        started = time.perf_counter()
+        result = fn()
+        return result, time.perf_counter() - started
+
+
+def evaluate_set(
+    target: FrozenTarget,
+    drafter: DFlashDrafter,
+    prompt_set: PromptSet,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+    timing: bool,
+    warmup_prompts: int = 0,
+) -> BenchmarkResult:
+    """Decode every prompt of the set with DFlash (and plainly when a reference or timing needs it)."""
+    greedy = temperature <= 0
+    need_plain = greedy or timing
+    for prompt in prompt_set.prompts[:warmup_prompts] if timing else []:
+        speculative_generate(target, drafter, prompt, max_new_tokens, temperature, seed)
+        plain_generate(target, prompt, max_new_tokens, temperature, seed)
+    stopwatch = Stopwatch(target.device)
+    lengths: list[int] = []
+    identical, output_tokens, plain_s, dflash_s = 0, 0, 0.0, 0.0
+    for index, prompt in enumerate(prompt_set.prompts):
+        prompt_seed = seed + index
+        result, seconds = stopwatch(
+            lambda: speculative_generate(target, drafter, prompt, max_new_tokens, temperature, prompt_seed)
+        )
+        dflash_s += seconds
+        lengths += result.acceptance_lengths
+        output_tokens += len(result.output_ids)
+        if need_plain:
+            reference, seconds = stopwatch(
+                lambda: plain_generate(target, prompt, max_new_tokens, temperature, prompt_seed)
+            )
+            plain_s += seconds
+            identical += reference.output_ids == result.output_ids
+    histogram = np.bincount(lengths, minlength=drafter.block_size + 1) / max(1, len(lengths))
+    report = BenchmarkResult(
+        benchmark=prompt_set.name,
+        temperature=temperature,
+        num_prompts=len(prompt_set.prompts),
+        output_tokens=output_tokens,
+        verifications=len(lengths),
+        tau=float(np.mean(lengths)) if lengths else 0.0,
+        acceptance_histogram=[round(float(h), 4) for h in histogram],
+        lossless_frac=identical / len(prompt_set.prompts) if greedy else None,
     )
+    if timing:
+        report.plain_ms_per_token = 1000.0 * plain_s / output_tokens
+        report.dflash_ms_per_token = 1000.0 * dflash_s / output_tokens
+        report.speedup = plain_s / dflash_s
+        report.timing_device = str(target.device)
+    return report
+
+
+@dataclass
+class EvalReport:
+    results: list[BenchmarkResult] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+
+    def greedy(self) -> list[BenchmarkResult]:
+        return [r for r in self.results if r.temperature <= 0]
+
+    def metrics(self) -> dict[str, float]:
+        """Flat floats for the monitor / summary: eval/tau and eval/lossless_frac over the
+        greedy results, per-benchmark eval/<name>/tau, the pooled acceptance histogram."""
+        greedy = self.greedy() or self.results
+        weights = np.array([r.output_tokens for r in greedy], dtype=float)
+        taus = np.array([r.tau for r in greedy])
+        out = {
+            "eval/tau": float(np.average(taus, weights=weights)) if weights.sum() else 0.0,
+            "eval/num_prompts": float(sum(r.num_prompts for r in greedy)),
+        }
+        lossless = [r.lossless_frac for r in greedy if r.lossless_frac is not None]
+        if lossless:
+            out["eval/lossless_frac"] = float(np.mean(lossless))
+        for r in self.results:
+            suffix = "" if r.temperature <= 0 else f"_t{r.temperature:g}"
+            out[f"eval/{r.benchmark}/tau{suffix}"] = r.tau
+            if r.speedup is not None:
+                out[f"eval/{r.benchmark}/speedup{suffix}"] = r.speedup
+        counts = sum(np.array(r.acceptance_histogram) * r.verifications for r in greedy)
+        pooled = counts / max(1, sum(r.verifications for r in greedy))
+        for k in range(1, len(pooled)):
+            out[f"eval/accept_len_{k}_frac"] = float(pooled[k])
+        return out
+
+    def table(self) -> str:
+        header = (
+            f"{'benchmark':<14}{'temp':>6}{'prompts':>9}{'tau':>8}{'lossless':>10}"
+            f"{'plain ms/tok':>14}{'dflash ms/tok':>15}{'speedup':>9}"
+        )
+        rows = [header, "-" * len(header)]
+        for r in self.results:
+            lossless = "-" if r.lossless_frac is None else f"{r.lossless_frac:.0%}"
+            timing = (
+                f"{r.plain_ms_per_token:>14.2f}{r.dflash_ms_per_token:>15.2f}{r.speedup:>8.2f}x"
+                if r.speedup is not None
+                else f"{'-':>14}{'-':>15}{'-':>9}"
+            )
+            rows.append(
+                f"{r.benchmark:<14}{r.temperature:>6g}{r.num_prompts:>9}{r.tau:>8.3f}{lossless:>10}{timing}"
+            )
+        rows.append("")
+        rows.append("acceptance-length histogram (share of verifications producing k tokens):")
+        for r in self.results:
+            cells = " ".join(f"{k}:{h:.2f}" for k, h in enumerate(r.acceptance_histogram) if k >= 1)
+            rows.append(f"  {r.benchmark} t={r.temperature:g}  {cells}")
+        return "\n".join(rows)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"meta": self.meta, "metrics": self.metrics(), "results": [asdict(r) for r in self.results]}
+
+
+def evaluate(
+    target: FrozenTarget,
+    drafter: DFlashDrafter,
+    prompt_sets: list[PromptSet],
+    cfg: EvalConfig,
+    timing: bool,
+) -> EvalReport:
     was_training = drafter.training
     drafter.eval()
-    lengths: list[int] = []
-    identical = 0
-    for prompt in prompts:
-        result = speculative_generate(target, drafter, prompt.tolist(), cfg.max_new_tokens)
-        reference = greedy_generate(target, prompt.tolist(), cfg.max_new_tokens)
-        identical += result.output_ids == reference
-        lengths += result.acceptance_lengths
-    drafter.train(was_training)
-    histogram = np.bincount(lengths, minlength=drafter.block_size + 1)
-    metrics = {
-        "eval/tau": float(np.mean(lengths)),
-        "eval/lossless_frac": identical / len(prompts),
-        "eval/num_prompts": float(len(prompts)),
-    }
-    metrics.update(
-        {f"eval/accept_len_{k}_frac": histogram[k] / len(lengths) for k in range(1, len(histogram))}
-    )
-    return metrics
+    try:
+        report = EvalReport()
+        for temperature in cfg.temperatures:
+            for prompt_set in prompt_sets:
+                report.results.append(
+                    evaluate_set(
+                        target,
+                        drafter,
+                        prompt_set,
+                        cfg.max_new_tokens,
+                        temperature,
+                        cfg.seed,
+                        timing,
+                        cfg.warmup_prompts,
+                    )
+                )
+        return report
+    finally:
+        drafter.train(was_training)

@@ -1,86 +1,200 @@
-"""Greedy speculative decoding with a DFlash drafter, and the plain greedy reference.
+"""Speculative decoding with a DFlash drafter, and plain decoding as its reference.
 
 Each round: the drafter fills one block [anchor, MASK x (B-1)] in a single forward, conditioned
-on the target features of every position before the anchor; the target verifies the block in
-one forward; the longest prefix of drafted tokens that matches the target's own greedy choices
-is accepted, plus the target's next token (the bonus). Acceptance length = accepted + 1.
+on the target features of every committed position before the anchor; the target verifies the
+block in one forward; the longest prefix of drafted tokens equal to the target's own choices at
+those positions is accepted, plus the target's choice at the first mismatch (the bonus).
+Acceptance length = accepted + 1.
+
+The target's choice is the argmax (temperature 0) or a sample from softmax(logits / T). A
+drafted token is kept only when it equals the target's own choice, so every committed token is
+the target's choice given a committed prefix: greedy output is identical token for token to
+plain greedy decoding, and sampled output has exactly the target's distribution. The drafter
+proposes its argmax at every temperature.
+
+Caching: the target keeps a KV cache cropped back to the committed tokens after each
+verification; the drafter keeps per-layer keys/values of its context (projections of target
+features, which never change once a token is committed) and appends to them. A target whose
+cache cannot be cropped (linear-attention layers, e.g. Qwen3-Next) re-runs the whole sequence
+each round instead: exact, slower (`TargetSession.cached`).
 
 The drafter is called through the same mask builder as in training (one valid anchor, full
 context before it), so a train/inference mismatch in the mask cannot hide here.
-
-This reference loop re-runs the target over the whole sequence each round (no KV cache):
-simple and exact, meant for tau and losslessness checks, not for timing.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
+from transformers import DynamicCache
 
 from dflash.blocks import block_attention_mask
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import FrozenTarget
 
+# Layer types whose KV cache can be cut back to a prefix after a rejected draft.
+_CROPPABLE_LAYERS = {"full_attention"}
+
 
 @dataclass
-class SpecDecodeResult:
+class DecodeResult:
     output_ids: list[int]  # generated tokens only
-    acceptance_lengths: list[int]  # tokens produced per target verification
+    # Tokens produced per target forward after the prefill (all 1 for plain decoding).
+    acceptance_lengths: list[int] = field(default_factory=list)
+
+
+class TokenChooser:
+    """The target's choice at each position: argmax, or a seeded sample at `temperature`."""
+
+    def __init__(self, temperature: float, device: torch.device, seed: int = 0):
+        self.temperature = temperature
+        self.generator = None
+        if temperature > 0:
+            self.generator = torch.Generator(device=device)
+            self.generator.manual_seed(seed)
+
+    def __call__(self, logits_NV: torch.Tensor) -> list[int]:
+        if self.temperature <= 0:
+            return logits_NV.argmax(-1).tolist()
+        probs = torch.softmax(logits_NV.float() / self.temperature, dim=-1)
+        return torch.multinomial(probs, 1, generator=self.generator).squeeze(-1).tolist()
+
+
+def supports_cache_crop(target: FrozenTarget) -> bool:
+    layer_types = getattr(target.config, "layer_types", None) or ["full_attention"]
+    return set(layer_types) <= _CROPPABLE_LAYERS
+
+
+class TargetSession:
+    """One sequence through the target: `run(new_ids)` returns logits and features of the new
+    positions given everything committed so far; `commit(n)` keeps the first n tokens."""
+
+    def __init__(self, target: FrozenTarget, cached: bool | None = None):
+        self.target = target
+        self.cached = supports_cache_crop(target) if cached is None else cached
+        self.ids: list[int] = []  # tokens the target has seen (committed, then maybe drafted)
+        self.cache = DynamicCache(config=target.config) if self.cached else None
+
+    def run(self, new_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Logits [N, V] and features [1, N, F] of the N new positions."""
+        start = len(self.ids)
+        self.ids += new_ids
+        if self.cached:
+            ids = torch.tensor([new_ids], device=self.target.device)
+            out = self.target(ids, cache=self.cache)
+            return out.logits[0], out.features
+        out = self.target(torch.tensor([self.ids], device=self.target.device))
+        return out.logits[0, start:], out.features[:, start:]
+
+    def commit(self, length: int) -> None:
+        surplus = len(self.ids) - length
+        if surplus > 0:
+            del self.ids[length:]
+            if self.cached:
+                self.cache.crop(-surplus)  # negative: remove that many (every transformers version)
+
+
+class DrafterContext:
+    """The drafter's cached context keys/values: positions 0..length-1 of the sequence."""
+
+    def __init__(self, drafter: DFlashDrafter):
+        self.drafter = drafter
+        self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
+        self.length = 0
+
+    def extend(self, features_1NF: torch.Tensor) -> None:
+        count = features_1NF.shape[1]
+        positions = torch.arange(self.length, self.length + count, device=features_1NF.device)
+        new = self.drafter.context_kv(features_1NF, positions.unsqueeze(0))
+        if self.kv is None:
+            self.kv = new
+        else:
+            self.kv = [
+                (torch.cat([k, k_new], dim=2), torch.cat([v, v_new], dim=2))
+                for (k, v), (k_new, v_new) in zip(self.kv, new)
+            ]
+        self.length += count
+
+    @torch.no_grad()
+    def draft(self, target: FrozenTarget, anchor_token: int) -> list[int]:
+        """The drafter's B-1 argmax guesses for the tokens after the anchor at position `length`."""
+        device = target.device
+        anchor_pos, block_size = self.length, self.drafter.block_size
+        block_ids = torch.full((1, block_size), self.drafter.mask_token_id, device=device)
+        block_ids[0, 0] = anchor_token
+        positions = torch.arange(anchor_pos, anchor_pos + block_size, device=device).unsqueeze(0)
+        mask = block_attention_mask(
+            torch.tensor([[anchor_pos]], device=device),
+            torch.ones((1, 1), dtype=torch.bool, device=device),
+            ctx_len=anchor_pos,
+            block_size=block_size,
+        )
+        hidden = self.drafter.draft(self.kv, target.embed_tokens(block_ids), positions, mask)
+        # fp32 drafter (master weights) in front of a bf16 target head on GPU.
+        return target.lm_head(hidden.to(target.lm_head.weight.dtype))[0, 1:].argmax(-1).tolist()
+
+
+def accepted_prefix(draft: list[int], target_choices: list[int]) -> int:
+    """How many drafted tokens are kept: the prefix equal to the target's own choices."""
+    accepted = 0
+    while accepted < len(draft) and draft[accepted] == target_choices[accepted]:
+        accepted += 1
+    return accepted
 
 
 @torch.no_grad()
-def greedy_generate(target: FrozenTarget, prompt_ids: list[int], max_new_tokens: int) -> list[int]:
-    ids = list(prompt_ids)
-    for _ in range(max_new_tokens):
-        logits = target(torch.tensor([ids], device=target.device)).logits
-        ids.append(int(logits[0, -1].argmax()))
-    return ids[len(prompt_ids) :]
-
-
-@torch.no_grad()
-def draft_block(
-    drafter: DFlashDrafter, target: FrozenTarget, features_1SF: torch.Tensor, anchor_token: int
-) -> list[int]:
-    """The drafter's B-1 greedy guesses for the tokens after the anchor at position S."""
-    device = target.device
-    anchor_pos = features_1SF.shape[1]
-    block_size = drafter.block_size
-    block_ids = torch.full((1, block_size), drafter.mask_token_id, device=device)
-    block_ids[0, 0] = anchor_token
-    positions = torch.arange(anchor_pos, anchor_pos + block_size, device=device).unsqueeze(0)
-    mask = block_attention_mask(
-        torch.tensor([[anchor_pos]], device=device),
-        torch.ones((1, 1), dtype=torch.bool, device=device),
-        ctx_len=anchor_pos,
-        block_size=block_size,
-    )
-    hidden = drafter(features_1SF, target.embed_tokens(block_ids), positions, mask)
-    # fp32 drafter (master weights) in front of a bf16 target head on GPU.
-    return target.lm_head(hidden.to(target.lm_head.weight.dtype))[0, 1:].argmax(-1).tolist()
+def plain_generate(
+    target: FrozenTarget,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    cached: bool | None = None,
+) -> DecodeResult:
+    """The reference: one target forward per token."""
+    session = TargetSession(target, cached)
+    choose = TokenChooser(temperature, target.device, seed)
+    logits, _ = session.run(list(prompt_ids))
+    output = choose(logits[-1:])
+    while len(output) < max_new_tokens:
+        logits, _ = session.run(output[-1:])
+        output += choose(logits)
+    return DecodeResult(output_ids=output, acceptance_lengths=[1] * (len(output) - 1))
 
 
 @torch.no_grad()
 def speculative_generate(
-    target: FrozenTarget, drafter: DFlashDrafter, prompt_ids: list[int], max_new_tokens: int
-) -> SpecDecodeResult:
-    ids = list(prompt_ids)
-    out = target(torch.tensor([ids], device=target.device))
-    ids.append(int(out.logits[0, -1].argmax()))  # the first anchor comes from the target
-    features = out.features
+    target: FrozenTarget,
+    drafter: DFlashDrafter,
+    prompt_ids: list[int],
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    seed: int = 0,
+    cached: bool | None = None,
+) -> DecodeResult:
+    session = TargetSession(target, cached)
+    context = DrafterContext(drafter)
+    choose = TokenChooser(temperature, target.device, seed)
+    logits, features = session.run(list(prompt_ids))
+    context.extend(features)
+    output = choose(logits[-1:])  # the first anchor comes from the target
     acceptance: list[int] = []
-    limit = len(prompt_ids) + max_new_tokens
-    while len(ids) < limit:
-        anchor = len(ids) - 1
-        draft = draft_block(drafter, target, features[:, :anchor], ids[anchor])
-        out = target(torch.tensor([ids + draft], device=target.device))
-        verified = out.logits[0, anchor : anchor + len(draft) + 1].argmax(-1).tolist()
-        accepted = 0
-        while accepted < len(draft) and draft[accepted] == verified[accepted]:
-            accepted += 1
-        produced = (draft[:accepted] + [verified[accepted]])[: limit - len(ids)]
-        ids += produced
+    while len(output) < max_new_tokens:
+        committed = len(prompt_ids) + len(output) - 1  # the anchor is not committed yet
+        draft = drafter_guess(context, target, output[-1])
+        logits, features = session.run([output[-1], *draft])
+        choices = choose(logits)
+        accepted = accepted_prefix(draft, choices)
+        produced = (draft[:accepted] + [choices[accepted]])[: max_new_tokens - len(output)]
+        output += produced
         acceptance.append(len(produced))
-        # Features of positions up to the last accepted token were computed on the right prefix.
-        features = out.features[:, : anchor + accepted + 1]
-    return SpecDecodeResult(output_ids=ids[len(prompt_ids) :], acceptance_lengths=acceptance)
+        # The anchor and the accepted drafts are committed; their features came from this forward.
+        session.commit(committed + accepted + 1)
+        context.extend(features[:, : accepted + 1])
+    return DecodeResult(output_ids=output, acceptance_lengths=acceptance)
+
+
+def drafter_guess(context: DrafterContext, target: FrozenTarget, anchor_token: int) -> list[int]:
+    """One drafter forward (a seam tests replace with an oracle)."""
+    return context.draft(target, anchor_token)

@@ -90,6 +90,32 @@ def tiny_qwen3_next_dir(tmp_path_factory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("qwen3_next"), "qwen3_next")
 
 
+@pytest.fixture(scope="session")
+def tiny_chat_dir(tmp_path_factory) -> Path:
+    """A tiny Qwen3 checkpoint with a trained BPE tokenizer and a chat template beside it."""
+    from tests.tiny_assets import save_tiny_target_with_tokenizer
+
+    return save_tiny_target_with_tokenizer(tmp_path_factory.mktemp("qwen3_chat"))
+
+
+@pytest.fixture(scope="session")
+def tiny_conversations(tmp_path_factory) -> Path:
+    from tests.tiny_assets import write_conversations
+
+    return write_conversations(tmp_path_factory.mktemp("conversations") / "chat.jsonl", 40)
+
+
+# Conversation data against the tiny chat target, sized for the tiny scheduler buckets.
+def conversation_overrides(chat_dir: Path, files: list[Path]) -> list[str]:
+    return [
+        "data=conversations",
+        f"data.files=[{','.join(str(f) for f in files)}]",
+        "data.max_length=128",
+        "data.min_supervised_tokens=4",
+        f"target.path={chat_dir}",
+    ]
+
+
 def pytest_collection_modifyitems(config, items):
     if torch.cuda.is_available():
         return

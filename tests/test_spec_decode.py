@@ -1,38 +1,109 @@
-"""Greedy speculative decoding: lossless whatever the drafter, and acceptance counted right."""
+"""Speculative decoding: lossless whatever the drafter, acceptance counted right, caches exact."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from dflash import spec_decode
-from dflash.spec_decode import greedy_generate, speculative_generate
+from dflash.spec_decode import (
+    DrafterContext,
+    TargetSession,
+    accepted_prefix,
+    plain_generate,
+    speculative_generate,
+    supports_cache_crop,
+)
 from tests.test_dflash_rules import tiny_drafter, tiny_target
 
 
-def test_output_equals_plain_greedy_even_with_an_untrained_drafter():
-    target, drafter = tiny_target(), None
+def greedy(target, prompt, n, cached=None):
+    return plain_generate(target, prompt, n, cached=cached).output_ids
+
+
+@pytest.mark.parametrize("cached", [True, False])
+def test_output_equals_plain_greedy_even_with_an_untrained_drafter(cached):
+    target = tiny_target()
     drafter = tiny_drafter(target).eval()
     prompt = torch.randint(0, 500, (12,)).tolist()
-    result = speculative_generate(target, drafter, prompt, 20)
-    assert result.output_ids == greedy_generate(target, prompt, 20)
+    result = speculative_generate(target, drafter, prompt, 20, cached=cached)
+    assert result.output_ids == greedy(target, prompt, 20, cached=False)
     assert sum(result.acceptance_lengths) == 20 - 1  # the first token comes from the prefill
     assert all(1 <= n <= drafter.block_size for n in result.acceptance_lengths)
+
+
+def test_kv_cached_decoding_equals_full_recomputation():
+    """The cached path (lower-right causal mask on a multi-token cached forward, cache cropped
+    back after a rejection) gives the logits and features of a full forward."""
+    target = tiny_target()
+    assert supports_cache_crop(target)
+    ids = torch.randint(0, 500, (30,)).tolist()
+    full = target(torch.tensor([ids]))
+    session = TargetSession(target, cached=True)
+    logits, features = session.run(ids[:10])
+    torch.testing.assert_close(logits, full.logits[0, :10])
+    logits, features = session.run([7, 8, 9, 10])  # a rejected draft ...
+    session.commit(10)  # ... cut back off
+    logits, features = session.run(ids[10:16])
+    torch.testing.assert_close(logits, full.logits[0, 10:16], atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(features, full.features[:, 10:16], atol=1e-5, rtol=1e-5)
+    assert session.cache.get_seq_length() == 16
+
+
+def test_drafter_context_cache_equals_the_uncached_drafter():
+    target = tiny_target()
+    drafter = tiny_drafter(target).eval()
+    ids = torch.randint(0, 500, (1, 14))
+    features = target(ids).features
+    context = DrafterContext(drafter)
+    context.extend(features[:, :9])
+    context.extend(features[:, 9:13])  # appended in two pieces, as decoding commits tokens
+    cached = context.draft(target, int(ids[0, 13]))
+    whole = DrafterContext(drafter)
+    whole.extend(features[:, :13])
+    assert cached == whole.draft(target, int(ids[0, 13]))
 
 
 def test_a_perfect_drafter_is_accepted_whole_blocks(monkeypatch):
     target = tiny_target()
     drafter = tiny_drafter(target).eval()
     prompt = torch.randint(0, 500, (10,)).tolist()
-    truth = greedy_generate(target, prompt, 40)
+    truth = greedy(target, prompt, 40)
 
-    def oracle(drafter_, target_, features, anchor_token):
-        start = features.shape[1] + 1 - len(prompt)  # index in `truth` of the token after the anchor
-        return truth[start : start + drafter_.block_size - 1]
+    def oracle(context, target_, anchor_token):
+        start = context.length + 1 - len(prompt)  # index in `truth` of the token after the anchor
+        return truth[start : start + drafter.block_size - 1]
 
-    monkeypatch.setattr(spec_decode, "draft_block", oracle)
+    monkeypatch.setattr(spec_decode, "drafter_guess", oracle)
     result = speculative_generate(target, drafter, prompt, 40)
     assert result.output_ids == truth
     assert result.acceptance_lengths[:-1] == [drafter.block_size] * (len(result.acceptance_lengths) - 1)
+
+
+def test_acceptance_stops_at_the_first_disagreement():
+    assert accepted_prefix([5, 6, 7], [5, 6, 7, 8]) == 3
+    assert accepted_prefix([5, 9, 7], [5, 6, 7, 8]) == 1  # 7 matches again, but after a miss
+    assert accepted_prefix([4, 6, 7], [5, 6, 7, 8]) == 0
+
+
+def test_sampled_decoding_commits_only_the_targets_own_samples(monkeypatch):
+    """With temperature, every committed token is the target's sample given the committed
+    prefix: a drafter that proposes exactly the target's samples is accepted whole blocks and
+    reproduces plain sampling with the same seed token for token."""
+    target = tiny_target()
+    drafter = tiny_drafter(target).eval()
+    prompt = torch.randint(0, 500, (8,)).tolist()
+    sampled = plain_generate(target, prompt, 1, temperature=1.0, seed=3).output_ids
+    assert sampled  # the first token is sampled from the prefill in both decoders
+    wrong = speculative_generate(target, drafter, prompt, 24, temperature=1.0, seed=3)
+    assert wrong.output_ids[0] == sampled[0]
+    assert sum(wrong.acceptance_lengths) == 23
+    # The oracle drafter always guesses token 0; the target's samples are rarely 0, so almost
+    # every draft is rejected and output must still advance one sampled token per verification.
+    monkeypatch.setattr(spec_decode, "drafter_guess", lambda c, t, a: [0] * (drafter.block_size - 1))
+    rejected = speculative_generate(target, drafter, prompt, 24, temperature=1.0, seed=3)
+    assert all(n == 1 for n in rejected.acceptance_lengths)
+    assert 0 not in rejected.output_ids
 
 
 def test_fp32_drafter_drives_a_bf16_target():
@@ -42,4 +113,20 @@ def test_fp32_drafter_drives_a_bf16_target():
     target.model.to(torch.bfloat16)
     prompt = torch.randint(0, 500, (8,)).tolist()
     result = speculative_generate(target, drafter, prompt, 6)
-    assert result.output_ids == greedy_generate(target, prompt, 6)
+    assert result.output_ids == greedy(target, prompt, 6)
+
+
+def test_hybrid_targets_fall_back_to_exact_recomputation(tmp_path):
+    from dflash.config.schema import TargetConfig
+    from dflash.models.target import FrozenTarget
+    from tests.conftest import save_tiny_model
+
+    path = save_tiny_model(tmp_path / "next", "qwen3_next")
+    target = FrozenTarget.from_config(
+        TargetConfig(name="n", path=str(path), model_type="qwen3_next"), [1, 3], torch.device("cpu")
+    )
+    assert not supports_cache_crop(target)
+    drafter = tiny_drafter(target).eval()
+    prompt = torch.randint(0, 500, (8,)).tolist()
+    result = speculative_generate(target, drafter, prompt, 10)
+    assert result.output_ids == greedy(target, prompt, 10)

@@ -44,6 +44,12 @@ class DeviceKind(str, Enum):
 
 class DataKind(str, Enum):
     synthetic = "synthetic"
+    conversations = "conversations"
+
+
+class RegenBackend(str, Enum):
+    transformers = "transformers"
+    http = "http"
 
 
 class SinkKind(str, Enum):
@@ -59,6 +65,8 @@ class TargetConfig:
     path: Optional[str] = None
     # transformers config fields for a random-init target (used when `path` is null).
     arch: Optional[dict[str, Any]] = None
+    # Tokenizer + chat template directory (conversation data, benchmark prompts); null: `path`.
+    tokenizer: Optional[str] = None
     # The model_type the target must have; a path to another architecture is refused early.
     model_type: str = "qwen3"
     init_seed: int = 0
@@ -90,12 +98,21 @@ class DrafterConfig:
 class DataConfig:
     name: str = MISSING
     kind: DataKind = DataKind.synthetic
+    # Samples longer than this are truncated (both kinds).
+    max_length: int = 3072
+    # conversations: local .jsonl / .json / .parquet files of OpenAI `messages` (role/content)
+    # or ShareGPT `conversations` (from/value) records, rendered with the target's chat template.
+    files: list[str] = field(default_factory=list)
+    # conversations: samples with fewer supervised (assistant) tokens are dropped and counted.
+    min_supervised_tokens: int = 16
+    # conversations: tokenizer processes (datasets.map num_proc); null: in this process.
+    num_proc: Optional[int] = None
+    # synthetic: random prompts continued greedily by the target.
     num_samples: int = 1024
     prompt_len_min: int = 8
     prompt_len_max: int = 48
     gen_len_min: int = 16
     gen_len_max: int = 80
-    max_length: int = 3072
     seed: int = 0
     # Samples generated per target forward while building the synthetic set.
     generation_batch_size: int = 64
@@ -212,11 +229,28 @@ class CheckpointConfig:
 
 @dataclass
 class EvalConfig:
-    # Held-out prompts decoded speculatively at the end of training.
+    # Benchmark name -> local JSONL prompt file (one {"prompt": str} or {"messages": [...]} per
+    # line, rendered with the target's chat template). Empty: random held-out token prompts.
+    benchmarks: dict[str, str] = field(default_factory=dict)
+    # Prompts per benchmark (the first N lines), or the size of the random held-out set.
     num_prompts: int = 8
+    # Length of the random held-out prompts.
     prompt_len: int = 16
     max_new_tokens: int = 64
+    # 0: greedy, with the check that the output equals plain greedy decoding.
+    temperatures: list[float] = field(default_factory=lambda: [0.0])
     seed: int = 12345
+    # Evaluate a snapshot of the drafter every N optimizer steps while training (0: never; the
+    # end-of-training evaluation always runs), on `periodic_num_prompts` prompts per benchmark.
+    every_steps: int = 0
+    periodic_num_prompts: int = 4
+    # dflash-eval: the drafter directory (a dflash checkpoint or any z-lab-layout export).
+    drafter: Optional[str] = None
+    # dflash-eval: time plain vs DFlash decoding (speedup), after `warmup_prompts` untimed runs.
+    timing: bool = True
+    warmup_prompts: int = 2
+    # dflash-eval: where the JSON report goes; null: <paths.output_dir>/eval.json.
+    output: Optional[str] = None
 
 
 @dataclass
@@ -266,8 +300,44 @@ class Config:
     objective: str = "eval/tau"
 
 
+@dataclass
+class SamplingConfig:
+    # The target's recommended settings (Qwen3 non-thinking: 0.7 / 0.8 / 20); temperature 0: greedy.
+    temperature: float = 0.7
+    top_p: float = 0.8
+    top_k: int = 20
+    max_new_tokens: int = 2048
+    seed: int = 0
+
+
+@dataclass
+class RegenConfig:
+    """`dflash-regen` (conf/regen.yaml): replace the assistant turns of a dataset with the target's."""
+
+    target: TargetConfig = field(default_factory=TargetConfig)
+    paths: PathsConfig = field(default_factory=PathsConfig)
+    # Conversation files (.jsonl / .json / .parquet; OpenAI or ShareGPT records).
+    input: list[str] = MISSING
+    # JSONL of regenerated conversations (OpenAI `messages`); appended to, so a rerun resumes.
+    output: str = MISSING
+    backend: RegenBackend = RegenBackend.transformers
+    sampling: SamplingConfig = field(default_factory=SamplingConfig)
+    # Conversations regenerated at once (transformers: one batch; http: requests in flight).
+    batch_size: int = 16
+    # http: OpenAI-compatible base URL (e.g. http://localhost:8000/v1), model name (null: the
+    # first the server lists), API key, per-request timeout and retries (backoff, 429/5xx/errors).
+    url: Optional[str] = None
+    model: Optional[str] = None
+    api_key: str = "EMPTY"
+    timeout_s: float = 600.0
+    max_retries: int = 5
+    # Stop after this many conversations (null: all).
+    limit: Optional[int] = None
+
+
 def register_configs() -> None:
-    """Register the root schema; idempotent (Hydra's ConfigStore replaces same-name entries)."""
+    """Register the root schemas; idempotent (Hydra's ConfigStore replaces same-name entries)."""
     from hydra.core.config_store import ConfigStore
 
     ConfigStore.instance().store(name="dflash_schema", node=Config)
+    ConfigStore.instance().store(name="dflash_regen_schema", node=RegenConfig)

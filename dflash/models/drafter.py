@@ -84,26 +84,31 @@ class DFlashAttention(nn.Module):
     def _heads(self, x: torch.Tensor, num_heads: int) -> torch.Tensor:
         return x.view(*x.shape[:-1], num_heads, self.head_dim)
 
+    def context_kv(
+        self, ctx_BSH: torch.Tensor, ctx_rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values of the context positions; they depend on the target features alone
+        (not on the block), so decoding caches them and appends as tokens are committed."""
+        k_ctx = self.k_norm(self._heads(self.k_proj(ctx_BSH), self.num_kv_heads)).transpose(1, 2)
+        k_ctx = apply_rotary_pos_emb(k_ctx, k_ctx, *ctx_rope)[0]
+        v_ctx = self._heads(self.v_proj(ctx_BSH), self.num_kv_heads).transpose(1, 2)
+        return k_ctx, v_ctx
+
     def forward(
         self,
         block_BQH: torch.Tensor,
-        ctx_BSH: torch.Tensor,
+        ctx_kv: tuple[torch.Tensor, torch.Tensor],
         block_rope: tuple[torch.Tensor, torch.Tensor],
-        ctx_rope: tuple[torch.Tensor, torch.Tensor],
         attn_mask: torch.Tensor,
     ) -> torch.Tensor:
         bsz, q_len, _ = block_BQH.shape
         q = self.q_norm(self._heads(self.q_proj(block_BQH), self.num_heads)).transpose(1, 2)
         k_blk = self.k_norm(self._heads(self.k_proj(block_BQH), self.num_kv_heads)).transpose(1, 2)
-        k_ctx = self.k_norm(self._heads(self.k_proj(ctx_BSH), self.num_kv_heads)).transpose(1, 2)
         v_blk = self._heads(self.v_proj(block_BQH), self.num_kv_heads).transpose(1, 2)
-        v_ctx = self._heads(self.v_proj(ctx_BSH), self.num_kv_heads).transpose(1, 2)
         # RoPE at absolute positions: context at 0..S-1, block token k of anchor a at a + k.
         q, k_blk = apply_rotary_pos_emb(q, k_blk, *block_rope)
-        cos_ctx, sin_ctx = ctx_rope
-        k_ctx = apply_rotary_pos_emb(k_ctx, k_ctx, cos_ctx, sin_ctx)[0]
-        k = torch.cat([k_ctx, k_blk], dim=2)
-        v = torch.cat([v_ctx, v_blk], dim=2)
+        k = torch.cat([ctx_kv[0], k_blk], dim=2)
+        v = torch.cat([ctx_kv[1], v_blk], dim=2)
         out = F.scaled_dot_product_attention(
             q, k, v, attn_mask=attn_mask, enable_gqa=self.num_heads != self.num_kv_heads
         )
@@ -118,9 +123,9 @@ class DFlashDecoderLayer(nn.Module):
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
 
-    def forward(self, hidden_BQH, ctx_BSH, block_rope, ctx_rope, attn_mask):
+    def forward(self, hidden_BQH, ctx_kv, block_rope, attn_mask):
         hidden_BQH = hidden_BQH + self.self_attn(
-            self.input_layernorm(hidden_BQH), ctx_BSH, block_rope, ctx_rope, attn_mask
+            self.input_layernorm(hidden_BQH), ctx_kv, block_rope, attn_mask
         )
         return hidden_BQH + self.mlp(self.post_attention_layernorm(hidden_BQH))
 
@@ -164,6 +169,33 @@ class DFlashDrafter(nn.Module):
             ctx_BSH = ctx_BSH + feature_noise_std * noise
         return ctx_BSH
 
+    def context_kv(
+        self,
+        features_BSF: torch.Tensor,
+        positions_BS: torch.Tensor,
+        feature_noise_std: float = 0.0,
+        noise_generator: torch.Generator | None = None,
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Per draft layer, the keys and values of context positions `positions_BS`."""
+        ctx_BSH = self.context(features_BSF, feature_noise_std, noise_generator)
+        ctx_rope = self.rotary_emb(ctx_BSH, positions_BS)
+        return [layer.self_attn.context_kv(ctx_BSH, ctx_rope) for layer in self.layers]
+
+    def draft(
+        self,
+        ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
+        block_emb_BQH: torch.Tensor,
+        block_pos_BQ: torch.Tensor,
+        attn_mask_BQK: torch.Tensor,
+    ) -> torch.Tensor:
+        """Hidden states of the block positions (after the final norm), [B, Q, H]."""
+        hidden = block_emb_BQH.to(self.fc.weight.dtype)
+        block_rope = self.rotary_emb(hidden, block_pos_BQ)
+        mask = attn_mask_BQK.unsqueeze(1)
+        for layer, layer_kv in zip(self.layers, ctx_kv):
+            hidden = layer(hidden, layer_kv, block_rope, mask)
+        return self.norm(hidden)
+
     def forward(
         self,
         features_BSF: torch.Tensor,
@@ -177,13 +209,7 @@ class DFlashDrafter(nn.Module):
 
         attn_mask_BQK: bool, True = visible; keys are [context 0..S-1, block tokens 0..Q-1].
         """
-        ctx_BSH = self.context(features_BSF, feature_noise_std, noise_generator)
-        bsz, ctx_len, _ = ctx_BSH.shape
-        ctx_pos = torch.arange(ctx_len, device=ctx_BSH.device).unsqueeze(0).expand(bsz, -1)
-        hidden = block_emb_BQH.to(ctx_BSH.dtype)
-        block_rope = self.rotary_emb(hidden, block_pos_BQ)
-        ctx_rope = self.rotary_emb(hidden, ctx_pos)
-        mask = attn_mask_BQK.unsqueeze(1)
-        for layer in self.layers:
-            hidden = layer(hidden, ctx_BSH, block_rope, ctx_rope, mask)
-        return self.norm(hidden)
+        bsz, ctx_len, _ = features_BSF.shape
+        ctx_pos = torch.arange(ctx_len, device=features_BSF.device).unsqueeze(0).expand(bsz, -1)
+        ctx_kv = self.context_kv(features_BSF, ctx_pos, feature_noise_std, noise_generator)
+        return self.draft(ctx_kv, block_emb_BQH, block_pos_BQ, attn_mask_BQK)

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -13,11 +15,27 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from dflash.config.schema import TargetConfig
 
-# transformers' SDPA attention under a name that has no mask function: with it, a forward builds
-# no mask and runs the causal kernel, instead of inspecting position ids or a padding mask on
-# the host (a GPU sync per forward). Only right-padded or unpadded inputs may use it.
+
+def causal_attention(module, query, key, value, attention_mask, **kwargs):
+    """transformers' SDPA attention, registered under a name that has no mask function: a
+    forward builds no mask and runs the causal kernel, instead of inspecting position ids or a
+    padding mask on the host (a GPU sync per forward). Only right-padded or unpadded inputs may
+    use it.
+
+    A cached forward of several new tokens (speculative verification) needs the causal pattern
+    aligned to the end of the cache; SDPA's `is_causal` aligns it to the start, so that case
+    gets an explicit lower-right mask, built on the device.
+    """
+    q_len, kv_len = query.shape[2], key.shape[2]
+    if attention_mask is None and 1 < q_len < kv_len:
+        attention_mask = torch.ones((q_len, kv_len), dtype=torch.bool, device=query.device).tril(
+            kv_len - q_len
+        )
+    return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
 CAUSAL_ATTENTION = "dflash_causal_sdpa"
-AttentionInterface.register(CAUSAL_ATTENTION, sdpa_attention_forward)
+AttentionInterface.register(CAUSAL_ATTENTION, causal_attention)
 
 
 def load_target_config(cfg: TargetConfig) -> PretrainedConfig:
@@ -62,6 +80,9 @@ class FrozenTarget(nn.Module):
         self.model = model.eval().requires_grad_(False)
         self.layer_ids = list(layer_ids)
         self._masked_attention = model.config._attn_implementation
+        # transformers 5 renamed the forward's `past_key_values` argument to `cache`.
+        params = inspect.signature(model.forward).parameters
+        self._cache_argument = "cache" if "cache" in params else "past_key_values"
         model.config._attn_implementation = CAUSAL_ATTENTION
 
     @contextmanager
@@ -121,8 +142,17 @@ class FrozenTarget(nn.Module):
         return self._fuse(out.hidden_states)
 
     @torch.no_grad()
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None) -> TargetOutput:
+    def forward(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None, cache: Any = None
+    ) -> TargetOutput:
+        """Logits and fused features; with `cache` (a transformers Cache), `input_ids` are the
+        positions after the cached ones and the cache grows by them."""
+        kwargs = {} if cache is None else {self._cache_argument: cache}
         out = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=True, use_cache=False
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            output_hidden_states=True,
+            use_cache=cache is not None,
+            **kwargs,
         )
         return TargetOutput(logits=out.logits, features=self._fuse(out.hidden_states))

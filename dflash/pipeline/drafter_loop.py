@@ -115,6 +115,7 @@ class DrafterLoop:
         checkpoint_every: int,
         on_checkpoint,
         fault_at_step: int | None = None,
+        on_step=None,
     ):
         self.replica, self.step_fn, self.inbox, self.grad_sync = replica, step_fn, inbox, grad_sync
         self.step = start_step
@@ -122,6 +123,7 @@ class DrafterLoop:
         self.on_consumed = on_consumed  # called with the batch seq once its update is applied
         self.checkpoint_every, self.on_checkpoint = checkpoint_every, on_checkpoint
         self.fault_at_step = fault_at_step
+        self.on_step = on_step  # replica 0 calls it with the step number after each update
         self.device = step_fn.device
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.stop_requested = threading.Event()
@@ -166,6 +168,8 @@ class DrafterLoop:
                     window = step_fn.metrics.publish(self.step, step_fn.lr)
                     with self._lock:
                         self._windows.append(window)
+                if self.replica == 0 and self.on_step is not None:
+                    self.on_step(self.step)
                 self.counters.record(
                     packet.batch,
                     waited_s=fetched - started,

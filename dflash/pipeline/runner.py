@@ -29,6 +29,7 @@ from dflash.pipeline.prefetch import BatchPrefetcher
 from dflash.pipeline.queues import HiddenStateQueue, QueueClosed
 from dflash.pipeline.target_worker import TargetWorker
 from dflash.trainer import state
+from dflash.trainer.periodic_eval import PeriodicEval
 from dflash.trainer.signals import StopRequested, stop_on_signals
 from dflash.trainer.state import CheckpointSettings, DataPosition
 from dflash.trainer.step import DrafterStep, MetricWindow
@@ -89,6 +90,7 @@ class AsyncTrainer:
         self.faults = faults or FaultInjection()
         self.process_group = process_group or ProcessGroupInfo()
         self.monitor: Monitor | None = None  # attached by the builder
+        self.periodic_eval: PeriodicEval | None = None  # attached by the builder (eval.every_steps)
         self._pending: dict[int, dict[int, MetricWindow]] = defaultdict(dict)
         self.position = DataPosition()
         self._failure: tuple[str, BaseException] | None = None
@@ -144,6 +146,7 @@ class AsyncTrainer:
                 self.checkpoints.every_steps,
                 self._checkpoint_from_replica0,
                 self.faults.drafter_at_step,
+                self._after_step,
             )
             for i, step_fn in enumerate(self.step_fns)
         ]
@@ -200,6 +203,11 @@ class AsyncTrainer:
             raise RuntimeError(
                 f"pipeline threads did not stop within {self.cfg.shutdown_timeout_s} s: {alive}"
             )
+
+    def _after_step(self, step: int) -> None:
+        # Drafter thread 0, between steps: the snapshot is a device copy, nothing waits on it.
+        if self.periodic_eval is not None:
+            self.periodic_eval.offer(step, self.drafter)
 
     def _checkpoint_from_replica0(self, step: int) -> None:
         # Runs in drafter thread 0 while every replica waits at the checkpoint barrier.
@@ -266,6 +274,8 @@ class AsyncTrainer:
                             loop.stop_requested.set()
                     time.sleep(self.cfg.poll_interval_s)
                     self.monitor.maybe_tick()
+                    if self.periodic_eval is not None:
+                        self.periodic_eval.run_pending()
             finally:
                 if stop_signum is not None:
                     # Let drafters finish the step they are in, then unblock whoever waits.
@@ -276,6 +286,8 @@ class AsyncTrainer:
         if self._failure is not None:
             raise self._failure[1]
         self.monitor.maybe_tick(wait=True, force=True)
+        if self.periodic_eval is not None:
+            self.periodic_eval.run_pending()  # the snapshot of the last steps, if still waiting
         steps = {loop.step for loop in self.loops}
         assert len(steps) == 1, f"drafter replicas stopped at different steps: {steps}"
         self.position = self.tracker.position(steps.pop())

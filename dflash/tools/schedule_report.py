@@ -57,20 +57,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--epoch", type=int, default=0)
     args, overrides = parser.parse_known_args(argv)
 
-    import torch
-
-    from dflash.build import load_training_data, node
+    from dflash.build import load_training_data
     from dflash.config.schema import SchedulerConfig, SchedulerKind
-    from dflash.config.validate import resolve_layer_ids
     from dflash.data.schedule import BatchPlanner
-    from dflash.models.target import FrozenTarget, load_target_config
     from dflash.tools.compose import compose_config
 
     cfg = compose_config(overrides)
-    target_cfg = node(cfg, "target")
-    layer_ids = resolve_layer_ids(cfg, load_target_config(target_cfg).num_hidden_layers)
-    # The target only writes the data when it is not cached yet; CPU is enough for a look.
-    dataset = load_training_data(cfg, FrozenTarget.from_config(target_cfg, layer_ids, torch.device("cpu")))
+    dataset, _ = load_training_data(cfg)
     orders = {}
     for kind in (SchedulerKind.shuffle, SchedulerKind.interleave):
         sched = SchedulerConfig(kind, list(cfg.scheduler.bucket_edges), cfg.scheduler.tokens_per_batch)

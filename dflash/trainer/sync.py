@@ -20,6 +20,7 @@ from dflash.monitor.monitor import Monitor
 from dflash.pipeline.counters import WorkCounters
 from dflash.pipeline.prefetch import BatchStats
 from dflash.trainer import state
+from dflash.trainer.periodic_eval import PeriodicEval
 from dflash.trainer.signals import StopRequested, stop_on_signals
 from dflash.trainer.state import CheckpointSettings, DataPosition
 from dflash.trainer.step import DrafterStep, MetricWindow
@@ -44,6 +45,7 @@ class SyncTrainer:
         self.stop_after, self.log_every, self.checkpoints = stop_after, log_every, checkpoints
         self.position = DataPosition()
         self.monitor: Monitor | None = None  # attached by the builder
+        self.periodic_eval: PeriodicEval | None = None  # attached by the builder (eval.every_steps)
         self.batch_stats = BatchStats(planner.num_buckets)
         self._windows: deque[MetricWindow] = deque()
         # The same counters as the async workers; in one thread the drafter "waits" while the
@@ -109,6 +111,9 @@ class SyncTrainer:
                 if step % self.log_every == 0 or step == self.stop_after:
                     self._windows.append(self.step_fn.metrics.publish(step, self.step_fn.lr))
                 self.monitor.maybe_tick()
+                if self.periodic_eval is not None:
+                    self.periodic_eval.offer(step, self.drafter)
+                    self.periodic_eval.run_pending()
                 if step % self.checkpoints.every_steps == 0 and step != self.stop_after:
                     self.save()
         self.monitor.maybe_tick(wait=True, force=True)

@@ -1,0 +1,150 @@
+"""Conversation files in, normalized messages out, with every bad record counted and located.
+
+Accepted shapes, per record (auto-detected):
+  OpenAI:   {"messages": [{"role": "user", "content": "..."}, ...]}
+  ShareGPT: {"conversations": [{"from": "human", "value": "..."}, ...]}
+Content may also be a list of OpenAI content parts ({"type": "text", "text": ...}).
+
+Files: `.jsonl` (JSON Lines), `.json` (JSON Lines, or one top-level array as ShareGPT dumps
+often are) and `.parquet` (read with `datasets`). JSON Lines are parsed line by line on purpose:
+a loader that parses whole blocks (datasets' json builder) stops at the first broken line,
+and a 800k-conversation run must skip that line, count it and say where it was.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+ROLE_ALIASES = {
+    "system": "system",
+    "user": "user",
+    "human": "user",
+    "assistant": "assistant",
+    "gpt": "assistant",
+    "chatgpt": "assistant",
+    "model": "assistant",
+}
+SUFFIXES = (".jsonl", ".json", ".parquet")
+# How many malformed records are quoted with their location (all are counted).
+QUOTED_PROBLEMS = 5
+
+
+class MalformedRecord(ValueError):
+    """A record that cannot become a training sample; the message says why."""
+
+
+@dataclass
+class Conversation:
+    source: str  # "file:line" (or "file:row N" for Parquet), for error messages
+    messages: list[dict[str, str]]  # role in {system, user, assistant}, content str
+    extra: dict[str, Any] = field(default_factory=dict)  # other fields of the record, kept by regen
+
+
+@dataclass
+class SkipReport:
+    """Records skipped, by reason, with the location of the first few."""
+
+    counts: dict[str, int] = field(default_factory=dict)
+    examples: list[str] = field(default_factory=list)
+
+    def add(self, reason: str, source: str, detail: str) -> None:
+        self.counts[reason] = self.counts.get(reason, 0) + 1
+        if len(self.examples) < QUOTED_PROBLEMS:
+            self.examples.append(f"{source}: {detail}")
+
+    @property
+    def total(self) -> int:
+        return sum(self.counts.values())
+
+
+def _content(value: Any, where: str) -> str:
+    if isinstance(value, str):
+        return value
+    if isinstance(value, list):  # OpenAI content parts
+        texts = [p.get("text") for p in value if isinstance(p, dict) and p.get("type") == "text"]
+        if len(texts) == len(value) and all(isinstance(t, str) for t in texts):
+            return "".join(texts)
+    raise MalformedRecord(f"{where}: content must be a string (or text parts), got {type(value).__name__}")
+
+
+def normalize(record: Any) -> tuple[list[dict[str, str]], dict[str, Any]]:
+    """(messages, other fields) of one record in either shape; MalformedRecord otherwise."""
+    if not isinstance(record, dict):
+        raise MalformedRecord(f"a record must be a JSON object, got {type(record).__name__}")
+    if "messages" in record:
+        turns, role_key, content_key, field_name = record["messages"], "role", "content", "messages"
+    elif "conversations" in record:
+        turns, role_key, content_key, field_name = record["conversations"], "from", "value", "conversations"
+    else:
+        raise MalformedRecord("no 'messages' (OpenAI) or 'conversations' (ShareGPT) field")
+    if not isinstance(turns, list) or not turns:
+        raise MalformedRecord(f"'{field_name}' must be a non-empty list")
+    messages = []
+    for index, turn in enumerate(turns):
+        where = f"{field_name}[{index}]"
+        if not isinstance(turn, dict) or role_key not in turn or content_key not in turn:
+            raise MalformedRecord(f"{where} needs '{role_key}' and '{content_key}'")
+        role = ROLE_ALIASES.get(str(turn[role_key]).lower())
+        if role is None:
+            raise MalformedRecord(f"{where}: unknown role {turn[role_key]!r}")
+        messages.append({"role": role, "content": _content(turn[content_key], where)})
+    if not any(m["role"] == "assistant" for m in messages):
+        raise MalformedRecord("no assistant turn")
+    extra = {k: v for k, v in record.items() if k != field_name}
+    return messages, extra
+
+
+def _json_records(path: Path) -> Iterator[tuple[str, Any]]:
+    """(location, parsed record or the JSONDecodeError) for each record of a JSON file."""
+    with path.open("r", encoding="utf-8", errors="replace") as handle:
+        first = handle.read(4096).lstrip()[:1]
+        handle.seek(0)
+        if path.suffix == ".json" and first == "[":
+            try:
+                records = json.load(handle)
+            except json.JSONDecodeError as exc:
+                yield f"{path}:{exc.lineno}", exc
+                return
+            for index, record in enumerate(records):
+                yield f"{path}:record {index}", record
+            return
+        for line_no, line in enumerate(handle, start=1):
+            if not line.strip():
+                continue
+            try:
+                yield f"{path}:{line_no}", json.loads(line)
+            except json.JSONDecodeError as exc:
+                yield f"{path}:{line_no}", exc
+
+
+def _parquet_records(path: Path) -> Iterator[tuple[str, Any]]:
+    import datasets
+
+    table = datasets.Dataset.from_parquet(str(path), keep_in_memory=True)
+    for index, record in enumerate(table):
+        yield f"{path}:row {index}", record
+
+
+def read_conversations(files: list[str], skipped: SkipReport, config_key: str) -> Iterator[Conversation]:
+    """Every well-formed conversation of `files`, in order; bad records go to `skipped`."""
+    for name in files:
+        path = Path(name)
+        if not path.is_file():
+            raise ValueError(f"{config_key}: {path} is not a file")
+        if path.suffix not in SUFFIXES:
+            raise ValueError(f"{config_key}: {path} has suffix {path.suffix!r}; expected one of {SUFFIXES}")
+        records = _parquet_records(path) if path.suffix == ".parquet" else _json_records(path)
+        for source, record in records:
+            if isinstance(record, json.JSONDecodeError):
+                skipped.add("invalid_json", source, f"invalid JSON ({record.msg})")
+                continue
+            try:
+                messages, extra = normalize(record)
+            except MalformedRecord as exc:
+                skipped.add("malformed", source, str(exc))
+                continue
+            yield Conversation(source, messages, extra)

@@ -1,0 +1,169 @@
+"""Conversation files -> tokenized training samples, cached.
+
+The cache file is keyed by everything that changes the tokens: the tokenizer (vocabulary,
+merges, special tokens), the chat template, `data.max_length`, `data.min_supervised_tokens`
+and the bytes of every source file (content hashes, so editing a file in place invalidates it
+and copying it elsewhere does not). A second run with the same inputs loads the cache and
+starts at once. The key is explicit rather than datasets' fingerprint of a pickled function:
+a cache that silently survives a tokenizer change is the bug this prevents.
+
+Tokenization runs through `datasets.Dataset.map` (`data.num_proc` processes).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from dflash.config.schema import DataConfig
+from dflash.data.chat import ChatRenderer
+from dflash.data.conversations import MalformedRecord, SkipReport, read_conversations
+from dflash.data.dataset import TokenDataset
+
+log = logging.getLogger(__name__)
+
+# Bump when the rendering or masking rules change: old caches then stop matching.
+FORMAT_VERSION = 1
+
+
+@dataclass
+class PrepStats:
+    records: int = 0  # records read, well-formed or not
+    samples: int = 0  # training samples written
+    truncated: int = 0  # samples cut to data.max_length
+    tokens: int = 0
+    supervised_tokens: int = 0
+    skipped: dict[str, int] = field(default_factory=dict)  # by reason
+    skipped_examples: list[str] = field(default_factory=list)  # "file:line: why", the first few
+    cache_path: str = ""
+    reused_cache: bool = False
+    seconds: float = 0.0
+
+    def lines(self) -> list[str]:
+        out = [
+            f"records read         {self.records}",
+            f"training samples     {self.samples} ({self.truncated} truncated to data.max_length)",
+            f"tokens               {self.tokens} ({self.supervised_tokens} supervised)",
+            f"skipped              {sum(self.skipped.values())} "
+            + (" ".join(f"{k}={v}" for k, v in sorted(self.skipped.items())) or ""),
+        ]
+        out += [f"  {example}" for example in self.skipped_examples]
+        out.append(f"cache                {self.cache_path} ({'reused' if self.reused_cache else 'written'})")
+        return out
+
+
+def file_digest(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as handle:
+        for chunk in iter(lambda: handle.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def cache_key(renderer: ChatRenderer, cfg: DataConfig) -> str:
+    payload = {
+        "format": FORMAT_VERSION,
+        "tokenizer": renderer.fingerprint(),
+        "max_length": cfg.max_length,
+        "min_supervised_tokens": cfg.min_supervised_tokens,
+        "files": [file_digest(Path(f)) if Path(f).is_file() else f for f in cfg.files],
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _tokenize_batch(batch: dict[str, list[Any]], renderer: ChatRenderer, max_length: int) -> dict[str, list]:
+    out: dict[str, list] = {"input_ids": [], "loss_mask": [], "problem": [], "full_length": []}
+    for messages in batch["messages"]:
+        try:
+            ids, mask = renderer.tokenize(messages)
+            problem = ""
+        except MalformedRecord as exc:
+            ids, mask, problem = [], [], str(exc)
+        out["full_length"].append(len(ids))
+        out["input_ids"].append(ids[:max_length])
+        out["loss_mask"].append(mask[:max_length])
+        out["problem"].append(problem)
+    return out
+
+
+def prepare(renderer: ChatRenderer, cfg: DataConfig) -> tuple[TokenDataset, PrepStats]:
+    import datasets
+
+    stats, skipped = PrepStats(), SkipReport()
+    conversations = list(read_conversations(list(cfg.files), skipped, "data.files"))
+    stats.records = len(conversations) + skipped.total
+    if not conversations:
+        raise ValueError(
+            f"data.files={list(cfg.files)}: no usable conversation "
+            f"({skipped.total} records skipped: {skipped.examples[:3]})"
+        )
+    table = datasets.Dataset.from_dict(
+        {"source": [c.source for c in conversations], "messages": [c.messages for c in conversations]}
+    )
+    tokenized = table.map(
+        _tokenize_batch,
+        batched=True,
+        batch_size=256,
+        num_proc=cfg.num_proc,
+        fn_kwargs={"renderer": renderer, "max_length": cfg.max_length},
+        remove_columns=["messages"],
+        desc="dflash-prep: tokenizing",
+    )
+    samples = []
+    for row in tokenized:
+        if row["problem"]:
+            skipped.add("template", row["source"], row["problem"])
+            continue
+        supervised = sum(row["loss_mask"])
+        if supervised < cfg.min_supervised_tokens:
+            skipped.add(
+                "too_few_supervised",
+                row["source"],
+                f"{supervised} supervised tokens < data.min_supervised_tokens={cfg.min_supervised_tokens}",
+            )
+            continue
+        stats.truncated += row["full_length"] > cfg.max_length
+        stats.tokens += len(row["input_ids"])
+        stats.supervised_tokens += supervised
+        samples.append((row["input_ids"], row["loss_mask"]))
+    stats.samples = len(samples)
+    stats.skipped, stats.skipped_examples = dict(skipped.counts), list(skipped.examples)
+    if not samples:
+        raise ValueError(
+            f"data.files={list(cfg.files)}: every conversation was skipped {stats.skipped}; "
+            f"first problems: {stats.skipped_examples}"
+        )
+    return TokenDataset.from_samples(samples), stats
+
+
+def load_or_prepare(
+    renderer: ChatRenderer, cfg: DataConfig, cache_dir: Path
+) -> tuple[TokenDataset, PrepStats]:
+    started = time.perf_counter()
+    path = Path(cache_dir) / "conversations" / f"{cfg.name}-{cache_key(renderer, cfg)}.safetensors"
+    stats_path = path.with_suffix(".json")
+    if path.exists() and stats_path.exists():
+        stats = PrepStats(**json.loads(stats_path.read_text()))
+        stats.reused_cache, stats.seconds = True, round(time.perf_counter() - started, 2)
+        log.info("data: reusing %s", path)
+        return TokenDataset.load(path), stats
+    dataset, stats = prepare(renderer, cfg)
+    stats.cache_path = str(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    dataset.save(path)
+    stats_path.write_text(json.dumps(asdict(stats), indent=2) + "\n")
+    stats.seconds = round(time.perf_counter() - started, 2)
+    if stats.skipped:
+        log.warning(
+            "data: skipped %d of %d records %s; first: %s",
+            sum(stats.skipped.values()),
+            stats.records,
+            stats.skipped,
+            stats.skipped_examples,
+        )
+    return dataset, stats

@@ -1,0 +1,139 @@
+"""Where regenerated replies come from: the target in this process, or an OpenAI-compatible
+server (vLLM, SGLang, ...) serving it.
+
+A backend maps a list of prompts (message lists ending with a user turn) to one reply each, or
+to None for a prompt that failed for good (HTTP errors after every retry); the caller leaves
+that conversation out of the output so that the next run retries it.
+"""
+
+from __future__ import annotations
+
+import logging
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from dflash.config.schema import SamplingConfig
+from dflash.data.chat import ChatRenderer
+from dflash.models.target import FrozenTarget
+
+log = logging.getLogger(__name__)
+
+Messages = list[dict[str, str]]
+
+
+@dataclass
+class Reply:
+    text: str
+    finish_reason: str  # "stop" (end of turn) or "length" (hit sampling.max_new_tokens)
+
+
+class RegenBackend(Protocol):
+    name: str
+
+    def generate(self, prompts: list[Messages]) -> list[Reply | None]: ...
+
+
+class TransformersBackend:
+    """Batched `generate` on the target: left-padded prompts, the target's masked attention."""
+
+    name = "transformers"
+
+    def __init__(self, target: FrozenTarget, renderer: ChatRenderer, sampling: SamplingConfig):
+        self.target, self.renderer, self.sampling = target, renderer, sampling
+        tokenizer = renderer.tokenizer
+        self.eos_id = tokenizer.eos_token_id
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
+        self.generator_seed = sampling.seed
+        self.calls = 0
+
+    @torch.no_grad()
+    def generate(self, prompts: list[Messages]) -> list[Reply | None]:
+        encoded = [self.renderer.prompt_ids(messages) for messages in prompts]
+        longest = max(len(ids) for ids in encoded)
+        input_ids = torch.full((len(encoded), longest), self.pad_id, dtype=torch.int64)
+        attention_mask = torch.zeros_like(input_ids)
+        for row, ids in enumerate(encoded):
+            input_ids[row, longest - len(ids) :] = torch.tensor(ids)
+            attention_mask[row, longest - len(ids) :] = 1
+        sampling = self.sampling
+        do_sample = sampling.temperature > 0
+        options = {"do_sample": do_sample}
+        if do_sample:
+            options.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+            torch.manual_seed(self.generator_seed + self.calls)  # reproducible batch by batch
+        self.calls += 1
+        with self.target.padded_attention():
+            out = self.target.model.generate(
+                input_ids=input_ids.to(self.target.device),
+                attention_mask=attention_mask.to(self.target.device),
+                max_new_tokens=sampling.max_new_tokens,
+                eos_token_id=self.eos_id,
+                pad_token_id=self.pad_id,
+                **options,
+            )
+        replies = []
+        for row in out[:, longest:].tolist():
+            finish = "length"
+            if self.eos_id in row:
+                row, finish = row[: row.index(self.eos_id)], "stop"
+            text = self.renderer.tokenizer.decode(row, skip_special_tokens=True)
+            replies.append(Reply(text, finish))
+        return replies
+
+
+class HttpBackend:
+    """An OpenAI-compatible chat-completions endpoint, `concurrency` requests in flight.
+
+    Retries (connection errors, timeouts, 408/409/429/5xx, with exponential backoff) are the
+    `openai` client's; `max_retries` and `timeout_s` are passed to it.
+    """
+
+    name = "http"
+
+    def __init__(
+        self,
+        url: str,
+        model: str | None,
+        api_key: str,
+        sampling: SamplingConfig,
+        concurrency: int,
+        timeout_s: float,
+        max_retries: int,
+    ):
+        import openai
+
+        self.client = openai.OpenAI(base_url=url, api_key=api_key, timeout=timeout_s, max_retries=max_retries)
+        self.url, self.sampling, self.concurrency = url, sampling, concurrency
+        try:
+            self.model = model or self.client.models.list().data[0].id
+        except (openai.OpenAIError, IndexError) as exc:
+            raise ValueError(f"regen.url={url!r}: cannot list the served models ({exc})") from exc
+        self.failed = 0
+
+    def _one(self, messages: Messages) -> Reply | None:
+        import openai
+
+        sampling = self.sampling
+        try:
+            response = self.client.chat.completions.create(
+                model=self.model,
+                messages=messages,
+                temperature=sampling.temperature,
+                top_p=sampling.top_p if sampling.temperature > 0 else 1.0,
+                max_tokens=sampling.max_new_tokens,
+                seed=sampling.seed,
+                extra_body={"top_k": sampling.top_k} if sampling.temperature > 0 else None,
+            )
+        except openai.OpenAIError as exc:
+            self.failed += 1
+            log.warning("regen: request to %s failed after retries: %s", self.url, exc)
+            return None
+        choice = response.choices[0]
+        return Reply(choice.message.content or "", choice.finish_reason or "stop")
+
+    def generate(self, prompts: list[Messages]) -> list[Reply | None]:
+        with ThreadPoolExecutor(max_workers=min(self.concurrency, len(prompts))) as pool:
+            return list(pool.map(self._one, prompts))

@@ -1,0 +1,161 @@
+"""Replace every assistant turn of a conversation set with the target's own reply.
+
+Turn by turn: the reply to user turn k is generated from the conversation so far with the
+earlier assistant turns already replaced, so each training sample is a conversation the target
+could have had. Conversations go through the backend `regen.batch_size` at a time.
+
+Resumable, nothing written twice: the output is JSON Lines, one line per finished
+conversation (written and flushed whole), keyed by the source location ("file:line"). A rerun
+reads the keys already present, drops a torn last line left by a crash, and does only the rest.
+A conversation whose request failed for good is not written, so a rerun retries it.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from dflash.data.conversations import Conversation, SkipReport, read_conversations
+from dflash.regen.backends import RegenBackend
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class RegenStats:
+    already_done: int = 0  # found in the output at start
+    written: int = 0
+    failed: int = 0  # a request failed after every retry (retried by the next run)
+    replies: int = 0
+    cut_at_length: int = 0  # replies that hit sampling.max_new_tokens
+    skipped: SkipReport = field(default_factory=SkipReport)
+
+    def lines(self) -> list[str]:
+        out = [
+            f"already in output    {self.already_done}",
+            f"written              {self.written} conversations, {self.replies} replies "
+            f"({self.cut_at_length} cut at max_new_tokens)",
+            f"failed (rerun)       {self.failed}",
+            f"skipped input        {self.skipped.total} {self.skipped.counts or ''}",
+        ]
+        return out + [f"  {example}" for example in self.skipped.examples]
+
+
+def finished_sources(output: Path) -> set[str]:
+    """Sources already written; truncates a torn last line (a crash mid-write) away."""
+    if not output.exists():
+        return set()
+    data = output.read_bytes()
+    complete = data[: data.rfind(b"\n") + 1]
+    if len(complete) != len(data):
+        log.warning(
+            "regen: %s ends in a torn line (%d bytes); dropping it", output, len(data) - len(complete)
+        )
+        with output.open("r+b") as handle:
+            handle.truncate(len(complete))
+    return {json.loads(line)["source"] for line in complete.decode().splitlines() if line.strip()}
+
+
+def _batches(conversations: Iterator[Conversation], size: int) -> Iterator[list[Conversation]]:
+    batch: list[Conversation] = []
+    for conversation in conversations:
+        batch.append(conversation)
+        if len(batch) == size:
+            yield batch
+            batch = []
+    if batch:
+        yield batch
+
+
+def _unfinished(
+    conversations: Iterator[Conversation], done: set[str], skipped: SkipReport
+) -> Iterator[Conversation]:
+    for conversation in conversations:
+        if conversation.source in done:
+            continue
+        if not any(m["role"] == "user" for m in conversation.messages):
+            skipped.add("no_user_turn", conversation.source, "no user turn to answer")
+            continue
+        yield conversation
+
+
+def regenerate_batch(
+    backend: RegenBackend, batch: list[Conversation], stats: RegenStats
+) -> list[dict | None]:
+    """Each conversation with its assistant turns replaced, or None if a request failed."""
+    pending = [list(c.messages) for c in batch]
+    done: list[list[dict[str, str]]] = [[] for _ in batch]
+    finishes: list[list[str]] = [[] for _ in batch]
+    failed = [False] * len(batch)
+    while True:
+        prompts, rows = [], []
+        for row, turns in enumerate(pending):
+            # Move turns into `done` up to the next assistant turn that answers a user turn;
+            # its original text is dropped and the target's reply takes its place.
+            while turns and not failed[row]:
+                message = turns.pop(0)
+                if message["role"] == "assistant" and done[row] and done[row][-1]["role"] == "user":
+                    prompts.append(list(done[row]))
+                    rows.append(row)
+                    break
+                done[row].append(message)
+        if not prompts:
+            break
+        for row, reply in zip(rows, backend.generate(prompts)):
+            if reply is None:
+                failed[row] = True
+                continue
+            done[row].append({"role": "assistant", "content": reply.text})
+            finishes[row].append(reply.finish_reason)
+            stats.replies += 1
+            stats.cut_at_length += reply.finish_reason == "length"
+    results: list[dict | None] = []
+    for conversation, messages, finish, bad in zip(batch, done, finishes, failed):
+        if bad:
+            stats.failed += 1
+            results.append(None)
+            continue
+        # Trailing turns after the last reply (a final user turn) carry no supervision: dropped.
+        while messages and messages[-1]["role"] != "assistant":
+            messages.pop()
+        results.append(
+            {
+                **conversation.extra,
+                "messages": messages,
+                "source": conversation.source,
+                "regen": {"backend": backend.name, "finish_reasons": finish},
+            }
+        )
+    return results
+
+
+def regenerate(
+    backend: RegenBackend, inputs: list[str], output: Path, batch_size: int, limit: int | None = None
+) -> RegenStats:
+    stats = RegenStats()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    done = finished_sources(output)
+    stats.already_done = len(done)
+    todo = _unfinished(read_conversations(inputs, stats.skipped, "regen.input"), done, stats.skipped)
+    budget = None if limit is None else max(0, limit - len(done))
+    with output.open("a", encoding="utf-8") as handle:
+        for batch in _batches(todo, batch_size):
+            if budget is not None:
+                batch = batch[:budget]
+                if not batch:
+                    break
+            for record in regenerate_batch(backend, batch, stats):
+                if record is None:
+                    continue
+                handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+                stats.written += 1
+            handle.flush()
+            os.fsync(handle.fileno())
+            if budget is not None:
+                budget -= len(batch)
+            log.info("regen: %d conversations written (%d failed)", stats.written, stats.failed)
+    return stats

@@ -1,0 +1,38 @@
+"""`dflash-prep`: build (or find) the tokenized training data a `dflash-train` with the same
+overrides will use, and print what went in and what was skipped.
+
+    dflash-prep data=conversations data.files=[chat.jsonl] target=qwen3_8b target.path=/models/Qwen3-8B
+
+Takes the training config (same data, target and paths groups), so the cache it writes is the
+one training reads: the training run then starts without tokenizing anything.
+"""
+
+from __future__ import annotations
+
+import hydra
+from omegaconf import DictConfig
+
+from dflash.config.schema import register_configs
+from dflash.train import CONF_DIR
+
+register_configs()
+
+
+def prep(cfg: DictConfig) -> dict:
+    from dflash.build import load_training_data
+
+    dataset, stats = load_training_data(cfg)
+    print(f"\n=== dflash-prep: data={cfg.data.name} ({cfg.data.kind.value}) ===")
+    if stats is not None:
+        print("\n".join(stats.lines()))
+    print(f"samples              {len(dataset)}, longest {int(dataset.lengths.max())} tokens", flush=True)
+    return {"samples": len(dataset), "stats": stats}
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+def main(cfg: DictConfig) -> None:
+    prep(cfg)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,60 @@
+"""`dflash-regen`: the target writes the replies of a conversation set (conf/regen.yaml).
+
+Resumable: rerun the same command after an interruption and it continues where it stopped.
+"""
+
+from __future__ import annotations
+
+import hydra
+from omegaconf import DictConfig, OmegaConf
+
+from dflash.config.schema import RegenBackend, RegenConfig, register_configs
+from dflash.train import CONF_DIR
+
+register_configs()
+
+
+def build_backend(cfg: RegenConfig):
+    from dflash.regen.backends import HttpBackend, TransformersBackend
+
+    if RegenBackend(cfg.backend) is RegenBackend.http:
+        if not cfg.url:
+            raise ValueError("backend=http needs url=http://HOST:PORT/v1 (an OpenAI-compatible server)")
+        return HttpBackend(
+            cfg.url, cfg.model, cfg.api_key, cfg.sampling, cfg.batch_size, cfg.timeout_s, cfg.max_retries
+        )
+    import torch
+
+    from dflash.data.chat import ChatRenderer
+    from dflash.models.target import FrozenTarget, load_target_config
+    from dflash.models.tokenizer import load_tokenizer
+
+    renderer = ChatRenderer(load_tokenizer(cfg.target, "dflash-regen"))
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    num_layers = load_target_config(cfg.target).num_hidden_layers
+    target = FrozenTarget.from_config(cfg.target, [num_layers - 1], device)
+    return TransformersBackend(target, renderer, cfg.sampling)
+
+
+def regen(cfg: DictConfig):
+    from pathlib import Path
+
+    from dflash.regen.regenerate import regenerate
+
+    typed: RegenConfig = OmegaConf.to_object(cfg)
+    if typed.batch_size < 1:
+        raise ValueError(f"batch_size must be >= 1, got {typed.batch_size}")
+    backend = build_backend(typed)
+    stats = regenerate(backend, list(typed.input), Path(typed.output), typed.batch_size, typed.limit)
+    print(f"\n=== dflash-regen -> {typed.output} (backend={backend.name}) ===")
+    print("\n".join(stats.lines()), flush=True)
+    return stats
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="regen")
+def main(cfg: DictConfig) -> None:
+    regen(cfg)
+
+
+if __name__ == "__main__":
+    main()

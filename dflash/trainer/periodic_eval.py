@@ -1,0 +1,70 @@
+"""`eval.every_steps`: speculative-decoding evaluation of drafter snapshots while training runs.
+
+The training thread hands over a copy of the weights right after an optimizer step (a device
+copy on its own stream, marked with an event: the pipeline pauses for that copy only). The
+main thread evaluates the copy on the held-out prompts between monitor ticks and logs
+`eval/tau`, per-benchmark `eval/<name>/tau` and the acceptance histogram at that step. In the
+async pipeline the target and drafter threads keep running meanwhile (the frozen target is
+only read, so concurrent forwards are safe). If an evaluation is still pending when the next
+snapshot is due, that snapshot is skipped and counted rather than queued.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import queue
+
+import torch
+
+from dflash.config.schema import EvalConfig
+from dflash.evaluate import PromptSet, evaluate
+from dflash.models.drafter import DFlashDrafter
+from dflash.models.target import FrozenTarget
+from dflash.monitor.monitor import Monitor
+
+log = logging.getLogger(__name__)
+
+
+class PeriodicEval:
+    def __init__(
+        self, cfg: EvalConfig, target: FrozenTarget, drafter: DFlashDrafter, prompt_sets: list[PromptSet]
+    ):
+        self.cfg, self.target, self.prompt_sets = cfg, target, prompt_sets
+        self.every = cfg.every_steps
+        self.eval_drafter = copy.deepcopy(drafter).eval().requires_grad_(False)
+        self._snapshots: queue.Queue = queue.Queue(maxsize=1)
+        self.skipped = 0
+        self.evaluated_steps: list[int] = []
+        self.monitor: Monitor | None = None  # attached by the builder
+
+    def offer(self, step: int, drafter: DFlashDrafter) -> None:
+        """Training thread, right after optimizer step `step`."""
+        if self.every <= 0 or step % self.every:
+            return
+        if self._snapshots.full():
+            self.skipped += 1
+            return
+        with torch.no_grad():
+            weights = {name: tensor.detach().clone() for name, tensor in drafter.state_dict().items()}
+        ready = None
+        if next(drafter.parameters()).is_cuda:
+            ready = torch.cuda.Event()
+            ready.record()
+        self._snapshots.put_nowait((step, weights, ready))
+
+    def run_pending(self) -> None:
+        """Main thread: evaluate the waiting snapshot, if any, and log its metrics."""
+        try:
+            step, weights, ready = self._snapshots.get_nowait()
+        except queue.Empty:
+            return
+        if ready is not None:
+            ready.synchronize()
+        self.eval_drafter.load_state_dict(weights)
+        report = evaluate(self.target, self.eval_drafter, self.prompt_sets, self.cfg, timing=False)
+        metrics = report.metrics()
+        metrics["eval/skipped_snapshots"] = float(self.skipped)
+        self.monitor.log(metrics, step)
+        self.evaluated_steps.append(step)
+        log.info("eval at step %d: tau %.3f", step, metrics["eval/tau"])
