@@ -105,16 +105,16 @@ class Stopwatch:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
 
-    def __call__(self, fn: Callable[[], DecodeResult]) -> tuple[DecodeResult, float]:
+    def __call__(self, fn: Callable[..., DecodeResult], *args: Any) -> tuple[DecodeResult, float]:
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
-            result = fn()
+            result = fn(*args)
             end.record()
             end.synchronize()
             return result, start.elapsed_time(end) / 1000.0
         started = time.perf_counter()
-        result = fn()
+        result = fn(*args)
         return result, time.perf_counter() - started
 
 
@@ -140,14 +140,14 @@ def evaluate_set(
     for index, prompt in enumerate(prompt_set.prompts):
         prompt_seed = seed + index
         result, seconds = stopwatch(
-            lambda: speculative_generate(target, drafter, prompt, max_new_tokens, temperature, prompt_seed)
+            speculative_generate, target, drafter, prompt, max_new_tokens, temperature, prompt_seed
         )
         dflash_s += seconds
         lengths += result.acceptance_lengths
         output_tokens += len(result.output_ids)
         if need_plain:
             reference, seconds = stopwatch(
-                lambda: plain_generate(target, prompt, max_new_tokens, temperature, prompt_seed)
+                plain_generate, target, prompt, max_new_tokens, temperature, prompt_seed
             )
             plain_s += seconds
             identical += reference.output_ids == result.output_ids
