@@ -7,9 +7,10 @@ rules that involve several fields, the target's architecture or the visible devi
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from dflash.config.schema import DeviceKind, NoiseKind, PipelineKind
+from dflash.config.schema import DataKind, DeviceKind, NoiseKind, PipelineKind
 from dflash.models.layer_ids import default_target_layer_ids
 
 
@@ -99,6 +100,18 @@ def validate(cfg: Any, num_target_layers: int, target_vocab_size: int, visible_c
 
 def _validate_data_and_scheduler(cfg: Any) -> None:
     data, sched = cfg.data, cfg.scheduler
+    if DataKind(data.kind) is DataKind.conversations:
+        files = list(data.files)  # "???" raises here, naming data.files
+        if not files:
+            raise ValueError("data=conversations needs data.files=[...] (.jsonl / .json / .parquet files)")
+        missing = [f for f in files if not Path(f).is_file()]
+        if missing:
+            raise ValueError(f"data.files: no such file {missing}")
+        if data.min_supervised_tokens < 2:
+            raise ValueError(
+                f"data.min_supervised_tokens must be >= 2 (an anchor needs a supervised next token), "
+                f"got {data.min_supervised_tokens}"
+            )
     edges = list(sched.bucket_edges)
     if not edges or any(b <= a for a, b in zip(edges, edges[1:])) or edges[0] < 1:
         raise ValueError(f"scheduler.bucket_edges must be positive and strictly increasing, got {edges}")

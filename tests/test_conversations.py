@@ -1,0 +1,206 @@
+"""Conversation data: both record shapes, assistant-only masks against the template, malformed
+records counted with their location, truncation and drops, and the tokenized cache."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+from transformers import AutoTokenizer
+
+from dflash.config.schema import DataConfig, DataKind
+from dflash.data.chat import ChatRenderer
+from dflash.data.conversations import SkipReport, normalize, read_conversations
+from dflash.data.prepare import load_or_prepare, prepare
+from tests.conftest import conversation_overrides
+from tests.tiny_assets import write_conversations
+
+
+@pytest.fixture(scope="module")
+def renderer(tiny_chat_dir) -> ChatRenderer:
+    return ChatRenderer(AutoTokenizer.from_pretrained(tiny_chat_dir))
+
+
+def data_cfg(files, **overrides) -> DataConfig:
+    base = DataConfig(
+        name="conversations",
+        kind=DataKind.conversations,
+        files=[str(f) for f in files],
+        max_length=512,
+        min_supervised_tokens=1,
+    )
+    return replace(base, **overrides)
+
+
+CONVERSATION = [
+    {"role": "system", "content": "Be brief."},
+    {"role": "user", "content": "What is the time?"},
+    {"role": "assistant", "content": "The time is now."},
+    {"role": "user", "content": "Why?"},
+    {"role": "assistant", "content": "Because it is."},
+]
+
+
+def test_both_shapes_give_the_same_messages():
+    openai = {"messages": CONVERSATION}
+    names = {"system": "system", "user": "human", "assistant": "gpt"}
+    sharegpt = {"conversations": [{"from": names[m["role"]], "value": m["content"]} for m in CONVERSATION]}
+    assert normalize(openai)[0] == normalize(sharegpt)[0] == CONVERSATION
+    parts = {"messages": [{"role": "user", "content": [{"type": "text", "text": "What is "}, {"type": "text", "text": "it?"}]}, {"role": "assistant", "content": "x"}]}  # fmt: skip
+    assert normalize(parts)[0][0]["content"] == "What is it?"
+
+
+def test_same_conversations_in_either_file_shape_tokenize_identically(tmp_path, renderer):
+    openai = write_conversations(tmp_path / "a.jsonl", 12, "openai", seed=3)
+    sharegpt = write_conversations(tmp_path / "b.jsonl", 12, "sharegpt", seed=3)
+    a, _ = prepare(renderer, data_cfg([openai]))
+    b, _ = prepare(renderer, data_cfg([sharegpt]))
+    assert a.input_ids.tolist() == b.input_ids.tolist()
+    assert a.loss_mask.tolist() == b.loss_mask.tolist()
+
+
+def test_loss_mask_covers_exactly_the_assistant_replies_and_their_end_of_turn(renderer):
+    tokenizer = renderer.tokenizer
+    ids, mask = renderer.tokenize(CONVERSATION)
+    assert renderer.end_of_turn == "<|im_end|>"
+    # Token by token against the template: re-render and walk the supervised runs.
+    runs, current = [], []
+    for token, supervised in zip(ids, mask):
+        if supervised:
+            current.append(token)
+        elif current:
+            runs.append(current)
+            current = []
+    assert [tokenizer.decode(run) for run in runs] == ["The time is now.<|im_end|>", "Because it is.<|im_end|>"]
+    header = tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
+    for start in [i for i in range(1, len(mask)) if mask[i] and not mask[i - 1]]:
+        assert ids[start - len(header) : start] == header  # each run starts right after the header
+    prompt_text = tokenizer.decode([t for t, m in zip(ids, mask) if not m])
+    assert "What is the time?" in prompt_text and "Be brief." in prompt_text  # context, unsupervised
+    assert ids == tokenizer(renderer.render_text(CONVERSATION), add_special_tokens=False)["input_ids"]
+
+
+def test_malformed_records_are_counted_with_file_and_line(tmp_path, renderer):
+    path = tmp_path / "mixed.jsonl"
+    good = json.dumps({"messages": CONVERSATION})
+    lines = [
+        good,
+        "{not json",
+        good,
+        json.dumps({"text": "no conversation field"}),
+        json.dumps({"messages": [{"role": "wizard", "content": "hi"}]}),
+        "",
+        json.dumps({"messages": [{"role": "user", "content": "only a question"}]}),
+        json.dumps({"conversations": [{"from": "human"}]}),
+        good,
+    ]
+    path.write_text("\n".join(lines) + "\n")
+    dataset, stats = prepare(renderer, data_cfg([path]))
+    assert len(dataset) == 3 and stats.samples == 3
+    assert stats.records == 8  # the blank line is not a record
+    assert stats.skipped == {"invalid_json": 1, "malformed": 4}
+    assert stats.skipped_examples[0].startswith(f"{path}:2: invalid JSON")
+    assert f"{path}:5: messages[0]: unknown role 'wizard'" in stats.skipped_examples
+    assert f"{path}:7: no assistant turn" in stats.skipped_examples
+
+
+def test_truncation_and_too_few_supervised_tokens(tmp_path, renderer):
+    path = tmp_path / "c.jsonl"
+    short_reply = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Go."}]}
+    long_reply = {"messages": [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "word " * 200}]}  # fmt: skip
+    path.write_text(json.dumps(short_reply) + "\n" + json.dumps(long_reply) + "\n")
+    dataset, stats = prepare(renderer, data_cfg([path], max_length=64, min_supervised_tokens=5))
+    assert len(dataset) == 1 and int(dataset.lengths[0]) == 64
+    assert stats.truncated == 1
+    assert stats.skipped == {"too_few_supervised": 1}
+    assert "data.min_supervised_tokens=5" in stats.skipped_examples[0] and f"{path}:1" in stats.skipped_examples[0]
+
+
+def test_parquet_and_json_array_files(tmp_path, renderer):
+    import datasets
+
+    jsonl = write_conversations(tmp_path / "a.jsonl", 6, "sharegpt", seed=5)
+    records = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    datasets.Dataset.from_list(records).to_parquet(str(tmp_path / "a.parquet"))
+    (tmp_path / "a.json").write_text(json.dumps(records, indent=1))
+    reference, _ = prepare(renderer, data_cfg([jsonl]))
+    for name in ("a.parquet", "a.json"):
+        other, _ = prepare(renderer, data_cfg([tmp_path / name]))
+        assert other.input_ids.tolist() == reference.input_ids.tolist(), name
+    skipped = SkipReport()
+    sources = [c.source for c in read_conversations([str(tmp_path / "a.parquet")], skipped, "data.files")]
+    assert sources[1] == f"{tmp_path / 'a.parquet'}:row 1"
+
+
+def test_a_missing_file_names_the_config_key(tmp_path, renderer):
+    with pytest.raises(ValueError, match=r"data.files: .*nope.jsonl is not a file"):
+        prepare(renderer, data_cfg([tmp_path / "nope.jsonl"]))
+
+
+def test_cache_is_reused_and_keyed_by_tokenizer_template_length_and_file_bytes(tmp_path, tiny_chat_dir):
+    source = write_conversations(tmp_path / "chat.jsonl", 10)
+    cache = tmp_path / "cache"
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(tiny_chat_dir))
+    first, stats = load_or_prepare(renderer, data_cfg([source]), cache)
+    again, stats_again = load_or_prepare(renderer, data_cfg([source]), cache)
+    assert not stats.reused_cache and stats_again.reused_cache
+    assert stats_again.cache_path == stats.cache_path and stats_again.samples == stats.samples
+    assert again.input_ids.tolist() == first.input_ids.tolist()
+
+    def cache_path_for(renderer_, cfg) -> str:
+        return load_or_prepare(renderer_, cfg, cache)[1].cache_path
+
+    assert cache_path_for(renderer, data_cfg([source], max_length=100)) != stats.cache_path
+    copied = tmp_path / "elsewhere.jsonl"
+    shutil.copy(source, copied)
+    assert cache_path_for(renderer, data_cfg([copied])) == stats.cache_path  # same bytes, same data
+    with source.open("a") as handle:
+        handle.write(json.dumps({"messages": CONVERSATION}) + "\n")
+    assert cache_path_for(renderer, data_cfg([source])) != stats.cache_path
+    other_template = AutoTokenizer.from_pretrained(tiny_chat_dir)
+    other_template.chat_template = other_template.chat_template.replace("<|im_start|>", "<|im_start|> ")
+    assert cache_path_for(ChatRenderer(other_template), data_cfg([copied])) != stats.cache_path
+
+
+def test_dflash_prep_builds_the_cache_training_reads(tmp_path, tiny_chat_dir, tiny_conversations, capsys):
+    from dflash.build import build_run
+    from dflash.tools.prep import prep
+    from tests.conftest import compose_config
+
+    overrides = conversation_overrides(tiny_chat_dir, [tiny_conversations])
+    cfg = compose_config(overrides, tmp_path / "prep", tmp_path / "cache")
+    result = prep(cfg)
+    out = capsys.readouterr().out
+    assert "records read         40" in out and "(written)" in out
+    cache_files = list((tmp_path / "cache" / "conversations").glob("*.safetensors"))
+    assert len(cache_files) == 1
+    run = build_run(compose_config([*overrides, "monitor.interval_s=0"], tmp_path / "run", tmp_path / "cache"))
+    try:
+        assert len(run.trainer.dataset) == result["samples"]
+        assert list((tmp_path / "cache" / "conversations").glob("*.safetensors")) == cache_files
+    finally:
+        run.trainer.monitor.close(True)
+
+
+def test_conversation_data_without_a_tokenizer_names_the_keys(tmp_path, tiny_conversations):
+    from dflash.build import build_run
+    from tests.conftest import compose_config
+
+    overrides = ["data=conversations", f"data.files=[{tiny_conversations}]", "data.max_length=128"]
+    with pytest.raises(ValueError, match=r"target.tokenizer \(or target.path\)"):
+        build_run(compose_config(overrides, tmp_path / "run", tmp_path / "cache"))
+
+
+def test_unset_or_missing_files_name_the_key_before_any_model_loads(tmp_path):
+    from dflash.build import build_run
+    from tests.conftest import compose_config
+
+    with pytest.raises(ValueError, match=r"needs data.files="):
+        build_run(compose_config(["data=conversations"], tmp_path / "run", tmp_path / "cache"))
+    with pytest.raises(ValueError, match=r"data.files: no such file \['/nope.jsonl'\]"):
+        build_run(compose_config(["data=conversations", "data.files=[/nope.jsonl]"], tmp_path / "r", tmp_path / "c"))
+
+
