@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import shutil
 from dataclasses import replace
-from pathlib import Path
 
 import pytest
 from transformers import AutoTokenizer
@@ -74,7 +73,10 @@ def test_loss_mask_covers_exactly_the_assistant_replies_and_their_end_of_turn(re
         elif current:
             runs.append(current)
             current = []
-    assert [tokenizer.decode(run) for run in runs] == ["The time is now.<|im_end|>", "Because it is.<|im_end|>"]
+    assert [tokenizer.decode(run) for run in runs] == [
+        "The time is now.<|im_end|>",
+        "Because it is.<|im_end|>",
+    ]
     header = tokenizer("<|im_start|>assistant\n", add_special_tokens=False)["input_ids"]
     for start in [i for i in range(1, len(mask)) if mask[i] and not mask[i - 1]]:
         assert ids[start - len(header) : start] == header  # each run starts right after the header
@@ -116,7 +118,10 @@ def test_truncation_and_too_few_supervised_tokens(tmp_path, renderer):
     assert len(dataset) == 1 and int(dataset.lengths[0]) == 64
     assert stats.truncated == 1
     assert stats.skipped == {"too_few_supervised": 1}
-    assert "data.min_supervised_tokens=5" in stats.skipped_examples[0] and f"{path}:1" in stats.skipped_examples[0]
+    assert (
+        "data.min_supervised_tokens=5" in stats.skipped_examples[0]
+        and f"{path}:1" in stats.skipped_examples[0]
+    )
 
 
 def test_parquet_and_json_array_files(tmp_path, renderer):
@@ -177,7 +182,9 @@ def test_dflash_prep_builds_the_cache_training_reads(tmp_path, tiny_chat_dir, ti
     assert "records read         40" in out and "(written)" in out
     cache_files = list((tmp_path / "cache" / "conversations").glob("*.safetensors"))
     assert len(cache_files) == 1
-    run = build_run(compose_config([*overrides, "monitor.interval_s=0"], tmp_path / "run", tmp_path / "cache"))
+    run = build_run(
+        compose_config([*overrides, "monitor.interval_s=0"], tmp_path / "run", tmp_path / "cache")
+    )
     try:
         assert len(run.trainer.dataset) == result["samples"]
         assert list((tmp_path / "cache" / "conversations").glob("*.safetensors")) == cache_files
@@ -201,6 +208,6 @@ def test_unset_or_missing_files_name_the_key_before_any_model_loads(tmp_path):
     with pytest.raises(ValueError, match=r"needs data.files="):
         build_run(compose_config(["data=conversations"], tmp_path / "run", tmp_path / "cache"))
     with pytest.raises(ValueError, match=r"data.files: no such file \['/nope.jsonl'\]"):
-        build_run(compose_config(["data=conversations", "data.files=[/nope.jsonl]"], tmp_path / "r", tmp_path / "c"))
-
-
+        build_run(
+            compose_config(["data=conversations", "data.files=[/nope.jsonl]"], tmp_path / "r", tmp_path / "c")
+        )

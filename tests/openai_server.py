@@ -1,0 +1,89 @@
+"""A small OpenAI-compatible chat-completions server on loopback, serving a regen backend.
+
+Enough of the protocol for `openai.OpenAI` (GET /v1/models, POST /v1/chat/completions), plus
+fault injection: the first `fail_first` completion requests answer 503, and any request whose
+last message contains `poison` answers 500 every time.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+MODEL_NAME = "tiny-chat"
+
+
+class LoopbackChatServer:
+    def __init__(self, backend, fail_first: int = 0, poison: str = "POISON"):
+        self.backend, self.fail_first, self.poison = backend, fail_first, poison
+        self.lock = threading.Lock()
+        self.requests = 0
+        self.served: list[tuple[list[dict], str]] = []  # (messages, reply) of each success
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):  # keep test output clean
+                pass
+
+            def _send(self, status: int, payload: dict) -> None:
+                body = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def do_GET(self):
+                if self.path.rstrip("/") == "/v1/models":
+                    self._send(200, {"object": "list", "data": [{"id": MODEL_NAME, "object": "model", "created": 0, "owned_by": "tests"}]})  # fmt: skip
+                else:
+                    self._send(404, {"error": {"message": "not found"}})
+
+            def do_POST(self):
+                length = int(self.headers.get("Content-Length", 0))
+                request = json.loads(self.rfile.read(length))
+                with server.lock:
+                    server.requests += 1
+                    if server.requests <= server.fail_first:
+                        self._send(503, {"error": {"message": "warming up", "type": "unavailable"}})
+                        return
+                    messages = request["messages"]
+                    if server.poison in messages[-1]["content"]:
+                        self._send(500, {"error": {"message": "poisoned prompt", "type": "server_error"}})
+                        return
+                    reply = server.backend.generate([messages])[0]
+                    server.served.append((messages, reply.text))
+                self._send(
+                    200,
+                    {
+                        "id": f"chatcmpl-{server.requests}",
+                        "object": "chat.completion",
+                        "created": 0,
+                        "model": request.get("model", MODEL_NAME),
+                        "choices": [
+                            {
+                                "index": 0,
+                                "message": {"role": "assistant", "content": reply.text},
+                                "finish_reason": reply.finish_reason,
+                            }
+                        ],
+                        "usage": {"prompt_tokens": 0, "completion_tokens": 0, "total_tokens": 0},
+                    },
+                )
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="loopback-chat", daemon=True)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+
+    def __enter__(self) -> LoopbackChatServer:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(5)

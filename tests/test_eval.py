@@ -1,0 +1,275 @@
+"""dflash-eval and periodic evaluation: per-benchmark report from prompt files, JSON output,
+z-lab-layout drafters from other tools, and an independent reading of our export."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash.checkpoint import export_drafter
+from dflash.config.schema import DrafterConfig, TargetConfig
+from dflash.models.drafter import DFlashDrafter, drafter_config
+from dflash.models.target import FrozenTarget
+from tests.conftest import compose_config
+from tests.tiny_assets import write_conversations
+
+MASK_ID = 500  # a row of the tiny target's embedding the 480-token tokenizer never produces
+
+
+def write_prompts(path, texts):
+    path.write_text("".join(json.dumps(record) + "\n" for record in texts))
+    return path
+
+
+@pytest.fixture
+def benchmark_files(tmp_path):
+    math_file = write_prompts(
+        tmp_path / "math.jsonl", [{"prompt": "What is two and three?"}, {"prompt": "Add one to four."}]
+    )
+    chat_file = write_prompts(
+        tmp_path / "chat.jsonl",
+        [
+            {
+                "messages": [
+                    {"role": "system", "content": "Be brief."},
+                    {"role": "user", "content": "Say hi."},
+                    {"role": "assistant", "content": "Hi."},
+                ]
+            },  # fmt: skip
+            {"turns": ["Tell me about the water.", "And the land?"]},
+        ],
+    )
+    return {"math": math_file, "chat": chat_file}
+
+
+def chat_drafter(target_dir, tmp_path) -> tuple[DFlashDrafter, object]:
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(target_dir)
+    cfg = DrafterConfig(name="t", num_layers=2, block_size=4, mask_token_id=MASK_ID, num_anchors=8)
+    torch.manual_seed(1)
+    return DFlashDrafter(drafter_config(cfg, config, [1, 3])), config
+
+
+def eval_cfg(tmp_path, target_dir, drafter_dir, benchmarks, extra=()):
+    bench = ",".join(f"{name}:{path}" for name, path in benchmarks.items())
+    return compose_config(
+        [
+            f"target.path={target_dir}",
+            f"eval.drafter={drafter_dir}",
+            f"+eval.benchmarks={{{bench}}}",
+            "eval.max_new_tokens=10",
+            "eval.warmup_prompts=1",
+            *extra,
+        ],
+        tmp_path / "eval_run",
+        tmp_path / "cache",
+    )
+
+
+def test_dflash_eval_reports_every_benchmark_and_writes_json(
+    tmp_path, tiny_chat_dir, benchmark_files, capsys
+):
+    from dflash.tools.eval_drafter import run_eval
+
+    drafter, _ = chat_drafter(tiny_chat_dir, tmp_path)
+    export_drafter(drafter, tmp_path / "drafter")
+    cfg = eval_cfg(
+        tmp_path, tiny_chat_dir, tmp_path / "drafter", benchmark_files, ["eval.temperatures=[0,0.8]"]
+    )
+    payload = run_eval(cfg)
+    out = capsys.readouterr().out
+    report = json.loads((tmp_path / "eval_run" / "eval.json").read_text())
+    assert report == json.loads(json.dumps(payload))
+    results = {(r["benchmark"], r["temperature"]): r for r in report["results"]}
+    assert set(results) == {("chat", 0.0), ("math", 0.0), ("chat", 0.8), ("math", 0.8)}
+    for (name, temperature), r in results.items():
+        assert r["num_prompts"] == 2 and r["output_tokens"] == 20
+        assert 1.0 <= r["tau"] <= 4.0
+        assert math.isclose(sum(r["acceptance_histogram"]), 1.0, abs_tol=1e-3)
+        assert r["acceptance_histogram"][0] == 0.0
+        assert r["speedup"] > 0 and r["plain_ms_per_token"] > 0 and r["timing_device"] == "cpu"
+        assert (r["lossless_frac"] == 1.0) if temperature == 0 else r["lossless_frac"] is None
+    assert report["metrics"]["eval/lossless_frac"] == 1.0
+    assert report["metrics"]["eval/math/tau"] == results[("math", 0.0)]["tau"]
+    assert "eval/chat/tau_t0.8" in report["metrics"]
+    assert "lossless: yes" in out and "math" in out and "speedup" in out
+
+
+def test_a_zlab_layout_drafter_written_by_other_tools_loads_into_dflash_eval(tmp_path, tiny_chat_dir, benchmark_files):  # fmt: skip
+    """bf16 tensors and config fields we never write (auto_map, torch_dtype, transformers_version),
+    saved with safetensors directly: only the published layout is shared."""
+    from dflash.tools.eval_drafter import run_eval
+
+    drafter, target_config = chat_drafter(tiny_chat_dir, tmp_path)
+    directory = tmp_path / "zlab"
+    directory.mkdir()
+    config = {
+        "architectures": ["DFlashDraftModel"],
+        "auto_map": {"AutoModel": "dflash.DFlashDraftModel"},
+        "model_type": "qwen3",
+        "block_size": 4,
+        "num_target_layers": target_config.num_hidden_layers,
+        "dflash_config": {"mask_token_id": MASK_ID, "target_layer_ids": [1, 3]},
+        "hidden_size": target_config.hidden_size,
+        "intermediate_size": target_config.intermediate_size,
+        "num_hidden_layers": 2,
+        "num_attention_heads": target_config.num_attention_heads,
+        "num_key_value_heads": target_config.num_key_value_heads,
+        "head_dim": target_config.head_dim,
+        "vocab_size": target_config.vocab_size,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 1000000.0,
+        "max_position_embeddings": 40960,
+        "torch_dtype": "bfloat16",
+        "transformers_version": "4.57.1",
+    }
+    (directory / "config.json").write_text(json.dumps(config))
+    weights = {k: v.to(torch.bfloat16).contiguous() for k, v in drafter.state_dict().items()}
+    save_file(weights, str(directory / "model.safetensors"))
+    report = run_eval(eval_cfg(tmp_path, tiny_chat_dir, directory, benchmark_files, ["eval.timing=false"]))
+    assert report["metrics"]["eval/lossless_frac"] == 1.0
+    assert all(r["speedup"] is None for r in report["results"])
+
+
+def test_a_drafter_for_another_target_is_refused_naming_both(tmp_path, tiny_chat_dir, benchmark_files):
+    from transformers import AutoConfig
+
+    from dflash.tools.eval_drafter import run_eval
+
+    config = AutoConfig.from_pretrained(tiny_chat_dir)
+    config.num_hidden_layers = 12
+    cfg = DrafterConfig(name="t", num_layers=1, block_size=4, mask_token_id=MASK_ID)
+    export_drafter(DFlashDrafter(drafter_config(cfg, config, [1, 9])), tmp_path / "other")
+    with pytest.raises(ValueError, match=r"eval.drafter=.*other does not fit the target .*target.path=.*num_target_layers 12 vs 6"):  # fmt: skip
+        run_eval(eval_cfg(tmp_path, tiny_chat_dir, tmp_path / "other", benchmark_files))
+
+
+def test_bad_prompt_file_names_benchmark_file_and_line(tmp_path, tiny_chat_dir):
+    from dflash.tools.eval_drafter import run_eval
+
+    drafter, _ = chat_drafter(tiny_chat_dir, tmp_path)
+    export_drafter(drafter, tmp_path / "drafter")
+    bad = write_prompts(tmp_path / "bad.jsonl", [{"prompt": "fine"}, {"question": "wrong key"}])
+    with pytest.raises(ValueError, match=r"eval.benchmarks.code: .*bad.jsonl:2: expected"):
+        run_eval(eval_cfg(tmp_path, tiny_chat_dir, tmp_path / "drafter", {"code": bad}))
+
+
+# -- an independent reading of the exported files ----------------------------------------------
+def _rms(x, weight, eps):
+    return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+
+
+def _rotate(x, positions, theta):
+    dim = x.shape[-1]
+    inv_freq = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+    angles = positions[:, None].float() * inv_freq[None]
+    cos, sin = torch.cat([angles, angles], -1).cos(), torch.cat([angles, angles], -1).sin()
+    half = torch.cat([-x[..., dim // 2 :], x[..., : dim // 2]], -1)
+    return x * cos + half * sin
+
+
+def reference_block_hidden(config, w, features, block_emb):
+    """The DFlash drafter forward for one block after S context positions, written from the
+    published layout alone: config.json fields and safetensors names, plain torch ops."""
+    eps, heads, kv_heads, hd = (
+        config["rms_norm_eps"],
+        config["num_attention_heads"],
+        config["num_key_value_heads"],
+        config["head_dim"],
+    )
+    theta = config.get("rope_parameters", {}).get("rope_theta", config.get("rope_theta"))
+    ctx_len, block = features.shape[0], block_emb.shape[0]
+    ctx = _rms(features @ w["fc.weight"].T, w["hidden_norm.weight"], eps)
+    ctx_pos, block_pos = torch.arange(ctx_len), torch.arange(ctx_len, ctx_len + block)
+    h = block_emb
+    for i in range(config["num_hidden_layers"]):
+        p = f"layers.{i}."
+        x = _rms(h, w[p + "input_layernorm.weight"], eps)
+        q = _rms((x @ w[p + "self_attn.q_proj.weight"].T).view(block, heads, hd), w[p + "self_attn.q_norm.weight"], eps)  # fmt: skip
+
+        def keys(src, n):
+            k = (src @ w[p + "self_attn.k_proj.weight"].T).view(n, kv_heads, hd)
+            return _rms(k, w[p + "self_attn.k_norm.weight"], eps)
+
+        k = torch.cat([_rotate(keys(ctx, ctx_len).transpose(0, 1), ctx_pos, theta), _rotate(keys(x, block).transpose(0, 1), block_pos, theta)], 1)  # fmt: skip
+        v = torch.cat([(src @ w[p + "self_attn.v_proj.weight"].T).view(n, kv_heads, hd) for src, n in ((ctx, ctx_len), (x, block))], 0).transpose(0, 1)  # fmt: skip
+        q = _rotate(q.transpose(0, 1), block_pos, theta)
+        k, v = k.repeat_interleave(heads // kv_heads, 0), v.repeat_interleave(heads // kv_heads, 0)
+        attn = torch.softmax(q @ k.transpose(1, 2) / math.sqrt(hd), -1) @ v  # all visible: one block
+        h = h + attn.transpose(0, 1).reshape(block, heads * hd) @ w[p + "self_attn.o_proj.weight"].T
+        x = _rms(h, w[p + "post_attention_layernorm.weight"], eps)
+        gate, up = x @ w[p + "mlp.gate_proj.weight"].T, x @ w[p + "mlp.up_proj.weight"].T
+        h = h + (torch.nn.functional.silu(gate) * up) @ w[p + "mlp.down_proj.weight"].T
+    return _rms(h, w["norm.weight"], eps)
+
+
+def test_our_export_is_readable_from_config_json_and_safetensors_alone(tmp_path, tiny_chat_dir):
+    from dflash.spec_decode import DrafterContext
+
+    target = FrozenTarget.from_config(
+        TargetConfig(name="t", path=str(tiny_chat_dir)), [1, 3], torch.device("cpu")
+    )
+    drafter, _ = chat_drafter(tiny_chat_dir, tmp_path)
+    with torch.no_grad():
+        for p in drafter.parameters():
+            p.add_(torch.randn_like(p) * 0.05)  # trained-looking weights, norms included
+    export_drafter(drafter.eval(), tmp_path / "export")
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    weights = load_file(str(tmp_path / "export" / "model.safetensors"))
+    ids = torch.randint(0, 470, (1, 11))
+    features = target(ids).features
+    context = DrafterContext(drafter)
+    context.extend(features[:, :10])
+    block_ids = torch.tensor([[int(ids[0, 10])] + [MASK_ID] * 3])
+    block_emb = target.embed_tokens(block_ids)
+    with torch.no_grad():
+        ours = drafter.draft(context.kv, block_emb, torch.arange(10, 14)[None], torch.ones(1, 4, 14, dtype=torch.bool))  # fmt: skip
+        reference = reference_block_hidden(config, weights, features[0, :10], block_emb[0])
+    torch.testing.assert_close(ours[0], reference, atol=1e-5, rtol=1e-4)
+
+
+# -- periodic evaluation during training --------------------------------------------------------
+@pytest.mark.parametrize("pipeline", ["sync", "async"])
+def test_periodic_eval_logs_tau_per_benchmark_while_training(
+    pipeline, tmp_path, tiny_chat_dir, benchmark_files
+):
+    from dflash.train import train
+    from tests.conftest import conversation_overrides
+
+    data = write_conversations(tmp_path / "train.jsonl", 40)
+    bench = ",".join(f"{name}:{path}" for name, path in benchmark_files.items())
+    cfg = compose_config(
+        [
+            *conversation_overrides(tiny_chat_dir, [data]),
+            f"drafter.mask_token_id={MASK_ID}",
+            f"pipeline={pipeline}",
+            "train.total_steps=12",
+            "eval.every_steps=4",
+            "eval.periodic_num_prompts=1",
+            "eval.num_prompts=1",
+            "eval.max_new_tokens=8",
+            f"+eval.benchmarks={{{bench}}}",
+            "monitor.interval_s=0",
+            "pipeline.warmup=false",
+        ],
+        tmp_path / "run",
+        tmp_path / "cache",
+    )
+    summary = train(cfg)
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    periodic = [r for r in rows if "eval/skipped_snapshots" in r]
+    steps = [r["step"] for r in periodic]
+    # Sync evaluates every snapshot; async skips one that falls due while an evaluation runs.
+    if pipeline == "sync":
+        assert steps == [4, 8, 12]
+    else:
+        assert steps and set(steps) <= {4, 8, 12} and steps == sorted(set(steps))
+    for row in periodic:
+        assert {"eval/tau", "eval/math/tau", "eval/chat/tau", "eval/accept_len_1_frac"} <= set(row)
+        assert 1.0 <= row["eval/tau"] <= 4.0
+    assert summary["eval/lossless_frac"] == 1.0 and summary["eval/num_prompts"] == 2.0

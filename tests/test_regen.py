@@ -1,0 +1,147 @@
+"""dflash-regen: the target's own replies replace the assistant turns, turn by turn; resumable;
+the OpenAI-compatible HTTP backend against a real loopback server serving the tiny target."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+from transformers import AutoTokenizer
+
+from dflash.config.schema import RegenBackend, SamplingConfig, TargetConfig
+from dflash.data.chat import ChatRenderer
+from dflash.models.target import FrozenTarget
+from dflash.regen.backends import HttpBackend, TransformersBackend
+from dflash.regen.regenerate import regenerate
+from dflash.spec_decode import plain_generate
+from tests.openai_server import LoopbackChatServer
+from tests.tiny_assets import write_conversations
+
+GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=12)
+
+
+@pytest.fixture(scope="module")
+def chat_target(tiny_chat_dir):
+    target = FrozenTarget.from_config(
+        TargetConfig(name="tiny", path=str(tiny_chat_dir)), [1, 3], torch.device("cpu")
+    )
+    return target, ChatRenderer(AutoTokenizer.from_pretrained(tiny_chat_dir))
+
+
+@pytest.fixture
+def backend(chat_target):
+    return TransformersBackend(*chat_target, GREEDY)
+
+
+def read_jsonl(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_replies_are_the_targets_greedy_continuations_turn_by_turn(tmp_path, chat_target, backend):
+    target, renderer = chat_target
+    source = write_conversations(tmp_path / "in.jsonl", 6, "sharegpt", seed=1)
+    out = tmp_path / "out.jsonl"
+    stats = regenerate(backend, [str(source)], out, batch_size=4)
+    records = read_jsonl(out)
+    originals = [json.loads(line) for line in source.read_text().splitlines()]
+    assert stats.written == 6 and len(records) == 6
+    assert stats.replies == sum(sum(t["from"] == "gpt" for t in o["conversations"]) for o in originals)
+    eos = renderer.tokenizer.eos_token_id
+    for record, original in zip(records, originals):
+        assert record["id"] == original["id"] and record["source"].endswith(f"in.jsonl:{original['id'] + 1}")
+        messages = record["messages"]
+        # Non-assistant turns are kept verbatim and in order; every reply is the target's.
+        kept = [{"role": {"human": "user"}.get(t["from"], t["from"]), "content": t["value"]} for t in original["conversations"] if t["from"] != "gpt"]  # fmt: skip
+        assert [m for m in messages if m["role"] != "assistant"] == kept
+        for index, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            prompt = renderer.prompt_ids(messages[:index])  # includes earlier regenerated replies
+            ids = plain_generate(target, prompt, GREEDY.max_new_tokens).output_ids
+            ids = ids[: ids.index(eos)] if eos in ids else ids
+            assert message["content"] == renderer.tokenizer.decode(ids, skip_special_tokens=True)
+            assert message["content"] not in [t["value"] for t in original["conversations"]]
+
+
+def test_an_interrupted_run_resumes_without_writing_anything_twice(tmp_path, backend):
+    source = write_conversations(tmp_path / "in.jsonl", 10, seed=2)
+    out = tmp_path / "out.jsonl"
+    first = regenerate(backend, [str(source)], out, batch_size=3, limit=4)  # "interrupted" after 4
+    assert first.written == 4
+    head = out.read_text()
+    with out.open("a") as handle:
+        handle.write('{"messages": [{"role": "user", "content": "torn')  # a crash mid-line
+    second = regenerate(backend, [str(source)], out, batch_size=3)
+    assert second.already_done == 4 and second.written == 6
+    records = read_jsonl(out)
+    assert out.read_text().startswith(head)  # earlier lines untouched
+    assert sorted(r["id"] for r in records) == list(range(10))  # each exactly once
+    third = regenerate(backend, [str(source)], out, batch_size=3)
+    assert third.written == 0 and len(read_jsonl(out)) == 10
+
+
+def test_http_backend_against_a_loopback_server_with_retries(tmp_path, backend):
+    source = write_conversations(tmp_path / "in.jsonl", 8, seed=4)
+    lines = source.read_text().splitlines()
+    poisoned = json.loads(lines[5])
+    poisoned["messages"][-2 if poisoned["messages"][-1]["role"] == "assistant" else -1]["content"] += (
+        " POISON"
+    )
+    lines[5] = json.dumps(poisoned)
+    source.write_text("\n".join(lines) + "\n")
+    out = tmp_path / "out.jsonl"
+    with LoopbackChatServer(backend, fail_first=2) as server:
+        http = HttpBackend(server.url, None, "EMPTY", GREEDY, concurrency=4, timeout_s=30, max_retries=2)
+        assert http.model == "tiny-chat"
+        stats = regenerate(http, [str(source)], out, batch_size=4)
+        served = {json.dumps(m): reply for m, reply in server.served}
+    # Two 503s were retried away; the poisoned conversation failed for good and is not written.
+    assert stats.failed == 1 and stats.written == 7 and http.failed == 1
+    records = read_jsonl(out)
+    assert 5 not in [r["id"] for r in records]
+    for record in records:
+        messages = record["messages"]
+        for index, message in enumerate(messages):
+            if message["role"] == "assistant":
+                assert served[json.dumps(messages[:index])] == message["content"]
+    # Rerun with the poison gone: only the missing conversation is requested and written.
+    lines[5] = json.dumps(json.loads(write_conversations(tmp_path / "clean.jsonl", 8, seed=4).read_text().splitlines()[5]))  # fmt: skip
+    source.write_text("\n".join(lines) + "\n")
+    with LoopbackChatServer(backend) as server:
+        http = HttpBackend(server.url, "tiny-chat", "EMPTY", GREEDY, 4, 30, 0)
+        again = regenerate(http, [str(source)], out, batch_size=4)
+    assert again.already_done == 7 and again.written == 1 and again.failed == 0
+    assert sorted(r["id"] for r in read_jsonl(out)) == list(range(8))
+
+
+def test_regen_cli_composes_and_runs(tmp_path, tiny_chat_dir, capsys):
+    from hydra import compose, initialize_config_dir
+
+    from dflash.config.schema import register_configs
+    from dflash.tools.compose import CONF_DIR
+    from dflash.tools.regen import build_backend, regen
+
+    register_configs()
+    source = write_conversations(tmp_path / "in.jsonl", 3, seed=6)
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(
+            config_name="regen",
+            overrides=[
+                f"target.path={tiny_chat_dir}",
+                f"input=[{source}]",
+                f"output={tmp_path / 'out.jsonl'}",
+                "sampling.temperature=0.8",
+                "sampling.max_new_tokens=8",
+                f"paths.output_dir={tmp_path}",
+                f"paths.cache_dir={tmp_path}",
+            ],
+        )
+    stats = regen(cfg)
+    assert stats.written == 3
+    assert "written              3 conversations" in capsys.readouterr().out
+    typed = OmegaConf.to_object(cfg)
+    typed.backend = RegenBackend.http
+    with pytest.raises(ValueError, match="backend=http needs url="):
+        build_backend(typed)
