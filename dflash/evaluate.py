@@ -93,6 +93,10 @@ class BenchmarkResult:
     # histogram[k] = share of verifications that produced k tokens (index 0 unused).
     acceptance_histogram: list[float]
     lossless_frac: float | None = None  # temperature 0 only
+    # Greedy outputs that differ: (first differing position, target logit gap there between the
+    # plain token and the DFlash token). A gap at the dtype's resolution is a numerical tie that
+    # batched verification and one-token decoding break differently, not an accepted bad draft.
+    divergences: list[tuple[int, float]] = field(default_factory=list)
     plain_ms_per_token: float | None = None
     dflash_ms_per_token: float | None = None
     speedup: float | None = None
@@ -137,6 +141,7 @@ def evaluate_set(
     stopwatch = Stopwatch(target.device)
     lengths: list[int] = []
     identical, output_tokens, plain_s, dflash_s = 0, 0, 0.0, 0.0
+    divergences: list[tuple[int, float]] = []
     for index, prompt in enumerate(prompt_set.prompts):
         prompt_seed = seed + index
         result, seconds = stopwatch(
@@ -150,7 +155,10 @@ def evaluate_set(
                 plain_generate, target, prompt, max_new_tokens, temperature, prompt_seed
             )
             plain_s += seconds
-            identical += reference.output_ids == result.output_ids
+            if reference.output_ids == result.output_ids:
+                identical += 1
+            elif greedy:
+                divergences.append(first_divergence(target, prompt, reference.output_ids, result.output_ids))
     histogram = np.bincount(lengths, minlength=drafter.block_size + 1) / max(1, len(lengths))
     report = BenchmarkResult(
         benchmark=prompt_set.name,
@@ -161,6 +169,7 @@ def evaluate_set(
         tau=float(np.mean(lengths)) if lengths else 0.0,
         acceptance_histogram=[round(float(h), 4) for h in histogram],
         lossless_frac=identical / len(prompt_set.prompts) if greedy else None,
+        divergences=divergences,
     )
     if timing:
         report.plain_ms_per_token = 1000.0 * plain_s / output_tokens
@@ -168,6 +177,18 @@ def evaluate_set(
         report.speedup = plain_s / dflash_s
         report.timing_device = str(target.device)
     return report
+
+
+@torch.no_grad()
+def first_divergence(
+    target: FrozenTarget, prompt: list[int], plain: list[int], dflash: list[int]
+) -> tuple[int, float]:
+    """Where two greedy outputs first differ, and the target's logit gap between the two tokens
+    there (one uncached forward over the common prefix)."""
+    index = next(i for i, (a, b) in enumerate(zip(plain, dflash)) if a != b)
+    ids = torch.tensor([prompt + plain[:index]], device=target.device)
+    logits = target(ids).logits[0, -1].float()
+    return index, round(float(logits[plain[index]] - logits[dflash[index]]), 5)
 
 
 @dataclass
@@ -218,6 +239,14 @@ class EvalReport:
             rows.append(
                 f"{r.benchmark:<14}{r.temperature:>6g}{r.num_prompts:>9}{r.tau:>8.3f}{lossless:>10}{timing}"
             )
+        for r in self.results:
+            if r.divergences:
+                gaps = [abs(gap) for _, gap in r.divergences]
+                rows.append(
+                    f"{r.benchmark}: {len(r.divergences)} greedy outputs differ from plain decoding; first "
+                    f"difference at tokens {[i for i, _ in r.divergences]}, target logit gap between the two there "
+                    f"max {max(gaps):.4f}"
+                )
         rows.append("")
         rows.append("acceptance-length histogram (share of verifications producing k tokens):")
         for r in self.results:

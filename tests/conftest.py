@@ -53,13 +53,14 @@ TINY_ARCH = dict(
 )
 
 
-def save_tiny_model(directory: Path, model_type: str) -> Path:
-    """A random-init model of a real architecture saved as a local checkpoint directory."""
+def save_tiny_model(directory: Path, model_type: str, **arch: int) -> Path:
+    """A random-init model of a real architecture saved as a local checkpoint directory
+    (`arch`: Qwen3 fields replacing TINY_ARCH's, e.g. a larger target for GPU benchmarks)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     common = {k: v for k, v in TINY_ARCH.items() if k != "num_hidden_layers"}
     if model_type == "qwen3":
-        config = AutoConfig.for_model("qwen3", num_hidden_layers=6, **common)
+        config = AutoConfig.for_model("qwen3", **{**TINY_ARCH, **arch})
     else:  # qwen3_next: hybrid Gated DeltaNet (linear attention) + full attention layers, MoE MLP
         config = AutoConfig.for_model(
             "qwen3_next",

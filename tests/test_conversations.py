@@ -211,3 +211,11 @@ def test_unset_or_missing_files_name_the_key_before_any_model_loads(tmp_path):
         build_run(
             compose_config(["data=conversations", "data.files=[/nope.jsonl]"], tmp_path / "r", tmp_path / "c")
         )
+
+
+def test_parallel_tokenization_gives_the_same_samples(tmp_path, renderer):
+    source = write_conversations(tmp_path / "chat.jsonl", 30, seed=8)
+    single, _ = prepare(renderer, data_cfg([source]))
+    parallel, _ = prepare(renderer, data_cfg([source], num_proc=2))
+    assert parallel.input_ids.tolist() == single.input_ids.tolist()
+    assert parallel.loss_mask.tolist() == single.loss_mask.tolist()

@@ -87,7 +87,7 @@ def test_dflash_eval_reports_every_benchmark_and_writes_json(
     assert report == json.loads(json.dumps(payload))
     results = {(r["benchmark"], r["temperature"]): r for r in report["results"]}
     assert set(results) == {("chat", 0.0), ("math", 0.0), ("chat", 0.8), ("math", 0.8)}
-    for (name, temperature), r in results.items():
+    for (_name, temperature), r in results.items():
         assert r["num_prompts"] == 2 and r["output_tokens"] == 20
         assert 1.0 <= r["tau"] <= 4.0
         assert math.isclose(sum(r["acceptance_histogram"]), 1.0, abs_tol=1e-3)
@@ -192,7 +192,7 @@ def reference_block_hidden(config, w, features, block_emb):
         x = _rms(h, w[p + "input_layernorm.weight"], eps)
         q = _rms((x @ w[p + "self_attn.q_proj.weight"].T).view(block, heads, hd), w[p + "self_attn.q_norm.weight"], eps)  # fmt: skip
 
-        def keys(src, n):
+        def keys(src, n, p=p):
             k = (src @ w[p + "self_attn.k_proj.weight"].T).view(n, kv_heads, hd)
             return _rms(k, w[p + "self_attn.k_norm.weight"], eps)
 
@@ -273,3 +273,18 @@ def test_periodic_eval_logs_tau_per_benchmark_while_training(
         assert {"eval/tau", "eval/math/tau", "eval/chat/tau", "eval/accept_len_1_frac"} <= set(row)
         assert 1.0 <= row["eval/tau"] <= 4.0
     assert summary["eval/lossless_frac"] == 1.0 and summary["eval/num_prompts"] == 2.0
+
+
+def test_first_divergence_locates_the_difference_and_measures_the_targets_preference():
+    from dflash.evaluate import first_divergence
+    from dflash.spec_decode import plain_generate
+    from tests.test_dflash_rules import tiny_target
+
+    target = tiny_target()
+    prompt = torch.randint(0, 500, (6,)).tolist()
+    plain = plain_generate(target, prompt, 8).output_ids
+    other = plain[:3] + [(plain[3] + 1) % 500] + plain[4:]
+    index, gap = first_divergence(target, prompt, plain, other)
+    logits = target(torch.tensor([prompt + plain[:3]])).logits[0, -1]
+    assert index == 3
+    assert gap == pytest.approx(float(logits[plain[3]] - logits[other[3]]), abs=1e-4) and gap > 0

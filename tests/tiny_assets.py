@@ -65,11 +65,12 @@ def build_tokenizer(directory: Path, vocab_size: int = 480):
     return tokenizer
 
 
-def save_tiny_target_with_tokenizer(directory: Path) -> Path:
-    """tests/conftest.save_tiny_model's Qwen3 plus the tokenizer: a complete local checkpoint."""
+def save_tiny_target_with_tokenizer(directory: Path, **arch: int) -> Path:
+    """tests/conftest.save_tiny_model's Qwen3 (fields in `arch` replaced) plus the tokenizer:
+    a complete local checkpoint."""
     from tests.conftest import save_tiny_model
 
-    save_tiny_model(directory, "qwen3")
+    save_tiny_model(directory, "qwen3", **arch)
     build_tokenizer(directory)
     return directory
 
@@ -92,3 +93,25 @@ def write_conversations(path: Path, count: int, shape: str = "openai", seed: int
                 record = {"id": index, "conversations": [{"from": names[r], "value": c} for r, c in turns]}
             handle.write(json.dumps(record) + "\n")
     return path
+
+
+def main() -> None:
+    """python -m tests.tiny_assets DIR [--conversations N] [--heldout M] [--arch key=value ...]:
+    DIR/target (checkpoint + tokenizer), DIR/chat.jsonl (ShareGPT), DIR/heldout.jsonl (OpenAI)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(description=main.__doc__)
+    parser.add_argument("directory", type=Path)
+    parser.add_argument("--conversations", type=int, default=600)
+    parser.add_argument("--heldout", type=int, default=16)
+    parser.add_argument("--arch", nargs="*", default=[], help="Qwen3 config fields, e.g. hidden_size=1024")
+    args = parser.parse_args()
+    arch = {key: int(value) for key, value in (item.split("=", 1) for item in args.arch)}
+    args.directory.mkdir(parents=True, exist_ok=True)
+    save_tiny_target_with_tokenizer(args.directory / "target", **arch)
+    write_conversations(args.directory / "chat.jsonl", args.conversations, "sharegpt", seed=11)
+    write_conversations(args.directory / "heldout.jsonl", args.heldout, "openai", seed=99)
+
+
+if __name__ == "__main__":
+    main()

@@ -7,7 +7,8 @@ and copying it elsewhere does not). A second run with the same inputs loads the 
 starts at once. The key is explicit rather than datasets' fingerprint of a pickled function:
 a cache that silently survives a tokenizer change is the bug this prevents.
 
-Tokenization runs through `datasets.Dataset.map` (`data.num_proc` processes).
+Tokenization runs in this process, or through `datasets.Dataset.map` over `data.num_proc`
+processes.
 """
 
 from __future__ import annotations
@@ -91,9 +92,30 @@ def _tokenize_batch(batch: dict[str, list[Any]], renderer: ChatRenderer, max_len
     return out
 
 
-def prepare(renderer: ChatRenderer, cfg: DataConfig) -> tuple[TokenDataset, PrepStats]:
-    import datasets
+def _tokenize_all(conversations: list, renderer: ChatRenderer, cfg: DataConfig) -> list[dict[str, Any]]:
+    """One row per conversation; across `data.num_proc` processes with datasets.map when > 1."""
+    columns = {"source": [c.source for c in conversations], "messages": [c.messages for c in conversations]}
+    if (cfg.num_proc or 1) > 1:
+        import datasets
 
+        return list(
+            datasets.Dataset.from_dict(columns).map(
+                _tokenize_batch,
+                batched=True,
+                batch_size=256,
+                num_proc=cfg.num_proc,
+                fn_kwargs={"renderer": renderer, "max_length": cfg.max_length},
+                remove_columns=["messages"],
+                desc="dflash-prep: tokenizing",
+            )
+        )
+    out = _tokenize_batch(columns, renderer, cfg.max_length)
+    return [
+        {"source": source, **{k: v[i] for k, v in out.items()}} for i, source in enumerate(columns["source"])
+    ]
+
+
+def prepare(renderer: ChatRenderer, cfg: DataConfig) -> tuple[TokenDataset, PrepStats]:
     stats, skipped = PrepStats(), SkipReport()
     conversations = list(read_conversations(list(cfg.files), skipped, "data.files"))
     stats.records = len(conversations) + skipped.total
@@ -102,18 +124,7 @@ def prepare(renderer: ChatRenderer, cfg: DataConfig) -> tuple[TokenDataset, Prep
             f"data.files={list(cfg.files)}: no usable conversation "
             f"({skipped.total} records skipped: {skipped.examples[:3]})"
         )
-    table = datasets.Dataset.from_dict(
-        {"source": [c.source for c in conversations], "messages": [c.messages for c in conversations]}
-    )
-    tokenized = table.map(
-        _tokenize_batch,
-        batched=True,
-        batch_size=256,
-        num_proc=cfg.num_proc,
-        fn_kwargs={"renderer": renderer, "max_length": cfg.max_length},
-        remove_columns=["messages"],
-        desc="dflash-prep: tokenizing",
-    )
+    tokenized = _tokenize_all(conversations, renderer, cfg)
     samples = []
     for row in tokenized:
         if row["problem"]:
