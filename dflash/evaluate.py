@@ -1,8 +1,9 @@
 """Speculative-decoding evaluation: acceptance length, its histogram, losslessness, speedup.
 
 Prompt sets: `eval.benchmarks` maps a benchmark name to a local JSONL file, one prompt per
-line ({"prompt": "..."} as one user turn, or {"messages": [...]}, or {"turns": [...]} whose
-first turn is used), rendered with the target's chat template. Without benchmark files (a
+line ({"prompt": "..."} as one user turn, {"turns": [...]} whose first turn is used, or a
+conversation in either training shape, cut before its first reply), rendered with the
+target's chat template. Without benchmark files (a
 random-init target has no tokenizer), one set of random held-out token prompts.
 
 Per benchmark and temperature: mean tau (tokens produced per target verification), the
@@ -24,6 +25,7 @@ import numpy as np
 import torch
 
 from dflash.config.schema import EvalConfig
+from dflash.data.conversations import MalformedRecord, normalize
 from dflash.data.synthetic import random_prompts
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import FrozenTarget
@@ -49,21 +51,21 @@ def read_prompt_file(name: str, path: str, renderer: Any, limit: int) -> PromptS
                 continue
             try:
                 record = json.loads(line)
-                if "messages" in record:  # the conversation up to its first reply
-                    messages = []
-                    for message in record["messages"]:
-                        if message["role"] == "assistant":
-                            break
-                        messages.append({"role": message["role"], "content": message["content"]})
-                    if messages[-1]["role"] != "user":
-                        raise KeyError("no user turn before the first assistant turn")
-                else:
+                if isinstance(record, dict) and ("prompt" in record or "turns" in record):
                     text = record["prompt"] if "prompt" in record else record["turns"][0]
                     messages = [{"role": "user", "content": str(text)}]
-            except (json.JSONDecodeError, KeyError, IndexError, TypeError) as exc:
+                else:  # a conversation (OpenAI or ShareGPT): everything before its first reply
+                    messages = []
+                    for message in normalize(record, need_reply=False)[0]:
+                        if message["role"] == "assistant":
+                            break
+                        messages.append(message)
+                    if not messages or messages[-1]["role"] != "user":
+                        raise MalformedRecord("no user turn before the first reply")
+            except (json.JSONDecodeError, MalformedRecord, KeyError, IndexError, TypeError) as exc:
                 raise ValueError(
                     f"eval.benchmarks.{name}: {path}:{line_no}: expected {{'prompt': str}}, "
-                    f"{{'messages': [...]}} or {{'turns': [...]}} ({type(exc).__name__}: {exc})"
+                    f"{{'turns': [...]}} or a conversation ({type(exc).__name__}: {exc})"
                 ) from exc
             prompts.append(renderer.prompt_ids(messages))
     if not prompts:

@@ -5,7 +5,9 @@
 # Usage: bash scripts/real_data_pipeline.sh WORKDIR [dflash-train overrides ...]
 # Env: PYTHON (python3), GPU (cpu | single), ARCH (Qwen3 fields, e.g. "hidden_size=1024 ..."),
 #      CONVERSATIONS (600), MAX_NEW (64), MAX_LENGTH (128), EPOCHS (8), EVAL_NEW (64), EVAL_PROMPTS (16),
-#      REGEN_BATCH (64)
+#      REGEN_BATCH (64), EVAL_TEMPS ([0,1])
+# Eval benchmarks: `heldout` (new prompts) and `seen` (the prompts of the training conversations:
+# tau there should match training's tau_sim, a check that training and decoding agree).
 set -euo pipefail
 W=$(realpath -m "$1"); shift
 PY=${PYTHON:-python3}
@@ -25,5 +27,6 @@ $PY -m dflash.train "${DATA[@]}" gpu="$GPU" train.epochs="${EPOCHS:-8}" paths.ou
   "+eval.benchmarks={heldout:$W/heldout.jsonl}" eval.max_new_tokens="${EVAL_NEW:-64}" "$@" \
   2>&1 | { grep -v "INFO\|Loading weights\|it/s\]" || true; }
 $PY -m dflash.tools.eval_drafter target.path="$W/target" gpu="$GPU" eval.drafter="$W/train/checkpoints/last" \
-  "+eval.benchmarks={heldout:$W/heldout.jsonl}" eval.num_prompts="${EVAL_PROMPTS:-16}" \
-  eval.max_new_tokens="${EVAL_NEW:-64}" "eval.temperatures=[0,1]" paths.output_dir="$W/eval" 2>&1 | quiet
+  "+eval.benchmarks={heldout:$W/heldout.jsonl,seen:$W/regen.jsonl}" eval.num_prompts="${EVAL_PROMPTS:-16}" \
+  eval.max_new_tokens="${EVAL_NEW:-64}" "eval.temperatures=${EVAL_TEMPS:-[0,1]}" paths.output_dir="$W/eval" \
+  2>&1 | quiet

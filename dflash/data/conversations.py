@@ -71,7 +71,7 @@ def _content(value: Any, where: str) -> str:
     raise MalformedRecord(f"{where}: content must be a string (or text parts), got {type(value).__name__}")
 
 
-def normalize(record: Any) -> tuple[list[dict[str, str]], dict[str, Any]]:
+def normalize(record: Any, need_reply: bool = True) -> tuple[list[dict[str, str]], dict[str, Any]]:
     """(messages, other fields) of one record in either shape; MalformedRecord otherwise."""
     if not isinstance(record, dict):
         raise MalformedRecord(f"a record must be a JSON object, got {type(record).__name__}")
@@ -92,7 +92,7 @@ def normalize(record: Any) -> tuple[list[dict[str, str]], dict[str, Any]]:
         if role is None:
             raise MalformedRecord(f"{where}: unknown role {turn[role_key]!r}")
         messages.append({"role": role, "content": _content(turn[content_key], where)})
-    if not any(m["role"] == "assistant" for m in messages):
+    if need_reply and not any(m["role"] == "assistant" for m in messages):
         raise MalformedRecord("no assistant turn")
     extra = {k: v for k, v in record.items() if k != field_name}
     return messages, extra
