@@ -34,7 +34,7 @@ from dflash.data.prepare import PrepStats, load_or_prepare
 from dflash.data.schedule import BatchPlanner
 from dflash.data.synthetic import load_or_generate
 from dflash.distributed import ProcessGroupInfo, init_from_env
-from dflash.evaluate import PromptSet, evaluate, load_prompt_sets
+from dflash.evaluate import PromptSet, evaluate, load_prompt_sets, lossless_line
 from dflash.logging.sinks import build_sinks
 from dflash.models.drafter import DFlashDrafter, drafter_config
 from dflash.models.target import FrozenTarget, load_target_config
@@ -154,11 +154,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"tau (spec decode) {summary['eval/tau']:.3f} over {int(summary['eval/num_prompts'])} held-out prompts",
     ]
     if "eval/lossless_frac" in summary:
-        lossless = summary["eval/lossless_frac"] == 1.0
-        lines.append(
-            f"lossless          {'yes' if lossless else 'NO'}: speculative output "
-            f"{'identical to' if lossless else 'DIFFERS from'} plain greedy decoding"
-        )
+        lines.append(f"lossless          {lossless_line(summary)}")
     return "\n".join(lines)
 
 
@@ -217,6 +213,12 @@ def eval_prompt_sets(cfg: DictConfig, vocab_size: int, limit: int) -> list[Promp
 
     def renderer() -> ChatRenderer:
         return ChatRenderer(load_tokenizer(node(cfg, "target"), "eval.benchmarks"))
+
+    if not eval_cfg.benchmarks and DataKind(cfg.data.kind) is DataKind.conversations:
+        log.warning(
+            "eval.benchmarks is empty: tau is measured on random token prompts, unlike the "
+            "conversations in data.files; set '+eval.benchmarks={name: prompts.jsonl}'"
+        )
 
     return load_prompt_sets(eval_cfg, renderer, vocab_size, [cfg.drafter.mask_token_id], limit)
 

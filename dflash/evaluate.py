@@ -193,6 +193,18 @@ def first_divergence(
     return index, round(float(logits[plain[index]] - logits[dflash[index]]), 5)
 
 
+def lossless_line(metrics: dict[str, float]) -> str:
+    if metrics["eval/lossless_frac"] == 1.0:
+        return "yes: greedy DFlash output identical to plain greedy output"
+    return (
+        f"NO: {1 - metrics['eval/lossless_frac']:.0%} of greedy DFlash outputs differ from plain greedy "
+        f"output; at each first difference the target's logit gap between the two tokens is <= "
+        f"{metrics.get('eval/divergence_max_logit_gap', float('nan')):.4f}. In bf16, tokens that close "
+        "can swap between batched verification and one-token decoding; target.dtype=float32 is the "
+        "exact check"
+    )
+
+
 @dataclass
 class EvalReport:
     results: list[BenchmarkResult] = field(default_factory=list)
@@ -214,6 +226,9 @@ class EvalReport:
         lossless = [r.lossless_frac for r in greedy if r.lossless_frac is not None]
         if lossless:
             out["eval/lossless_frac"] = float(np.mean(lossless))
+        gaps = [abs(gap) for r in greedy for _, gap in r.divergences]
+        if gaps:
+            out["eval/divergence_max_logit_gap"] = max(gaps)
         for r in self.results:
             suffix = "" if r.temperature <= 0 else f"_t{r.temperature:g}"
             out[f"eval/{r.benchmark}/tau{suffix}"] = r.tau
@@ -255,6 +270,13 @@ class EvalReport:
             cells = " ".join(f"{k}:{h:.2f}" for k, h in enumerate(r.acceptance_histogram) if k >= 1)
             rows.append(f"  {r.benchmark} t={r.temperature:g}  {cells}")
         return "\n".join(rows)
+
+    def lossless_line(self) -> str | None:
+        """One line on the greedy check, with the reading of a failure (None without greedy runs)."""
+        metrics = self.metrics()
+        if "eval/lossless_frac" not in metrics:
+            return None
+        return lossless_line(metrics)
 
     def to_json(self) -> dict[str, Any]:
         return {"meta": self.meta, "metrics": self.metrics(), "results": [asdict(r) for r in self.results]}

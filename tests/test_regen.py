@@ -145,3 +145,24 @@ def test_regen_cli_composes_and_runs(tmp_path, tiny_chat_dir, capsys):
     typed.backend = RegenBackend.http
     with pytest.raises(ValueError, match="backend=http needs url="):
         build_backend(typed)
+
+
+def test_unset_sampling_fields_take_the_targets_recommendation(tmp_path, tiny_chat_dir):
+    import shutil
+
+    from transformers import GenerationConfig
+
+    directory = shutil.copytree(tiny_chat_dir, tmp_path / "target")
+    GenerationConfig(do_sample=True, temperature=0.6, top_p=0.95, top_k=20).save_pretrained(directory)
+    target = FrozenTarget.from_config(TargetConfig(name="t", path=str(directory)), [1], torch.device("cpu"))
+    renderer = ChatRenderer(AutoTokenizer.from_pretrained(directory))
+
+    def options(**fields):
+        return TransformersBackend(target, renderer, SamplingConfig(**fields)).generate_options()
+
+    assert options() == {"do_sample": True, "temperature": 0.6, "top_p": 0.95, "top_k": 20}
+    assert options(top_k=5)["top_k"] == 5 and options(top_k=5)["temperature"] == 0.6
+    assert options(temperature=0.0) == {"do_sample": False}
+    # Over HTTP, unset fields are not sent (the server applies the model's defaults).
+    http = HttpBackend("http://127.0.0.1:9/v1", "m", "EMPTY", SamplingConfig(top_k=7), 1, 1.0, 0)
+    assert http.request_options() == {"max_tokens": 2048, "seed": 0, "extra_body": {"top_k": 7}}

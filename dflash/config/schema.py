@@ -302,10 +302,11 @@ class Config:
 
 @dataclass
 class SamplingConfig:
-    # The target's recommended settings (Qwen3 non-thinking: 0.7 / 0.8 / 20); temperature 0: greedy.
-    temperature: float = 0.7
-    top_p: float = 0.8
-    top_k: int = 20
+    # null: the target's own recommendation (its generation_config.json; over HTTP, whatever the
+    # server applies, e.g. vLLM's --generation-config). Temperature 0: greedy.
+    temperature: Optional[float] = None
+    top_p: Optional[float] = None
+    top_k: Optional[int] = None
     max_new_tokens: int = 2048
     seed: int = 0
 

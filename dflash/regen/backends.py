@@ -33,6 +33,9 @@ class Reply:
 class RegenBackend(Protocol):
     name: str
 
+    def describe(self) -> str:
+        """The sampling settings in effect, for the log and the output records."""
+
     def generate(self, prompts: list[Messages]) -> list[Reply | None]: ...
 
 
@@ -49,6 +52,31 @@ class TransformersBackend:
         self.generator_seed = sampling.seed
         self.calls = 0
 
+    def generate_options(self) -> dict[str, float | int | bool]:
+        """`sampling` over the target's generation_config.json: what generate() will use."""
+        recommended = self.target.model.generation_config
+        sampling = self.sampling
+        if sampling.temperature is not None:
+            do_sample = sampling.temperature > 0
+        else:
+            do_sample = bool(recommended.do_sample)
+        if not do_sample:
+            return {"do_sample": False}
+
+        def pick(name: str):
+            value = getattr(sampling, name)
+            return value if value is not None else getattr(recommended, name)
+
+        return {
+            "do_sample": True,
+            "temperature": pick("temperature"),
+            "top_p": pick("top_p"),
+            "top_k": pick("top_k"),
+        }
+
+    def describe(self) -> str:
+        return " ".join(f"{k}={v}" for k, v in self.generate_options().items())
+
     @torch.no_grad()
     def generate(self, prompts: list[Messages]) -> list[Reply | None]:
         encoded = [self.renderer.prompt_ids(messages) for messages in prompts]
@@ -58,18 +86,15 @@ class TransformersBackend:
         for row, ids in enumerate(encoded):
             input_ids[row, longest - len(ids) :] = torch.tensor(ids)
             attention_mask[row, longest - len(ids) :] = 1
-        sampling = self.sampling
-        do_sample = sampling.temperature > 0
-        options = {"do_sample": do_sample}
-        if do_sample:
-            options.update(temperature=sampling.temperature, top_p=sampling.top_p, top_k=sampling.top_k)
+        options = self.generate_options()
+        if options["do_sample"]:
             torch.manual_seed(self.generator_seed + self.calls)  # reproducible batch by batch
         self.calls += 1
         with self.target.padded_attention():
             out = self.target.model.generate(
                 input_ids=input_ids.to(self.target.device),
                 attention_mask=attention_mask.to(self.target.device),
-                max_new_tokens=sampling.max_new_tokens,
+                max_new_tokens=self.sampling.max_new_tokens,
                 eos_token_id=self.eos_id,
                 pad_token_id=self.pad_id,
                 **options,
@@ -116,16 +141,9 @@ class HttpBackend:
     def _one(self, messages: Messages) -> Reply | None:
         import openai
 
-        sampling = self.sampling
         try:
             response = self.client.chat.completions.create(
-                model=self.model,
-                messages=messages,
-                temperature=sampling.temperature,
-                top_p=sampling.top_p if sampling.temperature > 0 else 1.0,
-                max_tokens=sampling.max_new_tokens,
-                seed=sampling.seed,
-                extra_body={"top_k": sampling.top_k} if sampling.temperature > 0 else None,
+                model=self.model, messages=messages, **self.request_options()
             )
         except openai.OpenAIError as exc:
             self.failed += 1
@@ -133,6 +151,24 @@ class HttpBackend:
             return None
         choice = response.choices[0]
         return Reply(choice.message.content or "", choice.finish_reason or "stop")
+
+    def request_options(self) -> dict:
+        """Sampling fields left null are not sent: the server applies the model's defaults."""
+        sampling = self.sampling
+        options: dict = {"max_tokens": sampling.max_new_tokens, "seed": sampling.seed}
+        if sampling.temperature is not None:
+            options["temperature"] = sampling.temperature
+        if sampling.top_p is not None:
+            options["top_p"] = sampling.top_p
+        if sampling.top_k is not None:
+            options["extra_body"] = {"top_k": sampling.top_k}  # vLLM / SGLang extension
+        return options
+
+    def describe(self) -> str:
+        shown = {k: v for k, v in self.request_options().items() if k != "extra_body"}
+        if self.sampling.top_k is not None:
+            shown["top_k"] = self.sampling.top_k
+        return " ".join(f"{k}={v}" for k, v in shown.items()) + " (unset fields: the server's defaults)"
 
     def generate(self, prompts: list[Messages]) -> list[Reply | None]:
         with ThreadPoolExecutor(max_workers=min(self.concurrency, len(prompts))) as pool:

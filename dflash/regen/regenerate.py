@@ -127,7 +127,7 @@ def regenerate_batch(
                 **conversation.extra,
                 "messages": messages,
                 "source": conversation.source,
-                "regen": {"backend": backend.name, "finish_reasons": finish},
+                "regen": {"backend": backend.name, "sampling": backend.describe(), "finish_reasons": finish},
             }
         )
     return results

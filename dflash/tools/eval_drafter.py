@@ -87,14 +87,9 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     output.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"\n=== dflash-eval: {drafter_dir} on {target_key} ({report.meta['device_name']}) ===")
     print(report.table())
-    greedy = report.greedy()
-    if greedy:
-        lossless = all(r.lossless_frac == 1.0 for r in greedy)
-        print(
-            f"lossless: {'yes' if lossless else 'NO'}: greedy DFlash output "
-            f"{'identical to' if lossless else 'DIFFERS from'} plain greedy output"
-            + ("" if lossless else f" ({[(r.benchmark, r.lossless_frac) for r in greedy]})")
-        )
+    line = report.lossless_line()
+    if line is not None:
+        print(f"lossless: {line}")
     print(f"report: {output}", flush=True)
     return payload
 

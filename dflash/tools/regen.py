@@ -46,7 +46,7 @@ def regen(cfg: DictConfig):
         raise ValueError(f"batch_size must be >= 1, got {typed.batch_size}")
     backend = build_backend(typed)
     stats = regenerate(backend, list(typed.input), Path(typed.output), typed.batch_size, typed.limit)
-    print(f"\n=== dflash-regen -> {typed.output} (backend={backend.name}) ===")
+    print(f"\n=== dflash-regen -> {typed.output} (backend={backend.name}; {backend.describe()}) ===")
     print("\n".join(stats.lines()), flush=True)
     return stats
 
