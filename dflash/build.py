@@ -204,15 +204,18 @@ def load_training_data(
     return dataset, stats
 
 
-def eval_prompt_sets(cfg: DictConfig, vocab_size: int, limit: int) -> list[PromptSet]:
-    """The held-out prompts: `eval.benchmarks` files (chat template), else random token prompts."""
+def eval_prompt_sets(
+    cfg: DictConfig, target_cfg: TargetConfig, vocab_size: int, mask_token_id: int, limit: int
+) -> list[PromptSet]:
+    """The held-out prompts: `eval.benchmarks` files (the target's chat template), else random
+    token prompts (never holding the drafter's mask id)."""
     eval_cfg = node(cfg, "eval")
     for key in ("num_prompts", "periodic_num_prompts", "max_new_tokens"):
         if getattr(eval_cfg, key) < 1:
             raise ValueError(f"eval.{key} must be >= 1, got {getattr(eval_cfg, key)}")
 
     def renderer() -> ChatRenderer:
-        return ChatRenderer(load_tokenizer(node(cfg, "target"), "eval.benchmarks"))
+        return ChatRenderer(load_tokenizer(target_cfg, "eval.benchmarks"))
 
     if not eval_cfg.benchmarks and DataKind(cfg.data.kind) is DataKind.conversations:
         log.warning(
@@ -220,7 +223,7 @@ def eval_prompt_sets(cfg: DictConfig, vocab_size: int, limit: int) -> list[Promp
             "conversations in data.files; set '+eval.benchmarks={name: prompts.jsonl}'"
         )
 
-    return load_prompt_sets(eval_cfg, renderer, vocab_size, [cfg.drafter.mask_token_id], limit)
+    return load_prompt_sets(eval_cfg, renderer, vocab_size, [mask_token_id], limit)
 
 
 def build_run(cfg: DictConfig, faults: FaultInjection | None = None) -> Run:
@@ -232,10 +235,13 @@ def build_run(cfg: DictConfig, faults: FaultInjection | None = None) -> Run:
     validate(cfg, target_config.num_hidden_layers, target_config.vocab_size, visible_cuda_devices())
     layer_ids = resolve_layer_ids(cfg, target_config.num_hidden_layers)
     target_devices, drafter_devices = resolve_device_split(cfg, visible_cuda_devices())
-    eval_prompts = eval_prompt_sets(cfg, target_config.vocab_size, cfg.eval.num_prompts)
+    mask_id, vocab_size = cfg.drafter.mask_token_id, target_config.vocab_size
+    eval_prompts = eval_prompt_sets(cfg, target_cfg, vocab_size, mask_id, cfg.eval.num_prompts)
     periodic_prompts = None
     if cfg.eval.every_steps > 0:
-        periodic_prompts = eval_prompt_sets(cfg, target_config.vocab_size, cfg.eval.periodic_num_prompts)
+        periodic_prompts = eval_prompt_sets(
+            cfg, target_cfg, vocab_size, mask_id, cfg.eval.periodic_num_prompts
+        )
     resume_dir = Path(cfg.resume) if cfg.resume else None
     if resume_dir is not None and not resume_dir.is_dir():
         raise ValueError(f"resume={cfg.resume}: no such checkpoint directory")

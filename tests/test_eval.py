@@ -60,7 +60,7 @@ def eval_cfg(tmp_path, target_dir, drafter_dir, benchmarks, extra=()):
     return compose_config(
         [
             f"target.path={target_dir}",
-            f"eval.drafter={drafter_dir}",
+            f"ckpt={drafter_dir}",
             f"+eval.benchmarks={{{bench}}}",
             "eval.max_new_tokens=10",
             "eval.warmup_prompts=1",
@@ -145,7 +145,7 @@ def test_a_drafter_for_another_target_is_refused_naming_both(tmp_path, tiny_chat
     config.num_hidden_layers = 12
     cfg = DrafterConfig(name="t", num_layers=1, block_size=4, mask_token_id=MASK_ID)
     export_drafter(DFlashDrafter(drafter_config(cfg, config, [1, 9])), tmp_path / "other")
-    with pytest.raises(ValueError, match=r"eval.drafter=.*other does not fit the target .*target.path=.*num_target_layers 12 vs 6"):  # fmt: skip
+    with pytest.raises(ValueError, match=r"ckpt=.*other does not fit the target .*target.path=.*num_target_layers 12 vs 6"):  # fmt: skip
         run_eval(eval_cfg(tmp_path, tiny_chat_dir, tmp_path / "other", benchmark_files))
 
 
@@ -288,3 +288,37 @@ def test_first_divergence_locates_the_difference_and_measures_the_targets_prefer
     logits = target(torch.tensor([prompt + plain[:3]])).logits[0, -1]
     assert index == 3
     assert gap == pytest.approx(float(logits[plain[3]] - logits[other[3]]), abs=1e-4) and gap > 0
+
+
+def test_a_dflash_checkpoint_brings_its_target_unless_the_command_line_names_one(tmp_path, tiny_chat_dir, benchmark_files):  # fmt: skip
+    from dflash.tools.eval_drafter import run_eval
+    from dflash.train import train
+    from tests.conftest import conversation_overrides
+
+    data = write_conversations(tmp_path / "train.jsonl", 20)
+    run_cfg = compose_config(
+        [
+            *conversation_overrides(tiny_chat_dir, [data]),
+            f"drafter.mask_token_id={MASK_ID}",
+            "train.total_steps=3",
+        ],
+        tmp_path / "run",
+        tmp_path / "cache",
+    )
+    train(run_cfg)
+    bench = ",".join(f"{name}:{path}" for name, path in benchmark_files.items())
+    cfg = compose_config(  # the default target (random tiny, no path, no tokenizer) is not named
+        [
+            f"ckpt={tmp_path / 'run' / 'checkpoints' / 'last'}",
+            f"+eval.benchmarks={{{bench}}}",
+            "eval.max_new_tokens=6",
+        ],
+        tmp_path / "eval",
+        tmp_path / "cache",
+    )
+    report = run_eval(cfg)
+    assert report["meta"]["target_from"].endswith("checkpoints/last/config.yaml")
+    assert f"target.path={tiny_chat_dir}" in report["meta"]["target"]
+    assert report["metrics"]["eval/lossless_frac"] == 1.0
+    with pytest.raises(ValueError, match=r"eval.benchmarks needs the target's tokenizer"):
+        run_eval(cfg, target_overridden=True)  # `target=tiny` given explicitly: no tokenizer there

@@ -61,10 +61,9 @@ def test_regen_prep_train_eval_from_files(tmp_path):
     summary = json.loads((tmp_path / "train" / "summary.json").read_text())
     assert summary["train/acc"] > summary["train/acc_first_window"] + 0.2
 
-    out = run_tool(
+    out = run_tool(  # no target given: the checkpoint's run config names it
         "dflash-eval",
-        f"target.path={target}",
-        f"eval.drafter={tmp_path / 'train' / 'checkpoints' / 'last'}",
+        f"ckpt={tmp_path / 'train' / 'checkpoints' / 'last'}",
         f"+eval.benchmarks={{heldout:{tmp_path / 'heldout.jsonl'}}}",
         "eval.num_prompts=12",
         "eval.timing=false",

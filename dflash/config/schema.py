@@ -244,8 +244,6 @@ class EvalConfig:
     # end-of-training evaluation always runs), on `periodic_num_prompts` prompts per benchmark.
     every_steps: int = 0
     periodic_num_prompts: int = 4
-    # dflash-eval: the drafter directory (a dflash checkpoint or any z-lab-layout export).
-    drafter: Optional[str] = None
     # dflash-eval: time plain vs DFlash decoding (speedup), after `warmup_prompts` untimed runs.
     timing: bool = True
     warmup_prompts: int = 2
@@ -296,6 +294,9 @@ class Config:
     seed: int = 0
     # A checkpoint directory to continue from (same batches, same losses).
     resume: Optional[str] = None
+    # dflash-eval: the drafter to evaluate, a dflash checkpoint directory (whose run config then
+    # supplies the target, unless target is overridden) or any z-lab-layout export.
+    ckpt: Optional[str] = None
     # The summary metric the task function returns (what a Hydra sweeper optimizes).
     objective: str = "eval/tau"
 

@@ -1,13 +1,14 @@
 """`dflash-eval`: a target and an exported drafter -> tau, acceptance histogram, losslessness and
 speedup per benchmark; a console table and a JSON report.
 
-    dflash-eval target=qwen3_8b target.path=/models/Qwen3-8B gpu=single \\
-        eval.drafter=outputs/.../checkpoints/last \\
+    dflash-eval ckpt=outputs/.../checkpoints/last gpu=single \\
         '+eval.benchmarks={gsm8k: prompts/gsm8k.jsonl, humaneval: prompts/humaneval.jsonl}' \\
         'eval.temperatures=[0,1]'
 
-The drafter is any directory with config.json + model.safetensors in the z-lab layout (a dflash
-checkpoint, or one written by other tools). It runs in the target's dtype (bf16 on GPU), as an
+`ckpt` is any directory with config.json + model.safetensors in the z-lab layout. A dflash
+checkpoint also holds its run's config.yaml: the target is then the one the drafter was trained
+against, unless `target...` is overridden on the command line (a z-lab export from other tools
+needs `target=... target.path=...`). The drafter runs in the target's dtype (bf16 on GPU), as an
 inference engine would run it. The JSON goes to `eval.output` (default <run dir>/eval.json).
 """
 
@@ -19,9 +20,9 @@ from pathlib import Path
 from typing import Any
 
 import hydra
-from omegaconf import DictConfig
+from omegaconf import DictConfig, OmegaConf
 
-from dflash.config.schema import register_configs
+from dflash.config.schema import TargetConfig, register_configs
 from dflash.train import CONF_DIR
 
 register_configs()
@@ -42,12 +43,26 @@ def check_pairing(drafter_config: Any, target_config: Any, drafter_dir: Path, ta
     if drafter_config.dflash_config["mask_token_id"] >= target_config.vocab_size:
         problems.append(f"mask_token_id {drafter_config.dflash_config['mask_token_id']} >= target vocab")
     if problems:
-        raise ValueError(
-            f"eval.drafter={drafter_dir} does not fit the target ({target_key}): {'; '.join(problems)}"
-        )
+        raise ValueError(f"ckpt={drafter_dir} does not fit the target ({target_key}): {'; '.join(problems)}")
 
 
-def run_eval(cfg: DictConfig) -> dict[str, Any]:
+def target_for(cfg: DictConfig, ckpt: Path, target_overridden: bool) -> tuple[TargetConfig, str]:
+    """The target to evaluate against, and where that choice came from."""
+    from dflash.build import node
+    from dflash.checkpoint import RUN_CONFIG_FILE
+
+    run_config = ckpt / RUN_CONFIG_FILE
+    if target_overridden or not run_config.is_file():
+        return node(cfg, "target"), "command line"
+    try:
+        trained_with = OmegaConf.load(run_config).target
+        merged = OmegaConf.merge(OmegaConf.structured(TargetConfig), trained_with)
+    except Exception as exc:  # a hand-edited or foreign config.yaml
+        raise ValueError(f"ckpt={ckpt}: {RUN_CONFIG_FILE} has no usable target section ({exc})") from exc
+    return OmegaConf.to_object(merged), str(run_config)
+
+
+def run_eval(cfg: DictConfig, target_overridden: bool = False) -> dict[str, Any]:
     import torch
 
     from dflash.build import eval_prompt_sets, node, visible_cuda_devices
@@ -56,15 +71,17 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     from dflash.evaluate import evaluate
     from dflash.models.target import FrozenTarget, load_target_config
 
-    if not cfg.eval.drafter:
-        raise ValueError("eval.drafter must name a drafter directory (config.json + model.safetensors)")
-    drafter_dir = Path(cfg.eval.drafter)
-    target_cfg = node(cfg, "target")
-    target_config = load_target_config(target_cfg)
+    if not cfg.ckpt:
+        raise ValueError("dflash-eval needs ckpt=DIR, a drafter directory (config.json + model.safetensors)")
+    drafter_dir = Path(cfg.ckpt)
     drafter_config = read_drafter_config(drafter_dir)
+    target_cfg, target_source = target_for(cfg, drafter_dir, target_overridden)
+    target_config = load_target_config(target_cfg)
     target_key = f"target={target_cfg.name}" + (f", target.path={target_cfg.path}" if target_cfg.path else "")
+    log.info("dflash-eval: %s (from %s)", target_key, target_source)
     check_pairing(drafter_config, target_config, drafter_dir, target_key)
-    prompt_sets = eval_prompt_sets(cfg, target_config.vocab_size, cfg.eval.num_prompts)
+    mask_id = drafter_config.dflash_config["mask_token_id"]
+    prompt_sets = eval_prompt_sets(cfg, target_cfg, target_config.vocab_size, mask_id, cfg.eval.num_prompts)
     device = torch.device(resolve_device_split(cfg, visible_cuda_devices())[0][0])
     target = FrozenTarget.from_config(target_cfg, drafter_config.dflash_config["target_layer_ids"], device)
     drafter = load_drafter(drafter_dir, device).to(target.lm_head.weight.dtype).eval()
@@ -73,6 +90,7 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
     report.meta = {
         "drafter": str(drafter_dir),
         "target": target_key,
+        "target_from": target_source,
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(target.lm_head.weight.dtype).removeprefix("torch."),
@@ -96,7 +114,10 @@ def run_eval(cfg: DictConfig) -> dict[str, Any]:
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def main(cfg: DictConfig) -> None:
-    run_eval(cfg)
+    from hydra.core.hydra_config import HydraConfig
+
+    keys = [o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task]
+    run_eval(cfg, target_overridden=any(k == "target" or k.startswith("target.") for k in keys))
 
 
 if __name__ == "__main__":
