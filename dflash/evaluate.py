@@ -14,6 +14,7 @@ token per forward) over DFlash decoding, timed with CUDA events on GPU, after wa
 
 from __future__ import annotations
 
+import copy
 import json
 import time
 from collections.abc import Callable
@@ -38,6 +39,9 @@ RANDOM_SET = "heldout"
 class PromptSet:
     name: str
     prompts: list[list[int]]
+    # Decoding of a prompt ends at any of these (the tokenizer's end of turn); with the target's
+    # generation_config eos ids added at evaluation.
+    stop_ids: frozenset[int] = frozenset()
 
 
 def read_prompt_file(name: str, path: str, renderer: Any, limit: int) -> PromptSet:
@@ -70,7 +74,8 @@ def read_prompt_file(name: str, path: str, renderer: Any, limit: int) -> PromptS
             prompts.append(renderer.prompt_ids(messages))
     if not prompts:
         raise ValueError(f"eval.benchmarks.{name}: {path} holds no prompt")
-    return PromptSet(name, prompts)
+    eos = renderer.tokenizer.eos_token_id
+    return PromptSet(name, prompts, frozenset() if eos is None else frozenset([eos]))
 
 
 def load_prompt_sets(
@@ -105,6 +110,14 @@ class BenchmarkResult:
     timing_device: str | None = None
 
 
+def target_eos_ids(target: FrozenTarget) -> frozenset[int]:
+    """The end-of-sequence ids of the target's generation_config.json (int or list, maybe unset)."""
+    eos = getattr(getattr(target.model, "generation_config", None), "eos_token_id", None)
+    if eos is None:
+        return frozenset()
+    return frozenset([eos] if isinstance(eos, int) else eos)
+
+
 class Stopwatch:
     """Elapsed seconds of a callable: CUDA events on GPU (no host sync inside), else wall clock."""
 
@@ -137,9 +150,10 @@ def evaluate_set(
     """Decode every prompt of the set with DFlash (and plainly when a reference or timing needs it)."""
     greedy = temperature <= 0
     need_plain = greedy or timing
+    stop = prompt_set.stop_ids | target_eos_ids(target)
     for prompt in prompt_set.prompts[:warmup_prompts] if timing else []:
-        speculative_generate(target, drafter, prompt, max_new_tokens, temperature, seed)
-        plain_generate(target, prompt, max_new_tokens, temperature, seed)
+        speculative_generate(target, drafter, prompt, max_new_tokens, temperature, seed, stop_ids=stop)
+        plain_generate(target, prompt, max_new_tokens, temperature, seed, stop_ids=stop)
     stopwatch = Stopwatch(target.device)
     lengths: list[int] = []
     identical, output_tokens, plain_s, dflash_s = 0, 0, 0.0, 0.0
@@ -147,14 +161,22 @@ def evaluate_set(
     for index, prompt in enumerate(prompt_set.prompts):
         prompt_seed = seed + index
         result, seconds = stopwatch(
-            speculative_generate, target, drafter, prompt, max_new_tokens, temperature, prompt_seed
+            speculative_generate,
+            target,
+            drafter,
+            prompt,
+            max_new_tokens,
+            temperature,
+            prompt_seed,
+            None,
+            stop,
         )
         dflash_s += seconds
         lengths += result.acceptance_lengths
         output_tokens += len(result.output_ids)
         if need_plain:
             reference, seconds = stopwatch(
-                plain_generate, target, prompt, max_new_tokens, temperature, prompt_seed
+                plain_generate, target, prompt, max_new_tokens, temperature, prompt_seed, None, stop
             )
             plain_s += seconds
             if reference.output_ids == result.output_ids:
@@ -289,6 +311,8 @@ def evaluate(
     cfg: EvalConfig,
     timing: bool,
 ) -> EvalReport:
+    if next(drafter.parameters()).device != target.device:
+        drafter = copy.deepcopy(drafter).to(target.device)  # gpu=split: replicas live elsewhere
     was_training = drafter.training
     drafter.eval()
     try:

@@ -135,6 +135,14 @@ class DrafterContext:
         return target.lm_head(hidden.to(target.lm_head.weight.dtype))[0, 1:].argmax(-1).tolist()
 
 
+def cut_at_stop(tokens: list[int], stop_ids: frozenset[int]) -> tuple[list[int], bool]:
+    """`tokens` up to and including the first stop token, and whether one was found."""
+    for index, token in enumerate(tokens):
+        if token in stop_ids:
+            return tokens[: index + 1], True
+    return tokens, False
+
+
 def accepted_prefix(draft: list[int], target_choices: list[int]) -> int:
     """How many drafted tokens are kept: the prefix equal to the target's own choices."""
     accepted = 0
@@ -151,13 +159,14 @@ def plain_generate(
     temperature: float = 0.0,
     seed: int = 0,
     cached: bool | None = None,
+    stop_ids: frozenset[int] = frozenset(),
 ) -> DecodeResult:
-    """The reference: one target forward per token."""
+    """The reference: one target forward per token, until `max_new_tokens` or a stop token."""
     session = TargetSession(target, cached)
     choose = TokenChooser(temperature, target.device, seed)
     logits, _ = session.run(list(prompt_ids))
     output = choose(logits[-1:])
-    while len(output) < max_new_tokens:
+    while len(output) < max_new_tokens and output[-1] not in stop_ids:
         logits, _ = session.run(output[-1:])
         output += choose(logits)
     return DecodeResult(output_ids=output, acceptance_lengths=[1] * (len(output) - 1))
@@ -172,6 +181,7 @@ def speculative_generate(
     temperature: float = 0.0,
     seed: int = 0,
     cached: bool | None = None,
+    stop_ids: frozenset[int] = frozenset(),
 ) -> DecodeResult:
     session = TargetSession(target, cached)
     context = DrafterContext(drafter)
@@ -180,15 +190,18 @@ def speculative_generate(
     context.extend(features)
     output = choose(logits[-1:])  # the first anchor comes from the target
     acceptance: list[int] = []
-    while len(output) < max_new_tokens:
+    while len(output) < max_new_tokens and output[-1] not in stop_ids:
         committed = len(prompt_ids) + len(output) - 1  # the anchor is not committed yet
         draft = drafter_guess(context, target, output[-1])
         logits, features = session.run([output[-1], *draft])
         choices = choose(logits)
         accepted = accepted_prefix(draft, choices)
         produced = (draft[:accepted] + [choices[accepted]])[: max_new_tokens - len(output)]
+        produced, stopped = cut_at_stop(produced, stop_ids)
         output += produced
         acceptance.append(len(produced))
+        if stopped:
+            break
         # The anchor and the accepted drafts are committed; their features came from this forward.
         session.commit(committed + accepted + 1)
         context.extend(features[:, : accepted + 1])

@@ -130,3 +130,15 @@ def test_hybrid_targets_fall_back_to_exact_recomputation(tmp_path):
     prompt = torch.randint(0, 500, (8,)).tolist()
     result = speculative_generate(target, drafter, prompt, 10)
     assert result.output_ids == greedy(target, prompt, 10)
+
+
+def test_both_decoders_stop_at_the_first_stop_token_inclusive():
+    target = tiny_target()
+    drafter = tiny_drafter(target).eval()
+    prompt = torch.randint(0, 500, (9,)).tolist()
+    full = greedy(target, prompt, 30)
+    stop = full[7]
+    expected = full[: full.index(stop) + 1]
+    assert plain_generate(target, prompt, 30, stop_ids=frozenset([stop])).output_ids == expected
+    result = speculative_generate(target, drafter, prompt, 30, stop_ids=frozenset([stop]))
+    assert result.output_ids == expected and sum(result.acceptance_lengths) == len(expected) - 1

@@ -32,7 +32,8 @@ class PeriodicEval:
     ):
         self.cfg, self.target, self.prompt_sets = cfg, target, prompt_sets
         self.every = cfg.every_steps
-        self.eval_drafter = copy.deepcopy(drafter).eval().requires_grad_(False)
+        # On the target's device: with gpu=split the training replicas live elsewhere.
+        self.eval_drafter = copy.deepcopy(drafter).to(target.device).eval().requires_grad_(False)
         self._snapshots: queue.Queue = queue.Queue(maxsize=1)
         self.skipped = 0
         self.evaluated_steps: list[int] = []
@@ -62,6 +63,11 @@ class PeriodicEval:
         if ready is not None:
             ready.synchronize()
         self.eval_drafter.load_state_dict(weights)
+        if ready is not None:
+            # The snapshot's memory belongs to the drafter stream's pool: finish reading it
+            # before it is freed and that stream reuses it.
+            torch.cuda.current_stream(self.target.device).synchronize()
+        del weights
         report = evaluate(self.target, self.eval_drafter, self.prompt_sets, self.cfg, timing=False)
         metrics = report.metrics()
         metrics["eval/skipped_snapshots"] = float(self.skipped)
