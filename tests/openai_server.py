@@ -19,6 +19,9 @@ class LoopbackChatServer:
         self.backend, self.fail_first, self.poison = backend, fail_first, poison
         self.lock = threading.Lock()
         self.requests = 0
+        self.active = 0  # requests being handled right now
+        self.max_active = 0
+        self.active_lock = threading.Lock()
         self.served: list[tuple[list[dict], str]] = []  # (messages, reply) of each success
         server = self
 
@@ -41,9 +44,19 @@ class LoopbackChatServer:
                     self._send(404, {"error": {"message": "not found"}})
 
             def do_POST(self):
+                with server.active_lock:
+                    server.active += 1
+                    server.max_active = max(server.max_active, server.active)
+                try:
+                    self._complete()
+                finally:
+                    with server.active_lock:
+                        server.active -= 1
+
+            def _complete(self):
                 length = int(self.headers.get("Content-Length", 0))
                 request = json.loads(self.rfile.read(length))
-                with server.lock:
+                with server.lock:  # one generation at a time; requests queue here
                     server.requests += 1
                     if server.requests <= server.fail_first:
                         self._send(503, {"error": {"message": "warming up", "type": "unavailable"}})

@@ -98,7 +98,8 @@ def test_http_backend_against_a_loopback_server_with_retries(tmp_path, backend):
         stats = regenerate(http, [str(source)], out, batch_size=4)
         served = {json.dumps(m): reply for m, reply in server.served}
     # Two 503s were retried away; the poisoned conversation failed for good and is not written.
-    assert stats.failed == 1 and stats.written == 7 and http.failed == 1
+    assert stats.failed == 1 and stats.written == 7
+    assert server.max_active > 1  # several conversations in flight at once
     records = read_jsonl(out)
     assert 5 not in [r["id"] for r in records]
     for record in records:

@@ -324,7 +324,7 @@ class RegenConfig:
     output: str = MISSING
     backend: RegenBackend = RegenBackend.transformers
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    # Conversations regenerated at once (transformers: one batch; http: requests in flight).
+    # Conversations regenerated at once (transformers: one generate batch; http: in flight, each on its own).
     batch_size: int = 16
     # http: OpenAI-compatible base URL (e.g. http://localhost:8000/v1), model name (null: the
     # first the server lists), API key, per-request timeout and retries (backoff, 429/5xx/errors).

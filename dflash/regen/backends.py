@@ -32,6 +32,9 @@ class Reply:
 
 class RegenBackend(Protocol):
     name: str
+    # True: conversations are sent one by one from many threads (a server batches them itself);
+    # False: the caller batches conversations into each generate() call.
+    conversations_in_flight: bool
 
     def describe(self) -> str:
         """The sampling settings in effect, for the log and the output records."""
@@ -43,6 +46,7 @@ class TransformersBackend:
     """Batched `generate` on the target: left-padded prompts, the target's masked attention."""
 
     name = "transformers"
+    conversations_in_flight = False
 
     def __init__(self, target: FrozenTarget, renderer: ChatRenderer, sampling: SamplingConfig):
         self.target, self.renderer, self.sampling = target, renderer, sampling
@@ -110,13 +114,14 @@ class TransformersBackend:
 
 
 class HttpBackend:
-    """An OpenAI-compatible chat-completions endpoint, `concurrency` requests in flight.
+    """An OpenAI-compatible chat-completions endpoint (thread-safe; one request per call).
 
     Retries (connection errors, timeouts, 408/409/429/5xx, with exponential backoff) are the
     `openai` client's; `max_retries` and `timeout_s` are passed to it.
     """
 
     name = "http"
+    conversations_in_flight = True
 
     def __init__(
         self,
@@ -136,7 +141,6 @@ class HttpBackend:
             self.model = model or self.client.models.list().data[0].id
         except (openai.OpenAIError, IndexError) as exc:
             raise ValueError(f"regen.url={url!r}: cannot list the served models ({exc})") from exc
-        self.failed = 0
 
     def _one(self, messages: Messages) -> Reply | None:
         import openai
@@ -146,7 +150,6 @@ class HttpBackend:
                 model=self.model, messages=messages, **self.request_options()
             )
         except openai.OpenAIError as exc:
-            self.failed += 1
             log.warning("regen: request to %s failed after retries: %s", self.url, exc)
             return None
         choice = response.choices[0]
@@ -171,5 +174,7 @@ class HttpBackend:
         return " ".join(f"{k}={v}" for k, v in shown.items()) + " (unset fields: the server's defaults)"
 
     def generate(self, prompts: list[Messages]) -> list[Reply | None]:
+        if len(prompts) == 1:
+            return [self._one(prompts[0])]
         with ThreadPoolExecutor(max_workers=min(self.concurrency, len(prompts))) as pool:
             return list(pool.map(self._one, prompts))

@@ -2,7 +2,8 @@
 
 Turn by turn: the reply to user turn k is generated from the conversation so far with the
 earlier assistant turns already replaced, so each training sample is a conversation the target
-could have had. Conversations go through the backend `regen.batch_size` at a time.
+could have had. In-process generation takes `batch_size` conversations per batch, turn by turn;
+a server backend keeps `batch_size` conversations in flight, each on its own.
 
 Resumable, nothing written twice: the output is JSON Lines, one line per finished
 conversation (written and flushed whole), keyed by the source location ("file:line"). A rerun
@@ -12,10 +13,13 @@ A conversation whose request failed for good is not written, so a rerun retries 
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
+import time
 from collections.abc import Iterator
+from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,6 +37,11 @@ class RegenStats:
     replies: int = 0
     cut_at_length: int = 0  # replies that hit sampling.max_new_tokens
     skipped: SkipReport = field(default_factory=SkipReport)
+
+    def add(self, other: RegenStats) -> None:
+        self.failed += other.failed
+        self.replies += other.replies
+        self.cut_at_length += other.cut_at_length
 
     def lines(self) -> list[str]:
         out = [
@@ -141,21 +150,60 @@ def regenerate(
     done = finished_sources(output)
     stats.already_done = len(done)
     todo = _unfinished(read_conversations(inputs, stats.skipped, "regen.input"), done, stats.skipped)
-    budget = None if limit is None else max(0, limit - len(done))
+    if limit is not None:
+        todo = itertools.islice(todo, max(0, limit - len(done)))
     with output.open("a", encoding="utf-8") as handle:
-        for batch in _batches(todo, batch_size):
-            if budget is not None:
-                batch = batch[:budget]
-                if not batch:
-                    break
-            for record in regenerate_batch(backend, batch, stats):
-                if record is None:
-                    continue
-                handle.write(json.dumps(record, ensure_ascii=False) + "\n")
-                stats.written += 1
-            handle.flush()
-            os.fsync(handle.fileno())
-            if budget is not None:
-                budget -= len(batch)
-            log.info("regen: %d conversations written (%d failed)", stats.written, stats.failed)
+        write = _Writer(handle, stats)
+        if backend.conversations_in_flight:
+            _stream(backend, todo, batch_size, write, stats)
+        else:
+            for batch in _batches(todo, batch_size):
+                write(regenerate_batch(backend, batch, stats))
+        write.sync()
     return stats
+
+
+class _Writer:
+    """Appends finished conversations, one whole line each, flushed at once (a crash loses at
+    most a torn last line, which the next run drops) and fsynced every few seconds."""
+
+    def __init__(self, handle, stats: RegenStats, sync_every_s: float = 5.0):
+        self.handle, self.stats, self.sync_every_s = handle, stats, sync_every_s
+        self.last_sync = time.monotonic()
+
+    def __call__(self, records: list[dict | None]) -> None:
+        for record in records:
+            if record is not None:
+                self.handle.write(json.dumps(record, ensure_ascii=False) + "\n")
+                self.stats.written += 1
+        self.handle.flush()
+        if time.monotonic() - self.last_sync > self.sync_every_s:
+            self.sync()
+            log.info("regen: %d conversations written (%d failed)", self.stats.written, self.stats.failed)
+
+    def sync(self) -> None:
+        os.fsync(self.handle.fileno())
+        self.last_sync = time.monotonic()
+
+
+def _stream(
+    backend: RegenBackend, todo: Iterator[Conversation], in_flight: int, write: _Writer, stats: RegenStats
+) -> None:
+    """A server backend: `in_flight` conversations at a time, each through its own turns, a new
+    one started as soon as one finishes (no batch waits for its slowest conversation)."""
+    with ThreadPoolExecutor(max_workers=in_flight, thread_name_prefix="dflash-regen") as pool:
+        running: dict[Future, RegenStats] = {}
+
+        def submit(conversation: Conversation) -> None:
+            own = RegenStats()  # per task, merged on this thread: no shared counters
+            running[pool.submit(regenerate_batch, backend, [conversation], own)] = own
+
+        for conversation in itertools.islice(todo, in_flight):
+            submit(conversation)
+        while running:
+            finished, _ = wait(running, return_when=FIRST_COMPLETED)
+            for future in finished:
+                stats.add(running.pop(future))
+                write(future.result())
+                for conversation in itertools.islice(todo, 1):
+                    submit(conversation)
