@@ -12,7 +12,8 @@ def test_report_writes_plots_and_a_summary_and_compares_two_runs(make_cfg, tmp_p
     runs = []
     for name, scheduler in (("a", "interleave"), ("b", "shuffle")):
         cfg = make_cfg(
-            [f"scheduler={scheduler}", "train.total_steps=12", "logger.every_steps=3"], tmp_path / name
+            [f"scheduler={scheduler}", "train.total_steps=12", "logger.every_steps=3", "eval.every_steps=6"],
+            tmp_path / name,
         )
         train(cfg)
         runs.append(Path(cfg.paths.output_dir))
@@ -25,6 +26,7 @@ def test_report_writes_plots_and_a_summary_and_compares_two_runs(make_cfg, tmp_p
         "buckets.png",
         "grad_norm_queues.png",
         "drafters.png",
+        "acceptance.png",
         "gpus.png",
         "compare.png",
     ]

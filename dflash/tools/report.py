@@ -3,8 +3,8 @@
 Writes RUN_DIR/report/*.png and RUN_DIR/report/report.md:
 loss and accuracy (loss per bucket as colored points: a bucket-driven, "fluffy" loss shows as
 separated bands), bucket mix per tick, longest same-bucket run, grad norm, queue depths,
-per-drafter loss and optimizer step, GPU utilization and power per device (when the run had
-NVML telemetry). With --compare, the main curves of two runs overlaid.
+per-drafter loss and optimizer step, eval tau against tau_sim with the acceptance histogram,
+GPU utilization and power per device (when the run had NVML telemetry). With --compare, the main curves of two runs overlaid.
 """
 
 from __future__ import annotations
@@ -131,6 +131,9 @@ def plot_run(rows: list[dict], out: Path, title: str) -> list[str]:
             ax.legend(fontsize=8)
     save(fig, "drafters")
 
+    if series(rows, "eval/tau")[0].size:
+        plot_acceptance(rows, save)
+
     util_keys = keys_matching(rows, r"gpu/cuda\d+/util_pct")
     fig, (ax_util, ax_power) = plt.subplots(1, 2, figsize=(12, 4.2))
     for key in util_keys:
@@ -146,6 +149,31 @@ def plot_run(rows: list[dict], out: Path, title: str) -> list[str]:
             ax.text(0.5, 0.5, "no NVML telemetry in this run", ha="center", transform=ax.transAxes)
     save(fig, "gpus")
     return written
+
+
+def plot_acceptance(rows: list[dict], save) -> None:
+    """Speculative-decoding tau (periodic and final evaluations) against training's tau_sim (a
+    widening gap is a train/inference mismatch), and the last acceptance-length histogram."""
+    import matplotlib.pyplot as plt
+
+    fig, (ax_tau, ax_hist) = plt.subplots(1, 2, figsize=(12, 4.2))
+    ax_tau.plot(*series(rows, "train/tau_sim"), color="gray", label="train tau_sim")
+    ax_tau.plot(*series(rows, "eval/tau"), marker="o", label="eval tau (all benchmarks)")
+    for key in keys_matching(rows, r"eval/[^/]+/tau"):
+        ax_tau.plot(*series(rows, key), marker=".", linestyle="--", label=key.split("/")[1])
+    ax_tau.set(xlabel="optimizer step", ylabel="tokens per target forward", title="acceptance length")
+    ax_tau.legend(fontsize=8)
+    last = next(r for r in reversed(rows) if "eval/tau" in r)
+    hist_keys = keys_matching([last], r"eval/accept_len_\d+_frac")
+    lengths = [int(k.split("_")[2]) for k in hist_keys]
+    ax_hist.bar(lengths, [last[k] for k in hist_keys])
+    ax_hist.set_xticks(lengths)
+    ax_hist.set(
+        xlabel="tokens produced per verification",
+        ylabel="share of verifications",
+        title=f"acceptance histogram at step {last['step']}",
+    )
+    save(fig, "acceptance")
 
 
 def plot_compare(rows_a: list[dict], rows_b: list[dict], name_a: str, name_b: str, out: Path) -> str:
