@@ -46,6 +46,8 @@ class PromptSet:
 
 def read_prompt_file(name: str, path: str, renderer: Any, limit: int) -> PromptSet:
     """The first `limit` prompts of a JSONL benchmark file, as chat-template token ids."""
+    if not Path(path).is_file():
+        raise ValueError(f"eval.benchmarks.{name}: {path} is not a file")
     prompts = []
     with Path(path).open(encoding="utf-8") as handle:
         for line_no, line in enumerate(handle, start=1):

@@ -157,6 +157,10 @@ def test_bad_prompt_file_names_benchmark_file_and_line(tmp_path, tiny_chat_dir):
     bad = write_prompts(tmp_path / "bad.jsonl", [{"prompt": "fine"}, {"question": "wrong key"}])
     with pytest.raises(ValueError, match=r"eval.benchmarks.code: .*bad.jsonl:2: expected"):
         run_eval(eval_cfg(tmp_path, tiny_chat_dir, tmp_path / "drafter", {"code": bad}))
+    with pytest.raises(ValueError, match=r"eval.benchmarks.math: .*missing.jsonl is not a file"):
+        run_eval(
+            eval_cfg(tmp_path, tiny_chat_dir, tmp_path / "drafter", {"math": tmp_path / "missing.jsonl"})
+        )
 
 
 # -- an independent reading of the exported files ----------------------------------------------
