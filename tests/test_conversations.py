@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 
 from dflash.config.schema import DataConfig, DataKind
 from dflash.data.chat import ChatRenderer
-from dflash.data.conversations import SkipReport, normalize, read_conversations
+from dflash.data.conversations import MalformedRecord, SkipReport, normalize, read_conversations
 from dflash.data.prepare import load_or_prepare, prepare
 from tests.conftest import conversation_overrides
 from tests.tiny_assets import write_conversations
@@ -219,3 +219,34 @@ def test_parallel_tokenization_gives_the_same_samples(tmp_path, renderer):
     parallel, _ = prepare(renderer, data_cfg([source], num_proc=2))
     assert parallel.input_ids.tolist() == single.input_ids.tolist()
     assert parallel.loss_mask.tolist() == single.loss_mask.tolist()
+
+
+MARKED_TEMPLATE = (  # marks replies itself, and drops the reasoning of each reply
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
+    "{% if message['role'] == 'assistant' %}{% generation %}"
+    "{{ message['content'].split('</think>')[-1] }}<|im_end|>{% endgeneration %}"
+    "{% else %}{{ message['content'] }}<|im_end|>{% endif %}{{ '\\n' }}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_template_with_generation_blocks_supplies_its_own_mask(tiny_chat_dir, renderer):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_chat_dir)
+    tokenizer.chat_template = MARKED_TEMPLATE
+    marked = ChatRenderer(tokenizer)
+    assert marked.template_marks_replies and not renderer.template_marks_replies
+    # Same rendering as the plain template: the same tokens and the same mask either way.
+    assert marked.tokenize(CONVERSATION) == renderer.tokenize(CONVERSATION)
+    # A reply the template rewrites: found by nobody verbatim, masked by the template itself.
+    thinking = [
+        {"role": "user", "content": "Why?"},
+        {"role": "assistant", "content": "<think>hmm</think>Because."},
+    ]
+    ids, mask = marked.tokenize(thinking)
+    assert tokenizer.decode([t for t, m in zip(ids, mask) if m]) == "Because.<|im_end|>"
+    plain_template_with_rewrite = AutoTokenizer.from_pretrained(tiny_chat_dir)
+    plain_template_with_rewrite.chat_template = MARKED_TEMPLATE.replace("{% generation %}", "").replace(
+        "{% endgeneration %}", ""
+    )
+    with pytest.raises(MalformedRecord, match="rewrites this assistant content"):
+        ChatRenderer(plain_template_with_rewrite).tokenize(thinking)

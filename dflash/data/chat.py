@@ -11,19 +11,23 @@ The end-of-turn marker is read off the template itself: a probe conversation is 
 whatever follows the probe's assistant content (whitespace stripped) is the marker.
 
 A template that rewrites the assistant content (so it cannot be found verbatim) fails the
-record with a reason instead of guessing a mask.
+record with a reason instead of guessing a mask. Such templates (e.g. ones that strip earlier
+turns' reasoning) can mark the supervised text themselves with transformers' `{% generation %}`
+... `{% endgeneration %}` blocks: when a template has them, its own assistant mask is used.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import re
 from typing import Any
 
 from dflash.data.conversations import MalformedRecord
 
 _PROBE_USER = "dflash-probe-user-7c1e"
 _PROBE_ASSISTANT = "dflash-probe-assistant-7c1e"
+_GENERATION_BLOCK = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
 class ChatRenderer:
@@ -37,6 +41,7 @@ class ChatRenderer:
         if not getattr(tokenizer, "is_fast", False):
             raise ValueError("conversation data needs a fast tokenizer (character offsets for the loss mask)")
         self.tokenizer = tokenizer
+        self.template_marks_replies = bool(_GENERATION_BLOCK.search(tokenizer.chat_template))
         probe = self.render_text(
             [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_ASSISTANT}]
         )
@@ -80,6 +85,11 @@ class ChatRenderer:
 
     def tokenize(self, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
         """(input_ids, loss_mask): mask 1 on tokens that start inside an assistant span."""
+        if self.template_marks_replies:
+            out = self.tokenizer.apply_chat_template(
+                messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+            )
+            return list(out["input_ids"]), [int(m) for m in out["assistant_masks"]]
         text = self.render_text(messages)
         spans = self.assistant_spans(text, messages)
         encoded = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
