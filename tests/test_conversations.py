@@ -250,3 +250,17 @@ def test_a_template_with_generation_blocks_supplies_its_own_mask(tiny_chat_dir, 
     )
     with pytest.raises(MalformedRecord, match="rewrites this assistant content"):
         ChatRenderer(plain_template_with_rewrite).tokenize(thinking)
+
+
+def test_streaming_in_chunks_gives_the_same_samples_and_counts(tmp_path, renderer, monkeypatch):
+    from dflash.data import prepare as prepare_module
+
+    source = write_conversations(tmp_path / "chat.jsonl", 25, seed=9)
+    with source.open("a") as handle:
+        handle.write("{broken\n")
+    whole, whole_stats = prepare(renderer, data_cfg([source]))
+    monkeypatch.setattr(prepare_module, "CHUNK", 4)
+    chunks, chunk_stats = prepare(renderer, data_cfg([source]))
+    assert chunks.input_ids.tolist() == whole.input_ids.tolist()
+    assert chunks.offsets.tolist() == whole.offsets.tolist()
+    assert chunk_stats == whole_stats and whole_stats.records == 26

@@ -129,6 +129,18 @@ def _parquet_records(path: Path) -> Iterator[tuple[str, Any]]:
         yield f"{path}:row {index}", record
 
 
+def chunked(items: Iterator[Any], size: int) -> Iterator[list[Any]]:
+    """Lists of `size` consecutive items (the last may be shorter)."""
+    chunk: list[Any] = []
+    for item in items:
+        chunk.append(item)
+        if len(chunk) == size:
+            yield chunk
+            chunk = []
+    if chunk:
+        yield chunk
+
+
 def read_conversations(files: list[str], skipped: SkipReport, config_key: str) -> Iterator[Conversation]:
     """Every well-formed conversation of `files`, in order; bad records go to `skipped`."""
     for name in files:

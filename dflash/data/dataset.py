@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -15,18 +16,20 @@ class TokenDataset:
 
     def __init__(self, input_ids: torch.Tensor, loss_mask: torch.Tensor, offsets: torch.Tensor):
         assert input_ids.shape == loss_mask.shape and offsets[-1] == input_ids.numel()
-        self.input_ids = input_ids.to(torch.int64)
+        # int32 on the host (half of int64 for a billion-token set); collate widens per batch.
+        self.input_ids = input_ids.to(torch.int32)
         self.loss_mask = loss_mask.to(torch.uint8)
         self.offsets = offsets.to(torch.int64)
         self.lengths = (self.offsets[1:] - self.offsets[:-1]).numpy()
 
     @classmethod
-    def from_samples(cls, samples: list[tuple[list[int], list[int]]]) -> TokenDataset:
-        lengths = [len(ids) for ids, _ in samples]
-        offsets = torch.tensor(np.concatenate([[0], np.cumsum(lengths)]), dtype=torch.int64)
-        ids = torch.tensor([t for sample_ids, _ in samples for t in sample_ids], dtype=torch.int64)
-        mask = torch.tensor([m for _, sample_mask in samples for m in sample_mask], dtype=torch.uint8)
-        return cls(ids, mask, offsets)
+    def from_samples(cls, samples: list[tuple[Sequence[int], Sequence[int]]]) -> TokenDataset:
+        """From (ids, mask) pairs (lists or arrays), concatenated by numpy, not Python lists."""
+        lengths = np.fromiter((len(ids) for ids, _ in samples), dtype=np.int64, count=len(samples))
+        offsets = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+        ids = np.concatenate([np.asarray(s, dtype=np.int32) for s, _ in samples] or [np.zeros(0, np.int32)])
+        mask = np.concatenate([np.asarray(m, dtype=np.uint8) for _, m in samples] or [np.zeros(0, np.uint8)])
+        return cls(torch.from_numpy(ids), torch.from_numpy(mask), torch.from_numpy(offsets))
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -41,7 +44,7 @@ class TokenDataset:
         tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
         save_file(
             {
-                "input_ids": self.input_ids.to(torch.int32),
+                "input_ids": self.input_ids,
                 "loss_mask": self.loss_mask,
                 "offsets": self.offsets,
             },

@@ -21,15 +21,21 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from dflash.config.schema import DataConfig
 from dflash.data.chat import ChatRenderer
-from dflash.data.conversations import MalformedRecord, SkipReport, read_conversations
+from dflash.data.conversations import MalformedRecord, SkipReport, chunked, read_conversations
 from dflash.data.dataset import TokenDataset
 
 log = logging.getLogger(__name__)
 
 # Bump when the rendering or masking rules change: old caches then stop matching.
 FORMAT_VERSION = 1
+# Conversations tokenized per round (one datasets.map call when data.num_proc > 1).
+CHUNK = 20_000
+# Skip reasons counted while reading (the record never became a conversation).
+READ_PROBLEMS = ("invalid_json", "malformed")
 
 
 @dataclass
@@ -116,37 +122,36 @@ def _tokenize_all(conversations: list, renderer: ChatRenderer, cfg: DataConfig) 
 
 
 def prepare(renderer: ChatRenderer, cfg: DataConfig) -> tuple[TokenDataset, PrepStats]:
+    """Streams the files `CHUNK` conversations at a time; each kept sample is held as two compact
+    arrays (int32 ids, uint8 mask), so memory follows the token count, not the text."""
     stats, skipped = PrepStats(), SkipReport()
-    conversations = list(read_conversations(list(cfg.files), skipped, "data.files"))
-    stats.records = len(conversations) + skipped.total
-    if not conversations:
-        raise ValueError(
-            f"data.files={list(cfg.files)}: no usable conversation "
-            f"({skipped.total} records skipped: {skipped.examples[:3]})"
-        )
-    tokenized = _tokenize_all(conversations, renderer, cfg)
-    samples = []
-    for row in tokenized:
-        if row["problem"]:
-            skipped.add("template", row["source"], row["problem"])
-            continue
-        supervised = sum(row["loss_mask"])
-        if supervised < cfg.min_supervised_tokens:
-            skipped.add(
-                "too_few_supervised",
-                row["source"],
-                f"{supervised} supervised tokens < data.min_supervised_tokens={cfg.min_supervised_tokens}",
-            )
-            continue
-        stats.truncated += row["full_length"] > cfg.max_length
-        stats.tokens += len(row["input_ids"])
-        stats.supervised_tokens += supervised
-        samples.append((row["input_ids"], row["loss_mask"]))
+    conversations = read_conversations(list(cfg.files), skipped, "data.files")
+    samples: list[tuple[np.ndarray, np.ndarray]] = []
+    read = 0
+    for chunk in chunked(conversations, CHUNK):
+        read += len(chunk)
+        for row in _tokenize_all(chunk, renderer, cfg):
+            if row["problem"]:
+                skipped.add("template", row["source"], row["problem"])
+                continue
+            supervised = sum(row["loss_mask"])
+            if supervised < cfg.min_supervised_tokens:
+                skipped.add(
+                    "too_few_supervised",
+                    row["source"],
+                    f"{supervised} supervised tokens < data.min_supervised_tokens={cfg.min_supervised_tokens}",
+                )
+                continue
+            stats.truncated += row["full_length"] > cfg.max_length
+            stats.tokens += len(row["input_ids"])
+            stats.supervised_tokens += supervised
+            samples.append((np.asarray(row["input_ids"], np.int32), np.asarray(row["loss_mask"], np.uint8)))
+    stats.records = read + sum(v for k, v in skipped.counts.items() if k in READ_PROBLEMS)
     stats.samples = len(samples)
     stats.skipped, stats.skipped_examples = dict(skipped.counts), list(skipped.examples)
     if not samples:
         raise ValueError(
-            f"data.files={list(cfg.files)}: every conversation was skipped {stats.skipped}; "
+            f"data.files={list(cfg.files)}: no usable conversation (skipped {stats.skipped}); "
             f"first problems: {stats.skipped_examples}"
         )
     return TokenDataset.from_samples(samples), stats

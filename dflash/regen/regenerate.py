@@ -23,7 +23,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash.data.conversations import Conversation, SkipReport, read_conversations
+from dflash.data.conversations import Conversation, SkipReport, chunked, read_conversations
 from dflash.regen.backends import RegenBackend
 
 log = logging.getLogger(__name__)
@@ -67,17 +67,6 @@ def finished_sources(output: Path) -> set[str]:
         with output.open("r+b") as handle:
             handle.truncate(len(complete))
     return {json.loads(line)["source"] for line in complete.decode().splitlines() if line.strip()}
-
-
-def _batches(conversations: Iterator[Conversation], size: int) -> Iterator[list[Conversation]]:
-    batch: list[Conversation] = []
-    for conversation in conversations:
-        batch.append(conversation)
-        if len(batch) == size:
-            yield batch
-            batch = []
-    if batch:
-        yield batch
 
 
 def _unfinished(
@@ -157,7 +146,7 @@ def regenerate(
         if backend.conversations_in_flight:
             _stream(backend, todo, batch_size, write, stats)
         else:
-            for batch in _batches(todo, batch_size):
+            for batch in chunked(todo, batch_size):
                 write(regenerate_batch(backend, batch, stats))
         write.sync()
     return stats
