@@ -38,7 +38,7 @@ from dflash.evaluate import PromptSet, evaluate, load_prompt_sets, lossless_line
 from dflash.logging.sinks import build_sinks
 from dflash.models.drafter import DFlashDrafter, drafter_config
 from dflash.models.target import FrozenTarget, load_target_config
-from dflash.models.tokenizer import load_tokenizer
+from dflash.models.tokenizer import load_chat_renderer
 from dflash.monitor.monitor import Monitor
 from dflash.noise import NoiseSchedule
 from dflash.pipeline.runner import AsyncTrainer, FaultInjection
@@ -192,7 +192,7 @@ def load_training_data(
             target, node(cfg, "target"), data_cfg, Path(cfg.paths.cache_dir), [cfg.drafter.mask_token_id]
         )
         return dataset, None
-    renderer = ChatRenderer(load_tokenizer(node(cfg, "target"), "data.kind=conversations"))
+    renderer = load_chat_renderer(node(cfg, "target"), "data.kind=conversations")
     dataset, stats = load_or_prepare(renderer, data_cfg, Path(cfg.paths.cache_dir))
     # Text data: the mask id must be a token the tokenizer never produces (a reserved special).
     holding_mask = int((dataset.input_ids == cfg.drafter.mask_token_id).sum())
@@ -215,7 +215,7 @@ def eval_prompt_sets(
             raise ValueError(f"eval.{key} must be >= 1, got {getattr(eval_cfg, key)}")
 
     def renderer() -> ChatRenderer:
-        return ChatRenderer(load_tokenizer(target_cfg, "eval.benchmarks"))
+        return load_chat_renderer(target_cfg, "eval.benchmarks")
 
     if not eval_cfg.benchmarks and DataKind(cfg.data.kind) is DataKind.conversations:
         log.warning(

@@ -264,3 +264,26 @@ def test_streaming_in_chunks_gives_the_same_samples_and_counts(tmp_path, rendere
     assert chunks.input_ids.tolist() == whole.input_ids.tolist()
     assert chunks.offsets.tolist() == whole.offsets.tolist()
     assert chunk_stats == whole_stats and whole_stats.records == 26
+
+
+def test_chat_template_variables_reach_every_rendering_and_the_cache_key(tiny_chat_dir, tmp_path):
+    from dflash.config.schema import TargetConfig
+    from dflash.models.tokenizer import load_chat_renderer
+
+    directory = shutil.copytree(tiny_chat_dir, tmp_path / "target")
+    tokenizer = AutoTokenizer.from_pretrained(directory)
+    tokenizer.chat_template = tokenizer.chat_template.replace(
+        "<|im_start|>assistant\n{% endif %}",
+        "<|im_start|>assistant\n{% if enable_thinking is defined and not enable_thinking %}"
+        "<think></think>{% endif %}{% endif %}",
+    )
+    tokenizer.save_pretrained(directory)
+    thinking = load_chat_renderer(TargetConfig(name="t", path=str(directory)), "test")
+    quiet = load_chat_renderer(
+        TargetConfig(name="t", path=str(directory), chat_template_kwargs={"enable_thinking": False}), "test"
+    )
+    question = [{"role": "user", "content": "Why?"}]
+    assert quiet.render_text(question, add_generation_prompt=True).endswith("<think></think>")
+    assert not thinking.render_text(question, add_generation_prompt=True).endswith("<think></think>")
+    assert quiet.prompt_ids(question) != thinking.prompt_ids(question)
+    assert quiet.fingerprint() != thinking.fingerprint()

@@ -167,3 +167,22 @@ def test_unset_sampling_fields_take_the_targets_recommendation(tmp_path, tiny_ch
     # Over HTTP, unset fields are not sent (the server applies the model's defaults).
     http = HttpBackend("http://127.0.0.1:9/v1", "m", "EMPTY", SamplingConfig(top_k=7), 1, 1.0, 0)
     assert http.request_options() == {"max_tokens": 2048, "seed": 0, "extra_body": {"top_k": 7}}
+
+
+def test_http_requests_carry_the_targets_chat_template_variables():
+    http = HttpBackend(
+        "http://127.0.0.1:9/v1",
+        "m",
+        "EMPTY",
+        SamplingConfig(temperature=0.0),
+        1,
+        1.0,
+        0,
+        {"enable_thinking": False},
+    )
+    assert http.request_options() == {
+        "max_tokens": 2048,
+        "seed": 0,
+        "temperature": 0.0,
+        "extra_body": {"chat_template_kwargs": {"enable_thinking": False}},
+    }

@@ -67,6 +67,9 @@ class TargetConfig:
     arch: Optional[dict[str, Any]] = None
     # Tokenizer + chat template directory (conversation data, benchmark prompts); null: `path`.
     tokenizer: Optional[str] = None
+    # Extra variables for the chat template wherever the target is prompted (prep, regen, eval),
+    # e.g. {enable_thinking: false} for Qwen3's non-thinking mode.
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # The model_type the target must have; a path to another architecture is refused early.
     model_type: str = "qwen3"
     init_seed: int = 0

@@ -31,7 +31,7 @@ _GENERATION_BLOCK = re.compile(r"{%-?\s*generation\s*-?%}")
 
 
 class ChatRenderer:
-    def __init__(self, tokenizer: Any):
+    def __init__(self, tokenizer: Any, template_kwargs: dict[str, Any] | None = None):
         if not getattr(tokenizer, "chat_template", None):
             raise ValueError(
                 f"the tokenizer at {getattr(tokenizer, 'name_or_path', '?')!r} has no chat_template; "
@@ -41,6 +41,7 @@ class ChatRenderer:
         if not getattr(tokenizer, "is_fast", False):
             raise ValueError("conversation data needs a fast tokenizer (character offsets for the loss mask)")
         self.tokenizer = tokenizer
+        self.template_kwargs = dict(template_kwargs or {})
         self.template_marks_replies = bool(_GENERATION_BLOCK.search(tokenizer.chat_template))
         probe = self.render_text(
             [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_ASSISTANT}]
@@ -49,7 +50,7 @@ class ChatRenderer:
 
     def render_text(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **self.template_kwargs
         )
 
     def prompt_ids(self, messages: list[dict[str, str]]) -> list[int]:
@@ -87,7 +88,11 @@ class ChatRenderer:
         """(input_ids, loss_mask): mask 1 on tokens that start inside an assistant span."""
         if self.template_marks_replies:
             out = self.tokenizer.apply_chat_template(
-                messages, tokenize=True, return_dict=True, return_assistant_tokens_mask=True
+                messages,
+                tokenize=True,
+                return_dict=True,
+                return_assistant_tokens_mask=True,
+                **self.template_kwargs,
             )
             return list(out["input_ids"]), [int(m) for m in out["assistant_masks"]]
         text = self.render_text(messages)
@@ -100,10 +105,11 @@ class ChatRenderer:
 
     def fingerprint(self) -> str:
         """Changes whenever tokenization or rendering could: vocabulary, merges, normalizer,
-        special tokens and the chat template."""
+        special tokens, the chat template and its variables."""
         payload = {
             "tokenizer": self.tokenizer.backend_tokenizer.to_str(),
             "template": self.tokenizer.chat_template,
+            "template_kwargs": self.template_kwargs,
             "special": {k: str(v) for k, v in sorted(self.tokenizer.special_tokens_map.items())},
         }
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()

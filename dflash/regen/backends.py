@@ -132,11 +132,13 @@ class HttpBackend:
         concurrency: int,
         timeout_s: float,
         max_retries: int,
+        chat_template_kwargs: dict | None = None,
     ):
         import openai
 
         self.client = openai.OpenAI(base_url=url, api_key=api_key, timeout=timeout_s, max_retries=max_retries)
         self.url, self.sampling, self.concurrency = url, sampling, concurrency
+        self.chat_template_kwargs = dict(chat_template_kwargs or {})
         try:
             self.model = model or self.client.models.list().data[0].id
         except (openai.OpenAIError, IndexError) as exc:
@@ -163,8 +165,13 @@ class HttpBackend:
             options["temperature"] = sampling.temperature
         if sampling.top_p is not None:
             options["top_p"] = sampling.top_p
+        extra = {}  # vLLM / SGLang extensions of the chat-completions request
         if sampling.top_k is not None:
-            options["extra_body"] = {"top_k": sampling.top_k}  # vLLM / SGLang extension
+            extra["top_k"] = sampling.top_k
+        if self.chat_template_kwargs:
+            extra["chat_template_kwargs"] = self.chat_template_kwargs
+        if extra:
+            options["extra_body"] = extra
         return options
 
     def describe(self) -> str:

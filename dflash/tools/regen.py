@@ -21,15 +21,21 @@ def build_backend(cfg: RegenConfig):
         if not cfg.url:
             raise ValueError("backend=http needs url=http://HOST:PORT/v1 (an OpenAI-compatible server)")
         return HttpBackend(
-            cfg.url, cfg.model, cfg.api_key, cfg.sampling, cfg.batch_size, cfg.timeout_s, cfg.max_retries
+            cfg.url,
+            cfg.model,
+            cfg.api_key,
+            cfg.sampling,
+            cfg.batch_size,
+            cfg.timeout_s,
+            cfg.max_retries,
+            dict(cfg.target.chat_template_kwargs),
         )
     import torch
 
-    from dflash.data.chat import ChatRenderer
     from dflash.models.target import FrozenTarget, load_target_config
-    from dflash.models.tokenizer import load_tokenizer
+    from dflash.models.tokenizer import load_chat_renderer
 
-    renderer = ChatRenderer(load_tokenizer(cfg.target, "dflash-regen"))
+    renderer = load_chat_renderer(cfg.target, "dflash-regen")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     num_layers = load_target_config(cfg.target).num_hidden_layers
     target = FrozenTarget.from_config(cfg.target, [num_layers - 1], device)
