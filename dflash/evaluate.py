@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 import torch
+from jinja2 import TemplateError
 
 from dflash.config.schema import EvalConfig
 from dflash.data.conversations import MalformedRecord, normalize
@@ -68,12 +69,19 @@ def read_prompt_file(name: str, path: str, renderer: Any, limit: int) -> PromptS
                         messages.append(message)
                     if not messages or messages[-1]["role"] != "user":
                         raise MalformedRecord("no user turn before the first reply")
-            except (json.JSONDecodeError, MalformedRecord, KeyError, IndexError, TypeError) as exc:
+                prompts.append(renderer.prompt_ids(messages))
+            except (
+                json.JSONDecodeError,
+                MalformedRecord,
+                TemplateError,
+                KeyError,
+                IndexError,
+                TypeError,
+            ) as exc:
                 raise ValueError(
                     f"eval.benchmarks.{name}: {path}:{line_no}: expected {{'prompt': str}}, "
                     f"{{'turns': [...]}} or a conversation ({type(exc).__name__}: {exc})"
                 ) from exc
-            prompts.append(renderer.prompt_ids(messages))
     if not prompts:
         raise ValueError(f"eval.benchmarks.{name}: {path} holds no prompt")
     eos = renderer.tokenizer.eos_token_id

@@ -287,3 +287,20 @@ def test_chat_template_variables_reach_every_rendering_and_the_cache_key(tiny_ch
     assert not thinking.render_text(question, add_generation_prompt=True).endswith("<think></think>")
     assert quiet.prompt_ids(question) != thinking.prompt_ids(question)
     assert quiet.fingerprint() != thinking.fingerprint()
+
+
+def test_a_conversation_the_template_refuses_is_skipped_with_the_reason(tmp_path, tiny_chat_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_chat_dir)
+    tokenizer.chat_template = (
+        "{% for message in messages %}{% if message['role'] == 'system' %}"
+        "{{ raise_exception('System role not supported') }}{% endif %}{% endfor %}" + tokenizer.chat_template
+    )
+    path = tmp_path / "c.jsonl"
+    path.write_text(
+        json.dumps({"messages": CONVERSATION}) + "\n" + json.dumps({"messages": CONVERSATION[1:]}) + "\n"
+    )
+    dataset, stats = prepare(ChatRenderer(tokenizer), data_cfg([path]))
+    assert len(dataset) == 1 and stats.skipped == {"template": 1}
+    assert stats.skipped_examples == [
+        f"{path}:1: the chat template refuses this conversation: System role not supported"
+    ]

@@ -186,3 +186,20 @@ def test_http_requests_carry_the_targets_chat_template_variables():
         "temperature": 0.0,
         "extra_body": {"chat_template_kwargs": {"enable_thinking": False}},
     }
+
+
+def test_a_conversation_the_template_refuses_is_left_out_not_fatal(tmp_path, chat_target, tiny_chat_dir):
+    target, _ = chat_target
+    tokenizer = AutoTokenizer.from_pretrained(tiny_chat_dir)
+    tokenizer.chat_template = (
+        "{% for message in messages %}{% if message['role'] == 'system' %}"
+        "{{ raise_exception('System role not supported') }}{% endif %}{% endfor %}" + tokenizer.chat_template
+    )
+    source = tmp_path / "in.jsonl"
+    question = [{"role": "user", "content": "Why?"}, {"role": "assistant", "content": "Because."}]
+    records = [{"messages": question}, {"messages": [{"role": "system", "content": "Be brief."}, *question]}]
+    source.write_text("".join(json.dumps(r) + "\n" for r in records))
+    backend = TransformersBackend(target, ChatRenderer(tokenizer), GREEDY)
+    stats = regenerate(backend, [str(source)], tmp_path / "out.jsonl", batch_size=2)
+    assert stats.written == 1 and stats.failed == 1
+    assert read_jsonl(tmp_path / "out.jsonl")[0]["source"].endswith("in.jsonl:1")

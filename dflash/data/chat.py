@@ -85,7 +85,17 @@ class ChatRenderer:
         return spans
 
     def tokenize(self, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
-        """(input_ids, loss_mask): mask 1 on tokens that start inside an assistant span."""
+        """(input_ids, loss_mask): mask 1 on tokens that start inside an assistant span.
+        MalformedRecord if the template refuses the conversation (e.g. roles that do not
+        alternate) or rewrites a reply."""
+        from jinja2 import TemplateError
+
+        try:
+            return self._tokenize(messages)
+        except TemplateError as exc:
+            raise MalformedRecord(f"the chat template refuses this conversation: {exc}") from exc
+
+    def _tokenize(self, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
         if self.template_marks_replies:
             out = self.tokenizer.apply_chat_template(
                 messages,

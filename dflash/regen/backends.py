@@ -81,9 +81,26 @@ class TransformersBackend:
     def describe(self) -> str:
         return " ".join(f"{k}={v}" for k, v in self.generate_options().items())
 
+    def _encode(self, messages: Messages) -> list[int] | None:
+        from jinja2 import TemplateError
+
+        try:
+            return self.renderer.prompt_ids(messages)
+        except TemplateError as exc:
+            log.warning("regen: the chat template refuses a conversation (%s); left out", exc)
+            return None
+
     @torch.no_grad()
     def generate(self, prompts: list[Messages]) -> list[Reply | None]:
-        encoded = [self.renderer.prompt_ids(messages) for messages in prompts]
+        maybe = [self._encode(messages) for messages in prompts]
+        rows = [i for i, ids in enumerate(maybe) if ids is not None]
+        replies: list[Reply | None] = [None] * len(prompts)
+        if rows:
+            for row, reply in zip(rows, self._generate([maybe[i] for i in rows])):
+                replies[row] = reply
+        return replies
+
+    def _generate(self, encoded: list[list[int]]) -> list[Reply]:
         longest = max(len(ids) for ids in encoded)
         input_ids = torch.full((len(encoded), longest), self.pad_id, dtype=torch.int64)
         attention_mask = torch.zeros_like(input_ids)
