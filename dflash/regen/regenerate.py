@@ -143,12 +143,14 @@ def regenerate(
         todo = itertools.islice(todo, max(0, limit - len(done)))
     with output.open("a", encoding="utf-8") as handle:
         write = _Writer(handle, stats)
-        if backend.conversations_in_flight:
-            _stream(backend, todo, batch_size, write, stats)
-        else:
-            for batch in chunked(todo, batch_size):
-                write(regenerate_batch(backend, batch, stats))
-        write.sync()
+        try:
+            if backend.conversations_in_flight:
+                _stream(backend, todo, batch_size, write, stats)
+            else:
+                for batch in chunked(todo, batch_size):
+                    write(regenerate_batch(backend, batch, stats))
+        finally:  # what was written stays written, also when interrupted
+            write.close()
     return stats
 
 
@@ -157,22 +159,30 @@ class _Writer:
     most a torn last line, which the next run drops) and fsynced every few seconds."""
 
     def __init__(self, handle, stats: RegenStats, sync_every_s: float = 5.0):
+        from tqdm import tqdm
+
         self.handle, self.stats, self.sync_every_s = handle, stats, sync_every_s
         self.last_sync = time.monotonic()
+        self.progress = tqdm(desc="dflash-regen", unit="conv", initial=stats.already_done, mininterval=2.0)
 
     def __call__(self, records: list[dict | None]) -> None:
         for record in records:
             if record is not None:
                 self.handle.write(json.dumps(record, ensure_ascii=False) + "\n")
                 self.stats.written += 1
+                self.progress.update()
         self.handle.flush()
+        self.progress.set_postfix(failed=self.stats.failed, refresh=False)
         if time.monotonic() - self.last_sync > self.sync_every_s:
             self.sync()
-            log.info("regen: %d conversations written (%d failed)", self.stats.written, self.stats.failed)
 
     def sync(self) -> None:
         os.fsync(self.handle.fileno())
         self.last_sync = time.monotonic()
+
+    def close(self) -> None:
+        self.sync()
+        self.progress.close()
 
 
 def _stream(
