@@ -203,3 +203,26 @@ def test_a_conversation_the_template_refuses_is_left_out_not_fatal(tmp_path, cha
     stats = regenerate(backend, [str(source)], tmp_path / "out.jsonl", batch_size=2)
     assert stats.written == 1 and stats.failed == 1
     assert read_jsonl(tmp_path / "out.jsonl")[0]["source"].endswith("in.jsonl:1")
+
+
+def test_a_crash_mid_run_keeps_what_was_written_and_the_rerun_finishes(tmp_path, backend):
+    source = write_conversations(tmp_path / "in.jsonl", 9, seed=7)
+    out = tmp_path / "out.jsonl"
+    calls = {"n": 0}
+    real_generate = backend.generate
+
+    def dies_on_third_call(prompts):
+        calls["n"] += 1
+        if calls["n"] == 3:
+            raise KeyboardInterrupt  # Ctrl-C, or the job's time limit
+        return real_generate(prompts)
+
+    backend.generate = dies_on_third_call
+    with pytest.raises(KeyboardInterrupt):
+        regenerate(backend, [str(source)], out, batch_size=1)
+    survivors = read_jsonl(out)
+    assert 1 <= len(survivors) <= 2  # finished conversations were flushed before the crash
+    backend.generate = real_generate
+    rerun = regenerate(backend, [str(source)], out, batch_size=1)
+    assert rerun.already_done == len(survivors) and rerun.written == 9 - len(survivors)
+    assert sorted(r["id"] for r in read_jsonl(out)) == list(range(9))
