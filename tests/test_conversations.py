@@ -207,7 +207,7 @@ def test_unset_or_missing_files_name_the_key_before_any_model_loads(tmp_path):
 
     with pytest.raises(ValueError, match=r"needs data.files="):
         build_run(compose_config(["data=conversations"], tmp_path / "run", tmp_path / "cache"))
-    with pytest.raises(ValueError, match=r"data.files: no such file \['/nope.jsonl'\]"):
+    with pytest.raises(ValueError, match=r"data.files: no such file '/nope.jsonl'"):
         build_run(
             compose_config(["data=conversations", "data.files=[/nope.jsonl]"], tmp_path / "r", tmp_path / "c")
         )
@@ -304,3 +304,16 @@ def test_a_conversation_the_template_refuses_is_skipped_with_the_reason(tmp_path
     assert stats.skipped_examples == [
         f"{path}:1: the chat template refuses this conversation: System role not supported"
     ]
+
+
+def test_files_may_be_globs_or_directories(tmp_path, renderer):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    paths = [write_conversations(shards / f"part-{i}.jsonl", 4, seed=i) for i in range(3)]
+    (shards / "README.txt").write_text("not data")
+    explicit, _ = prepare(renderer, data_cfg(paths))
+    for entry in (str(shards / "part-*.jsonl"), str(shards)):
+        expanded, _ = prepare(renderer, data_cfg([entry]))
+        assert expanded.input_ids.tolist() == explicit.input_ids.tolist(), entry
+    with pytest.raises(ValueError, match=r"data.files: '.*nothing-\*.jsonl' matches no file"):
+        prepare(renderer, data_cfg([str(shards / "nothing-*.jsonl")]))

@@ -7,10 +7,10 @@ rules that involve several fields, the target's architecture or the visible devi
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 from dflash.config.schema import DataKind, DeviceKind, NoiseKind, PipelineKind
+from dflash.data.conversations import expand_files
 from dflash.models.layer_ids import default_target_layer_ids
 
 
@@ -104,9 +104,9 @@ def _validate_data_and_scheduler(cfg: Any) -> None:
         files = list(data.files)  # "???" raises here, naming data.files
         if not files:
             raise ValueError("data=conversations needs data.files=[...] (.jsonl / .json / .parquet files)")
-        missing = [f for f in files if not Path(f).is_file()]
-        if missing:
-            raise ValueError(f"data.files: no such file {missing}")
+        for path in expand_files(files, "data.files"):  # globs and directories expand here
+            if not path.is_file():
+                raise ValueError(f"data.files: no such file {str(path)!r}")
         if data.min_supervised_tokens < 2:
             raise ValueError(
                 f"data.min_supervised_tokens must be >= 2 (an anchor needs a supervised next token), "

@@ -6,7 +6,7 @@ Accepted shapes, per record (auto-detected):
 Content may also be a list of OpenAI content parts ({"type": "text", "text": ...}).
 
 Files: `.jsonl` (JSON Lines), `.json` (JSON Lines, or one top-level array as ShareGPT dumps
-often are) and `.parquet` (read with `datasets`). JSON Lines are parsed line by line on purpose:
+often are) and `.parquet` (read with `datasets`); entries may be glob patterns or directories. JSON Lines are parsed line by line on purpose:
 a loader that parses whole blocks (datasets' json builder) stops at the first broken line,
 and a 800k-conversation run must skip that line, count it and say where it was.
 """
@@ -129,6 +129,27 @@ def _parquet_records(path: Path) -> Iterator[tuple[str, Any]]:
         yield f"{path}:row {index}", record
 
 
+def expand_files(entries: list[str], config_key: str) -> list[Path]:
+    """Files named by `entries`: paths, glob patterns (`shards/*.jsonl`, sorted) or directories
+    (every supported file inside, sorted). Each entry must name at least one file."""
+    files: list[Path] = []
+    for entry in entries:
+        path = Path(entry)
+        if any(ch in entry for ch in "*?["):
+            matches = sorted(
+                p for p in Path(path.anchor or ".").glob(str(path.relative_to(path.anchor or ".")))
+            )
+            matched = [p for p in matches if p.is_file()]
+        elif path.is_dir():
+            matched = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in SUFFIXES)
+        else:
+            matched = [path]
+        if not matched:
+            raise ValueError(f"{config_key}: {entry!r} matches no file")
+        files += matched
+    return files
+
+
 def chunked(items: Iterator[Any], size: int) -> Iterator[list[Any]]:
     """Lists of `size` consecutive items (the last may be shorter)."""
     chunk: list[Any] = []
@@ -142,9 +163,9 @@ def chunked(items: Iterator[Any], size: int) -> Iterator[list[Any]]:
 
 
 def read_conversations(files: list[str], skipped: SkipReport, config_key: str) -> Iterator[Conversation]:
-    """Every well-formed conversation of `files`, in order; bad records go to `skipped`."""
-    for name in files:
-        path = Path(name)
+    """Every well-formed conversation of `files` (see expand_files), in order; bad records go to
+    `skipped`."""
+    for path in expand_files(files, config_key):
         if not path.is_file():
             raise ValueError(f"{config_key}: {path} is not a file")
         if path.suffix not in SUFFIXES:

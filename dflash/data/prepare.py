@@ -25,7 +25,13 @@ import numpy as np
 
 from dflash.config.schema import DataConfig
 from dflash.data.chat import ChatRenderer
-from dflash.data.conversations import MalformedRecord, SkipReport, chunked, read_conversations
+from dflash.data.conversations import (
+    MalformedRecord,
+    SkipReport,
+    chunked,
+    expand_files,
+    read_conversations,
+)
 from dflash.data.dataset import TokenDataset
 
 log = logging.getLogger(__name__)
@@ -78,7 +84,7 @@ def cache_key(renderer: ChatRenderer, cfg: DataConfig) -> str:
         "tokenizer": renderer.fingerprint(),
         "max_length": cfg.max_length,
         "min_supervised_tokens": cfg.min_supervised_tokens,
-        "files": [file_digest(Path(f)) if Path(f).is_file() else f for f in cfg.files],
+        "files": [file_digest(path) for path in expand_files(list(cfg.files), "data.files")],
     }
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
