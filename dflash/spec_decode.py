@@ -40,7 +40,7 @@ _CROPPABLE_LAYERS = {"full_attention"}
 @dataclass
 class DecodeResult:
     output_ids: list[int]  # generated tokens only
-    # Tokens produced per target forward after the prefill (all 1 for plain decoding).
+    # Speculative decoding: tokens produced per target verification after the prefill.
     acceptance_lengths: list[int] = field(default_factory=list)
 
 
@@ -169,7 +169,7 @@ def plain_generate(
     while len(output) < max_new_tokens and output[-1] not in stop_ids:
         logits, _ = session.run(output[-1:])
         output += choose(logits)
-    return DecodeResult(output_ids=output, acceptance_lengths=[1] * (len(output) - 1))
+    return DecodeResult(output_ids=output)
 
 
 @torch.no_grad()

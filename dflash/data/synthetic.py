@@ -13,7 +13,6 @@ import logging
 from pathlib import Path
 
 import numpy as np
-import torch
 from omegaconf import OmegaConf
 
 from dflash.config.schema import DataConfig, TargetConfig
@@ -43,26 +42,11 @@ def random_prompts(
     return [rng.choice(allowed, size=int(n)) for n in lengths]
 
 
-@torch.no_grad()
 def greedy_continue(target: FrozenTarget, prompts: list[np.ndarray], num_new: int) -> list[list[int]]:
-    """Greedy continuations of `num_new` tokens, batched with left padding and the target's KV cache."""
-    longest = max(len(p) for p in prompts)
-    input_ids = torch.zeros((len(prompts), longest), dtype=torch.int64)
-    attention_mask = torch.zeros_like(input_ids)
-    for row, prompt in enumerate(prompts):
-        input_ids[row, longest - len(prompt) :] = torch.from_numpy(prompt)
-        attention_mask[row, longest - len(prompt) :] = 1
-    with target.padded_attention():
-        out = target.model.generate(
-            input_ids=input_ids.to(target.device),
-            attention_mask=attention_mask.to(target.device),
-            max_new_tokens=num_new,
-            min_new_tokens=num_new,
-            do_sample=False,
-            eos_token_id=None,
-            pad_token_id=0,
-        )
-    return out[:, longest:].cpu().tolist()
+    """Greedy continuations of exactly `num_new` tokens each (no end of sequence)."""
+    return target.generate(
+        prompts, pad_id=0, max_new_tokens=num_new, min_new_tokens=num_new, do_sample=False, eos_token_id=None
+    )
 
 
 def generate_dataset(target: FrozenTarget, cfg: DataConfig, excluded_token_ids: list[int]) -> TokenDataset:

@@ -86,14 +86,33 @@ class FrozenTarget(nn.Module):
         model.config._attn_implementation = CAUSAL_ATTENTION
 
     @contextmanager
-    def padded_attention(self) -> Iterator[None]:
-        """The model's own masked attention, for left-padded batches (data generation). Not
-        thread-safe: use it before the pipeline threads start."""
+    def _padded_attention(self) -> Iterator[None]:
+        """The model's own masked attention, for left-padded batches. Not thread-safe."""
         self.model.config._attn_implementation = self._masked_attention
         try:
             yield
         finally:
             self.model.config._attn_implementation = CAUSAL_ATTENTION
+
+    @torch.no_grad()
+    def generate(self, prompts: list[list[int]], pad_id: int, **generate_kwargs: Any) -> list[list[int]]:
+        """The new tokens of `model.generate` over a left-padded batch of prompts (KV cache, the
+        model's masked attention). For data writing, before any pipeline thread starts: it
+        switches the attention implementation for its duration."""
+        longest = max(len(p) for p in prompts)
+        input_ids = torch.full((len(prompts), longest), pad_id, dtype=torch.int64)
+        attention_mask = torch.zeros_like(input_ids)
+        for row, prompt in enumerate(prompts):
+            input_ids[row, longest - len(prompt) :] = torch.as_tensor(prompt, dtype=torch.int64)
+            attention_mask[row, longest - len(prompt) :] = 1
+        with self._padded_attention():
+            out = self.model.generate(
+                input_ids=input_ids.to(self.device),
+                attention_mask=attention_mask.to(self.device),
+                pad_token_id=pad_id,
+                **generate_kwargs,
+            )
+        return out[:, longest:].cpu().tolist()
 
     @classmethod
     def from_config(cls, cfg: TargetConfig, layer_ids: list[int], device: torch.device) -> FrozenTarget:

@@ -101,27 +101,19 @@ class TransformersBackend:
         return replies
 
     def _generate(self, encoded: list[list[int]]) -> list[Reply]:
-        longest = max(len(ids) for ids in encoded)
-        input_ids = torch.full((len(encoded), longest), self.pad_id, dtype=torch.int64)
-        attention_mask = torch.zeros_like(input_ids)
-        for row, ids in enumerate(encoded):
-            input_ids[row, longest - len(ids) :] = torch.tensor(ids)
-            attention_mask[row, longest - len(ids) :] = 1
         options = self.generate_options()
         if options["do_sample"]:
             torch.manual_seed(self.generator_seed + self.calls)  # reproducible batch by batch
         self.calls += 1
-        with self.target.padded_attention():
-            out = self.target.model.generate(
-                input_ids=input_ids.to(self.target.device),
-                attention_mask=attention_mask.to(self.target.device),
-                max_new_tokens=self.sampling.max_new_tokens,
-                eos_token_id=self.eos_id,
-                pad_token_id=self.pad_id,
-                **options,
-            )
+        generated = self.target.generate(
+            encoded,
+            pad_id=self.pad_id,
+            max_new_tokens=self.sampling.max_new_tokens,
+            eos_token_id=self.eos_id,
+            **options,
+        )
         replies = []
-        for row in out[:, longest:].tolist():
+        for row in generated:
             finish = "length"
             if self.eos_id in row:
                 row, finish = row[: row.index(self.eos_id)], "stop"
