@@ -89,7 +89,11 @@ def test_dflash_eval_reports_every_benchmark_and_writes_json(
     assert set(results) == {("chat", 0.0), ("math", 0.0), ("chat", 0.8), ("math", 0.8)}
     for (_name, temperature), r in results.items():
         assert r["num_prompts"] == 2 and r["output_tokens"] == 20
-        assert 1.0 <= r["tau"] <= 4.0
+        # tau = tokens per verification (the first token of each reply comes from the prefill),
+        # and the histogram is over the same verifications.
+        assert r["tau"] == pytest.approx((r["output_tokens"] - r["num_prompts"]) / r["verifications"])
+        mean_from_histogram = sum(k * share for k, share in enumerate(r["acceptance_histogram"]))
+        assert mean_from_histogram == pytest.approx(r["tau"], abs=1e-3)
         assert math.isclose(sum(r["acceptance_histogram"]), 1.0, abs_tol=1e-3)
         assert r["acceptance_histogram"][0] == 0.0
         assert r["speedup"] > 0 and r["plain_ms_per_token"] > 0 and r["timing_device"] == "cpu"
