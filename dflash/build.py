@@ -18,6 +18,7 @@ from omegaconf import DictConfig, OmegaConf
 from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 
 from dflash.checkpoint import load_drafter_weights
+from dflash.config.devices import ProcessSlot, resolve_device_split
 from dflash.config.schema import (
     DataKind,
     DrafterConfig,
@@ -27,20 +28,27 @@ from dflash.config.schema import (
     PipelineKind,
     TargetConfig,
 )
-from dflash.config.validate import resolve_device_split, resolve_layer_ids, validate
+from dflash.config.validate import resolve_layer_ids, validate
 from dflash.data.chat import ChatRenderer
 from dflash.data.dataset import TokenDataset
 from dflash.data.prepare import PrepStats, load_or_prepare
 from dflash.data.schedule import BatchPlanner
 from dflash.data.synthetic import load_or_generate
-from dflash.distributed import ProcessGroupInfo, init_from_env
+from dflash.distributed import (
+    ProcessGroupInfo,
+    export_submitit_environment,
+    init_from_env,
+    require_same_layout,
+)
 from dflash.evaluate import PromptSet, evaluate, load_prompt_sets, lossless_line
 from dflash.logging.sinks import build_sinks
 from dflash.models.drafter import DFlashDrafter, drafter_config
 from dflash.models.target import FrozenTarget, load_target_config
+from dflash.models.target_head import TargetHead, heads_for
 from dflash.models.tokenizer import load_chat_renderer
 from dflash.monitor.monitor import Monitor
 from dflash.noise import NoiseSchedule
+from dflash.pipeline.roles import role_lines
 from dflash.pipeline.runner import AsyncTrainer, FaultInjection
 from dflash.trainer.periodic_eval import PeriodicEval
 from dflash.trainer.state import CheckpointSettings
@@ -137,6 +145,10 @@ class Run:
             "train/loss_first_window": first["train/loss"],
             "train/loss": last["train/loss"],
             "train/tau_sim": last["train/tau_sim"],
+            "replicas": len(self.trainer.role_devices()["drafter"]) * self.process_group.world_size,
+            "replica_digest": self.trainer.replica_digest,
+            "node_gpus": visible_cuda_devices() if self.cfg.gpu.device.value == "cuda" else 0,
+            **self.trainer.role_summary(),
             **eval_metrics,
         }
 
@@ -155,15 +167,16 @@ def format_summary(summary: dict[str, Any]) -> str:
     ]
     if "eval/lossless_frac" in summary:
         lines.append(f"lossless          {lossless_line(summary)}")
+    lines.extend(role_lines(summary))
     return "\n".join(lines)
 
 
 def build_step_fn(
-    cfg: DictConfig, target: FrozenTarget, drafter: DFlashDrafter, total_steps: int, num_buckets: int
+    cfg: DictConfig, *, head: TargetHead, drafter: DFlashDrafter, total_steps: int, num_buckets: int
 ) -> DrafterStep:
     optimizer = build_optimizer(node(cfg, "optimizer"), drafter.parameters())
     return DrafterStep(
-        target,
+        head,
         drafter,
         optimizer,
         build_lr_scheduler(node(cfg, "lr_schedule"), optimizer, total_steps),
@@ -232,9 +245,17 @@ def build_run(cfg: DictConfig, faults: FaultInjection | None = None) -> Run:
 
     # 1. Everything checkable without weights.
     target_config = load_target_config(target_cfg)
-    validate(cfg, target_config.num_hidden_layers, target_config.vocab_size, visible_cuda_devices())
+    export_submitit_environment()
+    slot = ProcessSlot.from_env()
+    validate(
+        cfg,
+        num_target_layers=target_config.num_hidden_layers,
+        target_vocab_size=target_config.vocab_size,
+        visible_cuda_devices=visible_cuda_devices(),
+        slot=slot,
+    )
     layer_ids = resolve_layer_ids(cfg, target_config.num_hidden_layers)
-    target_devices, drafter_devices = resolve_device_split(cfg, visible_cuda_devices())
+    target_devices, drafter_devices = resolve_device_split(cfg, visible_cuda_devices(), slot)
     mask_id, vocab_size = cfg.drafter.mask_token_id, target_config.vocab_size
     eval_prompts = eval_prompt_sets(cfg, target_cfg, vocab_size, mask_id, cfg.eval.num_prompts)
     periodic_prompts = None
@@ -245,11 +266,8 @@ def build_run(cfg: DictConfig, faults: FaultInjection | None = None) -> Run:
     resume_dir = Path(cfg.resume) if cfg.resume else None
     if resume_dir is not None and not resume_dir.is_dir():
         raise ValueError(f"resume={cfg.resume}: no such checkpoint directory")
-    process_group = init_from_env(cfg.gpu.device.value)
-    if process_group.world_size > 1 and PipelineKind(cfg.pipeline.kind) is PipelineKind.sync:
-        raise ValueError(
-            "pipeline=sync runs in one process; use pipeline=async under torchrun (WORLD_SIZE > 1)"
-        )
+    process_group = init_from_env(drafter_devices[0])
+    require_same_layout(process_group, target_devices, drafter_devices)
     run_dir = Path(cfg.paths.output_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     run_config_yaml = OmegaConf.to_yaml(cfg, resolve=True)
@@ -272,13 +290,13 @@ def build_run(cfg: DictConfig, faults: FaultInjection | None = None) -> Run:
     planner = BatchPlanner(dataset.lengths, node(cfg, "scheduler"), cfg.seed)
     total_steps = total_steps_for(cfg, planner, len(drafters) * process_group.world_size)
 
-    # 3. Optimization and the loop. Each replica steps with the target on its own device.
-    def target_on(device: str) -> FrozenTarget:
-        return next((t for t in targets if str(t.device) == str(torch.device(device))), targets[0])
-
+    # 3. Optimization and the loop. Each replica embeds and scores its blocks with the target's
+    # tables on its own device (a frozen copy where no target lives).
     step_fns = [
-        build_step_fn(cfg, target_on(d), drafter, total_steps, planner.num_buckets)
-        for d, drafter in zip(drafter_devices, drafters)
+        build_step_fn(
+            cfg, head=head, drafter=drafter, total_steps=total_steps, num_buckets=planner.num_buckets
+        )
+        for head, drafter in zip(heads_for(drafter_devices, targets), drafters)
     ]
     resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     # Multi-node: rank 0 alone logs (and checkpoints; see AsyncTrainer.save).
@@ -288,7 +306,15 @@ def build_run(cfg: DictConfig, faults: FaultInjection | None = None) -> Run:
         run_dir / "checkpoints", cfg.checkpoint.every_steps, cfg.checkpoint.keep_last, run_config_yaml
     )
     if PipelineKind(cfg.pipeline.kind) is PipelineKind.sync:
-        trainer = SyncTrainer(step_fns[0], dataset, planner, stop_after, cfg.logger.every_steps, checkpoints)
+        trainer = SyncTrainer(
+            target=targets[0],
+            step_fn=step_fns[0],
+            dataset=dataset,
+            planner=planner,
+            stop_after=stop_after,
+            log_every=cfg.logger.every_steps,
+            checkpoints=checkpoints,
+        )
     else:
         trainer = AsyncTrainer(
             targets,

@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
+import torch
 import torch.distributed as dist
 
 
@@ -42,19 +43,42 @@ def export_submitit_environment() -> None:
     os.environ.update(
         RANK=str(env.global_rank),
         LOCAL_RANK=str(env.local_rank),
+        LOCAL_WORLD_SIZE=str(env.num_tasks // env.num_nodes),
         WORLD_SIZE=str(env.num_tasks),
         MASTER_ADDR=env.hostnames[0],
         MASTER_PORT=os.environ.get("MASTER_PORT", str(20000 + int(env.job_id.split("_")[0]) % 20000)),
     )
 
 
-def init_from_env(device_kind: str) -> ProcessGroupInfo:
-    """Join the process group torchrun (or a multi-node submitit job) describes in the environment."""
-    export_submitit_environment()
+def init_from_env(home_device: str) -> ProcessGroupInfo:
+    """Join the process group torchrun (or a multi-node submitit job) describes in the environment.
+
+    `home_device` is this process's first drafter device: NCCL binds the process to it, and the
+    cross-process gradient sum runs there.
+    """
     world_size = int(os.environ.get("WORLD_SIZE", "1"))
     if world_size == 1:
         return ProcessGroupInfo()
+    device = torch.device(home_device)
     owns = not dist.is_initialized()
     if owns:
-        dist.init_process_group(backend="nccl" if device_kind == "cuda" else "gloo")
+        if device.type == "cuda":
+            torch.cuda.set_device(device)  # NCCL's communicator lives on the current device
+        dist.init_process_group(backend="nccl" if device.type == "cuda" else "gloo")
     return ProcessGroupInfo(dist.get_rank(), dist.get_world_size(), owns)
+
+
+def require_same_layout(group: ProcessGroupInfo, targets: list[str], drafters: list[str]) -> None:
+    """Every rank must run as many drafter replicas as every other (ranks step in lockstep, one
+    collective per step) and the same count of target workers (equal shares of the schedule)."""
+    if group.world_size == 1:
+        return
+    mine = (len(targets), len(drafters))
+    layouts: list[tuple[int, int] | None] = [None] * group.world_size
+    dist.all_gather_object(layouts, mine)
+    if any(layout != mine for layout in layouts):
+        described = ", ".join(f"rank {r}: {t} target + {d} drafter" for r, (t, d) in enumerate(layouts))
+        raise ValueError(
+            f"the ranks resolved different gpu layouts ({described}); give every node the same "
+            "gpu.* settings, the same visible GPU count and the same --nproc-per-node"
+        )

@@ -55,7 +55,8 @@ def main() -> None:
     args, overrides = parser.parse_known_args()
 
     from dflash.build import build_drafter, node, visible_cuda_devices
-    from dflash.config.validate import resolve_device_split, resolve_layer_ids
+    from dflash.config.devices import resolve_device_split
+    from dflash.config.validate import resolve_layer_ids
     from dflash.models.target import FrozenTarget, load_target_config
     from dflash.spec_decode import DrafterContext, TargetSession, TokenChooser, accepted_prefix
     from dflash.tools.compose import compose_config

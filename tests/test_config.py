@@ -12,7 +12,7 @@ from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
 from dflash.build import build_run
-from dflash.config.validate import resolve_device_split
+from dflash.config.devices import resolve_device_split
 from dflash.tools.compose import CONF_DIR
 from tests.conftest import compose_config, conversation_overrides
 

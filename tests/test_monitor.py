@@ -61,9 +61,15 @@ def test_async_run_logs_every_family_with_plausible_values(make_cfg, monkeypatch
         assert 0.0 <= row["queue/hs_fill"] <= 1.0
         for name in ("target0", "target1", "drafter0", "drafter1"):
             assert row[f"worker/{name}_batches"] >= 0 and 0.0 <= row[f"worker/{name}_busy_frac"] <= 1.0
+            assert 0.0 <= row[f"worker/{name}_compute_frac"] <= 1.0
         assert row["perf/tokens_per_s"] > 0 and 0.0 <= row["perf/data_wait_frac"] <= 1.0
+        # Each role's device-busy share, averaged over its devices (CPU: the host time of its work).
+        assert 0.0 <= row["perf/target_busy_frac"] <= 1.0 and 0.0 <= row["perf/drafter_busy_frac"] <= 1.0
         assert not any(k.startswith("gpu/") for k in row)  # no GPU here: left out, not zero
     assert ticks[-1]["worker/drafter0_batches"] + ticks[-1]["worker/drafter1_batches"] == 24
+    assert any(t["perf/target_busy_frac"] > 0 for t in ticks) and any(
+        t["perf/drafter_busy_frac"] > 0 for t in ticks
+    )
 
     # The W&B sink (a real offline run) received every tick with the same keys as metrics.jsonl.
     jsonl_rows = [{k: v for k, v in r.items() if k != "step"} for r in rows(run_dir)]

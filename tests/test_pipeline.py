@@ -74,6 +74,16 @@ def test_replicas_stay_identical_and_every_drafter_reports(make_cfg, tmp_path):
     assert pipeline_threads() == []
 
 
+def test_several_target_workers_train_on_the_batches_of_one(make_cfg, tmp_path):
+    """Three target workers finish out of order; the drafters still train step k on batches
+    2k and 2k+1, exactly as with one target worker (two replicas: their sums commute, so the
+    losses are equal float for float)."""
+    common = ["pipeline=async", "gpu.drafter=2", "train.total_steps=10", "logger.every_steps=1"]
+    train(make_cfg(common + ["gpu.target=1"], tmp_path / "one"))
+    train(make_cfg(common + ["gpu.target=3"], tmp_path / "three"))
+    assert losses(tmp_path / "three") == losses(tmp_path / "one") and len(losses(tmp_path / "one")) == 10
+
+
 # -- prefetcher -------------------------------------------------------------------------------
 
 
@@ -129,15 +139,15 @@ def test_round_robin_gives_each_device_exactly_k_per_window_and_keeps_order():
 # -- queues -----------------------------------------------------------------------------------
 
 
-def test_hidden_state_queue_is_fifo_bounded_and_counts_buckets():
+def test_hidden_state_queue_releases_in_dispatch_order_bounded_and_counts_buckets():
     q = HiddenStateQueue(capacity=3, num_buckets=2)
-    for item, bucket in [("a", 0), ("b", 1), ("c", 1)]:
-        q.put(item, bucket)
+    for key, item, bucket in [(1, "b", 1), (2, "c", 1), (0, "a", 0)]:  # finished out of order
+        q.put(key, item, bucket)
     assert q.qsize() == 3 and q.bucket_sizes() == [1, 2] and q.fill_ratio() == 1.0
-    blocked = threading.Thread(target=q.put, args=("d", 0))
+    blocked = threading.Thread(target=q.put, args=(3, "d", 0))
     blocked.start()
     time.sleep(0.2)
-    assert blocked.is_alive() and q.qsize() == 3  # the producer waits at the high watermark
+    assert blocked.is_alive() and q.qsize() == 3  # the producer waits at the window's edge
     assert q.get() == "a"
     blocked.join(2)
     assert not blocked.is_alive()
@@ -145,13 +155,26 @@ def test_hidden_state_queue_is_fifo_bounded_and_counts_buckets():
     assert q.producer_wait_s > 0.1
 
 
+def test_hidden_state_queue_holds_later_packets_until_the_next_one_arrives():
+    q = HiddenStateQueue(capacity=2, num_buckets=1)
+    q.put(1, "second", 0)  # a faster target worker's packet
+    got = []
+    consumer = threading.Thread(target=lambda: got.append(q.get()))
+    consumer.start()
+    time.sleep(0.2)
+    assert consumer.is_alive() and got == []  # packet 0 is still being computed
+    q.put(0, "first", 0)  # admitted even though a later key waits: no deadlock
+    consumer.join(2)
+    assert got == ["first"] and q.get() == "second"
+
+
 @pytest.mark.parametrize("side", ["producer", "consumer"])
 def test_close_wakes_a_blocked_thread_with_queue_closed(side):
     q = HiddenStateQueue(capacity=1, num_buckets=1)
     outcome = []
     if side == "producer":
-        q.put("x", 0)
-    action = (lambda: q.put("y", 0)) if side == "producer" else q.get
+        q.put(0, "x", 0)
+    action = (lambda: q.put(1, "y", 0)) if side == "producer" else q.get
 
     def run():
         try:
@@ -256,10 +279,12 @@ def test_sigterm_writes_a_checkpoint_and_resume_finishes_identically(tmp_path, d
 
 @pytest.mark.slow
 def test_two_processes_on_gloo_equal_two_replicas_in_one_process(tmp_path, data_cache):
-    """torchrun, 2 ranks x 1 drafter, gradients all-reduced on gloo == 1 process x 2 drafters."""
+    """torchrun, 2 ranks x 1 drafter, gradients all-reduced on gloo == 1 process x 2 drafters:
+    the same final weights, and rank 0 logs the loss of the whole job (both ranks' batches)."""
     args = FAST + [
         "pipeline=async",
         "train.total_steps=6",
+        "logger.every_steps=1",
         "eval.num_prompts=1",
         f"paths.cache_dir={data_cache}",
     ]
@@ -290,4 +315,14 @@ def test_two_processes_on_gloo_equal_two_replicas_in_one_process(tmp_path, data_
     local = load_file(str(tmp_path / "local" / "checkpoints" / "last" / "model.safetensors"))
     assert ddp.keys() == local.keys()
     assert all(torch.equal(ddp[k], local[k]) for k in ddp)
+    # Same sums, added in float32 by the all-reduce across processes and in float64 by the
+    # monitor within one: equal to float32 rounding. (Rank 0 logging its own share fails this.)
+    ddp_losses, local_losses = losses(tmp_path / "ddp"), losses(tmp_path / "local")
+    assert ddp_losses.keys() == local_losses.keys() and len(local_losses) == 6
+    assert all(math.isclose(ddp_losses[s], local_losses[s], rel_tol=1e-6) for s in local_losses)
+    ddp_summary, local_summary = (
+        json.loads((tmp_path / d / "summary.json").read_text()) for d in ("ddp", "local")
+    )
+    assert ddp_summary["replicas"] == local_summary["replicas"] == 2
+    assert ddp_summary["replica_digest"] == local_summary["replica_digest"]
     assert pipeline_threads() == []

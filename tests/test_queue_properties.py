@@ -24,14 +24,14 @@ class HiddenStateQueueMachine(RuleBasedStateMachine):
     @precondition(lambda self: len(self.model) < CAPACITY and not self.closed)
     @rule(bucket=st.integers(0, BUCKETS - 1))
     def put(self, bucket):
-        self.queue.put(self.counter, bucket)
+        self.queue.put(self.counter, self.counter, bucket)
         self.model.append((self.counter, bucket))
         self.counter += 1
 
     @precondition(lambda self: self.model)
     @rule()
     def get(self):
-        assert self.queue.get() == self.model.popleft()[0]  # FIFO, also after close (drains)
+        assert self.queue.get() == self.model.popleft()[0]  # in key order, also after close (drains)
 
     @precondition(lambda self: self.closed and not self.model)
     @rule()
@@ -46,7 +46,7 @@ class HiddenStateQueueMachine(RuleBasedStateMachine):
     @rule(bucket=st.integers(0, BUCKETS - 1))
     def put_after_close_raises(self, bucket):
         try:
-            self.queue.put(-1, bucket)
+            self.queue.put(self.counter, -1, bucket)
         except QueueClosed:
             return
         raise AssertionError("put() on a closed queue must raise QueueClosed")

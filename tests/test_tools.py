@@ -35,6 +35,7 @@ def test_report_writes_plots_and_a_summary_and_compares_two_runs(make_cfg, tmp_p
     summary = (out / "report.md").read_text()
     assert "| metric | a | b |" in summary and "| train/loss |" in summary
     assert all(f"]({name})" in summary for name in images)
+    assert "## Device roles" in summary and "roles busy        target " in summary  # from summary.json
     assert "skipping unreadable line" in capsys.readouterr().out
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from dflash.config.schema import DataKind, DeviceKind, NoiseKind, PipelineKind
+from dflash.config.devices import ProcessSlot, resolve_device_split
+from dflash.config.schema import DataKind, NoiseKind, PipelineKind
 from dflash.data.conversations import expand_files
 from dflash.models.layer_ids import default_target_layer_ids
 
@@ -21,41 +22,14 @@ def resolve_layer_ids(cfg: Any, num_target_layers: int) -> list[int]:
     return default_target_layer_ids(num_target_layers, cfg.drafter.num_features)
 
 
-def resolve_device_split(cfg: Any, visible_cuda_devices: int) -> tuple[list[str], list[str]]:
-    """(target devices, drafter devices) from the `gpu` group."""
-    gpu = cfg.gpu
-    if gpu.target < 1:
-        raise ValueError(f"gpu.target must be >= 1, got {gpu.target}")
-    if gpu.drafter is not None and gpu.drafter < 1:
-        raise ValueError(f"gpu.drafter must be >= 1 (or null for the rest), got {gpu.drafter}")
-    if DeviceKind(gpu.device) is DeviceKind.cpu:
-        drafters = gpu.drafter or 1
-        return ["cpu"] * gpu.target, ["cpu"] * drafters
-    if visible_cuda_devices == 0:
-        raise ValueError(f"gpu.device=cuda but no CUDA device is visible; use gpu=cpu (gpu={cfg.gpu.device})")
-    if gpu.shared:
-        # Both roles on the same devices (separate streams): gpu=single.
-        drafters = gpu.drafter if gpu.drafter is not None else gpu.target
-        if gpu.target > visible_cuda_devices or drafters > gpu.target:
-            raise ValueError(
-                f"gpu.shared=true puts gpu.drafter={drafters} drafters on the gpu.target={gpu.target} target "
-                f"devices; needs gpu.drafter <= gpu.target <= {visible_cuda_devices} visible CUDA devices"
-            )
-        targets = [f"cuda:{i}" for i in range(gpu.target)]
-        return targets, targets[:drafters]
-    drafters = gpu.drafter if gpu.drafter is not None else visible_cuda_devices - gpu.target
-    if drafters < 1 or gpu.target + drafters > visible_cuda_devices:
-        raise ValueError(
-            f"gpu.target={gpu.target} + gpu.drafter={gpu.drafter if gpu.drafter is not None else 'rest'} "
-            f"needs {gpu.target + max(drafters, 1)} CUDA devices; {visible_cuda_devices} visible"
-        )
-    return (
-        [f"cuda:{i}" for i in range(gpu.target)],
-        [f"cuda:{i}" for i in range(gpu.target, gpu.target + drafters)],
-    )
-
-
-def validate(cfg: Any, num_target_layers: int, target_vocab_size: int, visible_cuda_devices: int) -> None:
+def validate(
+    cfg: Any,
+    *,
+    num_target_layers: int,
+    target_vocab_size: int,
+    visible_cuda_devices: int,
+    slot: ProcessSlot | None = None,
+) -> None:
     drafter = cfg.drafter
     layer_ids = resolve_layer_ids(cfg, num_target_layers)
     bad = [i for i in layer_ids if not 0 <= i < num_target_layers]
@@ -86,8 +60,15 @@ def validate(cfg: Any, num_target_layers: int, target_vocab_size: int, visible_c
     _validate_data_and_scheduler(cfg)
     _validate_optimization(cfg)
     _validate_noise(cfg)
-    targets, drafters = resolve_device_split(cfg, visible_cuda_devices)
-    if PipelineKind(cfg.pipeline.kind) is PipelineKind.sync and (len(targets) != 1 or len(drafters) != 1):
+    slot = slot or ProcessSlot()
+    targets, drafters = resolve_device_split(cfg, visible_cuda_devices, slot)
+    sync = PipelineKind(cfg.pipeline.kind) is PipelineKind.sync
+    if sync and slot.world_size > 1:
+        raise ValueError(
+            f"pipeline=sync runs in one process, but torchrun started WORLD_SIZE={slot.world_size}; "
+            "use pipeline=async under torchrun"
+        )
+    if sync and (len(targets) != 1 or len(drafters) != 1):
         raise ValueError(
             f"pipeline=sync runs one target and one drafter; got gpu.target={cfg.gpu.target}, "
             f"gpu.drafter={cfg.gpu.drafter} ({len(targets)} + {len(drafters)} devices)"

@@ -119,7 +119,11 @@ class FrozenTarget(nn.Module):
         dtype = resolve_dtype(cfg.dtype, device)
         if cfg.path is None:
             config = load_target_config(cfg)
-            with torch.random.fork_rng(devices=[]):
+            # Initialised where it runs: a multi-billion-parameter random target built on the
+            # CPU and then moved takes minutes. (A CUDA-built target differs from a CPU-built
+            # one of the same seed; the same seed gives the same weights on every GPU.)
+            cuda_devices = list(range(torch.cuda.device_count())) if device.type == "cuda" else []
+            with torch.random.fork_rng(devices=cuda_devices), torch.device(device):
                 torch.manual_seed(cfg.init_seed)
                 model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         else:

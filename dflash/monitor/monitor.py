@@ -111,6 +111,15 @@ class Monitor:
         waits = [metrics[f"worker/{d}_wait_frac"] for d in drafters if f"worker/{d}_wait_frac" in metrics]
         if waits:
             metrics["perf/data_wait_frac"] = sum(waits) / len(waits)
+        for role in ("target", "drafter"):
+            # Device time of the role's work per wall second, averaged over its devices.
+            shares = [
+                v
+                for k, v in metrics.items()
+                if k.startswith(f"worker/{role}") and k.endswith("_compute_frac")
+            ]
+            if shares:
+                metrics[f"perf/{role}_busy_frac"] = sum(shares) / len(shares)
         return metrics
 
     def log(self, metrics: dict[str, float], step: int) -> None:

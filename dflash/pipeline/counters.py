@@ -3,8 +3,53 @@
 from __future__ import annotations
 
 import threading
+import time
+from collections import deque
+
+import torch
 
 from dflash.data.collate import Batch
+
+
+class DeviceSpan:
+    """The device time of work a thread queues on its current stream, without waiting for it.
+
+    `start()` and `stop()` record CUDA events on the current stream; whoever reads the time later
+    (the monitor) polls `done()` and never blocks. On CPU the work ran synchronously, so the
+    span is the host time between the two calls.
+    """
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
+        self._host_s = 0.0
+
+    @classmethod
+    def start(cls, device: torch.device) -> DeviceSpan:
+        span = cls(device)
+        if device.type == "cuda":
+            begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            begin.record(torch.cuda.current_stream(device))
+            span._events = (begin, end)
+        else:
+            span._host_s = -time.perf_counter()
+        return span
+
+    def stop(self) -> DeviceSpan:
+        if self._events is not None:
+            self._events[1].record(torch.cuda.current_stream(self.device))
+        else:
+            self._host_s += time.perf_counter()
+        return self
+
+    def done(self) -> bool:
+        return self._events is None or self._events[1].query()
+
+    def seconds(self) -> float:
+        """Only once `done()`: reading an unfinished CUDA span would wait for the device."""
+        if self._events is None:
+            return self._host_s
+        return self._events[0].elapsed_time(self._events[1]) / 1000.0
 
 
 class WorkCounters:
@@ -12,7 +57,9 @@ class WorkCounters:
 
     Keys follow the monitor's convention: `count/<name>_*` are cumulative counts (logged as
     `worker/<name>_*`, rates derived), `worker/<name>_*_total_s` cumulative seconds (logged as
-    the share of each tick's wall time).
+    the share of each tick's wall time). `busy` is host time inside the worker's step (on a GPU
+    mostly kernel launches); `compute` is the device time of the step's kernels, the figure that
+    says how loaded a role's GPU is.
     """
 
     def __init__(self, name: str, counts_anchors: bool = False):
@@ -21,8 +68,19 @@ class WorkCounters:
         self._lock = threading.Lock()
         self.batches = self.samples = self.tokens = self.anchors = 0
         self.busy_s = self.wait_s = 0.0
+        self.compute_s = 0.0
+        self.computed_batches = 0  # batches whose device time is in compute_s
+        self._spans: deque[DeviceSpan] = deque()
 
-    def record(self, batch: Batch, waited_s: float, busy_s: float, anchors: int = 0) -> None:
+    def record(
+        self,
+        batch: Batch,
+        *,
+        waited_s: float,
+        busy_s: float,
+        anchors: int = 0,
+        span: DeviceSpan | None = None,
+    ) -> None:
         with self._lock:
             self.batches += 1
             self.samples += len(batch.plan.sample_ids)
@@ -30,9 +88,23 @@ class WorkCounters:
             self.anchors += anchors
             self.wait_s += waited_s
             self.busy_s += busy_s
+            if span is not None:
+                self._spans.append(span)
+
+    def _collect_spans(self) -> None:
+        while self._spans and self._spans[0].done():
+            self.compute_s += self._spans.popleft().seconds()
+            self.computed_batches += 1
+
+    def compute_per_batch_s(self) -> float | None:
+        """Mean device time per batch so far (None before the first span finished)."""
+        with self._lock:
+            self._collect_spans()
+            return self.compute_s / self.computed_batches if self.computed_batches else None
 
     def stats(self) -> dict[str, float]:
         with self._lock:
+            self._collect_spans()
             name = self.name
             stats = {
                 f"count/{name}_batches": float(self.batches),
@@ -40,6 +112,7 @@ class WorkCounters:
                 f"count/{name}_tokens": float(self.tokens),
                 f"worker/{name}_busy_total_s": self.busy_s,
                 f"worker/{name}_wait_total_s": self.wait_s,
+                f"worker/{name}_compute_total_s": self.compute_s,
             }
             if self.counts_anchors:
                 stats[f"count/{name}_anchors"] = float(self.anchors)

@@ -18,7 +18,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
-from dflash.pipeline.counters import WorkCounters
+from dflash.pipeline.counters import DeviceSpan, WorkCounters
 from dflash.pipeline.queues import HiddenStateQueue
 from dflash.pipeline.target_worker import HiddenStatePacket
 from dflash.trainer.step import DrafterStep, MetricWindow
@@ -33,19 +33,27 @@ def _ready_event(device: torch.device) -> torch.cuda.Event | None:
     return event
 
 
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
 class ReplicaGradSync:
-    """Sums flattened gradients and loss weights over the drafter replicas of this process (and
-    over processes, when torch.distributed is initialized), with a barrier per step.
+    """Sums per-replica vectors over the drafter replicas of this process and over processes
+    (when torch.distributed is initialized), with a barrier per exchange: the gradients every
+    step, the metric windows every log window.
 
     On GPU every replica works on its own stream, so the hand-over is ordered with CUDA events,
     never a host sync: the reduction waits for each replica's vector, each replica waits for the
-    total, and record_stream keeps memory from being reused while another stream still reads it.
+    result, and record_stream keeps memory from being reused while another stream still reads it.
+    The collective runs in one thread (the last replica to arrive), so every process issues its
+    collectives in the same order.
     """
 
     def __init__(self, num_replicas: int):
         self.num_replicas = num_replicas
         self._slots: list[tuple[torch.Tensor, torch.cuda.Event | None] | None] = [None] * num_replicas
-        self._total: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+        self._result: tuple[torch.Tensor, torch.cuda.Event | None] | None = None
+        self._across_replicas = True  # what the pending exchange sums (set before the barrier)
         self._barrier = threading.Barrier(num_replicas, action=self._reduce)
         self._checkpoint_barrier = threading.Barrier(num_replicas)
 
@@ -61,36 +69,53 @@ class ReplicaGradSync:
                     for waiting in {stream, torch.cuda.current_stream(flat.device)}:
                         waiting.wait_event(ready)
                     flat.record_stream(torch.cuda.current_stream(flat.device))
-            total = self._slots[0][0].clone()
-            for flat, _ in self._slots[1:]:
-                total += flat.to(home, non_blocking=True)
-            if dist.is_available() and dist.is_initialized():
-                dist.all_reduce(total, op=dist.ReduceOp.SUM)
-            self._total = (total, _ready_event(home))
+            vectors = [self._slots[0][0]] + [flat.to(home, non_blocking=True) for flat, _ in self._slots[1:]]
+            if self._across_replicas:
+                result = vectors[0].clone()
+                for vector in vectors[1:]:
+                    result += vector
+            else:
+                result = torch.stack(vectors)  # row i: replica i, summed over processes below
+            if _distributed():
+                dist.all_reduce(result, op=dist.ReduceOp.SUM)
+            self._result = (result, _ready_event(home))
+
+    def _exchange(self, replica: int, flat: torch.Tensor, across_replicas: bool) -> torch.Tensor:
+        self._slots[replica] = (flat, _ready_event(flat.device))
+        self._across_replicas = across_replicas  # every replica sets the same value
+        self._barrier.wait()  # the last replica to arrive runs _reduce
+        result, done = self._result
+        self._barrier.wait()  # everyone holds the result before the next exchange replaces it
+        if done is not None:
+            torch.cuda.current_stream(flat.device).wait_event(done)
+            # The stream that reads it here: this replica's own, or, when the result lives on
+            # another GPU, that GPU's stream that runs the copy (a cross-device copy orders
+            # itself after this replica's stream, so it too sees the finished result).
+            result.record_stream(torch.cuda.current_stream(result.device))
+        result = result if across_replicas else result[replica]
+        return result.to(flat.device, non_blocking=True)
 
     def all_reduce(self, replica: int, drafter: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor:
         """Replace this replica's grads by the sum over replicas; returns the summed weight."""
-        if self.num_replicas == 1 and not (dist.is_available() and dist.is_initialized()):
+        if self.num_replicas == 1 and not _distributed():
             return weight
         params = list(drafter.parameters())
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads] + [weight.reshape(1).to(grads[0].dtype)])
-        self._slots[replica] = (flat, _ready_event(flat.device))
-        self._barrier.wait()  # the last replica to arrive runs _reduce
-        total, done = self._total
-        self._barrier.wait()  # everyone holds the total before the next step replaces it
-        if done is not None:
-            stream = torch.cuda.current_stream(flat.device)
-            stream.wait_event(done)
-            if total.device == flat.device:
-                total.record_stream(stream)
-        total = total.to(flat.device, non_blocking=True)
+        total = self._exchange(replica, flat, across_replicas=True)
         offset = 0
         for param in params:
             count = param.numel()
             param.grad = total[offset : offset + count].view_as(param).clone()
             offset += count
         return total[offset]
+
+    def sum_over_processes(self, replica: int, sums: torch.Tensor) -> torch.Tensor:
+        """Replica i's metric sums added up over replica i of every process, so the main process
+        logs the loss of the whole job, not of its own share of the batches."""
+        if not _distributed():
+            return sums
+        return self._exchange(replica, sums, across_replicas=False)
 
     def checkpoint_rendezvous(self) -> None:
         """Every replica stops here around a checkpoint, so replica 0 saves a consistent state."""
@@ -126,10 +151,34 @@ class DrafterLoop:
         self.on_step = on_step  # replica 0 calls it with the step number after each update
         self.device = step_fn.device
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
+        # gpu=split: features come from a target GPU; this loop copies them over on a stream of
+        # its own on that GPU (not the default stream, which evaluation may be using).
+        self._copy_streams: dict[torch.device, torch.cuda.Stream] = {}
         self.stop_requested = threading.Event()
         self._windows: deque[MetricWindow] = deque()
         self._lock = threading.Lock()
         self.counters = WorkCounters(f"drafter{replica}", counts_anchors=True)
+
+    def _receive(self, packet: HiddenStatePacket) -> torch.Tensor:
+        """The packet's features on this replica's device, ordered after the target's forward
+        by CUDA events: no host sync, whichever GPU they were computed on."""
+        features = packet.features
+        if packet.ready is None:  # CPU: computed synchronously
+            return features.to(self.device)
+        if features.device == self.device:
+            stream = torch.cuda.current_stream(self.device)
+            stream.wait_event(packet.ready)
+            features.record_stream(stream)  # allocated on the target's stream, read on ours
+            return features
+        copy_stream = self._copy_streams.get(features.device)
+        if copy_stream is None:
+            copy_stream = self._copy_streams[features.device] = torch.cuda.Stream(features.device)
+        copy_stream.wait_event(packet.ready)
+        features.record_stream(copy_stream)
+        with torch.cuda.stream(copy_stream):
+            # A cross-GPU copy runs on the source GPU's current stream (copy_stream) and makes
+            # this device's current stream (the replica's) wait for it.
+            return features.to(self.device, non_blocking=True)
 
     def drain_windows(self, wait: bool = False) -> list[MetricWindow]:
         """Completed metric windows, oldest first. Never waits on the device unless `wait`
@@ -154,18 +203,22 @@ class DrafterLoop:
                     raise RuntimeError(
                         f"injected drafter fault at step {self.step} on replica {self.replica}"
                     )
-                if packet.ready is not None:
-                    torch.cuda.current_stream(self.device).wait_event(packet.ready)  # no host sync
-                    packet.features.record_stream(torch.cuda.current_stream(self.device))
+                features = self._receive(packet)
+                span = DeviceSpan.start(self.device)
                 step_fn = self.step_fn
-                stats, anchors = step_fn.forward_backward(packet.batch, packet.features, self.step)
+                stats, anchors = step_fn.forward_backward(packet.batch, features, self.step)
                 total_weight = self.grad_sync.all_reduce(self.replica, step_fn.drafter, stats.weight)
                 grad_norm = step_fn.apply(total_weight)
                 step_fn.metrics.add(stats, grad_norm, packet.batch, anchors)
+                span.stop()
                 self.step += 1
                 self.on_consumed(packet.seq)
                 if self.step % self.log_every == 0 or self.step == self.stop_after:
-                    window = step_fn.metrics.publish(self.step, step_fn.lr)
+                    window = step_fn.metrics.publish(
+                        self.step,
+                        step_fn.lr,
+                        reduce=lambda sums: self.grad_sync.sum_over_processes(self.replica, sums),
+                    )
                     with self._lock:
                         self._windows.append(window)
                 if self.replica == 0 and self.on_step is not None:
@@ -175,6 +228,7 @@ class DrafterLoop:
                     waited_s=fetched - started,
                     busy_s=time.perf_counter() - fetched,
                     anchors=anchors,
+                    span=span,
                 )
                 if self.step % self.checkpoint_every == 0 and self.step != self.stop_after:
                     self.grad_sync.checkpoint_rendezvous()

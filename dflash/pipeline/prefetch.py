@@ -26,6 +26,7 @@ from dflash.pipeline.queues import OrderedQueue, QueueClosed
 @dataclass
 class Dispatched:
     seq: int  # this process's position in the schedule (across epochs)
+    order: int  # dispatch index in this run (0, 1, 2, ...): the hidden-state queue releases by it
     batch: Batch
 
 
@@ -106,15 +107,17 @@ class BatchPrefetcher:
         self.pin = any(d.type == "cuda" for d in target_devices)
         self._stop = threading.Event()
 
-    def dispatch(self, bucket: int, lengths: np.ndarray) -> tuple[int, int]:
-        """Assign the next batch to a target device; returns (device index, key in its queue)."""
+    def dispatch(self, bucket: int, lengths: np.ndarray) -> tuple[int, int, int]:
+        """Assign the next batch to a target device; returns (device index, key in its queue,
+        dispatch index)."""
         with self._lock:
-            device = self._round_robin % len(self.devices)
+            order = self._round_robin
+            device = order % len(self.devices)
             self._round_robin += 1
             key = self._per_device_keys[device]
             self._per_device_keys[device] += 1
             self.stats.record(bucket, lengths)  # inside the dispatch lock: counts follow dispatch order
-            return device, key
+            return device, key, order
 
     def get_batch_stats(self) -> dict[str, float]:
         return self.stats.snapshot()
@@ -127,10 +130,10 @@ class BatchPrefetcher:
                     continue
                 plan = self.planner.at(seq * self.world_size + self.rank)
                 lengths = self.dataset.lengths[list(plan.sample_ids)]
-                device, key = self.dispatch(plan.bucket, lengths)
+                device, key, order = self.dispatch(plan.bucket, lengths)
                 while not self._stop.is_set():
                     try:
-                        self._work.put((seq, plan, device, key), timeout=0.1)
+                        self._work.put((seq, order, plan, device, key), timeout=0.1)
                         break
                     except queue.Full:
                         continue
@@ -157,12 +160,12 @@ class BatchPrefetcher:
                 continue
             if item is None:
                 return
-            seq, plan, device, key = item
+            seq, order, plan, device, key = item
             batch = collate(self.dataset, plan)
             if self.pin:
                 batch = batch.pin_memory()
             try:
-                self.device_queues[device].put(key, Dispatched(seq, batch))
+                self.device_queues[device].put(key, Dispatched(seq, order, batch))
             except QueueClosed:
                 return
 

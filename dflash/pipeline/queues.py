@@ -10,7 +10,7 @@ from __future__ import annotations
 import heapq
 import threading
 import time
-from collections import Counter, deque
+from collections import Counter
 from typing import Any, Generic, TypeVar
 
 T = TypeVar("T")
@@ -21,61 +21,71 @@ class QueueClosed(Exception):
 
 
 class HiddenStateQueue(Generic[T]):
-    """FIFO from target workers to drafter loops, bounded at `capacity` packets.
+    """From target workers to drafter loops, released in dispatch order, bounded at `capacity`.
 
-    Producers block at the high watermark (counted as producer wait time). Depth is also kept
-    per length bucket so the monitor can see which buckets are piling up.
+    Packets carry the dispatch index the prefetcher gave their batch (0, 1, 2, ... in this
+    process) and leave strictly in that order, whichever target worker finished first: the D
+    replicas of step k train on batches kD .. kD+D-1 with any number of target devices, so a
+    multi-target run trains on exactly the batches, step by step, of a one-target run.
+    Capacity is a window over keys, as in `OrderedQueue`: key k may enter once
+    k < next_key_to_release + capacity, so the worker holding the next packet is never blocked
+    behind later ones (no deadlock) and at most `capacity` packets wait. Producers blocked at
+    the window count as producer wait time. Depth is also kept per length bucket so the
+    monitor can see which buckets are piling up.
     """
 
     def __init__(self, capacity: int, num_buckets: int):
         assert capacity >= 1
         self.capacity = capacity
-        self._items: deque[tuple[int, T]] = deque()
+        self._heap: list[tuple[int, int, T]] = []  # (key, bucket, item)
+        self._next = 0
         self._buckets = Counter()
         self._num_buckets = num_buckets
         self._lock = threading.Lock()
-        self._not_full = threading.Condition(self._lock)
-        self._not_empty = threading.Condition(self._lock)
+        self._changed = threading.Condition(self._lock)
         self._closed = False
         self.producer_wait_s = 0.0
         self.consumer_wait_s = 0.0
 
-    def put(self, item: T, bucket: int) -> None:
+    def put(self, key: int, item: T, bucket: int) -> None:
         with self._lock:
-            if len(self._items) >= self.capacity and not self._closed:
+            if key >= self._next + self.capacity and not self._closed:
                 started = time.perf_counter()
-                while len(self._items) >= self.capacity and not self._closed:
-                    self._not_full.wait()
+                while key >= self._next + self.capacity and not self._closed:
+                    self._changed.wait()
                 self.producer_wait_s += time.perf_counter() - started
             if self._closed:
                 raise QueueClosed
-            self._items.append((bucket, item))
+            heapq.heappush(self._heap, (key, bucket, item))
             self._buckets[bucket] += 1
-            self._not_empty.notify()
+            self._changed.notify_all()
+
+    def _ready(self) -> bool:
+        return bool(self._heap) and self._heap[0][0] == self._next
 
     def get(self) -> T:
         with self._lock:
-            if not self._items and not self._closed:
+            if not self._ready() and not self._closed:
                 started = time.perf_counter()
-                while not self._items and not self._closed:
-                    self._not_empty.wait()
+                while not self._ready() and not self._closed:
+                    self._changed.wait()
                 self.consumer_wait_s += time.perf_counter() - started
-            if not self._items:
+            if not self._ready():
                 raise QueueClosed
-            bucket, item = self._items.popleft()
+            _, bucket, item = heapq.heappop(self._heap)
+            self._next += 1
             self._buckets[bucket] -= 1
-            self._not_full.notify()
+            self._changed.notify_all()
             return item
 
     def close(self) -> None:
         with self._lock:
             self._closed = True
-            self._not_full.notify_all()
-            self._not_empty.notify_all()
+            self._changed.notify_all()
 
     def qsize(self) -> int:
         with self._lock:
-            return len(self._items)
+            return len(self._heap)
 
     def bucket_sizes(self) -> list[int]:
         with self._lock:

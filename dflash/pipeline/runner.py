@@ -27,6 +27,8 @@ from dflash.monitor.monitor import Monitor
 from dflash.pipeline.drafter_loop import DrafterLoop, ReplicaGradSync
 from dflash.pipeline.prefetch import BatchPrefetcher
 from dflash.pipeline.queues import HiddenStateQueue, QueueClosed
+from dflash.pipeline.replicas import check_replicas_identical
+from dflash.pipeline.roles import role_summary
 from dflash.pipeline.target_worker import TargetWorker
 from dflash.trainer import state
 from dflash.trainer.periodic_eval import PeriodicEval
@@ -97,6 +99,8 @@ class AsyncTrainer:
         self._failure_lock = threading.Lock()
         self.threads: list[threading.Thread] = []
         self.prefetcher: BatchPrefetcher | None = None
+        self.train_wall_s = 0.0  # from the threads' start to the last drafter step
+        self.replica_digest: str | None = None  # what every replica of every process agreed on
 
     # -- checkpoints -------------------------------------------------------------------------
     def restore(self, directory) -> None:
@@ -242,6 +246,13 @@ class AsyncTrainer:
             stats.update(worker.counters.stats())
         return stats
 
+    def role_summary(self) -> dict[str, float]:
+        return role_summary(
+            targets=[w.counters for w in self.workers],
+            drafters=[loop.counters for loop in self.loops],
+            wall_s=self.train_wall_s,
+        )
+
     def role_devices(self) -> dict[str, list[torch.device]]:
         return {"target": [t.device for t in self.targets], "drafter": [s.device for s in self.step_fns]}
 
@@ -255,6 +266,7 @@ class AsyncTrainer:
     def run(self) -> None:
         self.prepare()
         stop_signum = None
+        started = time.perf_counter()
         with stop_on_signals() as stop:
             self._spawn("feed", self.prefetcher.feed)
             for i in range(self.cfg.num_workers):
@@ -283,6 +295,7 @@ class AsyncTrainer:
                         thread.join(self.cfg.shutdown_timeout_s)
                 self._close_everything()
                 self._join_all()
+        self.train_wall_s = time.perf_counter() - started
         if self._failure is not None:
             raise self._failure[1]
         self.monitor.maybe_tick(wait=True, force=True)
@@ -291,6 +304,7 @@ class AsyncTrainer:
         steps = {loop.step for loop in self.loops}
         assert len(steps) == 1, f"drafter replicas stopped at different steps: {steps}"
         self.position = self.tracker.position(steps.pop())
+        self.replica_digest = check_replicas_identical([s.drafter for s in self.step_fns], self.process_group)
         self.save()
         if stop_signum is not None:
             raise StopRequested(stop_signum)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash.models.target import FrozenTarget
-from dflash.pipeline.counters import WorkCounters
+from dflash.pipeline.counters import DeviceSpan, WorkCounters
 from dflash.pipeline.prefetch import Dispatched
 from dflash.pipeline.queues import HiddenStateQueue, OrderedQueue
 
@@ -17,8 +17,9 @@ from dflash.pipeline.queues import HiddenStateQueue, OrderedQueue
 @dataclass
 class HiddenStatePacket:
     seq: int
+    order: int  # the batch's dispatch index (see Dispatched)
     batch: object  # dflash.data.collate.Batch (host tensors: ids, masks, plan)
-    features: torch.Tensor  # [B, S, n_feat * H] on the target device
+    features: torch.Tensor  # [B, S, n_feat * H] on the target device (the drafter moves it)
     ready: torch.cuda.Event | None  # recorded on the target stream after the forward
 
 
@@ -57,12 +58,14 @@ class TargetWorker:
                         f"injected target fault at batch {self.counters.batches} on worker {self.index}"
                     )
                 batch = item.batch
+                span = DeviceSpan.start(self.device)
                 features = self.target.features(batch.input_ids.to(self.device, non_blocking=True))
+                span.stop()
                 ready = None
                 if self.stream is not None:
                     ready = torch.cuda.Event()
                     ready.record(self.stream)
-                packet = HiddenStatePacket(item.seq, batch, features, ready)
+                packet = HiddenStatePacket(item.seq, item.order, batch, features, ready)
                 done = time.perf_counter()
-                self.counters.record(batch, waited_s=fetched - started, busy_s=done - fetched)
-                self.outbox.put(packet, batch.plan.bucket)
+                self.counters.record(batch, waited_s=fetched - started, busy_s=done - fetched, span=span)
+                self.outbox.put(item.order, packet, batch.plan.bucket)

@@ -67,7 +67,7 @@ def run_eval(cfg: DictConfig, target_overridden: bool = False) -> dict[str, Any]
 
     from dflash.build import eval_prompt_sets, node, visible_cuda_devices
     from dflash.checkpoint import load_drafter, read_drafter_config
-    from dflash.config.validate import resolve_device_split
+    from dflash.config.devices import resolve_device_split
     from dflash.evaluate import evaluate
     from dflash.models.target import FrozenTarget, load_target_config
 

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash.pipeline.roles import role_lines
+
 
 def load_rows(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
@@ -216,6 +218,8 @@ def summary_markdown(
         "train/grad_norm",
         "perf/tokens_per_s",
         "perf/data_wait_frac",
+        "perf/target_busy_frac",
+        "perf/drafter_busy_frac",
         "batch/padding_efficiency",
         "batch/bucket_entropy",
     ]
@@ -230,6 +234,10 @@ def summary_markdown(
         lines += ["| metric | final |", "|---|---|"]
         lines += [f"| {k} | {last[k]:.4g} |" for k in keys if k in last]
     lines.append("")
+    summary_path = run_dir / "summary.json"
+    roles = role_lines(json.loads(summary_path.read_text())) if summary_path.is_file() else []
+    if roles:  # how busy each device role was, and the split that would balance them
+        lines += ["## Device roles", "", "```", *roles, "```", ""]
     lines += [f"![{name}]({name})" for name in images]
     return "\n".join(lines) + "\n"
 

@@ -6,6 +6,7 @@ tensors in `StepMetrics` until whoever logs calls `snapshot()`.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -15,7 +16,7 @@ from dflash.blocks import DraftBlocks, block_attention_mask, build_blocks
 from dflash.data.collate import Batch
 from dflash.loss import LossStats, draft_loss
 from dflash.models.drafter import DFlashDrafter
-from dflash.models.target import FrozenTarget
+from dflash.models.target_head import TargetHead
 from dflash.noise import NoiseSchedule
 
 
@@ -46,7 +47,7 @@ def make_blocks(
 
 
 def drafter_forward_loss(
-    target: FrozenTarget,
+    head: TargetHead,
     drafter: DFlashDrafter,
     features_BSF: torch.Tensor,
     blocks: DraftBlocks,
@@ -55,13 +56,13 @@ def drafter_forward_loss(
     logits_chunk: int = 0,
 ) -> LossStats:
     with torch.no_grad():
-        block_emb = target.embed_tokens(blocks.block_ids)  # frozen: no gradient to the embeddings
+        block_emb = head.embed_tokens(blocks.block_ids)  # frozen: no gradient to the embeddings
     mask = block_attention_mask(blocks.anchors, blocks.anchor_valid, features_BSF.shape[1], blocks.block_size)
     device_type = features_BSF.device.type
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device_type == "cuda" else nullcontext()
     with autocast:
         hidden = drafter(features_BSF, block_emb, blocks.positions, mask, feature_noise_std, noise_generator)
-        return draft_loss(hidden, target.lm_head, blocks, logits_chunk)
+        return draft_loss(hidden, head.lm_head, blocks, logits_chunk)
 
 
 @dataclass
@@ -133,14 +134,22 @@ class StepMetrics:
         self.anchors += anchors
         self.buckets.append(bucket)
 
-    def publish(self, end_step: int, lr: float) -> MetricWindow:
+    def publish(
+        self, end_step: int, lr: float, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
+    ) -> MetricWindow:
+        """`reduce` (several processes): sums the window over the processes' replicas; the grad
+        norm is the same on every process, so it keeps its own value rather than the sum."""
+        sums = self._sums
+        if reduce is not None:
+            sums = reduce(self._sums.clone())
+            sums[2] = self._sums[2]
         if self.device.type == "cuda":
-            host = torch.empty(self._sums.shape, dtype=self._sums.dtype, pin_memory=True)
-            host.copy_(self._sums, non_blocking=True)
+            host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
+            host.copy_(sums, non_blocking=True)
             ready = torch.cuda.Event()
             ready.record()
         else:
-            host, ready = self._sums.clone(), None
+            host, ready = sums.clone(), None
         window = MetricWindow(
             end_step,
             self.steps,
@@ -164,7 +173,7 @@ class DrafterStep:
 
     def __init__(
         self,
-        target: FrozenTarget,
+        head: TargetHead,
         drafter: DFlashDrafter,
         optimizer: torch.optim.Optimizer,
         lr_scheduler: torch.optim.lr_scheduler.LRScheduler,
@@ -173,7 +182,7 @@ class DrafterStep:
         grad_clip: float,
         num_buckets: int,
     ):
-        self.target, self.drafter = target, drafter
+        self.head, self.drafter = head, drafter  # head: the target's tables on the drafter's device
         self.optimizer, self.lr_scheduler = optimizer, lr_scheduler
         self.noise, self.block_settings, self.grad_clip = noise, block_settings, grad_clip
         self.device = next(drafter.parameters()).device
@@ -194,7 +203,7 @@ class DrafterStep:
         plan = batch.plan
         self.noise_generator.manual_seed((self.block_settings.seed << 40) ^ (plan.epoch << 24) ^ plan.index)
         stats = drafter_forward_loss(
-            self.target,
+            self.head,
             self.drafter,
             features_BSF.to(self.device, non_blocking=True),
             blocks,

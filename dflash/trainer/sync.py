@@ -16,9 +16,13 @@ import torch
 from dflash.data.collate import collate
 from dflash.data.dataset import TokenDataset
 from dflash.data.schedule import BatchPlanner
+from dflash.distributed import ProcessGroupInfo
+from dflash.models.target import FrozenTarget
 from dflash.monitor.monitor import Monitor
-from dflash.pipeline.counters import WorkCounters
+from dflash.pipeline.counters import DeviceSpan, WorkCounters
 from dflash.pipeline.prefetch import BatchStats
+from dflash.pipeline.replicas import check_replicas_identical
+from dflash.pipeline.roles import role_summary
 from dflash.trainer import state
 from dflash.trainer.periodic_eval import PeriodicEval
 from dflash.trainer.signals import StopRequested, stop_on_signals
@@ -31,6 +35,8 @@ log = logging.getLogger(__name__)
 class SyncTrainer:
     def __init__(
         self,
+        *,
+        target: FrozenTarget,
         step_fn: DrafterStep,
         dataset: TokenDataset,
         planner: BatchPlanner,
@@ -40,7 +46,8 @@ class SyncTrainer:
     ):
         self.step_fn = step_fn
         self.drafter = step_fn.drafter
-        self.target = step_fn.target
+        self.drafter_device = step_fn.device
+        self.target = target
         self.dataset, self.planner = dataset, planner
         self.stop_after, self.log_every, self.checkpoints = stop_after, log_every, checkpoints
         self.position = DataPosition()
@@ -52,6 +59,8 @@ class SyncTrainer:
         # batch is collated and the target runs, and the target waits while the drafter steps.
         self.target_counters = WorkCounters("target0")
         self.drafter_counters = WorkCounters("drafter0", counts_anchors=True)
+        self.train_wall_s = 0.0
+        self.replica_digest: str | None = None
 
     # -- probe for the monitor ---------------------------------------------------------------
     def completed_windows(self, wait: bool) -> list[list[MetricWindow]]:
@@ -70,8 +79,13 @@ class SyncTrainer:
             **self.drafter_counters.stats(),
         }
 
+    def role_summary(self) -> dict[str, float]:
+        return role_summary(
+            targets=[self.target_counters], drafters=[self.drafter_counters], wall_s=self.train_wall_s
+        )
+
     def role_devices(self) -> dict[str, list[torch.device]]:
-        return {"target": [self.target.device], "drafter": [self.step_fn.device]}
+        return {"target": [self.target.device], "drafter": [self.drafter_device]}
 
     # -- checkpoints -------------------------------------------------------------------------
     def restore(self, directory) -> None:
@@ -86,18 +100,26 @@ class SyncTrainer:
         batch = collate(self.dataset, self.planner.at(seq))
         self.batch_stats.record(batch.plan.bucket, batch.lengths.numpy())
         collated = time.perf_counter()
+        target_span = DeviceSpan.start(self.target.device)
         features = self.target.features(batch.input_ids.to(self.target.device))
+        target_span.stop()
         targeted = time.perf_counter()
+        drafter_span = DeviceSpan.start(self.drafter_device)
         anchors = self.step_fn(batch, features, self.position.step)
+        drafter_span.stop()
         done = time.perf_counter()
         self.target_counters.record(
-            batch, waited_s=(collated - started) + (done - targeted), busy_s=targeted - collated
+            batch,
+            waited_s=(collated - started) + (done - targeted),
+            busy_s=targeted - collated,
+            span=target_span,
         )
         self.drafter_counters.record(
-            batch, waited_s=targeted - started, busy_s=done - targeted, anchors=anchors
+            batch, waited_s=targeted - started, busy_s=done - targeted, anchors=anchors, span=drafter_span
         )
 
     def run(self) -> None:
+        started = time.perf_counter()
         with stop_on_signals() as stop:
             while self.position.step < self.stop_after:
                 if stop.is_set():
@@ -116,5 +138,7 @@ class SyncTrainer:
                     self.periodic_eval.run_pending()
                 if step % self.checkpoints.every_steps == 0 and step != self.stop_after:
                     self.save()
+        self.train_wall_s = time.perf_counter() - started
         self.monitor.maybe_tick(wait=True, force=True)
+        self.replica_digest = check_replicas_identical([self.drafter], ProcessGroupInfo())
         self.save()

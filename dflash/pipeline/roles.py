@@ -1,0 +1,103 @@
+"""How busy each device role was, and the target/drafter split that would balance them.
+
+Every batch passes through one target forward and one drafter step, so with T target GPUs and
+D drafter GPUs the pipeline moves at most min(T / t_target, D / t_drafter) batches per second,
+where t_* is a role's device time per batch. For a node of N GPUs the best split is the T that
+maximises that minimum. The times come from CUDA events around each role's work (the device
+time, not the host's launch time), measured in the run itself, so the advice follows the model
+sizes, the sequence lengths and the anchors actually used.
+
+When both roles share a GPU (gpu=single) their kernels overlap and each one's time includes
+waiting for the other's; the advice is then an estimate, and a gpu=split run measures clean.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # this module stays light: dflash-report formats summaries with it
+    from dflash.pipeline.counters import WorkCounters
+
+
+@dataclass(frozen=True)
+class RoleTimes:
+    target_s_per_batch: float  # device time of one target forward
+    drafter_s_per_batch: float  # device time of one drafter step (forward, backward, sync, AdamW)
+
+    def batches_per_s(self, num_targets: int, num_drafters: int) -> float:
+        return min(num_targets / self.target_s_per_batch, num_drafters / self.drafter_s_per_batch)
+
+    def best_num_targets(self, num_gpus: int) -> int:
+        """The gpu.target of `gpu=split` for a node of `num_gpus` (>= 2) GPUs; on a tie, the
+        split with more drafters (they also hold optimizer state and gain from more replicas)."""
+        if num_gpus < 2:
+            raise ValueError("a split needs at least 2 GPUs (one per role); use gpu=single")
+        return max(range(1, num_gpus), key=lambda t: (self.batches_per_s(t, num_gpus - t), -t))
+
+    def advice(self, num_gpus: int) -> str:
+        """One line: the split for `num_gpus` and what it should reach against the one-GPU pace."""
+        targets = self.best_num_targets(num_gpus)
+        rate = self.batches_per_s(targets, num_gpus - targets)
+        one_gpu = 1.0 / (self.target_s_per_batch + self.drafter_s_per_batch)
+        return (
+            f"{num_gpus} GPUs: gpu=split gpu.target={targets} ({targets} target + "
+            f"{num_gpus - targets} drafter, ~{rate / one_gpu:.1f}x one GPU doing both)"
+        )
+
+
+def advice_node_sizes(visible: int) -> list[int]:
+    """The node sizes to advise for: this node's, and 8 (the usual training node) if different."""
+    return sorted({n for n in (visible, 8) if n >= 2})
+
+
+def role_summary(
+    *, targets: list[WorkCounters], drafters: list[WorkCounters], wall_s: float
+) -> dict[str, float]:
+    """`roles/` figures of a finished run: device time per batch, each role's busy share of the
+    training wall time (device time over the role's devices), and the drafters' data wait."""
+    summary: dict[str, float] = {}
+    for role, counters in (("target", targets), ("drafter", drafters)):
+        per_batch = [c.compute_per_batch_s() for c in counters]
+        measured = [t for t in per_batch if t is not None]
+        if measured:
+            summary[f"roles/{role}_s_per_batch"] = sum(measured) / len(measured)
+        if wall_s > 0:
+            busy = sum(c.compute_s for c in counters) / (len(counters) * wall_s)
+            summary[f"roles/{role}_busy_frac"] = min(busy, 1.0)
+    if wall_s > 0:
+        summary["roles/data_wait_frac"] = min(sum(c.wait_s for c in drafters) / (len(drafters) * wall_s), 1.0)
+    return summary
+
+
+def role_times(summary: dict[str, float]) -> RoleTimes | None:
+    if "roles/target_s_per_batch" not in summary or "roles/drafter_s_per_batch" not in summary:
+        return None
+    return RoleTimes(summary["roles/target_s_per_batch"], summary["roles/drafter_s_per_batch"])
+
+
+def role_lines(summary: dict[str, Any]) -> list[str]:
+    """How busy each role was and, on GPUs, the split that would balance them (for this node's
+    GPU count and for an 8-GPU node)."""
+    if "roles/target_busy_frac" not in summary:
+        return []
+    lines = []
+    if summary["replicas"] > 1:
+        lines.append(
+            f"replicas          {summary['replicas']}, identical (weights digest {summary['replica_digest']})"
+        )
+    lines += [
+        f"roles busy        target {summary['roles/target_busy_frac']:.0%}, drafter "
+        f"{summary['roles/drafter_busy_frac']:.0%}, drafters waiting for data {summary['roles/data_wait_frac']:.0%}"
+    ]
+    times = role_times(summary)
+    if times is None:
+        return lines
+    lines.append(
+        f"per batch         target {times.target_s_per_batch * 1e3:.1f} ms, drafter "
+        f"{times.drafter_s_per_batch * 1e3:.1f} ms (device time)"
+    )
+    if summary["node_gpus"] >= 1:
+        for size in advice_node_sizes(summary["node_gpus"]):
+            lines.append(f"split advice      {times.advice(size)}")
+    return lines
