@@ -1,9 +1,10 @@
-"""Beyond one node: the same per-node process under torchrun (or SLURM's srun + torchrun).
+"""Beyond one process: the same pipeline under torchrun (or SLURM's srun + torchrun).
 
-Each process runs the whole per-node pipeline; drafter gradients are summed across processes
-with torch.distributed (NCCL on GPU, gloo on CPU) inside the replicas' gradient sync. Rank r
-trains on schedule positions r, r + W, r + 2W, ... (W = world size). Rank 0 alone writes
-metrics, checkpoints and the final evaluation.
+Each process runs the pipeline over the GPUs it owns on its node (`dflash/config/devices.py`:
+the node's GPUs divided evenly among its processes); drafter gradients and the logged metric
+sums go across processes with torch.distributed (NCCL on GPU, gloo on CPU) inside the
+replicas' gradient sync. Rank r trains on schedule positions r, r + W, r + 2W, ...
+(W = world size). Rank 0 alone writes metrics, checkpoints and the final evaluation.
 """
 
 from __future__ import annotations

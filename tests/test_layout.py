@@ -179,6 +179,35 @@ def test_summary_prints_the_advice_for_this_node_and_for_eight_gpus():
     }
     text = "\n".join(role_lines(summary))
     assert "roles busy        target 40%, drafter 95%, drafters waiting for data 2%" in text
-    assert "per batch         target 10.0 ms, drafter 26.0 ms" in text
+    assert "per batch         target 10.0 ms, drafter 26.0 ms (CUDA-event time)" in text
     assert "split advice      2 GPUs: gpu=split gpu.target=1" in text
     assert "split advice      8 GPUs: gpu=split gpu.target=2" in text
+
+
+def _layout_rank(rank: int, init_file: str, errors) -> None:
+    import torch.distributed as dist
+
+    from dflash.distributed import require_same_layout
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        drafters = ["cuda:1"] if rank == 0 else ["cuda:1", "cuda:2", "cuda:3"]  # a node with other GPUs
+        require_same_layout(ProcessGroupInfo(rank, 2), ["cuda:0"], drafters)
+        errors.put((rank, None))
+    except ValueError as exc:
+        errors.put((rank, str(exc)))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_ranks_with_different_layouts_are_refused_before_any_model_loads(tmp_path):
+    import torch.multiprocessing as mp
+
+    context = mp.get_context("spawn")
+    errors = context.Queue()
+    mp.start_processes(
+        _layout_rank, args=(str(tmp_path / "init"), errors), nprocs=2, join=True, start_method="spawn"
+    )
+    outcomes = dict(errors.get(timeout=60) for _ in range(2))
+    for rank in (0, 1):  # every rank stops, each with the whole picture
+        assert "rank 0: 1 target + 1 drafter, rank 1: 1 target + 3 drafter" in outcomes[rank]

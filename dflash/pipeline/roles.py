@@ -3,9 +3,11 @@
 Every batch passes through one target forward and one drafter step, so with T target GPUs and
 D drafter GPUs the pipeline moves at most min(T / t_target, D / t_drafter) batches per second,
 where t_* is a role's device time per batch. For a node of N GPUs the best split is the T that
-maximises that minimum. The times come from CUDA events around each role's work (the device
-time, not the host's launch time), measured in the run itself, so the advice follows the model
-sizes, the sequence lengths and the anchors actually used.
+maximises that minimum. The times come from CUDA events around each role's work on its stream
+(CPU runs: the host time of the work), measured in the run itself, so the advice follows the
+model sizes, the sequence lengths and the anchors actually used. Stream time includes the gaps
+where the GPU waits for the host to launch the next kernel: for small, launch-bound models it is
+the host's pace, which is what bounds that role's throughput.
 
 When both roles share a GPU (gpu=single) their kernels overlap and each one's time includes
 waiting for the other's; the advice is then an estimate, and a gpu=split run measures clean.
@@ -95,7 +97,7 @@ def role_lines(summary: dict[str, Any]) -> list[str]:
         return lines
     lines.append(
         f"per batch         target {times.target_s_per_batch * 1e3:.1f} ms, drafter "
-        f"{times.drafter_s_per_batch * 1e3:.1f} ms (device time)"
+        f"{times.drafter_s_per_batch * 1e3:.1f} ms ({'CUDA-event' if summary['node_gpus'] else 'CPU'} time)"
     )
     if summary["node_gpus"] >= 1:
         for size in advice_node_sizes(summary["node_gpus"]):
