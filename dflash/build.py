@@ -19,7 +19,9 @@ from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_
 
 from dflash.checkpoint import load_drafter_weights
 from dflash.config.devices import ProcessSlot, resolve_device_split
+from dflash.config.keys import refuse_unknown_keys
 from dflash.config.schema import (
+    Config,
     DataKind,
     DrafterConfig,
     LrScheduleConfig,
@@ -233,7 +235,7 @@ def eval_prompt_sets(
     if not eval_cfg.benchmarks and DataKind(cfg.data.kind) is DataKind.conversations:
         log.warning(
             "eval.benchmarks is empty: tau is measured on random token prompts, unlike the "
-            "conversations in data.files; set '+eval.benchmarks={name: prompts.jsonl}'"
+            "conversations in data.files; set 'eval.benchmarks={name: prompts.jsonl}'"
         )
 
     return load_prompt_sets(eval_cfg, renderer, vocab_size, [mask_token_id], limit)
@@ -244,6 +246,7 @@ def build_run(cfg: DictConfig, faults: FaultInjection | None = None) -> Run:
     drafter_cfg: DrafterConfig = node(cfg, "drafter")
 
     # 1. Everything checkable without weights.
+    refuse_unknown_keys(cfg, Config)
     target_config = load_target_config(target_cfg)
     export_submitit_environment()
     slot = ProcessSlot.from_env()

@@ -172,6 +172,9 @@ def test_gpu_split_from_config():
         (["scheduler.bucket_edges=[48,40,128]"], "scheduler.bucket_edges"),
         (["data.max_length=256"], "data.max_length"),
         (["gpu.target=2"], "gpu.target=2"),
+        # Hydra's own hint for a typo is the `+` form; a key no code reads must not be ignored.
+        (["+loss.gamm=5"], "unknown config key 'loss.gamm'.*did you mean loss.gamma?"),
+        (["+foo.bar=1"], "unknown config key 'foo'"),
     ],
 )
 def test_cross_field_errors_name_the_key_before_any_model_loads(overrides, message, make_cfg, monkeypatch):
@@ -217,3 +220,30 @@ def test_entry_module_does_not_import_torch():
     code = "import sys, dflash.train; assert 'torch' not in sys.modules, 'torch imported'"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_benchmark_files_are_set_without_plus_and_free_form_dicts_take_any_key():
+    from dflash.config.keys import refuse_unknown_keys
+    from dflash.config.schema import Config
+
+    cfg = compose_config(
+        ["eval.benchmarks={gsm8k: g.jsonl, mbpp: m.jsonl}", "+target.chat_template_kwargs.x=1"]
+    )
+    assert dict(cfg.eval.benchmarks) == {"gsm8k": "g.jsonl", "mbpp": "m.jsonl"}
+    refuse_unknown_keys(cfg, Config)  # benchmark names and template kwargs are the user's to choose
+
+
+def test_regen_refuses_an_unknown_key(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from dflash.config.schema import register_configs
+    from dflash.tools.compose import CONF_DIR
+    from dflash.tools.regen import regen
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        cfg = compose(
+            config_name="regen", overrides=["input=[a.jsonl]", "output=o.jsonl", "+sampling.temprature=0"]
+        )
+    with pytest.raises(ValueError, match="did you mean sampling.temperature"):
+        regen(cfg)

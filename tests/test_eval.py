@@ -61,7 +61,7 @@ def eval_cfg(tmp_path, target_dir, drafter_dir, benchmarks, extra=()):
         [
             f"target.path={target_dir}",
             f"ckpt={drafter_dir}",
-            f"+eval.benchmarks={{{bench}}}",
+            f"eval.benchmarks={{{bench}}}",
             "eval.max_new_tokens=10",
             "eval.warmup_prompts=1",
             *extra,
@@ -261,7 +261,7 @@ def test_periodic_eval_logs_tau_per_benchmark_while_training(
             "eval.periodic_num_prompts=1",
             "eval.num_prompts=1",
             "eval.max_new_tokens=8",
-            f"+eval.benchmarks={{{bench}}}",
+            f"eval.benchmarks={{{bench}}}",
             "monitor.interval_s=0",
             "pipeline.warmup=false",
         ],
@@ -318,7 +318,7 @@ def test_a_dflash_checkpoint_brings_its_target_unless_the_command_line_names_one
     cfg = compose_config(  # the default target (random tiny, no path, no tokenizer) is not named
         [
             f"ckpt={tmp_path / 'run' / 'checkpoints' / 'last'}",
-            f"+eval.benchmarks={{{bench}}}",
+            f"eval.benchmarks={{{bench}}}",
             "eval.max_new_tokens=6",
         ],
         tmp_path / "eval",

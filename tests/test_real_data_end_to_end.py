@@ -64,7 +64,7 @@ def test_regen_prep_train_eval_from_files(tmp_path):
     out = run_tool(  # no target given: the checkpoint's run config names it
         "dflash-eval",
         f"ckpt={tmp_path / 'train' / 'checkpoints' / 'last'}",
-        f"+eval.benchmarks={{heldout:{tmp_path / 'heldout.jsonl'}}}",
+        f"eval.benchmarks={{heldout:{tmp_path / 'heldout.jsonl'}}}",
         "eval.num_prompts=12",
         "eval.timing=false",
         f"paths.output_dir={tmp_path / 'eval'}",

@@ -343,6 +343,11 @@ class RegenConfig:
 def register_configs() -> None:
     """Register the root schemas; idempotent (Hydra's ConfigStore replaces same-name entries)."""
     from hydra.core.config_store import ConfigStore
+    from omegaconf import OmegaConf
 
-    ConfigStore.instance().store(name="dflash_schema", node=Config)
+    schema = OmegaConf.structured(Config)
+    # A name -> file map the user fills: `eval.benchmarks={gsm8k: g.jsonl}` must work without
+    # Hydra's `+` (the flag keeps Hydra's struct mode from refusing the new names).
+    OmegaConf.set_struct(schema.eval.benchmarks, False)
+    ConfigStore.instance().store(name="dflash_schema", node=schema)
     ConfigStore.instance().store(name="dflash_regen_schema", node=RegenConfig)

@@ -2,7 +2,7 @@
 speedup per benchmark; a console table and a JSON report.
 
     dflash-eval ckpt=outputs/.../checkpoints/last gpu=single \\
-        '+eval.benchmarks={gsm8k: prompts/gsm8k.jsonl, humaneval: prompts/humaneval.jsonl}' \\
+        'eval.benchmarks={gsm8k: prompts/gsm8k.jsonl, humaneval: prompts/humaneval.jsonl}' \\
         'eval.temperatures=[0,1]'
 
 `ckpt` is any directory with config.json + model.safetensors in the z-lab layout. A dflash
@@ -68,9 +68,12 @@ def run_eval(cfg: DictConfig, target_overridden: bool = False) -> dict[str, Any]
     from dflash.build import eval_prompt_sets, node, visible_cuda_devices
     from dflash.checkpoint import load_drafter, read_drafter_config
     from dflash.config.devices import resolve_device_split
+    from dflash.config.keys import refuse_unknown_keys
+    from dflash.config.schema import Config
     from dflash.evaluate import evaluate
     from dflash.models.target import FrozenTarget, load_target_config
 
+    refuse_unknown_keys(cfg, Config)
     if not cfg.ckpt:
         raise ValueError("dflash-eval needs ckpt=DIR, a drafter directory (config.json + model.safetensors)")
     drafter_dir = Path(cfg.ckpt)

@@ -45,8 +45,10 @@ def build_backend(cfg: RegenConfig):
 def regen(cfg: DictConfig):
     from pathlib import Path
 
+    from dflash.config.keys import refuse_unknown_keys
     from dflash.regen.regenerate import regenerate
 
+    refuse_unknown_keys(cfg, RegenConfig)
     typed: RegenConfig = OmegaConf.to_object(cfg)
     if typed.batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {typed.batch_size}")
