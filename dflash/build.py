@@ -17,7 +17,7 @@ import torch
 from omegaconf import DictConfig, OmegaConf
 from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 
-from dflash.checkpoint import load_drafter_weights
+from dflash.checkpoint import check_resume_matches, load_drafter_weights
 from dflash.config.devices import ProcessSlot, resolve_device_split
 from dflash.config.keys import refuse_unknown_keys
 from dflash.config.schema import (
@@ -267,8 +267,11 @@ def build_run(cfg: DictConfig, faults: FaultInjection | None = None) -> Run:
             cfg, target_cfg, vocab_size, mask_id, cfg.eval.periodic_num_prompts
         )
     resume_dir = Path(cfg.resume) if cfg.resume else None
-    if resume_dir is not None and not resume_dir.is_dir():
-        raise ValueError(f"resume={cfg.resume}: no such checkpoint directory")
+    if resume_dir is not None:
+        if not resume_dir.is_dir():
+            raise ValueError(f"resume={cfg.resume}: no such checkpoint directory")
+        run_target = OmegaConf.to_container(cfg.target, resolve=True, enum_to_str=True)
+        check_resume_matches(resume_dir, drafter_config(drafter_cfg, target_config, layer_ids), run_target)
     process_group = init_from_env(drafter_devices[0])
     require_same_layout(process_group, target_devices, drafter_devices)
     run_dir = Path(cfg.paths.output_dir)

@@ -47,7 +47,11 @@ def export_drafter(drafter: DFlashDrafter, directory: Path) -> None:
         for name, tensor in drafter.state_dict().items()
         if name.startswith(EXPORTED_PREFIXES)
     }
-    save_file(state, str(directory / WEIGHTS_FILE), metadata={"format": "pt"})
+    weights = directory / WEIGHTS_FILE
+    save_file(state, str(weights), metadata={"format": "pt"})
+    # safetensors creates the file owner-only (0600); give it the mode config.json got from the
+    # umask, so whoever may read the checkpoint (a serving job, a colleague) can read its weights.
+    os.chmod(weights, (directory / CONFIG_FILE).stat().st_mode & 0o777)
 
 
 def read_drafter_config(directory: Path) -> Qwen3Config:
@@ -62,6 +66,51 @@ def read_drafter_config(directory: Path) -> Qwen3Config:
             f"{path}: not a DFlash drafter config (missing {missing or ['dflash_config.mask_token_id']})"
         )
     return Qwen3Config.from_dict(raw)
+
+
+# Drafter config fields a resumed run must share with its checkpoint, and the key that sets each.
+RESUME_FIELDS = {
+    "block_size": "drafter.block_size",
+    "num_hidden_layers": "drafter.num_layers",
+    "intermediate_size": "drafter.intermediate_size",
+    "num_attention_heads": "drafter.num_attention_heads",
+    "num_key_value_heads": "drafter.num_key_value_heads",
+    "head_dim": "drafter.head_dim",
+    "hidden_size": "target hidden size",
+    "vocab_size": "target vocab size",
+    "num_target_layers": "target layer count",
+}
+RESUME_TARGET_FIELDS = ("name", "path", "model_type", "init_seed", "arch")
+
+
+def check_resume_matches(directory: Path, run_config: Qwen3Config, run_target: dict[str, Any]) -> None:
+    """Refuse to resume from a checkpoint trained for another drafter or target, naming both values.
+
+    Loading weights of the same shapes trained on other layer ids, another mask id or another
+    target would run, and train a drafter that inference then misuses.
+    """
+    saved = read_drafter_config(directory)
+    differences = [
+        (key, getattr(saved, name, None), getattr(run_config, name, None))
+        for name, key in RESUME_FIELDS.items()
+        if getattr(saved, name, None) != getattr(run_config, name, None)
+    ]
+    for name in ("target_layer_ids", "mask_token_id"):
+        if saved.dflash_config.get(name) != run_config.dflash_config[name]:
+            differences.append(
+                (f"drafter.{name}", saved.dflash_config.get(name), run_config.dflash_config[name])
+            )
+    run_yaml = Path(directory) / RUN_CONFIG_FILE
+    if run_yaml.is_file():
+        import yaml
+
+        saved_target = (yaml.safe_load(run_yaml.read_text()) or {}).get("target", {})
+        for name in RESUME_TARGET_FIELDS:
+            if saved_target.get(name) != run_target.get(name):
+                differences.append((f"target.{name}", saved_target.get(name), run_target.get(name)))
+    if differences:
+        described = "; ".join(f"{key}: checkpoint {old!r}, this run {new!r}" for key, old, new in differences)
+        raise ValueError(f"resume={directory} was trained for another drafter or target ({described})")
 
 
 def load_drafter_weights(drafter: DFlashDrafter, directory: Path) -> None:

@@ -175,6 +175,8 @@ def test_gpu_split_from_config():
         # Hydra's own hint for a typo is the `+` form; a key no code reads must not be ignored.
         (["+loss.gamm=5"], "unknown config key 'loss.gamm'.*did you mean loss.gamma?"),
         (["+foo.bar=1"], "unknown config key 'foo'"),
+        (["debug.max_steps=0"], "debug.max_steps must be >= 1"),
+        (["objective=foo"], "objective='foo' is not a summary metric"),
     ],
 )
 def test_cross_field_errors_name_the_key_before_any_model_loads(overrides, message, make_cfg, monkeypatch):

@@ -53,3 +53,16 @@ def test_corrupt_export_is_refused_with_the_path(tmp_path):
     (tmp_path / "config.json").write_text("{}")
     with pytest.raises(ValueError, match="config.json"):
         load_drafter(tmp_path)
+
+
+def test_exported_weights_are_as_readable_as_the_rest_of_the_checkpoint(tmp_path):
+    import os
+
+    old_umask = os.umask(0o022)
+    try:
+        export_drafter(tiny_drafter(tiny_target()), tmp_path)
+    finally:
+        os.umask(old_umask)
+    config_mode = (tmp_path / "config.json").stat().st_mode & 0o777
+    assert config_mode == 0o644
+    assert (tmp_path / "model.safetensors").stat().st_mode & 0o777 == config_mode  # not 0600

@@ -52,6 +52,11 @@ def test_train_writes_metrics_checkpoints_and_summary(make_cfg):
     state = torch.load(ckpts / "last" / "trainer_state.pt", weights_only=True)  # never arbitrary pickles
     assert state["position"]["step"] == 8
     assert load_drafter(ckpts / "last").block_size == 4
+    # What `objective=` accepts is checked before training: it must cover every numeric summary key.
+    from dflash.config.validate import is_summary_metric
+
+    numeric = [k for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
+    assert numeric and [k for k in numeric if not is_summary_metric(k)] == []
 
 
 def test_resume_continues_with_the_same_batches_and_losses(make_cfg, tmp_path):
@@ -155,5 +160,37 @@ def test_resume_into_a_different_drafter_is_refused_naming_the_checkpoint(make_c
     cfg = make_cfg(["train.total_steps=2"])
     train(cfg)
     last = (Path(cfg.paths.output_dir) / "checkpoints" / "last").resolve()
-    with pytest.raises(ValueError, match=f"resume={last}.*model.safetensors: weights do not fit"):
+    with pytest.raises(ValueError, match=f"resume={last} .*drafter.num_layers: checkpoint 2, this run 3"):
         build_run(make_cfg([f"resume={last}", "drafter.num_layers=3"], tmp_path / "other"))
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        # Same shapes, other meaning: the weights would load and train the wrong drafter.
+        (
+            "drafter.target_layer_ids=[0,5]",
+            r"drafter.target_layer_ids: checkpoint \[1, 3\], this run \[0, 5\]",
+        ),
+        ("drafter.mask_token_id=7", "drafter.mask_token_id: checkpoint 511, this run 7"),
+        ("drafter.block_size=8", "drafter.block_size: checkpoint 4, this run 8"),
+        ("target.init_seed=1", "target.init_seed: checkpoint 0, this run 1"),
+    ],
+)
+def test_resume_with_another_meaning_is_refused_naming_both_values(
+    make_cfg, tmp_path, override, message, monkeypatch
+):
+    from dflash.models.target import FrozenTarget
+
+    cfg = make_cfg(["train.total_steps=2"])
+    train(cfg)
+    last = (Path(cfg.paths.output_dir) / "checkpoints" / "last").resolve()
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded before the checkpoint was checked")
+
+    monkeypatch.setattr(FrozenTarget, "from_config", no_load)
+    with pytest.raises(
+        ValueError, match=f"resume={last} was trained for another drafter or target .*{message}"
+    ):
+        build_run(make_cfg([f"resume={last}", override], tmp_path / "other"))

@@ -7,12 +7,29 @@ rules that involve several fields, the target's architecture or the visible devi
 
 from __future__ import annotations
 
+import re
 from typing import Any
 
 from dflash.config.devices import ProcessSlot, resolve_device_split
 from dflash.config.schema import DataKind, NoiseKind, PipelineKind
 from dflash.data.conversations import expand_files
 from dflash.models.layer_ids import default_target_layer_ids
+
+
+# The numeric keys of summary.json (the run summary, the evaluation report's metrics, the role
+# figures): what `objective` may name. tests/test_train.py checks a real summary against them.
+OBJECTIVE_PATTERNS = (
+    r"steps|wall_s|replicas|node_gpus",
+    r"train/(loss|acc)(_first_window)?|train/tau_sim",
+    r"eval/(tau|num_prompts|lossless_frac|divergence_max_logit_gap)",
+    r"eval/accept_len_\d+_frac",
+    r"eval/[^/]+/(tau|speedup)(_t[0-9.e+-]+)?",
+    r"roles/(target|drafter)_(busy_frac|s_per_batch)|roles/data_wait_frac",
+)
+
+
+def is_summary_metric(key: str) -> bool:
+    return any(re.fullmatch(pattern, key) for pattern in OBJECTIVE_PATTERNS)
 
 
 def resolve_layer_ids(cfg: Any, num_target_layers: int) -> list[int]:
@@ -72,6 +89,14 @@ def validate(
         raise ValueError(
             f"pipeline=sync runs one target and one drafter; got gpu.target={cfg.gpu.target}, "
             f"gpu.drafter={cfg.gpu.drafter} ({len(targets)} + {len(drafters)} devices)"
+        )
+    if cfg.debug.max_steps is not None and cfg.debug.max_steps < 1:
+        raise ValueError(f"debug.max_steps must be >= 1 (or null: no limit), got {cfg.debug.max_steps}")
+    if not is_summary_metric(cfg.objective):
+        raise ValueError(
+            f"objective={cfg.objective!r} is not a summary metric; use one of train/loss, train/acc, "
+            "train/tau_sim, eval/tau, eval/lossless_frac, eval/<benchmark>/tau, eval/<benchmark>/speedup, "
+            "roles/drafter_busy_frac, ... (the numeric keys of summary.json)"
         )
     if cfg.logger.every_steps < 1:
         raise ValueError(f"logger.every_steps must be >= 1, got {cfg.logger.every_steps}")
