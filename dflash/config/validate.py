@@ -15,7 +15,6 @@ from dflash.config.schema import DataKind, NoiseKind, PipelineKind
 from dflash.data.conversations import expand_files
 from dflash.models.layer_ids import default_target_layer_ids
 
-
 # The numeric keys of summary.json (the run summary, the evaluation report's metrics, the role
 # figures): what `objective` may name. tests/test_train.py checks a real summary against them.
 OBJECTIVE_PATTERNS = (
