@@ -1,5 +1,6 @@
 """Hydra callbacks. `RunRecordCallback` writes `run.json` into every job dir, under any launcher
-(basic, multirun, submitit/SLURM), also when the job fails.
+(basic, multirun, submitit/SLURM), also when the job fails; before Hydra writes anything into a
+run (or sweep) dir it takes the dir's lock, so a second live run into it is refused.
 
 run.json: resolved config, group choices, overrides, versions of dflash and its libraries, the
 git commit of the code, the devices, start/end time, exit status (with the error of a failed
@@ -23,6 +24,9 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from omegaconf import DictConfig, OmegaConf
+
+from dflash.errors import exit_for_user_error
+from dflash.run_lock import RunDirInUse, RunDirLock, holds_run_dir_lock
 
 LIBRARIES = ("dflash", "torch", "transformers", "hydra-core", "omegaconf", "safetensors", "wandb", "numpy")
 
@@ -70,6 +74,35 @@ class RunRecordCallback(Callback):
         self.filename = filename
         self._started: dict[str, float] = {}
         self._threads_at_start: dict[str, list[str]] = {}
+        self._lock: RunDirLock | None = None
+
+    # The lock is taken before Hydra writes .hydra/ into the dir, and held until the run or
+    # sweep ends (or the process dies). Hydra turns a callback's exception into a warning and
+    # goes on, so a refusal exits here (SystemExit is not an Exception).
+    def _lock_dir(self, directory: str) -> None:
+        if not holds_run_dir_lock():
+            return
+        try:
+            self._lock = RunDirLock(directory).acquire()
+        except RunDirInUse as exc:
+            exit_for_user_error("dflash", str(exc))
+
+    def _unlock(self) -> None:
+        if self._lock is not None:
+            self._lock.release()
+            self._lock = None
+
+    def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._lock_dir(config.hydra.run.dir)
+
+    def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
+        self._unlock()
+
+    def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        self._lock_dir(config.hydra.sweep.dir)
+
+    def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        self._unlock()
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         output_dir = HydraConfig.get().runtime.output_dir

@@ -1,0 +1,21 @@
+"""How the command-line tools end on a user's mistake: one line naming the key, file or path and
+what to do, and exit code 2 (internal errors keep their traceback and exit 1).
+`HYDRA_FULL_ERROR=1` shows the whole traceback for user errors too.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+USER_ERROR_EXIT = 2
+
+
+def exit_for_user_error(tool: str, message: str) -> None:
+    """Print `<tool>: error: <message>` to stderr and exit with USER_ERROR_EXIT."""
+    print(f"{tool}: error: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(USER_ERROR_EXIT)
+
+
+def full_errors_requested() -> bool:
+    return os.environ.get("HYDRA_FULL_ERROR") == "1"

@@ -1,0 +1,67 @@
+"""A run directory belongs to one live run.
+
+Two runs writing one directory interleave their metrics, checkpoints and records, and both exit
+0. The first to start takes an exclusive lock on `<dir>/.dflash.lock` (flock: the OS releases
+it when the process dies, however it dies) and writes its pid, host and start time there; a
+second run into the same directory is refused naming them. Under torchrun every rank shares
+the run dir: rank 0 holds the lock for all of them.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import platform
+import time
+from pathlib import Path
+
+LOCK_FILE = ".dflash.lock"
+
+
+class RunDirInUse(ValueError):
+    """Another live process holds the run directory."""
+
+
+class RunDirLock:
+    def __init__(self, directory: Path | str):
+        self.directory = Path(directory)
+        self._fd: int | None = None
+
+    def acquire(self) -> RunDirLock:
+        self.directory.mkdir(parents=True, exist_ok=True)
+        path = self.directory / LOCK_FILE
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.read(fd, 4096).decode(errors="replace")
+            os.close(fd)
+            raise RunDirInUse(
+                f"run dir {self.directory} belongs to a run still alive ({describe(holder)}); "
+                "give this run its own hydra.run.dir (or wait for that one to end)"
+            ) from None
+        os.ftruncate(fd, 0)
+        started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime())
+        os.write(fd, json.dumps({"pid": os.getpid(), "host": platform.node(), "started": started}).encode())
+        self._fd = fd
+        return self
+
+    def release(self) -> None:
+        if self._fd is not None:
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+            os.close(self._fd)
+            self._fd = None
+
+
+def describe(holder: str) -> str:
+    try:
+        info = json.loads(holder)
+        return f"pid {info['pid']} on {info['host']}, started {info['started']}"
+    except (ValueError, KeyError, TypeError):
+        return "a process that has not written its name yet"
+
+
+def holds_run_dir_lock() -> bool:
+    """Whether this process takes the lock: the only process, or torchrun's rank 0."""
+    return int(os.environ.get("RANK", "0")) == 0

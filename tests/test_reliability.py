@@ -1,0 +1,67 @@
+"""Nothing lost, nothing silently accepted: run-dir ownership, run records however a job ends,
+one-line user errors, one metrics row per log window, the non-finite guard."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from dflash.tools.compose import compose_config
+from tests.conftest import FAST
+
+# Generous: these run CLI subprocesses on a 2-core machine that may be busy with other work.
+CLI_TIMEOUT_S = 900
+
+
+def cli(args: list[str], **kwargs) -> subprocess.Popen:
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(
+        [sys.executable, "-m", "dflash.train", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        **kwargs,
+    )
+
+
+def wait_for_lines(path: Path, count: int, proc: subprocess.Popen) -> None:
+    deadline = time.time() + CLI_TIMEOUT_S
+    while time.time() < deadline and proc.poll() is None:
+        if path.exists() and len(path.read_text().splitlines()) >= count:
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"{path} never reached {count} lines (run exited: {proc.poll()})")
+
+
+def test_a_second_run_into_a_live_run_dir_is_refused_and_the_first_is_untouched(tmp_path, data_cache):
+    run_dir = tmp_path / "shared"
+    common = FAST + [f"paths.cache_dir={data_cache}", f"hydra.run.dir={run_dir}", "logger.every_steps=1"]
+    first = cli(common + ["train.total_steps=120", "loss.gamma=4"])
+    wait_for_lines(run_dir / "metrics.jsonl", 3, first)
+    hydra_config = (run_dir / ".hydra" / "config.yaml").read_text()
+    second = cli(common + ["train.total_steps=10", "loss.gamma=7", "seed=1"])
+    _, error = second.communicate(timeout=CLI_TIMEOUT_S)
+    assert second.returncode == 2, error[-2000:]
+    assert error.count("\n") == 1 and re.search(
+        rf"run dir {run_dir} belongs to a run still alive \(pid {first.pid} on .*, started ", error
+    )
+    assert (run_dir / ".hydra" / "config.yaml").read_text() == hydra_config  # nothing overwritten
+    output, error = first.communicate(timeout=CLI_TIMEOUT_S)
+    assert first.returncode == 0, error[-2000:]
+    steps = [json.loads(line)["step"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    train_steps = [s for s in steps if s <= 120]
+    assert sorted(set(train_steps)) == list(range(1, 121))  # every step once: no second writer
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "COMPLETED" and record["config"]["loss"]["gamma"] == 4.0
+
+
+def test_default_run_dirs_carry_microseconds_so_runs_in_one_second_do_not_collide():
+    hydra = compose_config([], return_hydra_config=True).hydra
+    assert re.fullmatch(r"outputs/\d{4}-\d{2}-\d{2}/\d{2}-\d{2}-\d{2}-\d{6}", hydra.run.dir)
+    assert re.fullmatch(r"multirun/\d{4}-\d{2}-\d{2}/\d{2}-\d{2}-\d{2}-\d{6}", hydra.sweep.dir)
