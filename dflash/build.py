@@ -53,6 +53,7 @@ from dflash.noise import NoiseSchedule
 from dflash.pipeline.roles import role_lines
 from dflash.pipeline.runner import AsyncTrainer, FaultInjection
 from dflash.trainer.periodic_eval import PeriodicEval
+from dflash.trainer.signals import StopRequested, stop_on_signals
 from dflash.trainer.state import CheckpointSettings
 from dflash.trainer.step import BlockSettings, DrafterStep
 from dflash.trainer.sync import SyncTrainer
@@ -115,18 +116,30 @@ class Run:
             if not self.process_group.is_main:
                 ok = True
                 return {"rank": self.process_group.rank, "steps": self.trainer.position.step}
-            report = evaluate(
-                self.trainer.target,
-                self.trainer.drafter,
-                self.eval_prompts,
-                node(self.cfg, "eval"),
-                timing=False,
-            )
+            with stop_on_signals() as stop:  # a signal now ends the evaluation, not the process
+                report = evaluate(
+                    self.trainer.target,
+                    self.trainer.drafter,
+                    self.eval_prompts,
+                    node(self.cfg, "eval"),
+                    timing=False,
+                    should_stop=stop.is_set,
+                )
             eval_metrics = report.metrics()
             self.trainer.monitor.log(eval_metrics, self.trainer.position.step)
             summary = self._summary(eval_metrics, time.perf_counter() - started)
+            summary["eval/interrupted"] = report.interrupted
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             print(format_summary(summary), flush=True)
+            if report.interrupted:
+                planned = sum(len(p.prompts) for p in self.eval_prompts) * len(self.cfg.eval.temperatures)
+                log.warning(
+                    "stopped during the final evaluation after %d of %d prompt decodings: summary.json "
+                    "holds what was evaluated; the training checkpoint is complete",
+                    int(eval_metrics["eval/num_prompts"]),
+                    planned,
+                )
+                raise StopRequested(stop.signum)
             ok = True
             return summary
         finally:
@@ -165,8 +178,14 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"train loss        {summary['train/loss_first_window']:.3f} -> {summary['train/loss']:.3f}",
         f"train accuracy    {summary['train/acc_first_window']:.3f} -> {summary['train/acc']:.3f}",
         f"tau (simulated)   {summary['train/tau_sim']:.3f}",
-        f"tau (spec decode) {summary['eval/tau']:.3f} over {int(summary['eval/num_prompts'])} held-out prompts",
     ]
+    if "eval/tau" in summary:
+        lines.append(
+            f"tau (spec decode) {summary['eval/tau']:.3f} over {int(summary['eval/num_prompts'])} held-out prompts"
+            + (" (evaluation interrupted)" if summary.get("eval/interrupted") else "")
+        )
+    else:
+        lines.append("tau (spec decode) not measured: the evaluation was interrupted before its first prompt")
     if "eval/lossless_frac" in summary:
         lines.append(f"lossless          {lossless_line(summary)}")
     lines.extend(role_lines(summary))

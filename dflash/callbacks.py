@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import signal
 import subprocess
 import threading
 import time
@@ -27,6 +28,7 @@ from omegaconf import DictConfig, OmegaConf
 
 from dflash.errors import exit_for_user_error
 from dflash.run_lock import RunDirInUse, RunDirLock, holds_run_dir_lock
+from dflash.trainer.signals import StopRequested
 
 LIBRARIES = ("dflash", "torch", "transformers", "hydra-core", "omegaconf", "safetensors", "wandb", "numpy")
 
@@ -113,12 +115,13 @@ class RunRecordCallback(Callback):
         hydra_cfg = HydraConfig.get()
         output_dir = Path(hydra_cfg.runtime.output_dir)
         failed = job_return.status == JobStatus.FAILED
+        error = job_return._return_value if failed else None
+        stopped = isinstance(error, StopRequested)
         summary_path = output_dir / "summary.json"
         record = {
-            "status": "FAILED" if failed else "COMPLETED",
-            "error": f"{type(job_return._return_value).__name__}: {job_return._return_value}"
-            if failed
-            else None,
+            "status": "INTERRUPTED" if stopped else "FAILED" if failed else "COMPLETED",
+            "signal": signal.Signals(error.signum).name if stopped else None,
+            "error": f"{type(error).__name__}: {error}" if failed else None,
             "start_time": self._started.pop(str(output_dir), None),
             "end_time": time.time(),
             "job": {"name": hydra_cfg.job.name, "num": hydra_cfg.job.get("num"), "mode": str(hydra_cfg.mode)},
@@ -131,9 +134,17 @@ class RunRecordCallback(Callback):
             "threads_at_start": self._threads_at_start.pop(str(output_dir), []),
             "metrics": json.loads(summary_path.read_text()) if summary_path.is_file() else {},
         }
-        tmp = output_dir / f".{self.filename}.tmp"
+        # torchrun ranks share the dir: rank 0 writes run.json, the others run.rank<r>.json.
+        rank = int(os.environ.get("RANK", "0"))
+        filename = self.filename if rank == 0 else self.filename.replace(".json", f".rank{rank}.json")
+        tmp = output_dir / f".{filename}.tmp"
         tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
-        tmp.replace(output_dir / self.filename)
+        tmp.replace(output_dir / filename)
+        if stopped:
+            # A signalled job ends the process (a sweep too) with 128 + signal, as schedulers
+            # expect; raised here, after the record, since Hydra would report it as a failure.
+            self._unlock()
+            raise SystemExit(128 + error.signum)
 
 
 def _resolved(config: DictConfig) -> dict[str, Any]:

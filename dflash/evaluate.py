@@ -156,8 +156,10 @@ def evaluate_set(
     seed: int,
     timing: bool,
     warmup_prompts: int = 0,
+    should_stop: Callable[[], bool] | None = None,
 ) -> BenchmarkResult:
-    """Decode every prompt of the set with DFlash (and plainly when a reference or timing needs it)."""
+    """Decode every prompt of the set with DFlash (and plainly when a reference or timing needs
+    it); `should_stop` is asked before each prompt, and the result covers the prompts done."""
     greedy = temperature <= 0
     need_plain = greedy or timing
     stop = prompt_set.stop_ids | target_eos_ids(target)
@@ -168,7 +170,11 @@ def evaluate_set(
     lengths: list[int] = []
     identical, output_tokens, plain_s, dflash_s = 0, 0, 0.0, 0.0
     divergences: list[tuple[int, float]] = []
+    evaluated = 0
     for index, prompt in enumerate(prompt_set.prompts):
+        if should_stop is not None and should_stop():
+            break
+        evaluated += 1
         prompt_seed = seed + index
         result, seconds = stopwatch(
             speculative_generate,
@@ -197,15 +203,15 @@ def evaluate_set(
     report = BenchmarkResult(
         benchmark=prompt_set.name,
         temperature=temperature,
-        num_prompts=len(prompt_set.prompts),
+        num_prompts=evaluated,
         output_tokens=output_tokens,
         verifications=len(lengths),
         tau=float(np.mean(lengths)) if lengths else 0.0,
         acceptance_histogram=[round(float(h), 4) for h in histogram],
-        lossless_frac=identical / len(prompt_set.prompts) if greedy else None,
+        lossless_frac=identical / evaluated if greedy and evaluated else None,
         divergences=divergences,
     )
-    if timing:
+    if timing and output_tokens:
         report.plain_ms_per_token = 1000.0 * plain_s / output_tokens
         report.dflash_ms_per_token = 1000.0 * dflash_s / output_tokens
         report.speedup = plain_s / dflash_s
@@ -241,6 +247,7 @@ def lossless_line(metrics: dict[str, float]) -> str:
 class EvalReport:
     results: list[BenchmarkResult] = field(default_factory=list)
     meta: dict[str, Any] = field(default_factory=dict)
+    interrupted: bool = False  # stopped early (a signal): the results cover the prompts done
 
     def greedy(self) -> list[BenchmarkResult]:
         return [r for r in self.results if r.temperature <= 0]
@@ -249,6 +256,8 @@ class EvalReport:
         """Flat floats for the monitor / summary: eval/tau and eval/lossless_frac over the
         greedy results, per-benchmark eval/<name>/tau, the pooled acceptance histogram."""
         greedy = self.greedy() or self.results
+        if not greedy:
+            return {"eval/num_prompts": 0.0}
         weights = np.array([r.output_tokens for r in greedy], dtype=float)
         taus = np.array([r.tau for r in greedy])
         out = {
@@ -320,7 +329,10 @@ def evaluate(
     prompt_sets: list[PromptSet],
     cfg: EvalConfig,
     timing: bool,
+    should_stop: Callable[[], bool] | None = None,
 ) -> EvalReport:
+    """Every prompt set at every temperature; `should_stop` (a signal) ends it early with what
+    was evaluated, `interrupted` set."""
     if next(drafter.parameters()).device != target.device:
         drafter = copy.deepcopy(drafter).to(target.device)  # gpu=split: replicas live elsewhere
     was_training = drafter.training
@@ -329,18 +341,22 @@ def evaluate(
         report = EvalReport()
         for temperature in cfg.temperatures:
             for prompt_set in prompt_sets:
-                report.results.append(
-                    evaluate_set(
-                        target,
-                        drafter,
-                        prompt_set,
-                        cfg.max_new_tokens,
-                        temperature,
-                        cfg.seed,
-                        timing,
-                        cfg.warmup_prompts,
-                    )
+                result = evaluate_set(
+                    target,
+                    drafter,
+                    prompt_set,
+                    cfg.max_new_tokens,
+                    temperature,
+                    cfg.seed,
+                    timing,
+                    cfg.warmup_prompts,
+                    should_stop,
                 )
+                if result.num_prompts:
+                    report.results.append(result)
+                if should_stop is not None and should_stop():
+                    report.interrupted = True
+                    return report
         return report
     finally:
         drafter.train(was_training)

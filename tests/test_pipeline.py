@@ -269,6 +269,8 @@ def test_sigterm_writes_a_checkpoint_and_resume_finishes_identically(tmp_path, d
     last = run_dir / "checkpoints" / "last"
     stopped_at = torch.load(last / "trainer_state.pt", weights_only=True)["position"]["step"]
     assert 5 <= stopped_at < 300
+    record = json.loads((run_dir / "run.json").read_text())  # every job has its record
+    assert record["status"] == "INTERRUPTED" and record["signal"] == "SIGTERM"
 
     train(compose_config(args + [f"resume={last.resolve()}"], tmp_path / "resumed", data_cache))
     train(compose_config(args, tmp_path / "straight", data_cache))

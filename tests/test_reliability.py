@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import time
@@ -65,3 +66,31 @@ def test_default_run_dirs_carry_microseconds_so_runs_in_one_second_do_not_collid
     hydra = compose_config([], return_hydra_config=True).hydra
     assert re.fullmatch(r"outputs/\d{4}-\d{2}-\d{2}/\d{2}-\d{2}-\d{2}-\d{6}", hydra.run.dir)
     assert re.fullmatch(r"multirun/\d{4}-\d{2}-\d{2}/\d{2}-\d{2}-\d{2}-\d{6}", hydra.sweep.dir)
+
+
+def test_sigterm_during_the_final_evaluation_says_so_and_keeps_what_it_has(tmp_path, data_cache):
+    run_dir = tmp_path / "run"
+    args = FAST + [
+        f"paths.cache_dir={data_cache}",
+        f"hydra.run.dir={run_dir}",
+        "train.total_steps=4",
+        "checkpoint.every_steps=4",
+        "eval.num_prompts=400",  # long enough to be caught in the middle
+        "eval.max_new_tokens=32",
+    ]
+    proc = cli(args)
+    final = run_dir / "checkpoints" / "step_0000004" / "model.safetensors"
+    deadline = time.time() + CLI_TIMEOUT_S
+    while time.time() < deadline and proc.poll() is None and not final.exists():
+        time.sleep(0.05)
+    time.sleep(2.0)  # training is over; the evaluation of 400 prompts has begun
+    proc.send_signal(signal.SIGTERM)
+    output, error = proc.communicate(timeout=CLI_TIMEOUT_S)
+    assert proc.returncode == 128 + signal.SIGTERM, error[-3000:]
+    assert "stopped during the final evaluation after" in output + error
+    summary = json.loads((run_dir / "summary.json").read_text())
+    assert summary["eval/interrupted"] is True and summary["steps"] == 4
+    assert 0 < summary["eval/num_prompts"] < 400  # what was evaluated, kept
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "INTERRUPTED" and record["signal"] == "SIGTERM"
+    assert record["metrics"]["eval/interrupted"] is True
