@@ -15,8 +15,10 @@ import os
 import platform
 import signal
 import subprocess
+import sys
 import threading
 import time
+import traceback
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -24,9 +26,10 @@ from typing import Any
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
-from dflash.errors import exit_for_user_error
+from dflash.errors import exit_for_user_error, full_errors_requested
 from dflash.run_lock import RunDirInUse, RunDirLock, holds_run_dir_lock
 from dflash.trainer.signals import StopRequested
 
@@ -87,7 +90,12 @@ class RunRecordCallback(Callback):
         try:
             self._lock = RunDirLock(directory).acquire()
         except RunDirInUse as exc:
-            exit_for_user_error("dflash", str(exc))
+            exit_for_user_error(tool_name(), str(exc))
+        except OSError as exc:  # a read-only mount, /proc, a full disk, no permission
+            exit_for_user_error(
+                tool_name(),
+                f"cannot write the run dir {directory} ({exc.strerror}); set hydra.run.dir to a writable place",
+            )
 
     def _unlock(self) -> None:
         if self._lock is not None:
@@ -122,6 +130,7 @@ class RunRecordCallback(Callback):
             "status": "INTERRUPTED" if stopped else "FAILED" if failed else "COMPLETED",
             "signal": signal.Signals(error.signum).name if stopped else None,
             "error": f"{type(error).__name__}: {error}" if failed else None,
+            "traceback": "".join(traceback.format_exception(error)) if failed else None,
             "start_time": self._started.pop(str(output_dir), None),
             "end_time": time.time(),
             "job": {"name": hydra_cfg.job.name, "num": hydra_cfg.job.get("num"), "mode": str(hydra_cfg.mode)},
@@ -145,6 +154,22 @@ class RunRecordCallback(Callback):
             # expect; raised here, after the record, since Hydra would report it as a failure.
             self._unlock()
             raise SystemExit(128 + error.signum)
+        if failed and is_user_error(error) and hydra_cfg.mode == RunMode.RUN and not full_errors_requested():
+            # One line instead of Hydra's traceback; the traceback stays in the record. (A sweep
+            # records the failed job and goes on.)
+            self._unlock()
+            exit_for_user_error(tool_name(), f"{error}  [traceback: {output_dir / filename}]")
+
+
+def is_user_error(error: BaseException) -> bool:
+    """Bad config, a missing or unreadable file, an unwritable dir, a full disk: what the user
+    fixes. dflash raises ValueError naming the key, file or path for every such mistake."""
+    return isinstance(error, (ValueError, OSError))
+
+
+def tool_name() -> str:
+    name = Path(sys.argv[0]).name
+    return name if name.startswith("dflash-") else "dflash"
 
 
 def _resolved(config: DictConfig) -> dict[str, Any]:

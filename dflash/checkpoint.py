@@ -145,9 +145,22 @@ def save_checkpoint(
     final = root / f"step_{step:07d}"
     tmp = root / f".tmp-{final.name}"
     shutil.rmtree(tmp, ignore_errors=True)
-    export_drafter(drafter, tmp)
-    torch.save(trainer_state, tmp / STATE_FILE)
-    (tmp / RUN_CONFIG_FILE).write_text(run_config_yaml)
+    try:
+        export_drafter(drafter, tmp)
+        torch.save(trainer_state, tmp / STATE_FILE)
+        (tmp / RUN_CONFIG_FILE).write_text(run_config_yaml)
+    except (OSError, SafetensorError) as exc:  # a full disk, a quota, a vanished mount
+        shutil.rmtree(tmp, ignore_errors=True)
+        kept = (
+            f"the previous checkpoint {(root / 'last').resolve()} is intact"
+            if (root / "last").exists()
+            else ""
+        )
+        raise OSError(
+            getattr(exc, "errno", None),
+            f"writing checkpoint {final} failed ({exc}); {kept or 'no earlier checkpoint exists'}; "
+            "free space or point hydra.run.dir elsewhere, then resume=",
+        ) from exc
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)

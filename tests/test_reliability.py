@@ -12,6 +12,8 @@ import sys
 import time
 from pathlib import Path
 
+import pytest
+
 from dflash.tools.compose import compose_config
 from tests.conftest import FAST
 
@@ -94,3 +96,40 @@ def test_sigterm_during_the_final_evaluation_says_so_and_keeps_what_it_has(tmp_p
     record = json.loads((run_dir / "run.json").read_text())
     assert record["status"] == "INTERRUPTED" and record["signal"] == "SIGTERM"
     assert record["metrics"]["eval/interrupted"] is True
+
+
+def run_tool(args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        args, capture_output=True, text=True, timeout=CLI_TIMEOUT_S, env={**os.environ, **(env or {})}
+    )
+
+
+def test_user_errors_are_one_line_with_exit_code_2_and_the_traceback_is_kept(tmp_path):
+    train_cli = [sys.executable, "-m", "dflash.train"]
+    bad = run_tool([*train_cli, "drafter.mask_token_id=900", f"hydra.run.dir={tmp_path / 'bad'}"])
+    assert bad.returncode == 2
+    assert bad.stderr.strip().count("\n") == 0, bad.stderr  # one line, no traceback
+    assert bad.stderr.startswith("dflash: error: drafter.mask_token_id=900 is outside the target's embedding")
+    record = json.loads((tmp_path / "bad" / "run.json").read_text())
+    assert record["status"] == "FAILED" and "Traceback" in record["traceback"]  # nothing lost
+    full = run_tool(
+        [*train_cli, "drafter.mask_token_id=900", f"hydra.run.dir={tmp_path / 'full'}"],
+        env={"HYDRA_FULL_ERROR": "1"},
+    )
+    assert full.returncode == 1 and "Traceback" in full.stderr and "validate.py" in full.stderr
+    unwritable = run_tool([*train_cli, "hydra.run.dir=/proc/dflash-test"])
+    assert unwritable.returncode == 2 and unwritable.stderr.strip().count("\n") == 0
+    assert "cannot write the run dir /proc/dflash-test" in unwritable.stderr
+    missing = run_tool([sys.executable, "-m", "dflash.tools.diff", str(tmp_path / "nowhere")])
+    assert missing.returncode == 2
+    assert missing.stderr == f"dflash-diff: error: {tmp_path / 'nowhere'}: no such run directory\n"
+
+
+def test_an_empty_conversation_file_says_it_is_empty(make_cfg, tiny_chat_dir, tmp_path):
+    from dflash.build import build_run
+    from tests.conftest import conversation_overrides
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(ValueError, match="the files hold no conversation records"):
+        build_run(make_cfg(conversation_overrides(tiny_chat_dir, [empty])))

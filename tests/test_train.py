@@ -82,9 +82,13 @@ def test_failed_checkpoint_write_keeps_the_previous_one(make_cfg, monkeypatch):
         return real_save(obj, path, *args, **kwargs)
 
     monkeypatch.setattr(checkpoint_module.torch, "save", failing_save)
-    with pytest.raises(OSError, match="disk full"):
-        run.execute()
     ckpts = Path(cfg.paths.output_dir) / "checkpoints"
+    with pytest.raises(
+        OSError,
+        match=r"writing checkpoint .*step_0000004 failed \(disk full\); the previous "
+        rf"checkpoint {ckpts.resolve()}/step_0000002 is intact",
+    ):
+        run.execute()
     assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_0000002"]
     assert (ckpts / "last").resolve().name == "step_0000002"
     assert torch.load(ckpts / "last" / "trainer_state.pt", weights_only=True)["position"]["step"] == 2

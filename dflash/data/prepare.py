@@ -155,10 +155,16 @@ def prepare(renderer: ChatRenderer, cfg: DataConfig) -> tuple[TokenDataset, Prep
     stats.records = read + sum(v for k, v in skipped.counts.items() if k in READ_PROBLEMS)
     stats.samples = len(samples)
     stats.skipped, stats.skipped_examples = dict(skipped.counts), list(skipped.examples)
-    if not samples:
+    if not samples and not stats.records:
         raise ValueError(
-            f"data.files={list(cfg.files)}: no usable conversation (skipped {stats.skipped}); "
-            f"first problems: {stats.skipped_examples}"
+            f"data.files={list(cfg.files)}: the files hold no conversation records (empty?); "
+            "each line (or array item) must be an OpenAI `messages` or ShareGPT `conversations` record"
+        )
+    if not samples:
+        reasons = ", ".join(f"{count} {reason}" for reason, count in sorted(stats.skipped.items()))
+        raise ValueError(
+            f"data.files={list(cfg.files)}: none of {stats.records} records is usable ({reasons}); "
+            f"first problems: {'; '.join(stats.skipped_examples)}"
         )
     return TokenDataset.from_samples(samples), stats
 

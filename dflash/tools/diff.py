@@ -23,6 +23,8 @@ from typing import Any
 
 import yaml
 
+from dflash.errors import exit_for_user_error
+
 DEFAULT_IGNORE = (
     "paths.*",
     "hydra.*",
@@ -91,6 +93,8 @@ def load_run(path: Path) -> RunInfo:
 def expand(paths: list[Path]) -> list[Path]:
     runs = []
     for path in paths:
+        if not path.is_dir():
+            raise ValueError(f"{path}: no such run directory")
         if is_run_dir(path) or (path / "config.yaml").is_file():
             runs.append(path)
         else:
@@ -99,7 +103,7 @@ def expand(paths: list[Path]) -> list[Path]:
                 key=lambda p: (len(p.name), p.name),
             )
             if not jobs:
-                raise SystemExit(f"dflash-diff: {path} holds no run (no run.json or .hydra/ in it or below)")
+                raise ValueError(f"{path} holds no run (no run.json or .hydra/ in it or below)")
             runs += jobs
     return runs
 
@@ -230,6 +234,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--defaults", action="store_true", help="compare against the default config")
     parser.add_argument("--ignore", action="append", default=[], help="fnmatch pattern of keys to leave out")
     args = parser.parse_args(argv)
+    try:
+        compare(args)
+    except (ValueError, OSError) as exc:  # a missing or unreadable run: one line, exit 2
+        exit_for_user_error("dflash-diff", str(exc))
+
+
+def compare(args: argparse.Namespace) -> None:
     ignore = list(DEFAULT_IGNORE) + args.ignore
     paths = expand(args.paths)
     runs = [load_run(p) for p in paths]
@@ -240,7 +251,7 @@ def main(argv: list[str] | None = None) -> None:
         print(sweep_deltas(runs, ignore, markdown))
         return
     if len(runs) < 2:
-        raise SystemExit("dflash-diff: give two runs, a sweep dir, or one run with --defaults")
+        raise ValueError("give two runs, a sweep dir, or one run with --defaults")
     diff = compute(runs, ignore, args.all)
     print(render_markdown(diff) if markdown else render_text(diff))
 
