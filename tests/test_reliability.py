@@ -133,3 +133,18 @@ def test_an_empty_conversation_file_says_it_is_empty(make_cfg, tiny_chat_dir, tm
     empty.write_text("")
     with pytest.raises(ValueError, match="the files hold no conversation records"):
         build_run(make_cfg(conversation_overrides(tiny_chat_dir, [empty])))
+
+
+def test_one_row_per_log_window_whatever_the_tick_cadence(make_cfg, tmp_path):
+    """A monitor that ticks rarely (here: only at the end) must not merge windows: sync and
+    async runs of one seed write the same train/ values at the same steps."""
+    from dflash.train import train
+
+    common = ["train.total_steps=20", "logger.every_steps=5", "monitor.interval_s=1e9"]
+    rows = {}
+    for pipeline in ("sync", "async"):
+        train(make_cfg(common + [f"pipeline={pipeline}"], tmp_path / pipeline))
+        lines = (tmp_path / pipeline / "metrics.jsonl").read_text().splitlines()
+        rows[pipeline] = {r["step"]: r["train/loss"] for r in map(json.loads, lines) if "train/loss" in r}
+    assert sorted(rows["sync"]) == [5, 10, 15, 20]
+    assert rows["sync"] == rows["async"]  # bitwise on CPU

@@ -1,11 +1,13 @@
-"""The Monitor: every `monitor.interval_s`, on the main thread, one flat dict of floats to the sinks.
+"""The Monitor: every `monitor.interval_s`, on the main thread, rows of floats to the sinks.
 
 It reads what the pipeline stages expose (completed metric windows, batch stats, queue depths,
 per-worker counters), NVML telemetry and CUDA allocator stats. It never touches a device tensor:
 windows arrive as host floats through pinned copies, everything else is host counters.
 
-`interval_s: 0` ticks once per completed metric window (every `logger.every_steps` steps), which
-is what step-exact comparisons (sync vs async, resume) read.
+Each completed log window (every `logger.every_steps` steps) is one row at its own step, whatever
+the tick cadence: step-exact comparisons (sync vs async, resume, two seeds) read the same rows.
+`interval_s` sets how often telemetry is sampled (on the last window's row of the tick, or a row
+of its own); `interval_s: 0` ticks as soon as a window completes.
 """
 
 from __future__ import annotations
@@ -63,30 +65,37 @@ class Monitor:
         if not force and self.cfg.interval_s > 0 and now - self._last_tick < self.cfg.interval_s:
             return
         groups = self.probe.completed_windows(wait)
-        if self.cfg.interval_s == 0:
-            for group in groups:
-                self._tick([group])
-        elif groups or force:
+        if groups or force or self.cfg.interval_s > 0:
             self._tick(groups)
 
     def _tick(self, groups: list[list[MetricWindow]]) -> None:
+        """One row per completed log window, at its own step, with that window's train/ metrics
+        only (never merged with the next window, however late the tick): two runs of one seed
+        log the same values at the same steps. The tick's telemetry (pipeline, queues, GPUs,
+        allocator, sinks) rides on the last window's row, or on a row of its own."""
         now = time.perf_counter()
         elapsed = max(now - self._last_tick, 1e-9)
-        for group in groups:
-            self.window_history.append({"step": float(group[0].end_step), **train_metrics([group])})
-        metrics = train_metrics(groups) if groups else {}
-        metrics.update(self._pipeline_metrics(elapsed))
-        metrics.update(self.telemetry.read())
-        if self.cfg.cuda_stats and self.cuda_devices:
-            metrics.update(cuda_allocator_stats(self.cuda_devices))
-        for sink in self.sinks:
-            metrics.update(getattr(sink, "health", dict)())
-        step = int(metrics.get("train/opt_step", self.history[-1]["step"] if self.history else 0))
         self._last_tick = now
-        if groups:
-            self.history.append({"step": float(step), **metrics})
+        rows = []
+        for group in groups:
+            row = train_metrics([group])
+            self.window_history.append({"step": float(group[0].end_step), **row})
+            rows.append((group[0].end_step, row))
+        telemetry = self._pipeline_metrics(elapsed)
+        telemetry.update(self.telemetry.read())
+        if self.cfg.cuda_stats and self.cuda_devices:
+            telemetry.update(cuda_allocator_stats(self.cuda_devices))
         for sink in self.sinks:
-            sink.log(metrics, step)
+            telemetry.update(getattr(sink, "health", dict)())
+        if rows:
+            rows[-1][1].update(telemetry)
+        else:
+            rows.append((int(self.history[-1]["step"]) if self.history else 0, telemetry))
+        for step, row in rows:
+            if "train/loss" in row:
+                self.history.append({"step": float(step), **row})
+            for sink in self.sinks:
+                sink.log(row, step)
 
     def _pipeline_metrics(self, elapsed: float) -> dict[str, float]:
         stats = self.probe.pipeline_stats()
