@@ -148,3 +148,36 @@ def test_one_row_per_log_window_whatever_the_tick_cadence(make_cfg, tmp_path):
         rows[pipeline] = {r["step"]: r["train/loss"] for r in map(json.loads, lines) if "train/loss" in r}
     assert sorted(rows["sync"]) == [5, 10, 15, 20]
     assert rows["sync"] == rows["async"]  # bitwise on CPU
+
+
+@pytest.mark.parametrize("pipeline", ["sync", "async"])
+def test_a_nan_loss_skips_its_update_and_stops_the_run_with_good_checkpoints(make_cfg, monkeypatch, pipeline):
+    import torch
+    from safetensors.torch import load_file
+
+    from dflash.build import build_run
+    from dflash.monitor.train_metrics import NonFiniteTraining
+    from dflash.trainer import step as step_module
+
+    cfg = make_cfg(
+        [f"pipeline={pipeline}", "train.total_steps=40", "checkpoint.every_steps=4", "logger.every_steps=1"]
+    )
+    run = build_run(cfg)
+    real_loss, calls = step_module.draft_loss, []
+
+    def nan_at_sixth_step(*args, **kwargs):
+        stats = real_loss(*args, **kwargs)
+        calls.append(1)
+        if len(calls) == 6:
+            stats.weighted_ce = stats.weighted_ce * float("nan")
+        return stats
+
+    monkeypatch.setattr(step_module, "draft_loss", nan_at_sixth_step)
+    with pytest.raises(NonFiniteTraining, match="1 step\\(s\\) of the log window ending at step 6"):
+        run.execute()
+    drafter, optimizer = run.trainer.drafter, run.trainer.step_fn.optimizer
+    assert all(torch.isfinite(p).all() for p in drafter.parameters())
+    first = next(iter(drafter.parameters()))
+    assert optimizer.state[first]["step"].item() == len(calls) - 1  # the NaN step did not count
+    last = Path(cfg.paths.output_dir) / "checkpoints" / "last"
+    assert all(torch.isfinite(t).all() for t in load_file(str(last / "model.safetensors")).values())

@@ -22,7 +22,7 @@ import torch
 from dflash.config.schema import MonitorConfig
 from dflash.logging.sinks import MetricSink
 from dflash.monitor.telemetry import GpuTelemetry, cuda_allocator_stats
-from dflash.monitor.train_metrics import train_metrics
+from dflash.monitor.train_metrics import NonFiniteTraining, train_metrics
 from dflash.trainer.step import MetricWindow
 
 log = logging.getLogger(__name__)
@@ -96,6 +96,15 @@ class Monitor:
                 self.history.append({"step": float(step), **row})
             for sink in self.sinks:
                 sink.log(row, step)
+        bad = [(step, row["train/nonfinite_steps"]) for step, row in rows if row.get("train/nonfinite_steps")]
+        if bad:
+            step, count = bad[0]
+            raise NonFiniteTraining(
+                f"non-finite loss or gradient in {int(count)} step(s) of the log window ending at step "
+                f"{step}: those updates were skipped, so the weights and every checkpoint hold no NaN "
+                "(resume= from the last one); lower optimizer.lr, check the data, or find the op with "
+                "debug=anomaly"
+            )
 
     def _pipeline_metrics(self, elapsed: float) -> dict[str, float]:
         stats = self.probe.pipeline_stats()

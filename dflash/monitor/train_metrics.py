@@ -8,6 +8,10 @@ from dflash.loss import tau_from_accuracy
 from dflash.trainer.step import MetricWindow
 
 
+class NonFiniteTraining(ValueError):
+    """A step's loss or gradient was NaN or inf (its update was skipped on the device)."""
+
+
 def longest_run(buckets: list[int]) -> int:
     return max((len(list(group)) for _, group in itertools.groupby(buckets)), default=0)
 
@@ -25,7 +29,10 @@ def train_metrics(groups: list[list[MetricWindow]]) -> dict[str, float]:
     bucket_ce, bucket_w = [0.0] * num_buckets, [0.0] * num_buckets
     per_replica: dict[int, dict[str, float]] = {}
     steps = run_max = 0
+    nonfinite = 0.0
     for group in groups:
+        # Every replica skips the same steps (they share the summed gradient): count them once.
+        nonfinite += max(window.sums()["nonfinite_steps"] for window in group)
         for replica, window in enumerate(group):
             sums = window.sums()
             for key in total:
@@ -50,6 +57,7 @@ def train_metrics(groups: list[list[MetricWindow]]) -> dict[str, float]:
         "train/lr": last.lr,
         "train/opt_step": float(last.end_step),
         "batch/same_bucket_run_max": float(run_max),
+        "train/nonfinite_steps": nonfinite,
     }
     metrics.update({f"train/acc_pos_{k}": acc[k] for k in range(1, block)})
     for bucket in range(num_buckets):

@@ -70,7 +70,8 @@ class MetricWindow:
     """Host copy of one replica's sums over a log window.
 
     values (host float32): [weighted_ce, weight, grad_norm_sum, correct[B], counted[B],
-    weighted_ce per bucket[NB], weight per bucket[NB]].
+    weighted_ce per bucket[NB], weight per bucket[NB], non-finite steps]. A step whose loss or
+    gradient was not finite adds only to the last (its update was skipped).
     """
 
     end_step: int
@@ -98,7 +99,8 @@ class MetricWindow:
             "correct": v[3 : 3 + b],
             "counted": v[3 + b : 3 + 2 * b],
             "bucket_weighted_ce": v[3 + 2 * b : 3 + 2 * b + nb],
-            "bucket_weight": v[3 + 2 * b + nb :],
+            "bucket_weight": v[3 + 2 * b + nb : 3 + 2 * b + 2 * nb],
+            "nonfinite_steps": v[-1],
         }
 
 
@@ -111,7 +113,7 @@ class StepMetrics:
 
     def __init__(self, block_size: int, num_buckets: int, device: torch.device):
         self.block_size, self.num_buckets, self.device = block_size, num_buckets, device
-        self._sums = torch.zeros(3 + 2 * block_size + 2 * num_buckets, device=device)
+        self._sums = torch.zeros(4 + 2 * block_size + 2 * num_buckets, device=device)
         self._reset_host()
 
     def _reset_host(self) -> None:
@@ -121,13 +123,19 @@ class StepMetrics:
     def add(self, stats: LossStats, grad_norm: torch.Tensor, batch: Batch, anchors: int) -> None:
         b, nb = self.block_size, self.num_buckets
         bucket = batch.plan.bucket  # a host int: indexing by it launches no sync
-        self._sums[0] += stats.weighted_ce.detach()
-        self._sums[1] += stats.weight
-        self._sums[2] += grad_norm.detach()
-        self._sums[3 : 3 + b] += stats.correct
-        self._sums[3 + b : 3 + 2 * b] += stats.counted
-        self._sums[3 + 2 * b + bucket] += stats.weighted_ce.detach()
-        self._sums[3 + 2 * b + nb + bucket] += stats.weight
+        # On the device, no sync: a non-finite step (its update skipped) is counted and adds
+        # nothing else, so one bad step does not turn the whole window's loss into NaN.
+        finite = torch.isfinite(grad_norm.detach()) & torch.isfinite(stats.weighted_ce.detach())
+        keep = finite.to(self._sums.dtype)
+        weighted_ce = torch.where(finite, stats.weighted_ce.detach(), 0.0)
+        self._sums[0] += weighted_ce
+        self._sums[1] += stats.weight * keep
+        self._sums[2] += torch.where(finite, grad_norm.detach(), 0.0)
+        self._sums[3 : 3 + b] += stats.correct * keep
+        self._sums[3 + b : 3 + 2 * b] += stats.counted * keep
+        self._sums[3 + 2 * b + bucket] += weighted_ce
+        self._sums[3 + 2 * b + nb + bucket] += stats.weight * keep
+        self._sums[-1] += 1.0 - keep
         self.steps += 1
         self.samples += len(batch.plan.sample_ids)
         self.real_tokens += batch.real_tokens
@@ -138,11 +146,11 @@ class StepMetrics:
         self, end_step: int, lr: float, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
     ) -> MetricWindow:
         """`reduce` (several processes): sums the window over the processes' replicas; the grad
-        norm is the same on every process, so it keeps its own value rather than the sum."""
+        norm and the skipped steps are the same on every process, so they keep their own value."""
         sums = self._sums
         if reduce is not None:
             sums = reduce(self._sums.clone())
-            sums[2] = self._sums[2]
+            sums[2], sums[-1] = self._sums[2], self._sums[-1]
         if self.device.type == "cuda":
             host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
             host.copy_(sums, non_blocking=True)
@@ -215,12 +223,22 @@ class DrafterStep:
         return stats, num_anchors
 
     def apply(self, total_weight: torch.Tensor) -> torch.Tensor:
-        """grads /= total weight, clip, AdamW, LR schedule; returns the pre-clip grad norm."""
+        """grads /= total weight, clip, AdamW, LR schedule; returns the pre-clip grad norm.
+
+        Non-finite guard without a host sync: when the gradient norm is NaN or inf (a NaN loss
+        gives one), the fused AdamW kernel skips the whole update (weights, moments, step
+        count) through its `found_inf` input, the same mechanism AMP's GradScaler uses. The
+        weights never hold a NaN, so every checkpoint stays good; the metrics count the skip.
+        """
         scale = 1.0 / total_weight.clamp_min(1e-6)
         grads = [p.grad for p in self.drafter.parameters() if p.grad is not None]
         torch._foreach_mul_(grads, scale)
         grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.grad_clip)
-        self.optimizer.step()
+        self.optimizer.found_inf = (~torch.isfinite(grad_norm)).to(torch.float32)
+        try:
+            self.optimizer.step()
+        finally:
+            del self.optimizer.found_inf
         self.lr_scheduler.step()
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
