@@ -285,6 +285,8 @@ def build_run(cfg: DictConfig, faults: FaultInjection | None = None) -> Run:
     )
     layer_ids = resolve_layer_ids(cfg, target_config.num_hidden_layers)
     target_devices, drafter_devices = resolve_device_split(cfg, visible_cuda_devices(), slot)
+    if "cpu" in target_devices + drafter_devices:
+        torch.set_num_threads(cfg.gpu.cpu_threads)
     mask_id, vocab_size = cfg.drafter.mask_token_id, target_config.vocab_size
     eval_prompts = eval_prompt_sets(cfg, target_cfg, vocab_size, mask_id, cfg.eval.num_prompts)
     periodic_prompts = None
@@ -333,7 +335,6 @@ def build_run(cfg: DictConfig, faults: FaultInjection | None = None) -> Run:
     resolved = OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
     # Multi-node: rank 0 alone logs (and checkpoints; see AsyncTrainer.save).
     stop_after = min(total_steps, cfg.debug.max_steps or total_steps)
-    sinks = build_sinks(node(cfg, "logger"), run_dir, resolved, stop_after) if process_group.is_main else []
     checkpoints = CheckpointSettings(
         run_dir / "checkpoints", cfg.checkpoint.every_steps, cfg.checkpoint.keep_last, run_config_yaml
     )
@@ -361,12 +362,18 @@ def build_run(cfg: DictConfig, faults: FaultInjection | None = None) -> Run:
             faults,
             process_group,
         )
+    if resume_dir is not None:
+        trainer.restore(resume_dir)
+    # After the restore: a resumed run's progress bar starts where the run left off.
+    sinks = (
+        build_sinks(node(cfg, "logger"), run_dir, resolved, stop_after, start_step=trainer.position.step)
+        if process_group.is_main
+        else []
+    )
     trainer.monitor = Monitor(node(cfg, "monitor"), sinks, trainer, stop_after)
     if periodic_prompts is not None and process_group.is_main:
         trainer.periodic_eval = PeriodicEval(node(cfg, "eval"), targets[0], drafters[0], periodic_prompts)
         trainer.periodic_eval.monitor = trainer.monitor
-    if resume_dir is not None:
-        trainer.restore(resume_dir)
     log.info(
         "dflash: %d samples, %d steps (%d batches in epoch 0), target layers %s, devices %s -> %s, pipeline=%s",
         len(dataset),

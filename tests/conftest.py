@@ -10,6 +10,10 @@ from omegaconf import DictConfig
 
 from dflash.tools.compose import compose_config as compose_dflash_config
 
+# Limits for subprocesses and waits in tests: generous, since `make test` must pass on a 2-core
+# machine that something else is loading too. They stop a hang; they time nothing.
+SLOW_MACHINE_TIMEOUT_S = 1800
+
 # Small enough for a test, large enough to fill every bucket and train a few steps.
 FAST = ["data.num_samples=48", "eval.num_prompts=2", "eval.max_new_tokens=12", "monitor.interval_s=0"]
 

@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 from dflash.build import build_run
 from dflash.config.devices import resolve_device_split
 from dflash.tools.compose import CONF_DIR
-from tests.conftest import compose_config, conversation_overrides
+from tests.conftest import SLOW_MACHINE_TIMEOUT_S, compose_config, conversation_overrides
 
 SNAPSHOT = Path(__file__).parent / "snapshots" / "default_config_keys.txt"
 NOT_OPTION_GROUPS = {"hydra", "experiment"}
@@ -203,7 +203,10 @@ def test_wrong_architecture_at_path_is_refused(tiny_qwen3_dir, make_cfg):
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [sys.executable, "-m", "dflash.train", *args], capture_output=True, text=True, timeout=120
+        [sys.executable, "-m", "dflash.train", *args],
+        capture_output=True,
+        text=True,
+        timeout=SLOW_MACHINE_TIMEOUT_S,
     )
 
 
@@ -220,7 +223,9 @@ def test_cli_cfg_job_info_and_shell_completion():
 
 def test_entry_module_does_not_import_torch():
     code = "import sys, dflash.train; assert 'torch' not in sys.modules, 'torch imported'"
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    result = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=SLOW_MACHINE_TIMEOUT_S
+    )
     assert result.returncode == 0, result.stderr
 
 

@@ -13,7 +13,7 @@ from dflash.models.target_head import TargetHead, heads_for
 from dflash.pipeline.replicas import check_replicas_identical, weights_digest
 from dflash.pipeline.roles import RoleTimes, role_lines
 from dflash.train import train
-from tests.conftest import compose_config
+from tests.conftest import SLOW_MACHINE_TIMEOUT_S, compose_config
 from tests.test_dflash_rules import tiny_drafter, tiny_target
 
 # -- devices per process and role --------------------------------------------------------------
@@ -208,6 +208,6 @@ def test_ranks_with_different_layouts_are_refused_before_any_model_loads(tmp_pat
     mp.start_processes(
         _layout_rank, args=(str(tmp_path / "init"), errors), nprocs=2, join=True, start_method="spawn"
     )
-    outcomes = dict(errors.get(timeout=60) for _ in range(2))
+    outcomes = dict(errors.get(timeout=SLOW_MACHINE_TIMEOUT_S) for _ in range(2))
     for rank in (0, 1):  # every rank stops, each with the whole picture
         assert "rank 0: 1 target + 1 drafter, rank 1: 1 target + 3 drafter" in outcomes[rank]

@@ -26,7 +26,7 @@ from dflash.pipeline.prefetch import BatchPrefetcher
 from dflash.pipeline.queues import HiddenStateQueue, OrderedQueue, QueueClosed
 from dflash.pipeline.runner import FaultInjection
 from dflash.train import train
-from tests.conftest import FAST, compose_config
+from tests.conftest import FAST, SLOW_MACHINE_TIMEOUT_S, compose_config
 
 
 def losses(run_dir: Path) -> dict[int, float]:
@@ -218,10 +218,9 @@ def test_ordered_queue_releases_in_key_order_and_never_deadlocks():
 def test_a_failing_thread_stops_the_run_with_its_error(make_cfg, faults, message):
     cfg = make_cfg(["pipeline=async", "gpu.target=2", "gpu.drafter=2", "train.total_steps=50"])
     run = build_run(cfg, faults)
-    started = time.perf_counter()
     with pytest.raises(RuntimeError, match=message) as info:
         run.execute()
-    assert time.perf_counter() - started < 30
+    assert max(loop.step for loop in run.trainer.loops) < 50  # stopped at the fault, not after the run
     assert any("raised in pipeline thread" in note for note in getattr(info.value, "__notes__", []))
     # The original frames survive: the traceback reaches the line that raised in the worker.
     frames = [frame.name for frame in __import__("traceback").extract_tb(info.value.__traceback__)]
@@ -260,11 +259,11 @@ def test_sigterm_writes_a_checkpoint_and_resume_finishes_identically(tmp_path, d
         text=True,
     )
     metrics = run_dir / "metrics.jsonl"
-    deadline = time.time() + 120
+    deadline = time.time() + SLOW_MACHINE_TIMEOUT_S
     while time.time() < deadline and (not metrics.exists() or len(metrics.read_text().splitlines()) < 5):
         time.sleep(0.1)
     proc.send_signal(signal.SIGTERM)
-    output, _ = proc.communicate(timeout=60)
+    output, _ = proc.communicate(timeout=SLOW_MACHINE_TIMEOUT_S)
     assert proc.returncode == 128 + signal.SIGTERM, output[-2000:]
     last = run_dir / "checkpoints" / "last"
     stopped_at = torch.load(last / "trainer_state.pt", weights_only=True)["position"]["step"]
@@ -309,7 +308,7 @@ def test_two_processes_on_gloo_equal_two_replicas_in_one_process(tmp_path, data_
             ],
             capture_output=True,
             text=True,
-            timeout=300,
+            timeout=SLOW_MACHINE_TIMEOUT_S,
             env=env,
         )
         assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]

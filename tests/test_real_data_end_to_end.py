@@ -14,13 +14,16 @@ from pathlib import Path
 
 import pytest
 
+from tests.conftest import SLOW_MACHINE_TIMEOUT_S
 from tests.tiny_assets import save_tiny_target_with_tokenizer, write_conversations
 
 BIN = Path(sys.executable).parent
 
 
 def run_tool(name: str, *overrides: str) -> str:
-    done = subprocess.run([str(BIN / name), *overrides], capture_output=True, text=True, timeout=600)
+    done = subprocess.run(
+        [str(BIN / name), *overrides], capture_output=True, text=True, timeout=SLOW_MACHINE_TIMEOUT_S
+    )
     assert done.returncode == 0, f"{name} failed:\n{done.stdout[-3000:]}\n{done.stderr[-3000:]}"
     return done.stdout
 

@@ -15,10 +15,9 @@ from pathlib import Path
 import pytest
 
 from dflash.tools.compose import compose_config
-from tests.conftest import FAST
+from tests.conftest import FAST, SLOW_MACHINE_TIMEOUT_S
 
-# Generous: these run CLI subprocesses on a 2-core machine that may be busy with other work.
-CLI_TIMEOUT_S = 900
+CLI_TIMEOUT_S = SLOW_MACHINE_TIMEOUT_S
 
 
 def cli(args: list[str], **kwargs) -> subprocess.Popen:
@@ -181,3 +180,34 @@ def test_a_nan_loss_skips_its_update_and_stops_the_run_with_good_checkpoints(mak
     assert optimizer.state[first]["step"].item() == len(calls) - 1  # the NaN step did not count
     last = Path(cfg.paths.output_dir) / "checkpoints" / "last"
     assert all(torch.isfinite(t).all() for t in load_file(str(last / "model.safetensors")).values())
+
+
+def test_a_resumed_runs_progress_bar_starts_where_it_left_off(make_cfg, tmp_path):
+    from dflash.build import build_run
+    from dflash.logging.sinks import ProgressSink
+    from dflash.train import train
+
+    first = make_cfg(["train.total_steps=8", "checkpoint.every_steps=4"], tmp_path / "first")
+    train(first)
+    checkpoint = Path(first.paths.output_dir) / "checkpoints" / "step_0000004"
+    run = build_run(make_cfg(["train.total_steps=8", f"resume={checkpoint}"], tmp_path / "resumed"))
+    try:
+        bars = [s for s in run.trainer.monitor.sinks if isinstance(s, ProgressSink)]
+        assert len(bars) == 1 and bars[0].bar.n == 4 and bars[0].bar.total == 8  # logger=jsonl has one
+    finally:
+        run.trainer.monitor.close(True)
+
+
+def test_cpu_runs_use_the_configured_thread_count_and_debug_fast_evaluates_briefly(make_cfg):
+    import torch
+
+    from dflash.build import build_run
+
+    run = build_run(make_cfg(["gpu.cpu_threads=2"]))
+    try:
+        assert torch.get_num_threads() == 2
+    finally:
+        run.trainer.monitor.close(True)
+        torch.set_num_threads(1)
+    fast = compose_config(["debug=fast"])
+    assert fast.debug.max_steps == 6 and fast.eval.num_prompts == 2 and fast.eval.max_new_tokens == 16

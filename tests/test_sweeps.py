@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from dflash.tools import diff
+from tests.conftest import SLOW_MACHINE_TIMEOUT_S
 
 SMALL = ["data.num_samples=64", "train.epochs=1", "eval.num_prompts=1", "eval.max_new_tokens=8"]
 
@@ -28,7 +29,7 @@ def sweep(tmp_path: Path, data_cache: Path, *args: str) -> subprocess.CompletedP
         ],
         capture_output=True,
         text=True,
-        timeout=600,
+        timeout=SLOW_MACHINE_TIMEOUT_S,
     )
 
 

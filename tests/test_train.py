@@ -14,6 +14,7 @@ from dflash import checkpoint as checkpoint_module
 from dflash.build import build_run
 from dflash.checkpoint import load_drafter
 from dflash.train import train
+from tests.conftest import SLOW_MACHINE_TIMEOUT_S
 
 SHORT = ["train.total_steps=8", "logger.every_steps=1", "checkpoint.every_steps=4"]
 
@@ -145,7 +146,7 @@ def test_make_train_default_run_learns_and_decodes_losslessly(tmp_path, data_cac
         [sys.executable, "-m", "dflash.train", f"hydra.run.dir={tmp_path}", f"paths.cache_dir={data_cache}"],
         capture_output=True,
         text=True,
-        timeout=900,
+        timeout=SLOW_MACHINE_TIMEOUT_S,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert "=== dflash run summary ===" in result.stdout

@@ -54,7 +54,8 @@ class RegenBackend(str, Enum):
 
 class SinkKind(str, Enum):
     jsonl = "jsonl"
-    console = "console"
+    progress = "progress"  # a progress bar only (when stderr is a terminal)
+    console = "console"  # the progress bar and a line per log window
     wandb = "wandb"
 
 
@@ -138,6 +139,10 @@ class GpuConfig:
     drafter: Optional[int] = 1
     # Both roles on the same device (gpu=single).
     shared: bool = False
+    # Intra-op threads of torch on CPU (roles on gpu=cpu, evaluation there). 1: the tiny models
+    # gain nothing from more, and a busy machine loses a lot (a 40-token prefill took 6.1 s
+    # with torch's default threads and 0.35 s with one, on a shared 2-core box).
+    cpu_threads: int = 1
 
 
 @dataclass

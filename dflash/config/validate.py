@@ -89,6 +89,8 @@ def validate(
             f"pipeline=sync runs one target and one drafter; got gpu.target={cfg.gpu.target}, "
             f"gpu.drafter={cfg.gpu.drafter} ({len(targets)} + {len(drafters)} devices)"
         )
+    if cfg.gpu.cpu_threads < 1:
+        raise ValueError(f"gpu.cpu_threads must be >= 1, got {cfg.gpu.cpu_threads}")
     if cfg.debug.max_steps is not None and cfg.debug.max_steps < 1:
         raise ValueError(f"debug.max_steps must be >= 1 (or null: no limit), got {cfg.debug.max_steps}")
     if not is_summary_metric(cfg.objective):

@@ -44,8 +44,28 @@ class JsonlSink:
         self._file.close()
 
 
-class ConsoleSink:
-    """One readable line per tick, under a progress bar for the whole run (tqdm)."""
+class ProgressSink:
+    """A progress bar for the whole run (tqdm, on stderr, only when it is a terminal), starting at
+    the step a resumed run continues from."""
+
+    def __init__(self, total_steps: int, start_step: int = 0):
+        from tqdm import tqdm
+
+        # disable=None: no bar when stderr is not a terminal (CI logs, redirected output).
+        self.bar = tqdm(
+            total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, leave=True, disable=None
+        )
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        self.bar.update(max(0, step - self.bar.n))
+
+    def close(self, ok: bool) -> None:
+        self.bar.close()
+
+
+class ConsoleSink(ProgressSink):
+    """The progress bar plus one readable line per log window, printed above the bar (tqdm.write:
+    lines never tear it)."""
 
     KEYS = (
         "train/loss",
@@ -59,20 +79,12 @@ class ConsoleSink:
         "gpu/drafter/util_pct",
     )
 
-    def __init__(self, total_steps: int):
-        from tqdm import tqdm
-
-        self.bar = tqdm(total=total_steps, unit="step", dynamic_ncols=True, leave=True)
-
     def log(self, metrics: dict[str, float], step: int) -> None:
         if "train/loss" not in metrics:
-            return  # evaluation rows are printed in the run summary
-        self.bar.update(max(0, step - self.bar.n))
+            return  # telemetry-only rows, and evaluation rows (printed in the run summary)
+        super().log(metrics, step)
         parts = [f"{k.split('/', 1)[-1]}={metrics[k]:.4g}" for k in self.KEYS if k in metrics]
         self.bar.write(f"step {step:>6}  " + "  ".join(parts))
-
-    def close(self, ok: bool) -> None:
-        self.bar.close()
 
 
 class BackgroundSink:
@@ -189,14 +201,19 @@ class WandbSink:
 
 
 def build_sinks(
-    cfg: LoggerConfig, run_dir: Path, resolved_config: dict[str, Any], total_steps: int
+    cfg: LoggerConfig, run_dir: Path, resolved_config: dict[str, Any], total_steps: int, start_step: int = 0
 ) -> list[MetricSink]:
     sinks: list[MetricSink] = []
-    for kind in dict.fromkeys(SinkKind(k) for k in cfg.sinks):
+    kinds = list(dict.fromkeys(SinkKind(k) for k in cfg.sinks))
+    if SinkKind.console in kinds and SinkKind.progress in kinds:
+        kinds.remove(SinkKind.progress)  # the console sink draws the bar itself
+    for kind in kinds:
         if kind is SinkKind.jsonl:
             sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
+        elif kind is SinkKind.progress:
+            sinks.append(ProgressSink(total_steps, start_step))
         elif kind is SinkKind.console:
-            sinks.append(ConsoleSink(total_steps))
+            sinks.append(ConsoleSink(total_steps, start_step))
         elif kind is SinkKind.wandb:
             wandb_sink = WandbSink(cfg.wandb, run_dir, resolved_config)
             sinks.append(

@@ -86,6 +86,8 @@ def run_eval(cfg: DictConfig, target_overridden: bool = False) -> dict[str, Any]
     mask_id = drafter_config.dflash_config["mask_token_id"]
     prompt_sets = eval_prompt_sets(cfg, target_cfg, target_config.vocab_size, mask_id, cfg.eval.num_prompts)
     device = torch.device(resolve_device_split(cfg, visible_cuda_devices())[0][0])
+    if device.type == "cpu":
+        torch.set_num_threads(cfg.gpu.cpu_threads)
     target = FrozenTarget.from_config(target_cfg, drafter_config.dflash_config["target_layer_ids"], device)
     drafter = load_drafter(drafter_dir, device).to(target.lm_head.weight.dtype).eval()
     eval_cfg = node(cfg, "eval")
