@@ -1,4 +1,4 @@
-"""Anchors, draft blocks, labels, loss weights and the training attention mask (DESIGN section 1).
+"""Anchors, draft blocks, labels, loss weights and the training attention mask (docs/ARCHITECTURE.md §1).
 
 Everything here that draws random numbers runs on the host, from a generator seeded by
 (seed, epoch, sample id): the draw for a sample never depends on which batch it landed in,

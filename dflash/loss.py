@@ -2,7 +2,7 @@
 
 The loss is reduced as (sum of w * CE, sum of w) and divided once by whoever owns the whole
 step: with several replicas or accumulation, a replica that drew short or empty batches must
-not weigh as much as one that drew full ones (DESIGN section 1).
+not weigh as much as one that drew full ones (docs/ARCHITECTURE.md §1).
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The multi-GPU checks, run on the 2-GPU machine (device tool, kind nvidia-h200-x2), carrying .whl
-# (bash ../shared/device/wheels.sh). Usage there:
+# The multi-GPU checks, run on a 2-GPU machine with no internet, carrying .whl
+# (bash scripts/device_wheels.sh). Usage there:
 #   PART=tests|bench bash scripts/device_gpu_layouts.sh
 # tests: tests/test_gpu_layouts.py (every layout against its reference) and tests/test_gpu.py.
 # bench: scripts/bench_pipeline.py --compare layout on a random Qwen3-4B-shaped target built on

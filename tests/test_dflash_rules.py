@@ -1,4 +1,4 @@
-"""Every rule of DESIGN section 1, tested directly (each one prevents a bug someone shipped)."""
+"""Every rule of docs/ARCHITECTURE.md §1, tested directly (each one prevents a bug someone shipped)."""
 
 from __future__ import annotations
 

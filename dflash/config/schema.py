@@ -86,7 +86,7 @@ class DrafterConfig:
     mask_token_id: int = MISSING
     # Number of fused target layers (n_feat); ignored when target_layer_ids is given.
     num_features: int = 5
-    # null: DESIGN formula over the target's layer count.
+    # null: the default formula over the target's layer count (docs/ARCHITECTURE.md §1).
     target_layer_ids: Optional[list[int]] = None
     # Anchors (blocks) per sample per step; paper: 512.
     num_anchors: int = 512

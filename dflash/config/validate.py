@@ -32,7 +32,7 @@ def is_summary_metric(key: str) -> bool:
 
 
 def resolve_layer_ids(cfg: Any, num_target_layers: int) -> list[int]:
-    """drafter.target_layer_ids, or the DESIGN default for drafter.num_features."""
+    """drafter.target_layer_ids, or the default of docs/ARCHITECTURE.md §1 for drafter.num_features."""
     if cfg.drafter.target_layer_ids is not None:
         return list(cfg.drafter.target_layer_ids)
     return default_target_layer_ids(num_target_layers, cfg.drafter.num_features)

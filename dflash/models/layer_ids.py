@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int) -> list[int]:
-    """DESIGN section 1: one feature -> the middle layer; else evenly spread over [1, N - 3].
+    """docs/ARCHITECTURE.md §1: one feature -> the middle layer; else evenly spread over [1, N - 3].
 
     Qwen3-8B (36 layers) with 5 features -> [1, 9, 17, 25, 33]. Ids index decoder layers, so with
     HF `output_hidden_states=True` layer i is `hidden_states[i + 1]`.

@@ -19,7 +19,7 @@ def longest_run(buckets: list[int]) -> int:
 def train_metrics(groups: list[list[MetricWindow]]) -> dict[str, float]:
     """Merge windows (several log windows, each with one window per replica).
 
-    Reduced the DESIGN way: sums of weighted-CE numerators and of weights, divided once, so a
+    Reduced as docs/ARCHITECTURE.md §1 says: sums of weighted-CE numerators and of weights, divided once, so a
     replica or a window with few supervised positions weighs what it holds and no more.
     """
     first = groups[0][0]
