@@ -43,12 +43,12 @@ from dflash.distributed import (
     require_same_layout,
 )
 from dflash.evaluate import PromptSet, evaluate, load_prompt_sets, lossless_line
-from dflash.logging.sinks import build_sinks
 from dflash.models.drafter import DFlashDrafter, drafter_config
 from dflash.models.target import FrozenTarget, load_target_config
 from dflash.models.target_head import TargetHead, heads_for
 from dflash.models.tokenizer import load_chat_renderer
 from dflash.monitor.monitor import Monitor
+from dflash.monitor.sinks import build_sinks
 from dflash.noise import NoiseSchedule
 from dflash.pipeline.roles import role_lines
 from dflash.pipeline.runner import AsyncTrainer, FaultInjection

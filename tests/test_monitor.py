@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from dflash.build import build_run
-from dflash.logging.sinks import BackgroundSink
+from dflash.monitor.sinks import BackgroundSink
 from dflash.monitor.telemetry import GpuTelemetry
 
 FAMILIES = ("train/", "drafter0/", "drafter1/", "batch/", "queue/", "worker/", "perf/")

@@ -184,7 +184,7 @@ def test_a_nan_loss_skips_its_update_and_stops_the_run_with_good_checkpoints(mak
 
 def test_a_resumed_runs_progress_bar_starts_where_it_left_off(make_cfg, tmp_path):
     from dflash.build import build_run
-    from dflash.logging.sinks import ProgressSink
+    from dflash.monitor.sinks import ProgressSink
     from dflash.train import train
 
     first = make_cfg(["train.total_steps=8", "checkpoint.every_steps=4"], tmp_path / "first")

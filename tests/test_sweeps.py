@@ -167,7 +167,7 @@ def test_wandb_groups_sweep_jobs_and_names_them_by_their_overrides():
     from hydra.types import RunMode
     from omegaconf import OmegaConf, open_dict
 
-    from dflash.logging.sinks import sweep_naming
+    from dflash.monitor.sinks import sweep_naming
     from dflash.tools.compose import compose_config
 
     def hydra_context(mode: RunMode) -> None:

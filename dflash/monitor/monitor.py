@@ -20,7 +20,7 @@ from typing import Protocol
 import torch
 
 from dflash.config.schema import MonitorConfig
-from dflash.logging.sinks import MetricSink
+from dflash.monitor.sinks import MetricSink
 from dflash.monitor.telemetry import GpuTelemetry, cuda_allocator_stats
 from dflash.monitor.train_metrics import NonFiniteTraining, train_metrics
 from dflash.trainer.step import MetricWindow
