@@ -65,14 +65,43 @@ def drafter_forward_loss(
         return draft_loss(hidden, head.lm_head, blocks, logits_chunk)
 
 
+@dataclass(frozen=True)
+class MetricLayout:
+    """Where each sum sits in a window's flat vector (one vector: one device->host copy, one
+    collective across processes). A step whose loss or gradient was not finite adds only to
+    `nonfinite` (its update was skipped)."""
+
+    block_size: int
+    num_buckets: int
+    weighted_ce: int = 0
+    weight: int = 1
+    grad_norm: int = 2  # sum over steps
+    nonfinite: int = 3  # steps skipped
+
+    @property
+    def correct(self) -> slice:  # per block position
+        return slice(4, 4 + self.block_size)
+
+    @property
+    def counted(self) -> slice:  # per block position
+        return slice(self.correct.stop, self.correct.stop + self.block_size)
+
+    @property
+    def bucket_weighted_ce(self) -> slice:
+        return slice(self.counted.stop, self.counted.stop + self.num_buckets)
+
+    @property
+    def bucket_weight(self) -> slice:
+        return slice(self.bucket_weighted_ce.stop, self.bucket_weighted_ce.stop + self.num_buckets)
+
+    @property
+    def size(self) -> int:
+        return self.bucket_weight.stop
+
+
 @dataclass
 class MetricWindow:
-    """Host copy of one replica's sums over a log window.
-
-    values (host float32): [weighted_ce, weight, grad_norm_sum, correct[B], counted[B],
-    weighted_ce per bucket[NB], weight per bucket[NB], non-finite steps]. A step whose loss or
-    gradient was not finite adds only to the last (its update was skipped).
-    """
+    """Host copy of one replica's sums over a log window (`values`: a MetricLayout vector)."""
 
     end_step: int
     steps: int
@@ -91,16 +120,16 @@ class MetricWindow:
 
     def sums(self) -> dict[str, object]:
         v = self.values.tolist()  # a host tensor: no device sync
-        b, nb = self.block_size, self.num_buckets
+        at = MetricLayout(self.block_size, self.num_buckets)
         return {
-            "weighted_ce": v[0],
-            "weight": v[1],
-            "grad_norm": v[2],
-            "correct": v[3 : 3 + b],
-            "counted": v[3 + b : 3 + 2 * b],
-            "bucket_weighted_ce": v[3 + 2 * b : 3 + 2 * b + nb],
-            "bucket_weight": v[3 + 2 * b + nb : 3 + 2 * b + 2 * nb],
-            "nonfinite_steps": v[-1],
+            "weighted_ce": v[at.weighted_ce],
+            "weight": v[at.weight],
+            "grad_norm": v[at.grad_norm],
+            "nonfinite_steps": v[at.nonfinite],
+            "correct": v[at.correct],
+            "counted": v[at.counted],
+            "bucket_weighted_ce": v[at.bucket_weighted_ce],
+            "bucket_weight": v[at.bucket_weight],
         }
 
 
@@ -113,7 +142,8 @@ class StepMetrics:
 
     def __init__(self, block_size: int, num_buckets: int, device: torch.device):
         self.block_size, self.num_buckets, self.device = block_size, num_buckets, device
-        self._sums = torch.zeros(4 + 2 * block_size + 2 * num_buckets, device=device)
+        self.layout = MetricLayout(block_size, num_buckets)
+        self._sums = torch.zeros(self.layout.size, device=device)
         self._reset_host()
 
     def _reset_host(self) -> None:
@@ -121,21 +151,21 @@ class StepMetrics:
         self.buckets: list[int] = []
 
     def add(self, stats: LossStats, grad_norm: torch.Tensor, batch: Batch, anchors: int) -> None:
-        b, nb = self.block_size, self.num_buckets
+        at, sums = self.layout, self._sums
         bucket = batch.plan.bucket  # a host int: indexing by it launches no sync
         # On the device, no sync: a non-finite step (its update skipped) is counted and adds
         # nothing else, so one bad step does not turn the whole window's loss into NaN.
         finite = torch.isfinite(grad_norm.detach()) & torch.isfinite(stats.weighted_ce.detach())
-        keep = finite.to(self._sums.dtype)
+        keep = finite.to(sums.dtype)
         weighted_ce = torch.where(finite, stats.weighted_ce.detach(), 0.0)
-        self._sums[0] += weighted_ce
-        self._sums[1] += stats.weight * keep
-        self._sums[2] += torch.where(finite, grad_norm.detach(), 0.0)
-        self._sums[3 : 3 + b] += stats.correct * keep
-        self._sums[3 + b : 3 + 2 * b] += stats.counted * keep
-        self._sums[3 + 2 * b + bucket] += weighted_ce
-        self._sums[3 + 2 * b + nb + bucket] += stats.weight * keep
-        self._sums[-1] += 1.0 - keep
+        sums[at.weighted_ce] += weighted_ce
+        sums[at.weight] += stats.weight * keep
+        sums[at.grad_norm] += torch.where(finite, grad_norm.detach(), 0.0)
+        sums[at.nonfinite] += 1.0 - keep
+        sums[at.correct] += stats.correct * keep
+        sums[at.counted] += stats.counted * keep
+        sums[at.bucket_weighted_ce.start + bucket] += weighted_ce
+        sums[at.bucket_weight.start + bucket] += stats.weight * keep
         self.steps += 1
         self.samples += len(batch.plan.sample_ids)
         self.real_tokens += batch.real_tokens
@@ -150,7 +180,8 @@ class StepMetrics:
         sums = self._sums
         if reduce is not None:
             sums = reduce(self._sums.clone())
-            sums[2], sums[-1] = self._sums[2], self._sums[-1]
+            for same_everywhere in (self.layout.grad_norm, self.layout.nonfinite):
+                sums[same_everywhere] = self._sums[same_everywhere]
         if self.device.type == "cuda":
             host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
             host.copy_(sums, non_blocking=True)
