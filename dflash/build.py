@@ -350,17 +350,17 @@ def build_run(cfg: DictConfig, faults: FaultInjection | None = None) -> Run:
         )
     else:
         trainer = AsyncTrainer(
-            targets,
-            step_fns,
-            dataset,
-            planner,
-            stop_after,
-            cfg.logger.every_steps,
-            checkpoints,
-            node(cfg, "pipeline"),
-            cfg.data.max_length,
-            faults,
-            process_group,
+            targets=targets,
+            step_fns=step_fns,
+            dataset=dataset,
+            planner=planner,
+            stop_after=stop_after,
+            log_every=cfg.logger.every_steps,
+            checkpoints=checkpoints,
+            cfg=node(cfg, "pipeline"),
+            max_length=cfg.data.max_length,
+            faults=faults,
+            process_group=process_group,
         )
     if resume_dir is not None:
         trainer.restore(resume_dir)

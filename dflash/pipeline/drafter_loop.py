@@ -129,6 +129,7 @@ class ReplicaGradSync:
 class DrafterLoop:
     def __init__(
         self,
+        *,
         replica: int,
         step_fn: DrafterStep,
         inbox: HiddenStateQueue[HiddenStatePacket],

@@ -70,6 +70,7 @@ class FaultInjection:
 class AsyncTrainer:
     def __init__(
         self,
+        *,
         targets: list[FrozenTarget],
         step_fns: list[DrafterStep],
         dataset: TokenDataset,
@@ -139,18 +140,18 @@ class AsyncTrainer:
         self.grad_sync = ReplicaGradSync(num_drafters)
         self.loops = [
             DrafterLoop(
-                i,
-                step_fn,
-                self.hs_queue,
-                self.grad_sync,
-                start.step,
-                self.stop_after,
-                self.log_every,
-                self.tracker.mark,
-                self.checkpoints.every_steps,
-                self._checkpoint_from_replica0,
-                self.faults.drafter_at_step,
-                self._after_step,
+                replica=i,
+                step_fn=step_fn,
+                inbox=self.hs_queue,
+                grad_sync=self.grad_sync,
+                start_step=start.step,
+                stop_after=self.stop_after,
+                log_every=self.log_every,
+                on_consumed=self.tracker.mark,
+                checkpoint_every=self.checkpoints.every_steps,
+                on_checkpoint=self._checkpoint_from_replica0,
+                fault_at_step=self.faults.drafter_at_step,
+                on_step=self._after_step,
             )
             for i, step_fn in enumerate(self.step_fns)
         ]
