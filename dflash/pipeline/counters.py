@@ -22,7 +22,7 @@ class DeviceSpan:
     def __init__(self, device: torch.device):
         self.device = device
         self._events: tuple[torch.cuda.Event, torch.cuda.Event] | None = None
-        self._host_s = 0.0
+        self._host_start = self._host_end = 0.0
 
     @classmethod
     def start(cls, device: torch.device) -> DeviceSpan:
@@ -32,14 +32,14 @@ class DeviceSpan:
             begin.record(torch.cuda.current_stream(device))
             span._events = (begin, end)
         else:
-            span._host_s = -time.perf_counter()
+            span._host_start = time.perf_counter()
         return span
 
     def stop(self) -> DeviceSpan:
         if self._events is not None:
             self._events[1].record(torch.cuda.current_stream(self.device))
         else:
-            self._host_s += time.perf_counter()
+            self._host_end = time.perf_counter()
         return self
 
     def done(self) -> bool:
@@ -48,7 +48,7 @@ class DeviceSpan:
     def seconds(self) -> float:
         """Only once `done()`: reading an unfinished CUDA span would wait for the device."""
         if self._events is None:
-            return self._host_s
+            return self._host_end - self._host_start
         return self._events[0].elapsed_time(self._events[1]) / 1000.0
 
 
@@ -68,8 +68,8 @@ class WorkCounters:
         self._lock = threading.Lock()
         self.batches = self.samples = self.tokens = self.anchors = 0
         self.busy_s = self.wait_s = 0.0
-        self.compute_s = 0.0
-        self.computed_batches = 0  # batches whose device time is in compute_s
+        self._compute_s = 0.0
+        self._computed_batches = 0  # batches whose device time is in _compute_s
         self._spans: deque[DeviceSpan] = deque()
 
     def record(
@@ -93,14 +93,14 @@ class WorkCounters:
 
     def _collect_spans(self) -> None:
         while self._spans and self._spans[0].done():
-            self.compute_s += self._spans.popleft().seconds()
-            self.computed_batches += 1
+            self._compute_s += self._spans.popleft().seconds()
+            self._computed_batches += 1
 
-    def compute_per_batch_s(self) -> float | None:
-        """Mean device time per batch so far (None before the first span finished)."""
+    def compute_totals(self) -> tuple[float, int]:
+        """(device seconds, batches they cover) of the spans finished so far."""
         with self._lock:
             self._collect_spans()
-            return self.compute_s / self.computed_batches if self.computed_batches else None
+            return self._compute_s, self._computed_batches
 
     def stats(self) -> dict[str, float]:
         with self._lock:
@@ -112,7 +112,7 @@ class WorkCounters:
                 f"count/{name}_tokens": float(self.tokens),
                 f"worker/{name}_busy_total_s": self.busy_s,
                 f"worker/{name}_wait_total_s": self.wait_s,
-                f"worker/{name}_compute_total_s": self.compute_s,
+                f"worker/{name}_compute_total_s": self._compute_s,
             }
             if self.counts_anchors:
                 stats[f"count/{name}_anchors"] = float(self.anchors)

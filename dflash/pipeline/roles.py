@@ -60,12 +60,12 @@ def role_summary(
     training wall time (device time over the role's devices), and the drafters' data wait."""
     summary: dict[str, float] = {}
     for role, counters in (("target", targets), ("drafter", drafters)):
-        per_batch = [c.compute_per_batch_s() for c in counters]
-        measured = [t for t in per_batch if t is not None]
-        if measured:
-            summary[f"roles/{role}_s_per_batch"] = sum(measured) / len(measured)
+        totals = [c.compute_totals() for c in counters]
+        per_batch = [seconds / batches for seconds, batches in totals if batches]
+        if per_batch:
+            summary[f"roles/{role}_s_per_batch"] = sum(per_batch) / len(per_batch)
         if wall_s > 0:
-            busy = sum(c.compute_s for c in counters) / (len(counters) * wall_s)
+            busy = sum(seconds for seconds, _ in totals) / (len(counters) * wall_s)
             summary[f"roles/{role}_busy_frac"] = min(busy, 1.0)
     if wall_s > 0:
         summary["roles/data_wait_frac"] = min(sum(c.wait_s for c in drafters) / (len(drafters) * wall_s), 1.0)
