@@ -30,7 +30,7 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from dflash.errors import exit_for_user_error, full_errors_requested
-from dflash.run_lock import RunDirInUse, RunDirLock, holds_run_dir_lock
+from dflash.run_lock import RunDirInUse, RunDirLock, holds_run_dir_lock, launch_rank
 from dflash.trainer.signals import StopRequested
 
 LIBRARIES = ("dflash", "torch", "transformers", "hydra-core", "omegaconf", "safetensors", "wandb", "numpy")
@@ -144,7 +144,7 @@ class RunRecordCallback(Callback):
             "metrics": json.loads(summary_path.read_text()) if summary_path.is_file() else {},
         }
         # torchrun ranks share the dir: rank 0 writes run.json, the others run.rank<r>.json.
-        rank = int(os.environ.get("RANK", "0"))
+        rank = launch_rank()
         filename = self.filename if rank == 0 else self.filename.replace(".json", f".rank{rank}.json")
         tmp = output_dir / f".{filename}.tmp"
         tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")

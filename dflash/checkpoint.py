@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
@@ -102,8 +103,6 @@ def check_resume_matches(directory: Path, run_config: Qwen3Config, run_target: d
             )
     run_yaml = Path(directory) / RUN_CONFIG_FILE
     if run_yaml.is_file():
-        import yaml
-
         saved_target = (yaml.safe_load(run_yaml.read_text()) or {}).get("target", {})
         for name in RESUME_TARGET_FIELDS:
             if saved_target.get(name) != run_target.get(name):
@@ -151,15 +150,16 @@ def save_checkpoint(
         (tmp / RUN_CONFIG_FILE).write_text(run_config_yaml)
     except (OSError, SafetensorError) as exc:  # a full disk, a quota, a vanished mount
         shutil.rmtree(tmp, ignore_errors=True)
+        last = root / "last"
         kept = (
-            f"the previous checkpoint {(root / 'last').resolve()} is intact"
-            if (root / "last").exists()
-            else ""
+            f"the previous checkpoint {last.resolve()} is intact"
+            if last.exists()
+            else "no earlier checkpoint"
         )
         raise OSError(
             getattr(exc, "errno", None),
-            f"writing checkpoint {final} failed ({exc}); {kept or 'no earlier checkpoint exists'}; "
-            "free space or point hydra.run.dir elsewhere, then resume=",
+            f"writing checkpoint {final} failed ({exc}); {kept}; free space or point hydra.run.dir "
+            "elsewhere, then resume=",
         ) from exc
     if final.exists():
         shutil.rmtree(final)

@@ -62,6 +62,12 @@ def describe(holder: str) -> str:
         return "a process that has not written its name yet"
 
 
+def launch_rank() -> int:
+    """This process's rank as the launcher set it (torchrun, submitit), read before any process
+    group exists; 0 for a single process."""
+    return int(os.environ.get("RANK", "0"))
+
+
 def holds_run_dir_lock() -> bool:
     """Whether this process takes the lock: the only process, or torchrun's rank 0."""
-    return int(os.environ.get("RANK", "0")) == 0
+    return launch_rank() == 0

@@ -55,7 +55,7 @@ class TargetHead(nn.Module):
 def heads_for(drafter_devices: list[str], targets: list[FrozenTarget]) -> list[TargetHead]:
     """One head per drafter replica: a target's own tables on a device it lives on, else one
     copy per device, shared by the replicas there."""
-    by_device = {torch.device(t.device): TargetHead.of(t) for t in reversed(targets)}
+    by_device = {t.device: TargetHead.of(t) for t in targets}
     heads = []
     for name in drafter_devices:
         device = torch.device(name)
