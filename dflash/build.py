@@ -23,6 +23,7 @@ from dflash.config.keys import refuse_unknown_keys
 from dflash.config.schema import (
     Config,
     DataKind,
+    DeviceKind,
     DrafterConfig,
     LrScheduleConfig,
     LrScheduleKind,
@@ -143,7 +144,7 @@ class Run:
                 log.warning(
                     "stopped during the final evaluation after %d of %d prompt decodings: summary.json "
                     "holds what was evaluated; the training checkpoint is complete",
-                    int(eval_metrics["eval/num_prompts"]),
+                    sum(result.num_prompts for result in report.results),  # every temperature
                     planned,
                 )
                 raise StopRequested(stop.signum)
@@ -169,7 +170,7 @@ class Run:
             "train/tau_sim": last["train/tau_sim"],
             "replicas": len(self.trainer.role_devices()["drafter"]) * self.process_group.world_size,
             "replica_digest": self.trainer.replica_digest,
-            "node_gpus": visible_cuda_devices() if self.cfg.gpu.device.value == "cuda" else 0,
+            "node_gpus": visible_cuda_devices() if DeviceKind(self.cfg.gpu.device) is DeviceKind.cuda else 0,
             **self.trainer.role_summary(),
             **eval_metrics,
         }

@@ -87,7 +87,7 @@ def load_run(path: Path) -> RunInfo:
         )
     if (path / "config.yaml").is_file():  # a checkpoint directory carries its run's resolved config
         return RunInfo(path.name, flatten(yaml.safe_load((path / "config.yaml").read_text())))
-    raise SystemExit(f"dflash-diff: {path} is not a run dir, a sweep dir or a checkpoint dir")
+    raise ValueError(f"{path} is not a run dir, a sweep dir or a checkpoint dir")
 
 
 def expand(paths: list[Path]) -> list[Path]:

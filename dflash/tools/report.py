@@ -16,13 +16,14 @@ from pathlib import Path
 
 import numpy as np
 
+from dflash.errors import exit_for_user_error
 from dflash.pipeline.roles import role_lines
 
 
 def load_rows(run_dir: Path) -> list[dict]:
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
-        raise SystemExit(f"dflash-report: {path} not found (is {run_dir} a dflash run directory?)")
+        raise ValueError(f"{path} not found (is {run_dir} a dflash run directory?)")
     rows = []
     for number, line in enumerate(path.read_text().splitlines(), start=1):
         try:
@@ -250,6 +251,13 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--compare", type=Path, help="a second run dir whose main curves are overlaid")
     parser.add_argument("--out", type=Path, help="output folder (default RUN_DIR/report)")
     args = parser.parse_args(argv)
+    try:
+        write_report(args)
+    except (ValueError, OSError) as exc:  # a missing or unreadable run: one line, exit 2
+        exit_for_user_error("dflash-report", str(exc))
+
+
+def write_report(args: argparse.Namespace) -> None:
     rows = load_rows(args.run_dir)
     out = args.out or args.run_dir / "report"
     out.mkdir(parents=True, exist_ok=True)
