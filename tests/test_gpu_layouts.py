@@ -67,7 +67,8 @@ def test_split_one_target_gpu_one_drafter_gpu_matches_one_gpu(make_cfg, tmp_path
     assert head.embed_tokens.weight.data_ptr() != run.trainer.target.embed_tokens.weight.data_ptr()
     summary = run.execute()
     assert_same_curve(tmp_path / "split", tmp_path / "single")
-    assert summary["eval/lossless_frac"] >= 0.0 and summary["node_gpus"] >= 2
+    # The final evaluation ran too (the drafter replica lives on another GPU than the target).
+    assert summary["eval/num_prompts"] == 2 and summary["eval/tau"] >= 1.0 and summary["node_gpus"] >= 2
     assert 0.0 < summary["roles/target_busy_frac"] <= 1.0 and 0.0 < summary["roles/drafter_busy_frac"] <= 1.0
 
 

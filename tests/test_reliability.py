@@ -122,6 +122,9 @@ def test_user_errors_are_one_line_with_exit_code_2_and_the_traceback_is_kept(tmp
     missing = run_tool([sys.executable, "-m", "dflash.tools.diff", str(tmp_path / "nowhere")])
     assert missing.returncode == 2
     assert missing.stderr == f"dflash-diff: error: {tmp_path / 'nowhere'}: no such run directory\n"
+    no_report = run_tool([sys.executable, "-m", "dflash.tools.report", str(tmp_path / "nowhere")])
+    assert no_report.returncode == 2 and no_report.stderr.startswith("dflash-report: error: ")
+    assert no_report.stderr.count("\n") == 1
 
 
 def test_an_empty_conversation_file_says_it_is_empty(make_cfg, tiny_chat_dir, tmp_path):
@@ -198,7 +201,7 @@ def test_a_resumed_runs_progress_bar_starts_where_it_left_off(make_cfg, tmp_path
         run.trainer.monitor.close(True)
 
 
-def test_cpu_runs_use_the_configured_thread_count_and_debug_fast_evaluates_briefly(make_cfg):
+def test_cpu_runs_use_the_configured_thread_count(make_cfg):
     import torch
 
     from dflash.build import build_run
@@ -209,5 +212,13 @@ def test_cpu_runs_use_the_configured_thread_count_and_debug_fast_evaluates_brief
     finally:
         run.trainer.monitor.close(True)
         torch.set_num_threads(1)
-    fast = compose_config(["debug=fast"])
-    assert fast.debug.max_steps == 6 and fast.eval.num_prompts == 2 and fast.eval.max_new_tokens == 16
+
+
+def test_debug_fast_shortens_training_and_the_evaluation(tmp_path, data_cache):
+    from dflash.train import train
+    from tests.conftest import compose_config as compose_test_config
+
+    # Not through make_cfg: its FAST overrides would shorten the evaluation themselves.
+    cfg = compose_test_config(["debug=fast", "data.num_samples=48"], tmp_path / "run", data_cache)
+    summary = train(cfg)
+    assert summary["steps"] == 6 and summary["eval/num_prompts"] == 2  # the default evaluates 16
