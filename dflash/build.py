@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -21,6 +21,7 @@ from dflash.checkpoint import check_resume_matches, load_drafter_weights
 from dflash.config.devices import ProcessSlot, resolve_device_split
 from dflash.config.keys import refuse_unknown_keys
 from dflash.config.schema import (
+    AttentionKind,
     Config,
     DataKind,
     DeviceKind,
@@ -35,7 +36,7 @@ from dflash.config.validate import resolve_layer_ids, validate
 from dflash.data.chat import ChatRenderer
 from dflash.data.dataset import TokenDataset
 from dflash.data.prepare import PrepStats, load_or_prepare
-from dflash.data.schedule import BatchPlanner
+from dflash.data.schedule import BatchPlanner, block_budget_for
 from dflash.data.synthetic import load_or_generate
 from dflash.distributed import (
     ProcessGroupInfo,
@@ -44,6 +45,7 @@ from dflash.distributed import (
     require_same_layout,
 )
 from dflash.evaluate import PromptSet, evaluate, load_prompt_sets, lossless_line
+from dflash.models.compile import CompileCounter
 from dflash.models.drafter import DFlashDrafter, drafter_config
 from dflash.models.target import FrozenTarget, load_target_config
 from dflash.models.target_head import TargetHead, heads_for
@@ -76,6 +78,19 @@ def build_drafter(cfg: DrafterConfig, target_config: Any, layer_ids: list[int], 
         torch.manual_seed(cfg.init_seed)
         drafter = DFlashDrafter(drafter_config(cfg, target_config, layer_ids))
     return drafter.to(device)
+
+
+def uses_flex_attention(cfg: DrafterConfig, device: torch.device) -> bool:
+    """drafter.attention resolved: auto is flex on CUDA, the dense reference on CPU (whose
+    flex_attention has no backward)."""
+    kind = AttentionKind(cfg.attention)
+    return kind is AttentionKind.flex or (kind is AttentionKind.auto and device.type == "cuda")
+
+
+def uses_compile(setting: bool | None, device: torch.device) -> bool:
+    """drafter.compile resolved: null is on for CUDA; on CPU the compile time outweighs the
+    gain for the tiny models that train there."""
+    return setting if setting is not None else device.type == "cuda"
 
 
 def build_optimizer(cfg: OptimizerConfig, params) -> torch.optim.Optimizer:
@@ -114,6 +129,7 @@ class Run:
     total_steps: int  # the LR schedule spans these
     process_group: ProcessGroupInfo
     eval_prompts: list[PromptSet]  # the end-of-training evaluation
+    compiled: dict[str, CompileCounter] = field(default_factory=dict)  # per role: graphs compiled
 
     def execute(self) -> dict[str, Any]:
         started = time.perf_counter()
@@ -171,6 +187,8 @@ class Run:
             "replicas": len(self.trainer.role_devices()["drafter"]) * self.process_group.world_size,
             "replica_digest": self.trainer.replica_digest,
             "node_gpus": visible_cuda_devices() if DeviceKind(self.cfg.gpu.device) is DeviceKind.cuda else 0,
+            **{f"{role}_compiled_graphs": counter.graphs for role, counter in self.compiled.items()},
+            **self.trainer.monitor.steady_throughput(),
             **self.trainer.role_summary(),
             **eval_metrics,
         }
@@ -186,6 +204,13 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"train loss        {summary['train/loss_first_window']:.3f} -> {summary['train/loss']:.3f}",
         f"train accuracy    {summary['train/acc_first_window']:.3f} -> {summary['train/acc']:.3f}",
         f"tau (simulated)   {summary['train/tau_sim']:.3f}",
+        *(
+            [
+                f"throughput        {summary['perf/samples_per_s']:.2f} samples/s, {summary['perf/tokens_per_s']:.0f} tokens/s (after the first log window)"
+            ]
+            if "perf/samples_per_s" in summary
+            else []
+        ),
     ]
     if "eval/tau" in summary:
         lines.append(
@@ -204,13 +229,21 @@ def build_step_fn(
     cfg: DictConfig, *, head: TargetHead, drafter: DFlashDrafter, total_steps: int, num_buckets: int
 ) -> DrafterStep:
     optimizer = build_optimizer(node(cfg, "optimizer"), drafter.parameters())
+    drafter_device = next(drafter.parameters()).device
     return DrafterStep(
         head,
         drafter,
         optimizer,
         build_lr_scheduler(node(cfg, "lr_schedule"), optimizer, total_steps),
         NoiseSchedule.from_config(node(cfg, "noise")),
-        BlockSettings(cfg.seed, cfg.drafter.num_anchors, cfg.loss.gamma, cfg.loss.logits_chunk),
+        BlockSettings(
+            seed=cfg.seed,
+            num_anchors=cfg.drafter.num_anchors,
+            gamma=cfg.loss.gamma,
+            logits_chunk=cfg.loss.logits_chunk,
+            flex_attention=uses_flex_attention(node(cfg, "drafter"), drafter_device),
+            compiled_loss=uses_compile(cfg.drafter.compile, drafter_device),
+        ),
         grad_clip=cfg.optimizer.grad_clip,
         num_buckets=num_buckets,
     )
@@ -312,6 +345,11 @@ def build_run(cfg: DictConfig, faults: FaultInjection | None = None) -> Run:
     # 2. Models and data: one frozen target per target device, one drafter replica per drafter
     # device (identical init, so replicas start, and stay, identical).
     targets = [FrozenTarget.from_config(target_cfg, layer_ids, torch.device(d)) for d in target_devices]
+    compiled: dict[str, CompileCounter] = {}  # graphs torch.compile built, per role (summary.json)
+    if target_cfg.compile:
+        compiled["target"] = CompileCounter("target features")
+        for target in targets:
+            target.compile_features(compiled["target"])
     drafters = [build_drafter(drafter_cfg, target_config, layer_ids, d) for d in drafter_devices]
     if resume_dir is not None:
         for drafter in drafters:
@@ -319,10 +357,16 @@ def build_run(cfg: DictConfig, faults: FaultInjection | None = None) -> Run:
                 load_drafter_weights(drafter, resume_dir)
             except ValueError as exc:
                 raise ValueError(f"resume={resume_dir}: {exc}") from exc
+    if uses_compile(drafter_cfg.compile, torch.device(drafter_devices[0])):
+        compiled["drafter"] = CompileCounter("drafter")
+        for drafter in drafters:
+            drafter.compile_training(compiled["drafter"])
     dataset, prep_stats = load_training_data(cfg, targets[0])
     if prep_stats is not None:
         log.info("data: %s", "; ".join(line.strip() for line in prep_stats.lines()))
-    planner = BatchPlanner(dataset.lengths, node(cfg, "scheduler"), cfg.seed)
+    sched = node(cfg, "scheduler")
+    budget = block_budget_for(sched, num_anchors=drafter_cfg.num_anchors, block_size=drafter_cfg.block_size)
+    planner = BatchPlanner(dataset.lengths, sched, cfg.seed, budget)
     total_steps = total_steps_for(cfg, planner, len(drafters) * process_group.world_size)
 
     # 3. Optimization and the loop. Each replica embeds and scores its blocks with the target's
@@ -385,4 +429,4 @@ def build_run(cfg: DictConfig, faults: FaultInjection | None = None) -> Run:
         drafter_devices,
         cfg.pipeline.kind.value,
     )
-    return Run(cfg, run_dir, trainer, total_steps, process_group, eval_prompts)
+    return Run(cfg, run_dir, trainer, total_steps, process_group, eval_prompts, compiled)

@@ -7,13 +7,13 @@ not weigh as much as one that drew full ones (docs/ARCHITECTURE.md §1).
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.utils.checkpoint import checkpoint
 
 from dflash.blocks import DraftBlocks
 
@@ -36,6 +36,7 @@ class LossStats:
 def _weighted_ce_and_hits(
     hidden: torch.Tensor, lm_head: nn.Module, labels: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The reference: full-vocab logits through autograd (kept for tests and `logits_chunk=0`)."""
     logits = lm_head(hidden).float()
     ce = F.cross_entropy(logits.flatten(0, 1), labels.flatten(), reduction="none")
     with torch.no_grad():
@@ -43,37 +44,109 @@ def _weighted_ce_and_hits(
     return (ce * weights.flatten()).sum(), hit
 
 
+def _chunk_ce_and_grad(
+    logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One chunk of logits [n, V] -> (sum of w * CE, hits [n], d(sum w * CE)/d(logits) in the
+    logits' dtype). Softmax and CE in fp32, as the reference's `.float()` does. Compiled on
+    CUDA (drafter.compile): one fused pass over the chunk instead of one per elementwise op."""
+    x = logits.float()
+    lse = torch.logsumexp(x, dim=-1, keepdim=True)
+    w = weights[:, None]
+    weighted_ce = ((lse - x.gather(1, labels[:, None])) * w).sum()
+    hit = (x.argmax(dim=-1) == labels) & valid
+    # d(w * CE)/d(logits) = w * (softmax - onehot)
+    grad = (torch.exp(x - lse) * w).scatter_add(1, labels[:, None], -w)
+    return weighted_ce, hit, grad.to(logits.dtype)
+
+
+@functools.cache
+def _compiled_chunk_ce_and_grad():
+    return torch.compile(_chunk_ce_and_grad, dynamic=True)
+
+
+class _FusedHeadCE(torch.autograd.Function):
+    """sum_n w_n * CE(hidden_n @ W^T, label_n), chunk by chunk, with d/d(hidden) computed in the
+    forward pass: each chunk's logits live only while that chunk is processed, and the LM head
+    runs twice per position (logits, then the hidden gradient) instead of the three times of a
+    checkpointed chunk (logits, recomputed logits, hidden gradient). The head is frozen, so no
+    weight gradient is ever needed. Numerics follow the reference under autocast: the matmuls in
+    `compute_dtype`, softmax and CE in fp32.
+    """
+
+    @staticmethod
+    def forward(ctx, hidden_NH, weight_VH, labels_N, weights_N, valid_N, chunk, compute_dtype, compiled):
+        weight = weight_VH.to(compute_dtype)
+        per_chunk = _compiled_chunk_ce_and_grad() if compiled else _chunk_ce_and_grad
+        grad_hidden = torch.empty_like(hidden_NH)
+        weighted_ce = hidden_NH.new_zeros((), dtype=torch.float32)
+        hit = torch.empty_like(valid_N)
+        for start in range(0, hidden_NH.shape[0], chunk):
+            rows = slice(start, start + chunk)
+            logits = hidden_NH[rows].to(compute_dtype) @ weight.T
+            chunk_ce, hit[rows], grad_logits = per_chunk(
+                logits, labels_N[rows], weights_N[rows], valid_N[rows]
+            )
+            del logits
+            weighted_ce += chunk_ce
+            grad_hidden[rows] = grad_logits @ weight
+        ctx.save_for_backward(grad_hidden)
+        ctx.mark_non_differentiable(hit)
+        return weighted_ce, hit
+
+    @staticmethod
+    def backward(ctx, grad_weighted_ce, _grad_hit):
+        (grad_hidden,) = ctx.saved_tensors
+        return grad_hidden * grad_weighted_ce, None, None, None, None, None, None, None
+
+
+def _fused_weighted_ce_and_hits(
+    hidden_BQH: torch.Tensor, lm_head: nn.Module, blocks: DraftBlocks, chunk: int, compiled: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    if getattr(lm_head, "bias", None) is not None or lm_head.weight.requires_grad:
+        raise ValueError("the fused LM-head loss needs a frozen, bias-free LM head (set loss.logits_chunk=0)")
+    device_type = hidden_BQH.device.type
+    compute_dtype = (
+        torch.get_autocast_dtype(device_type)
+        if torch.is_autocast_enabled(device_type)
+        else torch.promote_types(hidden_BQH.dtype, lm_head.weight.dtype)
+    )
+    with torch.autocast(device_type, enabled=False):
+        weighted_ce, hit = _FusedHeadCE.apply(
+            hidden_BQH.flatten(0, 1),
+            lm_head.weight,
+            blocks.labels.flatten(),
+            blocks.weights.flatten(),
+            blocks.valid.flatten(),
+            chunk,
+            compute_dtype,
+            compiled,
+        )
+    return weighted_ce, hit.view(blocks.labels.shape)
+
+
 def draft_loss(
-    hidden_BQH: torch.Tensor, lm_head: nn.Module, blocks: DraftBlocks, logits_chunk: int = 0
+    hidden_BQH: torch.Tensor,
+    lm_head: nn.Module,
+    blocks: DraftBlocks,
+    logits_chunk: int = 0,
+    *,
+    compiled: bool = False,
 ) -> LossStats:
     """Loss statistics of one batch of blocks.
 
-    logits_chunk > 0 projects at most that many block positions per sample through the LM head
-    at a time and recomputes each chunk's logits in backward (activation checkpointing): the
-    [B, Q, vocab] float logits never exist at once. At paper scale (512 anchors x 16 positions x
-    a 151k vocab) they would take ~5 GB per sample.
+    logits_chunk > 0 (the default config): the fused path, at most that many block positions
+    (over the whole batch) through the LM head at a time; the [B, Q, vocab] logits never exist at
+    once. At paper scale (512 anchors x 16 positions x a 151k vocab) they would take ~5 GB per
+    sample. logits_chunk = 0: the reference path, all logits at once through autograd.
+    compiled: the fused path's per-chunk softmax/CE/gradient through torch.compile.
     """
-    q_len = hidden_BQH.shape[1]
-    if logits_chunk <= 0 or logits_chunk >= q_len:
+    if logits_chunk > 0:
+        weighted_ce, hit = _fused_weighted_ce_and_hits(hidden_BQH, lm_head, blocks, logits_chunk, compiled)
+    else:
         weighted_ce, hit = _weighted_ce_and_hits(
             hidden_BQH, lm_head, blocks.labels, blocks.weights, blocks.valid
         )
-    else:
-        weighted_ce, hits = hidden_BQH.new_zeros((), dtype=torch.float32), []
-        for start in range(0, q_len, logits_chunk):
-            part = slice(start, start + logits_chunk)
-            chunk_ce, chunk_hit = checkpoint(
-                _weighted_ce_and_hits,
-                hidden_BQH[:, part],
-                lm_head,
-                blocks.labels[:, part],
-                blocks.weights[:, part],
-                blocks.valid[:, part],
-                use_reentrant=False,
-            )
-            weighted_ce = weighted_ce + chunk_ce
-            hits.append(chunk_hit)
-        hit = torch.cat(hits, dim=1)
     with torch.no_grad():
         per_position = (blocks.labels.shape[0], -1, blocks.block_size)
         correct = hit.view(per_position).sum(dim=(0, 1)).float()

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash.config.schema import DataConfig, TargetConfig
+from dflash.config.schema import DataConfig, SyntheticText, TargetConfig
 from dflash.data import synthetic
 from dflash.data.synthetic import load_or_generate
 from dflash.spec_decode import plain_generate
@@ -54,3 +54,27 @@ def test_second_run_reuses_the_cache_and_a_new_seed_does_not(tmp_path, monkeypat
     other = load_or_generate(target, TARGET_CFG, small_data(seed=1), tmp_path, [511])
     assert not torch.equal(first.input_ids[:20], other.input_ids[:20])
     assert len(list((tmp_path / "synthetic").glob("*.safetensors"))) == 2
+
+
+def test_random_continuations_need_no_target_and_keep_the_mask_id_out(tmp_path, monkeypatch):
+    """data.continuation=random (speed runs of large targets): same prompts as greedy data, a
+    supervised part of random tokens of the drawn length, never the mask id, cached like the rest."""
+    target = tiny_target()
+
+    def no_generation(*args, **kwargs):
+        raise AssertionError("random continuations called the target")
+
+    greedy = load_or_generate(target, TARGET_CFG, small_data(), tmp_path, [511])
+    monkeypatch.setattr(synthetic, "greedy_continue", no_generation)
+    random_cfg = small_data(continuation=SyntheticText.random)
+    dataset = load_or_generate(target, TARGET_CFG, random_cfg, tmp_path, [511])
+    assert len(dataset) == 6
+    for index in range(6):
+        ids, mask = dataset[index]
+        greedy_ids, greedy_mask = greedy[index]
+        assert torch.equal(mask, greedy_mask)  # the same prompts and lengths
+        prompt_len = int((mask == 0).sum())
+        assert torch.equal(ids[:prompt_len], greedy_ids[:prompt_len])
+        assert 511 not in ids.tolist()
+    again = synthetic.generate_dataset(target, random_cfg, [511])
+    assert torch.equal(again.input_ids, dataset.input_ids)

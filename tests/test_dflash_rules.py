@@ -233,17 +233,18 @@ def test_loss_is_weighted_mean_and_reduces_across_replicas_once():
     assert not torch.isclose((a.loss() + b.loss()) / 2, full.loss())  # mean of means is the bug
 
 
-def test_chunked_lm_head_gives_the_same_loss_accuracy_and_gradients():
+def test_fused_lm_head_loss_gives_the_reference_loss_accuracy_and_gradients():
     target = tiny_target()
     ids = torch.randint(0, 500, (2, 24))
     blocks = blocks_for(ids, torch.ones(2, 24), num_anchors=6)  # Q = 24 positions per sample
     att = block_attention_mask(blocks.anchors, blocks.anchor_valid, 24, 4)
     features, emb = target.features(ids), target.embed_tokens(blocks.block_ids)
     results = []
-    for chunk in (0, 5, 24):  # 5 does not divide Q, nor align with blocks
+    # 0: the reference; 5 divides neither Q nor the blocks; compiled: the CUDA default's kernel
+    for chunk, compiled in ((0, False), (5, False), (5, True), (48, False), (1000, False)):
         drafter = tiny_drafter(target)
         hidden = drafter(features, emb, blocks.positions, att)
-        stats = draft_loss(hidden, target.lm_head, blocks, logits_chunk=chunk)
+        stats = draft_loss(hidden, target.lm_head, blocks, logits_chunk=chunk, compiled=compiled)
         stats.loss().backward()
         results.append((stats, [p.grad.clone() for p in drafter.parameters()]))
     (reference, ref_grads), *others = results

@@ -61,6 +61,8 @@ def test_async_pipeline_hot_path_has_no_host_sync(make_cfg):
     finally:
         run.trainer.monitor.close(True)
     hot = detector.in_threads("dflash-target") + detector.in_threads("dflash-drafter")
+    compile_time = detector.in_threads("dflash-drafter", compiling=True)
+    print(f"{len(compile_time)} syncs while compiling the drafter's graphs (once per graph)")
     sites = {}
     for event in hot:
         sites.setdefault(event.stack.strip().splitlines()[-4:-2].__str__(), event)

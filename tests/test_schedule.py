@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from dflash.config.schema import SchedulerConfig, SchedulerKind
-from dflash.data.schedule import BatchPlanner, bucket_of, pack_bucket
+from dflash.data.schedule import BatchPlanner, BlockBudget, bucket_of, pack_bucket
 
 
 def planner(kind: str, lengths, edges=(48, 80, 128), budget=512, seed=0) -> BatchPlanner:
@@ -65,3 +65,27 @@ def test_interleave_breaks_same_bucket_runs_and_keeps_each_share():
         prefix = Counter(interleaved[:t])
         for bucket, total in share.items():
             assert abs(prefix[bucket] - total * t / n) <= 2
+
+
+def test_block_budget_bounds_what_the_drafter_computes():
+    """Short samples pack many to a batch by tokens, but each brings up to num_anchors blocks:
+    the block budget caps batch_size x the widest sample's anchors x block_size."""
+    lengths = np.array([100] * 40 + [3000, 2900, 20, 10])
+    budget = BlockBudget(block_tokens_per_batch=8192, num_anchors=512, block_size=16)
+    batches = pack_bucket(np.arange(len(lengths)), lengths, tokens_per_batch=16384, block_budget=budget)
+    assert sorted(itertools.chain(*batches)) == list(range(len(lengths)))
+    for batch in batches:
+        longest = int(max(lengths[batch]))
+        assert len(batch) == 1 or len(batch) * min(512, longest) * 16 <= 8192
+    assert max(len(b) for b in batches) == 5  # 5 x 100 anchors x 16 = 8000; tokens alone allow 163
+    # The 3000-token samples hold 512 anchors each: one per batch, however many tokens would fit.
+    assert [3000] in [[int(lengths[i]) for i in b] for b in batches]
+    unbounded = pack_bucket(np.arange(len(lengths)), lengths, tokens_per_batch=16384)
+    assert max(len(b) for b in unbounded) > 5
+
+
+def test_a_block_budget_below_one_sample_is_refused(make_cfg):
+    from dflash.build import build_run
+
+    with pytest.raises(ValueError, match=r"scheduler.block_tokens_per_batch=64 is below one sample's blocks"):
+        build_run(make_cfg(["scheduler.block_tokens_per_batch=64"]))

@@ -11,14 +11,15 @@ import re
 from typing import Any
 
 from dflash.config.devices import ProcessSlot, resolve_device_split
-from dflash.config.schema import DataKind, NoiseKind, PipelineKind
+from dflash.config.schema import AttentionKind, DataKind, DeviceKind, NoiseKind, PipelineKind
 from dflash.data.conversations import expand_files
 from dflash.models.layer_ids import default_target_layer_ids
 
 # The numeric keys of summary.json (the run summary, the evaluation report's metrics, the role
 # figures): what `objective` may name. tests/test_train.py checks a real summary against them.
 OBJECTIVE_PATTERNS = (
-    r"steps|wall_s|replicas|node_gpus",
+    r"steps|wall_s|replicas|node_gpus|(target|drafter)_compiled_graphs",
+    r"perf/(samples|tokens)_per_s",
     r"train/(loss|acc)(_first_window)?|train/tau_sim",
     r"eval/(tau|num_prompts|lossless_frac|divergence_max_logit_gap)",
     r"eval/accept_len_\d+_frac",
@@ -89,6 +90,14 @@ def validate(
             f"pipeline=sync runs one target and one drafter; got gpu.target={cfg.gpu.target}, "
             f"gpu.drafter={cfg.gpu.drafter} ({len(targets)} + {len(drafters)} devices)"
         )
+    if (
+        AttentionKind(cfg.drafter.attention) is AttentionKind.flex
+        and DeviceKind(cfg.gpu.device) is DeviceKind.cpu
+    ):
+        raise ValueError(
+            "drafter.attention=flex trains on CUDA only (torch's CPU flex_attention has no backward); "
+            "use drafter.attention=auto or sdpa with gpu=cpu"
+        )
     if cfg.gpu.cpu_threads < 1:
         raise ValueError(f"gpu.cpu_threads must be >= 1, got {cfg.gpu.cpu_threads}")
     if cfg.debug.max_steps is not None and cfg.debug.max_steps < 1:
@@ -97,7 +106,7 @@ def validate(
         raise ValueError(
             f"objective={cfg.objective!r} is not a summary metric; use one of train/loss, train/acc, "
             "train/tau_sim, eval/tau, eval/lossless_frac, eval/<benchmark>/tau, eval/<benchmark>/speedup, "
-            "roles/drafter_busy_frac, ... (the numeric keys of summary.json)"
+            "roles/drafter_busy_frac, perf/samples_per_s, ... (the numeric keys of summary.json)"
         )
     if cfg.logger.every_steps < 1:
         raise ValueError(f"logger.every_steps must be >= 1, got {cfg.logger.every_steps}")
@@ -126,6 +135,13 @@ def _validate_data_and_scheduler(cfg: Any) -> None:
         raise ValueError(
             f"scheduler.bucket_edges ends at {edges[-1]} < data.max_length={data.max_length}: "
             "the longest samples would have no bucket"
+        )
+    one_sample = min(cfg.drafter.num_anchors, data.max_length) * cfg.drafter.block_size
+    if sched.block_tokens_per_batch is not None and sched.block_tokens_per_batch < one_sample:
+        raise ValueError(
+            f"scheduler.block_tokens_per_batch={sched.block_tokens_per_batch} is below one sample's blocks at "
+            f"data.max_length: min(drafter.num_anchors={cfg.drafter.num_anchors}, {data.max_length}) x "
+            f"drafter.block_size={cfg.drafter.block_size} = {one_sample}"
         )
     if sched.tokens_per_batch < data.max_length:
         raise ValueError(

@@ -34,14 +34,46 @@ class PlannedBatch:
     sample_ids: tuple[int, ...]
 
 
-def pack_bucket(sample_ids: np.ndarray, lengths: np.ndarray, tokens_per_batch: int) -> list[list[int]]:
-    """Greedy packing in the given order: a batch grows while batch_size * longest <= budget."""
+@dataclass(frozen=True)
+class BlockBudget:
+    """What a batch costs the drafter: every sample is laid out with as many blocks as the
+    batch's widest sample (padding blocks cost compute and memory too), and a sample of length n
+    has at most min(num_anchors, n) anchors."""
+
+    block_tokens_per_batch: int
+    num_anchors: int
+    block_size: int
+
+    def block_tokens(self, batch_size: int, longest: int) -> int:
+        return batch_size * min(self.num_anchors, longest) * self.block_size
+
+
+def block_budget_for(cfg: SchedulerConfig, *, num_anchors: int, block_size: int) -> BlockBudget | None:
+    if cfg.block_tokens_per_batch is None:
+        return None
+    return BlockBudget(cfg.block_tokens_per_batch, num_anchors, block_size)
+
+
+def pack_bucket(
+    sample_ids: np.ndarray,
+    lengths: np.ndarray,
+    tokens_per_batch: int,
+    block_budget: BlockBudget | None = None,
+) -> list[list[int]]:
+    """Greedy packing in the given order: a batch grows while batch_size * longest <= budget
+    (and, with `block_budget`, while its block tokens fit too). A sample over budget on its own
+    is a batch of one."""
     batches: list[list[int]] = []
     current: list[int] = []
     longest = 0
     for sample_id in sample_ids:
         length = int(lengths[sample_id])
-        if current and (len(current) + 1) * max(longest, length) > tokens_per_batch:
+        grown, grown_longest = len(current) + 1, max(longest, length)
+        over = grown * grown_longest > tokens_per_batch or (
+            block_budget is not None
+            and block_budget.block_tokens(grown, grown_longest) > block_budget.block_tokens_per_batch
+        )
+        if current and over:
             batches.append(current)
             current, longest = [], 0
         current.append(int(sample_id))
@@ -80,10 +112,14 @@ def interleave_order(bucket_of_batch: list[int]) -> list[int]:
 class BatchPlanner:
     """Plans every epoch's batches for a dataset; plans are cached and deterministic."""
 
-    def __init__(self, lengths: np.ndarray, cfg: SchedulerConfig, seed: int):
+    def __init__(
+        self, lengths: np.ndarray, cfg: SchedulerConfig, seed: int, block_budget: BlockBudget | None = None
+    ):
+        """block_budget: None, or the drafter's blocks per batch limit (see `block_budget_for`)."""
         self.lengths = np.asarray(lengths)
         self.edges = list(cfg.bucket_edges)
         self.tokens_per_batch = cfg.tokens_per_batch
+        self.block_budget = block_budget
         self.kind = SchedulerKind(cfg.kind)
         self.seed = seed
         self._plans: dict[int, tuple[PlannedBatch, ...]] = {}
@@ -103,7 +139,10 @@ class BatchPlanner:
         for bucket in range(self.num_buckets):
             members = np.flatnonzero(self.sample_bucket == bucket)
             members = np.random.default_rng([self.seed, epoch, bucket]).permutation(members)
-            batches += [(bucket, ids) for ids in pack_bucket(members, self.lengths, self.tokens_per_batch)]
+            batches += [
+                (bucket, ids)
+                for ids in pack_bucket(members, self.lengths, self.tokens_per_batch, self.block_budget)
+            ]
         if self.kind is SchedulerKind.shuffle:
             order = np.random.default_rng([self.seed, epoch]).permutation(len(batches)).tolist()
         else:

@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from omegaconf import OmegaConf
 
-from dflash.config.schema import DataConfig, TargetConfig
+from dflash.config.schema import DataConfig, SyntheticText, TargetConfig
 from dflash.data.dataset import TokenDataset
 from dflash.models.target import FrozenTarget
 
@@ -31,6 +31,7 @@ def cache_key(target_cfg: TargetConfig, data_cfg: DataConfig, excluded_token_ids
     for key in ("name",):  # renaming an option does not change the text it produces
         payload["target"].pop(key, None)
         payload["data"].pop(key, None)
+    payload["target"].pop("compile", None)  # nor does compiling the target's training forward
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -56,6 +57,18 @@ def generate_dataset(target: FrozenTarget, cfg: DataConfig, excluded_token_ids: 
         cfg.num_samples, cfg.prompt_len_min, cfg.prompt_len_max, vocab_size, excluded_token_ids, rng
     )
     gen_lengths = rng.integers(cfg.gen_len_min, cfg.gen_len_max + 1, size=cfg.num_samples)
+    if SyntheticText(cfg.continuation) is SyntheticText.random:
+        allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(excluded_token_ids, dtype=np.int64))
+        texts = np.random.default_rng([cfg.seed, 1])
+        return TokenDataset.from_samples(
+            [
+                (
+                    (prompt.tolist() + texts.choice(allowed, size=int(n)).tolist())[: cfg.max_length],
+                    ([0] * len(prompt) + [1] * int(n))[: cfg.max_length],
+                )
+                for prompt, n in zip(prompts, gen_lengths)
+            ]
+        )
     samples: list[tuple[list[int], list[int]]] = [([], [])] * cfg.num_samples
     # Similar prompt lengths batch together (little padding). A greedy continuation is prefix-
     # consistent, so each sample is cut to its own length from its batch's longest.

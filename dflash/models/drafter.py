@@ -8,9 +8,13 @@ the returned hidden states with the target's frozen `lm_head`.
 
 from __future__ import annotations
 
+import functools
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.nn.attention.flex_attention import BlockMask, flex_attention
 from transformers import PretrainedConfig, Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3MLP,
@@ -66,6 +70,20 @@ def drafter_config(cfg: DrafterConfig, target: PretrainedConfig, layer_ids: list
     return config
 
 
+@functools.cache
+def _compiled_flex_attention():
+    return torch.compile(flex_attention, dynamic=True)
+
+
+def _flex_attention(q, k, v, block_mask: BlockMask, enable_gqa: bool) -> torch.Tensor:
+    """flex_attention, compiled on CUDA (the fused block-sparse kernel; eager flex materialises
+    every score and has no CPU backward). Inside a compiled drafter layer it is traced as is.
+    Shapes are dynamic: one compile serves every batch shape of a run."""
+    if q.device.type != "cuda" or torch.compiler.is_compiling():
+        return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+    return _compiled_flex_attention()(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
+
+
 class DFlashAttention(nn.Module):
     """Queries from block tokens; keys/values = [proj(context); proj(block)] with the same weights."""
 
@@ -99,8 +117,10 @@ class DFlashAttention(nn.Module):
         block_BQH: torch.Tensor,
         ctx_kv: tuple[torch.Tensor, torch.Tensor],
         block_rope: tuple[torch.Tensor, torch.Tensor],
-        attn_mask: torch.Tensor,
+        attn_mask: torch.Tensor | BlockMask,
     ) -> torch.Tensor:
+        """attn_mask: a dense bool [B, 1, Q, S + Q] mask (True = visible) or the same rule as a
+        flex_attention BlockMask (dflash.block_mask)."""
         bsz, q_len, _ = block_BQH.shape
         q = self.q_norm(self._heads(self.q_proj(block_BQH), self.num_heads)).transpose(1, 2)
         k_blk = self.k_norm(self._heads(self.k_proj(block_BQH), self.num_kv_heads)).transpose(1, 2)
@@ -109,9 +129,11 @@ class DFlashAttention(nn.Module):
         q, k_blk = apply_rotary_pos_emb(q, k_blk, *block_rope)
         k = torch.cat([ctx_kv[0], k_blk], dim=2)
         v = torch.cat([ctx_kv[1], v_blk], dim=2)
-        out = F.scaled_dot_product_attention(
-            q, k, v, attn_mask=attn_mask, enable_gqa=self.num_heads != self.num_kv_heads
-        )
+        gqa = self.num_heads != self.num_kv_heads
+        if isinstance(attn_mask, BlockMask):
+            out = _flex_attention(q, k, v, block_mask=attn_mask, enable_gqa=gqa)
+        else:
+            out = F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask, enable_gqa=gqa)
         return self.o_proj(out.transpose(1, 2).reshape(bsz, q_len, -1))
 
 
@@ -144,6 +166,7 @@ class DFlashDrafter(nn.Module):
         self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
         # Not a parameter and not exported: recomputed from config.
         self.rotary_emb = Qwen3RotaryEmbedding(config)
+        self._training_layers = self._layers  # compile_training swaps in a compiled function
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -181,35 +204,59 @@ class DFlashDrafter(nn.Module):
         ctx_rope = self.rotary_emb(ctx_BSH, positions_BS)
         return [layer.self_attn.context_kv(ctx_BSH, ctx_rope) for layer in self.layers]
 
+    def _layers(
+        self,
+        hidden_BQH: torch.Tensor,
+        ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
+        block_rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | BlockMask,
+    ) -> torch.Tensor:
+        for layer, layer_kv in zip(self.layers, ctx_kv):
+            hidden_BQH = layer(hidden_BQH, layer_kv, block_rope, mask)
+        return self.norm(hidden_BQH)
+
+    def compile_training(self, backend: Any = "inductor") -> None:
+        """Compile the draft layers of the training forward as one graph (dynamic shapes, so
+        batches of any size share it). Decoding (`draft`) stays eager: it runs under no_grad with
+        a growing cache, shapes a training graph would only be recompiled for."""
+        self._training_layers = torch.compile(self._layers, backend=backend, dynamic=True)
+
+    def _block_inputs(
+        self, block_emb_BQH: torch.Tensor, block_pos_BQ: torch.Tensor, attn_mask_BQK: torch.Tensor | BlockMask
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor | BlockMask]:
+        hidden = block_emb_BQH.to(self.fc.weight.dtype)
+        block_rope = self.rotary_emb(hidden, block_pos_BQ)
+        mask = attn_mask_BQK if isinstance(attn_mask_BQK, BlockMask) else attn_mask_BQK.unsqueeze(1)
+        return hidden, block_rope, mask
+
     def draft(
         self,
         ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
         block_emb_BQH: torch.Tensor,
         block_pos_BQ: torch.Tensor,
-        attn_mask_BQK: torch.Tensor,
+        attn_mask_BQK: torch.Tensor | BlockMask,
     ) -> torch.Tensor:
-        """Hidden states of the block positions (after the final norm), [B, Q, H]."""
-        hidden = block_emb_BQH.to(self.fc.weight.dtype)
-        block_rope = self.rotary_emb(hidden, block_pos_BQ)
-        mask = attn_mask_BQK.unsqueeze(1)
-        for layer, layer_kv in zip(self.layers, ctx_kv):
-            hidden = layer(hidden, layer_kv, block_rope, mask)
-        return self.norm(hidden)
+        """Hidden states of the block positions (after the final norm), [B, Q, H]; eager."""
+        hidden, block_rope, mask = self._block_inputs(block_emb_BQH, block_pos_BQ, attn_mask_BQK)
+        return self._layers(hidden, ctx_kv, block_rope, mask)
 
     def forward(
         self,
         features_BSF: torch.Tensor,
         block_emb_BQH: torch.Tensor,
         block_pos_BQ: torch.Tensor,
-        attn_mask_BQK: torch.Tensor,
+        attn_mask_BQK: torch.Tensor | BlockMask,
         feature_noise_std: float = 0.0,
         noise_generator: torch.Generator | None = None,
     ) -> torch.Tensor:
-        """Hidden states of the block positions (after the final norm), [B, Q, H].
+        """Hidden states of the block positions (after the final norm), [B, Q, H]; the training
+        path (compiled after `compile_training`).
 
-        attn_mask_BQK: bool, True = visible; keys are [context 0..S-1, block tokens 0..Q-1].
+        attn_mask_BQK: bool, True = visible; keys are [context 0..S-1, block tokens 0..Q-1]; or
+        the same rule as a flex_attention BlockMask.
         """
         bsz, ctx_len, _ = features_BSF.shape
         ctx_pos = torch.arange(ctx_len, device=features_BSF.device).unsqueeze(0).expand(bsz, -1)
         ctx_kv = self.context_kv(features_BSF, ctx_pos, feature_noise_std, noise_generator)
-        return self.draft(ctx_kv, block_emb_BQH, block_pos_BQ, attn_mask_BQK)
+        hidden, block_rope, mask = self._block_inputs(block_emb_BQH, block_pos_BQ, attn_mask_BQK)
+        return self._training_layers(hidden, ctx_kv, block_rope, mask)

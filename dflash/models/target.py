@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -84,6 +84,13 @@ class FrozenTarget(nn.Module):
         params = inspect.signature(model.forward).parameters
         self._cache_argument = "cache" if "cache" in params else "past_key_values"
         model.config._attn_implementation = CAUSAL_ATTENTION
+        # A function, not a module attribute (that would register the stack twice).
+        self._feature_stack: Callable[..., Any] = model.base_model.forward
+
+    def compile_features(self, backend: Any = "inductor") -> None:
+        """Compile the decoder stack that `features` runs (dynamic shapes: batches of any size
+        and length share the graphs). Decoding (`forward`, `generate`) stays eager."""
+        self._feature_stack = torch.compile(self.model.base_model.forward, backend=backend, dynamic=True)
 
     @contextmanager
     def _padded_attention(self) -> Iterator[None]:
@@ -161,7 +168,7 @@ class FrozenTarget(nn.Module):
         anchor). A padding mask would make transformers inspect it on the host, a GPU sync per
         batch, and leave the fast causal kernels.
         """
-        out = self.model.base_model(input_ids=input_ids, output_hidden_states=True, use_cache=False)
+        out = self._feature_stack(input_ids=input_ids, output_hidden_states=True, use_cache=False)
         return self._fuse(out.hidden_states)
 
     @torch.no_grad()

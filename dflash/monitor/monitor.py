@@ -58,6 +58,11 @@ class Monitor:
         self.cuda_devices = [d for devices in roles.values() for d in devices if d.type == "cuda"]
         self._last_tick = time.perf_counter()
         self._last_counters: dict[str, float] = {}
+        # (time, cumulative samples, cumulative tokens) at the first tick that carried a train
+        # window, and at the latest tick: the run's steady throughput, without start-up and
+        # compilation (which happen before the first window completes).
+        self._first_mark: tuple[float, float, float] | None = None
+        self._last_mark: tuple[float, float, float] | None = None
 
     def maybe_tick(self, wait: bool = False, force: bool = False) -> None:
         """Tick if the interval has passed (or `force`); cheap to call often."""
@@ -82,6 +87,9 @@ class Monitor:
             self.window_history.append({"step": float(group[0].end_step), **row})
             rows.append((group[0].end_step, row))
         telemetry = self._pipeline_metrics(elapsed)
+        if self.window_history:
+            self._last_mark = (now, telemetry["perf/samples_total"], telemetry["perf/tokens_total"])
+            self._first_mark = self._first_mark or self._last_mark
         telemetry.update(self.telemetry.read())
         if self.cfg.cuda_stats and self.cuda_devices:
             telemetry.update(cuda_allocator_stats(self.cuda_devices))
@@ -126,6 +134,12 @@ class Monitor:
             ("anchors", "anchors_per_s"),
         ):
             metrics[f"perf/{rate}"] = sum(delta.get(f"count/{d}_{name}", 0.0) for d in drafters) / elapsed
+        for name in ("tokens", "samples"):
+            metrics[f"perf/{name}_total"] = sum(
+                value
+                for key, value in stats.items()
+                if key.startswith("count/drafter") and key.endswith(f"_{name}")
+            )
         waits = [metrics[f"worker/{d}_wait_frac"] for d in drafters if f"worker/{d}_wait_frac" in metrics]
         if waits:
             metrics["perf/data_wait_frac"] = sum(waits) / len(waits)
@@ -139,6 +153,19 @@ class Monitor:
             if shares:
                 metrics[f"perf/{role}_busy_frac"] = sum(shares) / len(shares)
         return metrics
+
+    def steady_throughput(self) -> dict[str, float]:
+        """Samples and tokens per second from the first train window's tick to the last tick
+        (empty when the run was too short to have two such ticks)."""
+        if self._first_mark is None or self._last_mark is None:
+            return {}
+        (t0, samples0, tokens0), (t1, samples1, tokens1) = self._first_mark, self._last_mark
+        if t1 <= t0 or samples1 <= samples0:  # every step finished before the first window's tick
+            return {}
+        return {
+            "perf/samples_per_s": (samples1 - samples0) / (t1 - t0),
+            "perf/tokens_per_s": (tokens1 - tokens0) / (t1 - t0),
+        }
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         """Rows outside the tick cadence (the final evaluation)."""

@@ -59,15 +59,23 @@ def main(argv: list[str] | None = None) -> None:
 
     from dflash.build import load_training_data
     from dflash.config.schema import SchedulerConfig, SchedulerKind
-    from dflash.data.schedule import BatchPlanner
+    from dflash.data.schedule import BatchPlanner, block_budget_for
     from dflash.tools.compose import compose_config
 
     cfg = compose_config(overrides)
     dataset, _ = load_training_data(cfg)
     orders = {}
     for kind in (SchedulerKind.shuffle, SchedulerKind.interleave):
-        sched = SchedulerConfig(kind, list(cfg.scheduler.bucket_edges), cfg.scheduler.tokens_per_batch)
-        planner = BatchPlanner(dataset.lengths, sched, cfg.seed)
+        sched = SchedulerConfig(
+            kind,
+            list(cfg.scheduler.bucket_edges),
+            cfg.scheduler.tokens_per_batch,
+            cfg.scheduler.block_tokens_per_batch,
+        )
+        budget = block_budget_for(
+            sched, num_anchors=cfg.drafter.num_anchors, block_size=cfg.drafter.block_size
+        )
+        planner = BatchPlanner(dataset.lengths, sched, cfg.seed, budget)
         orders[kind.value] = [b.bucket for b in planner.epoch(args.epoch)]
     edges = list(cfg.scheduler.bucket_edges)
     print(

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash.block_mask import KvTiles, flex_block_mask, kv_tiles
 from dflash.blocks import DraftBlocks, block_attention_mask, build_blocks
 from dflash.data.collate import Batch
 from dflash.loss import LossStats, draft_loss
@@ -25,7 +26,9 @@ class BlockSettings:
     seed: int
     num_anchors: int
     gamma: float
-    logits_chunk: int = 0  # block positions per LM-head chunk (0: all at once)
+    logits_chunk: int = 0  # block positions per LM-head chunk of the fused loss (0: the reference)
+    flex_attention: bool = False  # block-sparse flex_attention (else SDPA with the dense mask)
+    compiled_loss: bool = False  # the fused loss's per-chunk work through torch.compile
 
 
 def make_blocks(
@@ -51,18 +54,27 @@ def drafter_forward_loss(
     drafter: DFlashDrafter,
     features_BSF: torch.Tensor,
     blocks: DraftBlocks,
-    feature_noise_std: float,
-    noise_generator: torch.Generator | None,
+    *,
+    feature_noise_std: float = 0.0,
+    noise_generator: torch.Generator | None = None,
     logits_chunk: int = 0,
+    tiles: KvTiles | None = None,
+    compiled_loss: bool = False,
 ) -> LossStats:
+    """tiles: the block-sparse tables of `blocks` (dflash.block_mask.kv_tiles, on the drafter's
+    device) for flex_attention; None: SDPA with the dense mask."""
     with torch.no_grad():
         block_emb = head.embed_tokens(blocks.block_ids)  # frozen: no gradient to the embeddings
-    mask = block_attention_mask(blocks.anchors, blocks.anchor_valid, features_BSF.shape[1], blocks.block_size)
+    ctx_len = features_BSF.shape[1]
+    if tiles is None:
+        mask = block_attention_mask(blocks.anchors, blocks.anchor_valid, ctx_len, blocks.block_size)
+    else:
+        mask = flex_block_mask(tiles, blocks.anchors, blocks.anchor_valid, ctx_len, blocks.block_size)
     device_type = features_BSF.device.type
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device_type == "cuda" else nullcontext()
     with autocast:
         hidden = drafter(features_BSF, block_emb, blocks.positions, mask, feature_noise_std, noise_generator)
-        return draft_loss(hidden, head.lm_head, blocks, logits_chunk)
+        return draft_loss(hidden, head.lm_head, blocks, logits_chunk, compiled=compiled_loss)
 
 
 @dataclass(frozen=True)
@@ -234,21 +246,32 @@ class DrafterStep:
         Dividing once by the weight summed over every replica is what keeps a replica that drew
         a short or empty batch from counting as much as one that drew a full batch.
         """
-        blocks = make_blocks(batch, self.drafter, self.block_settings, self.noise.keep_fraction(step))
+        settings = self.block_settings
+        blocks = make_blocks(batch, self.drafter, settings, self.noise.keep_fraction(step))
         num_anchors = int(blocks.anchor_valid.sum())  # host tensor: no device sync
+        tiles = None
+        if settings.flex_attention:  # tile tables from the host-side anchors: no device sync
+            tiles = kv_tiles(
+                blocks.anchors.numpy(),
+                blocks.anchor_valid.numpy(),
+                batch.input_ids.shape[1],
+                blocks.block_size,
+            ).to(self.device, non_blocking=True)
         blocks = blocks.to(self.device, non_blocking=True)
         # Seeded by the batch's place in the schedule: resumed runs, any replica or node count
         # draw the same feature noise for the same batch, with no generator state to save.
         plan = batch.plan
-        self.noise_generator.manual_seed((self.block_settings.seed << 40) ^ (plan.epoch << 24) ^ plan.index)
+        self.noise_generator.manual_seed((settings.seed << 40) ^ (plan.epoch << 24) ^ plan.index)
         stats = drafter_forward_loss(
             self.head,
             self.drafter,
             features_BSF.to(self.device, non_blocking=True),
             blocks,
-            self.noise.feature_std(step),
-            self.noise_generator,
-            self.block_settings.logits_chunk,
+            feature_noise_std=self.noise.feature_std(step),
+            noise_generator=self.noise_generator,
+            logits_chunk=settings.logits_chunk,
+            tiles=tiles,
+            compiled_loss=settings.compiled_loss,
         )
         stats.weighted_ce.backward()
         return stats, num_anchors
@@ -263,8 +286,12 @@ class DrafterStep:
         """
         scale = 1.0 / total_weight.clamp_min(1e-6)
         grads = [p.grad for p in self.drafter.parameters() if p.grad is not None]
-        torch._foreach_mul_(grads, scale)
-        grad_norm = torch.nn.utils.clip_grad_norm_(self.drafter.parameters(), self.grad_clip)
+        # Scaling and clipping in one pass over the gradients (a 1B-parameter drafter's fp32
+        # gradients are 4 GB): the norm of the scaled gradients is scale x the raw norm, and
+        # the clip coefficient is clip_grad_norm_'s, min(1, max_norm / (norm + 1e-6)).
+        grad_norm = torch.nn.utils.get_total_norm(grads) * scale
+        clip = (self.grad_clip / (grad_norm + 1e-6)).clamp(max=1.0)
+        torch._foreach_mul_(grads, clip * scale)
         self.optimizer.found_inf = (~torch.isfinite(grad_norm)).to(torch.float32)
         try:
             self.optimizer.step()

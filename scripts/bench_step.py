@@ -1,0 +1,289 @@
+#!/usr/bin/env python
+"""Time, FLOP rate and memory of one training step's phases, side by side in one run.
+
+    python scripts/bench_step.py [--samples 1] [--seq-len 3072] [--context 64] [--repeat 5]
+        [--drafter-variants reference,fused,flex,compiled] [--target-variants eager,compiled]
+        [hydra overrides ...]
+
+Defaults: a random Qwen3-8B-shaped target built on the GPU (target=qwen3_8b_random), the paper's
+b16 drafter (drafter=b16, 512 anchors), one sample of 3072 tokens supervised from position 64.
+Every override of dflash-train applies (drafter.num_layers=3, target.arch.num_hidden_layers=8 ...).
+
+Phases (CUDA events; median of --repeat after --warmup):
+- target features: the frozen target's decoder stack, no LM head (what the target worker runs);
+- drafter step: blocks -> forward -> loss -> backward -> clip -> fused AdamW (`DrafterStep`, the
+  object training runs), one row per variant: `reference` (SDPA with the dense mask, full
+  logits through autograd, eager), `fused` (+ the chunked LM-head loss), `flex` (+ block-sparse
+  flex_attention), `compiled` (+ torch.compile of the draft layers: the CUDA default).
+
+Useful FLOPs count only what a position may see: the target's causal attention counts each
+query's keys up to itself; a block query counts the context before its anchor plus its block.
+Backward counts twice the forward's matmuls for trained weights, once for frozen ones (the LM
+head and the target features need no weight gradient). MFU = useful FLOP/s over the device's
+dense bf16 peak. "peak extra" = peak allocated during the phase minus what was allocated before
+it (weights and optimizer state stay resident; gradients and activations are extra).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+from omegaconf import OmegaConf
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dflash.build import build_drafter, build_step_fn  # noqa: E402
+from dflash.config.validate import resolve_layer_ids  # noqa: E402
+from dflash.data.collate import Batch  # noqa: E402
+from dflash.data.schedule import PlannedBatch  # noqa: E402
+from dflash.models.compile import CompileCounter  # noqa: E402
+from dflash.models.target import FrozenTarget, load_target_config  # noqa: E402
+from dflash.models.target_head import TargetHead  # noqa: E402
+from dflash.tools.compose import compose_config  # noqa: E402
+
+DEFAULTS = ["target=qwen3_8b_random", "drafter=b16", "drafter.mask_token_id=151669", "gpu=single"]
+DENSE_BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
+
+DRAFTER_VARIANTS = {
+    "reference": ["drafter.attention=sdpa", "loss.logits_chunk=0", "drafter.compile=false"],
+    "fused": ["drafter.attention=sdpa", "drafter.compile=false"],
+    "flex": ["drafter.attention=flex", "drafter.compile=false"],
+    "compiled": ["drafter.attention=flex", "drafter.compile=true"],
+}
+
+
+@dataclass
+class Timing:
+    median_s: float
+    peak_extra_bytes: int
+
+
+def time_phase(fn, *, warmup: int, repeat: int, device: torch.device) -> Timing:
+    for _ in range(warmup):
+        fn()
+    if device.type != "cuda":
+        import time
+
+        times = []
+        for _ in range(repeat):
+            start = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - start)
+        return Timing(statistics.median(times), 0)
+    torch.cuda.synchronize(device)
+    base = torch.cuda.memory_allocated(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    times = []
+    for _ in range(repeat):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return Timing(statistics.median(times), torch.cuda.max_memory_allocated(device) - base)
+
+
+def linear_params(module: torch.nn.Module) -> int:
+    return sum(m.weight.numel() for m in module.modules() if isinstance(m, torch.nn.Linear))
+
+
+def target_flops(target: FrozenTarget, batch: int, seq_len: int) -> float:
+    """Decoder-stack matmuls + causal attention (query t sees t + 1 keys); no LM head."""
+    config = target.config
+    layers = target.model.base_model.layers
+    matmul = 2 * linear_params(layers) * batch * seq_len
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    visible = batch * seq_len * (seq_len + 1) / 2
+    attention = 4 * config.num_attention_heads * head_dim * visible * len(layers)
+    return matmul + attention
+
+
+def drafter_flops(
+    drafter, head: TargetHead, blocks_visible: float, block_tokens: int, ctx_tokens: int
+) -> float:
+    """Forward + backward of the drafter step. Trained weights: forward + 2x backward; the
+    frozen LM head: forward + input gradient; fc sees target features (no input gradient)."""
+    config = drafter.config
+    per_layer_block = sum(
+        linear_params(m)
+        for layer in drafter.layers
+        for m in (layer.mlp, layer.self_attn.q_proj, layer.self_attn.o_proj)
+    )
+    kv = sum(
+        linear_params(layer.self_attn.k_proj) + linear_params(layer.self_attn.v_proj)
+        for layer in drafter.layers
+    )
+    forward = (
+        2 * (per_layer_block + kv) * block_tokens
+        + 2 * kv * ctx_tokens
+        + 2 * linear_params(drafter.fc) * ctx_tokens
+    )
+    attention = 4 * config.num_attention_heads * config.head_dim * blocks_visible * len(drafter.layers)
+    lm_head = 2 * head.lm_head.weight.numel() * block_tokens
+    return 3 * forward + 3 * attention + 2 * lm_head
+
+
+def make_batch(samples: int, seq_len: int, context: int, vocab: int, exclude: int, index: int) -> Batch:
+    rng = np.random.default_rng(index)
+    ids = rng.integers(0, vocab - 1, size=(samples, seq_len))
+    ids[ids == exclude] = 0
+    loss_mask = np.zeros((samples, seq_len), dtype=np.uint8)
+    loss_mask[:, context:] = 1
+    plan = PlannedBatch(epoch=0, index=index, bucket=0, sample_ids=tuple(range(samples)))
+    return Batch(
+        torch.from_numpy(ids),
+        torch.from_numpy(loss_mask),
+        torch.full((samples,), seq_len, dtype=torch.int64),
+        plan,
+    )
+
+
+def peak_tflops(device: torch.device) -> float | None:
+    if device.type != "cuda":
+        return None
+    name = torch.cuda.get_device_name(device)
+    return next((peak for key, peak in DENSE_BF16_PEAK_TFLOPS.items() if key in name), None)
+
+
+def row(name: str, timing: Timing, flops: float, peak: float | None, extra: str = "") -> str:
+    rate = flops / timing.median_s / 1e12  # useful TFLOP/s
+    mfu = f"{rate / peak:.0%}" if peak else "n/a"
+    memory = f"{timing.peak_extra_bytes / 2**30:.1f} GiB" if timing.peak_extra_bytes else "n/a"
+    return f"| {name} | {timing.median_s * 1e3:.1f} ms | {rate:.3g} | {mfu} | {memory} | {extra} |"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--samples", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=3072)
+    parser.add_argument("--context", type=int, default=64, help="unsupervised prefix of each sample")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--repeat", type=int, default=5)
+    parser.add_argument("--drafter-variants", default=",".join(DRAFTER_VARIANTS))
+    parser.add_argument("--target-variants", default="eager,compiled")
+    parser.add_argument("--profile", help="a directory: each drafter variant's kernel table (torch.profiler)")
+    args, overrides = parser.parse_known_args()
+    device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    given = {o.split("=", 1)[0] for o in overrides}
+    defaults = DEFAULTS + ([] if device.type == "cuda" else ["gpu=cpu"])
+    base = [d for d in defaults if d.split("=", 1)[0] not in given] + overrides
+    cfg = compose_config(base)
+    target_cfg = OmegaConf.to_object(cfg.target)
+    layer_ids = resolve_layer_ids(cfg, load_target_config(target_cfg).num_hidden_layers)
+    target = FrozenTarget.from_config(target_cfg, layer_ids, device)
+    head = TargetHead.of(target)
+    peak = peak_tflops(device)
+    vocab = target.config.vocab_size
+    batch = make_batch(args.samples, args.seq_len, args.context, vocab, cfg.drafter.mask_token_id, 0)
+    ids = batch.input_ids.to(device)
+    print(
+        f"{torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, torch {torch.__version__}; "
+        f"overrides: {' '.join(base)}; {args.samples} x {args.seq_len} tokens, supervised from {args.context}; "
+        f"median of {args.repeat} after {args.warmup} warm-up",
+        flush=True,
+    )
+    table = [
+        "| phase | time | useful TFLOP/s | MFU | peak extra memory | notes |",
+        "|---|---|---|---|---|---|",
+    ]
+
+    def show(line: str) -> None:
+        table.append(line)
+        print("\n".join(table), flush=True)  # the table so far: a later variant's crash loses nothing
+
+    features = target.features(ids)
+    for variant in [v for v in args.target_variants.split(",") if v]:
+        counter = CompileCounter("target features")
+        if variant == "compiled":
+            target.compile_features(counter)  # what training runs with target.compile on
+        timing = time_phase(
+            lambda: target.features(ids), warmup=args.warmup, repeat=args.repeat, device=device
+        )
+        relative = ((target.features(ids) - features).norm() / features.norm()).item()
+        note = f"|diff| / |eager| {relative:.1e}" + (
+            f"; {counter.graphs} graphs compiled" if counter.graphs else ""
+        )
+        show(
+            row(
+                f"target features ({variant})",
+                timing,
+                target_flops(target, args.samples, args.seq_len),
+                peak,
+                note,
+            )
+        )
+
+    reference_loss = None
+    for variant in [v for v in args.drafter_variants.split(",") if v]:
+        variant_cfg = compose_config(base + DRAFTER_VARIANTS[variant])
+        drafter = build_drafter(
+            OmegaConf.to_object(variant_cfg.drafter), target.config, layer_ids, str(device)
+        )
+        counter = CompileCounter(f"drafter ({variant})")
+        if variant_cfg.drafter.compile:
+            drafter.compile_training(counter)
+        step_fn = build_step_fn(variant_cfg, head=head, drafter=drafter, total_steps=10**6, num_buckets=1)
+        blocks_visible, block_tokens = visible_keys(step_fn, batch)
+        stats, _ = step_fn.forward_backward(batch, features, 0)  # the loss at the initial weights
+        loss = (stats.weighted_ce / stats.weight).item()
+        step_fn.apply(stats.weight)
+        reference_loss = reference_loss if reference_loss is not None else loss
+        steps = iter(range(1, 10**6))
+        timing = time_phase(
+            lambda s=step_fn, n=steps: s(batch, features, next(n)),
+            warmup=args.warmup,
+            repeat=args.repeat,
+            device=device,
+        )
+        flops = drafter_flops(drafter, head, blocks_visible, block_tokens, args.samples * args.seq_len)
+        note = f"loss at init {loss:.5f} (vs first row {loss - reference_loss:+.1e}); {block_tokens} block tokens"
+        if counter.graphs:
+            note += f"; {counter.graphs} graphs compiled"
+        show(row(f"drafter step ({variant})", timing, flops, peak, note))
+        if args.profile:
+            profile_step(
+                lambda s=step_fn, n=steps: s(batch, features, next(n)), Path(args.profile) / f"{variant}.txt"
+            )
+        del drafter, step_fn
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def profile_step(step, path: Path) -> None:
+    """CUDA kernel time of two steps, top kernels first, into `path`."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(2):
+            step()
+        torch.cuda.synchronize()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(
+        prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
+    )
+
+
+def visible_keys(step_fn, batch: Batch) -> tuple[float, int]:
+    """Keys each block query may see, summed (context before its anchor + its block), and the
+    block tokens, for the anchors this step draws."""
+    from dflash.trainer.step import make_blocks
+
+    blocks = make_blocks(batch, step_fn.drafter, step_fn.block_settings, keep_fraction=0.0)
+    valid = blocks.anchor_valid
+    per_block = (blocks.anchors + blocks.block_size) * valid
+    return float(per_block.sum()) * blocks.block_size, int(valid.sum()) * blocks.block_size
+
+
+if __name__ == "__main__":
+    main()
