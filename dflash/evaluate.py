@@ -3,7 +3,8 @@
 Prompt sets: `eval.benchmarks` maps a benchmark name to a local JSONL file, one prompt per
 line ({"prompt": "..."} as one user turn, {"turns": [...]} whose first turn is used, or a
 conversation in either training shape, cut before its first reply), rendered with the
-target's chat template. Without benchmark files (a
+target's chat template; `package:humaneval` / `package:mtbench` read the files installed
+packages ship (dflash.data.benchmarks). Without benchmark files (a
 random-init target has no tokenizer), one set of random held-out token prompts.
 
 Per benchmark and temperature: mean tau (tokens produced per target verification), the
@@ -15,6 +16,7 @@ token per forward) over DFlash decoding, timed with CUDA events on GPU, after wa
 from __future__ import annotations
 
 import copy
+import gzip
 import json
 import time
 from collections.abc import Callable
@@ -27,6 +29,7 @@ import torch
 from jinja2 import TemplateError
 
 from dflash.config.schema import EvalConfig
+from dflash.data.benchmarks import is_packaged, packaged_prompts
 from dflash.data.conversations import MalformedRecord, normalize
 from dflash.data.synthetic import random_prompts
 from dflash.models.drafter import DFlashDrafter
@@ -46,11 +49,17 @@ class PromptSet:
 
 
 def read_prompt_file(name: str, path: str, renderer: Any, limit: int) -> PromptSet:
-    """The first `limit` prompts of a JSONL benchmark file, as chat-template token ids."""
+    """The first `limit` prompts of a JSONL benchmark file (or .jsonl.gz, or `package:<name>`
+    for a file shipped in an installed package), as chat-template token ids."""
+    template = "{prompt}"
+    if is_packaged(path):
+        located, template = packaged_prompts(f"eval.benchmarks.{name}", path)
+        path = str(located)
     if not Path(path).is_file():
         raise ValueError(f"eval.benchmarks.{name}: {path} is not a file")
     prompts = []
-    with Path(path).open(encoding="utf-8") as handle:
+    opener = gzip.open if path.endswith(".gz") else open
+    with opener(path, "rt", encoding="utf-8") as handle:
         for line_no, line in enumerate(handle, start=1):
             if len(prompts) == limit:
                 break
@@ -60,7 +69,7 @@ def read_prompt_file(name: str, path: str, renderer: Any, limit: int) -> PromptS
                 record = json.loads(line)
                 if isinstance(record, dict) and ("prompt" in record or "turns" in record):
                     text = record["prompt"] if "prompt" in record else record["turns"][0]
-                    messages = [{"role": "user", "content": str(text)}]
+                    messages = [{"role": "user", "content": template.format(prompt=text)}]
                 else:  # a conversation (OpenAI or ShareGPT): everything before its first reply
                     messages = []
                     for message in normalize(record, need_reply=False)[0]:

