@@ -60,6 +60,7 @@ from dflash.trainer.signals import StopRequested, stop_on_signals
 from dflash.trainer.state import CheckpointSettings
 from dflash.trainer.step import BlockSettings, DrafterStep
 from dflash.trainer.sync import SyncTrainer
+from dflash.trainer.validation import Validation, held_out_ids
 
 log = logging.getLogger(__name__)
 
@@ -130,6 +131,7 @@ class Run:
     process_group: ProcessGroupInfo
     eval_prompts: list[PromptSet]  # the end-of-training evaluation
     compiled: dict[str, CompileCounter] = field(default_factory=dict)  # per role: graphs compiled
+    validation: Validation | None = None  # data.val_samples: measured before the final evaluation
 
     def execute(self) -> dict[str, Any]:
         started = time.perf_counter()
@@ -141,6 +143,10 @@ class Run:
                 ok = True
                 return {"rank": self.process_group.rank, "steps": self.trainer.position.step}
             with stop_on_signals() as stop:  # a signal now ends the evaluation, not the process
+                val_metrics = {}
+                if self.validation is not None:
+                    val_metrics = self.validation.run(self.trainer.target, self.trainer.drafter)
+                    self.trainer.monitor.log(val_metrics, self.trainer.position.step)
                 report = evaluate(
                     self.trainer.target,
                     self.trainer.drafter,
@@ -151,7 +157,7 @@ class Run:
                 )
             eval_metrics = report.metrics()
             self.trainer.monitor.log(eval_metrics, self.trainer.position.step)
-            summary = self._summary(eval_metrics, time.perf_counter() - started)
+            summary = self._summary({**val_metrics, **eval_metrics}, time.perf_counter() - started)
             summary["eval/interrupted"] = report.interrupted
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             print(format_summary(summary), flush=True)
@@ -184,6 +190,7 @@ class Run:
             "train/loss_first_window": first["train/loss"],
             "train/loss": last["train/loss"],
             "train/tau_sim": last["train/tau_sim"],
+            **({"val_samples": self.validation.num_samples} if self.validation is not None else {}),
             "replicas": len(self.trainer.role_devices()["drafter"]) * self.process_group.world_size,
             "replica_digest": self.trainer.replica_digest,
             "node_gpus": visible_cuda_devices() if DeviceKind(self.cfg.gpu.device) is DeviceKind.cuda else 0,
@@ -203,7 +210,12 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"steps             {summary['steps']}  ({summary['wall_s']} s, pipeline={summary['pipeline']})",
         f"train loss        {summary['train/loss_first_window']:.3f} -> {summary['train/loss']:.3f}",
         f"train accuracy    {summary['train/acc_first_window']:.3f} -> {summary['train/acc']:.3f}",
-        f"tau (simulated)   {summary['train/tau_sim']:.3f}",
+        f"tau (simulated)   {summary['train/tau_sim']:.3f}"
+        + (
+            f" on training batches, {summary['val/tau_sim']:.3f} on {summary['val_samples']} held-out samples"
+            if "val/tau_sim" in summary
+            else ""
+        ),
         *(
             [
                 f"throughput        {summary['perf/samples_per_s']:.2f} samples/s, {summary['perf/tokens_per_s']:.0f} tokens/s (after the first log window)"
@@ -366,7 +378,8 @@ def build_run(cfg: DictConfig, faults: FaultInjection | None = None) -> Run:
         log.info("data: %s", "; ".join(line.strip() for line in prep_stats.lines()))
     sched = node(cfg, "scheduler")
     budget = block_budget_for(sched, num_anchors=drafter_cfg.num_anchors, block_size=drafter_cfg.block_size)
-    planner = BatchPlanner(dataset.lengths, sched, cfg.seed, budget)
+    val_ids = held_out_ids(len(dataset), cfg.data.val_samples, cfg.seed) if cfg.data.val_samples else None
+    planner = BatchPlanner(dataset.lengths, sched, cfg.seed, budget, held_out=val_ids)
     total_steps = total_steps_for(cfg, planner, len(drafters) * process_group.world_size)
 
     # 3. Optimization and the loop. Each replica embeds and scores its blocks with the target's
@@ -416,8 +429,19 @@ def build_run(cfg: DictConfig, faults: FaultInjection | None = None) -> Run:
         else []
     )
     trainer.monitor = Monitor(node(cfg, "monitor"), sinks, trainer, stop_after)
+    validation = None
+    if val_ids is not None and process_group.is_main:
+        validation = Validation(
+            dataset,
+            val_ids,
+            settings=step_fns[0].block_settings,
+            tokens_per_batch=sched.tokens_per_batch,
+            block_budget=budget,
+        )
     if periodic_prompts is not None and process_group.is_main:
-        trainer.periodic_eval = PeriodicEval(node(cfg, "eval"), targets[0], drafters[0], periodic_prompts)
+        trainer.periodic_eval = PeriodicEval(
+            node(cfg, "eval"), targets[0], drafters[0], periodic_prompts, validation=validation
+        )
         trainer.periodic_eval.monitor = trainer.monitor
     log.info(
         "dflash: %d samples, %d steps (%d batches in epoch 0), target layers %s, devices %s -> %s, pipeline=%s",
@@ -429,4 +453,4 @@ def build_run(cfg: DictConfig, faults: FaultInjection | None = None) -> Run:
         drafter_devices,
         cfg.pipeline.kind.value,
     )
-    return Run(cfg, run_dir, trainer, total_steps, process_group, eval_prompts, compiled)
+    return Run(cfg, run_dir, trainer, total_steps, process_group, eval_prompts, compiled, validation)

@@ -113,10 +113,19 @@ class BatchPlanner:
     """Plans every epoch's batches for a dataset; plans are cached and deterministic."""
 
     def __init__(
-        self, lengths: np.ndarray, cfg: SchedulerConfig, seed: int, block_budget: BlockBudget | None = None
+        self,
+        lengths: np.ndarray,
+        cfg: SchedulerConfig,
+        seed: int,
+        block_budget: BlockBudget | None = None,
+        held_out: np.ndarray | None = None,
     ):
-        """block_budget: None, or the drafter's blocks per batch limit (see `block_budget_for`)."""
+        """block_budget: None, or the drafter's blocks per batch limit (see `block_budget_for`).
+        held_out: sample ids never planned (the validation split); the others keep their ids."""
         self.lengths = np.asarray(lengths)
+        self.trainable = np.ones(len(self.lengths), dtype=bool)
+        if held_out is not None:
+            self.trainable[held_out] = False
         self.edges = list(cfg.bucket_edges)
         self.tokens_per_batch = cfg.tokens_per_batch
         self.block_budget = block_budget
@@ -137,7 +146,7 @@ class BatchPlanner:
     def _plan(self, epoch: int) -> tuple[PlannedBatch, ...]:
         batches: list[tuple[int, list[int]]] = []
         for bucket in range(self.num_buckets):
-            members = np.flatnonzero(self.sample_bucket == bucket)
+            members = np.flatnonzero((self.sample_bucket == bucket) & self.trainable)
             members = np.random.default_rng([self.seed, epoch, bucket]).permutation(members)
             batches += [
                 (bucket, ids)

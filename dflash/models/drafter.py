@@ -166,7 +166,7 @@ class DFlashDrafter(nn.Module):
         self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
         # Not a parameter and not exported: recomputed from config.
         self.rotary_emb = Qwen3RotaryEmbedding(config)
-        self._training_layers = self._layers  # compile_training swaps in a compiled function
+        self._compiled_layers = None  # compile_training: the layers as one compiled graph
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -219,7 +219,13 @@ class DFlashDrafter(nn.Module):
         """Compile the draft layers of the training forward as one graph (dynamic shapes, so
         batches of any size share it). Decoding (`draft`) stays eager: it runs under no_grad with
         a growing cache, shapes a training graph would only be recompiled for."""
-        self._training_layers = torch.compile(self._layers, backend=backend, dynamic=True)
+        self._compiled_layers = torch.compile(self._layers, backend=backend, dynamic=True)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # A copy (deepcopy, pickle) is eager: the compiled function is bound to this instance.
+        state = dict(self.__dict__)
+        state["_compiled_layers"] = None
+        return state
 
     def _block_inputs(
         self, block_emb_BQH: torch.Tensor, block_pos_BQ: torch.Tensor, attn_mask_BQK: torch.Tensor | BlockMask
@@ -250,7 +256,7 @@ class DFlashDrafter(nn.Module):
         noise_generator: torch.Generator | None = None,
     ) -> torch.Tensor:
         """Hidden states of the block positions (after the final norm), [B, Q, H]; the training
-        path (compiled after `compile_training`).
+        path (compiled after `compile_training`, when gradients are on).
 
         attn_mask_BQK: bool, True = visible; keys are [context 0..S-1, block tokens 0..Q-1]; or
         the same rule as a flex_attention BlockMask.
@@ -259,4 +265,7 @@ class DFlashDrafter(nn.Module):
         ctx_pos = torch.arange(ctx_len, device=features_BSF.device).unsqueeze(0).expand(bsz, -1)
         ctx_kv = self.context_kv(features_BSF, ctx_pos, feature_noise_std, noise_generator)
         hidden, block_rope, mask = self._block_inputs(block_emb_BQH, block_pos_BQ, attn_mask_BQK)
-        return self._training_layers(hidden, ctx_kv, block_rope, mask)
+        # The compiled graph is the training one: without gradients (validation) the eager layers
+        # run, rather than a second graph compiled for no_grad.
+        compiled = self._compiled_layers is not None and torch.is_grad_enabled()
+        return (self._compiled_layers if compiled else self._layers)(hidden, ctx_kv, block_rope, mask)

@@ -3,7 +3,8 @@
 The training thread hands over a copy of the weights right after an optimizer step (a device
 copy on its own stream, marked with an event: the pipeline pauses for that copy only). The
 main thread evaluates the copy on the held-out prompts between monitor ticks and logs
-`eval/tau`, per-benchmark `eval/<name>/tau` and the acceptance histogram at that step. In the
+`eval/tau`, per-benchmark `eval/<name>/tau`, the acceptance histogram and, with
+`data.val_samples`, the held-out `val/` metrics at that step. In the
 async pipeline the target and drafter threads keep running meanwhile (the frozen target is
 only read, so concurrent forwards are safe). If an evaluation is still pending when the next
 snapshot is due, that snapshot is skipped and counted rather than queued.
@@ -22,15 +23,23 @@ from dflash.evaluate import PromptSet, evaluate
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import FrozenTarget
 from dflash.monitor.monitor import Monitor
+from dflash.trainer.validation import Validation
 
 log = logging.getLogger(__name__)
 
 
 class PeriodicEval:
     def __init__(
-        self, cfg: EvalConfig, target: FrozenTarget, drafter: DFlashDrafter, prompt_sets: list[PromptSet]
+        self,
+        cfg: EvalConfig,
+        target: FrozenTarget,
+        drafter: DFlashDrafter,
+        prompt_sets: list[PromptSet],
+        validation: Validation | None = None,
     ):
+        """validation: the held-out samples, measured on each snapshot too (val/ metrics)."""
         self.cfg, self.target, self.prompt_sets = cfg, target, prompt_sets
+        self.validation = validation
         self.every = cfg.every_steps
         # On the target's device: with gpu=split the training replicas live elsewhere.
         self.eval_drafter = copy.deepcopy(drafter).to(target.device).eval().requires_grad_(False)
@@ -70,6 +79,8 @@ class PeriodicEval:
         del weights
         report = evaluate(self.target, self.eval_drafter, self.prompt_sets, self.cfg, timing=False)
         metrics = report.metrics()
+        if self.validation is not None:
+            metrics.update(self.validation.run(self.target, self.eval_drafter))
         metrics["eval/skipped_snapshots"] = float(self.skipped)
         self.monitor.log(metrics, step)
         self.evaluated_steps.append(step)
