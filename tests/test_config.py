@@ -42,6 +42,8 @@ def option_overrides(group: str, option: str, request) -> list[str]:
         ("target", "qwen3_8b_random"): lambda: [
             f"target.arch.{key}={value}" for key, value in TINY_ARCH.items()
         ],
+        # A real model (converted once per session into the shared cache): its own mask id.
+        ("target", "smollm2_135m"): lambda: ["drafter.mask_token_id=16", "data.num_samples=8"],
         ("eval", "humaneval_mtbench"): lambda: [
             f"target.tokenizer={request.getfixturevalue('tiny_chat_dir')}"
         ],

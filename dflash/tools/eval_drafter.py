@@ -50,16 +50,17 @@ def target_for(cfg: DictConfig, ckpt: Path, target_overridden: bool) -> tuple[Ta
     """The target to evaluate against, and where that choice came from."""
     from dflash.build import node
     from dflash.checkpoint import RUN_CONFIG_FILE
+    from dflash.models.gguf import local_target
 
     run_config = ckpt / RUN_CONFIG_FILE
     if target_overridden or not run_config.is_file():
-        return node(cfg, "target"), "command line"
+        return local_target(node(cfg, "target"), cfg.paths.cache_dir), "command line"
     try:
         trained_with = OmegaConf.load(run_config).target
         merged = OmegaConf.merge(OmegaConf.structured(TargetConfig), trained_with)
     except Exception as exc:  # a hand-edited or foreign config.yaml
         raise ValueError(f"ckpt={ckpt}: {RUN_CONFIG_FILE} has no usable target section ({exc})") from exc
-    return OmegaConf.to_object(merged), str(run_config)
+    return local_target(OmegaConf.to_object(merged), cfg.paths.cache_dir), str(run_config)
 
 
 def run_eval(cfg: DictConfig, target_overridden: bool = False) -> dict[str, Any]:

@@ -32,13 +32,15 @@ def build_backend(cfg: RegenConfig):
         )
     import torch
 
+    from dflash.models.gguf import local_target
     from dflash.models.target import FrozenTarget, load_target_config
     from dflash.models.tokenizer import load_chat_renderer
 
-    renderer = load_chat_renderer(cfg.target, "dflash-regen")
+    target_cfg = local_target(OmegaConf.to_object(cfg.target), cfg.paths.cache_dir)
+    renderer = load_chat_renderer(target_cfg, "dflash-regen")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    num_layers = load_target_config(cfg.target).num_hidden_layers
-    target = FrozenTarget.from_config(cfg.target, [num_layers - 1], device)
+    num_layers = load_target_config(target_cfg).num_hidden_layers
+    target = FrozenTarget.from_config(target_cfg, [num_layers - 1], device)
     return TransformersBackend(target, renderer, cfg.sampling)
 
 

