@@ -36,7 +36,7 @@ def build_backend(cfg: RegenConfig):
     from dflash.models.target import FrozenTarget, load_target_config
     from dflash.models.tokenizer import load_chat_renderer
 
-    target_cfg = local_target(OmegaConf.to_object(cfg.target), cfg.paths.cache_dir)
+    target_cfg = local_target(cfg.target, cfg.paths.cache_dir)  # cfg: the typed RegenConfig
     renderer = load_chat_renderer(target_cfg, "dflash-regen")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     num_layers = load_target_config(target_cfg).num_hidden_layers
