@@ -3,9 +3,7 @@
 # random-init Qwen3 target. Usage there: bash scripts/device_gpu_checks.sh
 #   TESTS=<pytest -k expression> to select GPU tests, BENCH=pipeline|monitor|both|none.
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+source scripts/device_setup.sh  # carry .whl (bash scripts/device_wheels.sh)
 python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu.py -k "${TESTS:-.}" 2>&1 | tail -40
 SMALL_TARGET=(gpu=single drafter=b16 drafter.mask_token_id=31999 drafter.num_anchors=64
   target.arch.vocab_size=32000 target.arch.hidden_size=1024 target.arch.intermediate_size=3072

@@ -6,13 +6,8 @@
 # bench: scripts/bench_pipeline.py --compare layout on a random Qwen3-4B-shaped target built on
 #   the GPU (36 layers, hidden 2560, tied embeddings) and the b16 drafter.
 set -uo pipefail
-export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
-python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1
+source scripts/device_setup.sh
 if [ "${PART:-tests}" = tests ]; then
   python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_layouts.py tests/test_gpu.py -k "${TESTS:-.}" \
     2>&1 | grep -v "INFO\|Loading weights\|it/s\]" | tee "$OUT/gpu_tests${LOG_SUFFIX:-}.log" | tail -60

@@ -7,13 +7,7 @@
 #   for both roles: the reference path for 50 steps against the default (fast) path, then the
 #   experiment=qwen3_8b preset at its own batch budget (peak memory).
 set -uo pipefail
-export PYTHONUNBUFFERED=1
-python3 -m pip install -q --upgrade --no-index --no-deps --no-compile --no-cache-dir --target /tmp/site .whl/*.whl || exit 1
-export PYTHONPATH=/tmp/site:$PWD
-OUT=${OUT:-/tmp/out}
-mkdir -p "$OUT"
-nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-python3 -c "import torch, transformers; print('torch', torch.__version__, 'transformers', transformers.__version__)"
+source scripts/device_setup.sh
 for part in ${PARTS:-bench}; do
 case "$part" in
 tests)

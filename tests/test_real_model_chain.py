@@ -1,6 +1,7 @@
 """The whole chain on a real instruct model (SmolLM2-135M-Instruct, target=smollm2_135m) and text
 no one here wrote (FastChat's ShareGPT-shaped dummy conversations), through the tools a user runs:
-dflash-regen -> dflash-prep -> dflash-train -> dflash-eval on HumanEval and MT-Bench prompts.
+dflash-regen -> dflash-prep -> dflash-train experiment=smollm2_b16 (scaled down) -> dflash-eval on
+HumanEval and MT-Bench prompts.
 
 At the smallest size that still checks something: the path works on a Llama target with tied
 embeddings and no spare vocabulary row, fp32 DFlash output equals plain greedy output, and tau is
@@ -53,15 +54,20 @@ def test_smollm2_regen_prep_train_eval(tmp_path, data_cache):
     )
     assert "written              10 conversations" in out
 
-    data = [
+    data = [  # the experiment's own settings, at the smallest size (CPU, one draft layer)
         *common,
-        "data=conversations",
+        "experiment=smollm2_b16",
+        "gpu=cpu",
+        "pipeline=sync",
         f"data.files=[{tmp_path / 'regen.jsonl'}]",
         "data.max_length=256",
+        "data.min_supervised_tokens=4",
+        "data.val_samples=2",
+        "drafter.num_layers=1",
+        "drafter.num_anchors=8",
         "scheduler.bucket_edges=[128,256]",
         "scheduler.tokens_per_batch=1024",
-        "data.min_supervised_tokens=4",
-        "drafter.mask_token_id=16",
+        "scheduler.block_tokens_per_batch=4096",
     ]
     out = run_tool("dflash-prep", *data, f"paths.output_dir={tmp_path / 'prep'}")
     assert "records read         10" in out
@@ -70,12 +76,15 @@ def test_smollm2_regen_prep_train_eval(tmp_path, data_cache):
         "dflash-train",
         *data,
         "train.total_steps=6",
+        "logger.every_steps=3",
+        "eval.every_steps=0",
         "eval.num_prompts=2",
         "eval.max_new_tokens=8",
         f"paths.output_dir={tmp_path / 'train'}",
     )
     summary = json.loads((tmp_path / "train" / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["eval/lossless_frac"] == 1.0
+    assert summary["val_samples"] == 2 and summary["val/tau_sim"] >= 1.0  # measured on unseen samples
 
     out = run_tool(
         "dflash-eval",
@@ -97,6 +106,7 @@ def test_smollm2_regen_prep_train_eval(tmp_path, data_cache):
         from_verifications = result["output_tokens"] - result["num_prompts"]
         assert result["verifications"] <= from_verifications <= result["tau"] * result["verifications"] + 1e-9
         histogram = result["acceptance_histogram"]
-        assert sum(histogram) == pytest.approx(1.0)
-        assert sum(k * share for k, share in enumerate(histogram)) == pytest.approx(result["tau"])
+        # The report rounds each share to 4 decimals.
+        assert sum(histogram) == pytest.approx(1.0, abs=1e-3)
+        assert sum(k * share for k, share in enumerate(histogram)) == pytest.approx(result["tau"], abs=1e-2)
         assert result["num_prompts"] == 2

@@ -33,6 +33,7 @@ from dflash.data.conversations import (
     read_conversations,
 )
 from dflash.data.dataset import TokenDataset
+from dflash.digest import file_digest
 
 log = logging.getLogger(__name__)
 
@@ -68,14 +69,6 @@ class PrepStats:
         out += [f"  {example}" for example in self.skipped_examples]
         out.append(f"cache                {self.cache_path} ({'reused' if self.reused_cache else 'written'})")
         return out
-
-
-def file_digest(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 20), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
 
 
 def cache_key(renderer: ChatRenderer, cfg: DataConfig) -> str:

@@ -13,7 +13,6 @@ the weights in; tied embeddings stay tied.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import logging
 import shutil
 import tempfile
@@ -21,6 +20,7 @@ from importlib import metadata
 from pathlib import Path
 
 from dflash.config.schema import TargetConfig
+from dflash.digest import file_digest
 
 log = logging.getLogger(__name__)
 
@@ -59,18 +59,10 @@ def gguf_file(path: str) -> Path:
     return located
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with path.open("rb") as handle:
-        for chunk in iter(lambda: handle.read(1 << 24), b""):
-            digest.update(chunk)
-    return digest.hexdigest()
-
-
 def converted_dir(path: str, cache_dir: Path) -> Path:
     """The transformers directory of the GGUF `path` names, converting it the first time."""
     source = gguf_file(path)
-    target_dir = Path(cache_dir) / "gguf" / f"{source.stem}-{_sha256(source)[:16]}"
+    target_dir = Path(cache_dir) / "gguf" / f"{source.stem}-{file_digest(source)[:16]}"
     if (target_dir / "config.json").is_file():
         return target_dir
     try:
