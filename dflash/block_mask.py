@@ -17,6 +17,8 @@ import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
+from dflash.blocks import DraftBlocks
+
 TILE = 128  # flex_attention's sparse block size (queries and keys)
 
 
@@ -90,6 +92,11 @@ def kv_tiles(anchors_BA: np.ndarray, anchor_valid_BA: np.ndarray, ctx_len: int, 
     partial_count, partial_index = _as_tables(partial)
     full_count, full_index = _as_tables(full)
     return KvTiles(partial_count, partial_index, full_count, full_index, q_len=q_len, kv_len=kv_len)
+
+
+def tiles_for(blocks: DraftBlocks, ctx_len: int) -> KvTiles:
+    """The tile tables of a batch of blocks still on the host (before `blocks.to(device)`)."""
+    return kv_tiles(blocks.anchors.numpy(), blocks.anchor_valid.numpy(), ctx_len, blocks.block_size)
 
 
 def flex_block_mask(

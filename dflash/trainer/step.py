@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash.block_mask import KvTiles, flex_block_mask, kv_tiles
+from dflash.block_mask import KvTiles, flex_block_mask, tiles_for
 from dflash.blocks import DraftBlocks, block_attention_mask, build_blocks
 from dflash.data.collate import Batch
 from dflash.loss import LossStats, draft_loss
@@ -251,12 +251,7 @@ class DrafterStep:
         num_anchors = int(blocks.anchor_valid.sum())  # host tensor: no device sync
         tiles = None
         if settings.flex_attention:  # tile tables from the host-side anchors: no device sync
-            tiles = kv_tiles(
-                blocks.anchors.numpy(),
-                blocks.anchor_valid.numpy(),
-                batch.input_ids.shape[1],
-                blocks.block_size,
-            ).to(self.device, non_blocking=True)
+            tiles = tiles_for(blocks, batch.input_ids.shape[1]).to(self.device, non_blocking=True)
         blocks = blocks.to(self.device, non_blocking=True)
         # Seeded by the batch's place in the schedule: resumed runs, any replica or node count
         # draw the same feature noise for the same batch, with no generator state to save.

@@ -15,7 +15,7 @@ import copy
 import numpy as np
 import torch
 
-from dflash.block_mask import kv_tiles
+from dflash.block_mask import tiles_for
 from dflash.data.collate import collate
 from dflash.data.dataset import TokenDataset
 from dflash.data.schedule import BlockBudget, PlannedBatch, pack_bucket
@@ -69,9 +69,7 @@ class Validation:
             blocks = make_blocks(batch, drafter, self.settings, keep_fraction=0.0)
             tiles = None
             if self.settings.flex_attention:
-                tiles = kv_tiles(
-                    blocks.anchors.numpy(), blocks.anchor_valid.numpy(), batch.input_ids.shape[1], block_size
-                ).to(device)
+                tiles = tiles_for(blocks, batch.input_ids.shape[1]).to(device)
             stats = drafter_forward_loss(
                 head,
                 drafter,
