@@ -24,7 +24,7 @@ DATA=("${COMMON[@]}" experiment=smollm2_b16 "data.files=[$W/regen.jsonl]")
 $PY -m dflash.tools.prep "${DATA[@]}" paths.output_dir="$W/prep" 2>&1 | quiet
 $PY -m dflash.train "${DATA[@]}" gpu="${GPU:-single}" paths.output_dir="$W/train" "$@" \
   2>&1 | { grep -v "INFO\|Loading weights\|it/s\]" || true; }
-EVAL=("${COMMON[@]}" ckpt="$W/train/checkpoints/last" gpu="${GPU:-single}" eval=humaneval_mtbench
+EVAL=(paths.cache_dir="$W/cache" ckpt="$W/train/checkpoints/last" gpu="${GPU:-single}" eval=humaneval_mtbench
   eval.num_prompts="${EVAL_PROMPTS:-80}" eval.max_new_tokens="${EVAL_NEW:-256}")
 # fp32: greedy DFlash output must equal plain greedy output token for token (tau, lossless).
 $PY -m dflash.tools.eval_drafter "${EVAL[@]}" target.dtype=float32 eval.timing=false \

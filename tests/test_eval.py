@@ -315,21 +315,26 @@ def test_a_dflash_checkpoint_brings_its_target_unless_the_command_line_names_one
     )
     train(run_cfg)
     bench = ",".join(f"{name}:{path}" for name, path in benchmark_files.items())
-    cfg = compose_config(  # the default target (random tiny, no path, no tokenizer) is not named
-        [
-            f"ckpt={tmp_path / 'run' / 'checkpoints' / 'last'}",
-            f"eval.benchmarks={{{bench}}}",
-            "eval.max_new_tokens=6",
-        ],
-        tmp_path / "eval",
-        tmp_path / "cache",
-    )
+    overrides = [
+        f"ckpt={tmp_path / 'run' / 'checkpoints' / 'last'}",
+        f"eval.benchmarks={{{bench}}}",
+        "eval.max_new_tokens=6",
+    ]
+    # The default target (random tiny, no path, no tokenizer) is not named.
+    cfg = compose_config(overrides, tmp_path / "eval", tmp_path / "cache")
     report = run_eval(cfg)
     assert report["meta"]["target_from"].endswith("checkpoints/last/config.yaml")
     assert f"target.path={tiny_chat_dir}" in report["meta"]["target"]
     assert report["metrics"]["eval/lossless_frac"] == 1.0
     with pytest.raises(ValueError, match=r"eval.benchmarks needs the target's tokenizer"):
         run_eval(cfg, target_overridden=True)  # `target=tiny` given explicitly: no tokenizer there
+    # `target.dtype=float64` alone amends the checkpoint's target instead of replacing it.
+    amended_cfg = compose_config(
+        [*overrides, "target.dtype=float64"], tmp_path / "eval64", tmp_path / "cache"
+    )
+    amended = run_eval(amended_cfg, target_fields=("dtype",))
+    assert amended["meta"]["target_from"].endswith("config.yaml + command line target.dtype")
+    assert f"target.path={tiny_chat_dir}" in amended["meta"]["target"]
 
 
 # -- benchmark prompts shipped in installed packages ---------------------------------------------

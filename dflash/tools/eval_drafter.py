@@ -46,8 +46,14 @@ def check_pairing(drafter_config: Any, target_config: Any, drafter_dir: Path, ta
         raise ValueError(f"ckpt={drafter_dir} does not fit the target ({target_key}): {'; '.join(problems)}")
 
 
-def target_for(cfg: DictConfig, ckpt: Path, target_overridden: bool) -> tuple[TargetConfig, str]:
-    """The target to evaluate against, and where that choice came from."""
+def target_for(
+    cfg: DictConfig, ckpt: Path, target_overridden: bool, target_fields: tuple[str, ...] = ()
+) -> tuple[TargetConfig, str]:
+    """The target to evaluate against, and where that choice came from.
+
+    target_overridden (`target=NAME` on the command line): the command line's target. Otherwise
+    the checkpoint's run config names it, amended by `target_fields`, the keys (under `target.`)
+    the command line overrides (e.g. dtype, for target.dtype=float32: an exact lossless check)."""
     from dflash.build import node
     from dflash.checkpoint import RUN_CONFIG_FILE
     from dflash.models.gguf import local_target
@@ -60,10 +66,17 @@ def target_for(cfg: DictConfig, ckpt: Path, target_overridden: bool) -> tuple[Ta
         merged = OmegaConf.merge(OmegaConf.structured(TargetConfig), trained_with)
     except Exception as exc:  # a hand-edited or foreign config.yaml
         raise ValueError(f"ckpt={ckpt}: {RUN_CONFIG_FILE} has no usable target section ({exc})") from exc
-    return local_target(OmegaConf.to_object(merged), cfg.paths.cache_dir), str(run_config)
+    source = str(run_config)
+    for key in target_fields:  # each takes the command line's composed value
+        OmegaConf.update(merged, key, OmegaConf.select(cfg, f"target.{key}"), merge=False)
+    if target_fields:
+        source += " + command line " + ", ".join(f"target.{key}" for key in target_fields)
+    return local_target(OmegaConf.to_object(merged), cfg.paths.cache_dir), source
 
 
-def run_eval(cfg: DictConfig, target_overridden: bool = False) -> dict[str, Any]:
+def run_eval(
+    cfg: DictConfig, target_overridden: bool = False, target_fields: tuple[str, ...] = ()
+) -> dict[str, Any]:
     import torch
 
     from dflash.build import eval_prompt_sets, node, visible_cuda_devices
@@ -79,7 +92,7 @@ def run_eval(cfg: DictConfig, target_overridden: bool = False) -> dict[str, Any]
         raise ValueError("dflash-eval needs ckpt=DIR, a drafter directory (config.json + model.safetensors)")
     drafter_dir = Path(cfg.ckpt)
     drafter_config = read_drafter_config(drafter_dir)
-    target_cfg, target_source = target_for(cfg, drafter_dir, target_overridden)
+    target_cfg, target_source = target_for(cfg, drafter_dir, target_overridden, target_fields)
     target_config = load_target_config(target_cfg)
     target_key = f"target={target_cfg.name}" + (f", target.path={target_cfg.path}" if target_cfg.path else "")
     log.info("dflash-eval: %s (from %s)", target_key, target_source)
@@ -123,7 +136,11 @@ def main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     keys = [o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task]
-    run_eval(cfg, target_overridden=any(k == "target" or k.startswith("target.") for k in keys))
+    run_eval(
+        cfg,
+        target_overridden="target" in keys,
+        target_fields=tuple(k.removeprefix("target.") for k in keys if k.startswith("target.")),
+    )
 
 
 if __name__ == "__main__":
