@@ -72,6 +72,11 @@ class _FusedHeadCE(torch.autograd.Function):
     checkpointed chunk (logits, recomputed logits, hidden gradient). The head is frozen, so no
     weight gradient is ever needed. Numerics follow the reference under autocast: the matmuls in
     `compute_dtype`, softmax and CE in fp32.
+
+    Written here rather than taken from a kernel library because none was usable where we train:
+    the GPU image has torch 2.11 (torch's own `F.linear_cross_entropy` arrives in 2.13) and no
+    Liger. A replacement needs per-position weights (reduction="none") and each position's argmax
+    (the accuracy behind tau_sim); tests/test_dflash_rules.py holds any of them to the reference.
     """
 
     @staticmethod
