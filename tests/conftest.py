@@ -65,6 +65,8 @@ def save_tiny_model(directory: Path, model_type: str, **arch: int) -> Path:
     common = {k: v for k, v in TINY_ARCH.items() if k != "num_hidden_layers"}
     if model_type == "qwen3":
         config = AutoConfig.for_model("qwen3", **{**TINY_ARCH, **arch})
+    elif model_type == "llama":  # tied embeddings, as SmolLM2 and Llama-3.2 1B/3B have
+        config = AutoConfig.for_model("llama", **{**TINY_ARCH, "tie_word_embeddings": True, **arch})
     else:  # qwen3_next: hybrid Gated DeltaNet (linear attention) + full attention layers, MoE MLP
         config = AutoConfig.for_model(
             "qwen3_next",
@@ -88,6 +90,11 @@ def save_tiny_model(directory: Path, model_type: str, **arch: int) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3_dir(tmp_path_factory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("qwen3"), "qwen3")
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
 
 
 @pytest.fixture(scope="session")

@@ -34,6 +34,7 @@ def option_overrides(group: str, option: str, request) -> list[str]:
     """What an option needs beyond itself to build against the tiny target on this machine."""
     extra = {
         ("target", "qwen3_8b"): lambda: [f"target.path={request.getfixturevalue('tiny_qwen3_dir')}"],
+        ("target", "hf"): lambda: [f"target.path={request.getfixturevalue('tiny_llama_dir')}"],
         ("target", "qwen3_next_80b"): lambda: [
             f"target.path={request.getfixturevalue('tiny_qwen3_next_dir')}"
         ],

@@ -74,12 +74,12 @@ def test_target_features_are_hidden_states_of_layer_id_plus_one():
     torch.testing.assert_close(target(ids).features, expected)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_next"])
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_next", "llama"])
 def test_right_padding_leaves_real_token_features_unchanged(model_type, request):
     """Why FrozenTarget.features takes no padding mask: causal models never look ahead."""
     from transformers import AutoModelForCausalLM
 
-    directory = request.getfixturevalue("tiny_qwen3_dir" if model_type == "qwen3" else "tiny_qwen3_next_dir")
+    directory = request.getfixturevalue(f"tiny_{model_type}_dir")
     target = FrozenTarget(AutoModelForCausalLM.from_pretrained(directory), [1, 3])
     ids = torch.randint(1, 500, (1, 12))
     padded = torch.cat([ids, torch.zeros(1, 7, dtype=torch.int64)], dim=1)

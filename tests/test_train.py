@@ -199,3 +199,19 @@ def test_resume_with_another_meaning_is_refused_naming_both_values(
         ValueError, match=f"resume={last} was trained for another drafter or target .*{message}"
     ):
         build_run(make_cfg([f"resume={last}", override], tmp_path / "other"))
+
+
+def test_a_llama_target_with_tied_embeddings_trains_and_decodes_losslessly(make_cfg, tiny_llama_dir):
+    """target=hf takes any architecture: a Llama whose LM head is its embedding table. The
+    drafter scores with that one table and exports only its own weights."""
+    from safetensors import safe_open
+
+    cfg = make_cfg(
+        ["target=hf", f"target.path={tiny_llama_dir}", "train.total_steps=4", "logger.every_steps=2"]
+    )
+    summary = train(cfg)
+    assert summary["eval/lossless_frac"] == 1.0 and summary["steps"] == 4
+    exported = Path(summary["checkpoint"]) / "model.safetensors"
+    with safe_open(str(exported), "pt") as handle:
+        keys = list(handle.keys())
+    assert keys and not any("embed" in k or "lm_head" in k for k in keys)

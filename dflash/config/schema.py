@@ -83,7 +83,8 @@ class TargetConfig:
     # e.g. {enable_thinking: false} for Qwen3's non-thinking mode.
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
     # The model_type the target must have; a path to another architecture is refused early.
-    model_type: str = "qwen3"
+    # null (target=hf): whatever the checkpoint at target.path is.
+    model_type: Optional[str] = "qwen3"
     init_seed: int = 0
     # "auto": bfloat16 on CUDA, float32 on CPU.
     dtype: str = "auto"

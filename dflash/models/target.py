@@ -41,8 +41,10 @@ AttentionInterface.register(CAUSAL_ATTENTION, causal_attention)
 def load_target_config(cfg: TargetConfig) -> PretrainedConfig:
     """The target's transformers config, without loading any weights (used by validation)."""
     if cfg.path is None:
-        if not cfg.arch:
-            raise ValueError(f"target.arch or target.path must be set (target={cfg.name})")
+        if not cfg.arch or cfg.model_type is None:
+            raise ValueError(
+                f"target.path, or target.arch with target.model_type, must be set (target={cfg.name})"
+            )
         arch = dict(cfg.arch)
         return AutoConfig.for_model(cfg.model_type, **arch)
     try:
@@ -51,7 +53,7 @@ def load_target_config(cfg: TargetConfig) -> PretrainedConfig:
         raise ValueError(
             f"target.path={cfg.path!r}: cannot read a transformers config there ({exc})"
         ) from exc
-    if config.model_type != cfg.model_type:
+    if cfg.model_type is not None and config.model_type != cfg.model_type:
         raise ValueError(
             f"target.path={cfg.path!r} holds a {config.model_type!r} model, but target={cfg.name} "
             f"expects target.model_type={cfg.model_type!r}"
