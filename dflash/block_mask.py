@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from dflash.blocks import DraftBlocks
+from dflash.blocks import DraftBlocks, host_to_device
 
 TILE = 128  # flex_attention's sparse block size (queries and keys)
 
@@ -35,11 +35,8 @@ class KvTiles:
     kv_len: int
 
     def to(self, device: torch.device, non_blocking: bool = False) -> KvTiles:
-        pin = torch.device(device).type == "cuda"
         moved = {
-            name: (getattr(self, name).pin_memory() if pin else getattr(self, name)).to(
-                device, non_blocking=non_blocking
-            )
+            name: host_to_device(getattr(self, name), device, non_blocking)
             for name in ("partial_count", "partial_index", "full_count", "full_index")
         }
         return KvTiles(**moved, q_len=self.q_len, kv_len=self.kv_len)

@@ -13,6 +13,13 @@ import numpy as np
 import torch
 
 
+def host_to_device(tensor: torch.Tensor, device: torch.device, non_blocking: bool) -> torch.Tensor:
+    """Page-locked staging makes a host->device copy truly asynchronous on CUDA."""
+    if torch.device(device).type == "cuda":
+        tensor = tensor.pin_memory()
+    return tensor.to(device, non_blocking=non_blocking)
+
+
 def position_weights(block_size: int, gamma: float) -> torch.Tensor:
     """w_0 = 0 (the anchor is given), w_k = exp(-(k-1)/gamma) for k >= 1."""
     k = torch.arange(block_size, dtype=torch.float32)
@@ -53,12 +60,8 @@ class DraftBlocks:
     block_size: int
 
     def to(self, device: torch.device, non_blocking: bool = False) -> DraftBlocks:
-        # Page-locked staging makes the host->device copies truly asynchronous on CUDA.
-        pin = torch.device(device).type == "cuda"
         moved = {
-            name: (getattr(self, name).pin_memory() if pin else getattr(self, name)).to(
-                device, non_blocking=non_blocking
-            )
+            name: host_to_device(getattr(self, name), device, non_blocking)
             for name in ("block_ids", "positions", "labels", "weights", "valid", "anchors", "anchor_valid")
         }
         return DraftBlocks(**moved, block_size=self.block_size)
