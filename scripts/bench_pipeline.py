@@ -32,6 +32,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dflash.build import build_run  # noqa: E402
+from dflash.pipeline.counters import drafter_totals  # noqa: E402
 from dflash.tools.compose import compose_config  # noqa: E402
 
 
@@ -96,12 +97,8 @@ def measure(overrides: list[str], steps: int, out: Path) -> dict[str, float]:
     counters = trainer.pipeline_stats()
     roles = trainer.role_summary()
     return {
-        "tokens": sum(
-            v for k, v in counters.items() if k.startswith("count/drafter") and k.endswith("_tokens")
-        ),
-        "samples": sum(
-            v for k, v in counters.items() if k.startswith("count/drafter") and k.endswith("_samples")
-        ),
+        "tokens": drafter_totals(counters, "tokens"),
+        "samples": drafter_totals(counters, "samples"),
         # The trainer's own clock: first step to last, without the final checkpoint (seconds
         # for a 1B-parameter drafter and its AdamW state) that an outer timer would include.
         "seconds": trainer.train_wall_s,

@@ -18,6 +18,7 @@ from dflash.blocks import block_attention_mask
 from dflash.config.schema import DrafterConfig
 from dflash.models.drafter import DFlashDrafter, drafter_config
 from dflash.train import train
+from tests.conftest import TINY_ARCH
 from tests.test_block_mask import random_anchors
 
 pytestmark = pytest.mark.gpu
@@ -30,16 +31,16 @@ def test_flex_attention_matches_the_dense_mask_in_outputs_and_gradients():
     blocks), bf16 autocast as in training: the drafter's output and every weight gradient."""
     from transformers import AutoConfig
 
-    target_config = AutoConfig.for_model(
-        "qwen3",
+    # Paper-like head shapes on the tiny target's other fields.
+    shape = dict(
         vocab_size=1024,
         hidden_size=512,
         intermediate_size=1024,
-        num_hidden_layers=4,
         num_attention_heads=8,
-        num_key_value_heads=2,
         head_dim=128,
+        max_position_embeddings=4096,
     )
+    target_config = AutoConfig.for_model("qwen3", **{**TINY_ARCH, **shape})
     cfg = DrafterConfig(name="t", num_layers=2, block_size=16, mask_token_id=1023, num_anchors=48)
     torch.manual_seed(0)
     drafter = DFlashDrafter(drafter_config(cfg, target_config, [1, 2])).cuda()
@@ -86,6 +87,7 @@ def test_compiled_flex_fused_training_tracks_the_reference_and_compiles_a_few_gr
     )
     assert len(reference) == len(fast_losses) == 40
     assert float(np.max(np.abs(np.subtract(reference, fast_losses)))) < 2e-2
-    # Dynamic shapes still specialise sizes 0 and 1 (a batch of one sample): a few graphs per
-    # role for the whole run, never one per batch (40 batches of varying shapes here).
-    assert 1 <= fast["drafter_compiled_graphs"] <= 8 and 1 <= fast["target_compiled_graphs"] <= 8
+    # One drafter graph for the whole run (40 batches of varying shapes; measured: 1), and the
+    # target's two (transformers' output-capture hooks guard one recompile; measured: 2); one
+    # spare each for a batch of one sample, which dynamic shapes still specialise.
+    assert 1 <= fast["drafter_compiled_graphs"] <= 2 and 1 <= fast["target_compiled_graphs"] <= 3

@@ -35,10 +35,14 @@ def cache_key(target_cfg: TargetConfig, data_cfg: DataConfig, excluded_token_ids
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
+def allowed_tokens(vocab_size: int, excluded: list[int]) -> np.ndarray:
+    return np.setdiff1d(np.arange(vocab_size), np.asarray(excluded, dtype=np.int64))
+
+
 def random_prompts(
     num: int, length_min: int, length_max: int, vocab_size: int, excluded: list[int], rng: np.random.Generator
 ) -> list[np.ndarray]:
-    allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(excluded, dtype=np.int64))
+    allowed = allowed_tokens(vocab_size, excluded)
     lengths = rng.integers(length_min, length_max + 1, size=num)
     return [rng.choice(allowed, size=int(n)) for n in lengths]
 
@@ -58,8 +62,8 @@ def generate_dataset(target: FrozenTarget, cfg: DataConfig, excluded_token_ids: 
     )
     gen_lengths = rng.integers(cfg.gen_len_min, cfg.gen_len_max + 1, size=cfg.num_samples)
     if SyntheticText(cfg.continuation) is SyntheticText.random:
-        allowed = np.setdiff1d(np.arange(vocab_size), np.asarray(excluded_token_ids, dtype=np.int64))
-        texts = np.random.default_rng([cfg.seed, 1])
+        allowed = allowed_tokens(vocab_size, excluded_token_ids)
+        texts = np.random.default_rng([cfg.seed, 1])  # apart from `rng`: the prompts match greedy data
         return TokenDataset.from_samples(
             [
                 (

@@ -23,6 +23,7 @@ from dflash.config.schema import MonitorConfig
 from dflash.monitor.sinks import MetricSink
 from dflash.monitor.telemetry import GpuTelemetry, cuda_allocator_stats
 from dflash.monitor.train_metrics import NonFiniteTraining, train_metrics
+from dflash.pipeline.counters import drafter_totals
 from dflash.trainer.step import MetricWindow
 
 log = logging.getLogger(__name__)
@@ -135,11 +136,7 @@ class Monitor:
         ):
             metrics[f"perf/{rate}"] = sum(delta.get(f"count/{d}_{name}", 0.0) for d in drafters) / elapsed
         for name in ("tokens", "samples"):
-            metrics[f"perf/{name}_total"] = sum(
-                value
-                for key, value in stats.items()
-                if key.startswith("count/drafter") and key.endswith(f"_{name}")
-            )
+            metrics[f"perf/{name}_total"] = drafter_totals(stats, name)
         waits = [metrics[f"worker/{d}_wait_frac"] for d in drafters if f"worker/{d}_wait_frac" in metrics]
         if waits:
             metrics["perf/data_wait_frac"] = sum(waits) / len(waits)

@@ -117,3 +117,9 @@ class WorkCounters:
             if self.counts_anchors:
                 stats[f"count/{name}_anchors"] = float(self.anchors)
             return stats
+
+
+def drafter_totals(stats: dict[str, float], name: str) -> float:
+    """`name` (samples, tokens, anchors, batches) summed over every drafter replica's counters in
+    a `pipeline_stats()` dict: what the whole job has trained on so far."""
+    return sum(v for k, v in stats.items() if k.startswith("count/drafter") and k.endswith(f"_{name}"))
