@@ -11,6 +11,10 @@ Per benchmark and temperature: mean tau (tokens produced per target verification
 acceptance-length histogram, and at temperature 0 the fraction of prompts whose DFlash output
 equals plain greedy output. With timing on: time per output token of plain (KV-cached, one
 token per forward) over DFlash decoding, timed with CUDA events on GPU, after warm-up runs.
+
+Both decoders run on the same engine (dflash.decoding: static caches, CUDA graphs on GPU) so
+the speedup compares algorithms, not Python overheads; hybrid targets use the dynamic-cache
+path for both.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from dflash.config.schema import EvalConfig
 from dflash.data.benchmarks import is_packaged, packaged_prompts
 from dflash.data.conversations import MalformedRecord, normalize
 from dflash.data.synthetic import random_prompts
+from dflash.decoding.engine import StaticDecoder
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import FrozenTarget
 from dflash.spec_decode import DecodeResult, plain_generate, speculative_generate
@@ -156,10 +161,36 @@ class Stopwatch:
         return result, time.perf_counter() - started
 
 
+@dataclass
+class Decoders:
+    """DFlash and plain decoding of one prompt: `(prompt, max_new, temperature, seed, stop_ids)`."""
+
+    speculative: Callable[..., DecodeResult]
+    plain: Callable[..., DecodeResult]
+
+    @classmethod
+    def build(
+        cls, target: FrozenTarget, drafter: DFlashDrafter, *, max_len: int, graphs: bool | None
+    ) -> Decoders:
+        static = StaticDecoder.for_target(target, drafter, max_len=max_len, graphs=graphs)
+        if static is not None:
+            return cls(static.speculative, static.plain)
+
+        def speculative(prompt, max_new, temperature, seed, stop_ids):
+            return speculative_generate(target, drafter, prompt, max_new, temperature, seed, None, stop_ids)
+
+        def plain(prompt, max_new, temperature, seed, stop_ids):
+            return plain_generate(target, prompt, max_new, temperature, seed, None, stop_ids)
+
+        return cls(speculative, plain)
+
+
 def evaluate_set(
     target: FrozenTarget,
-    drafter: DFlashDrafter,
+    decoders: Decoders,
     prompt_set: PromptSet,
+    *,
+    block_size: int,
     max_new_tokens: int,
     temperature: float,
     seed: int,
@@ -173,8 +204,8 @@ def evaluate_set(
     need_plain = greedy or timing
     stop = prompt_set.stop_ids | target_eos_ids(target)
     for prompt in prompt_set.prompts[:warmup_prompts] if timing else []:
-        speculative_generate(target, drafter, prompt, max_new_tokens, temperature, seed, stop_ids=stop)
-        plain_generate(target, prompt, max_new_tokens, temperature, seed, stop_ids=stop)
+        decoders.speculative(prompt, max_new_tokens, temperature, seed, stop)
+        decoders.plain(prompt, max_new_tokens, temperature, seed, stop)
     stopwatch = Stopwatch(target.device)
     lengths: list[int] = []
     identical, output_tokens, plain_s, dflash_s = 0, 0, 0.0, 0.0
@@ -186,29 +217,21 @@ def evaluate_set(
         evaluated += 1
         prompt_seed = seed + index
         result, seconds = stopwatch(
-            speculative_generate,
-            target,
-            drafter,
-            prompt,
-            max_new_tokens,
-            temperature,
-            prompt_seed,
-            None,
-            stop,
+            decoders.speculative, prompt, max_new_tokens, temperature, prompt_seed, stop
         )
         dflash_s += seconds
         lengths += result.acceptance_lengths
         output_tokens += len(result.output_ids)
         if need_plain:
             reference, seconds = stopwatch(
-                plain_generate, target, prompt, max_new_tokens, temperature, prompt_seed, None, stop
+                decoders.plain, prompt, max_new_tokens, temperature, prompt_seed, stop
             )
             plain_s += seconds
             if reference.output_ids == result.output_ids:
                 identical += 1
             elif greedy:
                 divergences.append(first_divergence(target, prompt, reference.output_ids, result.output_ids))
-    histogram = np.bincount(lengths, minlength=drafter.block_size + 1) / max(1, len(lengths))
+    histogram = np.bincount(lengths, minlength=block_size + 1) / max(1, len(lengths))
     report = BenchmarkResult(
         benchmark=prompt_set.name,
         temperature=temperature,
@@ -347,19 +370,24 @@ def evaluate(
     was_training = drafter.training
     drafter.eval()
     try:
+        longest = max((len(p) for s in prompt_sets for p in s.prompts), default=1)
+        decoders = Decoders.build(
+            target, drafter, max_len=longest + cfg.max_new_tokens, graphs=cfg.cuda_graphs
+        )
         report = EvalReport()
         for temperature in cfg.temperatures:
             for prompt_set in prompt_sets:
                 result = evaluate_set(
                     target,
-                    drafter,
+                    decoders,
                     prompt_set,
-                    cfg.max_new_tokens,
-                    temperature,
-                    cfg.seed,
-                    timing,
-                    cfg.warmup_prompts,
-                    should_stop,
+                    block_size=drafter.block_size,
+                    max_new_tokens=cfg.max_new_tokens,
+                    temperature=temperature,
+                    seed=cfg.seed,
+                    timing=timing,
+                    warmup_prompts=cfg.warmup_prompts,
+                    should_stop=should_stop,
                 )
                 if result.num_prompts:
                     report.results.append(result)

@@ -1,18 +1,21 @@
-"""Where the time of one speculative-decoding round goes, next to one plain decoding step.
+"""Where the time of one speculative-decoding round goes, next to one plain decoding step, on
+the static-cache decoder (CUDA graphs on GPU) and on the dynamic-cache path it replaced.
 
     python scripts/bench_decode.py [--context 256] [--reps 50] [dflash-train overrides ...]
 
 Builds the target and a drafter from the composed config (random weights: timing does not
-depend on them), prefills `--context` tokens, then times with CUDA events on GPU (wall clock on
-CPU), median over `--reps` after warm-up:
+depend on them; the drafter runs in the target's dtype, as in dflash-eval), prefills
+`--context` tokens, then times with CUDA events on GPU (wall clock on CPU), median over
+`--reps` after warm-up:
 
-  plain step        one cached target forward of 1 token (+ the host read of its argmax)
-  verify            one cached target forward of the block (B tokens) + cache crop back
-  draft             one drafter forward for a block over the cached context (+ host read)
-  context append    the drafter's context keys/values for one newly committed token
-  round             draft + verify + append + acceptance, as speculative_generate runs it
+  weights floor     the target's weight bytes / the measured device-copy bandwidth: the
+                    least time any batch-1 decoding step can take (it reads every weight)
+  plain step        one target forward of 1 token + the host read of its argmax
+  verify            one target forward of the block (B tokens) + drafter-context write
+  draft             one drafter forward for a block over the cached context
+  round             draft + verify + one host read + acceptance, as dflash-eval runs it
 
-A round costs `round / plain step` plain steps, so DFlash is faster once tau exceeds that ratio.
+A round costs `round / plain step` plain steps: DFlash is faster once tau exceeds that ratio.
 """
 
 from __future__ import annotations
@@ -46,60 +49,66 @@ def timer(device: torch.device):
     return measure
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
-    parser.add_argument("--context", type=int, default=256)
-    parser.add_argument("--reps", type=int, default=50)
-    args, overrides = parser.parse_known_args()
+def copy_bandwidth(device: torch.device, measure) -> float:
+    """Bytes/s a device-to-device copy moves (read + write), the memory roofline we can reach."""
+    source = torch.empty(1 << 28, dtype=torch.float32, device=device)  # 1 GiB
+    target = torch.empty_like(source)
+    ms = measure(lambda: target.copy_(source), 10)
+    return 2 * source.numel() * 4 / (ms / 1000)
 
-    from dflash.build import build_drafter, node, visible_cuda_devices
-    from dflash.config.devices import resolve_device_split
-    from dflash.config.validate import resolve_layer_ids
-    from dflash.models.target import FrozenTarget, load_target_config
-    from dflash.spec_decode import DrafterContext, TargetSession, TokenChooser, accepted_prefix
-    from dflash.tools.compose import compose_config
 
-    cfg = compose_config(
-        [*overrides, "paths.output_dir=/tmp/bench_decode", "paths.cache_dir=/tmp/bench_decode"]
-    )
-    target_config = load_target_config(node(cfg, "target"))
-    layer_ids = resolve_layer_ids(cfg, target_config.num_hidden_layers)
-    device = torch.device(resolve_device_split(cfg, visible_cuda_devices())[0][0])
-    target = FrozenTarget.from_config(node(cfg, "target"), layer_ids, device)
-    drafter = build_drafter(node(cfg, "drafter"), target_config, layer_ids, str(device))
-    drafter = drafter.to(target.lm_head.weight.dtype).eval()
+def static_rows(target, drafter, prompt, measure, reps):
+    from dflash.decoding.engine import StaticDecoder
+    from dflash.decoding.graphs import GraphedFunction
+
     block = drafter.block_size
-    measure = timer(device)
-    prompt = torch.randint(0, cfg.drafter.mask_token_id, (args.context,)).tolist()
+    decoder = StaticDecoder(target, drafter, max_len=len(prompt) + 4 * block)
+    _, features = decoder._prefill(prompt)
+    committed = len(prompt)
+    device = target.device
+    decoder.drafter_cache.write(features, torch.arange(committed, device=device).unsqueeze(0))
+    kv_len = decoder.target_cache.kv_len_for(committed + block)
+    decoder._set(1, committed)
 
-    session = TargetSession(target)
-    context = DrafterContext(drafter)
+    def plain_step():
+        decoder._plain_step(decoder._ids, decoder._pos, kv_len=kv_len).argmax(-1).tolist()
+
+    def verify_fn(ids, positions, *, kv_len):
+        logits, feats = decoder.target_cache.step(ids, positions, kv_len=kv_len)
+        decoder.drafter_cache.write(feats, positions)
+        return logits
+
+    verify_graph = GraphedFunction(verify_fn, enabled=decoder.graphs_on)
+    block_ids = torch.ones((1, block), dtype=torch.long, device=device)
+    block_pos = committed + torch.arange(block, device=device).unsqueeze(0)
+    draft_graph = GraphedFunction(decoder.drafter_cache.draft, enabled=decoder.graphs_on)
+
+    def round_():
+        drafts, logits = decoder._round(decoder._ids, decoder._pos, kv_len=kv_len)
+        both = torch.cat([drafts, logits.argmax(-1)]).tolist()
+        sum(a == b for a, b in zip(both[: block - 1], both[block - 1 :]))
+
+    return [
+        ("plain step", measure(plain_step, reps)),
+        (f"verify (B={block})", measure(lambda: verify_graph(block_ids, block_pos, kv_len=kv_len), reps)),
+        ("draft", measure(lambda: draft_graph(decoder._ids[0], decoder._pos[0], kv_len=kv_len), reps)),
+        ("round", measure(round_, reps)),
+    ]
+
+
+def dynamic_rows(target, drafter, prompt, measure, reps):
+    """The transformers-cache path (what hybrid targets still use): eager, a forward per call."""
+    from dflash.spec_decode import DrafterContext, TargetSession, TokenChooser, accepted_prefix
+
+    session, context = TargetSession(target, cached=True), DrafterContext(drafter)
     _, features = session.run(prompt)
     context.extend(features)
-    choose = TokenChooser(0.0, device)
-    committed = len(session.ids)
+    choose, committed = TokenChooser(0.0, target.device), len(session.ids)
 
     def plain_step():
         logits, _ = session.run([1])
         choose(logits)
         session.commit(committed)
-
-    def verify():
-        logits, _ = session.run([1] * block)
-        choose(logits)
-        session.commit(committed)
-
-    def draft():
-        context.draft(target, 1)
-
-    one_feature = features[:, -1:]
-
-    def append():
-        kv, length = context.kv, context.length
-        context.extend(one_feature)
-        context.kv, context.length = kv, length
 
     def round_():
         kv, length = context.kv, context.length
@@ -111,24 +120,64 @@ def main() -> None:
         session.commit(committed)
         context.kv, context.length = kv, length
 
+    return [("plain step", measure(plain_step, reps)), ("round", measure(round_, reps))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--context", type=int, default=256)
+    parser.add_argument("--reps", type=int, default=50)
+    parser.add_argument("--skip-dynamic", action="store_true", help="only the static-cache decoder")
+    args, overrides = parser.parse_known_args()
+
+    from dflash.build import build_drafter, node, visible_cuda_devices
+    from dflash.config.devices import resolve_device_split
+    from dflash.config.validate import resolve_layer_ids
+    from dflash.models.target import FrozenTarget, load_target_config
+    from dflash.tools.compose import compose_config
+
+    cfg = compose_config(
+        [*overrides, "paths.output_dir=/tmp/bench_decode", "paths.cache_dir=/tmp/bench_decode"]
+    )
+    target_config = load_target_config(node(cfg, "target"))
+    layer_ids = resolve_layer_ids(cfg, target_config.num_hidden_layers)
+    device = torch.device(resolve_device_split(cfg, visible_cuda_devices())[0][0])
+    target = FrozenTarget.from_config(node(cfg, "target"), layer_ids, device)
+    drafter = build_drafter(node(cfg, "drafter"), target_config, layer_ids, str(device))
+    drafter = drafter.to(target.lm_head.weight.dtype).eval()
+    measure = timer(device)
+    prompt = torch.randint(0, cfg.drafter.mask_token_id, (args.context,)).tolist()
+    weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
     with torch.no_grad():
-        rows = [
-            ("plain step", measure(plain_step, args.reps)),
-            (f"verify (B={block})", measure(verify, args.reps)),
-            ("draft", measure(draft, args.reps)),
-            ("context append", measure(append, args.reps)),
-            ("round", measure(round_, args.reps)),
-        ]
-    plain = rows[0][1]
+        static = static_rows(target, drafter, prompt, measure, args.reps)
+        dynamic = [] if args.skip_dynamic else dynamic_rows(target, drafter, prompt, measure, args.reps)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
-        f"\n{name}, {target_config.num_hidden_layers}-layer target, {drafter.config.num_hidden_layers}-layer "
-        f"drafter, block {block}, context {args.context}, {str(target.lm_head.weight.dtype)[6:]}"
+        f"\n{name}, {target_config.num_hidden_layers}-layer target ({weight_bytes / 2**30:.2f} GiB of weights), "
+        f"{drafter.config.num_hidden_layers}-layer drafter, block {drafter.block_size}, context {args.context}, "
+        f"{str(target.lm_head.weight.dtype)[6:]}"
     )
-    print(f"{'part':<16}{'ms':>9}{'x plain step':>14}")
-    for part, ms in rows:
-        print(f"{part:<16}{ms:>9.3f}{ms / plain:>14.2f}")
-    print(f"DFlash is faster than plain decoding once tau > {rows[-1][1] / plain:.2f}")
+    if device.type == "cuda":
+        bandwidth = copy_bandwidth(device, measure)
+        floor_ms = weight_bytes / bandwidth * 1000
+        print(f"weights floor {floor_ms:.3f} ms (device copy bandwidth {bandwidth / 1e12:.2f} TB/s)")
+    else:
+        floor_ms = None
+    plain = static[0][1]
+    graphs = "CUDA graphs" if device.type == "cuda" else "eager"
+    print(f"{'part':<26}{'ms':>9}{'x plain step':>14}{'x floor':>9}")
+    for label, rows in ((f"static cache, {graphs}", static), ("dynamic cache, eager", dynamic)):
+        for part, ms in rows:
+            floor = f"{ms / floor_ms:>9.2f}" if floor_ms else f"{'-':>9}"
+            print(f"{part + ' [' + label.split(',')[0] + ']':<26}{ms:>9.3f}{ms / plain:>14.2f}{floor}")
+    print(f"static: DFlash is faster than plain decoding once tau > {static[-1][1] / plain:.2f}")
+    if dynamic:
+        print(
+            f"dynamic: tau > {dynamic[-1][1] / dynamic[0][1]:.2f}; static plain step "
+            f"{dynamic[0][1] / plain:.1f}x faster, round {dynamic[-1][1] / static[-1][1]:.1f}x faster"
+        )
 
 
 if __name__ == "__main__":

@@ -98,13 +98,23 @@ def test_bf16_greedy_differences_happen_only_at_near_ties():
     """In bf16, verifying a block at once and decoding one token at a time round differently, so
     a near-tie between two tokens can resolve differently. Every difference must be such a tie:
     the target's own logit gap between the two tokens is within a few bf16 steps."""
-    from dflash.evaluate import PromptSet, evaluate_set
+    from dflash.evaluate import Decoders, PromptSet, evaluate_set
     from tests.test_dflash_rules import tiny_drafter, tiny_target
 
     target = tiny_target()
     target.model.to("cuda", torch.bfloat16)
     drafter = tiny_drafter(target).to("cuda", torch.bfloat16).eval()
     prompts = PromptSet("random", [torch.randint(0, 500, (16,)).tolist() for _ in range(8)])
-    result = evaluate_set(target, drafter, prompts, 48, 0.0, 0, timing=False)
+    decoders = Decoders.build(target, drafter, max_len=16 + 48, graphs=None)  # CUDA graphs
+    result = evaluate_set(
+        target,
+        decoders,
+        prompts,
+        block_size=drafter.block_size,
+        max_new_tokens=48,
+        temperature=0.0,
+        seed=0,
+        timing=False,
+    )
     print(f"bf16: identical {result.lossless_frac:.0%}, divergences {result.divergences}")
     assert all(abs(gap) <= 0.125 for _, gap in result.divergences)

@@ -30,9 +30,15 @@ def chat_target(tiny_chat_dir):
     return target, ChatRenderer(AutoTokenizer.from_pretrained(tiny_chat_dir))
 
 
-@pytest.fixture
-def backend(chat_target):
-    return TransformersBackend(*chat_target, GREEDY)
+@pytest.fixture(params=["continuous", "generate"])
+def backend(request, chat_target):
+    """Both in-process paths: continuous batching on the static cache, and the generate()
+    batches that targets without a static cache (hybrid linear attention) use."""
+    backend = TransformersBackend(*chat_target, GREEDY, slots=3, max_len=256)
+    assert backend.continuous
+    if request.param == "generate":
+        backend.batcher = None
+    return backend
 
 
 def read_jsonl(path):
@@ -44,9 +50,10 @@ def test_replies_are_the_targets_greedy_continuations_turn_by_turn(tmp_path, cha
     source = write_conversations(tmp_path / "in.jsonl", 6, "sharegpt", seed=1)
     out = tmp_path / "out.jsonl"
     stats = regenerate(backend, [str(source)], out, batch_size=4)
-    records = read_jsonl(out)
+    records = sorted(read_jsonl(out), key=lambda r: r["id"])  # written as conversations finish
     originals = [json.loads(line) for line in source.read_text().splitlines()]
     assert stats.written == 6 and len(records) == 6
+    assert stats.generated_tokens > 6
     assert stats.replies == sum(sum(t["from"] == "gpt" for t in o["conversations"]) for o in originals)
     eos = renderer.tokenizer.eos_token_id
     for record, original in zip(records, originals):
@@ -208,21 +215,20 @@ def test_a_conversation_the_template_refuses_is_left_out_not_fatal(tmp_path, cha
 def test_a_crash_mid_run_keeps_what_was_written_and_the_rerun_finishes(tmp_path, backend):
     source = write_conversations(tmp_path / "in.jsonl", 9, seed=7)
     out = tmp_path / "out.jsonl"
-    calls = {"n": 0}
-    real_generate = backend.generate
+    method = "poll" if backend.continuous else "generate"  # what the run calls per step
+    real = getattr(backend, method)
 
-    def dies_on_third_call(prompts):
-        calls["n"] += 1
-        if calls["n"] == 3:
+    def dies_once_something_was_written(*args):
+        if out.exists() and out.read_text():
             raise KeyboardInterrupt  # Ctrl-C, or the job's time limit
-        return real_generate(prompts)
+        return real(*args)
 
-    backend.generate = dies_on_third_call
+    setattr(backend, method, dies_once_something_was_written)
     with pytest.raises(KeyboardInterrupt):
         regenerate(backend, [str(source)], out, batch_size=1)
     survivors = read_jsonl(out)
-    assert 1 <= len(survivors) <= 2  # finished conversations were flushed before the crash
-    backend.generate = real_generate
+    assert 1 <= len(survivors) < 9  # finished conversations were flushed before the crash
+    setattr(backend, method, real)
     rerun = regenerate(backend, [str(source)], out, batch_size=1)
     assert rerun.already_done == len(survivors) and rerun.written == 9 - len(survivors)
     assert sorted(r["id"] for r in read_jsonl(out)) == list(range(9))

@@ -283,6 +283,9 @@ class EvalConfig:
     periodic_num_prompts: int = 4
     # dflash-eval: time plain vs DFlash decoding (speedup), after `warmup_prompts` untimed runs.
     timing: bool = True
+    # Decode steps and DFlash rounds replayed as CUDA graphs on static caches (null: on CUDA).
+    # Hybrid targets (linear attention) always take the exact dynamic-cache path.
+    cuda_graphs: Optional[bool] = None
     warmup_prompts: int = 2
     # dflash-eval: where the JSON report goes; null: <paths.output_dir>/eval.json.
     output: Optional[str] = None
@@ -361,8 +364,14 @@ class RegenConfig:
     output: str = MISSING
     backend: RegenBackend = RegenBackend.transformers
     sampling: SamplingConfig = field(default_factory=SamplingConfig)
-    # Conversations regenerated at once (transformers: one generate batch; http: in flight, each on its own).
+    # Replies generated at once (transformers: continuous-batching slots, or one generate batch
+    # for targets without a static cache; http: conversations in flight, each on its own).
     batch_size: int = 16
+    # transformers, static cache: positions per slot (prompt + reply); a longer prompt is left
+    # out with a warning (a rerun with a larger max_len picks it up).
+    max_len: int = 4096
+    # transformers, static cache: decode steps replayed as CUDA graphs (null: on CUDA).
+    cuda_graphs: Optional[bool] = None
     # http: OpenAI-compatible base URL (e.g. http://localhost:8000/v1), model name (null: the
     # first the server lists), API key, per-request timeout and retries (backoff, 429/5xx/errors).
     url: Optional[str] = None

@@ -4,6 +4,11 @@ server (vLLM, SGLang, ...) serving it.
 A backend maps a list of prompts (message lists ending with a user turn) to one reply each, or
 to None for a prompt that failed for good (HTTP errors after every retry); the caller leaves
 that conversation out of the output so that the next run retries it.
+
+In process, a full-attention target decodes with continuous batching on static caches and
+CUDA graphs (dflash.decoding.continuous): prompts are submitted one by one (`submit`) and
+replies collected as they finish (`poll`). Other targets (hybrid linear attention) keep
+transformers' `generate` over batches.
 """
 
 from __future__ import annotations
@@ -11,12 +16,15 @@ from __future__ import annotations
 import logging
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
 from dflash.config.schema import SamplingConfig
 from dflash.data.chat import ChatRenderer
+from dflash.decoding.continuous import ContinuousBatcher
+from dflash.decoding.sampling import Sampler
+from dflash.decoding.static_target import static_decoding_refusal
 from dflash.models.target import FrozenTarget
 
 log = logging.getLogger(__name__)
@@ -28,6 +36,7 @@ Messages = list[dict[str, str]]
 class Reply:
     text: str
     finish_reason: str  # "stop" (end of turn) or "length" (hit sampling.max_new_tokens)
+    tokens: int = 0  # generated tokens (0: the backend does not say)
 
 
 class RegenBackend(Protocol):
@@ -43,18 +52,80 @@ class RegenBackend(Protocol):
 
 
 class TransformersBackend:
-    """Batched `generate` on the target: left-padded prompts, the target's masked attention."""
+    """The target in this process: continuous batching over `slots` static-cache slots of
+    `max_len` positions (prompt + reply) when the target allows it (`continuous`), else batched
+    `generate` (left-padded prompts, the target's masked attention)."""
 
     name = "transformers"
     conversations_in_flight = False
 
-    def __init__(self, target: FrozenTarget, renderer: ChatRenderer, sampling: SamplingConfig):
+    def __init__(
+        self,
+        target: FrozenTarget,
+        renderer: ChatRenderer,
+        sampling: SamplingConfig,
+        *,
+        slots: int = 16,
+        max_len: int = 4096,
+        graphs: bool | None = None,
+    ):
         self.target, self.renderer, self.sampling = target, renderer, sampling
         tokenizer = renderer.tokenizer
         self.eos_id = tokenizer.eos_token_id
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else self.eos_id
         self.generator_seed = sampling.seed
         self.calls = 0
+        self.max_len = max_len
+        self.batcher: ContinuousBatcher | None = None
+        refusal = static_decoding_refusal(target)
+        if refusal is not None:
+            log.info("regen: transformers generate() batches (no static cache: %s)", refusal)
+            return
+        try:
+            self.batcher = ContinuousBatcher(
+                target,
+                slots=slots,
+                max_len=max_len,
+                max_new_tokens=sampling.max_new_tokens,
+                stop_ids=frozenset([self.eos_id]),
+                sampler=Sampler(self.generate_options(), target.device, sampling.seed),
+                graphs=graphs,
+            )
+        except torch.OutOfMemoryError as exc:
+            raise ValueError(
+                f"regen: the static KV cache for batch_size={slots} slots x max_len={max_len} positions "
+                f"does not fit on {target.device}; lower batch_size or max_len ({exc})"
+            ) from exc
+
+    @property
+    def continuous(self) -> bool:
+        return self.batcher is not None
+
+    def submit(self, tag: Any, messages: Messages) -> bool:
+        """Queue one prompt (continuous mode); False: it cannot be generated (the chat template
+        refuses it, or prompt + sampling.max_new_tokens exceeds max_len), a failed reply."""
+        ids = self._encode(messages)
+        if ids is None:
+            return False
+        if not self.batcher.fits(len(ids)):
+            log.warning(
+                "regen: a %d-token prompt + sampling.max_new_tokens=%d exceeds max_len=%d; left out "
+                "(raise max_len to include it)",
+                len(ids),
+                self.sampling.max_new_tokens,
+                self.max_len,
+            )
+            return False
+        self.batcher.submit(tag, ids)
+        return True
+
+    def poll(self) -> list[tuple[Any, Reply]]:
+        """One batcher step: the replies that finished in it, with the tags they were sent with."""
+        return [(done.tag, self._reply(done.tokens, done.finish_reason)) for done in self.batcher.step()]
+
+    def _reply(self, tokens: list[int], finish_reason: str) -> Reply:
+        text = self.renderer.tokenizer.decode(tokens, skip_special_tokens=True)
+        return Reply(text, finish_reason, len(tokens))
 
     def generate_options(self) -> dict[str, float | int | bool]:
         """`sampling` over the target's generation_config.json: what generate() will use."""
@@ -117,8 +188,7 @@ class TransformersBackend:
             finish = "length"
             if self.eos_id in row:
                 row, finish = row[: row.index(self.eos_id)], "stop"
-            text = self.renderer.tokenizer.decode(row, skip_special_tokens=True)
-            replies.append(Reply(text, finish))
+            replies.append(self._reply(row, finish))
         return replies
 
 
@@ -164,7 +234,9 @@ class HttpBackend:
             log.warning("regen: request to %s failed after retries: %s", self.url, exc)
             return None
         choice = response.choices[0]
-        return Reply(choice.message.content or "", choice.finish_reason or "stop")
+        usage = getattr(response, "usage", None)
+        tokens = getattr(usage, "completion_tokens", None) or 0
+        return Reply(choice.message.content or "", choice.finish_reason or "stop", tokens)
 
     def request_options(self) -> dict:
         """Sampling fields left null are not sent: the server applies the model's defaults."""

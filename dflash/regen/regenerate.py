@@ -2,8 +2,10 @@
 
 Turn by turn: the reply to user turn k is generated from the conversation so far with the
 earlier assistant turns already replaced, so each training sample is a conversation the target
-could have had. In-process generation takes `batch_size` conversations per batch, turn by turn;
-a server backend keeps `batch_size` conversations in flight, each on its own.
+could have had. In-process generation decodes `batch_size` replies at once with continuous batching (a
+finished reply's slot takes the next prompt at once), or, for targets without a static cache,
+takes `batch_size` conversations per generate batch, turn by turn; a server backend keeps
+`batch_size` conversations in flight, each on its own.
 
 Resumable, nothing written twice: the output is JSON Lines, one line per finished
 conversation (written and flushed whole), keyed by the source location ("file:line"). A rerun
@@ -24,7 +26,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash.data.conversations import Conversation, SkipReport, chunked, read_conversations
-from dflash.regen.backends import RegenBackend
+from dflash.regen.backends import RegenBackend, Reply
 
 log = logging.getLogger(__name__)
 
@@ -36,18 +38,25 @@ class RegenStats:
     failed: int = 0  # a request failed after every retry (retried by the next run)
     replies: int = 0
     cut_at_length: int = 0  # replies that hit sampling.max_new_tokens
+    generated_tokens: int = 0  # in the replies (as far as the backend reports them)
     skipped: SkipReport = field(default_factory=SkipReport)
+    started: float = field(default_factory=time.monotonic)
 
     def add(self, other: RegenStats) -> None:
         self.failed += other.failed
         self.replies += other.replies
         self.cut_at_length += other.cut_at_length
+        self.generated_tokens += other.generated_tokens
+
+    def tokens_per_s(self) -> float:
+        return self.generated_tokens / max(time.monotonic() - self.started, 1e-9)
 
     def lines(self) -> list[str]:
         out = [
             f"already in output    {self.already_done}",
             f"written              {self.written} conversations, {self.replies} replies "
             f"({self.cut_at_length} cut at max_new_tokens)",
+            f"generated            {self.generated_tokens} reply tokens, {self.tokens_per_s():.0f} tokens/s",
             f"failed (rerun)       {self.failed}",
             f"skipped input        {self.skipped.total} {self.skipped.counts or ''}",
         ]
@@ -81,54 +90,106 @@ def _unfinished(
         yield conversation
 
 
-def regenerate_batch(
-    backend: RegenBackend, batch: list[Conversation], stats: RegenStats
-) -> list[dict | None]:
-    """Each conversation with its assistant turns replaced, or None if a request failed."""
-    pending = [list(c.messages) for c in batch]
-    done: list[list[dict[str, str]]] = [[] for _ in batch]
-    finishes: list[list[str]] = [[] for _ in batch]
-    failed = [False] * len(batch)
-    while True:
-        prompts, rows = [], []
-        for row, turns in enumerate(pending):
-            # Move turns into `done` up to the next assistant turn that answers a user turn;
-            # its original text is dropped and the target's reply takes its place.
-            while turns and not failed[row]:
-                message = turns.pop(0)
-                if message["role"] == "assistant" and done[row] and done[row][-1]["role"] == "user":
-                    prompts.append(list(done[row]))
-                    rows.append(row)
-                    break
-                done[row].append(message)
-        if not prompts:
-            break
-        for row, reply in zip(rows, backend.generate(prompts)):
-            if reply is None:
-                failed[row] = True
-                continue
-            done[row].append({"role": "assistant", "content": reply.text})
-            finishes[row].append(reply.finish_reason)
-            stats.replies += 1
-            stats.cut_at_length += reply.finish_reason == "length"
-    results: list[dict | None] = []
-    for conversation, messages, finish, bad in zip(batch, done, finishes, failed):
-        if bad:
+class ConversationTurns:
+    """One conversation being rewritten: hands out the prompt of its next reply (the
+    conversation so far, earlier replies already the target's) and takes the reply."""
+
+    def __init__(self, conversation: Conversation):
+        self.conversation = conversation
+        self.pending = list(conversation.messages)
+        self.done: list[dict[str, str]] = []
+        self.finishes: list[str] = []
+        self.failed = False
+
+    def next_prompt(self) -> list[dict[str, str]] | None:
+        """The prompt of the next reply, or None when the conversation is finished (or failed)."""
+        # Move turns into `done` up to the next assistant turn that answers a user turn; its
+        # original text is dropped and the target's reply takes its place.
+        while self.pending and not self.failed:
+            message = self.pending.pop(0)
+            if message["role"] == "assistant" and self.done and self.done[-1]["role"] == "user":
+                return list(self.done)
+            self.done.append(message)
+        return None
+
+    def answer(self, reply: Reply | None, stats: RegenStats) -> None:
+        if reply is None:
+            self.failed = True
+            return
+        self.done.append({"role": "assistant", "content": reply.text})
+        self.finishes.append(reply.finish_reason)
+        stats.replies += 1
+        stats.cut_at_length += reply.finish_reason == "length"
+        stats.generated_tokens += reply.tokens
+
+    def record(self, backend: RegenBackend, stats: RegenStats) -> dict | None:
+        """The output line, or None (counted as failed) when a reply failed."""
+        if self.failed:
             stats.failed += 1
-            results.append(None)
-            continue
+            return None
+        messages = self.done
         # Trailing turns after the last reply (a final user turn) carry no supervision: dropped.
         while messages and messages[-1]["role"] != "assistant":
             messages.pop()
-        results.append(
-            {
-                **conversation.extra,
-                "messages": messages,
-                "source": conversation.source,
-                "regen": {"backend": backend.name, "sampling": backend.describe(), "finish_reasons": finish},
-            }
-        )
-    return results
+        return {
+            **self.conversation.extra,
+            "messages": messages,
+            "source": self.conversation.source,
+            "regen": {
+                "backend": backend.name,
+                "sampling": backend.describe(),
+                "finish_reasons": self.finishes,
+            },
+        }
+
+
+def regenerate_batch(
+    backend: RegenBackend, batch: list[Conversation], stats: RegenStats
+) -> list[dict | None]:
+    """Each conversation with its assistant turns replaced, or None if a request failed; the
+    batch goes turn by turn (every conversation's k-th reply in one generate call)."""
+    turns = [ConversationTurns(c) for c in batch]
+    while True:
+        asking = [(t, prompt) for t in turns if (prompt := t.next_prompt()) is not None]
+        if not asking:
+            break
+        for (conversation, _), reply in zip(asking, backend.generate([p for _, p in asking])):
+            conversation.answer(reply, stats)
+    return [t.record(backend, stats) for t in turns]
+
+
+def _continuous(backend, todo: Iterator[Conversation], write: _Writer, stats: RegenStats) -> None:
+    """In-process continuous batching: every conversation's next prompt is queued as soon as its
+    previous reply is done; enough conversations stay open that a freed slot never waits."""
+    open_limit = 2 * backend.batcher.slots
+    opened = 0
+
+    def ask(conversation: ConversationTurns) -> None:
+        nonlocal opened
+        while True:
+            prompt = conversation.next_prompt()
+            if prompt is None:
+                opened -= 1
+                write([conversation.record(backend, stats)])
+                return
+            if backend.submit(conversation, prompt):
+                return
+            conversation.answer(None, stats)
+
+    backend.batcher.reset()  # nothing left over from an interrupted earlier run
+    while True:
+        while opened < open_limit:
+            fresh = next(todo, None)
+            if fresh is None:
+                break
+            opened += 1
+            ask(ConversationTurns(fresh))
+        if not backend.batcher.busy:
+            break
+        for conversation, reply in backend.poll():
+            conversation.answer(reply, stats)
+            ask(conversation)
+        write.progress.set_postfix(tok_s=f"{stats.tokens_per_s():.0f}", refresh=False)
 
 
 def regenerate(
@@ -146,6 +207,8 @@ def regenerate(
         try:
             if backend.conversations_in_flight:
                 _stream(backend, todo, batch_size, write, stats)
+            elif getattr(backend, "continuous", False):
+                _continuous(backend, todo, write, stats)
             else:
                 for batch in chunked(todo, batch_size):
                     write(regenerate_batch(backend, batch, stats))

@@ -41,7 +41,9 @@ def build_backend(cfg: RegenConfig):
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     num_layers = load_target_config(target_cfg).num_hidden_layers
     target = FrozenTarget.from_config(target_cfg, [num_layers - 1], device)
-    return TransformersBackend(target, renderer, cfg.sampling)
+    return TransformersBackend(
+        target, renderer, cfg.sampling, slots=cfg.batch_size, max_len=cfg.max_len, graphs=cfg.cuda_graphs
+    )
 
 
 def regen(cfg: DictConfig):
@@ -54,6 +56,11 @@ def regen(cfg: DictConfig):
     typed: RegenConfig = OmegaConf.to_object(cfg)
     if typed.batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {typed.batch_size}")
+    if typed.max_len <= typed.sampling.max_new_tokens:
+        raise ValueError(
+            f"max_len={typed.max_len} must exceed sampling.max_new_tokens={typed.sampling.max_new_tokens} "
+            "(it holds the prompt and the reply)"
+        )
     backend = build_backend(typed)
     stats = regenerate(backend, list(typed.input), Path(typed.output), typed.batch_size, typed.limit)
     print(f"\n=== dflash-regen -> {typed.output} (backend={backend.name}; {backend.describe()}) ===")

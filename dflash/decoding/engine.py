@@ -1,0 +1,174 @@
+"""Batch-1 plain and speculative decoding on static caches, each forward a CUDA graph on GPU.
+
+A DFlash round is ONE graph: the drafter's block forward, the target's verification of
+[anchor, drafts], and the drafter-context write of the features the verification produced, all
+on the device; the host then reads the drafts and the target's choices in one transfer, keeps
+the accepted prefix and moves the committed length. Nothing is copied back or cropped: the next
+round writes over the rejected positions (dflash.decoding.static_target).
+
+Exactness is the algorithm's (dflash.spec_decode): every committed token is the target's own
+choice given the committed prefix, so greedy output equals plain greedy output.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+
+import torch
+
+from dflash.decoding.graphs import GraphedFunction, graphs_enabled
+from dflash.decoding.static_drafter import StaticCacheDrafter
+from dflash.decoding.static_target import StaticCacheTarget, static_decoding_refusal
+from dflash.models.drafter import DFlashDrafter
+from dflash.models.target import FrozenTarget
+from dflash.spec_decode import DecodeResult, TokenChooser, accepted_prefix, cut_at_stop
+
+log = logging.getLogger(__name__)
+
+
+class StaticDecoder:
+    """Plain and DFlash decoding of one sequence at a time, up to `max_len` tokens in all
+    (prompt + generated). The drafter runs as a copy in the target's dtype, as a serving engine
+    runs it. `graphs`: null = CUDA graphs on CUDA."""
+
+    def __init__(
+        self,
+        target: FrozenTarget,
+        drafter: DFlashDrafter | None = None,
+        *,
+        max_len: int,
+        graphs: bool | None = None,
+        kv_bucket: int = 256,
+    ):
+        self.target = target
+        self.block_size = drafter.block_size if drafter is not None else 1
+        capacity = max_len + self.block_size  # a round verifies a whole block past the output
+        self.target_cache = StaticCacheTarget(
+            target, slots=1, max_len=capacity, kv_bucket=kv_bucket, features=drafter is not None
+        )
+        self.drafter_cache = None
+        if drafter is not None:
+            dtype = target.lm_head.weight.dtype
+            draft_copy = copy.deepcopy(drafter).to(device=target.device, dtype=dtype).eval()
+            self.drafter_cache = StaticCacheDrafter(draft_copy, target, max_len=self.target_cache.max_len)
+        enabled = graphs_enabled(graphs, target.device)
+        pool = torch.cuda.graph_pool_handle() if enabled else None
+        self.graphs_on = enabled
+        self._plain_step = GraphedFunction(self._plain_fn, enabled=enabled, pool=pool)
+        self._round = GraphedFunction(self._round_fn, enabled=enabled, pool=pool)
+        device = target.device
+        self._ids = torch.zeros((1, 1), dtype=torch.long, device=device)
+        self._pos = torch.zeros((1, 1), dtype=torch.long, device=device)
+
+    @classmethod
+    def for_target(
+        cls, target: FrozenTarget, drafter: DFlashDrafter | None, *, max_len: int, graphs: bool | None
+    ) -> StaticDecoder | None:
+        """A decoder, or None (logged) when the target needs the dynamic-cache path."""
+        refusal = static_decoding_refusal(target)
+        if refusal is not None:
+            log.info("decoding: dynamic cache (exact, slower): %s", refusal)
+            return None
+        return cls(target, drafter, max_len=max_len, graphs=graphs)
+
+    @property
+    def captures(self) -> int:
+        return self._plain_step.captures + self._round.captures
+
+    # -- captured functions: device tensors in, device tensors out -------------------------------
+    def _plain_fn(self, ids_11: torch.Tensor, pos_11: torch.Tensor, *, kv_len: int) -> torch.Tensor:
+        logits, _ = self.target_cache.step(ids_11, pos_11, kv_len=kv_len)
+        return logits[0]
+
+    def _round_fn(self, anchor_11: torch.Tensor, pos_11: torch.Tensor, *, kv_len: int):
+        drafts = self.drafter_cache.draft(anchor_11[0], pos_11[0], kv_len=kv_len)
+        ids = torch.cat([anchor_11[0], drafts]).view(1, -1)
+        positions = pos_11 + self.drafter_cache.offsets
+        logits, features = self.target_cache.step(ids, positions, kv_len=kv_len)
+        self.drafter_cache.write(features, positions)
+        return drafts, logits[0]
+
+    # -- host side -------------------------------------------------------------------------------
+    def _set(self, token: int, position: int) -> None:
+        self._ids.fill_(token)
+        self._pos.fill_(position)
+
+    def _prefill(self, prompt: list[int]):
+        ids = torch.tensor([prompt], device=self.target.device)
+        last = torch.tensor([len(prompt) - 1], device=self.target.device)
+        rows = torch.zeros(1, dtype=torch.long, device=self.target.device)
+        return self.target_cache.prefill(ids, rows, last)
+
+    def _check_room(self, prompt: list[int], max_new_tokens: int) -> None:
+        need = len(prompt) + max_new_tokens + self.block_size
+        if need > self.target_cache.max_len:
+            raise ValueError(
+                f"a prompt of {len(prompt)} tokens + {max_new_tokens} new does not fit the decoder's "
+                f"static cache ({self.target_cache.max_len} positions): build it with a larger max_len"
+            )
+
+    @torch.no_grad()
+    def plain(
+        self,
+        prompt: list[int],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        seed: int = 0,
+        stop_ids: frozenset[int] = frozenset(),
+    ) -> DecodeResult:
+        """One target forward per token (the reference DFlash is timed against)."""
+        self._check_room(prompt, max_new_tokens)
+        choose = TokenChooser(temperature, self.target.device, seed)
+        logits, _ = self._prefill(prompt)
+        output = choose(logits)
+        while len(output) < max_new_tokens and output[-1] not in stop_ids:
+            position = len(prompt) + len(output) - 1
+            self._set(output[-1], position)
+            kv_len = self.target_cache.kv_len_for(position + 1)
+            output += choose(self._plain_step(self._ids, self._pos, kv_len=kv_len))
+        return DecodeResult(output_ids=output)
+
+    @torch.no_grad()
+    def speculative(
+        self,
+        prompt: list[int],
+        max_new_tokens: int,
+        temperature: float = 0.0,
+        seed: int = 0,
+        stop_ids: frozenset[int] = frozenset(),
+    ) -> DecodeResult:
+        if self.drafter_cache is None:
+            raise ValueError("StaticDecoder built without a drafter cannot decode speculatively")
+        self._check_room(prompt, max_new_tokens)
+        choose = TokenChooser(temperature, self.target.device, seed)
+        logits, features = self._prefill(prompt)
+        positions = torch.arange(len(prompt), device=self.target.device).unsqueeze(0)
+        self.drafter_cache.write(features, positions)
+        output = choose(logits)  # the first anchor comes from the target
+        committed = len(prompt)  # positions with valid keys in both caches; the anchor goes next
+        acceptance: list[int] = []
+        while len(output) < max_new_tokens and output[-1] not in stop_ids:
+            self._set(output[-1], committed)
+            kv_len = self.target_cache.kv_len_for(committed + self.block_size)
+            drafts, logits = self._round(self._ids, self._pos, kv_len=kv_len)
+            draft, choices = self._read(drafts, logits, choose)
+            accepted = accepted_prefix(draft, choices)
+            produced = (draft[:accepted] + [choices[accepted]])[: max_new_tokens - len(output)]
+            produced, stopped = cut_at_stop(produced, stop_ids)
+            output += produced
+            acceptance.append(len(produced))
+            if stopped:
+                break
+            committed += accepted + 1
+        return DecodeResult(output_ids=output, acceptance_lengths=acceptance)
+
+    @staticmethod
+    def _read(
+        drafts: torch.Tensor, logits: torch.Tensor, choose: TokenChooser
+    ) -> tuple[list[int], list[int]]:
+        """Drafts and the target's choices on the host; greedy reads both in one transfer."""
+        if choose.temperature <= 0:
+            both = torch.cat([drafts, logits.argmax(-1)]).tolist()
+            return both[: len(drafts)], both[len(drafts) :]
+        return drafts.tolist(), choose(logits)

@@ -1,0 +1,59 @@
+"""The drafter's context keys/values in a static cache, and its block forward over them.
+
+The context keys/values of position p depend only on the target features at p, so they are
+written once, when the target computes those features (the verification forward of the round
+that commits p), at their absolute positions. A draft reads the cache up to a bucketed length
+`kv_len` through the training mask builder (`block_attention_mask`: context strictly before the
+anchor, the whole block bidirectionally), so entries at or after the anchor — features of
+rejected drafts, or stale ones from an earlier sequence — are never seen.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from dflash.blocks import block_attention_mask
+from dflash.models.drafter import DFlashDrafter
+from dflash.models.target import FrozenTarget
+
+
+class StaticCacheDrafter(nn.Module):
+    def __init__(self, drafter: DFlashDrafter, target: FrozenTarget, *, max_len: int):
+        super().__init__()
+        self.drafter, self.target = drafter, target
+        config = drafter.config
+        self.block_size = drafter.block_size
+        self.num_kv_heads, self.head_dim = config.num_key_value_heads, config.head_dim
+        shape = (config.num_hidden_layers, 1, self.num_kv_heads, max_len, self.head_dim)
+        dtype, device = drafter.fc.weight.dtype, target.device
+        self.register_buffer("keys", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("values", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        mask_row = torch.full((1, self.block_size), drafter.mask_token_id, device=device)
+        self.register_buffer("mask_row", mask_row, persistent=False)
+        self.register_buffer("offsets", torch.arange(self.block_size, device=device), persistent=False)
+
+    @torch.no_grad()
+    def write(self, features_1QF: torch.Tensor, positions_1Q: torch.Tensor) -> None:
+        """Context keys/values of the target features at `positions_1Q` into the cache."""
+        q_len = positions_1Q.shape[1]
+        write_at = positions_1Q[:, None, :, None].expand(1, self.num_kv_heads, q_len, self.head_dim)
+        for index, (k, v) in enumerate(self.drafter.context_kv(features_1QF, positions_1Q)):
+            self.keys[index].scatter_(2, write_at, k)
+            self.values[index].scatter_(2, write_at, v)
+
+    @torch.no_grad()
+    def draft(self, anchor_1: torch.Tensor, anchor_pos_1: torch.Tensor, *, kv_len: int) -> torch.Tensor:
+        """The drafter's B-1 argmax guesses [B-1] after the anchor token at `anchor_pos_1`, from
+        the context before it. Capturable: device tensors in, no host reads."""
+        block_ids = torch.cat([anchor_1.view(1, 1), self.mask_row[:, 1:]], dim=1)
+        positions = anchor_pos_1.view(1, 1) + self.offsets
+        mask = block_attention_mask(
+            anchor_pos_1.view(1, 1),
+            torch.ones((1, 1), dtype=torch.bool, device=anchor_1.device),
+            ctx_len=kv_len,
+            block_size=self.block_size,
+        )
+        context = [(k[:, :, :kv_len], v[:, :, :kv_len]) for k, v in zip(self.keys, self.values)]
+        hidden = self.drafter.draft(context, self.target.embed_tokens(block_ids), positions, mask)
+        return self.target.lm_head(hidden.to(self.target.lm_head.weight.dtype))[0, 1:].argmax(-1)

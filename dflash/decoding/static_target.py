@@ -1,0 +1,173 @@
+"""The target over a static KV cache: every decoding path's forward (prefill, one-token decode,
+block verification), in shapes a CUDA graph can capture.
+
+The cache is one preallocated [layers, slots, kv_heads, max_len, head_dim] tensor pair. Each
+slot is one sequence; the caller (who knows every sequence's length on the host) passes the
+absolute position of every new token. A forward writes the new keys/values at those positions
+and each query attends to the keys at positions <= its own, so:
+- rolling back a rejected draft is only a smaller length on the host: the rejected entries stay
+  in the cache, invisible (beyond every later query until overwritten by the next tokens);
+- a slot is reused by a new sequence without clearing it;
+- the attended length `kv_len` is a bucket (a multiple of `kv_bucket`) covering the longest
+  sequence, so short sequences do not pay for `max_len` and the shapes stay few.
+
+Only the attention is ours: embeddings, norms, projections, rotary tables, MLPs and the LM head
+are the model's own modules, so weights, rope scaling and per-architecture details stay
+transformers'. Supported: decoder-only models whose layers are all full attention in the
+Llama layout (Llama, Mistral without a sliding window, Qwen2, Qwen3); `static_decoding_refusal`
+names why any other target is not, and callers fall back to the dynamic-cache path.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+from dflash.models.target import FrozenTarget
+
+_LLAMA_LAYOUT = {"llama", "mistral", "qwen2", "qwen3"}
+
+
+def static_decoding_refusal(target: FrozenTarget) -> str | None:
+    """Why the static-cache decoder cannot run this target (None: it can)."""
+    config = target.config
+    if config.model_type not in _LLAMA_LAYOUT:
+        return f"model_type {config.model_type!r} is not one of {sorted(_LLAMA_LAYOUT)}"
+    layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
+    if layer_types != {"full_attention"}:
+        return f"layer types {sorted(layer_types)}: only full attention has a croppable static cache"
+    if getattr(config, "use_sliding_window", False) or (
+        config.model_type == "mistral" and getattr(config, "sliding_window", None)
+    ):
+        return "a sliding attention window"
+    return None
+
+
+def round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
+class StaticCacheTarget(nn.Module):
+    """`prefill` fills fresh slots from position 0; `step` runs new tokens of every slot over the
+    cache. Both return (logits, fused features or None)."""
+
+    def __init__(
+        self, target: FrozenTarget, *, slots: int, max_len: int, kv_bucket: int = 256, features: bool
+    ):
+        super().__init__()
+        refusal = static_decoding_refusal(target)
+        if refusal is not None:
+            raise ValueError(f"the static-cache decoder cannot run this target: {refusal}")
+        self.target = target
+        base = target.model.base_model
+        self.embed, self.layers, self.norm, self.rotary = (
+            base.embed_tokens,
+            base.layers,
+            base.norm,
+            base.rotary_emb,
+        )
+        config = target.config
+        attention = self.layers[0].self_attn
+        self.head_dim = attention.head_dim
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.groups = self.num_heads // self.num_kv_heads
+        self.kv_bucket = kv_bucket
+        self.max_len = round_up(max_len, kv_bucket)
+        self.slots = slots
+        self.with_features = features
+        shape = (len(self.layers), slots, self.num_kv_heads, self.max_len, self.head_dim)
+        dtype, device = self.embed.weight.dtype, target.device
+        self.register_buffer("keys", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        self.register_buffer("values", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+
+    @property
+    def cache_bytes(self) -> int:
+        return 2 * self.keys.numel() * self.keys.element_size()
+
+    def kv_len_for(self, longest: int) -> int:
+        """The attended cache length covering positions < `longest` (a bucket edge)."""
+        if longest > self.max_len:
+            raise ValueError(f"a sequence of {longest} tokens exceeds the static cache ({self.max_len})")
+        return min(self.max_len, round_up(max(longest, 1), self.kv_bucket))
+
+    def _project(self, layer: nn.Module, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
+        """Rotated queries [N, H, Q, D] and keys [N, Hkv, Q, D], values [N, Hkv, Q, D]."""
+        attention = layer.self_attn
+        n, q_len, _ = x.shape
+        q = attention.q_proj(x).view(n, q_len, -1, self.head_dim)
+        k = attention.k_proj(x).view(n, q_len, -1, self.head_dim)
+        v = attention.v_proj(x).view(n, q_len, -1, self.head_dim).transpose(1, 2)
+        if hasattr(attention, "q_norm"):  # Qwen3: per-head RMSNorm before the rotation
+            q, k = attention.q_norm(q), attention.k_norm(k)
+        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), *rope)
+        return q, k, v
+
+    def _finish_layer(self, layer: nn.Module, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+        n, _, q_len, _ = attended.shape
+        hidden = hidden + layer.self_attn.o_proj(attended.transpose(1, 2).reshape(n, q_len, -1))
+        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+
+    def _fuse(self, collected: dict[int, torch.Tensor]) -> torch.Tensor | None:
+        """Decoder-layer outputs concatenated in `target.layer_ids` order, as FrozenTarget does."""
+        if not self.with_features:
+            return None
+        return torch.cat([collected[i] for i in self.target.layer_ids], dim=-1)
+
+    @torch.no_grad()
+    def prefill(self, ids_RP: torch.Tensor, rows_R: torch.Tensor, last_R: torch.Tensor):
+        """Fresh sequences (right-padded prompts [R, P]) into cache slots `rows_R`, from position
+        0. Logits [R, V] at each prompt's last position `last_R`; features [R, P, F] or None.
+        Eager (prompt shapes vary); padding writes keys past a prompt's end that the next tokens
+        overwrite before any query can see them."""
+        hidden = self.embed(ids_RP)
+        positions = torch.arange(ids_RP.shape[1], device=ids_RP.device).expand_as(ids_RP)
+        rope = self.rotary(hidden, positions)
+        collected, layer_ids = {}, set(self.target.layer_ids)
+        for index, layer in enumerate(self.layers):
+            q, k, v = self._project(layer, layer.input_layernorm(hidden), rope)
+            self.keys[index, rows_R, :, : ids_RP.shape[1]] = k
+            self.values[index, rows_R, :, : ids_RP.shape[1]] = v
+            attended = F.scaled_dot_product_attention(
+                q, k, v, is_causal=True, scale=layer.self_attn.scaling, enable_gqa=self.groups > 1
+            )
+            hidden = self._finish_layer(layer, hidden, attended)
+            if self.with_features and index in layer_ids:
+                collected[index] = hidden
+        last = hidden[torch.arange(len(rows_R), device=hidden.device), last_R]
+        return self.target.lm_head(self.norm(last)), self._fuse(collected)
+
+    @torch.no_grad()
+    def step(self, ids_SQ: torch.Tensor, positions_SQ: torch.Tensor, *, kv_len: int):
+        """Q new tokens of every slot at absolute `positions_SQ` (each < kv_len) over the cache:
+        logits [S, Q, V], features [S, Q, F] or None. Capturable: no host reads, fixed shapes.
+
+        Grouped-query attention without copying the cache per head: the G query heads that share
+        a key/value head are laid out as G*Q query rows of that head, so one attention call per
+        layer reads each cached key once, with the same position mask for every group."""
+        slots, q_len = ids_SQ.shape
+        hidden = self.embed(ids_SQ)
+        rope = self.rotary(hidden, positions_SQ)
+        visible = torch.arange(kv_len, device=ids_SQ.device) <= positions_SQ[:, :, None]  # [S, Q, T]
+        mask = visible.repeat(1, self.groups, 1).unsqueeze(1)  # [S, 1, G*Q, T]
+        write_at = positions_SQ[:, None, :, None].expand(slots, self.num_kv_heads, q_len, self.head_dim)
+        collected, layer_ids = {}, set(self.target.layer_ids)
+        for index, layer in enumerate(self.layers):
+            q, k, v = self._project(layer, layer.input_layernorm(hidden), rope)
+            keys, values = self.keys[index], self.values[index]
+            keys.scatter_(2, write_at, k)
+            values.scatter_(2, write_at, v)
+            grouped = q.reshape(slots, self.num_kv_heads, self.groups * q_len, self.head_dim)
+            attended = F.scaled_dot_product_attention(
+                grouped,
+                keys[:, :, :kv_len],
+                values[:, :, :kv_len],
+                attn_mask=mask,
+                scale=layer.self_attn.scaling,
+            ).view(slots, self.num_heads, q_len, self.head_dim)
+            hidden = self._finish_layer(layer, hidden, attended)
+            if self.with_features and index in layer_ids:
+                collected[index] = hidden
+        return self.target.lm_head(self.norm(hidden)), self._fuse(collected)

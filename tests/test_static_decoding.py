@@ -1,0 +1,158 @@
+"""The static-cache decoder (dflash.decoding): the same logits, features and tokens as the
+transformers forward and the dynamic-cache decoding it replaces (graphs off on CPU; the GPU
+tests in test_gpu_decoding.py replay CUDA graphs)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from dflash.decoding.continuous import ContinuousBatcher
+from dflash.decoding.engine import StaticDecoder
+from dflash.decoding.sampling import Sampler
+from dflash.decoding.static_target import StaticCacheTarget, static_decoding_refusal
+from dflash.models.target import FrozenTarget
+from dflash.spec_decode import plain_generate, speculative_generate
+from tests.conftest import TINY_ARCH
+from tests.test_dflash_rules import tiny_drafter, tiny_target
+
+
+def tiny_llama_target() -> FrozenTarget:
+    config = AutoConfig.for_model("llama", **{**TINY_ARCH, "tie_word_embeddings": True})
+    torch.manual_seed(0)
+    # The last layer among the features: its output is not the final-norm output.
+    return FrozenTarget(AutoModelForCausalLM.from_config(config), [3, 1])
+
+
+TARGETS = {"qwen3": tiny_target, "llama": tiny_llama_target}
+
+
+@pytest.mark.parametrize("arch", sorted(TARGETS))
+def test_prefill_and_steps_equal_the_full_forward(arch):
+    """Two slots of different lengths, a rejected block that is only forgotten (the next tokens
+    overwrite it), and multi-token steps: logits and features equal one full forward each."""
+    target = TARGETS[arch]()
+    torch.manual_seed(3)
+    seqs = [torch.randint(0, 500, (40,)), torch.randint(0, 500, (40,))]
+    full = [target(s[None]) for s in seqs]
+    cache = StaticCacheTarget(target, slots=2, max_len=64, kv_bucket=16, features=True)
+    lengths = [9, 5]
+    ids = torch.stack([seqs[0][:9], torch.cat([seqs[1][:5], torch.zeros(4, dtype=torch.long)])])
+    logits, features = cache.prefill(ids, torch.tensor([0, 1]), torch.tensor([8, 4]))
+    for row, length in enumerate(lengths):
+        torch.testing.assert_close(logits[row], full[row].logits[0, length - 1], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(
+            features[row, :length], full[row].features[0, :length], atol=1e-5, rtol=1e-5
+        )
+    # A rejected 3-token block in slot 0, then real tokens over it.
+    rejected = torch.tensor([[1, 2, 3], [4, 5, 6]])
+    cache.step(rejected, torch.tensor([[9, 10, 11], [5, 6, 7]]), kv_len=cache.kv_len_for(12))
+    for count in (3, 1, 4):
+        new = torch.stack([seqs[r][lengths[r] : lengths[r] + count] for r in range(2)])
+        positions = torch.stack([torch.arange(n, n + count) for n in lengths])
+        logits, features = cache.step(new, positions, kv_len=cache.kv_len_for(max(lengths) + count))
+        for row, length in enumerate(lengths):
+            span = slice(length, length + count)
+            torch.testing.assert_close(logits[row], full[row].logits[0, span], atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(features[row], full[row].features[0, span], atol=1e-5, rtol=1e-5)
+        lengths = [n + count for n in lengths]
+
+
+@pytest.mark.parametrize("arch", sorted(TARGETS))
+def test_static_plain_and_dflash_greedy_equal_transformers_greedy(arch):
+    target = TARGETS[arch]()
+    drafter = tiny_drafter(target).eval()
+    decoder = StaticDecoder(target, drafter, max_len=64, graphs=False, kv_bucket=16)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        prompt = torch.randint(0, 500, (5 + 7 * seed,)).tolist()
+        reference = plain_generate(target, prompt, 24).output_ids
+        assert decoder.plain(prompt, 24).output_ids == reference
+        result = decoder.speculative(prompt, 24)
+        assert result.output_ids == reference
+        assert sum(result.acceptance_lengths) == 24 - 1
+        # The same drafts as the dynamic-cache decoder: the same acceptance lengths.
+        assert (
+            result.acceptance_lengths == speculative_generate(target, drafter, prompt, 24).acceptance_lengths
+        )
+
+
+def test_static_dflash_sampling_and_stop_tokens_follow_the_reference():
+    target = tiny_target()
+    drafter = tiny_drafter(target).eval()
+    decoder = StaticDecoder(target, drafter, max_len=64, graphs=False, kv_bucket=16)
+    prompt = torch.randint(0, 500, (10,)).tolist()
+    greedy = plain_generate(target, prompt, 30).output_ids
+    stop = greedy[11]
+    expected = greedy[: greedy.index(stop) + 1]
+    assert decoder.plain(prompt, 30, stop_ids=frozenset([stop])).output_ids == expected
+    assert decoder.speculative(prompt, 30, stop_ids=frozenset([stop])).output_ids == expected
+    sampled = decoder.speculative(prompt, 30, temperature=1.0, seed=5)
+    assert len(sampled.output_ids) == 30 and sum(sampled.acceptance_lengths) == 29
+    assert decoder.plain(prompt, 30, temperature=1.0, seed=5).output_ids == (
+        plain_generate(target, prompt, 30, temperature=1.0, seed=5).output_ids
+    )
+
+
+def test_a_prompt_beyond_the_static_cache_is_refused_with_its_size():
+    target = tiny_target()
+    decoder = StaticDecoder(target, max_len=32, graphs=False, kv_bucket=16)
+    with pytest.raises(ValueError, match="45 tokens \\+ 8 new does not fit"):
+        decoder.plain(list(range(45)), 8)
+
+
+def test_hybrid_targets_are_refused_and_keep_the_dynamic_path(tiny_qwen3_next_dir):
+    target = FrozenTarget(AutoModelForCausalLM.from_pretrained(tiny_qwen3_next_dir), [1, 3])
+    assert "qwen3_next" in static_decoding_refusal(target)
+    assert StaticDecoder.for_target(target, None, max_len=32, graphs=None) is None
+
+
+def test_continuous_batching_equals_one_by_one_greedy_with_refills_and_prefill_groups():
+    """11 prompts through 3 slots, prefills split into groups of <= 40 padded tokens: every
+    reply is the target's greedy continuation, up to (not including) the stop token."""
+    target = tiny_llama_target()
+    torch.manual_seed(0)
+    prompts = [torch.randint(0, 500, (int(n),)).tolist() for n in torch.randint(3, 30, (11,))]
+    references = [plain_generate(target, p, 16).output_ids for p in prompts]
+    stop = references[1][4]
+    batcher = ContinuousBatcher(
+        target,
+        slots=3,
+        max_len=64,
+        max_new_tokens=16,
+        stop_ids=frozenset([stop]),
+        sampler=Sampler({"do_sample": False}, target.device, 0),
+        graphs=False,
+        kv_bucket=16,
+        prefill_tokens=40,
+    )
+    for index, prompt in enumerate(prompts):
+        batcher.submit(index, prompt)
+    done = {}
+    while batcher.busy:
+        done.update({f.tag: (f.tokens, f.finish_reason) for f in batcher.step()})
+    for index, reference in enumerate(references):
+        if stop in reference:
+            assert done[index] == (reference[: reference.index(stop)], "stop")
+        else:
+            assert done[index] == (reference, "length")
+    assert batcher.generated_tokens == sum(
+        reference.index(stop) + 1 if stop in reference else 16 for reference in references
+    )
+
+
+def test_sampler_filters_follow_generate_semantics():
+    torch.manual_seed(0)
+    logits = torch.randn(64, 100)
+    greedy = logits.argmax(-1)
+    assert torch.equal(Sampler({"do_sample": False}, logits.device, 0)(logits), greedy)
+    top1 = Sampler({"do_sample": True, "temperature": 5.0, "top_k": 1}, logits.device, 0)
+    assert torch.equal(top1(logits), greedy)
+    tiny_p = Sampler({"do_sample": True, "temperature": 1.0, "top_p": 1e-6}, logits.device, 0)
+    assert torch.equal(tiny_p(logits), greedy)  # the most likely token always stays
+    top3 = Sampler({"do_sample": True, "temperature": 1.0, "top_k": 3}, logits.device, 0)
+    allowed = torch.topk(logits, 3, dim=-1).indices
+    assert (top3(logits)[:, None] == allowed).any(-1).all()
+    first = Sampler({"do_sample": True, "temperature": 1.0}, logits.device, 7)(logits)
+    assert torch.equal(first, Sampler({"do_sample": True, "temperature": 1.0}, logits.device, 7)(logits))
