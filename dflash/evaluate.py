@@ -170,9 +170,15 @@ class Decoders:
 
     @classmethod
     def build(
-        cls, target: FrozenTarget, drafter: DFlashDrafter, *, max_len: int, graphs: bool | None
+        cls,
+        target: FrozenTarget,
+        drafter: DFlashDrafter,
+        *,
+        max_len: int,
+        graphs: bool | None,
+        compile: bool = False,
     ) -> Decoders:
-        static = StaticDecoder.for_target(target, drafter, max_len=max_len, graphs=graphs)
+        static = StaticDecoder.for_target(target, drafter, max_len=max_len, graphs=graphs, compile=compile)
         if static is not None:
             return cls(static.speculative, static.plain)
 
@@ -372,7 +378,11 @@ def evaluate(
     try:
         longest = max((len(p) for s in prompt_sets for p in s.prompts), default=1)
         decoders = Decoders.build(
-            target, drafter, max_len=longest + cfg.max_new_tokens, graphs=cfg.cuda_graphs
+            target,
+            drafter,
+            max_len=longest + cfg.max_new_tokens,
+            graphs=cfg.cuda_graphs,
+            compile=cfg.compile_decoding,
         )
         report = EvalReport()
         for temperature in cfg.temperatures:

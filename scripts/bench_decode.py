@@ -57,12 +57,12 @@ def copy_bandwidth(device: torch.device, measure) -> float:
     return 2 * source.numel() * 4 / (ms / 1000)
 
 
-def static_rows(target, drafter, prompt, measure, reps):
+def static_rows(target, drafter, prompt, measure, reps, compile):
     from dflash.decoding.engine import StaticDecoder
     from dflash.decoding.graphs import GraphedFunction
 
     block = drafter.block_size
-    decoder = StaticDecoder(target, drafter, max_len=len(prompt) + 4 * block)
+    decoder = StaticDecoder(target, drafter, max_len=len(prompt) + 4 * block, compile=compile)
     _, features = decoder._prefill(prompt)
     committed = len(prompt)
     device = target.device
@@ -78,10 +78,10 @@ def static_rows(target, drafter, prompt, measure, reps):
         decoder.drafter_cache.write(feats, positions)
         return logits
 
-    verify_graph = GraphedFunction(verify_fn, enabled=decoder.graphs_on)
+    verify_graph = GraphedFunction(verify_fn, enabled=decoder.graphs_on, compile=compile)
     block_ids = torch.ones((1, block), dtype=torch.long, device=device)
     block_pos = committed + torch.arange(block, device=device).unsqueeze(0)
-    draft_graph = GraphedFunction(decoder.drafter_cache.draft, enabled=decoder.graphs_on)
+    draft_graph = GraphedFunction(decoder.drafter_cache.draft, enabled=decoder.graphs_on, compile=compile)
 
     def round_():
         drafts, logits = decoder._round(decoder._ids, decoder._pos, kv_len=kv_len)
@@ -130,6 +130,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=256)
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--skip-dynamic", action="store_true", help="only the static-cache decoder")
+    parser.add_argument("--compile", action="store_true", help="also the torch.compile-fused static steps")
     args, overrides = parser.parse_known_args()
 
     from dflash.build import build_drafter, node, visible_cuda_devices
@@ -151,7 +152,8 @@ def main() -> None:
     prompt = torch.randint(0, cfg.drafter.mask_token_id, (args.context,)).tolist()
     weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
     with torch.no_grad():
-        static = static_rows(target, drafter, prompt, measure, args.reps)
+        static = static_rows(target, drafter, prompt, measure, args.reps, compile=False)
+        fused = static_rows(target, drafter, prompt, measure, args.reps, compile=True) if args.compile else []
         dynamic = [] if args.skip_dynamic else dynamic_rows(target, drafter, prompt, measure, args.reps)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
@@ -167,12 +169,15 @@ def main() -> None:
         floor_ms = None
     plain = static[0][1]
     graphs = "CUDA graphs" if device.type == "cuda" else "eager"
-    print(f"{'part':<26}{'ms':>9}{'x plain step':>14}{'x floor':>9}")
-    for label, rows in ((f"static cache, {graphs}", static), ("dynamic cache, eager", dynamic)):
+    print(f"{'part':<30}{'ms':>9}{'x plain step':>14}{'x floor':>9}")
+    print(f"static: static cache, {graphs}; compiled: the same after torch.compile; dynamic: eager")
+    for label, rows in (("static", static), ("compiled", fused), ("dynamic", dynamic)):
         for part, ms in rows:
             floor = f"{ms / floor_ms:>9.2f}" if floor_ms else f"{'-':>9}"
-            print(f"{part + ' [' + label.split(',')[0] + ']':<26}{ms:>9.3f}{ms / plain:>14.2f}{floor}")
+            print(f"{part + ' [' + label + ']':<30}{ms:>9.3f}{ms / plain:>14.2f}{floor}")
     print(f"static: DFlash is faster than plain decoding once tau > {static[-1][1] / plain:.2f}")
+    if fused:
+        print(f"compiled: tau > {fused[-1][1] / fused[0][1]:.2f}")
     if dynamic:
         print(
             f"dynamic: tau > {dynamic[-1][1] / dynamic[0][1]:.2f}; static plain step "

@@ -74,3 +74,14 @@ def test_continuous_batching_with_graphs_equals_one_by_one_greedy():
         expected = reference[: reference.index(stop)] if stop in reference else reference
         assert replies[index] == expected, index
     assert batcher.step_fn.captures <= 3  # attended-length buckets 32, 64, 96
+
+
+def test_compiled_graphs_decode_the_same_tokens_in_fp32():
+    """torch.compile-fused steps captured as graphs (eval.compile_decoding, regen compile=true)."""
+    target, drafter = fp32_cuda_pair()
+    compiled = StaticDecoder(target, drafter, max_len=96, graphs=True, compile=True, kv_bucket=32)
+    torch.manual_seed(5)
+    prompt = torch.randint(0, 500, (20,)).tolist()
+    reference = plain_generate(target, prompt, 40).output_ids
+    assert compiled.plain(prompt, 40).output_ids == reference
+    assert compiled.speculative(prompt, 40).output_ids == reference

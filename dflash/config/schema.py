@@ -286,6 +286,8 @@ class EvalConfig:
     # Decode steps and DFlash rounds replayed as CUDA graphs on static caches (null: on CUDA).
     # Hybrid targets (linear attention) always take the exact dynamic-cache path.
     cuda_graphs: Optional[bool] = None
+    # Fuse the captured steps' kernels with torch.compile first (a one-time compile per run).
+    compile_decoding: bool = False
     warmup_prompts: int = 2
     # dflash-eval: where the JSON report goes; null: <paths.output_dir>/eval.json.
     output: Optional[str] = None
@@ -370,8 +372,10 @@ class RegenConfig:
     # transformers, static cache: positions per slot (prompt + reply); a longer prompt is left
     # out with a warning (a rerun with a larger max_len picks it up).
     max_len: int = 4096
-    # transformers, static cache: decode steps replayed as CUDA graphs (null: on CUDA).
+    # transformers, static cache: decode steps replayed as CUDA graphs (null: on CUDA), their
+    # kernels fused by torch.compile first (`compile`: a one-time compile per run).
     cuda_graphs: Optional[bool] = None
+    compile: bool = False
     # http: OpenAI-compatible base URL (e.g. http://localhost:8000/v1), model name (null: the
     # first the server lists), API key, per-request timeout and retries (backoff, 429/5xx/errors).
     url: Optional[str] = None

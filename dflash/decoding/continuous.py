@@ -50,6 +50,7 @@ class ContinuousBatcher:
         stop_ids: frozenset[int],
         sampler: Sampler,
         graphs: bool | None = None,
+        compile: bool = False,
         kv_bucket: int = 256,
         prefill_tokens: int = 16384,
     ):
@@ -60,7 +61,9 @@ class ContinuousBatcher:
         self.slots, self.max_new_tokens, self.stop_ids = slots, max_new_tokens, stop_ids
         self.sampler, self.prefill_tokens = sampler, prefill_tokens
         self.refill_at = max(1, slots // 8)
-        self.step_fn = GraphedFunction(self._step, enabled=graphs_enabled(graphs, self.device))
+        self.step_fn = GraphedFunction(
+            self._step, enabled=graphs_enabled(graphs, self.device), compile=compile
+        )
         self.queue: deque[tuple[Any, list[int]]] = deque()
         self.running: list[_Sequence | None] = [None] * slots
         self.next_ids = torch.zeros((slots, 1), dtype=torch.long, device=self.device)

@@ -30,7 +30,8 @@ log = logging.getLogger(__name__)
 class StaticDecoder:
     """Plain and DFlash decoding of one sequence at a time, up to `max_len` tokens in all
     (prompt + generated). The drafter runs as a copy in the target's dtype, as a serving engine
-    runs it. `graphs`: null = CUDA graphs on CUDA."""
+    runs it. `graphs`: null = CUDA graphs on CUDA; `compile`: kernels fused by torch.compile
+    before the capture (dflash.decoding.graphs)."""
 
     def __init__(
         self,
@@ -39,6 +40,7 @@ class StaticDecoder:
         *,
         max_len: int,
         graphs: bool | None = None,
+        compile: bool = False,
         kv_bucket: int = 256,
     ):
         self.target = target
@@ -55,22 +57,28 @@ class StaticDecoder:
         enabled = graphs_enabled(graphs, target.device)
         pool = torch.cuda.graph_pool_handle() if enabled else None
         self.graphs_on = enabled
-        self._plain_step = GraphedFunction(self._plain_fn, enabled=enabled, pool=pool)
-        self._round = GraphedFunction(self._round_fn, enabled=enabled, pool=pool)
+        self._plain_step = GraphedFunction(self._plain_fn, enabled=enabled, pool=pool, compile=compile)
+        self._round = GraphedFunction(self._round_fn, enabled=enabled, pool=pool, compile=compile)
         device = target.device
         self._ids = torch.zeros((1, 1), dtype=torch.long, device=device)
         self._pos = torch.zeros((1, 1), dtype=torch.long, device=device)
 
     @classmethod
     def for_target(
-        cls, target: FrozenTarget, drafter: DFlashDrafter | None, *, max_len: int, graphs: bool | None
+        cls,
+        target: FrozenTarget,
+        drafter: DFlashDrafter | None,
+        *,
+        max_len: int,
+        graphs: bool | None,
+        compile: bool = False,
     ) -> StaticDecoder | None:
         """A decoder, or None (logged) when the target needs the dynamic-cache path."""
         refusal = static_decoding_refusal(target)
         if refusal is not None:
             log.info("decoding: dynamic cache (exact, slower): %s", refusal)
             return None
-        return cls(target, drafter, max_len=max_len, graphs=graphs)
+        return cls(target, drafter, max_len=max_len, graphs=graphs, compile=compile)
 
     @property
     def captures(self) -> int:

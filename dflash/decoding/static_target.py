@@ -166,7 +166,7 @@ class StaticCacheTarget(nn.Module):
                 values[:, :, :kv_len],
                 attn_mask=mask,
                 scale=layer.self_attn.scaling,
-            ).view(slots, self.num_heads, q_len, self.head_dim)
+            ).reshape(slots, self.num_heads, q_len, self.head_dim)
             hidden = self._finish_layer(layer, hidden, attended)
             if self.with_features and index in layer_ids:
                 collected[index] = hidden

@@ -68,6 +68,7 @@ class TransformersBackend:
         slots: int = 16,
         max_len: int = 4096,
         graphs: bool | None = None,
+        compile: bool = False,
     ):
         self.target, self.renderer, self.sampling = target, renderer, sampling
         tokenizer = renderer.tokenizer
@@ -90,6 +91,7 @@ class TransformersBackend:
                 stop_ids=frozenset([self.eos_id]),
                 sampler=Sampler(self.generate_options(), target.device, sampling.seed),
                 graphs=graphs,
+                compile=compile,
             )
         except torch.OutOfMemoryError as exc:
             raise ValueError(

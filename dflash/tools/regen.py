@@ -42,7 +42,13 @@ def build_backend(cfg: RegenConfig):
     num_layers = load_target_config(target_cfg).num_hidden_layers
     target = FrozenTarget.from_config(target_cfg, [num_layers - 1], device)
     return TransformersBackend(
-        target, renderer, cfg.sampling, slots=cfg.batch_size, max_len=cfg.max_len, graphs=cfg.cuda_graphs
+        target,
+        renderer,
+        cfg.sampling,
+        slots=cfg.batch_size,
+        max_len=cfg.max_len,
+        graphs=cfg.cuda_graphs,
+        compile=cfg.compile,
     )
 
 

