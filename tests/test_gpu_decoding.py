@@ -46,9 +46,10 @@ def test_graphed_decoding_equals_eager_and_plain_greedy_in_fp32():
     assert graphed.captures == before  # a shape seen before replays; nothing recaptures per token
 
 
-def test_continuous_batching_with_graphs_equals_one_by_one_greedy():
+@pytest.mark.parametrize("compile", [False, True])
+def test_continuous_batching_with_graphs_equals_one_by_one_greedy(compile):
     """More prompts than slots (slots are refilled) of different lengths: every reply equals
-    the target's own greedy continuation, eos included."""
+    the target's own greedy continuation, eos included (and with the step compiled)."""
     target, _ = fp32_cuda_pair()
     torch.manual_seed(0)
     prompts = [torch.randint(0, 500, (int(n),)).tolist() for n in torch.randint(3, 40, (11,))]
@@ -62,6 +63,7 @@ def test_continuous_batching_with_graphs_equals_one_by_one_greedy():
         stop_ids=frozenset([stop]),
         sampler=Sampler({"do_sample": False}, target.device, 0),
         graphs=True,
+        compile=compile,
         kv_bucket=32,
     )
     for index, prompt in enumerate(prompts):

@@ -89,5 +89,5 @@ class GraphedFunction:
 
 
 def graphs_enabled(requested: bool | None, device: torch.device) -> bool:
-    """null: on CUDA; true off CUDA is refused by the caller's config check."""
+    """null: on CUDA. Graphs need CUDA: off CUDA every call runs eagerly whatever was asked."""
     return device.type == "cuda" if requested is None else bool(requested) and device.type == "cuda"

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from dflash.blocks import block_attention_mask
+from dflash.decoding.kv_cache import StaticKV
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import FrozenTarget
 
@@ -24,11 +25,16 @@ class StaticCacheDrafter(nn.Module):
         self.drafter, self.target = drafter, target
         config = drafter.config
         self.block_size = drafter.block_size
-        self.num_kv_heads, self.head_dim = config.num_key_value_heads, config.head_dim
-        shape = (config.num_hidden_layers, 1, self.num_kv_heads, max_len, self.head_dim)
-        dtype, device = drafter.fc.weight.dtype, target.device
-        self.register_buffer("keys", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("values", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
+        device = target.device
+        self.kv = StaticKV(
+            layers=config.num_hidden_layers,
+            slots=1,
+            kv_heads=config.num_key_value_heads,
+            max_len=max_len,
+            head_dim=config.head_dim,
+            dtype=drafter.fc.weight.dtype,
+            device=device,
+        )
         mask_row = torch.full((1, self.block_size), drafter.mask_token_id, device=device)
         self.register_buffer("mask_row", mask_row, persistent=False)
         self.register_buffer("offsets", torch.arange(self.block_size, device=device), persistent=False)
@@ -36,11 +42,8 @@ class StaticCacheDrafter(nn.Module):
     @torch.no_grad()
     def write(self, features_1QF: torch.Tensor, positions_1Q: torch.Tensor) -> None:
         """Context keys/values of the target features at `positions_1Q` into the cache."""
-        q_len = positions_1Q.shape[1]
-        write_at = positions_1Q[:, None, :, None].expand(1, self.num_kv_heads, q_len, self.head_dim)
         for index, (k, v) in enumerate(self.drafter.context_kv(features_1QF, positions_1Q)):
-            self.keys[index].scatter_(2, write_at, k)
-            self.values[index].scatter_(2, write_at, v)
+            self.kv.write(index, positions_1Q, k, v)
 
     @torch.no_grad()
     def draft(self, anchor_1: torch.Tensor, anchor_pos_1: torch.Tensor, *, kv_len: int) -> torch.Tensor:
@@ -54,6 +57,6 @@ class StaticCacheDrafter(nn.Module):
             ctx_len=kv_len,
             block_size=self.block_size,
         )
-        context = [(k[:, :, :kv_len], v[:, :, :kv_len]) for k, v in zip(self.keys, self.values)]
+        context = [self.kv.prefix(index, kv_len) for index in range(len(self.kv.keys))]
         hidden = self.drafter.draft(context, self.target.embed_tokens(block_ids), positions, mask)
         return self.target.lm_head(hidden.to(self.target.lm_head.weight.dtype))[0, 1:].argmax(-1)

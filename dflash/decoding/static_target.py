@@ -1,8 +1,8 @@
 """The target over a static KV cache: every decoding path's forward (prefill, one-token decode,
 block verification), in shapes a CUDA graph can capture.
 
-The cache is one preallocated [layers, slots, kv_heads, max_len, head_dim] tensor pair. Each
-slot is one sequence; the caller (who knows every sequence's length on the host) passes the
+The cache is a preallocated [slots, kv_heads, max_len, head_dim] key/value pair per layer
+(dflash.decoding.kv_cache). Each slot is one sequence; the caller (who knows every sequence's length on the host) passes the
 absolute position of every new token. A forward writes the new keys/values at those positions
 and each query attends to the keys at positions <= its own, so:
 - rolling back a rejected draft is only a smaller length on the host: the rejected entries stay
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from dflash.decoding.kv_cache import StaticKV
 from dflash.models.target import FrozenTarget
 
 _LLAMA_LAYOUT = {"llama", "mistral", "qwen2", "qwen3"}
@@ -78,14 +79,15 @@ class StaticCacheTarget(nn.Module):
         self.max_len = round_up(max_len, kv_bucket)
         self.slots = slots
         self.with_features = features
-        shape = (len(self.layers), slots, self.num_kv_heads, self.max_len, self.head_dim)
-        dtype, device = self.embed.weight.dtype, target.device
-        self.register_buffer("keys", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-        self.register_buffer("values", torch.zeros(shape, dtype=dtype, device=device), persistent=False)
-
-    @property
-    def cache_bytes(self) -> int:
-        return 2 * self.keys.numel() * self.keys.element_size()
+        self.kv = StaticKV(
+            layers=len(self.layers),
+            slots=slots,
+            kv_heads=self.num_kv_heads,
+            max_len=self.max_len,
+            head_dim=self.head_dim,
+            dtype=self.embed.weight.dtype,
+            device=target.device,
+        )
 
     def kv_len_for(self, longest: int) -> int:
         """The attended cache length covering positions < `longest` (a bucket edge)."""
@@ -128,8 +130,7 @@ class StaticCacheTarget(nn.Module):
         collected, layer_ids = {}, set(self.target.layer_ids)
         for index, layer in enumerate(self.layers):
             q, k, v = self._project(layer, layer.input_layernorm(hidden), rope)
-            self.keys[index, rows_R, :, : ids_RP.shape[1]] = k
-            self.values[index, rows_R, :, : ids_RP.shape[1]] = v
+            self.kv.write_prefix(index, rows_R, k, v)
             attended = F.scaled_dot_product_attention(
                 q, k, v, is_causal=True, scale=layer.self_attn.scaling, enable_gqa=self.groups > 1
             )
@@ -152,18 +153,16 @@ class StaticCacheTarget(nn.Module):
         rope = self.rotary(hidden, positions_SQ)
         visible = torch.arange(kv_len, device=ids_SQ.device) <= positions_SQ[:, :, None]  # [S, Q, T]
         mask = visible.repeat(1, self.groups, 1).unsqueeze(1)  # [S, 1, G*Q, T]
-        write_at = positions_SQ[:, None, :, None].expand(slots, self.num_kv_heads, q_len, self.head_dim)
         collected, layer_ids = {}, set(self.target.layer_ids)
         for index, layer in enumerate(self.layers):
             q, k, v = self._project(layer, layer.input_layernorm(hidden), rope)
-            keys, values = self.keys[index], self.values[index]
-            keys.scatter_(2, write_at, k)
-            values.scatter_(2, write_at, v)
+            self.kv.write(index, positions_SQ, k, v)
+            keys, values = self.kv.prefix(index, kv_len)
             grouped = q.reshape(slots, self.num_kv_heads, self.groups * q_len, self.head_dim)
             attended = F.scaled_dot_product_attention(
                 grouped,
-                keys[:, :, :kv_len],
-                values[:, :, :kv_len],
+                keys,
+                values,
                 attn_mask=mask,
                 scale=layer.self_attn.scaling,
             ).reshape(slots, self.num_heads, q_len, self.head_dim)
