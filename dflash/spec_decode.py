@@ -151,6 +151,18 @@ def accepted_prefix(draft: list[int], target_choices: list[int]) -> int:
     return accepted
 
 
+def settle_round(
+    draft: list[int], choices: list[int], room: int, stop_ids: frozenset[int]
+) -> tuple[list[int], int, bool]:
+    """One verification's outcome: the tokens it produces (accepted drafts, then the target's
+    own choice at the first mismatch; at most `room`, cut after a stop token), how many drafts
+    were accepted, and whether a stop token ended the output."""
+    accepted = accepted_prefix(draft, choices)
+    produced = (draft[:accepted] + [choices[accepted]])[:room]
+    produced, stopped = cut_at_stop(produced, stop_ids)
+    return produced, accepted, stopped
+
+
 @torch.no_grad()
 def plain_generate(
     target: FrozenTarget,
@@ -194,10 +206,9 @@ def speculative_generate(
         committed = len(prompt_ids) + len(output) - 1  # the anchor is not committed yet
         draft = drafter_guess(context, target, output[-1])
         logits, features = session.run([output[-1], *draft])
-        choices = choose(logits)
-        accepted = accepted_prefix(draft, choices)
-        produced = (draft[:accepted] + [choices[accepted]])[: max_new_tokens - len(output)]
-        produced, stopped = cut_at_stop(produced, stop_ids)
+        produced, accepted, stopped = settle_round(
+            draft, choose(logits), max_new_tokens - len(output), stop_ids
+        )
         output += produced
         acceptance.append(len(produced))
         if stopped:

@@ -22,7 +22,7 @@ from dflash.decoding.static_drafter import StaticCacheDrafter
 from dflash.decoding.static_target import StaticCacheTarget, static_decoding_refusal
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import FrozenTarget
-from dflash.spec_decode import DecodeResult, TokenChooser, accepted_prefix, cut_at_stop
+from dflash.spec_decode import DecodeResult, TokenChooser, settle_round
 
 log = logging.getLogger(__name__)
 
@@ -161,9 +161,8 @@ class StaticDecoder:
             kv_len = self.target_cache.kv_len_for(committed + self.block_size)
             drafts, logits = self._round(self._ids, self._pos, kv_len=kv_len)
             draft, choices = self._read(drafts, logits, choose)
-            accepted = accepted_prefix(draft, choices)
-            produced = (draft[:accepted] + [choices[accepted]])[: max_new_tokens - len(output)]
-            produced, stopped = cut_at_stop(produced, stop_ids)
+            room = max_new_tokens - len(output)
+            produced, accepted, stopped = settle_round(draft, choices, room, stop_ids)
             output += produced
             acceptance.append(len(produced))
             if stopped:
