@@ -32,8 +32,8 @@ from dflash.config.schema import (
     PipelineKind,
     TargetConfig,
 )
-from dflash.config.validate import resolve_layer_ids, validate
-from dflash.data.chat import ChatRenderer
+from dflash.config_checks import resolve_layer_ids, validate
+from dflash.data.chat import ChatRenderer, load_chat_renderer
 from dflash.data.dataset import TokenDataset
 from dflash.data.prepare import PrepStats, load_or_prepare
 from dflash.data.schedule import BatchPlanner, block_budget_for
@@ -52,16 +52,15 @@ from dflash.models.drafter import DFlashDrafter, drafter_config
 from dflash.models.gguf import local_target
 from dflash.models.target import FrozenTarget, load_target_config
 from dflash.models.target_head import TargetHead, heads_for
-from dflash.models.tokenizer import load_chat_renderer
 from dflash.monitor.monitor import Monitor
 from dflash.monitor.sinks import build_sinks
 from dflash.noise import NoiseSchedule
 from dflash.pipeline.roles import role_lines
-from dflash.pipeline.runner import AsyncTrainer, FaultInjection
+from dflash.step import BlockSettings, DrafterStep
+from dflash.trainer.async_trainer import AsyncTrainer, FaultInjection
 from dflash.trainer.periodic_eval import PeriodicEval
 from dflash.trainer.signals import StopRequested, stop_on_signals
 from dflash.trainer.state import CheckpointSettings
-from dflash.trainer.step import BlockSettings, DrafterStep
 from dflash.trainer.sync import SyncTrainer
 from dflash.trainer.validation import Validation, held_out_ids
 

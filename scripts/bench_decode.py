@@ -135,7 +135,7 @@ def main() -> None:
 
     from dflash.build import build_drafter, node, visible_cuda_devices
     from dflash.config.devices import resolve_device_split
-    from dflash.config.validate import resolve_layer_ids
+    from dflash.config_checks import resolve_layer_ids
     from dflash.models.target import FrozenTarget, load_target_config
     from dflash.tools.compose import compose_config
 

@@ -40,7 +40,7 @@ from omegaconf import OmegaConf
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dflash.build import build_drafter, build_step_fn  # noqa: E402
-from dflash.config.validate import resolve_layer_ids  # noqa: E402
+from dflash.config_checks import resolve_layer_ids  # noqa: E402
 from dflash.data.collate import Batch  # noqa: E402
 from dflash.data.schedule import PlannedBatch  # noqa: E402
 from dflash.models.compile import CompileCounter  # noqa: E402
@@ -277,7 +277,7 @@ def profile_step(step, path: Path) -> None:
 def visible_keys(step_fn, batch: Batch) -> tuple[float, int]:
     """Keys each block query may see, summed (context before its anchor + its block), and the
     block tokens, for the anchors this step draws."""
-    from dflash.trainer.step import make_blocks
+    from dflash.step import make_blocks
 
     blocks = make_blocks(batch, step_fn.drafter, step_fn.block_settings, keep_fraction=0.0)
     valid = blocks.anchor_valid

@@ -268,7 +268,7 @@ def test_streaming_in_chunks_gives_the_same_samples_and_counts(tmp_path, rendere
 
 def test_chat_template_variables_reach_every_rendering_and_the_cache_key(tiny_chat_dir, tmp_path):
     from dflash.config.schema import TargetConfig
-    from dflash.models.tokenizer import load_chat_renderer
+    from dflash.data.chat import load_chat_renderer
 
     directory = shutil.copytree(tiny_chat_dir, tmp_path / "target")
     tokenizer = AutoTokenizer.from_pretrained(directory)

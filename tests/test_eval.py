@@ -341,8 +341,8 @@ def test_a_dflash_checkpoint_brings_its_target_unless_the_command_line_names_one
 def test_packaged_humaneval_and_mtbench_prompts_are_rendered_as_chat_requests(tiny_chat_dir):
     """`eval=humaneval_mtbench`: HumanEval (gzipped, each signature wrapped in the instruction)
     and MT-Bench first turns, read from the installed packages in file order."""
+    from dflash.data.chat import load_chat_renderer
     from dflash.eval_prompts import read_prompt_file
-    from dflash.models.tokenizer import load_chat_renderer
 
     cfg = compose_config(["eval=humaneval_mtbench", f"target.path={tiny_chat_dir}"])
     renderer = load_chat_renderer(TargetConfig(name="t", path=str(tiny_chat_dir)), "eval")

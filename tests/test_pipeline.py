@@ -24,8 +24,8 @@ from dflash.data.dataset import TokenDataset
 from dflash.data.schedule import BatchPlanner
 from dflash.pipeline.prefetch import BatchPrefetcher
 from dflash.pipeline.queues import HiddenStateQueue, OrderedQueue, QueueClosed
-from dflash.pipeline.runner import FaultInjection
 from dflash.train import train
+from dflash.trainer.async_trainer import FaultInjection
 from tests.conftest import FAST, SLOW_MACHINE_TIMEOUT_S, compose_config
 
 

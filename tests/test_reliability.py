@@ -115,7 +115,7 @@ def test_user_errors_are_one_line_with_exit_code_2_and_the_traceback_is_kept(tmp
         [*train_cli, "drafter.mask_token_id=900", f"hydra.run.dir={tmp_path / 'full'}"],
         env={"HYDRA_FULL_ERROR": "1"},
     )
-    assert full.returncode == 1 and "Traceback" in full.stderr and "validate.py" in full.stderr
+    assert full.returncode == 1 and "Traceback" in full.stderr and "config_checks.py" in full.stderr
     unwritable = run_tool([*train_cli, "hydra.run.dir=/proc/dflash-test"])
     assert unwritable.returncode == 2 and unwritable.stderr.strip().count("\n") == 0
     assert "cannot write the run dir /proc/dflash-test" in unwritable.stderr
@@ -157,9 +157,9 @@ def test_a_nan_loss_skips_its_update_and_stops_the_run_with_good_checkpoints(mak
     import torch
     from safetensors.torch import load_file
 
+    from dflash import step as step_module
     from dflash.build import build_run
     from dflash.monitor.train_metrics import NonFiniteTraining
-    from dflash.trainer import step as step_module
 
     cfg = make_cfg(
         [f"pipeline={pipeline}", "train.total_steps=40", "checkpoint.every_steps=4", "logger.every_steps=1"]

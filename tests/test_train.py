@@ -54,7 +54,7 @@ def test_train_writes_metrics_checkpoints_and_summary(make_cfg):
     assert state["position"]["step"] == 8
     assert load_drafter(ckpts / "last").block_size == 4
     # What `objective=` accepts is checked before training: it must cover every numeric summary key.
-    from dflash.config.validate import is_summary_metric
+    from dflash.config_checks import is_summary_metric
 
     numeric = [k for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
     assert numeric and [k for k in numeric if not is_summary_metric(k)] == []

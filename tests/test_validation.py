@@ -16,8 +16,8 @@ from dflash.data.collate import collate
 from dflash.data.dataset import TokenDataset
 from dflash.data.schedule import BatchPlanner
 from dflash.loss import tau_from_accuracy
+from dflash.step import BlockSettings, make_blocks
 from dflash.train import train
-from dflash.trainer.step import BlockSettings, make_blocks
 from dflash.trainer.validation import Validation, held_out_ids
 from tests.test_dflash_rules import blocks_for, tiny_drafter, tiny_target
 

@@ -23,7 +23,9 @@ import json
 import re
 from typing import Any
 
+from dflash.config.schema import TargetConfig
 from dflash.data.conversations import MalformedRecord
+from dflash.models.tokenizer import load_tokenizer
 
 _PROBE_USER = "dflash-probe-user-7c1e"
 _PROBE_ASSISTANT = "dflash-probe-assistant-7c1e"
@@ -123,3 +125,8 @@ class ChatRenderer:
             "special": {k: str(v) for k, v in sorted(self.tokenizer.special_tokens_map.items())},
         }
         return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+def load_chat_renderer(cfg: TargetConfig, needed_for: str) -> ChatRenderer:
+    """The target's tokenizer with its chat template and `target.chat_template_kwargs`."""
+    return ChatRenderer(load_tokenizer(cfg, needed_for), dict(cfg.chat_template_kwargs))

@@ -7,13 +7,6 @@ from typing import Any
 from dflash.config.schema import TargetConfig
 
 
-def load_chat_renderer(cfg: TargetConfig, needed_for: str):
-    """The target's tokenizer with its chat template and `target.chat_template_kwargs`."""
-    from dflash.data.chat import ChatRenderer
-
-    return ChatRenderer(load_tokenizer(cfg, needed_for), dict(cfg.chat_template_kwargs))
-
-
 def load_tokenizer(cfg: TargetConfig, needed_for: str) -> Any:
     directory = cfg.tokenizer or cfg.path
     if directory is None:

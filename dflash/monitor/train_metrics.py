@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 from dflash.loss import tau_from_accuracy
-from dflash.trainer.step import MetricWindow
+from dflash.step import MetricWindow
 
 
 class NonFiniteTraining(ValueError):

@@ -21,7 +21,7 @@ import torch.distributed as dist
 from dflash.pipeline.counters import DeviceSpan, WorkCounters
 from dflash.pipeline.queues import HiddenStateQueue
 from dflash.pipeline.target_worker import HiddenStatePacket
-from dflash.trainer.step import DrafterStep, MetricWindow
+from dflash.step import DrafterStep, MetricWindow
 
 
 def _ready_event(device: torch.device) -> torch.cuda.Event | None:

@@ -32,9 +32,9 @@ def build_backend(cfg: RegenConfig):
         )
     import torch
 
+    from dflash.data.chat import load_chat_renderer
     from dflash.models.gguf import local_target
     from dflash.models.target import FrozenTarget, load_target_config
-    from dflash.models.tokenizer import load_chat_renderer
 
     target_cfg = local_target(cfg.target, cfg.paths.cache_dir)  # cfg: the typed RegenConfig
     renderer = load_chat_renderer(target_cfg, "dflash-regen")

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from dflash.checkpoint import load_trainer_state, save_checkpoint
-from dflash.trainer.step import DrafterStep
+from dflash.step import DrafterStep
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ from dflash.loss import tau_from_accuracy
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import FrozenTarget
 from dflash.models.target_head import TargetHead
-from dflash.trainer.step import BlockSettings, drafter_forward_loss, make_blocks
+from dflash.step import BlockSettings, drafter_forward_loss, make_blocks
 
 
 def held_out_ids(num_samples: int, count: int, seed: int) -> np.ndarray:

@@ -30,11 +30,11 @@ from dflash.pipeline.queues import HiddenStateQueue, QueueClosed
 from dflash.pipeline.replicas import check_replicas_identical
 from dflash.pipeline.roles import role_summary
 from dflash.pipeline.target_worker import TargetWorker
+from dflash.step import DrafterStep, MetricWindow
 from dflash.trainer import state
 from dflash.trainer.periodic_eval import PeriodicEval
 from dflash.trainer.signals import StopRequested, stop_on_signals
 from dflash.trainer.state import CheckpointSettings, DataPosition
-from dflash.trainer.step import DrafterStep, MetricWindow
 
 log = logging.getLogger(__name__)
 
