@@ -6,10 +6,7 @@ Order matters: every check that can fail on a bad config runs before any weights
 
 from __future__ import annotations
 
-import json
 import logging
-import time
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -20,11 +17,11 @@ from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_
 from dflash.checkpoint import check_resume_matches, load_drafter_weights
 from dflash.config.devices import ProcessSlot, resolve_device_split
 from dflash.config.keys import refuse_unknown_keys
+from dflash.config.nodes import node
 from dflash.config.schema import (
     AttentionKind,
     Config,
     DataKind,
-    DeviceKind,
     DrafterConfig,
     LrScheduleConfig,
     LrScheduleKind,
@@ -39,14 +36,12 @@ from dflash.data.prepare import PrepStats, load_or_prepare
 from dflash.data.schedule import BatchPlanner, block_budget_for
 from dflash.data.synthetic import load_or_generate
 from dflash.distributed import (
-    ProcessGroupInfo,
     export_submitit_environment,
     init_from_env,
     require_same_layout,
+    visible_cuda_devices,
 )
 from dflash.eval_prompts import PromptSet, load_prompt_sets
-from dflash.eval_report import lossless_line
-from dflash.evaluate import evaluate
 from dflash.models.compile import CompileCounter
 from dflash.models.drafter import DFlashDrafter, drafter_config
 from dflash.models.gguf import local_target
@@ -55,11 +50,10 @@ from dflash.models.target_head import TargetHead, heads_for
 from dflash.monitor.monitor import Monitor
 from dflash.monitor.sinks import build_sinks
 from dflash.noise import NoiseSchedule
-from dflash.pipeline.roles import role_lines
+from dflash.run import Run
 from dflash.step import BlockSettings, DrafterStep
 from dflash.trainer.async_trainer import AsyncTrainer, FaultInjection
 from dflash.trainer.periodic_eval import PeriodicEval
-from dflash.trainer.signals import StopRequested, stop_on_signals
 from dflash.trainer.state import CheckpointSettings
 from dflash.trainer.sync import SyncTrainer
 from dflash.trainer.validation import Validation, held_out_ids
@@ -67,19 +61,10 @@ from dflash.trainer.validation import Validation, held_out_ids
 log = logging.getLogger(__name__)
 
 
-def node(cfg: DictConfig, key: str) -> Any:
-    """A config node as its schema dataclass (resolved, typed)."""
-    return OmegaConf.to_object(cfg[key])
-
-
 def target_node(cfg: DictConfig) -> TargetConfig:
     """`target`, typed, with a GGUF path (a file or `package:<name>`) replaced by its converted
     transformers directory under paths.cache_dir (converted the first time)."""
     return local_target(node(cfg, "target"), cfg.paths.cache_dir)
-
-
-def visible_cuda_devices() -> int:
-    return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
 def build_drafter(cfg: DrafterConfig, target_config: Any, layer_ids: list[int], device: str) -> DFlashDrafter:
@@ -128,121 +113,6 @@ def total_steps_for(cfg: DictConfig, planner: BatchPlanner, num_replicas: int) -
         return cfg.train.total_steps
     batches = sum(planner.batches_per_epoch(epoch) for epoch in range(cfg.train.epochs))
     return max(1, batches // num_replicas)
-
-
-@dataclass
-class Run:
-    cfg: DictConfig
-    run_dir: Path
-    trainer: SyncTrainer | AsyncTrainer
-    total_steps: int  # the LR schedule spans these
-    process_group: ProcessGroupInfo
-    eval_prompts: list[PromptSet]  # the end-of-training evaluation
-    compiled: dict[str, CompileCounter] = field(default_factory=dict)  # per role: graphs compiled
-    validation: Validation | None = None  # data.val_samples: measured before the final evaluation
-
-    def execute(self) -> dict[str, Any]:
-        started = time.perf_counter()
-        ok = False
-        try:
-            with torch.autograd.set_detect_anomaly(self.cfg.debug.detect_anomaly):
-                self.trainer.run()
-            if not self.process_group.is_main:
-                ok = True
-                return {"rank": self.process_group.rank, "steps": self.trainer.position.step}
-            with stop_on_signals() as stop:  # a signal now ends the evaluation, not the process
-                val_metrics = {}
-                if self.validation is not None:
-                    val_metrics = self.validation.run(self.trainer.target, self.trainer.drafter)
-                    self.trainer.monitor.log(val_metrics, self.trainer.position.step)
-                report = evaluate(
-                    self.trainer.target,
-                    self.trainer.drafter,
-                    self.eval_prompts,
-                    node(self.cfg, "eval"),
-                    timing=False,
-                    should_stop=stop.is_set,
-                )
-            eval_metrics = report.metrics()
-            self.trainer.monitor.log(eval_metrics, self.trainer.position.step)
-            summary = self._summary({**val_metrics, **eval_metrics}, time.perf_counter() - started)
-            summary["eval/interrupted"] = report.interrupted
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
-            print(format_summary(summary), flush=True)
-            if report.interrupted:
-                planned = sum(len(p.prompts) for p in self.eval_prompts) * len(self.cfg.eval.temperatures)
-                log.warning(
-                    "stopped during the final evaluation after %d of %d prompt decodings: summary.json "
-                    "holds what was evaluated; the training checkpoint is complete",
-                    sum(result.num_prompts for result in report.results),  # every temperature
-                    planned,
-                )
-                raise StopRequested(stop.signum)
-            ok = True
-            return summary
-        finally:
-            self.trainer.monitor.close(ok)
-            self.process_group.close()
-
-    def _summary(self, eval_metrics: dict[str, float], wall_s: float) -> dict[str, Any]:
-        history = self.trainer.monitor.window_history
-        first, last = history[0], history[-1]
-        return {
-            "run_dir": str(self.run_dir),
-            "checkpoint": str(self.trainer.checkpoints.directory / "last"),
-            "pipeline": str(self.cfg.pipeline.kind.value),
-            "steps": self.trainer.position.step,
-            "wall_s": round(wall_s, 1),
-            "train/acc_first_window": first["train/acc"],
-            "train/acc": last["train/acc"],
-            "train/loss_first_window": first["train/loss"],
-            "train/loss": last["train/loss"],
-            "train/tau_sim": last["train/tau_sim"],
-            **({"val_samples": self.validation.num_samples} if self.validation is not None else {}),
-            "replicas": len(self.trainer.role_devices()["drafter"]) * self.process_group.world_size,
-            "replica_digest": self.trainer.replica_digest,
-            "node_gpus": visible_cuda_devices() if DeviceKind(self.cfg.gpu.device) is DeviceKind.cuda else 0,
-            **{f"{role}_compiled_graphs": counter.graphs for role, counter in self.compiled.items()},
-            **self.trainer.monitor.steady_throughput(),
-            **self.trainer.role_summary(),
-            **eval_metrics,
-        }
-
-
-def format_summary(summary: dict[str, Any]) -> str:
-    lines = [
-        "",
-        "=== dflash run summary ===",
-        f"run dir           {summary['run_dir']}",
-        f"drafter           {summary['checkpoint']}",
-        f"steps             {summary['steps']}  ({summary['wall_s']} s, pipeline={summary['pipeline']})",
-        f"train loss        {summary['train/loss_first_window']:.3f} -> {summary['train/loss']:.3f}",
-        f"train accuracy    {summary['train/acc_first_window']:.3f} -> {summary['train/acc']:.3f}",
-        f"tau (simulated)   {summary['train/tau_sim']:.3f}"
-        + (
-            f" on training batches, {summary['val/tau_sim']:.3f} on {summary['val_samples']} held-out samples"
-            if "val/tau_sim" in summary
-            else ""
-        ),
-        *(
-            [
-                f"throughput        {summary['perf/samples_per_s']:.2f} samples/s, {summary['perf/tokens_per_s']:.0f} tokens/s (after the first log window)"
-            ]
-            if "perf/samples_per_s" in summary
-            else []
-        ),
-    ]
-    if "eval/tau" in summary:
-        lines.append(
-            f"tau (spec decode) {summary['eval/tau']:.3f} over {int(summary['eval/num_prompts'])} held-out prompts"
-            + (" (evaluation interrupted)" if summary.get("eval/interrupted") else "")
-        )
-    else:
-        lines.append("tau (spec decode) not measured: the evaluation was interrupted before its first prompt")
-    if "eval/lossless_frac" in summary:
-        lines.append(f"lossless          {lossless_line(summary)}")
-    lines.extend(role_lines(summary))
-    return "\n".join(lines)
 
 
 def build_step_fn(

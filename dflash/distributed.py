@@ -83,3 +83,8 @@ def require_same_layout(group: ProcessGroupInfo, targets: list[str], drafters: l
             f"the ranks resolved different gpu layouts ({described}); give every node the same "
             "gpu.* settings, the same visible GPU count and the same --nproc-per-node"
         )
+
+
+def visible_cuda_devices() -> int:
+    """CUDA devices this process sees (0 without CUDA)."""
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0

@@ -133,9 +133,11 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also the torch.compile-fused static steps")
     args, overrides = parser.parse_known_args()
 
-    from dflash.build import build_drafter, node, visible_cuda_devices
+    from dflash.build import build_drafter
     from dflash.config.devices import resolve_device_split
+    from dflash.config.nodes import node
     from dflash.config_checks import resolve_layer_ids
+    from dflash.distributed import visible_cuda_devices
     from dflash.models.target import FrozenTarget, load_target_config
     from dflash.tools.compose import compose_config
 

@@ -35,6 +35,7 @@ LAYERS: list[list[str]] = [
     ["dflash.pipeline"],
     ["dflash.monitor"],
     ["dflash.trainer"],
+    ["dflash.run"],
     ["dflash.build", "dflash.callbacks"],
     ["dflash.train", "dflash.tools", "dflash"],
 ]

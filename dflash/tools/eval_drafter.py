@@ -54,8 +54,8 @@ def target_for(
     target_overridden (`target=NAME` on the command line): the command line's target. Otherwise
     the checkpoint's run config names it, amended by `target_fields`, the keys (under `target.`)
     the command line overrides (e.g. dtype, for target.dtype=float32: an exact lossless check)."""
-    from dflash.build import node
     from dflash.checkpoint import RUN_CONFIG_FILE
+    from dflash.config.nodes import node
     from dflash.models.gguf import local_target
 
     run_config = ckpt / RUN_CONFIG_FILE
@@ -79,11 +79,13 @@ def run_eval(
 ) -> dict[str, Any]:
     import torch
 
-    from dflash.build import eval_prompt_sets, node, visible_cuda_devices
+    from dflash.build import eval_prompt_sets
     from dflash.checkpoint import load_drafter, read_drafter_config
     from dflash.config.devices import resolve_device_split
     from dflash.config.keys import refuse_unknown_keys
+    from dflash.config.nodes import node
     from dflash.config.schema import Config
+    from dflash.distributed import visible_cuda_devices
     from dflash.evaluate import evaluate
     from dflash.models.target import FrozenTarget, load_target_config
 

@@ -1,0 +1,144 @@
+"""Running a built run: train, measure the held-out split, evaluate, write summary.json and
+print the summary; the monitor and the process group are closed however it ends."""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig
+
+from dflash.config.nodes import node
+from dflash.config.schema import DeviceKind
+from dflash.distributed import ProcessGroupInfo, visible_cuda_devices
+from dflash.eval_prompts import PromptSet
+from dflash.eval_report import lossless_line
+from dflash.evaluate import evaluate
+from dflash.models.compile import CompileCounter
+from dflash.pipeline.roles import role_lines
+from dflash.trainer.async_trainer import AsyncTrainer
+from dflash.trainer.signals import StopRequested, stop_on_signals
+from dflash.trainer.sync import SyncTrainer
+from dflash.trainer.validation import Validation
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class Run:
+    cfg: DictConfig
+    run_dir: Path
+    trainer: SyncTrainer | AsyncTrainer
+    total_steps: int  # the LR schedule spans these
+    process_group: ProcessGroupInfo
+    eval_prompts: list[PromptSet]  # the end-of-training evaluation
+    compiled: dict[str, CompileCounter] = field(default_factory=dict)  # per role: graphs compiled
+    validation: Validation | None = None  # data.val_samples: measured before the final evaluation
+
+    def execute(self) -> dict[str, Any]:
+        started = time.perf_counter()
+        ok = False
+        try:
+            with torch.autograd.set_detect_anomaly(self.cfg.debug.detect_anomaly):
+                self.trainer.run()
+            if not self.process_group.is_main:
+                ok = True
+                return {"rank": self.process_group.rank, "steps": self.trainer.position.step}
+            with stop_on_signals() as stop:  # a signal now ends the evaluation, not the process
+                val_metrics = {}
+                if self.validation is not None:
+                    val_metrics = self.validation.run(self.trainer.target, self.trainer.drafter)
+                    self.trainer.monitor.log(val_metrics, self.trainer.position.step)
+                report = evaluate(
+                    self.trainer.target,
+                    self.trainer.drafter,
+                    self.eval_prompts,
+                    node(self.cfg, "eval"),
+                    timing=False,
+                    should_stop=stop.is_set,
+                )
+            eval_metrics = report.metrics()
+            self.trainer.monitor.log(eval_metrics, self.trainer.position.step)
+            summary = self._summary({**val_metrics, **eval_metrics}, time.perf_counter() - started)
+            summary["eval/interrupted"] = report.interrupted
+            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+            print(format_summary(summary), flush=True)
+            if report.interrupted:
+                planned = sum(len(p.prompts) for p in self.eval_prompts) * len(self.cfg.eval.temperatures)
+                log.warning(
+                    "stopped during the final evaluation after %d of %d prompt decodings: summary.json "
+                    "holds what was evaluated; the training checkpoint is complete",
+                    sum(result.num_prompts for result in report.results),  # every temperature
+                    planned,
+                )
+                raise StopRequested(stop.signum)
+            ok = True
+            return summary
+        finally:
+            self.trainer.monitor.close(ok)
+            self.process_group.close()
+
+    def _summary(self, eval_metrics: dict[str, float], wall_s: float) -> dict[str, Any]:
+        history = self.trainer.monitor.window_history
+        first, last = history[0], history[-1]
+        return {
+            "run_dir": str(self.run_dir),
+            "checkpoint": str(self.trainer.checkpoints.directory / "last"),
+            "pipeline": str(self.cfg.pipeline.kind.value),
+            "steps": self.trainer.position.step,
+            "wall_s": round(wall_s, 1),
+            "train/acc_first_window": first["train/acc"],
+            "train/acc": last["train/acc"],
+            "train/loss_first_window": first["train/loss"],
+            "train/loss": last["train/loss"],
+            "train/tau_sim": last["train/tau_sim"],
+            **({"val_samples": self.validation.num_samples} if self.validation is not None else {}),
+            "replicas": len(self.trainer.role_devices()["drafter"]) * self.process_group.world_size,
+            "replica_digest": self.trainer.replica_digest,
+            "node_gpus": visible_cuda_devices() if DeviceKind(self.cfg.gpu.device) is DeviceKind.cuda else 0,
+            **{f"{role}_compiled_graphs": counter.graphs for role, counter in self.compiled.items()},
+            **self.trainer.monitor.steady_throughput(),
+            **self.trainer.role_summary(),
+            **eval_metrics,
+        }
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    lines = [
+        "",
+        "=== dflash run summary ===",
+        f"run dir           {summary['run_dir']}",
+        f"drafter           {summary['checkpoint']}",
+        f"steps             {summary['steps']}  ({summary['wall_s']} s, pipeline={summary['pipeline']})",
+        f"train loss        {summary['train/loss_first_window']:.3f} -> {summary['train/loss']:.3f}",
+        f"train accuracy    {summary['train/acc_first_window']:.3f} -> {summary['train/acc']:.3f}",
+        f"tau (simulated)   {summary['train/tau_sim']:.3f}"
+        + (
+            f" on training batches, {summary['val/tau_sim']:.3f} on {summary['val_samples']} held-out samples"
+            if "val/tau_sim" in summary
+            else ""
+        ),
+        *(
+            [
+                f"throughput        {summary['perf/samples_per_s']:.2f} samples/s, {summary['perf/tokens_per_s']:.0f} tokens/s (after the first log window)"
+            ]
+            if "perf/samples_per_s" in summary
+            else []
+        ),
+    ]
+    if "eval/tau" in summary:
+        lines.append(
+            f"tau (spec decode) {summary['eval/tau']:.3f} over {int(summary['eval/num_prompts'])} held-out prompts"
+            + (" (evaluation interrupted)" if summary.get("eval/interrupted") else "")
+        )
+    else:
+        lines.append("tau (spec decode) not measured: the evaluation was interrupted before its first prompt")
+    if "eval/lossless_frac" in summary:
+        lines.append(f"lossless          {lossless_line(summary)}")
+    lines.extend(role_lines(summary))
+    return "\n".join(lines)
