@@ -56,7 +56,6 @@ class StaticDecoder:
             self.drafter_cache = StaticCacheDrafter(draft_copy, target, max_len=self.target_cache.max_len)
         enabled = graphs_enabled(graphs, target.device)
         pool = torch.cuda.graph_pool_handle() if enabled else None
-        self.graphs_on = enabled
         self._plain_step = GraphedFunction(self._plain_fn, enabled=enabled, pool=pool, compile=compile)
         self._round = GraphedFunction(self._round_fn, enabled=enabled, pool=pool, compile=compile)
         device = target.device
@@ -79,6 +78,10 @@ class StaticDecoder:
             log.info("decoding: dynamic cache (exact, slower): %s", refusal)
             return None
         return cls(target, drafter, max_len=max_len, graphs=graphs, compile=compile)
+
+    @property
+    def graphs_on(self) -> bool:
+        return self._round.enabled
 
     @property
     def captures(self) -> int:

@@ -28,10 +28,6 @@ class StaticKV:
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.slot_ids = torch.arange(slots, device=device)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (*self.keys, *self.values))
-
     def write(
         self, layer: int, positions_SQ: torch.Tensor, k_SHQD: torch.Tensor, v_SHQD: torch.Tensor
     ) -> None:
