@@ -108,24 +108,21 @@ def test_hybrid_targets_are_refused_and_keep_the_dynamic_path(tiny_qwen3_next_di
     assert StaticDecoder.for_target(target, None, max_len=32, graphs=None) is None
 
 
-def test_continuous_batching_equals_one_by_one_greedy_with_refills_and_prefill_groups():
-    """11 prompts through 3 slots, prefills split into groups of <= 40 padded tokens: every
-    reply is the target's greedy continuation, up to (not including) the stop token."""
-    target = tiny_llama_target()
+def check_continuous_batching_equals_greedy(target, *, max_new: int, **batcher_options) -> ContinuousBatcher:
+    """11 prompts of different lengths through a batcher with fewer slots (refills): every reply
+    is the target's one-by-one greedy continuation, up to (not including) a stop token some
+    replies reach, with the right finish reason; the generated-token count includes the stops.
+    Shared by the CPU test (graphs off) and the GPU tests (graphs, compiled)."""
     torch.manual_seed(0)
     prompts = [torch.randint(0, 500, (int(n),)).tolist() for n in torch.randint(3, 30, (11,))]
-    references = [plain_generate(target, p, 16).output_ids for p in prompts]
+    references = [plain_generate(target, p, max_new).output_ids for p in prompts]
     stop = references[1][4]
     batcher = ContinuousBatcher(
         target,
-        slots=3,
-        max_len=64,
-        max_new_tokens=16,
+        max_new_tokens=max_new,
         stop_ids=frozenset([stop]),
         sampler=Sampler({"do_sample": False}, target.device, 0),
-        graphs=False,
-        kv_bucket=16,
-        prefill_tokens=40,
+        **batcher_options,
     )
     for index, prompt in enumerate(prompts):
         batcher.submit(index, prompt)
@@ -134,11 +131,19 @@ def test_continuous_batching_equals_one_by_one_greedy_with_refills_and_prefill_g
         done.update({f.tag: (f.tokens, f.finish_reason) for f in batcher.step()})
     for index, reference in enumerate(references):
         if stop in reference:
-            assert done[index] == (reference[: reference.index(stop)], "stop")
+            assert done[index] == (reference[: reference.index(stop)], "stop"), index
         else:
-            assert done[index] == (reference, "length")
+            assert done[index] == (reference, "length"), index
     assert batcher.generated_tokens == sum(
-        reference.index(stop) + 1 if stop in reference else 16 for reference in references
+        reference.index(stop) + 1 if stop in reference else max_new for reference in references
+    )
+    return batcher
+
+
+def test_continuous_batching_equals_one_by_one_greedy_with_refills_and_prefill_groups():
+    """3 slots, prefills split into groups of <= 40 padded tokens."""
+    check_continuous_batching_equals_greedy(
+        tiny_llama_target(), max_new=16, slots=3, max_len=64, graphs=False, kv_bucket=16, prefill_tokens=40
     )
 
 
