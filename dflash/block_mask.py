@@ -50,12 +50,23 @@ def _tile_reduce(per_query: np.ndarray, num_tiles: int, pad: int, reduce) -> np.
     return reduce(padded.reshape(batch, num_tiles, TILE), axis=2)
 
 
+def _with_head_dim(table: np.ndarray) -> torch.Tensor:
+    """[B, ...] -> [B, 1, ...] with the strides of a freshly allocated tensor.
+
+    The CUDA kernel finds sample b's row at (b * H + h) * stride(1): it assumes stride(0) ==
+    H * stride(1). numpy's `table[:, None]` gives the head axis stride 0, which is still
+    "contiguous" to numpy and torch (a size-1 axis), so every sample silently read sample 0's
+    tables and attended to the wrong tiles (CPU kernels index each axis and were right).
+    torch's unsqueeze gives the new axis the stride of the axis it sits before."""
+    return torch.from_numpy(np.ascontiguousarray(table)).unsqueeze(1)
+
+
 def _as_tables(visible: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     """[B, q_tiles, kv_tiles] bool -> (count [B, 1, q], indices [B, 1, q, kv]) with the visible
     tiles first, in increasing key order (the order the kernel walks them)."""
     count = visible.sum(axis=2).astype(np.int32)
     order = np.argsort(~visible, axis=2, kind="stable").astype(np.int32)
-    return torch.from_numpy(count[:, None]), torch.from_numpy(np.ascontiguousarray(order[:, None]))
+    return _with_head_dim(count), _with_head_dim(order)
 
 
 def kv_tiles(anchors_BA: np.ndarray, anchor_valid_BA: np.ndarray, ctx_len: int, block_size: int) -> KvTiles:

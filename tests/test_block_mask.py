@@ -78,6 +78,29 @@ def test_flex_attention_with_the_block_mask_equals_sdpa_with_the_dense_mask(shap
     torch.testing.assert_close(sparse, reference, rtol=0, atol=1e-12)
 
 
+def canonical_strides(shape: tuple[int, ...]) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= size
+    return tuple(reversed(strides))
+
+
+def test_tile_tables_have_the_strides_the_cuda_kernel_assumes():
+    """The CUDA kernel reads sample b's tables at (b * heads + h) * stride(1), so stride(0) must
+    equal heads * stride(1). A zero stride on the size-1 head axis (numpy's `[:, None]`) is
+    "contiguous" to torch, passes every CPU check, and on the GPU made every sample of a batch
+    attend through sample 0's tiles: training still ran, but the drafter did not learn."""
+    anchors, valid = random_anchors(3, 1000, 48, seed=5)
+    tiles = kv_tiles(anchors, valid, 1000, 16)
+    moved = tiles.to(torch.device("cpu"))
+    for name in ("partial_count", "partial_index", "full_count", "full_index"):
+        for table in (getattr(tiles, name), getattr(moved, name)):
+            assert table.stride() == canonical_strides(tuple(table.shape)), name
+    # The samples' tables differ here, so reading sample 0's for all of them would matter.
+    assert not torch.equal(tiles.partial_count[0], tiles.partial_count[1])
+
+
 @torch.no_grad()
 def test_drafter_forward_is_the_same_with_either_mask():
     target = tiny_target()

@@ -12,6 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from dflash.block_mask import flex_block_mask, kv_tiles
 from dflash.blocks import block_attention_mask
@@ -66,6 +67,42 @@ def test_flex_attention_matches_the_dense_mask_in_outputs_and_gradients():
     torch.testing.assert_close(out[valid_rows], ref_out[valid_rows], rtol=2e-2, atol=2e-2)
     for grad, ref in zip(grads, ref_grads):
         assert (grad - ref).norm() <= 2e-2 * ref.norm() + 1e-6
+
+
+@pytest.mark.parametrize("heads, kv_heads, head_dim", [(8, 2, 128), (9, 3, 64)])
+def test_compiled_flex_attention_equals_sdpa_for_every_sample_of_a_batch(heads, kv_heads, head_dim):
+    """The attention alone, in fp32, where the drafter-level test above only bounds a bf16
+    model: output and q/k/v gradients of every sample. The samples' tile tables differ (their
+    anchors do), which is what caught tables laid out with a zero head stride: the CUDA kernel
+    then gave every sample sample 0's tables (15% error here). (9, 3, 64): SmolLM2's heads."""
+    from torch.nn.attention.flex_attention import flex_attention
+
+    batch, ctx_len, num_anchors = 3, 1000, 48
+    anchors, valid = random_anchors(batch, ctx_len, num_anchors, seed=11)
+    anchors_t, valid_t = torch.from_numpy(anchors).cuda(), torch.from_numpy(valid).cuda()
+    q_len, kv_len = num_anchors * 16, ctx_len + num_anchors * 16
+    dense = block_attention_mask(anchors_t, valid_t, ctx_len, 16)[:, None]
+    sparse = flex_block_mask(
+        kv_tiles(anchors, valid, ctx_len, 16).to("cuda"), anchors_t, valid_t, ctx_len, 16
+    )
+    gen = torch.Generator("cuda").manual_seed(0)
+    q = torch.randn(batch, heads, q_len, head_dim, device="cuda", generator=gen)
+    k, v = (torch.randn(batch, kv_heads, kv_len, head_dim, device="cuda", generator=gen) for _ in range(2))
+    rows = valid_t.repeat_interleave(16, 1)[:, None, :, None]  # padding blocks carry no loss
+    grad_out = torch.randn(q.shape, device="cuda", generator=gen) * rows
+    results = []
+    for attend in (
+        lambda q, k, v: F.scaled_dot_product_attention(q, k, v, attn_mask=dense, enable_gqa=True),
+        lambda q, k, v: torch.compile(flex_attention)(q, k, v, block_mask=sparse, enable_gqa=True),
+    ):
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = attend(*inputs)
+        out.backward(grad_out)
+        results.append([out * rows] + [t.grad for t in inputs])
+    for name, got, want in zip(("out", "dq", "dk", "dv"), *results):
+        for sample in range(batch):
+            error = (got[sample] - want[sample]).norm() / want[sample].norm()
+            assert error < 1e-4, (name, sample, float(error))
 
 
 def test_compiled_flex_fused_training_tracks_the_reference_and_compiles_a_few_graphs(make_cfg, tmp_path):
