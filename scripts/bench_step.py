@@ -46,17 +46,11 @@ from dflash.data.schedule import PlannedBatch  # noqa: E402
 from dflash.models.compile import CompileCounter  # noqa: E402
 from dflash.models.target import FrozenTarget, load_target_config  # noqa: E402
 from dflash.models.target_head import TargetHead  # noqa: E402
+from dflash.step_variants import STEP_VARIANTS  # noqa: E402
 from dflash.tools.compose import compose_config  # noqa: E402
 
 DEFAULTS = ["target=qwen3_8b_random", "drafter=b16", "drafter.mask_token_id=151669", "gpu=single"]
 DENSE_BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
-
-DRAFTER_VARIANTS = {
-    "reference": ["drafter.attention=sdpa", "loss.logits_chunk=0", "drafter.compile=false"],
-    "fused": ["drafter.attention=sdpa", "drafter.compile=false"],
-    "flex": ["drafter.attention=flex", "drafter.compile=false"],
-    "compiled": ["drafter.attention=flex", "drafter.compile=true"],
-}
 
 
 @dataclass
@@ -169,7 +163,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=64, help="unsupervised prefix of each sample")
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--repeat", type=int, default=5)
-    parser.add_argument("--drafter-variants", default=",".join(DRAFTER_VARIANTS))
+    parser.add_argument("--drafter-variants", default=",".join(STEP_VARIANTS))
     parser.add_argument("--target-variants", default="eager,compiled")
     parser.add_argument("--profile", help="a directory: each drafter variant's kernel table (torch.profiler)")
     args, overrides = parser.parse_known_args()
@@ -225,7 +219,7 @@ def main() -> None:
 
     reference_loss = None
     for variant in [v for v in args.drafter_variants.split(",") if v]:
-        variant_cfg = compose_config(base + DRAFTER_VARIANTS[variant])
+        variant_cfg = compose_config(base + STEP_VARIANTS[variant])
         drafter = build_drafter(
             OmegaConf.to_object(variant_cfg.drafter), target.config, layer_ids, str(device)
         )

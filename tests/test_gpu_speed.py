@@ -18,13 +18,14 @@ from dflash.block_mask import flex_block_mask, kv_tiles
 from dflash.blocks import block_attention_mask
 from dflash.config.schema import DrafterConfig
 from dflash.models.drafter import DFlashDrafter, drafter_config
+from dflash.step_variants import STEP_VARIANTS
 from dflash.train import train
 from tests.conftest import TINY_ARCH
 from tests.test_block_mask import random_anchors
 
 pytestmark = pytest.mark.gpu
 
-REFERENCE = ["drafter.attention=sdpa", "drafter.compile=false", "loss.logits_chunk=0"]
+REFERENCE = STEP_VARIANTS["reference"]
 
 
 def test_flex_attention_matches_the_dense_mask_in_outputs_and_gradients():

@@ -1,0 +1,49 @@
+"""scripts/check_fast_path.py: the fast path trained beside the reference on the run's own batches.
+
+On CPU the fused LM-head loss is the fast part that runs (flex_attention has no CPU backward);
+the check must find it equal to the reference, and must find a path that is not.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import torch
+
+from dflash.step_variants import STEP_VARIANTS
+
+SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "check_fast_path.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("check_fast_path", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_the_fused_loss_matches_the_reference_and_a_different_step_does_not(tmp_path, data_cache):
+    check = load_script()
+    overrides = ["data.num_samples=48", f"paths.output_dir={tmp_path}", f"paths.cache_dir={data_cache}"]
+    setup = check.Setup.load(overrides, steps=6, device=torch.device("cpu"))
+    variants = {
+        "reference": STEP_VARIANTS["reference"],
+        "fused": STEP_VARIANTS["fused"],
+        # Not the same step: another loss weighting (other gradients) and a learning rate that
+        # barely moves the weights (another curve); the check must tell both apart.
+        "other": STEP_VARIANTS["fused"] + ["loss.gamma=1.0", "optimizer.lr=1e-5"],
+    }
+    grads = check.gradients_at_init(setup, variants)
+    assert grads["reference"].worst == []
+    assert max(error for _, error in grads["fused"].worst) < 1e-5
+    assert abs(grads["fused"].loss - grads["reference"].loss) < 1e-5
+    assert max(error for _, error in grads["other"].worst) > 1e-2
+
+    curves = check.train_side_by_side(setup, variants, every=2)
+    assert [p.step for p in curves["fused"]] == [2, 4, 6]
+    for fused, reference in zip(curves["fused"], curves["reference"]):
+        assert abs(fused.loss - reference.loss) < 1e-4 and abs(fused.grad_norm - reference.grad_norm) < 1e-3
+    assert any(abs(o.loss - r.loss) > 1e-2 for o, r in zip(curves["other"], curves["reference"]))
