@@ -166,3 +166,33 @@ def test_both_decoders_stop_at_the_first_stop_token_inclusive():
     assert plain_generate(target, prompt, 30, stop_ids=frozenset([stop])).output_ids == expected
     result = speculative_generate(target, drafter, prompt, 30, stop_ids=frozenset([stop]))
     assert result.output_ids == expected and sum(result.acceptance_lengths) == len(expected) - 1
+
+
+@torch.no_grad()
+def test_decoding_drafts_are_what_training_scores():
+    """At any anchor, both decoders draft exactly the training forward's argmax over the same
+    context: the accuracy training measures (and tau_sim built on it) is the acceptance decoding
+    gets. Decoding writes features past the anchor too (rejected drafts): they must stay unseen."""
+    from dflash.blocks import block_attention_mask
+    from dflash.decoding.static_drafter import StaticCacheDrafter
+
+    target = tiny_target()
+    drafter = tiny_drafter(target).eval()
+    torch.manual_seed(4)
+    ids = torch.randint(0, 500, (1, 40))
+    features = target(ids).features
+    block_size = drafter.block_size
+    static = StaticCacheDrafter(drafter, target, max_len=64)
+    static.write(features, torch.arange(40)[None])
+    for anchor in (1, 6, 17, 39):
+        block_ids = torch.full((1, block_size), drafter.mask_token_id)
+        block_ids[0, 0] = ids[0, anchor]
+        positions = (anchor + torch.arange(block_size))[None]
+        mask = block_attention_mask(torch.tensor([[anchor]]), torch.tensor([[True]]), 40, block_size)
+        hidden = drafter(features, target.embed_tokens(block_ids), positions, mask)
+        trained = target.lm_head(hidden)[0, 1:].argmax(-1).tolist()
+        context = DrafterContext(drafter)
+        context.extend(features[:, :anchor])
+        assert context.draft(target, int(ids[0, anchor])) == trained, anchor
+        drafted = static.draft(ids[0, anchor : anchor + 1], torch.tensor([anchor]), kv_len=48)
+        assert drafted.tolist() == trained, anchor
