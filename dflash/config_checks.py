@@ -80,7 +80,7 @@ def validate(
     _validate_noise(cfg)
     slot = slot or ProcessSlot()
     targets, drafters = resolve_device_split(cfg, visible_cuda_devices, slot)
-    sync = PipelineKind(cfg.pipeline.kind) is PipelineKind.sync
+    sync = cfg.pipeline.kind is PipelineKind.sync
     if sync and slot.world_size > 1:
         raise ValueError(
             f"pipeline=sync runs in one process, but torchrun started WORLD_SIZE={slot.world_size}; "
@@ -92,8 +92,8 @@ def validate(
             f"gpu.drafter={cfg.gpu.drafter} ({len(targets)} + {len(drafters)} devices)"
         )
     if (
-        AttentionKind(cfg.drafter.attention) is AttentionKind.flex
-        and DeviceKind(cfg.gpu.device) is DeviceKind.cpu
+        cfg.drafter.attention is AttentionKind.flex
+        and cfg.gpu.device is DeviceKind.cpu
     ):
         raise ValueError(
             "drafter.attention=flex trains on CUDA only (torch's CPU flex_attention has no backward); "
@@ -117,7 +117,7 @@ def validate(
 
 def _validate_data_and_scheduler(cfg: Any) -> None:
     data, sched = cfg.data, cfg.scheduler
-    if DataKind(data.kind) is DataKind.conversations:
+    if data.kind is DataKind.conversations:
         files = list(data.files)  # "???" raises here, naming data.files
         if not files:
             raise ValueError("data=conversations needs data.files=[...] (.jsonl / .json / .parquet files)")
@@ -177,7 +177,7 @@ def _validate_optimization(cfg: Any) -> None:
 
 def _validate_noise(cfg: Any) -> None:
     noise = cfg.noise
-    kind = NoiseKind(noise.kind)
+    kind = noise.kind
     if kind is NoiseKind.none:
         return
     # A schedule that silently does nothing is the bug this group exists to avoid.

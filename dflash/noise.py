@@ -20,7 +20,7 @@ class NoiseSchedule:
 
     @classmethod
     def from_config(cls, cfg: NoiseConfig) -> NoiseSchedule:
-        return cls(NoiseKind(cfg.kind), cfg.start, cfg.std, cfg.warmup_steps)
+        return cls(cfg.kind, cfg.start, cfg.std, cfg.warmup_steps)
 
     def keep_fraction(self, step: int) -> float:
         """mask_ramp: share of non-anchor block positions that keep their true token (start -> 0)."""

@@ -11,10 +11,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from omegaconf import DictConfig
 
-from dflash.config.nodes import node
-from dflash.config.schema import DeviceKind
+from dflash.config.schema import Config, DeviceKind
 from dflash.distributed import ProcessGroupInfo, visible_cuda_devices
 from dflash.eval_prompts import PromptSet
 from dflash.eval_report import lossless_line
@@ -29,9 +27,9 @@ from dflash.trainer.validation import Validation
 log = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Run:
-    cfg: DictConfig
+    cfg: Config
     run_dir: Path
     trainer: SyncTrainer | AsyncTrainer
     total_steps: int  # the LR schedule spans these
@@ -58,7 +56,7 @@ class Run:
                     self.trainer.target,
                     self.trainer.drafter,
                     self.eval_prompts,
-                    node(self.cfg, "eval"),
+                    self.cfg.eval,
                     timing=False,
                     should_stop=stop.is_set,
                 )
@@ -100,7 +98,7 @@ class Run:
             **({"val_samples": self.validation.num_samples} if self.validation is not None else {}),
             "replicas": len(self.trainer.role_devices()["drafter"]) * self.process_group.world_size,
             "replica_digest": self.trainer.replica_digest,
-            "node_gpus": visible_cuda_devices() if DeviceKind(self.cfg.gpu.device) is DeviceKind.cuda else 0,
+            "node_gpus": visible_cuda_devices() if self.cfg.gpu.device is DeviceKind.cuda else 0,
             **{f"{role}_compiled_graphs": counter.graphs for role, counter in self.compiled.items()},
             **self.trainer.monitor.steady_throughput(),
             **self.trainer.role_summary(),

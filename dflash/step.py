@@ -1,12 +1,11 @@
-"""One drafter optimization step and its on-device metric accumulation.
+"""One drafter optimization step: blocks -> drafter forward/backward -> clip -> AdamW -> LR.
 
-Nothing here reads a device value on the host: loss, accuracy counts and grad norm stay device
-tensors in `StepMetrics` until whoever logs calls `snapshot()`.
+Nothing here reads a device value on the host; the step's sums go to `StepMetrics`
+(dflash/step_metrics.py), which hands them to the host without a sync.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -19,6 +18,7 @@ from dflash.loss import LossStats, draft_loss
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.target_head import TargetHead
 from dflash.noise import NoiseSchedule
+from dflash.step_metrics import StepMetrics
 
 
 @dataclass
@@ -77,153 +77,12 @@ def drafter_forward_loss(
         return draft_loss(hidden, head.lm_head, blocks, logits_chunk, compiled=compiled_loss)
 
 
-@dataclass(frozen=True)
-class MetricLayout:
-    """Where each sum sits in a window's flat vector (one vector: one device->host copy, one
-    collective across processes). A step whose loss or gradient was not finite adds only to
-    `nonfinite` (its update was skipped)."""
-
-    block_size: int
-    num_buckets: int
-    weighted_ce: int = 0
-    weight: int = 1
-    grad_norm: int = 2  # sum over steps
-    nonfinite: int = 3  # steps skipped
-
-    @property
-    def correct(self) -> slice:  # per block position
-        return slice(4, 4 + self.block_size)
-
-    @property
-    def counted(self) -> slice:  # per block position
-        return slice(self.correct.stop, self.correct.stop + self.block_size)
-
-    @property
-    def bucket_weighted_ce(self) -> slice:
-        return slice(self.counted.stop, self.counted.stop + self.num_buckets)
-
-    @property
-    def bucket_weight(self) -> slice:
-        return slice(self.bucket_weighted_ce.stop, self.bucket_weighted_ce.stop + self.num_buckets)
-
-    @property
-    def size(self) -> int:
-        return self.bucket_weight.stop
-
-
-@dataclass
-class MetricWindow:
-    """Host copy of one replica's sums over a log window (`values`: a MetricLayout vector)."""
-
-    end_step: int
-    steps: int
-    samples: int
-    real_tokens: int
-    anchors: int
-    buckets: list[int]  # bucket of each batch, in training order (same-bucket runs)
-    lr: float
-    block_size: int
-    num_buckets: int
-    values: torch.Tensor
-    ready: torch.cuda.Event | None = None  # set while the device->host copy may be in flight
-
-    def is_ready(self) -> bool:
-        return self.ready is None or self.ready.query()
-
-    def sums(self) -> dict[str, object]:
-        v = self.values.tolist()  # a host tensor: no device sync
-        at = MetricLayout(self.block_size, self.num_buckets)
-        return {
-            "weighted_ce": v[at.weighted_ce],
-            "weight": v[at.weight],
-            "grad_norm": v[at.grad_norm],
-            "nonfinite_steps": v[at.nonfinite],
-            "correct": v[at.correct],
-            "counted": v[at.counted],
-            "bucket_weighted_ce": v[at.bucket_weighted_ce],
-            "bucket_weight": v[at.bucket_weight],
-        }
-
-
-class StepMetrics:
-    """Running sums over a log window, kept on the drafter's device.
-
-    `publish()` hands the window to the host without a sync: one non-blocking copy into a pinned
-    buffer plus a CUDA event the reader polls. Only `MetricWindow` values ever reach the host.
-    """
-
-    def __init__(self, block_size: int, num_buckets: int, device: torch.device):
-        self.block_size, self.num_buckets, self.device = block_size, num_buckets, device
-        self.layout = MetricLayout(block_size, num_buckets)
-        self._sums = torch.zeros(self.layout.size, device=device)
-        self._reset_host()
-
-    def _reset_host(self) -> None:
-        self.steps = self.samples = self.real_tokens = self.anchors = 0
-        self.buckets: list[int] = []
-
-    def add(self, stats: LossStats, grad_norm: torch.Tensor, batch: Batch, anchors: int) -> None:
-        at, sums = self.layout, self._sums
-        bucket = batch.plan.bucket  # a host int: indexing by it launches no sync
-        # On the device, no sync: a non-finite step (its update skipped) is counted and adds
-        # nothing else, so one bad step does not turn the whole window's loss into NaN.
-        finite = torch.isfinite(grad_norm.detach()) & torch.isfinite(stats.weighted_ce.detach())
-        keep = finite.to(sums.dtype)
-        weighted_ce = torch.where(finite, stats.weighted_ce.detach(), 0.0)
-        sums[at.weighted_ce] += weighted_ce
-        sums[at.weight] += stats.weight * keep
-        sums[at.grad_norm] += torch.where(finite, grad_norm.detach(), 0.0)
-        sums[at.nonfinite] += 1.0 - keep
-        sums[at.correct] += stats.correct * keep
-        sums[at.counted] += stats.counted * keep
-        sums[at.bucket_weighted_ce.start + bucket] += weighted_ce
-        sums[at.bucket_weight.start + bucket] += stats.weight * keep
-        self.steps += 1
-        self.samples += len(batch.plan.sample_ids)
-        self.real_tokens += batch.real_tokens
-        self.anchors += anchors
-        self.buckets.append(bucket)
-
-    def publish(
-        self, end_step: int, lr: float, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None
-    ) -> MetricWindow:
-        """`reduce` (several processes): sums the window over the processes' replicas; the grad
-        norm and the skipped steps are the same on every process, so they keep their own value."""
-        sums = self._sums
-        if reduce is not None:
-            sums = reduce(self._sums.clone())
-            for same_everywhere in (self.layout.grad_norm, self.layout.nonfinite):
-                sums[same_everywhere] = self._sums[same_everywhere]
-        if self.device.type == "cuda":
-            host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
-            host.copy_(sums, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
-        else:
-            host, ready = sums.clone(), None
-        window = MetricWindow(
-            end_step,
-            self.steps,
-            self.samples,
-            self.real_tokens,
-            self.anchors,
-            self.buckets,
-            lr,
-            self.block_size,
-            self.num_buckets,
-            host,
-            ready,
-        )
-        self._sums.zero_()  # same stream as the copy: ordered after it
-        self._reset_host()
-        return window
-
-
 class DrafterStep:
     """blocks -> drafter forward/backward -> clip -> AdamW -> LR schedule."""
 
     def __init__(
         self,
+        *,
         head: TargetHead,
         drafter: DFlashDrafter,
         optimizer: torch.optim.Optimizer,

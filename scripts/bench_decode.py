@@ -133,22 +133,21 @@ def main() -> None:
     parser.add_argument("--compile", action="store_true", help="also the torch.compile-fused static steps")
     args, overrides = parser.parse_known_args()
 
-    from dflash.build import build_drafter
     from dflash.config.devices import resolve_device_split
-    from dflash.config.nodes import node
     from dflash.config_checks import resolve_layer_ids
     from dflash.distributed import visible_cuda_devices
     from dflash.models.target import FrozenTarget, load_target_config
-    from dflash.tools.compose import compose_config
+    from dflash.step_build import build_drafter
+    from dflash.tools.compose import compose_typed
 
-    cfg = compose_config(
+    cfg = compose_typed(
         [*overrides, "paths.output_dir=/tmp/bench_decode", "paths.cache_dir=/tmp/bench_decode"]
     )
-    target_config = load_target_config(node(cfg, "target"))
+    target_config = load_target_config(cfg.target)
     layer_ids = resolve_layer_ids(cfg, target_config.num_hidden_layers)
     device = torch.device(resolve_device_split(cfg, visible_cuda_devices())[0][0])
-    target = FrozenTarget.from_config(node(cfg, "target"), layer_ids, device)
-    drafter = build_drafter(node(cfg, "drafter"), target_config, layer_ids, str(device))
+    target = FrozenTarget.from_config(cfg.target, layer_ids, device)
+    drafter = build_drafter(cfg.drafter, target_config, layer_ids, str(device))
     drafter = drafter.to(target.lm_head.weight.dtype).eval()
     measure = timer(device)
     prompt = torch.randint(0, cfg.drafter.mask_token_id, (args.context,)).tolist()

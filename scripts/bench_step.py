@@ -35,19 +35,18 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dflash.build import build_drafter, build_step_fn  # noqa: E402
 from dflash.config_checks import resolve_layer_ids  # noqa: E402
 from dflash.data.collate import Batch  # noqa: E402
 from dflash.data.schedule import PlannedBatch  # noqa: E402
 from dflash.models.compile import CompileCounter  # noqa: E402
 from dflash.models.target import FrozenTarget, load_target_config  # noqa: E402
 from dflash.models.target_head import TargetHead  # noqa: E402
+from dflash.step_build import build_drafter, build_step_fn  # noqa: E402
 from dflash.step_variants import STEP_VARIANTS  # noqa: E402
-from dflash.tools.compose import compose_config  # noqa: E402
+from dflash.tools.compose import compose_typed  # noqa: E402
 
 DEFAULTS = ["target=qwen3_8b_random", "drafter=b16", "drafter.mask_token_id=151669", "gpu=single"]
 DENSE_BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
@@ -171,8 +170,8 @@ def main() -> None:
     given = {o.split("=", 1)[0] for o in overrides}
     defaults = DEFAULTS + ([] if device.type == "cuda" else ["gpu=cpu"])
     base = [d for d in defaults if d.split("=", 1)[0] not in given] + overrides
-    cfg = compose_config(base)
-    target_cfg = OmegaConf.to_object(cfg.target)
+    cfg = compose_typed(base)
+    target_cfg = cfg.target
     layer_ids = resolve_layer_ids(cfg, load_target_config(target_cfg).num_hidden_layers)
     target = FrozenTarget.from_config(target_cfg, layer_ids, device)
     head = TargetHead.of(target)
@@ -219,10 +218,8 @@ def main() -> None:
 
     reference_loss = None
     for variant in [v for v in args.drafter_variants.split(",") if v]:
-        variant_cfg = compose_config(base + STEP_VARIANTS[variant])
-        drafter = build_drafter(
-            OmegaConf.to_object(variant_cfg.drafter), target.config, layer_ids, str(device)
-        )
+        variant_cfg = compose_typed(base + STEP_VARIANTS[variant])
+        drafter = build_drafter(variant_cfg.drafter, target.config, layer_ids, str(device))
         counter = CompileCounter(f"drafter ({variant})")
         if variant_cfg.drafter.compile:
             drafter.compile_training(counter)

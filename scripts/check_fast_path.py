@@ -28,19 +28,19 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from omegaconf import OmegaConf
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dflash.build import build_drafter, build_step_fn, load_training_data, uses_compile  # noqa: E402
 from dflash.config_checks import resolve_layer_ids  # noqa: E402
 from dflash.data.collate import collate  # noqa: E402
 from dflash.data.dataset import TokenDataset  # noqa: E402
 from dflash.data.schedule import BatchPlanner, block_budget_for  # noqa: E402
 from dflash.models.target import FrozenTarget, load_target_config  # noqa: E402
 from dflash.models.target_head import TargetHead  # noqa: E402
+from dflash.run_inputs import load_training_data  # noqa: E402
+from dflash.step_build import build_drafter, build_step_fn, uses_compile  # noqa: E402
 from dflash.step_variants import STEP_VARIANTS  # noqa: E402
-from dflash.tools.compose import compose_config  # noqa: E402
+from dflash.tools.compose import compose_typed  # noqa: E402
 
 
 @dataclass
@@ -58,26 +58,24 @@ class Setup:
     @classmethod
     def load(cls, overrides: list[str], steps: int, device: torch.device) -> Setup:
         base = (["gpu=single"] if device.type == "cuda" else ["gpu=cpu"]) + overrides
-        cfg = compose_config(base)
-        target_cfg = OmegaConf.to_object(cfg.target)
+        cfg = compose_typed(base)
+        target_cfg = cfg.target
         layer_ids = resolve_layer_ids(cfg, load_target_config(target_cfg).num_hidden_layers)
         target = FrozenTarget.from_config(target_cfg, layer_ids, device)
         dataset, _ = load_training_data(cfg, target)
         budget = block_budget_for(
             cfg.scheduler, num_anchors=cfg.drafter.num_anchors, block_size=cfg.drafter.block_size
         )
-        planner = BatchPlanner(dataset.lengths, cfg.scheduler, cfg.seed, budget)
+        planner = BatchPlanner(dataset.lengths, cfg.scheduler, seed=cfg.seed, block_budget=budget)
         plans = [planner.at(i) for i in range(steps)]
         return cls(base, target, TargetHead.of(target), layer_ids, dataset, plans)
 
     def step_fn(self, extra: list[str]):
         """A fresh drafter (the config's init seed: every variant starts from the same weights)
         and its optimizer, under the variant's overrides."""
-        cfg = compose_config(self.base + extra)
+        cfg = compose_typed(self.base + extra)
         device = self.target.device
-        drafter = build_drafter(
-            OmegaConf.to_object(cfg.drafter), self.target.config, self.layer_ids, str(device)
-        )
+        drafter = build_drafter(cfg.drafter, self.target.config, self.layer_ids, str(device))
         if uses_compile(cfg.drafter.compile, device):
             drafter.compile_training()
         return build_step_fn(

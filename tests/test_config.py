@@ -206,8 +206,8 @@ def test_cross_field_errors_name_the_key_before_any_model_loads(overrides, messa
         build_run(make_cfg(overrides))
 
 
-def test_real_target_without_path_names_the_key():
-    cfg = compose_config(["target=qwen3_8b"])
+def test_real_target_without_path_names_the_key(tmp_path):
+    cfg = compose_config(["target=qwen3_8b", f"paths.output_dir={tmp_path}"])
     with pytest.raises(Exception, match="target.path"):
         build_run(cfg)
 

@@ -30,13 +30,20 @@ LAYERS: list[list[str]] = [
         "dflash.spec_decode",
         "dflash.config_checks",
     ],
-    ["dflash.decoding", "dflash.eval_prompts", "dflash.eval_report", "dflash.evaluate", "dflash.regen"],
-    ["dflash.step"],
+    [
+        "dflash.decoding",
+        "dflash.eval_prompts",
+        "dflash.eval_report",
+        "dflash.evaluate",
+        "dflash.regen",
+        "dflash.run_inputs",
+    ],
+    ["dflash.step", "dflash.step_build", "dflash.step_metrics"],
     ["dflash.pipeline"],
     ["dflash.monitor"],
     ["dflash.trainer"],
     ["dflash.run"],
-    ["dflash.build", "dflash.callbacks"],
+    ["dflash.build", "dflash.callbacks", "dflash.preflight"],
     ["dflash.train", "dflash.tools", "dflash"],
 ]
 

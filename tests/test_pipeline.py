@@ -104,7 +104,13 @@ def test_round_robin_gives_each_device_exactly_k_per_window_and_keeps_order():
     devices = [torch.device("cpu")] * 3
     total = planner.batches_per_epoch(0)
     prefetcher = BatchPrefetcher(
-        dataset, planner, devices, num_workers=3, depth_per_device=64, start_seq=0, end_seq=total
+        dataset=dataset,
+        planner=planner,
+        target_devices=devices,
+        num_workers=3,
+        depth_per_device=64,
+        start_seq=0,
+        end_seq=total,
     )
     threads = [threading.Thread(target=prefetcher.feed)] + [
         threading.Thread(target=prefetcher.work) for _ in range(3)

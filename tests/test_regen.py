@@ -100,7 +100,15 @@ def test_http_backend_against_a_loopback_server_with_retries(tmp_path, backend):
     source.write_text("\n".join(lines) + "\n")
     out = tmp_path / "out.jsonl"
     with LoopbackChatServer(backend, fail_first=2) as server:
-        http = HttpBackend(server.url, None, "EMPTY", GREEDY, concurrency=4, timeout_s=30, max_retries=2)
+        http = HttpBackend(
+            url=server.url,
+            model=None,
+            api_key="EMPTY",
+            sampling=GREEDY,
+            concurrency=4,
+            timeout_s=30,
+            max_retries=2,
+        )
         assert http.model == "tiny-chat"
         stats = regenerate(http, [str(source)], out, batch_size=4)
         served = {json.dumps(m): reply for m, reply in server.served}
@@ -118,7 +126,15 @@ def test_http_backend_against_a_loopback_server_with_retries(tmp_path, backend):
     lines[5] = json.dumps(json.loads(write_conversations(tmp_path / "clean.jsonl", 8, seed=4).read_text().splitlines()[5]))  # fmt: skip
     source.write_text("\n".join(lines) + "\n")
     with LoopbackChatServer(backend) as server:
-        http = HttpBackend(server.url, "tiny-chat", "EMPTY", GREEDY, 4, 30, 0)
+        http = HttpBackend(
+            url=server.url,
+            model="tiny-chat",
+            api_key="EMPTY",
+            sampling=GREEDY,
+            concurrency=4,
+            timeout_s=30,
+            max_retries=0,
+        )
         again = regenerate(http, [str(source)], out, batch_size=4)
     assert again.already_done == 7 and again.written == 1 and again.failed == 0
     assert sorted(r["id"] for r in read_jsonl(out)) == list(range(8))
@@ -172,20 +188,28 @@ def test_unset_sampling_fields_take_the_targets_recommendation(tmp_path, tiny_ch
     assert options(top_k=5)["top_k"] == 5 and options(top_k=5)["temperature"] == 0.6
     assert options(temperature=0.0) == {"do_sample": False}
     # Over HTTP, unset fields are not sent (the server applies the model's defaults).
-    http = HttpBackend("http://127.0.0.1:9/v1", "m", "EMPTY", SamplingConfig(top_k=7), 1, 1.0, 0)
+    http = HttpBackend(
+        url="http://127.0.0.1:9/v1",
+        model="m",
+        api_key="EMPTY",
+        sampling=SamplingConfig(top_k=7),
+        concurrency=1,
+        timeout_s=1.0,
+        max_retries=0,
+    )
     assert http.request_options() == {"max_tokens": 2048, "seed": 0, "extra_body": {"top_k": 7}}
 
 
 def test_http_requests_carry_the_targets_chat_template_variables():
     http = HttpBackend(
-        "http://127.0.0.1:9/v1",
-        "m",
-        "EMPTY",
-        SamplingConfig(temperature=0.0),
-        1,
-        1.0,
-        0,
-        {"enable_thinking": False},
+        url="http://127.0.0.1:9/v1",
+        model="m",
+        api_key="EMPTY",
+        sampling=SamplingConfig(temperature=0.0),
+        concurrency=1,
+        timeout_s=1.0,
+        max_retries=0,
+        chat_template_kwargs={"enable_thinking": False},
     )
     assert http.request_options() == {
         "max_tokens": 2048,

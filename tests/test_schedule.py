@@ -14,7 +14,7 @@ from dflash.data.schedule import BatchPlanner, BlockBudget, bucket_of, pack_buck
 
 def planner(kind: str, lengths, edges=(48, 80, 128), budget=512, seed=0) -> BatchPlanner:
     cfg = SchedulerConfig(kind=SchedulerKind(kind), bucket_edges=list(edges), tokens_per_batch=budget)
-    return BatchPlanner(np.asarray(lengths), cfg, seed)
+    return BatchPlanner(np.asarray(lengths), cfg, seed=seed)
 
 
 def longest_run(buckets: list[int]) -> int:

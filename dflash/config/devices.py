@@ -88,7 +88,7 @@ def resolve_device_split(
         raise ValueError(f"gpu.target must be >= 1, got {gpu.target}")
     if gpu.drafter is not None and gpu.drafter < 1:
         raise ValueError(f"gpu.drafter must be >= 1 (or null for the rest), got {gpu.drafter}")
-    if DeviceKind(gpu.device) is DeviceKind.cpu:
+    if gpu.device is DeviceKind.cpu:
         drafters = gpu.drafter or 1
         return ["cpu"] * gpu.target, ["cpu"] * drafters
     owned = [f"cuda:{i}" for i in owned_cuda_devices(visible_cuda_devices, slot)]

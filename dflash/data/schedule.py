@@ -116,6 +116,7 @@ class BatchPlanner:
         self,
         lengths: np.ndarray,
         cfg: SchedulerConfig,
+        *,
         seed: int,
         block_budget: BlockBudget | None = None,
         held_out: np.ndarray | None = None,
@@ -129,7 +130,7 @@ class BatchPlanner:
         self.edges = list(cfg.bucket_edges)
         self.tokens_per_batch = cfg.tokens_per_batch
         self.block_budget = block_budget
-        self.kind = SchedulerKind(cfg.kind)
+        self.kind = cfg.kind
         self.seed = seed
         self._plans: dict[int, tuple[PlannedBatch, ...]] = {}
         self.sample_bucket = np.array([bucket_of(int(n), self.edges) for n in self.lengths], dtype=np.int64)

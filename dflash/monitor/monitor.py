@@ -24,7 +24,7 @@ from dflash.monitor.sinks import MetricSink
 from dflash.monitor.telemetry import GpuTelemetry, cuda_allocator_stats
 from dflash.monitor.train_metrics import NonFiniteTraining, train_metrics
 from dflash.pipeline.counters import drafter_totals
-from dflash.step import MetricWindow
+from dflash.step_metrics import MetricWindow
 
 log = logging.getLogger(__name__)
 

@@ -94,7 +94,7 @@ class BackgroundSink:
     counted and reported as `monitor/<name>_dropped` in later ticks.
     """
 
-    def __init__(self, name: str, sink: MetricSink, queue_size: int, close_timeout_s: float):
+    def __init__(self, name: str, sink: MetricSink, *, queue_size: int, close_timeout_s: float):
         self.name, self.sink = name, sink
         self.close_timeout_s = close_timeout_s
         self._items: deque = deque()
@@ -204,7 +204,7 @@ def build_sinks(
     cfg: LoggerConfig, run_dir: Path, resolved_config: dict[str, Any], total_steps: int, start_step: int = 0
 ) -> list[MetricSink]:
     sinks: list[MetricSink] = []
-    kinds = list(dict.fromkeys(SinkKind(k) for k in cfg.sinks))
+    kinds = list(dict.fromkeys(cfg.sinks))
     if SinkKind.console in kinds and SinkKind.progress in kinds:
         kinds.remove(SinkKind.progress)  # the console sink draws the bar itself
     for kind in kinds:
@@ -217,6 +217,11 @@ def build_sinks(
         elif kind is SinkKind.wandb:
             wandb_sink = WandbSink(cfg.wandb, run_dir, resolved_config)
             sinks.append(
-                BackgroundSink("wandb", wandb_sink, cfg.wandb.queue_size, cfg.wandb.finish_timeout_s)
+                BackgroundSink(
+                    "wandb",
+                    wandb_sink,
+                    queue_size=cfg.wandb.queue_size,
+                    close_timeout_s=cfg.wandb.finish_timeout_s,
+                )
             )
     return sinks

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 from dflash.loss import tau_from_accuracy
-from dflash.step import MetricWindow
+from dflash.step_metrics import MetricWindow
 
 
 class NonFiniteTraining(ValueError):

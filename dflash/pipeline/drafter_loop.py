@@ -21,7 +21,8 @@ import torch.distributed as dist
 from dflash.pipeline.counters import DeviceSpan, WorkCounters
 from dflash.pipeline.queues import HiddenStateQueue
 from dflash.pipeline.target_worker import HiddenStatePacket
-from dflash.step import DrafterStep, MetricWindow
+from dflash.step import DrafterStep
+from dflash.step_metrics import MetricWindow
 
 
 def _ready_event(device: torch.device) -> torch.cuda.Event | None:

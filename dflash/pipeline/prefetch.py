@@ -80,6 +80,7 @@ class BatchStats:
 class BatchPrefetcher:
     def __init__(
         self,
+        *,
         dataset: TokenDataset,
         planner: BatchPlanner,
         target_devices: list[torch.device],

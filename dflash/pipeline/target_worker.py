@@ -26,6 +26,7 @@ class HiddenStatePacket:
 class TargetWorker:
     def __init__(
         self,
+        *,
         index: int,
         target: FrozenTarget,
         inbox: OrderedQueue[Dispatched],

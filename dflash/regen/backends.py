@@ -206,6 +206,7 @@ class HttpBackend:
 
     def __init__(
         self,
+        *,
         url: str,
         model: str | None,
         api_key: str,

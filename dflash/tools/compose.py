@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+import tempfile
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from omegaconf import DictConfig
+
+if TYPE_CHECKING:
+    from dflash.config.schema import Config
 
 CONF_DIR = Path(__file__).resolve().parent.parent.parent / "conf"
 
@@ -20,3 +25,14 @@ def compose_config(overrides: list[str], return_hydra_config: bool = False) -> D
     GlobalHydra.instance().clear()
     with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
         return compose(config_name="config", overrides=overrides, return_hydra_config=return_hydra_config)
+
+
+def compose_typed(overrides: list[str]) -> Config:
+    """`compose_config` converted to its typed form, for tools and scripts that write no run
+    directory: outside a Hydra app `paths.output_dir` (Hydra's run dir) has no value, so unless
+    the overrides set it, it names a scratch directory nothing is written to."""
+    from dflash.config.nodes import typed_config
+
+    if not any(o.split("=", 1)[0].lstrip("+") == "paths.output_dir" for o in overrides):
+        overrides = [*overrides, f"paths.output_dir={Path(tempfile.gettempdir()) / 'dflash-tool'}"]
+    return typed_config(compose_config(overrides))

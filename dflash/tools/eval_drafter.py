@@ -22,7 +22,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from dflash.config.schema import TargetConfig, register_configs
+from dflash.config.schema import Config, TargetConfig, register_configs
 from dflash.train import CONF_DIR
 
 register_configs()
@@ -47,7 +47,12 @@ def check_pairing(drafter_config: Any, target_config: Any, drafter_dir: Path, ta
 
 
 def target_for(
-    cfg: DictConfig, ckpt: Path, target_overridden: bool, target_fields: tuple[str, ...] = ()
+    cfg: DictConfig,
+    *,
+    typed: Config,
+    ckpt: Path,
+    target_overridden: bool,
+    target_fields: tuple[str, ...] = (),
 ) -> tuple[TargetConfig, str]:
     """The target to evaluate against, and where that choice came from.
 
@@ -55,12 +60,11 @@ def target_for(
     the checkpoint's run config names it, amended by `target_fields`, the keys (under `target.`)
     the command line overrides (e.g. dtype, for target.dtype=float32: an exact lossless check)."""
     from dflash.checkpoint import RUN_CONFIG_FILE
-    from dflash.config.nodes import node
     from dflash.models.gguf import local_target
 
     run_config = ckpt / RUN_CONFIG_FILE
     if target_overridden or not run_config.is_file():
-        return local_target(node(cfg, "target"), cfg.paths.cache_dir), "command line"
+        return local_target(typed.target, typed.paths.cache_dir), "command line"
     try:
         trained_with = OmegaConf.load(run_config).target
         merged = OmegaConf.merge(OmegaConf.structured(TargetConfig), trained_with)
@@ -71,7 +75,7 @@ def target_for(
         OmegaConf.update(merged, key, OmegaConf.select(cfg, f"target.{key}"), merge=False)
     if target_fields:
         source += " + command line " + ", ".join(f"target.{key}" for key in target_fields)
-    return local_target(OmegaConf.to_object(merged), cfg.paths.cache_dir), source
+    return local_target(OmegaConf.to_object(merged), typed.paths.cache_dir), source
 
 
 def run_eval(
@@ -79,22 +83,28 @@ def run_eval(
 ) -> dict[str, Any]:
     import torch
 
-    from dflash.build import eval_prompt_sets
     from dflash.checkpoint import load_drafter, read_drafter_config
     from dflash.config.devices import resolve_device_split
     from dflash.config.keys import refuse_unknown_keys
-    from dflash.config.nodes import node
-    from dflash.config.schema import Config
+    from dflash.config.nodes import typed_config
     from dflash.distributed import visible_cuda_devices
     from dflash.evaluate import evaluate
     from dflash.models.target import FrozenTarget, load_target_config
+    from dflash.run_inputs import eval_prompt_sets
 
     refuse_unknown_keys(cfg, Config)
+    composed, cfg = cfg, typed_config(cfg)
     if not cfg.ckpt:
         raise ValueError("dflash-eval needs ckpt=DIR, a drafter directory (config.json + model.safetensors)")
     drafter_dir = Path(cfg.ckpt)
     drafter_config = read_drafter_config(drafter_dir)
-    target_cfg, target_source = target_for(cfg, drafter_dir, target_overridden, target_fields)
+    target_cfg, target_source = target_for(
+        composed,
+        typed=cfg,
+        ckpt=drafter_dir,
+        target_overridden=target_overridden,
+        target_fields=target_fields,
+    )
     target_config = load_target_config(target_cfg)
     target_key = f"target={target_cfg.name}" + (f", target.path={target_cfg.path}" if target_cfg.path else "")
     log.info("dflash-eval: %s (from %s)", target_key, target_source)
@@ -106,8 +116,7 @@ def run_eval(
         torch.set_num_threads(cfg.gpu.cpu_threads)
     target = FrozenTarget.from_config(target_cfg, drafter_config.dflash_config["target_layer_ids"], device)
     drafter = load_drafter(drafter_dir, device).to(target.lm_head.weight.dtype).eval()
-    eval_cfg = node(cfg, "eval")
-    report = evaluate(target, drafter, prompt_sets, eval_cfg, timing=cfg.eval.timing)
+    report = evaluate(target, drafter, prompt_sets, cfg.eval, timing=cfg.eval.timing)
     report.meta = {
         "drafter": str(drafter_dir),
         "target": target_key,

@@ -19,10 +19,12 @@ register_configs()
 
 
 def prep(cfg: DictConfig) -> dict:
-    from dflash.build import load_training_data
+    from dflash.config.nodes import typed_config
+    from dflash.run_inputs import load_training_data
 
-    dataset, stats = load_training_data(cfg)
-    print(f"\n=== dflash-prep: data={cfg.data.name} ({cfg.data.kind.value}) ===")
+    config = typed_config(cfg)
+    dataset, stats = load_training_data(config)
+    print(f"\n=== dflash-prep: data={config.data.name} ({config.data.kind.value}) ===")
     if stats is not None:
         print("\n".join(stats.lines()))
     print(f"samples              {len(dataset)}, longest {int(dataset.lengths.max())} tokens", flush=True)

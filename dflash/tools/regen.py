@@ -21,14 +21,14 @@ def build_backend(cfg: RegenConfig):
         if not cfg.url:
             raise ValueError("backend=http needs url=http://HOST:PORT/v1 (an OpenAI-compatible server)")
         return HttpBackend(
-            cfg.url,
-            cfg.model,
-            cfg.api_key,
-            cfg.sampling,
-            cfg.batch_size,
-            cfg.timeout_s,
-            cfg.max_retries,
-            dict(cfg.target.chat_template_kwargs),
+            url=cfg.url,
+            model=cfg.model,
+            api_key=cfg.api_key,
+            sampling=cfg.sampling,
+            concurrency=cfg.batch_size,
+            timeout_s=cfg.timeout_s,
+            max_retries=cfg.max_retries,
+            chat_template_kwargs=dict(cfg.target.chat_template_kwargs),
         )
     import torch
 

@@ -57,12 +57,12 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--epoch", type=int, default=0)
     args, overrides = parser.parse_known_args(argv)
 
-    from dflash.build import load_training_data
     from dflash.config.schema import SchedulerConfig, SchedulerKind
     from dflash.data.schedule import BatchPlanner, block_budget_for
-    from dflash.tools.compose import compose_config
+    from dflash.run_inputs import load_training_data
+    from dflash.tools.compose import compose_typed
 
-    cfg = compose_config(overrides)
+    cfg = compose_typed(overrides)
     dataset, _ = load_training_data(cfg)
     orders = {}
     for kind in (SchedulerKind.shuffle, SchedulerKind.interleave):
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> None:
         budget = block_budget_for(
             sched, num_anchors=cfg.drafter.num_anchors, block_size=cfg.drafter.block_size
         )
-        planner = BatchPlanner(dataset.lengths, sched, cfg.seed, budget)
+        planner = BatchPlanner(dataset.lengths, sched, seed=cfg.seed, block_budget=budget)
         orders[kind.value] = [b.bucket for b in planner.epoch(args.epoch)]
     edges = list(cfg.scheduler.bucket_edges)
     print(

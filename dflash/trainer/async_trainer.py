@@ -30,7 +30,8 @@ from dflash.pipeline.queues import HiddenStateQueue, QueueClosed
 from dflash.pipeline.replicas import check_replicas_identical
 from dflash.pipeline.roles import role_summary
 from dflash.pipeline.target_worker import TargetWorker
-from dflash.step import DrafterStep, MetricWindow
+from dflash.step import DrafterStep
+from dflash.step_metrics import MetricWindow
 from dflash.trainer import state
 from dflash.trainer.periodic_eval import PeriodicEval
 from dflash.trainer.signals import StopRequested, stop_on_signals
@@ -119,9 +120,9 @@ class AsyncTrainer:
         needed = (self.stop_after - start.step) * num_drafters
         self.tracker = ConsumedTracker(start)
         self.prefetcher = BatchPrefetcher(
-            self.dataset,
-            self.planner,
-            [t.device for t in self.targets],
+            dataset=self.dataset,
+            planner=self.planner,
+            target_devices=[t.device for t in self.targets],
             num_workers=self.cfg.num_workers,
             depth_per_device=self.cfg.prefetch_depth,
             start_seq=start.next_seq,
@@ -133,7 +134,11 @@ class AsyncTrainer:
         self.hs_queue = HiddenStateQueue(self.cfg.hs_queue_size, self.planner.num_buckets)
         self.workers = [
             TargetWorker(
-                i, target, self.prefetcher.device_queues[i], self.hs_queue, self.faults.target_at_batch
+                index=i,
+                target=target,
+                inbox=self.prefetcher.device_queues[i],
+                outbox=self.hs_queue,
+                fault_at_batch=self.faults.target_at_batch,
             )
             for i, target in enumerate(self.targets)
         ]

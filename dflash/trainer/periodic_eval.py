@@ -32,6 +32,7 @@ log = logging.getLogger(__name__)
 class PeriodicEval:
     def __init__(
         self,
+        *,
         cfg: EvalConfig,
         target: FrozenTarget,
         drafter: DFlashDrafter,

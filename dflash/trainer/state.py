@@ -32,7 +32,7 @@ class DataPosition:
         return {"next_seq": self.next_seq, "step": self.step, "done_beyond": sorted(self.done_beyond)}
 
 
-@dataclass
+@dataclass(kw_only=True)
 class CheckpointSettings:
     directory: Path
     every_steps: int

@@ -23,7 +23,8 @@ from dflash.pipeline.counters import DeviceSpan, WorkCounters
 from dflash.pipeline.prefetch import BatchStats
 from dflash.pipeline.replicas import check_replicas_identical
 from dflash.pipeline.roles import role_summary
-from dflash.step import DrafterStep, MetricWindow
+from dflash.step import DrafterStep
+from dflash.step_metrics import MetricWindow
 from dflash.trainer import state
 from dflash.trainer.periodic_eval import PeriodicEval
 from dflash.trainer.signals import StopRequested, stop_on_signals

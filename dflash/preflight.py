@@ -1,0 +1,119 @@
+"""Phase 1 of building a run: everything that can be checked or settled without loading weights.
+
+Unknown keys, the cross-field rules, layer ids and the device split, the prompt sets, a `resume=`
+checkpoint that must fit this drafter and target, the process group; then the run directory and
+its config_resolved.yaml. A bad config fails here, in one line, before any model loads.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from omegaconf import DictConfig, OmegaConf
+
+from dflash.checkpoint import check_resume_matches
+from dflash.config.devices import ProcessSlot, resolve_device_split
+from dflash.config.keys import refuse_unknown_keys
+from dflash.config.nodes import typed_config
+from dflash.config.schema import Config, TargetConfig
+from dflash.config_checks import resolve_layer_ids, validate
+from dflash.distributed import (
+    export_submitit_environment,
+    init_from_env,
+    require_same_layout,
+    visible_cuda_devices,
+)
+from dflash.eval_prompts import PromptSet
+from dflash.models.drafter import drafter_config
+from dflash.models.target import load_target_config
+from dflash.run_inputs import eval_prompt_sets, local_target_config
+
+
+@dataclass
+class Checked:
+    """What phase 1 settles before any weights load: the typed nodes the builders need, the
+    resolved layer ids and device split, the run directory and the process group."""
+
+    config: Config  # the composed config, typed (converted once, here)
+    resolved: dict[str, Any]  # the same as plain data (sinks, summary)
+    target_cfg: TargetConfig  # config.target with a GGUF path replaced by its converted directory
+    target_config: Any  # the target's transformers config
+    layer_ids: list[int]
+    target_devices: list[str]
+    drafter_devices: list[str]
+    eval_prompts: list[PromptSet]
+    periodic_prompts: list[PromptSet] | None  # eval.every_steps > 0
+    resume_dir: Path | None
+    process_group: Any  # dflash.distributed.ProcessGroup
+    run_dir: Path
+    run_config_yaml: str
+
+
+def prompt_sets(cfg: Config, target_cfg: TargetConfig, vocab_size: int):
+    """The final evaluation's prompt sets and, with eval.every_steps > 0, the periodic one's."""
+    mask_id = cfg.drafter.mask_token_id
+    final = eval_prompt_sets(cfg, target_cfg, vocab_size, mask_id, cfg.eval.num_prompts)
+    if cfg.eval.every_steps <= 0:
+        return final, None
+    return final, eval_prompt_sets(cfg, target_cfg, vocab_size, mask_id, cfg.eval.periodic_num_prompts)
+
+
+def checked_resume_dir(resume: str | None, run_drafter_config, run_target: dict) -> Path | None:
+    """`resume=`: a checkpoint directory of this drafter and target (refused before any load)."""
+    if not resume:
+        return None
+    resume_dir = Path(resume)
+    if not resume_dir.is_dir():
+        raise ValueError(f"resume={resume}: no such checkpoint directory")
+    check_resume_matches(resume_dir, run_drafter_config, run_target)
+    return resume_dir
+
+
+def check_before_loading(composed: DictConfig) -> Checked:
+    """Phase 1: everything checkable without weights; writes config_resolved.yaml. The composed
+    config is converted to its typed form here, once; every later phase reads `Checked.config`."""
+    refuse_unknown_keys(composed, Config)
+    resolved = OmegaConf.to_container(composed, resolve=True, enum_to_str=True)
+    run_config_yaml = OmegaConf.to_yaml(composed, resolve=True)
+    cfg = typed_config(composed)
+    target_cfg = local_target_config(cfg)
+    target_config = load_target_config(target_cfg)
+    export_submitit_environment()
+    slot = ProcessSlot.from_env()
+    validate(
+        cfg,
+        num_target_layers=target_config.num_hidden_layers,
+        target_vocab_size=target_config.vocab_size,
+        visible_cuda_devices=visible_cuda_devices(),
+        slot=slot,
+    )
+    layer_ids = resolve_layer_ids(cfg, target_config.num_hidden_layers)
+    target_devices, drafter_devices = resolve_device_split(cfg, visible_cuda_devices(), slot)
+    if "cpu" in target_devices + drafter_devices:
+        torch.set_num_threads(cfg.gpu.cpu_threads)
+    eval_prompts, periodic_prompts = prompt_sets(cfg, target_cfg, target_config.vocab_size)
+    run_drafter_config = drafter_config(cfg.drafter, target_config, layer_ids)
+    resume_dir = checked_resume_dir(cfg.resume, run_drafter_config, resolved["target"])
+    process_group = init_from_env(drafter_devices[0])
+    require_same_layout(process_group, target_devices, drafter_devices)
+    run_dir = Path(cfg.paths.output_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config_resolved.yaml").write_text(run_config_yaml)
+    return Checked(
+        config=cfg,
+        resolved=resolved,
+        target_cfg=target_cfg,
+        target_config=target_config,
+        layer_ids=layer_ids,
+        target_devices=target_devices,
+        drafter_devices=drafter_devices,
+        eval_prompts=eval_prompts,
+        periodic_prompts=periodic_prompts,
+        resume_dir=resume_dir,
+        process_group=process_group,
+        run_dir=run_dir,
+        run_config_yaml=run_config_yaml,
+    )

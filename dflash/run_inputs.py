@@ -1,0 +1,81 @@
+"""What a run reads besides the models: the training samples and the evaluation prompt sets,
+from config. Shared by the run builder and the tools (dflash-prep, dflash-eval, the schedule
+report), so each reads them exactly as training does.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import torch
+
+from dflash.config.schema import Config, DataKind, TargetConfig
+from dflash.config_checks import resolve_layer_ids
+from dflash.data.chat import ChatRenderer, load_chat_renderer
+from dflash.data.dataset import TokenDataset
+from dflash.data.prepare import PrepStats, load_or_prepare
+from dflash.data.synthetic import load_or_generate
+from dflash.eval_prompts import PromptSet, load_prompt_sets
+from dflash.models.gguf import local_target
+from dflash.models.target import FrozenTarget, load_target_config
+
+log = logging.getLogger(__name__)
+
+
+def local_target_config(cfg: Config) -> TargetConfig:
+    """`target` with a GGUF path (a file or `package:<name>`) replaced by its converted
+    transformers directory under paths.cache_dir (converted the first time)."""
+    return local_target(cfg.target, cfg.paths.cache_dir)
+
+
+def load_training_data(
+    cfg: Config, target: FrozenTarget | None = None
+) -> tuple[TokenDataset, PrepStats | None]:
+    """The samples `cfg.data` describes, from the cache when it holds them.
+
+    synthetic: written by `target` the first time (a CPU copy when None: tools that only need
+    the data); the drafter's mask id never appears in a generated prompt. conversations:
+    rendered and tokenized from `data.files` (no model needed).
+    """
+    data_cfg, target_cfg = cfg.data, local_target_config(cfg)
+    if data_cfg.kind is DataKind.synthetic:
+        if target is None:
+            layer_ids = resolve_layer_ids(cfg, load_target_config(target_cfg).num_hidden_layers)
+            target = FrozenTarget.from_config(target_cfg, layer_ids, torch.device("cpu"))
+        dataset = load_or_generate(
+            target, target_cfg, data_cfg, Path(cfg.paths.cache_dir), [cfg.drafter.mask_token_id]
+        )
+        return dataset, None
+    renderer = load_chat_renderer(target_cfg, "data.kind=conversations")
+    dataset, stats = load_or_prepare(renderer, data_cfg, Path(cfg.paths.cache_dir))
+    # Text data: the mask id must be a token the tokenizer never produces (a reserved special).
+    holding_mask = int((dataset.input_ids == cfg.drafter.mask_token_id).sum())
+    if holding_mask:
+        raise ValueError(
+            f"drafter.mask_token_id={cfg.drafter.mask_token_id} occurs {holding_mask} times in the "
+            f"training data (data.files={list(data_cfg.files)}); pick an id the tokenizer never produces"
+        )
+    return dataset, stats
+
+
+def eval_prompt_sets(
+    cfg: Config, target_cfg: TargetConfig, vocab_size: int, mask_token_id: int, limit: int
+) -> list[PromptSet]:
+    """The held-out prompts: `eval.benchmarks` files (the target's chat template), else random
+    token prompts (never holding the drafter's mask id)."""
+    eval_cfg = cfg.eval
+    for key in ("num_prompts", "periodic_num_prompts", "max_new_tokens"):
+        if getattr(eval_cfg, key) < 1:
+            raise ValueError(f"eval.{key} must be >= 1, got {getattr(eval_cfg, key)}")
+
+    def renderer() -> ChatRenderer:
+        return load_chat_renderer(target_cfg, "eval.benchmarks")
+
+    if not eval_cfg.benchmarks and cfg.data.kind is DataKind.conversations:
+        log.warning(
+            "eval.benchmarks is empty: tau is measured on random token prompts, unlike the "
+            "conversations in data.files; set 'eval.benchmarks={name: prompts.jsonl}'"
+        )
+
+    return load_prompt_sets(eval_cfg, renderer, vocab_size, [mask_token_id], limit)
