@@ -91,10 +91,7 @@ def validate(
             f"pipeline=sync runs one target and one drafter; got gpu.target={cfg.gpu.target}, "
             f"gpu.drafter={cfg.gpu.drafter} ({len(targets)} + {len(drafters)} devices)"
         )
-    if (
-        cfg.drafter.attention is AttentionKind.flex
-        and cfg.gpu.device is DeviceKind.cpu
-    ):
+    if cfg.drafter.attention is AttentionKind.flex and cfg.gpu.device is DeviceKind.cpu:
         raise ValueError(
             "drafter.attention=flex trains on CUDA only (torch's CPU flex_attention has no backward); "
             "use drafter.attention=auto or sdpa with gpu=cpu"
