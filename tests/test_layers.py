@@ -38,7 +38,7 @@ LAYERS: list[list[str]] = [
         "dflash.regen",
         "dflash.run_inputs",
     ],
-    ["dflash.step", "dflash.step_build", "dflash.step_metrics"],
+    ["dflash.step", "dflash.step_build", "dflash.step_metrics", "dflash.cadence"],
     ["dflash.pipeline"],
     ["dflash.monitor"],
     ["dflash.trainer"],

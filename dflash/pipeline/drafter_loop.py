@@ -18,6 +18,7 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
+from dflash.cadence import Cadence
 from dflash.pipeline.counters import DeviceSpan, WorkCounters
 from dflash.pipeline.queues import HiddenStateQueue
 from dflash.pipeline.target_worker import HiddenStatePacket
@@ -136,19 +137,17 @@ class DrafterLoop:
         inbox: HiddenStateQueue[HiddenStatePacket],
         grad_sync: ReplicaGradSync,
         start_step: int,
-        stop_after: int,
-        log_every: int,
+        cadence: Cadence,
         on_consumed,
-        checkpoint_every: int,
         on_checkpoint,
         fault_at_step: int | None = None,
         on_step=None,
     ):
         self.replica, self.step_fn, self.inbox, self.grad_sync = replica, step_fn, inbox, grad_sync
         self.step = start_step
-        self.stop_after, self.log_every = stop_after, log_every
+        self.cadence = cadence
         self.on_consumed = on_consumed  # called with the batch seq once its update is applied
-        self.checkpoint_every, self.on_checkpoint = checkpoint_every, on_checkpoint
+        self.on_checkpoint = on_checkpoint
         self.fault_at_step = fault_at_step
         self.on_step = on_step  # replica 0 calls it with the step number after each update
         self.device = step_fn.device
@@ -197,7 +196,7 @@ class DrafterLoop:
     def run(self) -> None:
         stream_ctx = torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
         with stream_ctx:
-            while self.step < self.stop_after and not self.stop_requested.is_set():
+            while self.step < self.cadence.stop_after and not self.stop_requested.is_set():
                 started = time.perf_counter()
                 packet = self.inbox.get()  # raises QueueClosed at shutdown
                 fetched = time.perf_counter()
@@ -215,7 +214,7 @@ class DrafterLoop:
                 span.stop()
                 self.step += 1
                 self.on_consumed(packet.seq)
-                if self.step % self.log_every == 0 or self.step == self.stop_after:
+                if self.cadence.logs_at(self.step):
                     window = step_fn.metrics.publish(
                         self.step,
                         step_fn.lr,
@@ -232,7 +231,7 @@ class DrafterLoop:
                     anchors=anchors,
                     span=span,
                 )
-                if self.step % self.checkpoint_every == 0 and self.step != self.stop_after:
+                if self.cadence.checkpoints_at(self.step):
                     self.grad_sync.checkpoint_rendezvous()
                     if self.replica == 0:
                         self.on_checkpoint(self.step)

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
+from dflash.cadence import Cadence
 from dflash.config.schema import PipelineConfig
 from dflash.data.dataset import TokenDataset
 from dflash.data.schedule import BatchPlanner
@@ -89,7 +90,10 @@ class AsyncTrainer:
         self.drafter = self.step_fn.drafter
         self.target = targets[0]
         self.dataset, self.planner = dataset, planner
-        self.stop_after, self.log_every, self.checkpoints = stop_after, log_every, checkpoints
+        self.stop_after, self.checkpoints = stop_after, checkpoints
+        self.cadence = Cadence(
+            stop_after=stop_after, log_every=log_every, checkpoint_every=checkpoints.every_steps
+        )
         self.cfg, self.max_length = cfg, max_length
         self.faults = faults or FaultInjection()
         self.process_group = process_group or ProcessGroupInfo()
@@ -150,10 +154,8 @@ class AsyncTrainer:
                 inbox=self.hs_queue,
                 grad_sync=self.grad_sync,
                 start_step=start.step,
-                stop_after=self.stop_after,
-                log_every=self.log_every,
+                cadence=self.cadence,
                 on_consumed=self.tracker.mark,
-                checkpoint_every=self.checkpoints.every_steps,
                 on_checkpoint=self._checkpoint_from_replica0,
                 fault_at_step=self.faults.drafter_at_step,
                 on_step=self._after_step,

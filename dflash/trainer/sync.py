@@ -13,6 +13,7 @@ from collections import deque
 
 import torch
 
+from dflash.cadence import Cadence
 from dflash.data.collate import collate
 from dflash.data.dataset import TokenDataset
 from dflash.data.schedule import BatchPlanner
@@ -50,7 +51,10 @@ class SyncTrainer:
         self.drafter_device = step_fn.device
         self.target = target
         self.dataset, self.planner = dataset, planner
-        self.stop_after, self.log_every, self.checkpoints = stop_after, log_every, checkpoints
+        self.stop_after, self.checkpoints = stop_after, checkpoints
+        self.cadence = Cadence(
+            stop_after=stop_after, log_every=log_every, checkpoint_every=checkpoints.every_steps
+        )
         self.position = DataPosition()
         self.monitor: Monitor | None = None  # attached by the builder
         self.periodic_eval: PeriodicEval | None = None  # attached by the builder (eval.every_steps)
@@ -131,13 +135,13 @@ class SyncTrainer:
                 self._train_one(seq)
                 self.position = DataPosition(next_seq=seq + 1, step=self.position.step + 1)
                 step = self.position.step
-                if step % self.log_every == 0 or step == self.stop_after:
+                if self.cadence.logs_at(step):
                     self._windows.append(self.step_fn.metrics.publish(step, self.step_fn.lr))
                 self.monitor.maybe_tick()
                 if self.periodic_eval is not None:
                     self.periodic_eval.offer(step, self.drafter)
                     self.periodic_eval.run_pending()
-                if step % self.checkpoints.every_steps == 0 and step != self.stop_after:
+                if self.cadence.checkpoints_at(step):
                     self.save()
         self.train_wall_s = time.perf_counter() - started
         self.monitor.maybe_tick(wait=True, force=True)
