@@ -21,6 +21,7 @@ from dflash.config.nodes import typed_config
 from dflash.config.schema import Config, TargetConfig
 from dflash.config_checks import resolve_layer_ids, validate
 from dflash.distributed import (
+    ProcessGroupInfo,
     export_submitit_environment,
     init_from_env,
     require_same_layout,
@@ -47,7 +48,7 @@ class Checked:
     eval_prompts: list[PromptSet]
     periodic_prompts: list[PromptSet] | None  # eval.every_steps > 0
     resume_dir: Path | None
-    process_group: Any  # dflash.distributed.ProcessGroup
+    process_group: ProcessGroupInfo
     run_dir: Path
     run_config_yaml: str
 
