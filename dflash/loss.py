@@ -26,6 +26,8 @@ class LossStats:
     weight: torch.Tensor  # scalar, sum of weights
     correct: torch.Tensor  # [block_size] correct predictions per block position
     counted: torch.Tensor  # [block_size] supervised predictions per block position
+    accepted: torch.Tensor  # scalar, sum over blocks of the leading run of correct predictions
+    blocks: torch.Tensor  # scalar, blocks whose first prediction is supervised
 
     def loss(self) -> torch.Tensor:
         # A batch without a single supervised position has weighted_ce == 0 exactly, so the
@@ -156,7 +158,31 @@ def draft_loss(
         per_position = (blocks.labels.shape[0], -1, blocks.block_size)
         correct = hit.view(per_position).sum(dim=(0, 1)).float()
         counted = blocks.valid.view(per_position).sum(dim=(0, 1)).float()
-    return LossStats(weighted_ce=weighted_ce, weight=blocks.weights.sum(), correct=correct, counted=counted)
+        accepted, counted_blocks = block_acceptance(hit.view(per_position), blocks.valid.view(per_position))
+    return LossStats(
+        weighted_ce=weighted_ce,
+        weight=blocks.weights.sum(),
+        correct=correct,
+        counted=counted,
+        accepted=accepted,
+        blocks=counted_blocks,
+    )
+
+
+def block_acceptance(hit_BAK: torch.Tensor, valid_BAK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum over blocks of the leading run of correct predictions, number of blocks), for blocks
+    whose first prediction is supervised. Greedy verification accepts exactly that run, so
+    1 + sum / blocks is the tau decoding would get on these contexts: unlike tau_sim (a product
+    of per-position accuracies, as if positions were independent) it keeps how a block's hits
+    go together. A block cut by the end of its sample ends its run there."""
+    run = hit_BAK[:, :, 1:].to(torch.int32).cumprod(dim=2).sum(dim=2)  # position 0 is the anchor
+    counted = valid_BAK[:, :, 1]
+    return (run * counted).sum().float(), counted.sum().float()
+
+
+def tau_from_runs(accepted: float, blocks: float) -> float:
+    """tau_block = 1 + the mean leading run of correct predictions (see `block_acceptance`)."""
+    return 1.0 + accepted / blocks if blocks > 0 else float("nan")
 
 
 def tau_from_accuracy(acc_per_position: list[float]) -> float:

@@ -118,6 +118,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"tau (simulated)   {summary['train/tau_sim']:.3f}"
         + (
             f" on training batches, {summary['val/tau_sim']:.3f} on {summary['val_samples']} held-out samples"
+            f" (from each block's run of hits: {summary['val/tau_block']:.3f})"
             if "val/tau_sim" in summary
             else ""
         ),

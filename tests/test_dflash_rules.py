@@ -11,7 +11,7 @@ from transformers import AutoConfig
 
 from dflash.blocks import block_attention_mask, build_blocks, position_weights, sample_anchors, sample_rng
 from dflash.config.schema import DrafterConfig
-from dflash.loss import draft_loss, tau_from_accuracy
+from dflash.loss import block_acceptance, draft_loss, tau_from_accuracy, tau_from_runs
 from dflash.models.drafter import DFlashDrafter, drafter_config
 from dflash.models.layer_ids import default_target_layer_ids
 from dflash.models.target import FrozenTarget
@@ -289,6 +289,19 @@ def test_tau_sim_is_one_plus_sum_of_prefix_products():
     assert tau_from_accuracy([float("nan"), 0.5, 0.5, 0.5]) == pytest.approx(1 + 0.5 + 0.25 + 0.125)
     assert tau_from_accuracy([float("nan"), 1.0, 1.0, 1.0]) == 4.0
     assert tau_from_accuracy([float("nan"), 0.0, 1.0]) == 1.0
+
+
+def test_tau_block_counts_each_blocks_leading_run_of_hits():
+    """Greedy verification accepts a block's drafts up to its first miss: a hit after a miss
+    counts for tau_sim's per-position accuracy but not for acceptance."""
+    T, F = True, False
+    hits = torch.tensor([[[F, T, T, F], [F, T, F, T], [F, F, T, T], [F, T, T, T]]])
+    valid = torch.tensor([[[F, T, T, T], [F, T, T, T], [F, T, T, T], [F, F, F, F]]])  # last: padding
+    accepted, blocks = block_acceptance(hits & valid, valid)
+    assert (accepted.item(), blocks.item()) == (3.0, 3.0)  # runs 2, 1, 0; the padding block not counted
+    assert tau_from_runs(3.0, 3.0) == 2.0
+    # The same three blocks through per-position accuracies (2/3 at each position): 2.41.
+    assert tau_from_accuracy([float("nan"), 2 / 3, 2 / 3, 2 / 3]) == pytest.approx(1 + 2 / 3 + 4 / 9 + 8 / 27)
 
 
 # -- drafter structure ------------------------------------------------------------------------

@@ -41,8 +41,8 @@ def test_a_split_that_leaves_nothing_to_train_names_the_key():
 
 
 def test_validation_metrics_are_the_training_definitions_on_the_held_out_blocks():
-    """val/acc and val/tau_sim from the LM head's argmax over each held-out block, computed here
-    directly; val/loss the weighted CE over the weights."""
+    """val/acc, val/tau_sim and val/tau_block from the LM head's argmax over each held-out
+    block, computed here directly; val/loss the weighted CE over the weights."""
     target = tiny_target()
     drafter = tiny_drafter(target)
     rng = np.random.default_rng(0)
@@ -57,6 +57,7 @@ def test_validation_metrics_are_the_training_definitions_on_the_held_out_blocks(
 
     correct, counted = np.zeros(4), np.zeros(4)
     weighted_ce = weight = 0.0
+    runs = []  # per block whose first prediction is supervised: its leading run of hits
     for batch in validation.batches:
         collated = collate(dataset, batch)
         blocks = make_blocks(collated, drafter, settings, keep_fraction=0.0)
@@ -75,10 +76,17 @@ def test_validation_metrics_are_the_training_definitions_on_the_held_out_blocks(
         hits = (logits.argmax(-1) == blocks.labels) & blocks.valid
         correct += hits.view(-1, 4).sum(0).numpy()
         counted += blocks.valid.view(-1, 4).sum(0).numpy()
+        for block_hits, block_valid in zip(hits.view(-1, 4).tolist(), blocks.valid.view(-1, 4).tolist()):
+            if block_valid[1]:
+                run = 0
+                while run < 3 and block_hits[1 + run]:
+                    run += 1
+                runs.append(run)
     assert metrics["val/loss"] == pytest.approx(weighted_ce / weight, rel=1e-5)
     assert metrics["val/acc"] == pytest.approx(correct[1:].sum() / counted[1:].sum())
     acc = [c / n if n else float("nan") for c, n in zip(correct, counted)]  # position 0: no label
     assert metrics["val/tau_sim"] == pytest.approx(tau_from_accuracy(acc))
+    assert runs and metrics["val/tau_block"] == pytest.approx(1 + sum(runs) / len(runs))
 
 
 def test_a_copy_of_a_compiled_drafter_is_eager_and_no_grad_runs_eagerly():

@@ -5,7 +5,9 @@ data shows a tau_sim far above what decoding new prompts achieves. The validatio
 fixed, seeded set of samples the batch planner leaves out; `val/loss`, `val/acc` and
 `val/tau_sim` are computed on it exactly as training computes its own (same blocks, anchors
 drawn for epoch 0 so every measurement sees the same blocks, no noise), at each periodic
-evaluation and at the end of the run.
+evaluation and at the end of the run. `val/tau_block` is 1 + the mean leading run of correct
+predictions per block (`loss.block_acceptance`): what greedy verification would accept on these
+contexts, where tau_sim multiplies per-position accuracies as if they were independent.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from dflash.block_mask import tiles_for
 from dflash.data.collate import collate
 from dflash.data.dataset import TokenDataset
 from dflash.data.schedule import BlockBudget, PlannedBatch, pack_bucket
-from dflash.loss import tau_from_accuracy
+from dflash.loss import tau_from_accuracy, tau_from_runs
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import FrozenTarget
 from dflash.models.target_head import TargetHead
@@ -63,7 +65,8 @@ class Validation:
             drafter = copy.deepcopy(drafter).to(device)
         head = TargetHead.of(target)
         block_size = drafter.block_size
-        sums = torch.zeros(2 + 2 * block_size, device=device)  # weighted CE, weight, correct, counted
+        # weighted CE, weight, accepted, blocks, correct [block_size], counted [block_size]
+        sums = torch.zeros(4 + 2 * block_size, device=device)
         for plan in self.batches:
             batch = collate(self.dataset, plan)
             blocks = make_blocks(batch, drafter, self.settings, keep_fraction=0.0)
@@ -78,12 +81,14 @@ class Validation:
                 logits_chunk=self.settings.logits_chunk,
                 tiles=tiles,
             )
-            sums += torch.cat([stats.weighted_ce[None], stats.weight[None], stats.correct, stats.counted])
-        weighted_ce, weight, *rest = sums.tolist()
+            scalars = torch.stack([stats.weighted_ce, stats.weight, stats.accepted, stats.blocks])
+            sums += torch.cat([scalars, stats.correct, stats.counted])
+        weighted_ce, weight, accepted, blocks, *rest = sums.tolist()
         correct, counted = rest[:block_size], rest[block_size:]
         acc = [c / n if n > 0 else float("nan") for c, n in zip(correct, counted)]
         return {
             "val/loss": weighted_ce / weight if weight > 0 else 0.0,
             "val/acc": sum(correct[1:]) / max(1.0, sum(counted[1:])),
             "val/tau_sim": tau_from_accuracy(acc),
+            "val/tau_block": tau_from_runs(accepted, blocks),
         }
