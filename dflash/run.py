@@ -95,6 +95,7 @@ class Run:
             "train/loss_first_window": first["train/loss"],
             "train/loss": last["train/loss"],
             "train/tau_sim": last["train/tau_sim"],
+            "train/tau_block": last["train/tau_block"],
             **({"val_samples": self.validation.num_samples} if self.validation is not None else {}),
             "replicas": len(self.trainer.role_devices()["drafter"]) * self.process_group.world_size,
             "replica_digest": self.trainer.replica_digest,
@@ -115,10 +116,10 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"steps             {summary['steps']}  ({summary['wall_s']} s, pipeline={summary['pipeline']})",
         f"train loss        {summary['train/loss_first_window']:.3f} -> {summary['train/loss']:.3f}",
         f"train accuracy    {summary['train/acc_first_window']:.3f} -> {summary['train/acc']:.3f}",
-        f"tau (simulated)   {summary['train/tau_sim']:.3f}"
+        f"tau (simulated)   {summary['train/tau_sim']:.3f} (block runs {summary['train/tau_block']:.3f})"
         + (
-            f" on training batches, {summary['val/tau_sim']:.3f} on {summary['val_samples']} held-out samples"
-            f" (from each block's run of hits: {summary['val/tau_block']:.3f})"
+            f" on training batches; {summary['val/tau_sim']:.3f} (block runs {summary['val/tau_block']:.3f})"
+            f" on {summary['val_samples']} held-out samples"
             if "val/tau_sim" in summary
             else ""
         ),

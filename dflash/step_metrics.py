@@ -28,10 +28,12 @@ class MetricLayout:
     weight: int = 1
     grad_norm: int = 2  # sum over steps
     nonfinite: int = 3  # steps skipped
+    accepted: int = 4  # blocks' leading runs of correct predictions (loss.block_acceptance)
+    blocks: int = 5  # blocks whose first prediction is supervised
 
     @property
     def correct(self) -> slice:  # per block position
-        return slice(4, 4 + self.block_size)
+        return slice(6, 6 + self.block_size)
 
     @property
     def counted(self) -> slice:  # per block position
@@ -77,6 +79,8 @@ class MetricWindow:
             "weight": v[at.weight],
             "grad_norm": v[at.grad_norm],
             "nonfinite_steps": v[at.nonfinite],
+            "accepted": v[at.accepted],
+            "blocks": v[at.blocks],
             "correct": v[at.correct],
             "counted": v[at.counted],
             "bucket_weighted_ce": v[at.bucket_weighted_ce],
@@ -113,6 +117,8 @@ class StepMetrics:
         sums[at.weight] += stats.weight * keep
         sums[at.grad_norm] += torch.where(finite, grad_norm.detach(), 0.0)
         sums[at.nonfinite] += 1.0 - keep
+        sums[at.accepted] += stats.accepted * keep
+        sums[at.blocks] += stats.blocks * keep
         sums[at.correct] += stats.correct * keep
         sums[at.counted] += stats.counted * keep
         sums[at.bucket_weighted_ce.start + bucket] += weighted_ce

@@ -304,6 +304,41 @@ def test_tau_block_counts_each_blocks_leading_run_of_hits():
     assert tau_from_accuracy([float("nan"), 2 / 3, 2 / 3, 2 / 3]) == pytest.approx(1 + 2 / 3 + 4 / 9 + 8 / 27)
 
 
+def test_train_tau_block_pools_the_runs_of_every_step_and_replica():
+    """train/tau_block divides the summed runs by the summed blocks once (like the loss), so a
+    step or replica with few blocks weighs what it holds."""
+    from dflash.data.collate import Batch
+    from dflash.data.schedule import PlannedBatch
+    from dflash.loss import LossStats
+    from dflash.monitor.train_metrics import train_metrics
+    from dflash.step_metrics import StepMetrics
+
+    def stats(accepted: float, blocks: float) -> LossStats:
+        one = torch.tensor(1.0)
+        return LossStats(
+            weighted_ce=one,
+            weight=one,
+            correct=torch.ones(4),
+            counted=torch.ones(4),
+            accepted=torch.tensor(accepted),
+            blocks=torch.tensor(blocks),
+        )
+
+    batch = Batch(
+        torch.zeros(1, 8, dtype=torch.int64),
+        torch.ones(1, 8, dtype=torch.uint8),
+        torch.tensor([8]),
+        PlannedBatch(epoch=0, index=0, bucket=0, sample_ids=(0,)),
+    )
+    windows = []
+    for runs in ([(6.0, 2.0), (0.0, 1.0)], [(1.0, 1.0)]):  # replica 0: two steps; replica 1: one
+        metrics = StepMetrics(block_size=4, num_buckets=1, device=torch.device("cpu"))
+        for accepted, blocks in runs:
+            metrics.add(stats(accepted, blocks), torch.tensor(1.0), batch, anchors=1)
+        windows.append(metrics.publish(end_step=2, lr=1e-3))
+    assert train_metrics([windows])["train/tau_block"] == pytest.approx(1 + 7.0 / 4.0)
+
+
 # -- drafter structure ------------------------------------------------------------------------
 
 
