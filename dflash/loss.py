@@ -174,7 +174,9 @@ def block_acceptance(hit_BAK: torch.Tensor, valid_BAK: torch.Tensor) -> tuple[to
     whose first prediction is supervised. Greedy verification accepts exactly that run, so
     1 + sum / blocks is the tau decoding would get on these contexts: unlike tau_sim (a product
     of per-position accuracies, as if positions were independent) it keeps how a block's hits
-    go together. A block cut by the end of its sample ends its run there."""
+    go together. A block cut by the end of its sample ends its run there, and so does a position
+    noise=mask_ramp kept unmasked (it carries no label): train/tau_block reads low under that
+    noise; validation draws no kept positions."""
     run = hit_BAK[:, :, 1:].to(torch.int32).cumprod(dim=2).sum(dim=2)  # position 0 is the anchor
     counted = valid_BAK[:, :, 1]
     return (run * counted).sum().float(), counted.sum().float()
