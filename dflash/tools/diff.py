@@ -33,7 +33,18 @@ DEFAULT_IGNORE = (
     "logger.wandb.tags",
     "resume",
 )
-METRICS = ("steps", "train/loss", "train/acc", "train/tau_sim", "eval/tau", "eval/lossless_frac", "wall_s")
+METRICS = (
+    "steps",
+    "train/loss",
+    "train/acc",
+    "train/tau_sim",
+    "train/tau_block",
+    "val/tau_sim",
+    "val/tau_block",
+    "eval/tau",
+    "eval/lossless_frac",
+    "wall_s",
+)
 MISSING = "<absent>"
 
 
