@@ -155,12 +155,21 @@ def plot_run(rows: list[dict], out: Path, title: str) -> list[str]:
 
 
 def plot_acceptance(rows: list[dict], save) -> None:
-    """Speculative-decoding tau (periodic and final evaluations) against training's tau_sim (a
-    widening gap is a train/inference mismatch), and the last acceptance-length histogram."""
+    """Speculative-decoding tau (periodic and final evaluations) against training's tau_sim and
+    block runs and the held-out split's (a widening gap is a train/inference mismatch), and the
+    last acceptance-length histogram."""
     import matplotlib.pyplot as plt
 
     fig, (ax_tau, ax_hist) = plt.subplots(1, 2, figsize=(12, 4.2))
     ax_tau.plot(*series(rows, "train/tau_sim"), color="gray", label="train tau_sim")
+    # Block runs (what verification accepts on training contexts) and the held-out split's
+    # figures, where the run logged them: the gap between these and eval tau is new prompts'.
+    for key, style in (("train/tau_block", "-"), ("val/tau_sim", ":"), ("val/tau_block", "-.")):
+        steps, values = series(rows, key)
+        if len(values):
+            ax_tau.plot(
+                steps, values, color="gray", linestyle=style, marker="." if "val/" in key else None, label=key
+            )
     ax_tau.plot(*series(rows, "eval/tau"), marker="o", label="eval tau (all benchmarks)")
     for key in keys_matching(rows, r"eval/[^/]+/tau"):
         ax_tau.plot(*series(rows, key), marker=".", linestyle="--", label=key.split("/")[1])
