@@ -17,8 +17,8 @@ from omegaconf import DictConfig, OmegaConf
 from dflash.checkpoint import check_resume_matches
 from dflash.config.devices import ProcessSlot, resolve_device_split
 from dflash.config.keys import refuse_unknown_keys
-from dflash.config.nodes import typed_config
 from dflash.config.schema import Config, TargetConfig
+from dflash.config.typed import typed_config
 from dflash.config_checks import resolve_layer_ids, validate
 from dflash.distributed import (
     ProcessGroupInfo,

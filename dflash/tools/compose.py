@@ -31,7 +31,7 @@ def compose_typed(overrides: list[str]) -> Config:
     """`compose_config` converted to its typed form, for tools and scripts that write no run
     directory: outside a Hydra app `paths.output_dir` (Hydra's run dir) has no value, so unless
     the overrides set it, it names a scratch directory nothing is written to."""
-    from dflash.config.nodes import typed_config
+    from dflash.config.typed import typed_config
 
     if not any(o.split("=", 1)[0].lstrip("+") == "paths.output_dir" for o in overrides):
         overrides = [*overrides, f"paths.output_dir={Path(tempfile.gettempdir()) / 'dflash-tool'}"]

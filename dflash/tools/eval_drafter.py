@@ -86,7 +86,7 @@ def run_eval(
     from dflash.checkpoint import load_drafter, read_drafter_config
     from dflash.config.devices import resolve_device_split
     from dflash.config.keys import refuse_unknown_keys
-    from dflash.config.nodes import typed_config
+    from dflash.config.typed import typed_config
     from dflash.distributed import visible_cuda_devices
     from dflash.evaluate import evaluate
     from dflash.models.target import FrozenTarget, load_target_config

@@ -19,7 +19,7 @@ register_configs()
 
 
 def prep(cfg: DictConfig) -> dict:
-    from dflash.config.nodes import typed_config
+    from dflash.config.typed import typed_config
     from dflash.run_inputs import load_training_data
 
     config = typed_config(cfg)
