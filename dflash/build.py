@@ -92,12 +92,12 @@ def build_models(checked: Checked) -> Models:
     return Models(targets, drafters, compiled)
 
 
-def build_schedule(checked: Checked, models: Models) -> Schedule:
-    """The training samples, the held-out split and every epoch's batch plan."""
-    cfg = checked.config
-    dataset, prep_stats = load_training_data(cfg, models.targets[0])
-    if prep_stats is not None:
-        log.info("data: %s", "; ".join(line.strip() for line in prep_stats.lines()))
+def plan_batches(
+    cfg: Config, dataset: TokenDataset
+) -> tuple[BatchPlanner, BlockBudget | None, np.ndarray | None]:
+    """The planner of every epoch's batches, the drafter's block budget it packs under, and the
+    held-out sample ids it never plans (data.val_samples; None without a split). Tools that
+    replay a run's batches (scripts/check_fast_path.py) take them from here."""
     budget = block_budget_for(
         cfg.scheduler, num_anchors=cfg.drafter.num_anchors, block_size=cfg.drafter.block_size
     )
@@ -105,6 +105,16 @@ def build_schedule(checked: Checked, models: Models) -> Schedule:
     planner = BatchPlanner(
         dataset.lengths, cfg.scheduler, seed=cfg.seed, block_budget=budget, held_out=val_ids
     )
+    return planner, budget, val_ids
+
+
+def build_schedule(checked: Checked, models: Models) -> Schedule:
+    """The training samples, the held-out split and every epoch's batch plan."""
+    cfg = checked.config
+    dataset, prep_stats = load_training_data(cfg, models.targets[0])
+    if prep_stats is not None:
+        log.info("data: %s", "; ".join(line.strip() for line in prep_stats.lines()))
+    planner, budget, val_ids = plan_batches(cfg, dataset)
     replicas = len(models.drafters) * checked.process_group.world_size
     return Schedule(dataset, planner, budget, val_ids, total_steps_for(cfg, planner, replicas))
 

@@ -31,10 +31,10 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from dflash.build import plan_batches  # noqa: E402
 from dflash.config_checks import resolve_layer_ids  # noqa: E402
 from dflash.data.collate import collate  # noqa: E402
 from dflash.data.dataset import TokenDataset  # noqa: E402
-from dflash.data.schedule import BatchPlanner, block_budget_for  # noqa: E402
 from dflash.models.target import FrozenTarget, load_target_config  # noqa: E402
 from dflash.models.target_head import TargetHead  # noqa: E402
 from dflash.run_inputs import load_training_data  # noqa: E402
@@ -63,10 +63,7 @@ class Setup:
         layer_ids = resolve_layer_ids(cfg, load_target_config(target_cfg).num_hidden_layers)
         target = FrozenTarget.from_config(target_cfg, layer_ids, device)
         dataset, _ = load_training_data(cfg, target)
-        budget = block_budget_for(
-            cfg.scheduler, num_anchors=cfg.drafter.num_anchors, block_size=cfg.drafter.block_size
-        )
-        planner = BatchPlanner(dataset.lengths, cfg.scheduler, seed=cfg.seed, block_budget=budget)
+        planner, _, _ = plan_batches(cfg, dataset)  # the run's own plan, held-out split left out
         plans = [planner.at(i) for i in range(steps)]
         return cls(base, target, TargetHead.of(target), layer_ids, dataset, plans)
 

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 
 from dflash.step_variants import STEP_VARIANTS
+from dflash.trainer.validation import held_out_ids
 
 SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "check_fast_path.py"
 
@@ -27,8 +28,16 @@ def load_script():
 
 def test_the_fused_loss_matches_the_reference_and_a_different_step_does_not(tmp_path, data_cache):
     check = load_script()
-    overrides = ["data.num_samples=48", f"paths.output_dir={tmp_path}", f"paths.cache_dir={data_cache}"]
+    overrides = [
+        "data.num_samples=48",
+        "data.val_samples=4",
+        f"paths.output_dir={tmp_path}",
+        f"paths.cache_dir={data_cache}",
+    ]
     setup = check.Setup.load(overrides, steps=6, device=torch.device("cpu"))
+    # The run's own batches: the held-out split is never trained on here either.
+    held_out = set(held_out_ids(len(setup.dataset), 4, seed=0).tolist())
+    assert held_out and not held_out & {i for plan in setup.plans for i in plan.sample_ids}
     variants = {
         "reference": STEP_VARIANTS["reference"],
         "fused": STEP_VARIANTS["fused"],
