@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 
 from dflash.tools.compose import compose_config
 from tests.conftest import FAST, SLOW_MACHINE_TIMEOUT_S
@@ -95,6 +96,35 @@ def test_sigterm_during_the_final_evaluation_says_so_and_keeps_what_it_has(tmp_p
     record = json.loads((run_dir / "run.json").read_text())
     assert record["status"] == "INTERRUPTED" and record["signal"] == "SIGTERM"
     assert record["metrics"]["eval/interrupted"] is True
+
+
+@pytest.mark.parametrize("pipeline", ["sync", "async"])
+def test_sigterm_during_a_periodic_evaluation_abandons_it_and_checkpoints_at_once(
+    tmp_path, data_cache, pipeline
+):
+    """A preempted job has seconds: the stop must not wait for an evaluation of 400 prompts."""
+    run_dir = tmp_path / "run"
+    args = FAST + [
+        f"pipeline={pipeline}",
+        f"paths.cache_dir={data_cache}",
+        f"hydra.run.dir={run_dir}",
+        "train.total_steps=200",
+        "logger.every_steps=1",
+        "eval.every_steps=2",
+        "eval.periodic_num_prompts=400",  # minutes on these cores: caught in the middle
+        "eval.max_new_tokens=32",
+    ]
+    proc = cli(args)
+    wait_for_lines(run_dir / "metrics.jsonl", 2, proc)
+    time.sleep(2.0)  # the step-2 snapshot's evaluation has begun
+    proc.send_signal(signal.SIGTERM)
+    output, error = proc.communicate(timeout=CLI_TIMEOUT_S)
+    assert proc.returncode == 128 + signal.SIGTERM, error[-3000:]
+    assert re.search(r"evaluation of the step \d+ snapshot abandoned: stop requested", output + error)
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert not any("eval/tau" in row for row in rows)  # a partial evaluation is not logged
+    stopped_at = torch.load(run_dir / "checkpoints" / "last" / "trainer_state.pt", weights_only=True)
+    assert 2 <= stopped_at["position"]["step"] < 200
 
 
 def run_tool(args: list[str], env: dict | None = None) -> subprocess.CompletedProcess:

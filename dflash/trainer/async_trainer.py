@@ -298,7 +298,7 @@ class AsyncTrainer:
                     time.sleep(self.cfg.poll_interval_s)
                     self.monitor.maybe_tick()
                     if self.periodic_eval is not None:
-                        self.periodic_eval.run_pending()
+                        self.periodic_eval.run_pending(should_stop=stop.is_set)
             finally:
                 if stop_signum is not None:
                     # Let drafters finish the step they are in, then unblock whoever waits.
@@ -310,7 +310,7 @@ class AsyncTrainer:
         if self._failure is not None:
             raise self._failure[1]
         self.monitor.maybe_tick(wait=True, force=True)
-        if self.periodic_eval is not None:
+        if self.periodic_eval is not None and stop_signum is None:
             self.periodic_eval.run_pending()  # the snapshot of the last steps, if still waiting
         steps = {loop.step for loop in self.loops}
         assert len(steps) == 1, f"drafter replicas stopped at different steps: {steps}"

@@ -7,7 +7,9 @@ main thread evaluates the copy on the held-out prompts between monitor ticks and
 `data.val_samples`, the held-out `val/` metrics at that step. In the
 async pipeline the target and drafter threads keep running meanwhile (the frozen target is
 only read, so concurrent forwards are safe). If an evaluation is still pending when the next
-snapshot is due, that snapshot is skipped and counted rather than queued.
+snapshot is due, that snapshot is skipped and counted rather than queued. A stop signal ends
+an evaluation at the next prompt, unlogged: a preempted job has seconds to write its checkpoint,
+and the first evaluation of a run (graph captures, compiles) can take a minute.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from __future__ import annotations
 import copy
 import logging
 import queue
+from collections.abc import Callable
 
 import torch
 
@@ -48,6 +51,7 @@ class PeriodicEval:
         self._snapshots: queue.Queue = queue.Queue(maxsize=1)
         self.skipped = 0
         self.evaluated_steps: list[int] = []
+        self.abandoned_steps: list[int] = []
         self.monitor: Monitor | None = None  # attached by the builder
 
     def offer(self, step: int, drafter: DFlashDrafter) -> None:
@@ -65,8 +69,9 @@ class PeriodicEval:
             ready.record()
         self._snapshots.put_nowait((step, weights, ready))
 
-    def run_pending(self) -> None:
-        """Main thread: evaluate the waiting snapshot, if any, and log its metrics."""
+    def run_pending(self, should_stop: Callable[[], bool] | None = None) -> None:
+        """Main thread: evaluate the waiting snapshot, if any, and log its metrics; `should_stop`
+        (a stop signal) abandons the evaluation between prompts."""
         try:
             step, weights, ready = self._snapshots.get_nowait()
         except queue.Empty:
@@ -79,7 +84,13 @@ class PeriodicEval:
             # before it is freed and that stream reuses it.
             torch.cuda.current_stream(self.target.device).synchronize()
         del weights
-        report = evaluate(self.target, self.eval_drafter, self.prompt_sets, self.cfg, timing=False)
+        report = evaluate(
+            self.target, self.eval_drafter, self.prompt_sets, self.cfg, timing=False, should_stop=should_stop
+        )
+        if report.interrupted:
+            self.abandoned_steps.append(step)
+            log.warning("evaluation of the step %d snapshot abandoned: stop requested", step)
+            return
         metrics = report.metrics()
         if self.validation is not None:
             metrics.update(self.validation.run(self.target, self.eval_drafter))

@@ -140,7 +140,7 @@ class SyncTrainer:
                 self.monitor.maybe_tick()
                 if self.periodic_eval is not None:
                     self.periodic_eval.offer(step, self.drafter)
-                    self.periodic_eval.run_pending()
+                    self.periodic_eval.run_pending(should_stop=stop.is_set)
                 if self.cadence.checkpoints_at(step):
                     self.save()
         self.train_wall_s = time.perf_counter() - started
