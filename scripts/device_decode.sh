@@ -5,7 +5,8 @@
 # .gguf_b/part: a call carries at most 64 MiB) and .chain/prompts.jsonl.gz.
 #   PARTS="stage_a tests bench" bash scripts/device_decode.sh      (first call, carries .gguf_a)
 #   PARTS="join regen_bench chain_regen" ...                       (next call at once, .gguf_b)
-#   PARTS="chain_train" ...   (next call at once; repeat at once to train on: it resumes)
+#   PARTS="chain_train" ...   (next call at once; repeat at once to train on: it resumes;
+#     "join chain_regen chain_train" DEADLINE=560 trains for what is left of the call)
 #   PARTS="chain_eval" ...    (next call at once)
 #   PARTS="check" ...  after chain_regen: scripts/check_fast_path.py on the regenerated data (every
 #     step variant beside the reference: gradients at init, then 150 steps of curves)
@@ -51,8 +52,9 @@ chain_regen)
     timeout ${REGEN_TIMEOUT:-300} bash scripts/smollm2_chain.sh $W/chain > "$OUT/chain_regen.log" 2>&1
   tail -12 "$OUT/chain_regen.log"; wc -l $W/chain/regen.jsonl ;;
 chain_train)
-  # A time limit stops training with a checkpoint; the next chain_train resumes from it.
-  STAGES="prep train" TARGET=$GGUF timeout ${TRAIN_TIMEOUT:-540} bash scripts/smollm2_chain.sh $W/chain \
+  # A time limit stops training with a checkpoint; the next chain_train resumes from it. DEADLINE
+  # (seconds since this script started) sets the limit when other parts ran first in this call.
+  STAGES="prep train" TARGET=$GGUF timeout ${TRAIN_TIMEOUT:-$(( ${DEADLINE:-560} - SECONDS ))} bash scripts/smollm2_chain.sh $W/chain \
     logger=jsonl ${TRAIN_ARGS:-} > "$OUT/chain_train.log" 2>&1
   tail -40 "$OUT/chain_train.log"
   mkdir -p "$OUT/chain"
