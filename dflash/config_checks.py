@@ -21,7 +21,7 @@ OBJECTIVE_PATTERNS = (
     r"steps|wall_s|replicas|node_gpus|(target|drafter)_compiled_graphs",
     r"perf/(samples|tokens)_per_s",
     r"train/(loss|acc)(_first_window)?|train/tau_(sim|block)",
-    r"val/(loss|acc|tau_sim|tau_block)|val_samples",
+    r"val/(loss|acc|tau_sim|tau_block|tau_decode)|val_samples",
     r"eval/(tau|num_prompts|lossless_frac|divergence_max_logit_gap)",
     r"eval/accept_len_\d+_frac",
     r"eval/[^/]+/(tau|speedup)(_t[0-9.e+-]+)?",
@@ -103,7 +103,7 @@ def validate(
     if not is_summary_metric(cfg.objective):
         raise ValueError(
             f"objective={cfg.objective!r} is not a summary metric; use one of train/loss, train/acc, "
-            "train/tau_sim, val/tau_sim, eval/tau, eval/lossless_frac, eval/<benchmark>/tau, eval/<benchmark>/speedup, "
+            "train/tau_sim, val/tau_sim, val/tau_decode, eval/tau, eval/lossless_frac, eval/<benchmark>/tau, eval/<benchmark>/speedup, "
             "roles/drafter_busy_frac, perf/samples_per_s, ... (the numeric keys of summary.json)"
         )
     if cfg.logger.every_steps < 1:

@@ -28,6 +28,7 @@ class LossStats:
     counted: torch.Tensor  # [block_size] supervised predictions per block position
     accepted: torch.Tensor  # scalar, sum over blocks of the leading run of correct predictions
     blocks: torch.Tensor  # scalar, blocks whose first prediction is supervised
+    rounds: torch.Tensor  # scalar, sum over those blocks of 1 / (1 + leading run): see block_acceptance
 
     def loss(self) -> torch.Tensor:
         # A batch without a single supervised position has weighted_ce == 0 exactly, so the
@@ -158,7 +159,9 @@ def draft_loss(
         per_position = (blocks.labels.shape[0], -1, blocks.block_size)
         correct = hit.view(per_position).sum(dim=(0, 1)).float()
         counted = blocks.valid.view(per_position).sum(dim=(0, 1)).float()
-        accepted, counted_blocks = block_acceptance(hit.view(per_position), blocks.valid.view(per_position))
+        accepted, counted_blocks, rounds = block_acceptance(
+            hit.view(per_position), blocks.valid.view(per_position)
+        )
     return LossStats(
         weighted_ce=weighted_ce,
         weight=blocks.weights.sum(),
@@ -166,25 +169,41 @@ def draft_loss(
         counted=counted,
         accepted=accepted,
         blocks=counted_blocks,
+        rounds=rounds,
     )
 
 
-def block_acceptance(hit_BAK: torch.Tensor, valid_BAK: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum over blocks of the leading run of correct predictions, number of blocks), for blocks
-    whose first prediction is supervised. Greedy verification accepts exactly that run, so
-    1 + sum / blocks is the tau decoding would get on these contexts: unlike tau_sim (a product
-    of per-position accuracies, as if positions were independent) it keeps how a block's hits
-    go together. A block cut by the end of its sample ends its run there, and so does a position
-    noise=mask_ramp kept unmasked (it carries no label): train/tau_block reads low under that
-    noise; validation draws no kept positions."""
+def block_acceptance(
+    hit_BAK: torch.Tensor, valid_BAK: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(sum over blocks of the leading run of correct predictions, number of blocks, sum over
+    blocks of 1 / (1 + run)), for blocks whose first prediction is supervised. Greedy
+    verification accepts exactly that run, so 1 + run is what a round anchored there produces:
+    unlike tau_sim (a product of per-position accuracies, as if positions were independent) it
+    keeps how a block's hits go together. A block cut by the end of its sample ends its run
+    there, and so does a position noise=mask_ramp kept unmasked (it carries no label):
+    train/tau_block reads low under that noise; validation draws no kept positions.
+
+    The third sum is for `tau_from_rounds`: anchors sit at positions drawn uniformly, but a
+    decoder anchors each round where the last one ended, so it crosses an easy stretch (long
+    runs) in few rounds and spends most of its rounds in hard stretches."""
     run = hit_BAK[:, :, 1:].to(torch.int32).cumprod(dim=2).sum(dim=2)  # position 0 is the anchor
-    counted = valid_BAK[:, :, 1]
-    return (run * counted).sum().float(), counted.sum().float()
+    counted = valid_BAK[:, :, 1].float()
+    return (run * counted).sum().float(), counted.sum(), (counted / (1 + run)).sum()
 
 
 def tau_from_runs(accepted: float, blocks: float) -> float:
     """tau_block = 1 + the mean leading run of correct predictions (see `block_acceptance`)."""
     return 1.0 + accepted / blocks if blocks > 0 else float("nan")
+
+
+def tau_from_rounds(blocks: float, rounds: float) -> float:
+    """tau_decode = blocks / sum of 1 / (1 + run): the harmonic mean of what a round anchored at
+    each sampled position produces. Where that length L changes slowly along a sequence, a
+    decoder walking it spends 1 / L rounds per token, so tokens / rounds is this harmonic mean;
+    tau_block, the arithmetic mean, weighs easy stretches as much as hard ones and reads high
+    whenever acceptance varies along the text (see `block_acceptance`)."""
+    return blocks / rounds if rounds > 0 else float("nan")
 
 
 def tau_from_accuracy(acc_per_position: list[float]) -> float:

@@ -118,8 +118,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"train accuracy    {summary['train/acc_first_window']:.3f} -> {summary['train/acc']:.3f}",
         f"tau (simulated)   {summary['train/tau_sim']:.3f} (block runs {summary['train/tau_block']:.3f})"
         + (
-            f" on training batches; {summary['val/tau_sim']:.3f} (block runs {summary['val/tau_block']:.3f})"
-            f" on {summary['val_samples']} held-out samples"
+            f" on training batches; {summary['val/tau_sim']:.3f} (block runs {summary['val/tau_block']:.3f},"
+            f" as decoding meets them {summary['val/tau_decode']:.3f}) on {summary['val_samples']} held-out samples"
             if "val/tau_sim" in summary
             else ""
         ),

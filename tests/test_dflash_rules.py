@@ -11,7 +11,7 @@ from transformers import AutoConfig
 
 from dflash.blocks import block_attention_mask, build_blocks, position_weights, sample_anchors, sample_rng
 from dflash.config.schema import DrafterConfig
-from dflash.loss import block_acceptance, draft_loss, tau_from_accuracy, tau_from_runs
+from dflash.loss import block_acceptance, draft_loss, tau_from_accuracy, tau_from_rounds, tau_from_runs
 from dflash.models.drafter import DFlashDrafter, drafter_config
 from dflash.models.layer_ids import default_target_layer_ids
 from dflash.models.target import FrozenTarget
@@ -297,11 +297,31 @@ def test_tau_block_counts_each_blocks_leading_run_of_hits():
     T, F = True, False
     hits = torch.tensor([[[F, T, T, F], [F, T, F, T], [F, F, T, T], [F, T, T, T]]])
     valid = torch.tensor([[[F, T, T, T], [F, T, T, T], [F, T, T, T], [F, F, F, F]]])  # last: padding
-    accepted, blocks = block_acceptance(hits & valid, valid)
+    accepted, blocks, rounds = block_acceptance(hits & valid, valid)
     assert (accepted.item(), blocks.item()) == (3.0, 3.0)  # runs 2, 1, 0; the padding block not counted
     assert tau_from_runs(3.0, 3.0) == 2.0
+    assert rounds.item() == pytest.approx(1 / 3 + 1 / 2 + 1 / 1)  # 1 / (1 + run) per counted block
     # The same three blocks through per-position accuracies (2/3 at each position): 2.41.
     assert tau_from_accuracy([float("nan"), 2 / 3, 2 / 3, 2 / 3]) == pytest.approx(1 + 2 / 3 + 4 / 9 + 8 / 27)
+
+
+def test_tau_decode_is_tokens_per_round_of_a_decoder_walking_the_text():
+    """A decoder anchors each round where the last ended. Along a text whose acceptance length
+    L(p) is 16 for 320 positions then 1 for 320 (an easy stretch, then a hard one), walking it
+    takes 20 + 320 rounds for 640 tokens: tau 1.88. Anchors at every position (what validation
+    samples) average to tau_block 8.5; their harmonic mean, tau_decode, is the walk's figure."""
+    lengths = [16] * 320 + [1] * 320
+    position = rounds = 0
+    while position < len(lengths):
+        position += lengths[position]
+        rounds += 1
+    walked = len(lengths) / rounds
+    runs = torch.tensor(lengths) - 1
+    hits = torch.arange(16)[None, :] <= runs[:, None]  # position 0 (the anchor) unused
+    valid = torch.ones_like(hits)
+    accepted, blocks, rounds_sum = block_acceptance(hits[None], valid[None])
+    assert tau_from_runs(accepted.item(), blocks.item()) == pytest.approx(8.5)
+    assert tau_from_rounds(blocks.item(), rounds_sum.item()) == pytest.approx(walked, rel=1e-3)
 
 
 def test_train_tau_block_pools_the_runs_of_every_step_and_replica():
@@ -322,6 +342,7 @@ def test_train_tau_block_pools_the_runs_of_every_step_and_replica():
             counted=torch.ones(4),
             accepted=torch.tensor(accepted),
             blocks=torch.tensor(blocks),
+            rounds=torch.tensor(blocks),
         )
 
     batch = Batch(

@@ -85,6 +85,7 @@ def test_smollm2_regen_prep_train_eval(tmp_path, data_cache):
     summary = json.loads((tmp_path / "train" / "summary.json").read_text())
     assert summary["steps"] == 6 and summary["eval/lossless_frac"] == 1.0
     assert summary["val_samples"] == 2 and summary["val/tau_sim"] >= 1.0  # measured on unseen samples
+    assert 1.0 <= summary["val/tau_decode"] <= summary["val/tau_block"]  # a harmonic mean <= the mean
 
     out = run_tool(
         "dflash-eval",

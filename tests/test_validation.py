@@ -87,6 +87,7 @@ def test_validation_metrics_are_the_training_definitions_on_the_held_out_blocks(
     acc = [c / n if n else float("nan") for c, n in zip(correct, counted)]  # position 0: no label
     assert metrics["val/tau_sim"] == pytest.approx(tau_from_accuracy(acc))
     assert runs and metrics["val/tau_block"] == pytest.approx(1 + sum(runs) / len(runs))
+    assert metrics["val/tau_decode"] == pytest.approx(len(runs) / sum(1 / (1 + run) for run in runs))
 
 
 def test_a_copy_of_a_compiled_drafter_is_eager_and_no_grad_runs_eagerly():

@@ -135,8 +135,9 @@ class DataConfig:
     min_supervised_tokens: int = 16
     # conversations: tokenizer processes (datasets.map num_proc); null: in this process.
     num_proc: Optional[int] = None
-    # Samples held out of training (chosen by `seed`): val/loss, val/acc, val/tau_sim and
-    # val/tau_block measure the drafter on them at every periodic evaluation and at the end.
+    # Samples held out of training (chosen by `seed`): val/loss, val/acc, val/tau_sim,
+    # val/tau_block and val/tau_decode (the one to set beside decoding's tau) measure the drafter
+    # on them at every periodic evaluation and at the end.
     # 0: no validation split.
     val_samples: int = 0
     # synthetic: random prompts continued greedily by the target.

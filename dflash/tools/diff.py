@@ -41,6 +41,7 @@ METRICS = (
     "train/tau_block",
     "val/tau_sim",
     "val/tau_block",
+    "val/tau_decode",
     "eval/tau",
     "eval/lossless_frac",
     "wall_s",

@@ -164,7 +164,12 @@ def plot_acceptance(rows: list[dict], save) -> None:
     ax_tau.plot(*series(rows, "train/tau_sim"), color="gray", label="train tau_sim")
     # Block runs (what verification accepts on training contexts) and the held-out split's
     # figures, where the run logged them: the gap between these and eval tau is new prompts'.
-    for key, style in (("train/tau_block", "-"), ("val/tau_sim", ":"), ("val/tau_block", "-.")):
+    for key, style in (
+        ("train/tau_block", "-"),
+        ("val/tau_sim", ":"),
+        ("val/tau_block", "-."),
+        ("val/tau_decode", (0, (1, 4))),
+    ):
         steps, values = series(rows, key)
         if len(values):
             ax_tau.plot(

@@ -8,6 +8,8 @@ drawn for epoch 0 so every measurement sees the same blocks, no noise), at each 
 evaluation and at the end of the run. `val/tau_block` is 1 + the mean leading run of correct
 predictions per block (`loss.block_acceptance`): what greedy verification would accept on these
 contexts, where tau_sim multiplies per-position accuracies as if they were independent.
+`val/tau_decode` weighs those blocks as a decoder meets them (`loss.tau_from_rounds`): the
+figure to set beside the tau that decoding held-out prompts measures.
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ from dflash.block_mask import tiles_for
 from dflash.data.collate import collate
 from dflash.data.dataset import TokenDataset
 from dflash.data.schedule import BlockBudget, PlannedBatch, pack_bucket
-from dflash.loss import tau_from_accuracy, tau_from_runs
+from dflash.loss import tau_from_accuracy, tau_from_rounds, tau_from_runs
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import FrozenTarget
 from dflash.models.target_head import TargetHead
@@ -65,8 +67,8 @@ class Validation:
             drafter = copy.deepcopy(drafter).to(device)
         head = TargetHead.of(target)
         block_size = drafter.block_size
-        # weighted CE, weight, accepted, blocks, correct [block_size], counted [block_size]
-        sums = torch.zeros(4 + 2 * block_size, device=device)
+        # weighted CE, weight, accepted, blocks, rounds, correct [block_size], counted [block_size]
+        sums = torch.zeros(5 + 2 * block_size, device=device)
         for plan in self.batches:
             batch = collate(self.dataset, plan)
             blocks = make_blocks(batch, drafter, self.settings, keep_fraction=0.0)
@@ -81,9 +83,11 @@ class Validation:
                 logits_chunk=self.settings.logits_chunk,
                 tiles=tiles,
             )
-            scalars = torch.stack([stats.weighted_ce, stats.weight, stats.accepted, stats.blocks])
+            scalars = torch.stack(
+                [stats.weighted_ce, stats.weight, stats.accepted, stats.blocks, stats.rounds]
+            )
             sums += torch.cat([scalars, stats.correct, stats.counted])
-        weighted_ce, weight, accepted, blocks, *rest = sums.tolist()
+        weighted_ce, weight, accepted, blocks, rounds, *rest = sums.tolist()
         correct, counted = rest[:block_size], rest[block_size:]
         acc = [c / n if n > 0 else float("nan") for c, n in zip(correct, counted)]
         return {
@@ -91,4 +95,5 @@ class Validation:
             "val/acc": sum(correct[1:]) / max(1.0, sum(counted[1:])),
             "val/tau_sim": tau_from_accuracy(acc),
             "val/tau_block": tau_from_runs(accepted, blocks),
+            "val/tau_decode": tau_from_rounds(blocks, rounds),
         }
