@@ -6,6 +6,7 @@ Nothing here reads a device value on the host; the step's sums go to `StepMetric
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass
 
@@ -155,10 +156,23 @@ class DrafterStep:
         self.optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
-    def __call__(self, batch: Batch, features_BSF: torch.Tensor, step: int) -> int:
-        """One step of a single replica (the sync trainer); returns the number of anchors."""
+    def __call__(
+        self,
+        batch: Batch,
+        features_BSF: torch.Tensor,
+        step: int,
+        reduce_gradients: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None = None,
+    ) -> int:
+        """One training step; returns the number of anchors. Both pipelines call it.
+
+        reduce_gradients(drafter, weight): with replicas, sums every replica's gradients into
+        this one's and returns the summed loss weight (the asynchronous pipeline's
+        `ReplicaGradSync`); None for a single replica, whose own weight is the total."""
         stats, num_anchors = self.forward_backward(batch, features_BSF, step)
-        grad_norm = self.apply(stats.weight)
+        total_weight = (
+            stats.weight if reduce_gradients is None else reduce_gradients(self.drafter, stats.weight)
+        )
+        grad_norm = self.apply(total_weight)
         self.metrics.add(stats, grad_norm, batch, num_anchors)
         return num_anchors
 

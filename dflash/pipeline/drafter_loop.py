@@ -181,6 +181,9 @@ class DrafterLoop:
             # this device's current stream (the replica's) wait for it.
             return features.to(self.device, non_blocking=True)
 
+    def _all_reduce(self, drafter: torch.nn.Module, weight: torch.Tensor) -> torch.Tensor:
+        return self.grad_sync.all_reduce(self.replica, drafter, weight)
+
     def drain_windows(self, wait: bool = False) -> list[MetricWindow]:
         """Completed metric windows, oldest first. Never waits on the device unless `wait`
         (once the threads have stopped, so the last window is not lost)."""
@@ -207,10 +210,7 @@ class DrafterLoop:
                 features = self._receive(packet)
                 span = DeviceSpan.start(self.device)
                 step_fn = self.step_fn
-                stats, anchors = step_fn.forward_backward(packet.batch, features, self.step)
-                total_weight = self.grad_sync.all_reduce(self.replica, step_fn.drafter, stats.weight)
-                grad_norm = step_fn.apply(total_weight)
-                step_fn.metrics.add(stats, grad_norm, packet.batch, anchors)
+                anchors = step_fn(packet.batch, features, self.step, reduce_gradients=self._all_reduce)
                 span.stop()
                 self.step += 1
                 self.on_consumed(packet.seq)
