@@ -31,6 +31,7 @@ from dflash.run_inputs import load_training_data
 from dflash.step import BlockSettings, DrafterStep
 from dflash.step_build import build_drafter, build_step_fn, uses_compile
 from dflash.trainer.async_trainer import AsyncTrainer, FaultInjection
+from dflash.trainer.lifecycle import Trainer
 from dflash.trainer.periodic_eval import PeriodicEval
 from dflash.trainer.state import CheckpointSettings
 from dflash.trainer.sync import SyncTrainer
@@ -141,7 +142,7 @@ def build_trainer(
     schedule: Schedule,
     step_fns: list[DrafterStep],
     faults: FaultInjection | None,
-) -> SyncTrainer | AsyncTrainer:
+) -> Trainer:
     cfg = checked.config
     stop_after = min(schedule.total_steps, cfg.debug.max_steps or schedule.total_steps)
     checkpoints = CheckpointSettings(
@@ -172,7 +173,7 @@ def build_trainer(
 
 
 def attach_observers(
-    trainer: SyncTrainer | AsyncTrainer,
+    trainer: Trainer,
     *,
     checked: Checked,
     models: Models,
@@ -194,7 +195,7 @@ def attach_observers(
         if is_main
         else []
     )
-    trainer.monitor = Monitor(cfg.monitor, sinks, trainer, trainer.stop_after)
+    monitor = Monitor(cfg.monitor, sinks, trainer, trainer.stop_after)
     validation = None
     if schedule.val_ids is not None and is_main:
         validation = Validation(
@@ -204,15 +205,17 @@ def attach_observers(
             tokens_per_batch=cfg.scheduler.tokens_per_batch,
             block_budget=schedule.budget,
         )
+    periodic_eval = None
     if checked.periodic_prompts is not None and is_main:
-        trainer.periodic_eval = PeriodicEval(
+        periodic_eval = PeriodicEval(
             cfg=cfg.eval,
             target=models.targets[0],
             drafter=models.drafters[0],
             prompt_sets=checked.periodic_prompts,
+            monitor=monitor,
             validation=validation,
         )
-        trainer.periodic_eval.monitor = trainer.monitor
+    trainer.attach(monitor=monitor, periodic_eval=periodic_eval)
     return validation
 
 

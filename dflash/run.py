@@ -19,9 +19,8 @@ from dflash.eval_report import lossless_line
 from dflash.evaluate import evaluate
 from dflash.models.compile import CompileCounter
 from dflash.pipeline.roles import role_lines
-from dflash.trainer.async_trainer import AsyncTrainer
+from dflash.trainer.lifecycle import Trainer
 from dflash.trainer.signals import StopRequested, stop_on_signals
-from dflash.trainer.sync import SyncTrainer
 from dflash.trainer.validation import Validation
 
 log = logging.getLogger(__name__)
@@ -31,7 +30,7 @@ log = logging.getLogger(__name__)
 class Run:
     cfg: Config
     run_dir: Path
-    trainer: SyncTrainer | AsyncTrainer
+    trainer: Trainer
     total_steps: int  # the LR schedule spans these
     process_group: ProcessGroupInfo
     eval_prompts: list[PromptSet]  # the end-of-training evaluation

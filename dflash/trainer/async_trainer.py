@@ -1,14 +1,12 @@
 """The asynchronous trainer (`pipeline=async`): starts the pipeline threads, watches them from the
-main thread, logs metric windows, and stops everything on completion, failure or a signal.
+main thread, and stops everything on completion, failure or a signal; the lifecycle around that
+(signals, final checkpoint, replica check) is `Trainer`'s.
 
     feed thread ─► collate workers ─► per-device queues ─► TargetWorker x T ─► HiddenStateQueue ─► DrafterLoop x D
 
 Failure rule: the first exception in any thread is recorded, every queue is closed and the
 gradient barrier aborted (so no thread stays blocked), all threads are joined, and the main
 thread re-raises that exception with its original traceback. No thread outlives `run()`.
-
-Slightly over the package's 300-line guide: the threads' construction, start, watch and
-shutdown order stay in one file, where the failure rule above can be checked by reading.
 """
 
 from __future__ import annotations
@@ -21,24 +19,20 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash.cadence import Cadence
 from dflash.config.schema import PipelineConfig
 from dflash.data.dataset import TokenDataset
 from dflash.data.schedule import BatchPlanner
 from dflash.distributed import ProcessGroupInfo
 from dflash.models.target import FrozenTarget
-from dflash.monitor.monitor import Monitor
+from dflash.pipeline.counters import WorkCounters
 from dflash.pipeline.drafter_loop import DrafterLoop, ReplicaGradSync
 from dflash.pipeline.prefetch import BatchPrefetcher
 from dflash.pipeline.queues import HiddenStateQueue, QueueClosed
-from dflash.pipeline.replicas import check_replicas_identical
-from dflash.pipeline.roles import role_summary
 from dflash.pipeline.target_worker import TargetWorker
 from dflash.step import DrafterStep
 from dflash.step_metrics import MetricWindow
-from dflash.trainer import state
-from dflash.trainer.periodic_eval import PeriodicEval
-from dflash.trainer.signals import StopRequested, stop_on_signals
+from dflash.trainer.lifecycle import Trainer
+from dflash.trainer.signals import StopSignal
 from dflash.trainer.state import CheckpointSettings, DataPosition
 
 log = logging.getLogger(__name__)
@@ -72,7 +66,7 @@ class FaultInjection:
     drafter_at_step: int | None = None
 
 
-class AsyncTrainer:
+class AsyncTrainer(Trainer):
     def __init__(
         self,
         *,
@@ -88,37 +82,24 @@ class AsyncTrainer:
         faults: FaultInjection | None = None,
         process_group: ProcessGroupInfo | None = None,
     ):
-        self.targets, self.step_fns = targets, step_fns
-        self.step_fn = step_fns[0]  # replicas are identical: replica 0 speaks for all
-        self.drafter = self.step_fn.drafter
-        self.target = targets[0]
-        self.dataset, self.planner = dataset, planner
-        self.stop_after, self.checkpoints = stop_after, checkpoints
-        self.cadence = Cadence(
-            stop_after=stop_after, log_every=log_every, checkpoint_every=checkpoints.every_steps
+        super().__init__(
+            step_fns=step_fns,
+            dataset=dataset,
+            planner=planner,
+            stop_after=stop_after,
+            log_every=log_every,
+            checkpoints=checkpoints,
+            process_group=process_group,
         )
+        self.targets = targets
+        self.target = targets[0]
         self.cfg, self.max_length = cfg, max_length
         self.faults = faults or FaultInjection()
-        self.process_group = process_group or ProcessGroupInfo()
-        self.monitor: Monitor | None = None  # attached by the builder
-        self.periodic_eval: PeriodicEval | None = None  # attached by the builder (eval.every_steps)
         self._pending: dict[int, dict[int, MetricWindow]] = defaultdict(dict)
-        self.position = DataPosition()
         self._failure: tuple[str, BaseException] | None = None
         self._failure_lock = threading.Lock()
         self.threads: list[threading.Thread] = []
         self.prefetcher: BatchPrefetcher | None = None
-        self.train_wall_s = 0.0  # from the threads' start to the last drafter step
-        self.replica_digest: str | None = None  # what every replica of every process agreed on
-
-    # -- checkpoints -------------------------------------------------------------------------
-    def restore(self, directory) -> None:
-        self.position = state.restore(directory, self.step_fns)
-
-    def save(self):
-        if self.process_group.is_main:  # every rank holds the same weights; one writes them
-            return state.save(self.checkpoints, self.step_fn, self.position)
-        return None
 
     # -- construction ------------------------------------------------------------------------
     def _build(self) -> None:
@@ -257,12 +238,8 @@ class AsyncTrainer:
             stats.update(worker.counters.stats())
         return stats
 
-    def role_summary(self) -> dict[str, float]:
-        return role_summary(
-            targets=[w.counters for w in self.workers],
-            drafters=[loop.counters for loop in self.loops],
-            wall_s=self.train_wall_s,
-        )
+    def _role_counters(self) -> tuple[list[WorkCounters], list[WorkCounters]]:
+        return [w.counters for w in self.workers], [loop.counters for loop in self.loops]
 
     def role_devices(self) -> dict[str, list[torch.device]]:
         return {"target": [t.device for t in self.targets], "drafter": [s.device for s in self.step_fns]}
@@ -274,48 +251,38 @@ class AsyncTrainer:
             if self.cfg.warmup:
                 self._warm_up()
 
-    def run(self) -> None:
-        self.prepare()
+    def _train(self, stop: StopSignal) -> int | None:
         stop_signum = None
-        started = time.perf_counter()
-        with stop_on_signals() as stop:
-            self._spawn("feed", self.prefetcher.feed)
-            for i in range(self.cfg.num_workers):
-                self._spawn(f"collate{i}", self.prefetcher.work)
-            for worker in self.workers:
-                self._spawn(f"target{worker.index}", worker.run)
-            drafter_threads = len(self.threads)
-            for loop in self.loops:
-                self._spawn(f"drafter{loop.replica}", loop.run)
-            drafters = self.threads[drafter_threads:]
-            try:
-                while any(t.is_alive() for t in drafters) and self._failure is None:
-                    if stop.is_set() and stop_signum is None:
-                        stop_signum = stop.signum
-                        log.warning("stop requested: finishing the current step, then a checkpoint")
-                        for loop in self.loops:
-                            loop.stop_requested.set()
-                    time.sleep(self.cfg.poll_interval_s)
-                    self.monitor.maybe_tick()
-                    if self.periodic_eval is not None:
-                        self.periodic_eval.run_pending(should_stop=stop.is_set)
-            finally:
-                if stop_signum is not None:
-                    # Let drafters finish the step they are in, then unblock whoever waits.
-                    for thread in drafters:
-                        thread.join(self.cfg.shutdown_timeout_s)
-                self._close_everything()
-                self._join_all()
-        self.train_wall_s = time.perf_counter() - started
+        self._spawn("feed", self.prefetcher.feed)
+        for i in range(self.cfg.num_workers):
+            self._spawn(f"collate{i}", self.prefetcher.work)
+        for worker in self.workers:
+            self._spawn(f"target{worker.index}", worker.run)
+        drafter_threads = len(self.threads)
+        for loop in self.loops:
+            self._spawn(f"drafter{loop.replica}", loop.run)
+        drafters = self.threads[drafter_threads:]
+        try:
+            while any(t.is_alive() for t in drafters) and self._failure is None:
+                if stop.is_set() and stop_signum is None:
+                    stop_signum = stop.signum
+                    log.warning("stop requested: finishing the current step, then a checkpoint")
+                    for loop in self.loops:
+                        loop.stop_requested.set()
+                time.sleep(self.cfg.poll_interval_s)
+                self._observe(stop)
+        finally:
+            if stop_signum is not None:
+                # Let drafters finish the step they are in, then unblock whoever waits.
+                for thread in drafters:
+                    thread.join(self.cfg.shutdown_timeout_s)
+            self._close_everything()
+            self._join_all()
         if self._failure is not None:
             raise self._failure[1]
-        self.monitor.maybe_tick(wait=True, force=True)
-        if self.periodic_eval is not None and stop_signum is None:
-            self.periodic_eval.run_pending()  # the snapshot of the last steps, if still waiting
+        return stop_signum
+
+    def _final_position(self) -> DataPosition:
         steps = {loop.step for loop in self.loops}
         assert len(steps) == 1, f"drafter replicas stopped at different steps: {steps}"
-        self.position = self.tracker.position(steps.pop())
-        self.replica_digest = check_replicas_identical([s.drafter for s in self.step_fns], self.process_group)
-        self.save()
-        if stop_signum is not None:
-            raise StopRequested(stop_signum)
+        return self.tracker.position(steps.pop())

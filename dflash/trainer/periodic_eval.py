@@ -40,6 +40,7 @@ class PeriodicEval:
         target: FrozenTarget,
         drafter: DFlashDrafter,
         prompt_sets: list[PromptSet],
+        monitor: Monitor,
         validation: Validation | None = None,
     ):
         """validation: the held-out samples, measured on each snapshot too (val/ metrics)."""
@@ -52,7 +53,7 @@ class PeriodicEval:
         self.skipped = 0
         self.evaluated_steps: list[int] = []
         self.abandoned_steps: list[int] = []
-        self.monitor: Monitor | None = None  # attached by the builder
+        self.monitor = monitor
 
     def offer(self, step: int, drafter: DFlashDrafter) -> None:
         """Training thread, right after optimizer step `step`."""

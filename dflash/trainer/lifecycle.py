@@ -1,0 +1,126 @@
+"""The one training lifecycle both pipelines share: restore, run, stop, checkpoint.
+
+`Trainer.run` is written once: it installs the signal handlers, lets the pipeline train
+(`_train`), and then closes the run the same way whichever pipeline ran it: the last metric
+windows logged, the last pending snapshot evaluated (unless a signal stopped the run), every
+replica checked identical, the final checkpoint written, and `StopRequested` raised if a signal
+ended the run early. The cadence (when to log and checkpoint) is the shared `Cadence`; between
+steps both pipelines call `_observe` (monitor tick, periodic evaluation). The subclasses differ
+only in how a step's batches and features arrive: `SyncTrainer` runs the target and the drafter
+in turn on one thread, `AsyncTrainer` starts the pipeline threads and watches them.
+
+The monitor and the periodic evaluation are attached after construction (`attach`): the monitor
+probes the trainer it watches (its windows, queues and counters), so it cannot exist first.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from abc import ABC, abstractmethod
+
+import torch
+
+from dflash.cadence import Cadence
+from dflash.data.dataset import TokenDataset
+from dflash.data.schedule import BatchPlanner
+from dflash.distributed import ProcessGroupInfo
+from dflash.monitor.monitor import Monitor
+from dflash.pipeline.counters import WorkCounters
+from dflash.pipeline.replicas import check_replicas_identical
+from dflash.pipeline.roles import role_summary
+from dflash.step import DrafterStep
+from dflash.trainer import state
+from dflash.trainer.periodic_eval import PeriodicEval
+from dflash.trainer.signals import StopRequested, StopSignal, stop_on_signals
+from dflash.trainer.state import CheckpointSettings, DataPosition
+
+log = logging.getLogger(__name__)
+
+
+class Trainer(ABC):
+    def __init__(
+        self,
+        *,
+        step_fns: list[DrafterStep],
+        dataset: TokenDataset,
+        planner: BatchPlanner,
+        stop_after: int,
+        log_every: int,
+        checkpoints: CheckpointSettings,
+        process_group: ProcessGroupInfo | None = None,
+    ):
+        self.step_fns = step_fns
+        self.step_fn = step_fns[0]  # replicas are identical: replica 0 speaks for all
+        self.drafter = self.step_fn.drafter
+        self.dataset, self.planner = dataset, planner
+        self.stop_after, self.checkpoints = stop_after, checkpoints
+        self.cadence = Cadence(
+            stop_after=stop_after, log_every=log_every, checkpoint_every=checkpoints.every_steps
+        )
+        self.process_group = process_group or ProcessGroupInfo()
+        self.position = DataPosition()
+        self.monitor: Monitor | None = None
+        self.periodic_eval: PeriodicEval | None = None
+        self.train_wall_s = 0.0  # from the start of training to its last step
+        self.replica_digest: str | None = None  # what every replica of every process agreed on
+
+    def attach(self, *, monitor: Monitor, periodic_eval: PeriodicEval | None) -> None:
+        self.monitor, self.periodic_eval = monitor, periodic_eval
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def restore(self, directory) -> None:
+        self.position = state.restore(directory, self.step_fns)
+
+    def save(self):
+        if self.process_group.is_main:  # every rank holds the same weights; one writes them
+            return state.save(self.checkpoints, self.step_fn, self.position)
+        return None
+
+    # -- the lifecycle -----------------------------------------------------------------------
+    @abstractmethod
+    def prepare(self) -> None:
+        """Build what training needs before the clock starts (run() calls it; idempotent)."""
+
+    @abstractmethod
+    def _train(self, stop: StopSignal) -> int | None:
+        """Train until `stop_after` or a stop signal; return the signal number that ended
+        training early, None when it completed."""
+
+    def _final_position(self) -> DataPosition:
+        return self.position
+
+    def _observe(self, stop: StopSignal) -> None:
+        """Between steps, on the thread that runs the lifecycle: the monitor's tick and the
+        waiting snapshot's evaluation (abandoned at the next prompt if a signal arrives)."""
+        self.monitor.maybe_tick()
+        if self.periodic_eval is not None:
+            self.periodic_eval.run_pending(should_stop=stop.is_set)
+
+    def run(self) -> None:
+        self.prepare()
+        started = time.perf_counter()
+        with stop_on_signals() as stop:
+            stopped_by = self._train(stop)
+        self.train_wall_s = time.perf_counter() - started
+        self.monitor.maybe_tick(wait=True, force=True)
+        if self.periodic_eval is not None and stopped_by is None:
+            self.periodic_eval.run_pending()  # the snapshot of the last steps, if still waiting
+        self.position = self._final_position()
+        self.replica_digest = check_replicas_identical([s.drafter for s in self.step_fns], self.process_group)
+        self.save()
+        if stopped_by is not None:
+            raise StopRequested(stopped_by)
+
+    # -- probe for the monitor ---------------------------------------------------------------
+    @abstractmethod
+    def _role_counters(self) -> tuple[list[WorkCounters], list[WorkCounters]]:
+        """(the target workers' counters, the drafters')."""
+
+    def role_summary(self) -> dict[str, float]:
+        targets, drafters = self._role_counters()
+        return role_summary(targets=targets, drafters=drafters, wall_s=self.train_wall_s)
+
+    @abstractmethod
+    def role_devices(self) -> dict[str, list[torch.device]]:
+        """The devices each role runs on (the monitor's GPU telemetry names them)."""
