@@ -161,6 +161,7 @@ class DrafterStep:
         batch: Batch,
         features_BSF: torch.Tensor,
         step: int,
+        *,
         reduce_gradients: Callable[[torch.nn.Module, torch.Tensor], torch.Tensor] | None = None,
     ) -> int:
         """One training step; returns the number of anchors. Both pipelines call it.
