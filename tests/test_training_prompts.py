@@ -6,9 +6,11 @@ from __future__ import annotations
 import gzip
 import importlib.util
 import json
+import re
 from importlib import metadata
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from dflash.data.conversations import normalize
@@ -57,5 +59,81 @@ def test_each_source_yields_prompts(kind):
     if kind == "debian readmes" and not list(Path("/usr/share/doc").glob("*/README*")):
         pytest.skip("no README under /usr/share/doc on this machine (a minimal image strips them)")
     prompts = load_script()
-    found = prompts.stdlib_prompts() if kind == "python stdlib" else prompts.debian_readme_prompts()
+    found = (
+        prompts.stdlib_prompts()
+        if kind == "python stdlib"
+        else prompts.debian_readme_prompts(prompts.debian_readmes())
+    )
     assert len(found) > (10_000 if kind == "python stdlib" else 0)
+
+
+# Senses in WordNet's data.noun format (after its licence header): a person (lexicographer file
+# 18), a relation (24, which no task uses) and a proper name filed as a person.
+DATA_NOUN = (
+    "  1 This software and database is being provided to you, the LICENSEE, by  \n"
+    '09917593 18 n 01 child 0 001 @ 09918248 n 0000 | a young person of either sex; "she writes books for children"  \n'
+    "13780719 24 n 01 relation 0 000 | an abstraction belonging to or characteristic of two entities  \n"
+    "10594408 18 n 01 Einstein 0 000 | physicist born in Germany who formulated the theory of relativity  \n"
+)
+
+
+def test_wordnet_senses_become_requests_about_that_sense(tmp_path):
+    prompts = load_script()
+    (tmp_path / "data.noun").write_text(DATA_NOUN)
+    found = prompts.wordnet_prompts(np.random.default_rng(0), root=tmp_path)
+    # The licence line, the unused lexicographer file and a proper name as a person give nothing.
+    assert len(found) == 1
+    assert "child (a young person of either sex)" in found[0]  # the gloss, not its usage example
+    assert found[0] in [
+        t.format(word="child", a_word="a child", gloss="a young person of either sex")
+        for t in prompts.WORDNET_TEMPLATES["person"]
+    ]
+    assert prompts.wordnet_prompts(np.random.default_rng(0), root=tmp_path / "absent") == []
+
+
+def test_each_saying_is_asked_about_once_and_long_ones_are_left_out(tmp_path):
+    prompts = load_script()
+    sayings = ["A journey of a thousand miles begins with a single step.", "x" * 500, "Short."]
+    (tmp_path / "wisdom").write_text("\n%\n".join(sayings) + "\n")
+    found = prompts.fortune_prompts(np.random.default_rng(0), root=tmp_path)
+    assert len(found) == 1 and found[0].endswith(sayings[0])
+
+
+def test_math_problems_have_the_answers_their_numbers_promise():
+    prompts = load_script()
+    found = prompts.math_prompts(np.random.default_rng(0), 400)
+    equations = [
+        re.fullmatch(r"Solve for x: (\d+)x \+ \((-?\d+)\) = (-?\d+)\. Show each step\.", p) for p in found
+    ]
+    equations = [tuple(int(g) for g in m.groups()) for m in equations if m]
+    assert equations and all((c - b) % a == 0 for a, b, c in equations)  # whole-number solutions
+    for p in found:
+        if m := re.search(
+            r"(\d+) notebooks at \$(\d+) each and (\d+) pens at \$(\d+) each, and pays with a \$(\d+)", p
+        ):
+            n, price, m_pens, pen_price, note = map(int, m.groups())
+            assert note > n * price + m_pens * pen_price  # there is change to give
+    kinds = (
+        "Solve for x",
+        "notebooks",
+        "dice",
+        "sum of all integers",
+        "cups of flour",
+        "older than",
+        "to base",
+    )
+    assert all(any(kind in p for p in found) for kind in kinds)  # every kind of problem is drawn
+
+
+def test_a_limit_gives_each_source_its_share_and_the_others_fill_a_small_one():
+    prompts = load_script()
+    kept = {
+        source: [{"source_kind": source, "n": i} for i in range(5 if source == "fortunes" else 1000)]
+        for source in prompts.SHARES
+    }
+    chosen = prompts.mix(kept, 200, np.random.default_rng(0))
+    counts = {source: sum(r["source_kind"] == source for r in chosen) for source in prompts.SHARES}
+    assert len(chosen) == 200 and len({(r["source_kind"], r["n"]) for r in chosen}) == 200
+    assert counts["fortunes"] == 5  # its share is 20: all it has
+    assert counts["python stdlib"] >= 70 and counts["wordnet senses"] >= 70  # 35% each, then filling
+    assert chosen == prompts.mix(kept, 200, np.random.default_rng(0))
