@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The whole chain on a real instruct model, with the commands a user runs:
-#   training prompts from text installed here (scripts/make_training_prompts.py)
+#   training prompts from text installed here (scripts/make_training_prompts.py; its chat
+#   sources need `apt-get install wordnet-base fortunes`, or pass PROMPTS_FILE made elsewhere)
 #   -> dflash-regen (SmolLM2-135M-Instruct answers every training prompt, greedy)
 #   -> dflash-prep -> dflash-train experiment=smollm2_b16 (held-out val split)
 #   -> dflash-eval on HumanEval, MT-Bench and held-out training-style prompts: tau per
