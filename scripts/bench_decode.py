@@ -152,30 +152,41 @@ def main() -> None:
     measure = timer(device)
     prompt = torch.randint(0, cfg.drafter.mask_token_id, (args.context,)).tolist()
     weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
-    with torch.no_grad():
-        static = static_rows(target, drafter, prompt, measure, args.reps, compile=False)
-        fused = static_rows(target, drafter, prompt, measure, args.reps, compile=True) if args.compile else []
-        dynamic = [] if args.skip_dynamic else dynamic_rows(target, drafter, prompt, measure, args.reps)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
         f"\n{name}, {target_config.num_hidden_layers}-layer target ({weight_bytes / 2**30:.2f} GiB of weights), "
         f"{drafter.config.num_hidden_layers}-layer drafter, block {drafter.block_size}, context {args.context}, "
         f"{str(target.lm_head.weight.dtype)[6:]}"
     )
+    floor_ms = None
     if device.type == "cuda":
         bandwidth = copy_bandwidth(device, measure)
         floor_ms = weight_bytes / bandwidth * 1000
         print(f"weights floor {floor_ms:.3f} ms (device copy bandwidth {bandwidth / 1e12:.2f} TB/s)")
-    else:
-        floor_ms = None
-    plain = static[0][1]
     graphs = "CUDA graphs" if device.type == "cuda" else "eager"
     print(f"{'part':<30}{'ms':>9}{'x plain step':>14}{'x floor':>9}")
-    print(f"static: static cache, {graphs}; compiled: the same after torch.compile; dynamic: eager")
-    for label, rows in (("static", static), ("compiled", fused), ("dynamic", dynamic)):
+    print(
+        f"static: static cache, {graphs}; compiled: the same after torch.compile; dynamic: eager", flush=True
+    )
+    # Each variant's rows print as soon as they are measured: a time limit that strikes while
+    # torch.compile works (minutes for an 8B target) keeps what was measured before.
+    variants = [("static", lambda: static_rows(target, drafter, prompt, measure, args.reps, compile=False))]
+    if args.compile:
+        variants.append(
+            ("compiled", lambda: static_rows(target, drafter, prompt, measure, args.reps, compile=True))
+        )
+    if not args.skip_dynamic:
+        variants.append(("dynamic", lambda: dynamic_rows(target, drafter, prompt, measure, args.reps)))
+    measured = {}
+    plain = None
+    for label, rows_of in variants:
+        with torch.no_grad():
+            rows = measured[label] = rows_of()
+        plain = plain or rows[0][1]  # the static plain step: every row's unit
         for part, ms in rows:
             floor = f"{ms / floor_ms:>9.2f}" if floor_ms else f"{'-':>9}"
-            print(f"{part + ' [' + label + ']':<30}{ms:>9.3f}{ms / plain:>14.2f}{floor}")
+            print(f"{part + ' [' + label + ']':<30}{ms:>9.3f}{ms / plain:>14.2f}{floor}", flush=True)
+    static, fused, dynamic = (measured.get(label, []) for label in ("static", "compiled", "dynamic"))
     print(f"static: DFlash is faster than plain decoding once tau > {static[-1][1] / plain:.2f}")
     if fused:
         print(f"compiled: tau > {fused[-1][1] / fused[0][1]:.2f}")
