@@ -20,7 +20,7 @@ from dflash.models.layer_ids import default_target_layer_ids
 OBJECTIVE_PATTERNS = (
     r"steps|wall_s|replicas|node_gpus|(target|drafter)_compiled_graphs",
     r"perf/(samples|tokens)_per_s",
-    r"train/(loss|acc)(_first_window)?|train/tau_(sim|block)",
+    r"train/(loss|acc)(_first_window)?|train/tau_(sim|block|decode)",
     r"val/(loss|acc|tau_sim|tau_block|tau_decode)|val_samples",
     r"eval/(tau|num_prompts|lossless_frac|divergence_max_logit_gap)",
     r"eval/accept_len_\d+_frac",

@@ -95,6 +95,7 @@ class Run:
             "train/loss": last["train/loss"],
             "train/tau_sim": last["train/tau_sim"],
             "train/tau_block": last["train/tau_block"],
+            "train/tau_decode": last["train/tau_decode"],
             **({"val_samples": self.validation.num_samples} if self.validation is not None else {}),
             "replicas": len(self.trainer.role_devices()["drafter"]) * self.process_group.world_size,
             "replica_digest": self.trainer.replica_digest,
@@ -115,10 +116,11 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"steps             {summary['steps']}  ({summary['wall_s']} s, pipeline={summary['pipeline']})",
         f"train loss        {summary['train/loss_first_window']:.3f} -> {summary['train/loss']:.3f}",
         f"train accuracy    {summary['train/acc_first_window']:.3f} -> {summary['train/acc']:.3f}",
-        f"tau (simulated)   {summary['train/tau_sim']:.3f} (block runs {summary['train/tau_block']:.3f})"
+        f"tau (simulated)   {summary['train/tau_sim']:.3f} (block runs {summary['train/tau_block']:.3f},"
+        f" as decoding meets them {summary['train/tau_decode']:.3f})"
         + (
-            f" on training batches; {summary['val/tau_sim']:.3f} (block runs {summary['val/tau_block']:.3f},"
-            f" as decoding meets them {summary['val/tau_decode']:.3f}) on {summary['val_samples']} held-out samples"
+            f" on training batches; {summary['val/tau_sim']:.3f} ({summary['val/tau_block']:.3f},"
+            f" {summary['val/tau_decode']:.3f}) on {summary['val_samples']} held-out samples"
             if "val/tau_sim" in summary
             else ""
         ),

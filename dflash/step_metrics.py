@@ -30,10 +30,11 @@ class MetricLayout:
     nonfinite: int = 3  # steps skipped
     accepted: int = 4  # blocks' leading runs of correct predictions (loss.block_acceptance)
     blocks: int = 5  # blocks whose first prediction is supervised
+    rounds: int = 6  # sum over those blocks of 1 / (1 + leading run) (loss.tau_from_rounds)
 
     @property
     def correct(self) -> slice:  # per block position
-        return slice(6, 6 + self.block_size)
+        return slice(7, 7 + self.block_size)
 
     @property
     def counted(self) -> slice:  # per block position
@@ -81,6 +82,7 @@ class MetricWindow:
             "nonfinite_steps": v[at.nonfinite],
             "accepted": v[at.accepted],
             "blocks": v[at.blocks],
+            "rounds": v[at.rounds],
             "correct": v[at.correct],
             "counted": v[at.counted],
             "bucket_weighted_ce": v[at.bucket_weighted_ce],
@@ -119,6 +121,7 @@ class StepMetrics:
         sums[at.nonfinite] += 1.0 - keep
         sums[at.accepted] += stats.accepted * keep
         sums[at.blocks] += stats.blocks * keep
+        sums[at.rounds] += stats.rounds * keep
         sums[at.correct] += stats.correct * keep
         sums[at.counted] += stats.counted * keep
         sums[at.bucket_weighted_ce.start + bucket] += weighted_ce

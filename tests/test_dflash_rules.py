@@ -325,15 +325,15 @@ def test_tau_decode_is_tokens_per_round_of_a_decoder_walking_the_text():
 
 
 def test_train_tau_block_pools_the_runs_of_every_step_and_replica():
-    """train/tau_block divides the summed runs by the summed blocks once (like the loss), so a
-    step or replica with few blocks weighs what it holds."""
+    """train/tau_block (and tau_decode) divides the summed runs (rounds) by the summed blocks once,
+    like the loss, so a step or replica with few blocks weighs what it holds."""
     from dflash.data.collate import Batch
     from dflash.data.schedule import PlannedBatch
     from dflash.loss import LossStats
     from dflash.monitor.train_metrics import train_metrics
     from dflash.step_metrics import StepMetrics
 
-    def stats(accepted: float, blocks: float) -> LossStats:
+    def stats(accepted: float, blocks: float, rounds: float) -> LossStats:
         one = torch.tensor(1.0)
         return LossStats(
             weighted_ce=one,
@@ -342,7 +342,7 @@ def test_train_tau_block_pools_the_runs_of_every_step_and_replica():
             counted=torch.ones(4),
             accepted=torch.tensor(accepted),
             blocks=torch.tensor(blocks),
-            rounds=torch.tensor(blocks),
+            rounds=torch.tensor(rounds),
         )
 
     batch = Batch(
@@ -352,12 +352,15 @@ def test_train_tau_block_pools_the_runs_of_every_step_and_replica():
         PlannedBatch(epoch=0, index=0, bucket=0, sample_ids=(0,)),
     )
     windows = []
-    for runs in ([(6.0, 2.0), (0.0, 1.0)], [(1.0, 1.0)]):  # replica 0: two steps; replica 1: one
+    # (accepted, blocks, sum of 1 / (1 + run)) per step; replica 0: two steps; replica 1: one.
+    for runs in ([(6.0, 2.0, 0.5), (0.0, 1.0, 1.0)], [(1.0, 1.0, 0.5)]):
         metrics = StepMetrics(block_size=4, num_buckets=1, device=torch.device("cpu"))
-        for accepted, blocks in runs:
-            metrics.add(stats(accepted, blocks), torch.tensor(1.0), batch, anchors=1)
+        for accepted, blocks, rounds in runs:
+            metrics.add(stats(accepted, blocks, rounds), torch.tensor(1.0), batch, anchors=1)
         windows.append(metrics.publish(end_step=2, lr=1e-3))
-    assert train_metrics([windows])["train/tau_block"] == pytest.approx(1 + 7.0 / 4.0)
+    merged = train_metrics([windows])
+    assert merged["train/tau_block"] == pytest.approx(1 + 7.0 / 4.0)
+    assert merged["train/tau_decode"] == pytest.approx(4.0 / 2.0)  # blocks / rounds, pooled
 
 
 # -- drafter structure ------------------------------------------------------------------------

@@ -39,6 +39,7 @@ def test_train_writes_metrics_checkpoints_and_summary(make_cfg):
         "train/acc_pos_1",
         "train/tau_sim",
         "train/tau_block",
+        "train/tau_decode",
         "train/grad_norm",
         "train/lr",
         "perf/tokens_per_s",

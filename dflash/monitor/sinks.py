@@ -71,6 +71,7 @@ class ConsoleSink(ProgressSink):
         "train/loss",
         "train/acc",
         "train/tau_sim",
+        "train/tau_decode",
         "train/grad_norm",
         "train/lr",
         "perf/tokens_per_s",

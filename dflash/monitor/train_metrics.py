@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from dflash.loss import tau_from_accuracy, tau_from_runs
+from dflash.loss import tau_from_accuracy, tau_from_rounds, tau_from_runs
 from dflash.step_metrics import MetricWindow
 
 
@@ -24,7 +24,14 @@ def train_metrics(groups: list[list[MetricWindow]]) -> dict[str, float]:
     """
     first = groups[0][0]
     block, num_buckets = first.block_size, first.num_buckets
-    total = {"weighted_ce": 0.0, "weight": 0.0, "grad_norm": 0.0, "accepted": 0.0, "blocks": 0.0}
+    total = {
+        "weighted_ce": 0.0,
+        "weight": 0.0,
+        "grad_norm": 0.0,
+        "accepted": 0.0,
+        "blocks": 0.0,
+        "rounds": 0.0,
+    }
     correct, counted = [0.0] * block, [0.0] * block
     bucket_ce, bucket_w = [0.0] * num_buckets, [0.0] * num_buckets
     per_replica: dict[int, dict[str, float]] = {}
@@ -54,6 +61,7 @@ def train_metrics(groups: list[list[MetricWindow]]) -> dict[str, float]:
         "train/acc": sum(correct[1:]) / max(1.0, sum(counted[1:])),
         "train/tau_sim": tau_from_accuracy(acc),
         "train/tau_block": tau_from_runs(total["accepted"], total["blocks"]),
+        "train/tau_decode": tau_from_rounds(total["blocks"], total["rounds"]),
         "train/grad_norm": total["grad_norm"] / max(1, steps * len(groups[0])),
         "train/lr": last.lr,
         "train/opt_step": float(last.end_step),

@@ -39,6 +39,7 @@ METRICS = (
     "train/acc",
     "train/tau_sim",
     "train/tau_block",
+    "train/tau_decode",
     "val/tau_sim",
     "val/tau_block",
     "val/tau_decode",

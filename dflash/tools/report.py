@@ -166,6 +166,7 @@ def plot_acceptance(rows: list[dict], save) -> None:
     # figures, where the run logged them: the gap between these and eval tau is new prompts'.
     for key, style in (
         ("train/tau_block", "-"),
+        ("train/tau_decode", "--"),
         ("val/tau_sim", ":"),
         ("val/tau_block", "-."),
         ("val/tau_decode", (0, (1, 4))),
