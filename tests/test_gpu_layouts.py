@@ -100,6 +100,28 @@ def test_split_two_target_gpus_two_drafter_gpus_matches_two_replicas_on_one_gpu(
     assert_same_curve(tmp_path / "split", tmp_path / "one_gpu")
 
 
+@needs_gpus(4)
+def test_split_one_target_three_drafter_replicas_matches_three_replicas_on_one_gpu(make_cfg, tmp_path):
+    """Three replicas fed by one target GPU: bitwise-identical replicas, the one-GPU curve."""
+    run_and_check_replicas(make_cfg(COMMON + ["gpu=single", "gpu.drafter=3"], tmp_path / "one_gpu"))
+    summary = run_and_check_replicas(make_cfg(COMMON + ["gpu=split", "gpu.target=1"], tmp_path / "split"))
+    assert summary["replicas"] == 3
+    assert_same_curve(tmp_path / "split", tmp_path / "one_gpu")
+
+
+@needs_gpus(8)
+def test_the_seed_layout_five_targets_three_drafters_matches_three_replicas_on_one_gpu(make_cfg, tmp_path):
+    """`gpu=split gpu.target=5` on 8 GPUs: five target workers feed three replicas."""
+    run_and_check_replicas(make_cfg(COMMON + ["gpu=single", "gpu.drafter=3"], tmp_path / "one_gpu"))
+    run = build_run(make_cfg(COMMON + ["gpu=split", "gpu.target=5"], tmp_path / "split"))
+    assert [t.device.index for t in run.trainer.targets] == [0, 1, 2, 3, 4]
+    assert [s.device.index for s in run.trainer.step_fns] == [5, 6, 7]
+    summary = run.execute()
+    assert summary["replicas"] == 3
+    assert {weights_digest(s.drafter) for s in run.trainer.step_fns} == {summary["replica_digest"]}
+    assert_same_curve(tmp_path / "split", tmp_path / "one_gpu")
+
+
 def cli(args: list[str], run_dir: Path, launcher: list[str] | None = None) -> list[str]:
     return [sys.executable, *(launcher or []), "-m", "dflash.train", *args, f"hydra.run.dir={run_dir}"]
 
@@ -154,3 +176,21 @@ def test_split_run_stopped_by_sigterm_resumes_where_it_stopped(tmp_path, data_ca
     # Later steps drift further apart than the 24-step comparisons (atomics compound): a fresh
     # start instead of a resume would be off by whole units of loss.
     assert worst < 5 * LOSS_TOLERANCE
+
+
+@needs_gpus(8)
+def test_torchrun_two_processes_of_four_gpus_match_four_replicas_in_one_process(
+    make_cfg, tmp_path, data_cache
+):
+    """The multi-node path at host scale: each process owns 4 GPUs and splits them 2 target + 2
+    drafter; 4 replicas over NCCL train the curve of 4 replicas on one GPU."""
+    run_and_check_replicas(make_cfg(COMMON + ["gpu=single", "gpu.drafter=4"], tmp_path / "one_process"))
+    args = FAST + COMMON + ["gpu=split", "gpu.target=2", f"paths.cache_dir={data_cache}"]
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
+    result = subprocess.run(
+        cli(args, tmp_path / "torchrun", launcher), capture_output=True, text=True, timeout=900
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert_same_curve(tmp_path / "torchrun", tmp_path / "one_process")
+    summary = json.loads((tmp_path / "torchrun" / "summary.json").read_text())
+    assert summary["replicas"] == 4 and summary["replica_digest"]
