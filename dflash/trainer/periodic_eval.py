@@ -52,7 +52,6 @@ class PeriodicEval:
         self._snapshots: queue.Queue = queue.Queue(maxsize=1)
         self.skipped = 0
         self.evaluated_steps: list[int] = []
-        self.abandoned_steps: list[int] = []
         self.monitor = monitor
 
     def offer(self, step: int, drafter: DFlashDrafter) -> None:
@@ -89,7 +88,6 @@ class PeriodicEval:
             self.target, self.eval_drafter, self.prompt_sets, self.cfg, timing=False, should_stop=should_stop
         )
         if report.interrupted:
-            self.abandoned_steps.append(step)
             log.warning("evaluation of the step %d snapshot abandoned: stop requested", step)
             return
         metrics = report.metrics()
