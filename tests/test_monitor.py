@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from dflash.build import build_run
-from dflash.monitor.sinks import BackgroundSink
+from dflash.config.schema import WandbConfig
+from dflash.monitor.sinks import EVAL_STEP, BackgroundSink, WandbSink
 from dflash.monitor.telemetry import GpuTelemetry
 
 FAMILIES = ("train/", "drafter0/", "drafter1/", "batch/", "queue/", "worker/", "perf/")
@@ -72,9 +73,30 @@ def test_async_run_logs_every_family_with_plausible_values(make_cfg, monkeypatch
     )
 
     # The W&B sink (a real offline run) received every tick with the same keys as metrics.jsonl.
+    # (W&B rows with eval/ or val/ figures also carry the snapshot's step, their own x-axis.)
     jsonl_rows = [{k: v for k, v in r.items() if k != "step"} for r in rows(run_dir)]
-    assert [sorted(r) for r in sent] == [sorted(r) for r in jsonl_rows]
+    assert [sorted(k for k in r if k != EVAL_STEP) for r in sent] == [sorted(r) for r in jsonl_rows]
     assert list((run_dir / "wandb").glob("offline-run-*/run-*.wandb"))
+
+
+def test_an_evaluation_logged_after_later_steps_still_reaches_wandb(tmp_path, monkeypatch):
+    """W&B ignores a row whose step is below its current one; a periodic evaluation of step 3
+    finishes after step 6 was logged. Its row goes in at W&B's current step instead, carrying the
+    snapshot's step, the x-axis eval/ and val/ figures plot against (a real offline run)."""
+    sink = WandbSink(WandbConfig(mode="offline"), tmp_path, {})
+    calls: list[tuple[dict, int | None]] = []
+    real_log = sink.run.log
+    monkeypatch.setattr(
+        sink.run, "log", lambda data, step=None: (calls.append((dict(data), step)), real_log(data, step=step))
+    )
+    sink.log({"train/loss": 2.0}, step=3)
+    sink.log({"train/loss": 1.5}, step=6)
+    sink.log({"eval/tau": 1.4, "val/loss": 1.9}, step=3)
+    sink.log({"eval/tau": 1.6}, step=9)
+    sink.close(True)
+    assert [step for _, step in calls] == [3, 6, None, 9]
+    assert calls[2][0] == {"eval/tau": 1.4, "val/loss": 1.9, EVAL_STEP: 3.0}
+    assert calls[3][0] == {"eval/tau": 1.6, EVAL_STEP: 9.0} and EVAL_STEP not in calls[0][0]
 
 
 def test_a_stalled_sink_does_not_hold_up_training(make_cfg):

@@ -162,6 +162,9 @@ def sweep_naming() -> tuple[str | None, str | None]:
     return Path(hydra_cfg.sweep.dir).name, hydra_cfg.job.override_dirname or None
 
 
+EVAL_STEP = "snapshot_step"
+
+
 class WandbSink:
     def __init__(self, cfg: WandbConfig, run_dir: Path, resolved_config: dict[str, Any]):
         import wandb
@@ -181,6 +184,13 @@ class WandbSink:
         )
 
         self._defined: set[str] = set()
+        # An evaluation measures a snapshot of step N and finishes after rows of later steps were
+        # logged; W&B ignores a row whose step is below its current one. Evaluation and held-out
+        # figures therefore plot against their own axis, EVAL_STEP (the snapshot's step).
+        self.run.define_metric(EVAL_STEP)
+        for family in ("eval", "val"):
+            self.run.define_metric(f"{family}/*", step_metric=EVAL_STEP)
+        self._step = -1
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         # Each drafter gets its own x-axis (its optimizer step), so step skew between drafters shows.
@@ -190,6 +200,12 @@ class WandbSink:
                 self.run.define_metric(f"{prefix}/opt_step")
                 self.run.define_metric(f"{prefix}/*", step_metric=f"{prefix}/opt_step")
                 self._defined.add(prefix)
+        if any(key.startswith(("eval/", "val/")) for key in metrics):
+            metrics = {**metrics, EVAL_STEP: float(step)}
+        if step < self._step:
+            self.run.log(metrics)  # at W&B's current step; plotted at EVAL_STEP
+            return
+        self._step = step
         self.run.log(metrics, step=step)
 
     def close(self, ok: bool) -> None:
