@@ -174,3 +174,30 @@ def test_telemetry_switch_turns_nvml_off(monkeypatch):
     monkeypatch.setitem(sys.modules, "pynvml", fake_nvml("nvmlDeviceGetPowerUsage"))
     telemetry = GpuTelemetry({"target": [torch.device("cuda:0")]}, enabled=False)
     assert telemetry.nvml is None and telemetry.read() == {}
+
+
+def test_the_monitor_ticks_between_the_prompts_of_a_periodic_evaluation(make_cfg):
+    """An evaluation can take minutes while the async pipeline trains on: the monitor keeps
+    ticking between its prompts, so curves and the progress bar do not freeze."""
+    run = build_run(make_cfg(["train.total_steps=4", "eval.every_steps=2", "eval.periodic_num_prompts=3"]))
+    trainer, inside, ticks_inside = run.trainer, [False], []
+    real_run_pending, real_tick = trainer.periodic_eval.run_pending, trainer.monitor.maybe_tick
+
+    def run_pending(**kwargs):
+        inside[0] = True
+        ticks_inside.append(0)
+        try:
+            return real_run_pending(**kwargs)
+        finally:
+            inside[0] = False
+
+    def maybe_tick(*args, **kwargs):
+        if inside[0]:
+            ticks_inside[-1] += 1
+        return real_tick(*args, **kwargs)
+
+    trainer.periodic_eval.run_pending = run_pending
+    trainer.monitor.maybe_tick = maybe_tick
+    run.execute()
+    evaluations = [n for n in ticks_inside if n]  # run_pending returns at once with no snapshot
+    assert len(evaluations) == 2 and all(n >= 3 for n in evaluations), ticks_inside

@@ -92,10 +92,17 @@ class Trainer(ABC):
 
     def _observe(self, stop: StopSignal) -> None:
         """Between steps, on the thread that runs the lifecycle: the monitor's tick and the
-        waiting snapshot's evaluation (abandoned at the next prompt if a signal arrives)."""
+        waiting snapshot's evaluation. Between its prompts the monitor keeps ticking (in the
+        async pipeline training goes on meanwhile: its curves and progress bar do not freeze for
+        the minutes an evaluation can take) and a signal ends it."""
         self.monitor.maybe_tick()
         if self.periodic_eval is not None:
-            self.periodic_eval.run_pending(should_stop=stop.is_set)
+
+            def between_prompts() -> bool:
+                self.monitor.maybe_tick()
+                return stop.is_set()
+
+            self.periodic_eval.run_pending(should_stop=between_prompts)
 
     def run(self) -> None:
         self.prepare()
