@@ -2,11 +2,11 @@
 
 The training thread hands over a copy of the weights right after an optimizer step (a device
 copy on its own stream, marked with an event: the pipeline pauses for that copy only). The
-main thread evaluates the copy on the held-out prompts between monitor ticks and logs
-`eval/tau`, per-benchmark `eval/<name>/tau`, the acceptance histogram and, with
-`data.val_samples`, the held-out `val/` metrics at that step. In the
-async pipeline the target and drafter threads keep running meanwhile (the frozen target is
-only read, so concurrent forwards are safe). If an evaluation is still pending when the next
+main thread evaluates the copy on the held-out prompts (the monitor ticking between them) and
+logs `eval/tau`, per-benchmark `eval/<name>/tau`, the acceptance histogram and, with
+`data.val_samples`, the held-out `val/` metrics at that step. In the async pipeline the target
+and drafter threads keep running meanwhile (the frozen target is only read, so concurrent
+forwards are safe), so that row can arrive after rows of later steps. If an evaluation is still pending when the next
 snapshot is due, that snapshot is skipped and counted rather than queued. A stop signal ends
 an evaluation at the next prompt, unlogged: a preempted job has seconds to write its checkpoint,
 and the first evaluation of a run (graph captures, compiles) can take a minute.
