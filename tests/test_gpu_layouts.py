@@ -1,4 +1,6 @@
 """Every multi-GPU layout a user can ask for, against the run it must equal (GPU machines only).
+Each names gpu.drafter too: left out, it takes every remaining GPU, and a bigger host than the
+test needs would run a different layout.
 
 Each test skips below the GPU count it needs. Tolerance: per-step losses within 1e-2 of the
 reference layout's. Not bitwise: the target runs in bf16 and the drafter under bf16 autocast,
@@ -60,7 +62,7 @@ def run_and_check_replicas(cfg) -> dict:
 @needs_gpus(2)
 def test_split_one_target_gpu_one_drafter_gpu_matches_one_gpu(make_cfg, tmp_path):
     train(make_cfg(COMMON + ["gpu=single"], tmp_path / "single"))
-    run = build_run(make_cfg(COMMON + ["gpu=split", "gpu.target=1"], tmp_path / "split"))
+    run = build_run(make_cfg(COMMON + ["gpu=split", "gpu.target=1", "gpu.drafter=1"], tmp_path / "split"))
     assert run.trainer.target.device == torch.device("cuda:0")
     head = run.trainer.step_fns[0].head
     assert head.device == torch.device("cuda:1") and next(run.trainer.drafter.parameters()).is_cuda
@@ -95,7 +97,8 @@ def test_split_one_target_two_drafter_replicas_matches_two_replicas_on_one_gpu(m
 @needs_gpus(4)
 def test_split_two_target_gpus_two_drafter_gpus_matches_two_replicas_on_one_gpu(make_cfg, tmp_path):
     run_and_check_replicas(make_cfg(COMMON + ["gpu=single", "gpu.drafter=2"], tmp_path / "one_gpu"))
-    summary = run_and_check_replicas(make_cfg(COMMON + ["gpu=split", "gpu.target=2"], tmp_path / "split"))
+    split = make_cfg(COMMON + ["gpu=split", "gpu.target=2", "gpu.drafter=2"], tmp_path / "split")
+    summary = run_and_check_replicas(split)  # (gpu.drafter named: a bigger host would give 6)
     assert summary["replicas"] == 2
     assert_same_curve(tmp_path / "split", tmp_path / "one_gpu")
 
@@ -104,7 +107,8 @@ def test_split_two_target_gpus_two_drafter_gpus_matches_two_replicas_on_one_gpu(
 def test_split_one_target_three_drafter_replicas_matches_three_replicas_on_one_gpu(make_cfg, tmp_path):
     """Three replicas fed by one target GPU: bitwise-identical replicas, the one-GPU curve."""
     run_and_check_replicas(make_cfg(COMMON + ["gpu=single", "gpu.drafter=3"], tmp_path / "one_gpu"))
-    summary = run_and_check_replicas(make_cfg(COMMON + ["gpu=split", "gpu.target=1"], tmp_path / "split"))
+    split = make_cfg(COMMON + ["gpu=split", "gpu.target=1", "gpu.drafter=3"], tmp_path / "split")
+    summary = run_and_check_replicas(split)
     assert summary["replicas"] == 3
     assert_same_curve(tmp_path / "split", tmp_path / "one_gpu")
 
@@ -113,7 +117,7 @@ def test_split_one_target_three_drafter_replicas_matches_three_replicas_on_one_g
 def test_the_seed_layout_five_targets_three_drafters_matches_three_replicas_on_one_gpu(make_cfg, tmp_path):
     """`gpu=split gpu.target=5` on 8 GPUs: five target workers feed three replicas."""
     run_and_check_replicas(make_cfg(COMMON + ["gpu=single", "gpu.drafter=3"], tmp_path / "one_gpu"))
-    run = build_run(make_cfg(COMMON + ["gpu=split", "gpu.target=5"], tmp_path / "split"))
+    run = build_run(make_cfg(COMMON + ["gpu=split", "gpu.target=5", "gpu.drafter=3"], tmp_path / "split"))
     assert [t.device.index for t in run.trainer.targets] == [0, 1, 2, 3, 4]
     assert [s.device.index for s in run.trainer.step_fns] == [5, 6, 7]
     summary = run.execute()
@@ -149,6 +153,7 @@ def test_split_run_stopped_by_sigterm_resumes_where_it_stopped(tmp_path, data_ca
         "pipeline=async",
         "gpu=split",
         "gpu.target=1",
+        "gpu.drafter=1",
         "train.total_steps=200",
         "logger.every_steps=1",
         f"paths.cache_dir={data_cache}",
@@ -185,7 +190,7 @@ def test_torchrun_two_processes_of_four_gpus_match_four_replicas_in_one_process(
     """The multi-node path at host scale: each process owns 4 GPUs and splits them 2 target + 2
     drafter; 4 replicas over NCCL train the curve of 4 replicas on one GPU."""
     run_and_check_replicas(make_cfg(COMMON + ["gpu=single", "gpu.drafter=4"], tmp_path / "one_process"))
-    args = FAST + COMMON + ["gpu=split", "gpu.target=2", f"paths.cache_dir={data_cache}"]
+    args = FAST + COMMON + ["gpu=split", "gpu.target=2", "gpu.drafter=2", f"paths.cache_dir={data_cache}"]
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     result = subprocess.run(
         cli(args, tmp_path / "torchrun", launcher), capture_output=True, text=True, timeout=900
