@@ -95,4 +95,14 @@ if [[ $STAGES == *" eval "* ]]; then
     paths.output_dir="$W/eval_fp32"
   # bf16: the speed a user serving the target sees (near-tie divergences are reported, not hidden).
   stage $PY -m dflash.tools.eval_drafter "${EVAL[@]}" paths.output_dir="$W/eval_bf16"
+  # The training run's last held-out measurement, to set beside heldout_prompts' tau above.
+  if [[ -f $TRAIN_DIR/metrics.jsonl ]]; then $PY - "$TRAIN_DIR/metrics.jsonl" <<'PY'
+import json, sys
+rows = [json.loads(line) for line in open(sys.argv[1]) if '"val/tau_decode"' in line]
+if rows:
+    r = rows[-1]
+    print(f"held-out split at step {r['step']}: val/tau_decode {r['val/tau_decode']:.3f} "
+          f"(tau_sim {r['val/tau_sim']:.3f}, tau_block {r['val/tau_block']:.3f})")
+PY
+  fi
 fi
