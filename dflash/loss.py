@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import functools
 import math
+from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -215,3 +217,20 @@ def tau_from_accuracy(acc_per_position: list[float]) -> float:
         survive *= acc
         tau += survive
     return tau
+
+
+def objective_figures(sums: Mapping[str, Any]) -> dict[str, float]:
+    """loss, acc, tau_sim, tau_block, tau_decode and acc_pos_k from summed `LossStats` fields
+    (host floats; `correct` and `counted` per block position), each divided once over the whole
+    sum: a batch or replica with few supervised positions weighs what it holds. Training
+    (train/, per log window) and the held-out split (val/) both report these."""
+    correct, counted = sums["correct"], sums["counted"]
+    acc = [c / n if n > 0 else float("nan") for c, n in zip(correct, counted)]
+    return {
+        "loss": sums["weighted_ce"] / sums["weight"] if sums["weight"] > 0 else 0.0,
+        "acc": sum(correct[1:]) / max(1.0, sum(counted[1:])),
+        "tau_sim": tau_from_accuracy(acc),
+        "tau_block": tau_from_runs(sums["accepted"], sums["blocks"]),
+        "tau_decode": tau_from_rounds(sums["blocks"], sums["rounds"]),
+        **{f"acc_pos_{k}": acc[k] for k in range(1, len(acc))},
+    }

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import itertools
 
-from dflash.loss import tau_from_accuracy, tau_from_rounds, tau_from_runs
+from dflash.loss import objective_figures
 from dflash.step_metrics import MetricWindow
 
 
@@ -54,21 +54,16 @@ def train_metrics(groups: list[list[MetricWindow]]) -> dict[str, float]:
             mine["lr"], mine["opt_step"] = window.lr, float(window.end_step)
             run_max = max(run_max, longest_run(window.buckets))
             steps += window.steps if replica == 0 else 0
-    acc = [c / n if n > 0 else float("nan") for c, n in zip(correct, counted)]
     last = groups[-1][0]
+    figures = objective_figures({**total, "correct": correct, "counted": counted})
     metrics = {
-        "train/loss": total["weighted_ce"] / total["weight"] if total["weight"] > 0 else 0.0,
-        "train/acc": sum(correct[1:]) / max(1.0, sum(counted[1:])),
-        "train/tau_sim": tau_from_accuracy(acc),
-        "train/tau_block": tau_from_runs(total["accepted"], total["blocks"]),
-        "train/tau_decode": tau_from_rounds(total["blocks"], total["rounds"]),
+        **{f"train/{name}": value for name, value in figures.items()},
         "train/grad_norm": total["grad_norm"] / max(1, steps * len(groups[0])),
         "train/lr": last.lr,
         "train/opt_step": float(last.end_step),
         "batch/same_bucket_run_max": float(run_max),
         "train/nonfinite_steps": nonfinite,
     }
-    metrics.update({f"train/acc_pos_{k}": acc[k] for k in range(1, block)})
     for bucket in range(num_buckets):
         if bucket_w[bucket] > 0:  # a bucket not seen in this tick has no loss, not a zero loss
             metrics[f"train/loss_bucket_{bucket}"] = bucket_ce[bucket] / bucket_w[bucket]

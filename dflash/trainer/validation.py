@@ -15,6 +15,7 @@ figure to set beside the tau that decoding held-out prompts measures.
 from __future__ import annotations
 
 import copy
+import logging
 
 import numpy as np
 import torch
@@ -23,11 +24,15 @@ from dflash.block_mask import tiles_for
 from dflash.data.collate import collate
 from dflash.data.dataset import TokenDataset
 from dflash.data.schedule import BlockBudget, PlannedBatch, pack_bucket
-from dflash.loss import tau_from_accuracy, tau_from_rounds, tau_from_runs
+from dflash.loss import objective_figures
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import FrozenTarget
 from dflash.models.target_head import TargetHead
 from dflash.step import BlockSettings, drafter_forward_loss, make_blocks
+from dflash.step_metrics import StepMetrics
+
+log = logging.getLogger(__name__)
+VAL_FIGURES = ("loss", "acc", "tau_sim", "tau_block", "tau_decode")
 
 
 def held_out_ids(num_samples: int, count: int, seed: int) -> np.ndarray:
@@ -66,9 +71,9 @@ class Validation:
         if next(drafter.parameters()).device != device:
             drafter = copy.deepcopy(drafter).to(device)
         head = TargetHead.of(target)
-        block_size = drafter.block_size
-        # weighted CE, weight, accepted, blocks, rounds, correct [block_size], counted [block_size]
-        sums = torch.zeros(5 + 2 * block_size, device=device)
+        # The training step's own accumulator: the same sums, read back once.
+        sums = StepMetrics(block_size=drafter.block_size, num_buckets=1, device=device)
+        no_grad_norm = torch.zeros((), device=device)
         for plan in self.batches:
             batch = collate(self.dataset, plan)
             blocks = make_blocks(batch, drafter, self.settings, keep_fraction=0.0)
@@ -83,17 +88,16 @@ class Validation:
                 logits_chunk=self.settings.logits_chunk,
                 tiles=tiles,
             )
-            scalars = torch.stack(
-                [stats.weighted_ce, stats.weight, stats.accepted, stats.blocks, stats.rounds]
+            sums.add(stats, no_grad_norm, batch, anchors=0)
+        window = sums.publish(end_step=0, lr=0.0)
+        if window.ready is not None:
+            window.ready.synchronize()
+        totals = window.sums()
+        if totals["nonfinite_steps"]:
+            # StepMetrics leaves a non-finite batch out of the sums rather than poisoning them.
+            log.warning(
+                "validation: %d held-out batch(es) gave a non-finite loss; left out of val/",
+                totals["nonfinite_steps"],
             )
-            sums += torch.cat([scalars, stats.correct, stats.counted])
-        weighted_ce, weight, accepted, blocks, rounds, *rest = sums.tolist()
-        correct, counted = rest[:block_size], rest[block_size:]
-        acc = [c / n if n > 0 else float("nan") for c, n in zip(correct, counted)]
-        return {
-            "val/loss": weighted_ce / weight if weight > 0 else 0.0,
-            "val/acc": sum(correct[1:]) / max(1.0, sum(counted[1:])),
-            "val/tau_sim": tau_from_accuracy(acc),
-            "val/tau_block": tau_from_runs(accepted, blocks),
-            "val/tau_decode": tau_from_rounds(blocks, rounds),
-        }
+        figures = objective_figures(totals)
+        return {f"val/{name}": figures[name] for name in VAL_FIGURES}
