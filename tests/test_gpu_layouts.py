@@ -59,6 +59,16 @@ def run_and_check_replicas(cfg) -> dict:
     return summary
 
 
+def assert_split_matches_one_gpu(make_cfg, tmp_path: Path, split: list[str], replicas: int) -> dict:
+    """`split` (a gpu=split layout) trains `replicas` bitwise-identical replicas along the curve
+    of that many replicas on one GPU."""
+    run_and_check_replicas(make_cfg(COMMON + ["gpu=single", f"gpu.drafter={replicas}"], tmp_path / "one_gpu"))
+    summary = run_and_check_replicas(make_cfg(COMMON + ["gpu=split", *split], tmp_path / "split"))
+    assert summary["replicas"] == replicas
+    assert_same_curve(tmp_path / "split", tmp_path / "one_gpu")
+    return summary
+
+
 @needs_gpus(2)
 def test_split_one_target_gpu_one_drafter_gpu_matches_one_gpu(make_cfg, tmp_path):
     train(make_cfg(COMMON + ["gpu=single"], tmp_path / "single"))
@@ -87,43 +97,31 @@ def test_two_gpus_each_with_both_roles_match_two_replicas_on_one_gpu(make_cfg, t
 
 @needs_gpus(3)
 def test_split_one_target_two_drafter_replicas_matches_two_replicas_on_one_gpu(make_cfg, tmp_path):
-    run_and_check_replicas(make_cfg(COMMON + ["gpu=single", "gpu.drafter=2"], tmp_path / "one_gpu"))
-    split = make_cfg(COMMON + ["gpu=split", "gpu.target=1", "gpu.drafter=2"], tmp_path / "split")
-    summary = run_and_check_replicas(split)
-    assert summary["replicas"] == 2
-    assert_same_curve(tmp_path / "split", tmp_path / "one_gpu")
+    assert_split_matches_one_gpu(make_cfg, tmp_path, ["gpu.target=1", "gpu.drafter=2"], replicas=2)
 
 
 @needs_gpus(4)
 def test_split_two_target_gpus_two_drafter_gpus_matches_two_replicas_on_one_gpu(make_cfg, tmp_path):
-    run_and_check_replicas(make_cfg(COMMON + ["gpu=single", "gpu.drafter=2"], tmp_path / "one_gpu"))
-    split = make_cfg(COMMON + ["gpu=split", "gpu.target=2", "gpu.drafter=2"], tmp_path / "split")
-    summary = run_and_check_replicas(split)  # (gpu.drafter named: a bigger host would give 6)
-    assert summary["replicas"] == 2
-    assert_same_curve(tmp_path / "split", tmp_path / "one_gpu")
+    assert_split_matches_one_gpu(make_cfg, tmp_path, ["gpu.target=2", "gpu.drafter=2"], replicas=2)
 
 
 @needs_gpus(4)
 def test_split_one_target_three_drafter_replicas_matches_three_replicas_on_one_gpu(make_cfg, tmp_path):
-    """Three replicas fed by one target GPU: bitwise-identical replicas, the one-GPU curve."""
-    run_and_check_replicas(make_cfg(COMMON + ["gpu=single", "gpu.drafter=3"], tmp_path / "one_gpu"))
-    split = make_cfg(COMMON + ["gpu=split", "gpu.target=1", "gpu.drafter=3"], tmp_path / "split")
-    summary = run_and_check_replicas(split)
-    assert summary["replicas"] == 3
-    assert_same_curve(tmp_path / "split", tmp_path / "one_gpu")
+    """Three replicas fed by one target GPU."""
+    assert_split_matches_one_gpu(make_cfg, tmp_path, ["gpu.target=1", "gpu.drafter=3"], replicas=3)
 
 
 @needs_gpus(8)
 def test_the_seed_layout_five_targets_three_drafters_matches_three_replicas_on_one_gpu(make_cfg, tmp_path):
-    """`gpu=split gpu.target=5` on 8 GPUs: five target workers feed three replicas."""
-    run_and_check_replicas(make_cfg(COMMON + ["gpu=single", "gpu.drafter=3"], tmp_path / "one_gpu"))
-    run = build_run(make_cfg(COMMON + ["gpu=split", "gpu.target=5", "gpu.drafter=3"], tmp_path / "split"))
+    """`gpu=split gpu.target=5` on 8 GPUs: five target workers (GPUs 0-4) feed three replicas
+    (GPUs 5-7)."""
+    layout = ["gpu.target=5", "gpu.drafter=3"]
+    run = build_run(make_cfg(COMMON + ["gpu=split", *layout], tmp_path / "layout"))
     assert [t.device.index for t in run.trainer.targets] == [0, 1, 2, 3, 4]
     assert [s.device.index for s in run.trainer.step_fns] == [5, 6, 7]
-    summary = run.execute()
-    assert summary["replicas"] == 3
-    assert {weights_digest(s.drafter) for s in run.trainer.step_fns} == {summary["replica_digest"]}
-    assert_same_curve(tmp_path / "split", tmp_path / "one_gpu")
+    run.trainer.monitor.close(True)  # built to see where the roles sit, not run
+    del run
+    assert_split_matches_one_gpu(make_cfg, tmp_path, layout, replicas=3)
 
 
 def cli(args: list[str], run_dir: Path, launcher: list[str] | None = None) -> list[str]:
