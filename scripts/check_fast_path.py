@@ -12,8 +12,8 @@ models, and this runs that comparison on *your* target, data and shapes.
    loss and, per parameter tensor, |g - g_ref| / |g_ref| against the `reference` variant (the
    worst three named). Under bf16 autocast expect ~1e-2; a broken path shows O(1).
 2. Training: every variant from the same initial weights on the same batches (the run's own
-   planner, epoch 0 order), the loss, the pre-clip gradient norm and position-1 accuracy every
-   --every steps, side by side.
+   planner, epoch 0 order) by the step object a run calls; loss, pre-clip gradient norm and
+   position-1 accuracy of each --every-step window, side by side (as a run logs them).
 
 Variants: dflash/step_variants.py (`reference`, then `fused`, `flex`, `compiled`, each adding one
 fast part; `compiled` is the CUDA default). flex_attention has no CPU backward: on CPU compare
@@ -35,6 +35,7 @@ from dflash.build import plan_batches  # noqa: E402
 from dflash.config_checks import resolve_layer_ids  # noqa: E402
 from dflash.data.collate import collate  # noqa: E402
 from dflash.data.dataset import TokenDataset  # noqa: E402
+from dflash.loss import objective_figures  # noqa: E402
 from dflash.models.target import FrozenTarget, load_target_config  # noqa: E402
 from dflash.models.target_head import TargetHead  # noqa: E402
 from dflash.run_inputs import load_training_data  # noqa: E402
@@ -125,27 +126,34 @@ def gradients_at_init(setup: Setup, variants: dict[str, list[str]]) -> dict[str,
 
 @dataclass
 class CurvePoint:
+    """The last `every` steps, as a training run logs them (one metric window)."""
+
     step: int
     loss: float
-    grad_norm: float  # before clipping
+    grad_norm: float  # before clipping, mean over the window's steps
     acc_position_1: float
 
 
 def train_side_by_side(
     setup: Setup, variants: dict[str, list[str]], every: int
 ) -> dict[str, list[CurvePoint]]:
-    """Every variant trained on the same batches from the same weights; a point every `every` steps."""
+    """Every variant trained on the same batches from the same weights, by the step object a run
+    calls; a point (that window's figures) every `every` steps."""
     curves = {}
     for variant, extra in variants.items():
         step_fn = setup.step_fn(extra)
         curve = []
         for step in range(len(setup.plans)):
             batch, features = setup.batch(step)
-            stats, _ = step_fn.forward_backward(batch, features, step)
-            grad_norm = step_fn.apply(stats.weight)
+            step_fn(batch, features, step)
             if (step + 1) % every == 0:
-                acc = (stats.correct[1] / stats.counted[1].clamp_min(1)).item()
-                curve.append(CurvePoint(step + 1, stats.loss().item(), grad_norm.item(), acc))
+                window = step_fn.metrics.publish(step + 1, step_fn.lr)
+                if window.ready is not None:
+                    window.ready.synchronize()
+                sums = window.sums()
+                figures = objective_figures(sums)
+                grad_norm = sums["grad_norm"] / window.steps
+                curve.append(CurvePoint(step + 1, figures["loss"], grad_norm, figures["acc_pos_1"]))
         curves[variant] = curve
     return curves
 
