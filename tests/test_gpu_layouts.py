@@ -128,20 +128,31 @@ def cli(args: list[str], run_dir: Path, launcher: list[str] | None = None) -> li
     return [sys.executable, *(launcher or []), "-m", "dflash.train", *args, f"hydra.run.dir={run_dir}"]
 
 
-@needs_gpus(2)
-def test_torchrun_two_ranks_on_nccl_match_two_replicas_in_one_process(make_cfg, tmp_path, data_cache):
-    """The multi-node path on one host: one process per GPU (LOCAL_RANK picks it), gradients and
-    metric windows summed over NCCL, rank 0 alone writes metrics and checkpoints."""
-    run_and_check_replicas(make_cfg(COMMON + ["gpu=single", "gpu.drafter=2"], tmp_path / "one_process"))
-    args = FAST + COMMON + ["gpu=single", f"paths.cache_dir={data_cache}"]
+def assert_torchrun_matches_one_process(
+    make_cfg, tmp_path: Path, data_cache: Path, layout: list[str], replicas: int
+) -> dict:
+    """torchrun, 2 processes on this host, each with `layout` over its share of the GPUs: the
+    curve of `replicas` replicas in one process on one GPU, every rank agreeing on the weights."""
+    run_and_check_replicas(
+        make_cfg(COMMON + ["gpu=single", f"gpu.drafter={replicas}"], tmp_path / "one_process")
+    )
+    args = FAST + COMMON + [*layout, f"paths.cache_dir={data_cache}"]
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
     result = subprocess.run(
-        cli(args, tmp_path / "torchrun", launcher), capture_output=True, text=True, timeout=600
+        cli(args, tmp_path / "torchrun", launcher), capture_output=True, text=True, timeout=900
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert_same_curve(tmp_path / "torchrun", tmp_path / "one_process")
     summary = json.loads((tmp_path / "torchrun" / "summary.json").read_text())
-    assert summary["replicas"] == 2 and summary["replica_digest"]  # every rank agreed, or it raised
+    assert summary["replicas"] == replicas and summary["replica_digest"]  # every rank agreed, or it raised
+    return summary
+
+
+@needs_gpus(2)
+def test_torchrun_two_ranks_on_nccl_match_two_replicas_in_one_process(make_cfg, tmp_path, data_cache):
+    """The multi-node path on one host: one process per GPU (LOCAL_RANK picks it), gradients and
+    metric windows summed over NCCL, rank 0 alone writes metrics and checkpoints."""
+    assert_torchrun_matches_one_process(make_cfg, tmp_path, data_cache, ["gpu=single"], replicas=2)
     assert (tmp_path / "torchrun" / "checkpoints" / "last" / "model.safetensors").is_file()
 
 
@@ -187,13 +198,5 @@ def test_torchrun_two_processes_of_four_gpus_match_four_replicas_in_one_process(
 ):
     """The multi-node path at host scale: each process owns 4 GPUs and splits them 2 target + 2
     drafter; 4 replicas over NCCL train the curve of 4 replicas on one GPU."""
-    run_and_check_replicas(make_cfg(COMMON + ["gpu=single", "gpu.drafter=4"], tmp_path / "one_process"))
-    args = FAST + COMMON + ["gpu=split", "gpu.target=2", "gpu.drafter=2", f"paths.cache_dir={data_cache}"]
-    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"]
-    result = subprocess.run(
-        cli(args, tmp_path / "torchrun", launcher), capture_output=True, text=True, timeout=900
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert_same_curve(tmp_path / "torchrun", tmp_path / "one_process")
-    summary = json.loads((tmp_path / "torchrun" / "summary.json").read_text())
-    assert summary["replicas"] == 4 and summary["replica_digest"]
+    layout = ["gpu=split", "gpu.target=2", "gpu.drafter=2"]
+    assert_torchrun_matches_one_process(make_cfg, tmp_path, data_cache, layout, replicas=4)
