@@ -28,6 +28,7 @@ class BenchmarkResult:
     plain_ms_per_token: float | None = None
     dflash_ms_per_token: float | None = None
     speedup: float | None = None
+    round_cost: float | None = None  # a DFlash round's time in plain decoding steps
     timing_device: str | None = None
 
 
@@ -75,6 +76,8 @@ class EvalReport:
             out[f"eval/{r.benchmark}/tau{suffix}"] = r.tau
             if r.speedup is not None:
                 out[f"eval/{r.benchmark}/speedup{suffix}"] = r.speedup
+            if r.round_cost is not None:
+                out[f"eval/{r.benchmark}/round_cost{suffix}"] = r.round_cost
         counts = sum(np.array(r.acceptance_histogram) * r.verifications for r in greedy)
         pooled = counts / max(1, sum(r.verifications for r in greedy))
         for k in range(1, len(pooled)):
@@ -84,15 +87,16 @@ class EvalReport:
     def table(self) -> str:
         header = (
             f"{'benchmark':<14}{'temp':>6}{'prompts':>9}{'tau':>8}{'lossless':>10}"
-            f"{'plain ms/tok':>14}{'dflash ms/tok':>15}{'speedup':>9}"
+            f"{'plain ms/tok':>14}{'dflash ms/tok':>15}{'speedup':>9}{'round/plain':>13}"
         )
         rows = [header, "-" * len(header)]
         for r in self.results:
             lossless = "-" if r.lossless_frac is None else f"{r.lossless_frac:.0%}"
             timing = (
                 f"{r.plain_ms_per_token:>14.2f}{r.dflash_ms_per_token:>15.2f}{r.speedup:>8.2f}x"
-                if r.speedup is not None
-                else f"{'-':>14}{'-':>15}{'-':>9}"
+                f"{r.round_cost:>13.2f}"
+                if r.speedup is not None and r.round_cost is not None
+                else f"{'-':>14}{'-':>15}{'-':>9}{'-':>13}"
             )
             rows.append(
                 f"{r.benchmark:<14}{r.temperature:>6g}{r.num_prompts:>9}{r.tau:>8.3f}{lossless:>10}{timing}"

@@ -77,6 +77,7 @@ class Decoders:
     ) -> Decoders:
         static = StaticDecoder.for_target(target, drafter, max_len=max_len, graphs=graphs, compile=compile)
         if static is not None:
+            static.capture_every_shape()  # outside every timed decode
             return cls(static.speculative, static.plain)
 
         def speculative(prompt, max_new, temperature, seed, stop_ids):
@@ -111,7 +112,9 @@ def evaluate_set(
         decoders.plain(prompt, max_new_tokens, temperature, seed, stop)
     stopwatch = Stopwatch(target.device)
     lengths: list[int] = []
-    identical, output_tokens, plain_s, dflash_s = 0, 0, 0.0, 0.0
+    # Each path's time is divided by its own output: in bf16 a greedy DFlash output may differ
+    # from the plain one (near-ties) and stop at another length.
+    identical, output_tokens, plain_tokens, plain_s, dflash_s = 0, 0, 0, 0.0, 0.0
     divergences: list[tuple[int, float]] = []
     evaluated = 0
     for index, prompt in enumerate(prompt_set.prompts):
@@ -130,6 +133,7 @@ def evaluate_set(
                 decoders.plain, prompt, max_new_tokens, temperature, prompt_seed, stop
             )
             plain_s += seconds
+            plain_tokens += len(reference.output_ids)
             if reference.output_ids == result.output_ids:
                 identical += 1
             elif greedy:
@@ -146,10 +150,13 @@ def evaluate_set(
         lossless_frac=identical / evaluated if greedy and evaluated else None,
         divergences=divergences,
     )
-    if timing and output_tokens:
-        report.plain_ms_per_token = 1000.0 * plain_s / output_tokens
+    if timing and output_tokens and plain_tokens:
+        report.plain_ms_per_token = 1000.0 * plain_s / plain_tokens
         report.dflash_ms_per_token = 1000.0 * dflash_s / output_tokens
-        report.speedup = plain_s / dflash_s
+        report.speedup = report.plain_ms_per_token / report.dflash_ms_per_token
+        # A DFlash round (draft + verify + bookkeeping, prefills shared out) in plain steps: the
+        # speedup is tau / round_cost, so this says whether a low speedup is tau or overhead.
+        report.round_cost = (dflash_s / max(1, len(lengths))) / (plain_s / plain_tokens)
         report.timing_device = str(target.device)
     return report
 

@@ -136,13 +136,16 @@ def main() -> None:
     from dflash.config.devices import resolve_device_split
     from dflash.config_checks import resolve_layer_ids
     from dflash.distributed import visible_cuda_devices
+    from dflash.models.gguf import local_target
     from dflash.models.target import FrozenTarget, load_target_config
     from dflash.step_build import build_drafter
     from dflash.tools.compose import compose_typed
 
     cfg = compose_typed(
-        [*overrides, "paths.output_dir=/tmp/bench_decode", "paths.cache_dir=/tmp/bench_decode"]
+        ["paths.output_dir=/tmp/bench_decode", "paths.cache_dir=/tmp/bench_decode", *overrides]
     )
+    # A GGUF target.path (e.g. target=smollm2_135m) is converted once under paths.cache_dir.
+    cfg.target = local_target(cfg.target, cfg.paths.cache_dir)
     target_config = load_target_config(cfg.target)
     layer_ids = resolve_layer_ids(cfg, target_config.num_hidden_layers)
     device = torch.device(resolve_device_split(cfg, visible_cuda_devices())[0][0])

@@ -11,7 +11,7 @@
 # The SmolLM2 chain in four calls of <= 10 minutes (benchmarks/RESULTS.md, 2026-11-30 evening):
 #   PARTS=stage_a; PARTS="join chain_regen chain_train" PROMPTS=20000 DEADLINE=565
 #   TRAIN_ARGS=train.epochs=4; PARTS=chain_train DEADLINE=560 TRAIN_ARGS=(same);
-#   PARTS=chain_eval EVAL_PROMPTS=24
+#   PARTS="chain_eval bench_smollm2" EVAL_PROMPTS=24
 #   PARTS="check" ...  after chain_regen: scripts/check_fast_path.py on the regenerated data (every
 #     step variant beside the reference: gradients at init, then 150 steps of curves)
 set -uo pipefail
@@ -69,6 +69,11 @@ chain_eval)
   tail -60 "$OUT/chain_eval.log"
   mkdir -p "$OUT/chain"
   for d in $W/chain/eval_fp32 $W/chain/eval_bf16; do [ -f $d/eval.json ] && cp $d/eval.json "$OUT/chain/$(basename $d).json"; done ;;
+bench_smollm2)
+  # One round against one plain step on the chain's own target (random drafter: timing only).
+  timeout ${BENCH_TIMEOUT:-150} python3 scripts/bench_decode.py --reps 30 --context 512 --skip-dynamic \
+    experiment=smollm2_b16 target.path=$GGUF paths.cache_dir=$W/chain/cache > "$OUT/bench_decode_smollm2.log" 2>&1
+  grep -v "Loading weights\|it/s\]\|Warning" "$OUT/bench_decode_smollm2.log" | tail -10 ;;
 check)
   timeout ${CHECK_TIMEOUT:-400} python3 scripts/check_fast_path.py --steps 150 --every 10 experiment=smollm2_b16 \
     target=smollm2_135m target.path=$GGUF paths.cache_dir=$W/chain/cache "data.files=[$W/chain/regen.jsonl]" \

@@ -371,3 +371,44 @@ def test_a_missing_benchmark_package_names_what_to_install(monkeypatch):
         ValueError, match=r"unknown packaged benchmark 'gsm8k'; known: \['humaneval', 'mtbench'\]"
     ):
         benchmarks.packaged_prompts("eval.benchmarks.math", "package:gsm8k")
+
+
+def test_speedup_divides_each_paths_time_by_its_own_output_and_reports_the_round_cost(monkeypatch):
+    """In bf16 a greedy DFlash output may stop at another length than the plain one (near-ties):
+    each path's ms/token uses its own token count, and speedup = tau / round cost."""
+    from dflash import evaluate as evaluate_module
+    from dflash.eval_prompts import PromptSet
+    from dflash.spec_decode import DecodeResult
+
+    seconds = {"speculative": 0.1, "plain": 0.4}
+
+    class FixedStopwatch:
+        def __init__(self, device):
+            pass
+
+        def __call__(self, fn, *args):
+            return fn(*args), seconds[fn.__name__]
+
+    def speculative(prompt, max_new, temperature, seed, stop_ids):
+        return DecodeResult(output_ids=list(range(10)), acceptance_lengths=[5, 5])
+
+    def plain(prompt, max_new, temperature, seed, stop_ids):
+        return DecodeResult(output_ids=list(range(20)))
+
+    monkeypatch.setattr(evaluate_module, "Stopwatch", FixedStopwatch)
+    target = type("NoEos", (), {"model": None, "device": torch.device("cpu")})()
+    result = evaluate_module.evaluate_set(
+        target,
+        evaluate_module.Decoders(speculative=speculative, plain=plain),
+        PromptSet(name="set", prompts=[[1, 2, 3]]),
+        block_size=16,
+        max_new_tokens=20,
+        temperature=1.0,  # no greedy comparison: the outputs differ on purpose
+        seed=0,
+        timing=True,
+    )
+    assert result.plain_ms_per_token == pytest.approx(20.0)  # 400 ms over its own 20 tokens
+    assert result.dflash_ms_per_token == pytest.approx(10.0)
+    assert result.speedup == pytest.approx(2.0)
+    assert result.round_cost == pytest.approx(2.5)  # 50 ms a round against 20 ms a plain step
+    assert result.speedup == pytest.approx(result.tau / result.round_cost)

@@ -45,6 +45,20 @@ def test_graphed_decoding_equals_eager_and_plain_greedy_in_fp32():
     assert graphed.captures == before  # a shape seen before replays; nothing recaptures per token
 
 
+def test_graphs_captured_at_start_up_leave_nothing_to_capture_while_decoding():
+    """dflash-eval captures every shape before it times anything (Decoders.build)."""
+    target, drafter = fp32_cuda_pair()
+    decoder = StaticDecoder(target, drafter, max_len=100, graphs=True, kv_bucket=32)
+    # 100 + a block of 16 -> 116 positions -> buckets 32, 64, 96, 128; a plain step and a round each.
+    assert decoder.capture_every_shape() == 8
+    torch.manual_seed(7)
+    prompt = torch.randint(0, 500, (30,)).tolist()
+    reference = plain_generate(target, prompt, 60).output_ids
+    assert decoder.speculative(prompt, 60).output_ids == reference  # the dummy capture writes are gone
+    assert decoder.plain(prompt, 60).output_ids == reference
+    assert decoder.captures == 8
+
+
 @pytest.mark.parametrize("compile", [False, True])
 def test_continuous_batching_with_graphs_equals_one_by_one_greedy(compile):
     """The CPU test's check with every decode step a replayed graph (and compiled first)."""

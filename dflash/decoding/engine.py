@@ -87,6 +87,25 @@ class StaticDecoder:
     def captures(self) -> int:
         return self._plain_step.captures + self._round.captures
 
+    @torch.no_grad()
+    def capture_every_shape(self) -> int:
+        """Capture the plain step and the round at every attended-length bucket now, so decoding
+        never captures (a serving engine captures its graphs at start-up, too): a capture runs the
+        step eagerly a few times, and inside a timed decode it would be charged to the prompt
+        that first reached the bucket. Run before any prompt: the dummy tokens it writes at
+        positions 0..block-1 are overwritten by the next prefill. Returns the number of graphs
+        captured (0 with graphs off)."""
+        if not self.graphs_on:
+            return 0
+        self._set(0, 0)
+        for kv_len in range(
+            self.target_cache.kv_bucket, self.target_cache.max_len + 1, self.target_cache.kv_bucket
+        ):
+            self._plain_step(self._ids, self._pos, kv_len=kv_len)
+            if self.drafter_cache is not None:
+                self._round(self._ids, self._pos, kv_len=kv_len)
+        return self.captures
+
     # -- captured functions: device tensors in, device tensors out -------------------------------
     def _plain_fn(self, ids_11: torch.Tensor, pos_11: torch.Tensor, *, kv_len: int) -> torch.Tensor:
         logits, _ = self.target_cache.step(ids_11, pos_11, kv_len=kv_len)
