@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash.blocks import DraftBlocks
+from dflash.models.compile import compile_shared
 
 
 @dataclass
@@ -67,7 +68,7 @@ def _chunk_ce_and_grad(
 
 @functools.cache
 def _compiled_chunk_ce_and_grad():
-    return torch.compile(_chunk_ce_and_grad, dynamic=True)
+    return compile_shared(_chunk_ce_and_grad, dynamic=True)
 
 
 class _FusedHeadCE(torch.autograd.Function):

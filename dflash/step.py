@@ -16,6 +16,7 @@ from dflash.block_mask import KvTiles, flex_block_mask, tiles_for
 from dflash.blocks import DraftBlocks, block_attention_mask, build_blocks
 from dflash.data.collate import Batch
 from dflash.loss import LossStats, draft_loss
+from dflash.models.compile import compiled_calls
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.target_head import TargetHead
 from dflash.noise import NoiseSchedule
@@ -128,7 +129,8 @@ class DrafterStep:
             tiles=tiles,
             compiled_loss=settings.compiled_loss,
         )
-        stats.weighted_ce.backward()
+        with compiled_calls():  # the first backward through a compiled graph compiles it
+            stats.weighted_ce.backward()
         return stats, num_anchors
 
     def apply(self, total_weight: torch.Tensor) -> torch.Tensor:

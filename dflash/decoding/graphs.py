@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from dflash.models.compile import compile_shared
+
 Key = tuple[Any, ...]
 
 
@@ -47,7 +49,7 @@ class GraphedFunction:
         # compile: the function's kernels fused by torch.compile (one dynamic-shape graph for
         # every key) before the capture: a graph replays every kernel of the step, so fewer,
         # fused kernels is what makes a small model's step shorter.
-        self.fn = torch.compile(fn, dynamic=True) if compile else fn
+        self.fn = compile_shared(fn, dynamic=True) if compile else fn
         self.enabled = enabled
         self.pool = pool
         self.warmup_calls = warmup_calls

@@ -1,17 +1,56 @@
-"""A torch.compile backend that counts the graphs it compiles.
+"""torch.compile for a process whose threads all call compiled code, and a backend that counts
+the graphs it compiles.
+
+One lock for every call into a compiled function (`compile_shared`) and every backward through
+one (`compiled_calls`). While a thread compiles, torch traces the graph with torch.fx and sets
+a process-wide "FX tracing" flag (torch.fx._symbolic_trace, not per thread); any other thread
+that enters a compiled function meanwhile fails with "Detected that you are using FX to
+symbolically trace a dynamo-optimized function" (torch._dynamo.eval_frame). The asynchronous
+pipeline calls compiled code from several threads — drafter replicas, the target worker,
+validation and periodic evaluation in the main thread — and a recompile for a new batch shape
+can come at any step: a SmolLM2 run on an H200 lost its drafter thread to this during the first
+periodic evaluation after a resume. With the lock the other threads wait for the compile instead.
+It is held for the host side of a call only (kernel launches are asynchronous) and is
+uncontended except while another thread is in compiled code, which the GIL mostly serialises
+anyway.
 
 Batch shapes change from step to step (samples per batch, context length, anchors), so the
 target's feature stack and the drafter's layers are compiled with dynamic shapes: a run compiles
-a handful of graphs, not one per shape. The count is logged as each graph compiles and lands in
-summary.json: a number that keeps growing means recompiles.
+a handful of graphs, not one per shape. `CompileCounter` logs each graph as it compiles and the
+count lands in summary.json: a number that keeps growing means recompiles.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
 import threading
+from collections.abc import Callable
+from typing import Any
+
+import torch
 
 log = logging.getLogger(__name__)
+
+_COMPILED_CALLS = threading.RLock()  # re-entrant: compiled code may call compiled code
+
+
+def compiled_calls() -> threading.RLock:
+    """The lock to hold around anything that runs compiled code not wrapped by `compile_shared`
+    (a backward through compiled graphs: its first call compiles the backward graph)."""
+    return _COMPILED_CALLS
+
+
+def compile_shared(fn: Callable[..., Any], **options: Any) -> Callable[..., Any]:
+    """torch.compile(fn, **options), called under the process-wide compiled-code lock."""
+    compiled = torch.compile(fn, **options)
+
+    @functools.wraps(fn)
+    def call(*args: Any, **kwargs: Any) -> Any:
+        with _COMPILED_CALLS:
+            return compiled(*args, **kwargs)
+
+    return call
 
 
 class CompileCounter:

@@ -24,6 +24,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from dflash.config.schema import DrafterConfig
+from dflash.models.compile import compile_shared
 
 # Qwen3 fields a drafter copies from its target (hidden size must match: KV injection and the
 # shared embed_tokens / lm_head see the target's hidden states).
@@ -72,7 +73,7 @@ def drafter_config(cfg: DrafterConfig, target: PretrainedConfig, layer_ids: list
 
 @functools.cache
 def _compiled_flex_attention():
-    return torch.compile(flex_attention, dynamic=True)
+    return compile_shared(flex_attention, dynamic=True)
 
 
 def _flex_attention(q, k, v, block_mask: BlockMask, enable_gqa: bool) -> torch.Tensor:
@@ -219,7 +220,7 @@ class DFlashDrafter(nn.Module):
         """Compile the draft layers of the training forward as one graph (dynamic shapes, so
         batches of any size share it). Decoding (`draft`) stays eager: it runs under no_grad with
         a growing cache, shapes a training graph would only be recompiled for."""
-        self._compiled_layers = torch.compile(self._layers, backend=backend, dynamic=True)
+        self._compiled_layers = compile_shared(self._layers, backend=backend, dynamic=True)
 
     def __getstate__(self) -> dict[str, Any]:
         # A copy (deepcopy, pickle) is eager: the compiled function is bound to this instance.

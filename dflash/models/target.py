@@ -14,6 +14,7 @@ from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, P
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
 from dflash.config.schema import TargetConfig
+from dflash.models.compile import compile_shared
 
 
 def causal_attention(module, query, key, value, attention_mask, **kwargs):
@@ -92,7 +93,7 @@ class FrozenTarget(nn.Module):
     def compile_features(self, backend: Any = "inductor") -> None:
         """Compile the decoder stack that `features` runs (dynamic shapes: batches of any size
         and length share the graphs). Decoding (`forward`, `generate`) stays eager."""
-        self._feature_stack = torch.compile(self.model.base_model.forward, backend=backend, dynamic=True)
+        self._feature_stack = compile_shared(self.model.base_model.forward, backend=backend, dynamic=True)
 
     @contextmanager
     def _padded_attention(self) -> Iterator[None]:

@@ -1,0 +1,67 @@
+"""Compiled code called from several threads (the asynchronous pipeline): a thread that enters a
+compiled function while another thread compiles waits for the compile to end. Not waiting
+fails in torch 2.11 ("Detected that you are using FX to symbolically trace a dynamo-optimized
+function": the FX-tracing flag a compile sets is process-wide) and, in later versions, makes
+`torch.compiler.is_compiling()` true in the other thread too (the drafter would then take eager
+flex_attention)."""
+
+from __future__ import annotations
+
+import ast
+import pathlib
+import threading
+
+import torch
+from torch import nn
+
+from dflash.models.compile import compile_shared
+
+
+def test_a_thread_entering_compiled_code_while_another_compiles_waits_for_the_compile():
+    inside_trace, other_called, compile_done = threading.Event(), threading.Event(), threading.Event()
+
+    class Probe(nn.Module):
+        def forward(self, x):
+            inside_trace.set()  # torch's process-wide "FX tracing" flag is set from here on
+            other_called.wait(timeout=3)  # the other thread's chance to run compiled code now
+            return x + 1
+
+    def tracing_backend(graph_module, example_inputs):
+        torch.fx.symbolic_trace(Probe())  # as AOTAutograd traces a graph while compiling
+        compile_done.set()
+        return graph_module.forward
+
+    steady = compile_shared(lambda x: x * 2, backend="eager")
+    assert steady(torch.ones(2)).tolist() == [2.0, 2.0]  # compiled before the threads start
+    compiling = compile_shared(lambda x: x - 1, backend=tracing_backend)
+    outcome: dict[str, object] = {}
+
+    def other_thread():
+        try:
+            inside_trace.wait(timeout=120)
+            outcome["value"] = steady(torch.ones(2)).tolist()
+            outcome["ran_after_the_compile"] = compile_done.is_set()
+        except BaseException as error:  # noqa: BLE001 - reported by the main thread
+            outcome["error"] = error
+        finally:
+            other_called.set()
+
+    thread = threading.Thread(target=other_thread)
+    thread.start()
+    assert compiling(torch.ones(3)).tolist() == [0.0, 0.0, 0.0]
+    thread.join(timeout=120)
+    assert not thread.is_alive()
+    assert "error" not in outcome, outcome.get("error")
+    assert outcome == {"value": [2.0, 2.0], "ran_after_the_compile": True}
+
+
+def test_every_compiled_function_of_the_package_goes_through_the_shared_lock():
+    package = pathlib.Path(__file__).resolve().parent.parent / "dflash"
+    direct = []
+    for path in package.rglob("*.py"):
+        if path.name == "compile.py" and path.parent.name == "models":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.compile":
+                direct.append(f"{path.relative_to(package.parent)}:{node.lineno}")
+    assert not direct, f"use dflash.models.compile.compile_shared, not torch.compile: {direct}"
