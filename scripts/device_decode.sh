@@ -12,6 +12,8 @@
 #   PARTS=stage_a; PARTS="join chain_regen chain_train" PROMPTS=20000 DEADLINE=565
 #   TRAIN_ARGS=train.epochs=4; PARTS=chain_train DEADLINE=560 TRAIN_ARGS=(same);
 #   PARTS="chain_eval bench_smollm2" EVAL_PROMPTS=24
+#   A later session skips regeneration with the regen output chain_regen brought back:
+#   PARTS=stage_a (carrying .chain/regen.jsonl.gz too); PARTS="join chain_reuse chain_train" ...
 #   PARTS="check" ...  after chain_regen: scripts/check_fast_path.py on the regenerated data (every
 #     step variant beside the reference: gradients at init, then 150 steps of curves)
 set -uo pipefail
@@ -26,7 +28,9 @@ mkdir -p $W
 for part in ${PARTS:-tests bench}; do
 case "$part" in
 stage_a)
-  cp .gguf_a/part /tmp/gguf_a && cp .chain/prompts.jsonl.gz /tmp/prompts.jsonl.gz && ls -la /tmp/gguf_a ;;
+  cp .gguf_a/part /tmp/gguf_a && cp .chain/prompts.jsonl.gz /tmp/prompts.jsonl.gz && ls -la /tmp/gguf_a
+  # A regen output an earlier chain_regen brought back (see chain_reuse).
+  [ -f .chain/regen.jsonl.gz ] && cp .chain/regen.jsonl.gz /tmp/regen.jsonl.gz && ls -la /tmp/regen.jsonl.gz ;;
 tests)
   timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_decoding.py \
     tests/test_gpu.py -k "${TESTS:-graph or batching or compiled or bf16_greedy or lossless}" \
@@ -54,7 +58,16 @@ regen_bench)
 chain_regen)
   STAGES="prompts regen" PROMPTS_FILE=/tmp/prompts.jsonl.gz TARGET=$GGUF PROMPTS=${PROMPTS:-24000} \
     timeout ${REGEN_TIMEOUT:-300} bash scripts/smollm2_chain.sh $W/chain > "$OUT/chain_regen.log" 2>&1
-  tail -12 "$OUT/chain_regen.log"; wc -l $W/chain/regen.jsonl ;;
+  tail -12 "$OUT/chain_regen.log"; wc -l $W/chain/regen.jsonl
+  # Brought back (files come back up to 16 MiB) so that a later session can skip regeneration:
+  # put it at .chain/regen.jsonl.gz, carry .chain with stage_a, and run chain_reuse instead.
+  mkdir -p "$OUT/chain" && gzip -c $W/chain/regen.jsonl > "$OUT/chain/regen.jsonl.gz" && ls -la "$OUT/chain/regen.jsonl.gz" ;;
+chain_reuse)
+  # The prompts stage (the same split of the same prompts file and PROMPTS as the regen that
+  # wrote it), then the carried regen output in place of a new regeneration.
+  STAGES="prompts" PROMPTS_FILE=/tmp/prompts.jsonl.gz TARGET=$GGUF PROMPTS=${PROMPTS:-24000} \
+    bash scripts/smollm2_chain.sh $W/chain > "$OUT/chain_reuse.log" 2>&1 || { tail "$OUT/chain_reuse.log"; exit 1; }
+  gzip -dc /tmp/regen.jsonl.gz > $W/chain/regen.jsonl && wc -l $W/chain/regen.jsonl ;;
 chain_train)
   # A time limit stops training with a checkpoint; the next chain_train resumes from it. DEADLINE
   # (seconds since this script started) sets the limit when other parts ran first in this call.

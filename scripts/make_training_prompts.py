@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Training prompts that no one here wrote, for `dflash-regen` to have a target answer.
 
-    python scripts/make_training_prompts.py OUT.jsonl [--seed 0] [--limit N]
+    python scripts/make_training_prompts.py OUT.jsonl[.gz] [--seed 0] [--limit N]
 
 Each prompt is a fixed request wrapped around text that ships with this machine's software:
 - the Python standard library: every public function, method and class with a docstring, in four
@@ -62,14 +62,17 @@ SKIPPED_MODULES = {
     "pydoc_data",
 }
 WINDOW = 13  # words: the contamination check's window
+# Code about half: with 36% standard-library prompts (9K of 25K) the SmolLM2 drafter's HumanEval
+# tau fell from 2.70 to 2.36 while MT-Bench rose from 1.58 to 2.19 against a mostly code and
+# documentation set of the same size (benchmarks/RESULTS.md, 2026-11-30 evening and night).
 SHARES = {
-    "python stdlib": 0.35,
-    "debian readmes": 0.05,
-    "readme extraction": 0.03,
+    "python stdlib": 0.45,
+    "debian readmes": 0.04,
+    "readme extraction": 0.02,
     "fastchat dummy conversations": 0.02,
-    "wordnet senses": 0.35,
-    "fortunes": 0.10,
-    "math and reasoning": 0.10,
+    "wordnet senses": 0.30,
+    "fortunes": 0.08,
+    "math and reasoning": 0.09,
 }
 MATH_PROMPTS = 6000  # drawn; repeats are dropped as duplicates
 
@@ -433,7 +436,8 @@ def main(argv: list[str] | None = None) -> None:
         "written by source: " + ", ".join(f"{s} {sum(r['source_kind'] == s for r in chosen)}" for s in kept)
     )
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    with args.output.open("w", encoding="utf-8") as handle:
+    opener = gzip.open if args.output.suffix == ".gz" else open  # OUT.jsonl.gz: compressed
+    with opener(args.output, "wt", encoding="utf-8") as handle:
         for record in chosen:
             handle.write(json.dumps(record, ensure_ascii=False) + "\n")
     print(f"wrote {len(chosen)} conversations to {args.output}")
