@@ -60,10 +60,12 @@ class Stopwatch:
 
 @dataclass
 class Decoders:
-    """DFlash and plain decoding of one prompt: `(prompt, max_new, temperature, seed, stop_ids)`."""
+    """DFlash and plain decoding of one prompt: `(prompt, max_new, temperature, seed, stop_ids)`;
+    `load_drafter(drafter)` makes later calls decode with that drafter's weights."""
 
     speculative: Callable[..., DecodeResult]
     plain: Callable[..., DecodeResult]
+    load_drafter: Callable[[DFlashDrafter], None]
 
     @classmethod
     def build(
@@ -78,15 +80,32 @@ class Decoders:
         static = StaticDecoder.for_target(target, drafter, max_len=max_len, graphs=graphs, compile=compile)
         if static is not None:
             static.capture_every_shape()  # outside every timed decode
-            return cls(static.speculative, static.plain)
+            return cls(static.speculative, static.plain, static.load_drafter_weights)
+        current = {"drafter": drafter}
 
         def speculative(prompt, max_new, temperature, seed, stop_ids):
-            return speculative_generate(target, drafter, prompt, max_new, temperature, seed, None, stop_ids)
+            return speculative_generate(
+                target, current["drafter"], prompt, max_new, temperature, seed, None, stop_ids
+            )
 
         def plain(prompt, max_new, temperature, seed, stop_ids):
             return plain_generate(target, prompt, max_new, temperature, seed, None, stop_ids)
 
-        return cls(speculative, plain)
+        return cls(speculative, plain, lambda new: current.update(drafter=new))
+
+    @classmethod
+    def for_prompts(
+        cls, target: FrozenTarget, drafter: DFlashDrafter, prompt_sets: list[PromptSet], cfg: EvalConfig
+    ) -> Decoders:
+        """Decoders sized for the longest prompt of `prompt_sets` plus `cfg.max_new_tokens`."""
+        longest = max((len(p) for s in prompt_sets for p in s.prompts), default=1)
+        return cls.build(
+            target,
+            drafter,
+            max_len=longest + cfg.max_new_tokens,
+            graphs=cfg.cuda_graphs,
+            compile=cfg.compile_decoding,
+        )
 
 
 def evaluate_set(
@@ -180,22 +199,20 @@ def evaluate(
     cfg: EvalConfig,
     timing: bool,
     should_stop: Callable[[], bool] | None = None,
+    decoders: Decoders | None = None,
 ) -> EvalReport:
     """Every prompt set at every temperature; `should_stop` (a signal) ends it early with what
-    was evaluated, `interrupted` set."""
+    was evaluated, `interrupted` set. `decoders`: built by an earlier call with these prompt
+    sets (`Decoders.for_prompts`), loaded with this drafter's weights and reused."""
     if next(drafter.parameters()).device != target.device:
         drafter = copy.deepcopy(drafter).to(target.device)  # gpu=split: replicas live elsewhere
     was_training = drafter.training
     drafter.eval()
     try:
-        longest = max((len(p) for s in prompt_sets for p in s.prompts), default=1)
-        decoders = Decoders.build(
-            target,
-            drafter,
-            max_len=longest + cfg.max_new_tokens,
-            graphs=cfg.cuda_graphs,
-            compile=cfg.compile_decoding,
-        )
+        if decoders is None:
+            decoders = Decoders.for_prompts(target, drafter, prompt_sets, cfg)
+        else:
+            decoders.load_drafter(drafter)
         report = EvalReport()
         for temperature in cfg.temperatures:
             for prompt_set in prompt_sets:

@@ -244,10 +244,15 @@ def test_our_export_is_readable_from_config_json_and_safetensors_alone(tmp_path,
 # -- periodic evaluation during training --------------------------------------------------------
 @pytest.mark.parametrize("pipeline", ["sync", "async"])
 def test_periodic_eval_logs_tau_per_benchmark_while_training(
-    pipeline, tmp_path, tiny_chat_dir, benchmark_files
+    pipeline, tmp_path, tiny_chat_dir, benchmark_files, monkeypatch
 ):
+    from dflash.evaluate import Decoders
     from dflash.train import train
     from tests.conftest import conversation_overrides
+
+    builds = []
+    build = Decoders.for_prompts
+    monkeypatch.setattr(Decoders, "for_prompts", classmethod(lambda cls, *a: builds.append(1) or build(*a)))
 
     data = write_conversations(tmp_path / "train.jsonl", 40)
     bench = ",".join(f"{name}:{path}" for name, path in benchmark_files.items())
@@ -281,6 +286,7 @@ def test_periodic_eval_logs_tau_per_benchmark_while_training(
         assert {"eval/tau", "eval/math/tau", "eval/chat/tau", "eval/accept_len_1_frac"} <= set(row)
         assert 1.0 <= row["eval/tau"] <= 4.0
     assert summary["eval/lossless_frac"] == 1.0 and summary["eval/num_prompts"] == 2.0
+    assert len(builds) == 2  # one decoder for every snapshot, one for the final evaluation
 
 
 def test_first_divergence_locates_the_difference_and_measures_the_targets_preference():
@@ -399,7 +405,7 @@ def test_speedup_divides_each_paths_time_by_its_own_output_and_reports_the_round
     target = type("NoEos", (), {"model": None, "device": torch.device("cpu")})()
     result = evaluate_module.evaluate_set(
         target,
-        evaluate_module.Decoders(speculative=speculative, plain=plain),
+        evaluate_module.Decoders(speculative=speculative, plain=plain, load_drafter=lambda drafter: None),
         PromptSet(name="set", prompts=[[1, 2, 3]]),
         block_size=16,
         max_new_tokens=20,
@@ -412,3 +418,30 @@ def test_speedup_divides_each_paths_time_by_its_own_output_and_reports_the_round
     assert result.speedup == pytest.approx(2.0)
     assert result.round_cost == pytest.approx(2.5)  # 50 ms a round against 20 ms a plain step
     assert result.speedup == pytest.approx(result.tau / result.round_cost)
+
+
+def test_a_decoder_loaded_with_another_drafters_weights_drafts_as_one_built_with_them():
+    """Periodic evaluations reuse one decoder (its graphs captured once) and load each snapshot."""
+    from dflash.decoding.engine import StaticDecoder
+    from tests.test_dflash_rules import tiny_drafter, tiny_target
+
+    target = tiny_target()
+    first = tiny_drafter(target).eval()
+    second = tiny_drafter(target).eval()
+    with torch.no_grad():
+        for parameter in second.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.5)
+    prompt = torch.randint(0, 480, (20,)).tolist()
+
+    def drafts(decoder):
+        _, features = decoder._prefill(prompt)
+        decoder.drafter_cache.write(features, torch.arange(len(prompt)).unsqueeze(0))
+        kv_len = decoder.target_cache.kv_len_for(len(prompt) + decoder.block_size)
+        anchor, position = torch.tensor([prompt[-1]]), torch.tensor([len(prompt) - 1])
+        return decoder.drafter_cache.draft(anchor, position, kv_len=kv_len).tolist()
+
+    reused = StaticDecoder(target, first, max_len=64, kv_bucket=32)
+    before = drafts(reused)
+    reused.load_drafter_weights(second)
+    expected = drafts(StaticDecoder(target, second, max_len=64, kv_bucket=32))
+    assert drafts(reused) == expected and expected != before

@@ -79,6 +79,15 @@ class StaticDecoder:
             return None
         return cls(target, drafter, max_len=max_len, graphs=graphs, compile=compile)
 
+    @torch.no_grad()
+    def load_drafter_weights(self, drafter: DFlashDrafter) -> None:
+        """The decoder's drafter copy takes `drafter`'s weights in place (cast to its dtype), so
+        the graphs captured on it replay with them: a training run's periodic evaluations
+        reuse one decoder instead of capturing (and compiling) a new one each time."""
+        if self.drafter_cache is None:
+            raise ValueError("StaticDecoder built without a drafter has no drafter weights to load")
+        self.drafter_cache.drafter.load_state_dict(drafter.state_dict())
+
     @property
     def graphs_on(self) -> bool:
         return self._round.enabled

@@ -23,7 +23,7 @@ import torch
 
 from dflash.config.schema import EvalConfig
 from dflash.eval_prompts import PromptSet
-from dflash.evaluate import evaluate
+from dflash.evaluate import Decoders, evaluate
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import FrozenTarget
 from dflash.monitor.monitor import Monitor
@@ -49,6 +49,9 @@ class PeriodicEval:
         self.every = cfg.every_steps
         # On the target's device: with gpu=split the training replicas live elsewhere.
         self.eval_drafter = copy.deepcopy(drafter).to(target.device).eval().requires_grad_(False)
+        # One decoder for the whole run, built at the first evaluation: later snapshots are
+        # loaded into it, so its graphs are captured (and compiled) once, not at every snapshot.
+        self._decoders: Decoders | None = None
         self._snapshots: queue.Queue = queue.Queue(maxsize=1)
         self.skipped = 0
         self.evaluated_steps: list[int] = []
@@ -84,8 +87,16 @@ class PeriodicEval:
             # before it is freed and that stream reuses it.
             torch.cuda.current_stream(self.target.device).synchronize()
         del weights
+        if self._decoders is None:
+            self._decoders = Decoders.for_prompts(self.target, self.eval_drafter, self.prompt_sets, self.cfg)
         report = evaluate(
-            self.target, self.eval_drafter, self.prompt_sets, self.cfg, timing=False, should_stop=should_stop
+            self.target,
+            self.eval_drafter,
+            self.prompt_sets,
+            self.cfg,
+            timing=False,
+            should_stop=should_stop,
+            decoders=self._decoders,
         )
         if report.interrupted:
             log.warning("evaluation of the step %d snapshot abandoned: stop requested", step)
