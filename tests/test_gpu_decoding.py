@@ -78,3 +78,30 @@ def test_compiled_graphs_decode_the_same_tokens_in_fp32():
     reference = plain_generate(target, prompt, 40).output_ids
     assert compiled.plain(prompt, 40).output_ids == reference
     assert compiled.speculative(prompt, 40).output_ids == reference
+
+
+def test_captured_rounds_replay_with_the_weights_loaded_after_the_capture():
+    """Periodic evaluations load each snapshot into one decoder whose graphs were captured with
+    an earlier one (StaticDecoder.load_drafter_weights): the replay must use the new weights."""
+    target, first = fp32_cuda_pair()
+    second = tiny_drafter(target).to("cuda").eval()
+    with torch.no_grad():
+        for parameter in second.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.5)
+    torch.manual_seed(9)
+    prompt = torch.randint(0, 480, (20,)).tolist()
+
+    def replayed_drafts(decoder):
+        _, features = decoder._prefill(prompt)
+        decoder.drafter_cache.write(features, torch.arange(len(prompt), device="cuda").unsqueeze(0))
+        decoder._set(prompt[-1], len(prompt))
+        kv_len = decoder.target_cache.kv_len_for(len(prompt) + decoder.block_size)
+        drafts, _ = decoder._round(decoder._ids, decoder._pos, kv_len=kv_len)
+        return drafts.tolist()
+
+    reused = StaticDecoder(target, first, max_len=64, graphs=True, kv_bucket=32)
+    reused.capture_every_shape()
+    before = replayed_drafts(reused)
+    reused.load_drafter_weights(second)
+    expected = replayed_drafts(StaticDecoder(target, second, max_len=64, graphs=True, kv_bucket=32))
+    assert replayed_drafts(reused) == expected and expected != before
