@@ -33,7 +33,7 @@ stage_a)
   [ -f .chain/regen.jsonl.gz ] && cp .chain/regen.jsonl.gz /tmp/regen.jsonl.gz && ls -la /tmp/regen.jsonl.gz ;;
 tests)
   timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_decoding.py \
-    tests/test_gpu.py -k "${TESTS:-graph or batching or compiled or bf16_greedy or lossless}" \
+    tests/test_gpu.py -k "${TESTS:-graph or replay or batching or compiled or bf16_greedy or lossless}" \
     > "$OUT/gpu_decoding_tests.log" 2>&1
   grep -v "INFO\|Loading weights\|it/s\]" "$OUT/gpu_decoding_tests.log" | tail -25 ;;
 bench)
