@@ -37,7 +37,10 @@ _COMPILED_CALLS = threading.RLock()  # re-entrant: compiled code may call compil
 
 def compiled_calls() -> threading.RLock:
     """The lock to hold around anything that runs compiled code not wrapped by `compile_shared`
-    (a backward through compiled graphs: its first call compiles the backward graph)."""
+    (a backward through compiled graphs: its first call compiles the backward graph). A backward
+    runs on autograd's device threads while the caller holds this lock, so nothing in a backward
+    may call a `compile_shared` function (recomputation under activation checkpointing would):
+    it would wait for the lock forever."""
     return _COMPILED_CALLS
 
 
