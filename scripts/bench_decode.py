@@ -1,7 +1,7 @@
 """Where the time of one speculative-decoding round goes, next to one plain decoding step, on
 the static-cache decoder (CUDA graphs on GPU) and on the dynamic-cache path it replaced.
 
-    python scripts/bench_decode.py [--context 256] [--reps 50] [dflash-train overrides ...]
+    python scripts/bench_decode.py [--context 256] [--reps 50] [--profile DIR] [dflash-train overrides ...]
 
 Builds the target and a drafter from the composed config (random weights: timing does not
 depend on them; the drafter runs in the target's dtype, as in dflash-eval), prefills
@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -57,30 +58,42 @@ def copy_bandwidth(device: torch.device, measure) -> float:
     return 2 * source.numel() * 4 / (ms / 1000)
 
 
+class PreparedDecoder:
+    """A static decoder with `prompt` prefilled in both caches, and one round's inputs."""
+
+    def __init__(self, target, drafter, prompt, *, graphs: bool | None, compile: bool):
+        from dflash.decoding.engine import StaticDecoder
+
+        block, committed, device = drafter.block_size, len(prompt), target.device
+        self.decoder = decoder = StaticDecoder(
+            target, drafter, max_len=committed + 4 * block, graphs=graphs, compile=compile
+        )
+        _, features = decoder._prefill(prompt)
+        decoder.drafter_cache.write(features, torch.arange(committed, device=device).unsqueeze(0))
+        self.kv_len = decoder.target_cache.kv_len_for(committed + block)
+        decoder._set(1, committed)
+        self.block_ids = torch.ones((1, block), dtype=torch.long, device=device)
+        self.block_pos = committed + torch.arange(block, device=device).unsqueeze(0)
+
+    def verify(self, ids, positions, *, kv_len):
+        """The target's forward of a block and the drafter-context write of its features."""
+        logits, feats = self.decoder.target_cache.step(ids, positions, kv_len=kv_len)
+        self.decoder.drafter_cache.write(feats, positions)
+        return logits
+
+
 def static_rows(target, drafter, prompt, measure, reps, compile):
-    from dflash.decoding.engine import StaticDecoder
     from dflash.decoding.graphs import GraphedFunction
 
     block = drafter.block_size
-    decoder = StaticDecoder(target, drafter, max_len=len(prompt) + 4 * block, compile=compile)
-    _, features = decoder._prefill(prompt)
-    committed = len(prompt)
-    device = target.device
-    decoder.drafter_cache.write(features, torch.arange(committed, device=device).unsqueeze(0))
-    kv_len = decoder.target_cache.kv_len_for(committed + block)
-    decoder._set(1, committed)
+    prepared = PreparedDecoder(target, drafter, prompt, graphs=None, compile=compile)
+    decoder, kv_len = prepared.decoder, prepared.kv_len
+    block_ids, block_pos = prepared.block_ids, prepared.block_pos
 
     def plain_step():
         decoder._plain_step(decoder._ids, decoder._pos, kv_len=kv_len).argmax(-1).tolist()
 
-    def verify_fn(ids, positions, *, kv_len):
-        logits, feats = decoder.target_cache.step(ids, positions, kv_len=kv_len)
-        decoder.drafter_cache.write(feats, positions)
-        return logits
-
-    verify_graph = GraphedFunction(verify_fn, enabled=decoder.graphs_on, compile=compile)
-    block_ids = torch.ones((1, block), dtype=torch.long, device=device)
-    block_pos = committed + torch.arange(block, device=device).unsqueeze(0)
+    verify_graph = GraphedFunction(prepared.verify, enabled=decoder.graphs_on, compile=compile)
     draft_graph = GraphedFunction(decoder.drafter_cache.draft, enabled=decoder.graphs_on, compile=compile)
 
     def round_():
@@ -94,6 +107,24 @@ def static_rows(target, drafter, prompt, measure, reps, compile):
         ("draft", measure(lambda: draft_graph(decoder._ids[0], decoder._pos[0], kv_len=kv_len), reps)),
         ("round", measure(round_, reps)),
     ]
+
+
+def write_profiles(target, drafter, prompt, directory: Path) -> None:
+    """Kernel tables of the plain step, the verification and the draft, run eagerly (a replayed
+    graph's kernels are not listed one by one; their device times are the same)."""
+    from dflash.tools.kernel_profile import write_kernel_table
+
+    prepared = PreparedDecoder(target, drafter, prompt, graphs=False, compile=False)
+    decoder, kv_len = prepared.decoder, prepared.kv_len
+    steps = {
+        "plain_step": lambda: decoder._plain_fn(decoder._ids, decoder._pos, kv_len=kv_len),
+        "verify": lambda: prepared.verify(prepared.block_ids, prepared.block_pos, kv_len=kv_len),
+        "draft": lambda: decoder.drafter_cache.draft(decoder._ids[0], decoder._pos[0], kv_len=kv_len),
+    }
+    for name, step in steps.items():
+        step()
+        write_kernel_table(step, directory / f"{name}.txt", repeats=10)
+    print(f"kernel tables (10 eager calls each): {', '.join(str(directory / n) + '.txt' for n in steps)}")
 
 
 def dynamic_rows(target, drafter, prompt, measure, reps):
@@ -131,6 +162,7 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=50)
     parser.add_argument("--skip-dynamic", action="store_true", help="only the static-cache decoder")
     parser.add_argument("--compile", action="store_true", help="also the torch.compile-fused static steps")
+    parser.add_argument("--profile", help="a directory: kernel tables of the plain step, verify and draft")
     args, overrides = parser.parse_known_args()
 
     from dflash.config.devices import resolve_device_split
@@ -189,6 +221,9 @@ def main() -> None:
         for part, ms in rows:
             floor = f"{ms / floor_ms:>9.2f}" if floor_ms else f"{'-':>9}"
             print(f"{part + ' [' + label + ']':<30}{ms:>9.3f}{ms / plain:>14.2f}{floor}", flush=True)
+    if args.profile:
+        with torch.no_grad():
+            write_profiles(target, drafter, prompt, Path(args.profile))
     static, fused, dynamic = (measured.get(label, []) for label in ("static", "compiled", "dynamic"))
     print(f"static: DFlash is faster than plain decoding once tau > {static[-1][1] / plain:.2f}")
     if fused:

@@ -47,6 +47,7 @@ from dflash.models.target_head import TargetHead  # noqa: E402
 from dflash.step_build import build_drafter, build_step_fn  # noqa: E402
 from dflash.step_variants import STEP_VARIANTS  # noqa: E402
 from dflash.tools.compose import compose_typed  # noqa: E402
+from dflash.tools.kernel_profile import write_kernel_table  # noqa: E402
 
 DEFAULTS = ["target=qwen3_8b_random", "drafter=b16", "drafter.mask_token_id=151669", "gpu=single"]
 DENSE_BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
@@ -242,27 +243,13 @@ def main() -> None:
             note += f"; {counter.graphs} graphs compiled"
         show(row(f"drafter step ({variant})", timing, flops, peak, note))
         if args.profile:
-            profile_step(
+            write_kernel_table(
                 lambda s=step_fn, n=steps: s(batch, features, next(n)), Path(args.profile) / f"{variant}.txt"
             )
         del drafter, step_fn
         gc.collect()
         if device.type == "cuda":
             torch.cuda.empty_cache()
-
-
-def profile_step(step, path: Path) -> None:
-    """CUDA kernel time of two steps, top kernels first, into `path`."""
-    from torch.profiler import ProfilerActivity, profile
-
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(2):
-            step()
-        torch.cuda.synchronize()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(
-        prof.key_averages().table(sort_by="cuda_time_total", row_limit=40, max_name_column_width=90)
-    )
 
 
 def visible_keys(step_fn, batch: Batch) -> tuple[float, int]:

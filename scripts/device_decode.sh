@@ -40,7 +40,7 @@ bench)
   timeout 200 python3 scripts/bench_decode.py --reps 50 --context 256 --compile "${RANDOM_03B[@]}" \
     > "$OUT/bench_decode_03b.log" 2>&1
   tail -12 "$OUT/bench_decode_03b.log"
-  timeout 240 python3 scripts/bench_decode.py --reps 30 --context 1024 --compile --skip-dynamic target=qwen3_8b_random drafter=b16 drafter.mask_token_id=151669 \
+  timeout 240 python3 scripts/bench_decode.py --reps 30 --context 1024 --skip-dynamic --profile "$OUT/profile_8b" target=qwen3_8b_random drafter=b16 drafter.mask_token_id=151669 \
     gpu=single > "$OUT/bench_decode_8b.log" 2>&1
   tail -12 "$OUT/bench_decode_8b.log" ;;
 join)
