@@ -2,7 +2,8 @@
 """Time, FLOP rate and memory of one training step's phases, side by side in one run.
 
     python scripts/bench_step.py [--samples 1] [--seq-len 3072] [--context 64] [--repeat 5]
-        [--drafter-variants reference,fused,flex,compiled] [--target-variants eager,compiled]
+        [--drafter-variants reference,fused,flex,compiled]
+        [--target-variants eager,compiled[,compiled_static]]
         [hydra overrides ...]
 
 Defaults: a random Qwen3-8B-shaped target built on the GPU (target=qwen3_8b_random), the paper's
@@ -10,7 +11,9 @@ b16 drafter (drafter=b16, 512 anchors), one sample of 3072 tokens supervised fro
 Every override of dflash-train applies (drafter.num_layers=3, target.arch.num_hidden_layers=8 ...).
 
 Phases (CUDA events; median of --repeat after --warmup):
-- target features: the frozen target's decoder stack, no LM head (what the target worker runs);
+- target features: the frozen target's decoder stack, no LM head (what the target worker runs):
+  `eager`, `compiled` (dynamic shapes, as `target.compile=true` trains) and `compiled_static`
+  (torch's default: shapes fixed until one changes);
 - drafter step: blocks -> forward -> loss -> backward -> clip -> fused AdamW (`DrafterStep`, the
   object training runs), one row per variant: `reference` (SDPA with the dense mask, full
   logits through autograd, eager), `fused` (+ the chunked LM-head loss), `flex` (+ block-sparse
@@ -200,6 +203,11 @@ def main() -> None:
         counter = CompileCounter("target features")
         if variant == "compiled":
             target.compile_features(counter)  # what training runs with target.compile on
+        elif variant == "compiled_static":
+            torch._dynamo.reset()  # else the dynamic-shape graph above would serve this shape
+            target.compile_features(counter, dynamic=None)
+        elif variant != "eager":
+            raise SystemExit(f"--target-variants: unknown {variant!r} (eager, compiled, compiled_static)")
         timing = time_phase(
             lambda: target.features(ids), warmup=args.warmup, repeat=args.repeat, device=device
         )

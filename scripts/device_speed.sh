@@ -3,6 +3,7 @@
 # scripts/device_wheels.sh). Usage there:  PARTS="bench tests train" bash scripts/device_speed.sh
 # tests: tests/test_gpu_speed.py (fast paths vs reference) + tests/test_gpu.py.
 # bench: scripts/bench_step.py at the paper shape (1 x 3072, 512 anchors); bench4: at 4 x 1024.
+#   BENCH_ARGS="--target-variants eager,compiled,compiled_static" adds the static-shape target.
 # train: dflash-train on a random Qwen3-8B-shaped target and random 3072-token samples, one GPU
 #   for both roles: the reference path for 50 steps against the default (fast) path, then the
 #   experiment=qwen3_8b preset at its own batch budget (peak memory).

@@ -90,10 +90,12 @@ class FrozenTarget(nn.Module):
         # A function, not a module attribute (that would register the stack twice).
         self._feature_stack: Callable[..., Any] = model.base_model.forward
 
-    def compile_features(self, backend: Any = "inductor") -> None:
-        """Compile the decoder stack that `features` runs (dynamic shapes: batches of any size
-        and length share the graphs). Decoding (`forward`, `generate`) stays eager."""
-        self._feature_stack = compile_shared(self.model.base_model.forward, backend=backend, dynamic=True)
+    def compile_features(self, backend: Any = "inductor", dynamic: bool | None = True) -> None:
+        """Compile the decoder stack that `features` runs. Decoding (`forward`, `generate`) stays
+        eager. `dynamic`: True, batches of any size and length share the graphs (what training
+        uses); None, torch's default: static shapes until a shape changes (scripts/bench_step.py
+        sets the two side by side)."""
+        self._feature_stack = compile_shared(self.model.base_model.forward, backend=backend, dynamic=dynamic)
 
     @contextmanager
     def _padded_attention(self) -> Iterator[None]:
