@@ -28,7 +28,8 @@ class BenchmarkResult:
     plain_ms_per_token: float | None = None
     dflash_ms_per_token: float | None = None
     speedup: float | None = None
-    round_cost: float | None = None  # a DFlash round's time in plain decoding steps
+    round_cost: float | None = None  # a DFlash round's time in plain decoding steps (no prefill)
+    prefill_ms: float | None = None  # the target's prefill of a prompt, the mean, timed apart
     timing_device: str | None = None
 
 
@@ -78,6 +79,8 @@ class EvalReport:
                 out[f"eval/{r.benchmark}/speedup{suffix}"] = r.speedup
             if r.round_cost is not None:
                 out[f"eval/{r.benchmark}/round_cost{suffix}"] = r.round_cost
+            if r.prefill_ms is not None:
+                out[f"eval/{r.benchmark}/prefill_ms{suffix}"] = r.prefill_ms
         counts = sum(np.array(r.acceptance_histogram) * r.verifications for r in greedy)
         pooled = counts / max(1, sum(r.verifications for r in greedy))
         for k in range(1, len(pooled)):
@@ -87,7 +90,7 @@ class EvalReport:
     def table(self) -> str:
         header = (
             f"{'benchmark':<14}{'temp':>6}{'prompts':>9}{'tau':>8}{'lossless':>10}"
-            f"{'plain ms/tok':>14}{'dflash ms/tok':>15}{'speedup':>9}{'round/plain':>13}"
+            f"{'plain ms/tok':>14}{'dflash ms/tok':>15}{'speedup':>9}{'round/plain':>13}{'prefill ms':>12}"
         )
         rows = [header, "-" * len(header)]
         for r in self.results:
@@ -98,6 +101,7 @@ class EvalReport:
                 if r.speedup is not None and r.round_cost is not None
                 else f"{'-':>14}{'-':>15}{'-':>9}{'-':>13}"
             )
+            timing += f"{r.prefill_ms:>12.2f}" if r.prefill_ms is not None else f"{'-':>12}"
             rows.append(
                 f"{r.benchmark:<14}{r.temperature:>6g}{r.num_prompts:>9}{r.tau:>8.3f}{lossless:>10}{timing}"
             )

@@ -45,7 +45,7 @@ class Stopwatch:
     def __init__(self, device: torch.device):
         self.cuda = device.type == "cuda"
 
-    def __call__(self, fn: Callable[..., DecodeResult], *args: Any) -> tuple[DecodeResult, float]:
+    def __call__(self, fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
         if self.cuda:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -61,11 +61,13 @@ class Stopwatch:
 @dataclass
 class Decoders:
     """DFlash and plain decoding of one prompt: `(prompt, max_new, temperature, seed, stop_ids)`;
-    `load_drafter(drafter)` makes later calls decode with that drafter's weights."""
+    `load_drafter(drafter)` makes later calls decode with that drafter's weights; `prefill(prompt)`
+    runs the prefill both start with, alone (None where the path has no separate prefill)."""
 
     speculative: Callable[..., DecodeResult]
     plain: Callable[..., DecodeResult]
     load_drafter: Callable[[DFlashDrafter], None]
+    prefill: Callable[[list[int]], None] | None = None
 
     @classmethod
     def build(
@@ -80,7 +82,7 @@ class Decoders:
         static = StaticDecoder.for_target(target, drafter, max_len=max_len, graphs=graphs, compile=compile)
         if static is not None:
             static.capture_every_shape()  # outside every timed decode
-            return cls(static.speculative, static.plain, static.load_drafter_weights)
+            return cls(static.speculative, static.plain, static.load_drafter_weights, static.prefill_only)
         current = {"drafter": drafter}
 
         def speculative(prompt, max_new, temperature, seed, stop_ids):
@@ -133,7 +135,7 @@ def evaluate_set(
     lengths: list[int] = []
     # Each path's time is divided by its own output: in bf16 a greedy DFlash output may differ
     # from the plain one (near-ties) and stop at another length.
-    identical, output_tokens, plain_tokens, plain_s, dflash_s = 0, 0, 0, 0.0, 0.0
+    identical, output_tokens, plain_tokens, plain_s, dflash_s, prefill_s = 0, 0, 0, 0.0, 0.0, 0.0
     divergences: list[tuple[int, float]] = []
     evaluated = 0
     for index, prompt in enumerate(prompt_set.prompts):
@@ -157,6 +159,8 @@ def evaluate_set(
                 identical += 1
             elif greedy:
                 divergences.append(first_divergence(target, prompt, reference.output_ids, result.output_ids))
+        if timing and decoders.prefill is not None:
+            prefill_s += stopwatch(decoders.prefill, prompt)[1]
     histogram = np.bincount(lengths, minlength=block_size + 1) / max(1, len(lengths))
     report = BenchmarkResult(
         benchmark=prompt_set.name,
@@ -173,9 +177,13 @@ def evaluate_set(
         report.plain_ms_per_token = 1000.0 * plain_s / plain_tokens
         report.dflash_ms_per_token = 1000.0 * dflash_s / output_tokens
         report.speedup = report.plain_ms_per_token / report.dflash_ms_per_token
-        # A DFlash round (draft + verify + bookkeeping, prefills shared out) in plain steps: the
-        # speedup is tau / round_cost, so this says whether a low speedup is tau or overhead.
-        report.round_cost = (dflash_s / max(1, len(lengths))) / (plain_s / plain_tokens)
+        # A DFlash round (draft + verify + bookkeeping) in plain decoding steps, both without the
+        # prefill (its first token included): what scripts/bench_decode.py's round measures.
+        # speedup ~ tau / round_cost when prefills are short beside the decoding, so this says
+        # whether a low speedup is tau, the decoder, or prefills.
+        report.prefill_ms = 1000.0 * prefill_s / evaluated if prefill_s else None
+        steps = max(1, plain_tokens - evaluated)
+        report.round_cost = ((dflash_s - prefill_s) / max(1, len(lengths))) / ((plain_s - prefill_s) / steps)
         report.timing_device = str(target.device)
     return report
 

@@ -381,12 +381,13 @@ def test_a_missing_benchmark_package_names_what_to_install(monkeypatch):
 
 def test_speedup_divides_each_paths_time_by_its_own_output_and_reports_the_round_cost(monkeypatch):
     """In bf16 a greedy DFlash output may stop at another length than the plain one (near-ties):
-    each path's ms/token uses its own token count, and speedup = tau / round cost."""
+    each path's ms/token uses its own token count. The round cost is a round's time in plain
+    steps with the prefill (timed apart) taken out of both, as bench_decode measures it."""
     from dflash import evaluate as evaluate_module
     from dflash.eval_prompts import PromptSet
     from dflash.spec_decode import DecodeResult
 
-    seconds = {"speculative": 0.1, "plain": 0.4}
+    seconds = {"speculative": 0.1, "plain": 0.4, "prefill": 0.01}
 
     class FixedStopwatch:
         def __init__(self, device):
@@ -396,16 +397,19 @@ def test_speedup_divides_each_paths_time_by_its_own_output_and_reports_the_round
             return fn(*args), seconds[fn.__name__]
 
     def speculative(prompt, max_new, temperature, seed, stop_ids):
-        return DecodeResult(output_ids=list(range(10)), acceptance_lengths=[5, 5])
+        return DecodeResult(output_ids=list(range(10)), acceptance_lengths=[5, 4])  # + 1 from the prefill
 
     def plain(prompt, max_new, temperature, seed, stop_ids):
-        return DecodeResult(output_ids=list(range(20)))
+        return DecodeResult(output_ids=list(range(20)))  # 1 from the prefill + 19 steps
+
+    def prefill(prompt):
+        return None
 
     monkeypatch.setattr(evaluate_module, "Stopwatch", FixedStopwatch)
     target = type("NoEos", (), {"model": None, "device": torch.device("cpu")})()
     result = evaluate_module.evaluate_set(
         target,
-        evaluate_module.Decoders(speculative=speculative, plain=plain, load_drafter=lambda drafter: None),
+        evaluate_module.Decoders(speculative, plain, load_drafter=lambda drafter: None, prefill=prefill),
         PromptSet(name="set", prompts=[[1, 2, 3]]),
         block_size=16,
         max_new_tokens=20,
@@ -416,8 +420,9 @@ def test_speedup_divides_each_paths_time_by_its_own_output_and_reports_the_round
     assert result.plain_ms_per_token == pytest.approx(20.0)  # 400 ms over its own 20 tokens
     assert result.dflash_ms_per_token == pytest.approx(10.0)
     assert result.speedup == pytest.approx(2.0)
-    assert result.round_cost == pytest.approx(2.5)  # 50 ms a round against 20 ms a plain step
-    assert result.speedup == pytest.approx(result.tau / result.round_cost)
+    assert result.prefill_ms == pytest.approx(10.0)
+    # (100 - 10) ms / 2 rounds against (400 - 10) ms / 19 steps
+    assert result.round_cost == pytest.approx((0.09 / 2) / (0.39 / 19))
 
 
 def test_a_decoder_loaded_with_another_drafters_weights_drafts_as_one_built_with_them():

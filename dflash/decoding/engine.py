@@ -139,6 +139,12 @@ class StaticDecoder:
         rows = torch.zeros(1, dtype=torch.long, device=self.target.device)
         return self.target_cache.prefill(ids, rows, last)
 
+    @torch.no_grad()
+    def prefill_only(self, prompt: list[int]) -> None:
+        """The prefill both decoding paths start with, alone (dflash-eval times it apart)."""
+        self._check_room(prompt, 0)
+        self._prefill(prompt)
+
     def _check_room(self, prompt: list[int], max_new_tokens: int) -> None:
         need = len(prompt) + max_new_tokens + self.block_size
         if need > self.target_cache.max_len:
