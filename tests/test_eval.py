@@ -423,6 +423,13 @@ def test_speedup_divides_each_paths_time_by_its_own_output_and_reports_the_round
     assert result.prefill_ms == pytest.approx(10.0)
     # (100 - 10) ms / 2 rounds against (400 - 10) ms / 19 steps
     assert result.round_cost == pytest.approx((0.09 / 2) / (0.39 / 19))
+    # Every figure the report emits is one `objective=` may name.
+    from dflash.config_checks import is_summary_metric
+    from dflash.eval_report import EvalReport
+
+    metrics = EvalReport(results=[result]).metrics()
+    assert {"eval/set/round_cost_t1", "eval/set/prefill_ms_t1", "eval/set/speedup_t1"} <= set(metrics)
+    assert [key for key in metrics if not is_summary_metric(key)] == []
 
 
 def test_a_decoder_loaded_with_another_drafters_weights_drafts_as_one_built_with_them():
