@@ -93,8 +93,9 @@ def static_rows(target, drafter, prompt, measure, reps, compile):
     def plain_step():
         decoder._plain_step(decoder._ids, decoder._pos, kv_len=kv_len).argmax(-1).tolist()
 
-    verify_graph = GraphedFunction(prepared.verify, enabled=decoder.graphs_on, compile=compile)
-    draft_graph = GraphedFunction(decoder.drafter_cache.draft, enabled=decoder.graphs_on, compile=compile)
+    # With compile, the decoder's caches hold the compiled per-layer steps: these graphs replay them.
+    verify_graph = GraphedFunction(prepared.verify, enabled=decoder.graphs_on)
+    draft_graph = GraphedFunction(decoder.drafter_cache.draft, enabled=decoder.graphs_on)
 
     def round_():
         drafts, logits = decoder._round(decoder._ids, decoder._pos, kv_len=kv_len)

@@ -43,6 +43,13 @@ bench)
   timeout 240 python3 scripts/bench_decode.py --reps 30 --context 1024 --skip-dynamic --profile "$OUT/profile_8b" target=qwen3_8b_random drafter=b16 drafter.mask_token_id=151669 \
     gpu=single > "$OUT/bench_decode_8b.log" 2>&1
   tail -12 "$OUT/bench_decode_8b.log" ;;
+bench8b)
+  # The 8B-shaped target alone: graphs, then regional torch.compile (dflash.decoding.static_target),
+  # then the kernel tables of the eager steps.
+  timeout ${BENCH_TIMEOUT:-330} python3 scripts/bench_decode.py --reps 30 --context 1024 --skip-dynamic --compile \
+    --profile "$OUT/profile_8b" target=qwen3_8b_random drafter=b16 drafter.mask_token_id=151669 gpu=single \
+    > "$OUT/bench_decode_8b.log" 2>&1
+  grep -v "INFO\|Loading weights" "$OUT/bench_decode_8b.log" | tail -16 ;;
 join)
   cat /tmp/gguf_a .gguf_b/part > $GGUF && echo "$SHA  $GGUF" | sha256sum -c || exit 1 ;;
 regen_bench)

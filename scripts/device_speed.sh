@@ -3,6 +3,7 @@
 # scripts/device_wheels.sh). Usage there:  PARTS="bench tests train" bash scripts/device_speed.sh
 # tests: tests/test_gpu_speed.py (fast paths vs reference) + tests/test_gpu.py.
 # bench: scripts/bench_step.py at the paper shape (1 x 3072, 512 anchors); bench4: at 4 x 1024.
+# flex: scripts/bench_flex.py (the drafter's flex_attention alone, per kernel configuration).
 #   BENCH_ARGS="--target-variants eager,compiled,compiled_static" adds the static-shape target.
 # train: dflash-train on a random Qwen3-8B-shaped target and random 3072-token samples, one GPU
 #   for both roles: the reference path for 50 steps against the default (fast) path, then the
@@ -20,6 +21,10 @@ bench)
     > "$OUT/bench_step.log" 2>&1
   grep "^|\|^NVIDIA\|Error" "$OUT/bench_step.log" | tail -12
   ;;
+flex)
+  # The drafter's training attention alone under several flex_attention kernel configurations.
+  timeout ${FLEX_TIMEOUT:-200} python3 scripts/bench_flex.py ${FLEX_ARGS:-} > "$OUT/bench_flex.log" 2>&1
+  grep "^|\|^NVIDIA\|Error\|AUTOTUNE\|BLOCK" "$OUT/bench_flex.log" | head -40 ;;
 bench4)
   timeout 200 python3 scripts/bench_step.py --samples 4 --seq-len 1024 --target-variants eager \
     --drafter-variants fused,compiled > "$OUT/bench_step_4x1024.log" 2>&1

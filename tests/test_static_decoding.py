@@ -161,3 +161,50 @@ def test_sampler_filters_follow_generate_semantics():
     assert (top3(logits)[:, None] == allowed).any(-1).all()
     first = Sampler({"do_sample": True, "temperature": 1.0}, logits.device, 7)(logits)
     assert torch.equal(first, Sampler({"do_sample": True, "temperature": 1.0}, logits.device, 7)(logits))
+
+
+class GraphCounter:
+    """A torch.compile backend that runs each graph as traced (no inductor: fast on CPU) and
+    counts them: what the test checks is how many graphs dynamo makes, not their kernels."""
+
+    def __init__(self):
+        self.graphs = 0
+
+    def __call__(self, graph_module, example_inputs):
+        self.graphs += 1
+        return graph_module.forward
+
+
+@pytest.mark.parametrize("arch", sorted(TARGETS))
+def test_regional_compile_makes_one_graph_per_step_shape_not_per_layer(arch):
+    """`compile_backend`: every layer's step is one compiled function; the layers' weights and
+    caches are its inputs, so the graphs do not grow with the layer count or the attended
+    length, and the logits and features are the eager step's."""
+    torch._dynamo.reset()
+    target = TARGETS[arch]()
+    torch.manual_seed(3)
+    ids = torch.randint(0, 500, (2, 40))
+    counter = GraphCounter()
+    # kv_bucket 24: no other dimension of the tiny model has that size. torch.compile gives
+    # dimensions of equal size one symbol at the first trace ("duck sizing"), so a bucket equal
+    # to the head dim would cost one recompile when the attended length first differs from it.
+    eager = StaticCacheTarget(target, slots=2, max_len=64, kv_bucket=24, features=True)
+    compiled = StaticCacheTarget(
+        target, slots=2, max_len=64, kv_bucket=24, features=True, compile_backend=counter
+    )
+    for cache in (eager, compiled):
+        cache.prefill(ids[:, :9], torch.tensor([0, 1]), torch.tensor([8, 8]))
+    length = 9
+    for count in (3, 1, 4, 1, 16):  # the attended length crosses from the 24 to the 48 bucket
+        new, positions = ids[:, length : length + count], torch.arange(length, length + count).expand(2, -1)
+        kv_len = eager.kv_len_for(length + count)
+        (want_logits, want_features), (logits, features) = (
+            cache.step(new, positions, kv_len=kv_len) for cache in (eager, compiled)
+        )
+        torch.testing.assert_close(logits, want_logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(features, want_features, atol=1e-5, rtol=1e-5)
+        length += count
+    # One graph for one-token steps (a size-1 dimension is specialised), one for every longer
+    # step: not one per layer (4 here), per step length or per attended-length bucket.
+    assert len(target.model.base_model.layers) >= 4
+    assert counter.graphs <= 2, counter.graphs

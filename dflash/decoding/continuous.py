@@ -55,15 +55,18 @@ class ContinuousBatcher:
         prefill_tokens: int = 16384,
     ):
         self.cache = StaticCacheTarget(
-            target, slots=slots, max_len=max_len, kv_bucket=kv_bucket, features=False
+            target,
+            slots=slots,
+            max_len=max_len,
+            kv_bucket=kv_bucket,
+            features=False,
+            compile_backend="inductor" if compile else None,
         )
         self.device = target.device
         self.slots, self.max_new_tokens, self.stop_ids = slots, max_new_tokens, stop_ids
         self.sampler, self.prefill_tokens = sampler, prefill_tokens
         self.refill_at = max(1, slots // 8)
-        self.step_fn = GraphedFunction(
-            self._step, enabled=graphs_enabled(graphs, self.device), compile=compile
-        )
+        self.step_fn = GraphedFunction(self._step, enabled=graphs_enabled(graphs, self.device))
         self.queue: deque[tuple[Any, list[int]]] = deque()
         self.running: list[_Sequence | None] = [None] * slots
         self.next_ids = torch.zeros((slots, 1), dtype=torch.long, device=self.device)

@@ -30,8 +30,9 @@ log = logging.getLogger(__name__)
 class StaticDecoder:
     """Plain and DFlash decoding of one sequence at a time, up to `max_len` tokens in all
     (prompt + generated). The drafter runs as a copy in the target's dtype, as a serving engine
-    runs it. `graphs`: null = CUDA graphs on CUDA; `compile`: kernels fused by torch.compile
-    before the capture (dflash.decoding.graphs)."""
+    runs it. `graphs`: null = CUDA graphs on CUDA; `compile`: each target layer's step and the
+    drafter's draft and context write fused by torch.compile before the capture (regional
+    compilation: dflash.decoding.static_target)."""
 
     def __init__(
         self,
@@ -46,18 +47,26 @@ class StaticDecoder:
         self.target = target
         self.block_size = drafter.block_size if drafter is not None else 1
         capacity = max_len + self.block_size  # a round verifies a whole block past the output
+        backend = "inductor" if compile else None
         self.target_cache = StaticCacheTarget(
-            target, slots=1, max_len=capacity, kv_bucket=kv_bucket, features=drafter is not None
+            target,
+            slots=1,
+            max_len=capacity,
+            kv_bucket=kv_bucket,
+            features=drafter is not None,
+            compile_backend=backend,
         )
         self.drafter_cache = None
         if drafter is not None:
             dtype = target.lm_head.weight.dtype
             draft_copy = copy.deepcopy(drafter).to(device=target.device, dtype=dtype).eval()
-            self.drafter_cache = StaticCacheDrafter(draft_copy, target, max_len=self.target_cache.max_len)
+            self.drafter_cache = StaticCacheDrafter(
+                draft_copy, target, max_len=self.target_cache.max_len, compile_backend=backend
+            )
         enabled = graphs_enabled(graphs, target.device)
         pool = torch.cuda.graph_pool_handle() if enabled else None
-        self._plain_step = GraphedFunction(self._plain_fn, enabled=enabled, pool=pool, compile=compile)
-        self._round = GraphedFunction(self._round_fn, enabled=enabled, pool=pool, compile=compile)
+        self._plain_step = GraphedFunction(self._plain_fn, enabled=enabled, pool=pool)
+        self._round = GraphedFunction(self._round_fn, enabled=enabled, pool=pool)
         device = target.device
         self._ids = torch.zeros((1, 1), dtype=torch.long, device=device)
         self._pos = torch.zeros((1, 1), dtype=torch.long, device=device)

@@ -22,8 +22,6 @@ from typing import Any
 
 import torch
 
-from dflash.models.compile import compile_shared
-
 Key = tuple[Any, ...]
 
 
@@ -44,12 +42,10 @@ class GraphedFunction:
         enabled: bool,
         pool: Any = None,
         warmup_calls: int = 2,
-        compile: bool = False,
     ):
-        # compile: the function's kernels fused by torch.compile (one dynamic-shape graph for
-        # every key) before the capture: a graph replays every kernel of the step, so fewer,
-        # fused kernels is what makes a small model's step shorter.
-        self.fn = compile_shared(fn, dynamic=True) if compile else fn
+        # A function that calls torch.compile'd code is captured the same way: the warm-up
+        # calls compile it, the capture records the kernels it launches.
+        self.fn = fn
         self.enabled = enabled
         self.pool = pool
         self.warmup_calls = warmup_calls

@@ -26,16 +26,12 @@ class StaticKV:
         shape = (slots, kv_heads, max_len, head_dim)
         self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
         self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layers)]
-        self.slot_ids = torch.arange(slots, device=device)
 
     def write(
         self, layer: int, positions_SQ: torch.Tensor, k_SHQD: torch.Tensor, v_SHQD: torch.Tensor
     ) -> None:
         """Keys/values [S, Hkv, Q, D] of every slot at positions [S, Q] (distinct within a row)."""
-        rows = self.slot_ids[: positions_SQ.shape[0], None].expand_as(positions_SQ)
-        # Advanced indices around a slice put the indexed dims first: values as [S, Q, Hkv, D].
-        self.keys[layer][rows, :, positions_SQ] = k_SHQD.transpose(1, 2)
-        self.values[layer][rows, :, positions_SQ] = v_SHQD.transpose(1, 2)
+        write_layer(self.keys[layer], self.values[layer], positions_SQ, k_SHQD, v_SHQD)
 
     def write_prefix(
         self, layer: int, rows_R: torch.Tensor, k_RHPD: torch.Tensor, v_RHPD: torch.Tensor
@@ -47,3 +43,18 @@ class StaticKV:
 
     def prefix(self, layer: int, kv_len: int) -> tuple[torch.Tensor, torch.Tensor]:
         return self.keys[layer][:, :, :kv_len], self.values[layer][:, :, :kv_len]
+
+
+def write_layer(
+    keys: torch.Tensor,
+    values: torch.Tensor,
+    positions_SQ: torch.Tensor,
+    k_SHQD: torch.Tensor,
+    v_SHQD: torch.Tensor,
+) -> None:
+    """One layer's cache write (`StaticKV.write`), on the layer's buffers themselves: a compiled
+    per-layer function takes them as inputs and writes them in place."""
+    rows = torch.arange(positions_SQ.shape[0], device=positions_SQ.device)[:, None].expand_as(positions_SQ)
+    # Advanced indices around a slice put the indexed dims first: values as [S, Q, Hkv, D].
+    keys[rows, :, positions_SQ] = k_SHQD.transpose(1, 2)
+    values[rows, :, positions_SQ] = v_SHQD.transpose(1, 2)

@@ -10,17 +10,25 @@ rejected drafts, or stale ones from an earlier sequence — are never seen.
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
 from dflash.blocks import block_attention_mask
 from dflash.decoding.kv_cache import StaticKV
+from dflash.models.compile import compile_shared
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import FrozenTarget
 
 
 class StaticCacheDrafter(nn.Module):
-    def __init__(self, drafter: DFlashDrafter, target: FrozenTarget, *, max_len: int):
+    """`compile_backend` (None: eager): the draft and the context write each compiled whole (a
+    few drafter layers: one small graph each)."""
+
+    def __init__(
+        self, drafter: DFlashDrafter, target: FrozenTarget, *, max_len: int, compile_backend: Any = None
+    ):
         super().__init__()
         self.drafter, self.target = drafter, target
         config = drafter.config
@@ -38,17 +46,29 @@ class StaticCacheDrafter(nn.Module):
         mask_row = torch.full((1, self.block_size), drafter.mask_token_id, device=device)
         self.register_buffer("mask_row", mask_row, persistent=False)
         self.register_buffer("offsets", torch.arange(self.block_size, device=device), persistent=False)
+        self._write, self._draft = self._write_eager, self._draft_eager
+        if compile_backend is not None:
+            self._write = compile_shared(self._write_eager, backend=compile_backend, dynamic=True)
+            self._draft = compile_shared(self._draft_eager, backend=compile_backend, dynamic=True)
 
     @torch.no_grad()
     def write(self, features_1QF: torch.Tensor, positions_1Q: torch.Tensor) -> None:
         """Context keys/values of the target features at `positions_1Q` into the cache."""
-        for index, (k, v) in enumerate(self.drafter.context_kv(features_1QF, positions_1Q)):
-            self.kv.write(index, positions_1Q, k, v)
+        self._write(features_1QF, positions_1Q)
 
     @torch.no_grad()
     def draft(self, anchor_1: torch.Tensor, anchor_pos_1: torch.Tensor, *, kv_len: int) -> torch.Tensor:
         """The drafter's B-1 argmax guesses [B-1] after the anchor token at `anchor_pos_1`, from
         the context before it. Capturable: device tensors in, no host reads."""
+        return self._draft(anchor_1, anchor_pos_1, kv_len=kv_len)
+
+    def _write_eager(self, features_1QF: torch.Tensor, positions_1Q: torch.Tensor) -> None:
+        for index, (k, v) in enumerate(self.drafter.context_kv(features_1QF, positions_1Q)):
+            self.kv.write(index, positions_1Q, k, v)
+
+    def _draft_eager(
+        self, anchor_1: torch.Tensor, anchor_pos_1: torch.Tensor, *, kv_len: int
+    ) -> torch.Tensor:
         block_ids = torch.cat([anchor_1.view(1, 1), self.mask_row[:, 1:]], dim=1)
         positions = anchor_pos_1.view(1, 1) + self.offsets
         mask = block_attention_mask(

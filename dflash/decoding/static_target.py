@@ -20,12 +20,15 @@ names why any other target is not, and callers fall back to the dynamic-cache pa
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from dflash.decoding.kv_cache import StaticKV
+from dflash.decoding.kv_cache import StaticKV, write_layer
+from dflash.models.compile import compile_shared
 from dflash.models.target import FrozenTarget
 
 _LLAMA_LAYOUT = {"llama", "mistral", "qwen2", "qwen3"}
@@ -52,10 +55,24 @@ def round_up(value: int, multiple: int) -> int:
 
 class StaticCacheTarget(nn.Module):
     """`prefill` fills fresh slots from position 0; `step` runs new tokens of every slot over the
-    cache. Both return (logits, fused features or None)."""
+    cache. Both return (logits, fused features or None).
+
+    `compile_backend` (e.g. "inductor"; None: eager): `step`'s per-layer work is one function
+    compiled once for every layer (regional compilation). The layers share their code, and their
+    weights and caches are the compiled function's inputs, so a 36-layer step compiles one layer's
+    graph per step shape (a decode step, a verification) instead of one graph of the whole model:
+    seconds, where a whole 8B step took minutes. Kernels still fuse within a layer, which is where
+    a step's many small kernels are (norms, rotary, residuals)."""
 
     def __init__(
-        self, target: FrozenTarget, *, slots: int, max_len: int, kv_bucket: int = 256, features: bool
+        self,
+        target: FrozenTarget,
+        *,
+        slots: int,
+        max_len: int,
+        kv_bucket: int = 256,
+        features: bool,
+        compile_backend: Any = None,
     ):
         super().__init__()
         refusal = static_decoding_refusal(target)
@@ -87,6 +104,11 @@ class StaticCacheTarget(nn.Module):
             head_dim=self.head_dim,
             dtype=self.embed.weight.dtype,
             device=target.device,
+        )
+        self._step_layer = (
+            self._step_layer_eager
+            if compile_backend is None
+            else compile_shared(self._step_layer_eager, backend=compile_backend, dynamic=True)
         )
 
     def kv_len_for(self, longest: int) -> int:
@@ -148,25 +170,43 @@ class StaticCacheTarget(nn.Module):
         Grouped-query attention without copying the cache per head: the G query heads that share
         a key/value head are laid out as G*Q query rows of that head, so one attention call per
         layer reads each cached key once, with the same position mask for every group."""
-        slots, q_len = ids_SQ.shape
         hidden = self.embed(ids_SQ)
-        rope = self.rotary(hidden, positions_SQ)
+        cos, sin = self.rotary(hidden, positions_SQ)
         visible = torch.arange(kv_len, device=ids_SQ.device) <= positions_SQ[:, :, None]  # [S, Q, T]
         mask = visible.repeat(1, self.groups, 1).unsqueeze(1)  # [S, 1, G*Q, T]
         collected, layer_ids = {}, set(self.target.layer_ids)
         for index, layer in enumerate(self.layers):
-            q, k, v = self._project(layer, layer.input_layernorm(hidden), rope)
-            self.kv.write(index, positions_SQ, k, v)
-            keys, values = self.kv.prefix(index, kv_len)
-            grouped = q.reshape(slots, self.num_kv_heads, self.groups * q_len, self.head_dim)
-            attended = F.scaled_dot_product_attention(
-                grouped,
-                keys,
-                values,
-                attn_mask=mask,
-                scale=layer.self_attn.scaling,
-            ).reshape(slots, self.num_heads, q_len, self.head_dim)
-            hidden = self._finish_layer(layer, hidden, attended)
+            hidden = self._step_layer(
+                layer, hidden, cos, sin, mask, positions_SQ, self.kv.keys[index], self.kv.values[index]
+            )
             if self.with_features and index in layer_ids:
                 collected[index] = hidden
         return self.target.lm_head(self.norm(hidden)), self._fuse(collected)
+
+    def _step_layer_eager(
+        self,
+        layer: nn.Module,
+        hidden: torch.Tensor,
+        cos: torch.Tensor,
+        sin: torch.Tensor,
+        mask: torch.Tensor,
+        positions_SQ: torch.Tensor,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+    ) -> torch.Tensor:
+        """One decoder layer of `step`: write the new keys/values into the layer's cache, attend
+        over its first mask.shape[-1] positions. Only tensors and the layer come in (no layer
+        index, no Python int that differs between layers), so one compiled graph serves all."""
+        slots, q_len, _ = hidden.shape
+        kv_len = mask.shape[-1]
+        q, k, v = self._project(layer, layer.input_layernorm(hidden), (cos, sin))
+        write_layer(keys, values, positions_SQ, k, v)
+        grouped = q.reshape(slots, self.num_kv_heads, self.groups * q_len, self.head_dim)
+        attended = F.scaled_dot_product_attention(
+            grouped,
+            keys[:, :, :kv_len],
+            values[:, :, :kv_len],
+            attn_mask=mask,
+            scale=layer.self_attn.scaling,
+        ).reshape(slots, self.num_heads, q_len, self.head_dim)
+        return self._finish_layer(layer, hidden, attended)
