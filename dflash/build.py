@@ -75,7 +75,7 @@ def build_models(checked: Checked) -> Models:
     if checked.target_cfg.compile:
         compiled["target"] = CompileCounter("target features")
         for target in targets:
-            target.compile_features(compiled["target"])
+            target.compile_features(compiled["target"], dynamic=checked.target_cfg.compile_dynamic)
     drafters = [
         build_drafter(checked.config.drafter, checked.target_config, checked.layer_ids, d)
         for d in checked.drafter_devices
@@ -89,7 +89,7 @@ def build_models(checked: Checked) -> Models:
     if uses_compile(checked.config.drafter.compile, torch.device(checked.drafter_devices[0])):
         compiled["drafter"] = CompileCounter("drafter")
         for drafter in drafters:
-            drafter.compile_training(compiled["drafter"])
+            drafter.compile_training(compiled["drafter"], dynamic=checked.config.drafter.compile_dynamic)
     return Models(targets, drafters, compiled)
 
 

@@ -93,6 +93,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--repeat", type=int, default=10)
     parser.add_argument("--warmup", type=int, default=3)
+    parser.add_argument(
+        "--dynamic",
+        action="store_true",
+        help="compile with symbolic shapes (dynamic=True, as the drafter's training graph by default)",
+    )
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {list(CONFIGS)}")
     return parser.parse_args()
 
@@ -167,7 +172,8 @@ def main() -> None:
     print(
         f"{torch.cuda.get_device_name()} · torch {torch.__version__} · queries {q_len} x {args.heads} heads, "
         f"keys {kv_len} x {args.kv_heads} heads, head dim {args.head_dim}, bf16 · "
-        f"visible pairs {density:.1%} of the dense mask · median of {args.repeat}"
+        f"visible pairs {density:.1%} of the dense mask · "
+        f"{'symbolic' if args.dynamic else 'exact'} shapes · median of {args.repeat}"
     )
     print()
     print(
@@ -179,10 +185,10 @@ def main() -> None:
         options = CONFIGS[name]
         torch._dynamo.reset()
         if options is None:
-            compiled = torch.compile(flex_attention, dynamic=False, mode="max-autotune-no-cudagraphs")
+            compiled = torch.compile(flex_attention, dynamic=args.dynamic, mode="max-autotune-no-cudagraphs")
             options = {}
         else:
-            compiled = torch.compile(flex_attention, dynamic=False)
+            compiled = torch.compile(flex_attention, dynamic=args.dynamic)
 
         forward, forward_backward = attention_calls(compiled, options, (q, k, v), mask, grad_out)
         try:

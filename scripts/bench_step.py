@@ -202,7 +202,7 @@ def main() -> None:
     for variant in [v for v in args.target_variants.split(",") if v]:
         counter = CompileCounter("target features")
         if variant == "compiled":
-            target.compile_features(counter)  # what training runs with target.compile on
+            target.compile_features(counter)  # target.compile=true with the default compile_dynamic
         elif variant == "compiled_static":
             torch._dynamo.reset()  # else the dynamic-shape graph above would serve this shape
             target.compile_features(counter, dynamic=None)
@@ -231,7 +231,8 @@ def main() -> None:
         drafter = build_drafter(variant_cfg.drafter, target.config, layer_ids, str(device))
         counter = CompileCounter(f"drafter ({variant})")
         if variant_cfg.drafter.compile:
-            drafter.compile_training(counter)
+            torch._dynamo.reset()  # each variant compiles its own graphs
+            drafter.compile_training(counter, dynamic=variant_cfg.drafter.compile_dynamic)
         step_fn = build_step_fn(variant_cfg, head=head, drafter=drafter, total_steps=10**6, num_buckets=1)
         blocks_visible, block_tokens = visible_keys(step_fn, batch)
         stats, _ = step_fn.forward_backward(batch, features, 0)  # the loss at the initial weights

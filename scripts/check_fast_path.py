@@ -75,7 +75,7 @@ class Setup:
         device = self.target.device
         drafter = build_drafter(cfg.drafter, self.target.config, self.layer_ids, str(device))
         if uses_compile(cfg.drafter.compile, device):
-            drafter.compile_training()
+            drafter.compile_training(dynamic=cfg.drafter.compile_dynamic)
         return build_step_fn(
             cfg,
             head=self.head,

@@ -96,6 +96,12 @@ class TargetConfig:
     # stays eager). Off by default: on an H200 it took a Qwen3-8B-shaped target from 100 to 79 ms
     # per 3072-token sample, but compiled for ~2 minutes at start and again for new batch shapes.
     compile: bool = False
+    # torch.compile's `dynamic` for that stack: true, one graph with symbolic shapes serves every
+    # batch shape from the first step; null, torch's default: graphs for the exact shapes seen,
+    # recompiled once with symbolic shapes when a shape first changes (faster kernels where the
+    # shapes never change, as at the paper's fixed 3072-token samples; one more compile where
+    # they do).
+    compile_dynamic: Optional[bool] = True
 
 
 @dataclass
@@ -120,6 +126,8 @@ class DrafterConfig:
     attention: AttentionKind = AttentionKind.auto
     # torch.compile the draft layers and the fused loss (null: on CUDA, off on CPU).
     compile: Optional[bool] = None
+    # torch.compile's `dynamic` for the draft layers' graph: as target.compile_dynamic.
+    compile_dynamic: Optional[bool] = True
 
 
 @dataclass

@@ -216,11 +216,12 @@ class DFlashDrafter(nn.Module):
             hidden_BQH = layer(hidden_BQH, layer_kv, block_rope, mask)
         return self.norm(hidden_BQH)
 
-    def compile_training(self, backend: Any = "inductor") -> None:
-        """Compile the draft layers of the training forward as one graph (dynamic shapes, so
-        batches of any size share it). Decoding (`draft`) stays eager: it runs under no_grad with
-        a growing cache, shapes a training graph would only be recompiled for."""
-        self._compiled_layers = compile_shared(self._layers, backend=backend, dynamic=True)
+    def compile_training(self, backend: Any = "inductor", dynamic: bool | None = True) -> None:
+        """Compile the draft layers of the training forward as one graph (`dynamic`: True, one
+        graph with symbolic shapes for batches of any size; None, torch's default: exact shapes
+        until one changes). Decoding (`draft`) stays eager: it runs under no_grad with a growing
+        cache, shapes a training graph would only be recompiled for."""
+        self._compiled_layers = compile_shared(self._layers, backend=backend, dynamic=dynamic)
 
     def __getstate__(self) -> dict[str, Any]:
         # A copy (deepcopy, pickle) is eager: the compiled function is bound to this instance.
