@@ -122,18 +122,29 @@ def _fused_weighted_ce_and_hits(
         if torch.is_autocast_enabled(device_type)
         else torch.promote_types(hidden_BQH.dtype, lm_head.weight.dtype)
     )
+    # Position 0 of every block is the anchor itself: no label, weight 0, never a hit
+    # (blocks.build_blocks). Its rows skip the LM head, which saves 1/block_size of the loss's
+    # two vocab-wide matmuls (the largest GEMMs of a paper-scale step).
+    block_size = blocks.block_size
+
+    def predicted(per_position: torch.Tensor) -> torch.Tensor:
+        """[B, Q, ...] -> the rows of block positions 1..block_size-1, flattened."""
+        return per_position.unflatten(1, (-1, block_size))[:, :, 1:].flatten(0, 2)
+
     with torch.autocast(device_type, enabled=False):
-        weighted_ce, hit = _FusedHeadCE.apply(
-            hidden_BQH.flatten(0, 1),
+        weighted_ce, hit_predicted = _FusedHeadCE.apply(
+            predicted(hidden_BQH),
             lm_head.weight,
-            blocks.labels.flatten(),
-            blocks.weights.flatten(),
-            blocks.valid.flatten(),
+            predicted(blocks.labels),
+            predicted(blocks.weights),
+            predicted(blocks.valid),
             chunk,
             compute_dtype,
             compiled,
         )
-    return weighted_ce, hit.view(blocks.labels.shape)
+    hit = torch.zeros_like(blocks.valid).unflatten(1, (-1, block_size))
+    hit[:, :, 1:] = hit_predicted.view(hit.shape[0], -1, block_size - 1)
+    return weighted_ce, hit.flatten(1)
 
 
 def draft_loss(

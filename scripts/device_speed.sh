@@ -39,10 +39,12 @@ train)
   timeout 120 python3 -m dflash.train "${PAPER[@]}" "${ONE[@]}" debug.max_steps=50 drafter.attention=sdpa \
     drafter.compile=false loss.logits_chunk=0 paths.output_dir=/tmp/runs/reference \
     > "$OUT/train_reference.log" 2>&1
-  timeout 170 python3 -m dflash.train "${PAPER[@]}" "${ONE[@]}" debug.max_steps=null paths.output_dir=/tmp/runs/fast \
-    > "$OUT/train_fast.log" 2>&1
-  timeout 150 python3 -m dflash.train "${PAPER[@]}" train.total_steps=40 debug.max_steps=null \
-    checkpoint.every_steps=100000 paths.output_dir=/tmp/runs/preset > "$OUT/train_preset.log" 2>&1
+  # FAST_ARGS: overrides of the fast and preset runs (e.g. the compiled target and exact-shape
+  # graphs: target.compile=true target.compile_dynamic=null drafter.compile_dynamic=null).
+  timeout ${FAST_TIMEOUT:-170} python3 -m dflash.train "${PAPER[@]}" "${ONE[@]}" debug.max_steps=null ${FAST_ARGS:-} \
+    paths.output_dir=/tmp/runs/fast > "$OUT/train_fast.log" 2>&1
+  timeout ${PRESET_TIMEOUT:-150} python3 -m dflash.train "${PAPER[@]}" train.total_steps=40 debug.max_steps=null \
+    checkpoint.every_steps=100000 ${FAST_ARGS:-} paths.output_dir=/tmp/runs/preset > "$OUT/train_preset.log" 2>&1
   for run in reference fast preset; do
     mkdir -p "$OUT/runs/$run" && cp /tmp/runs/$run/{metrics.jsonl,summary.json} "$OUT/runs/$run/" 2>/dev/null
   done

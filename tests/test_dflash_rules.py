@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import math
 
 import numpy as np
@@ -375,3 +376,50 @@ def test_drafter_parameters_are_the_exported_layout_and_share_target_embeddings(
     assert "layers.0.self_attn.k_proj.weight" in names and "layers.1.mlp.gate_proj.weight" in names
     assert not any("embed" in n or "lm_head" in n for n in names)
     assert drafter.fc.weight.shape == (64, 2 * 64)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+@pytest.mark.parametrize("clipped", [False, True])
+def test_apply_is_clip_grad_norm_then_adamw_on_the_weight_normalised_gradients(device, clipped):
+    """DrafterStep.apply passes the loss-weight normalisation and the clip to the fused AdamW
+    kernel (its `grad_scale` input) instead of rescaling the gradients: the update must be the
+    textbook one — gradients / total weight, clip_grad_norm_, then AdamW."""
+    from dflash.config.schema import OptimizerConfig
+    from dflash.noise import NoiseSchedule
+    from dflash.step import BlockSettings, DrafterStep
+    from dflash.step_build import build_optimizer
+    from dflash.tools.compose import compose_typed
+
+    drafter = tiny_drafter(tiny_target()).to(device)
+    reference = copy.deepcopy(drafter)
+    cfg = OptimizerConfig(lr=1e-3, grad_clip=0.5 if clipped else 1e6)
+    optimizer = build_optimizer(cfg, drafter.parameters())
+    step = DrafterStep(
+        head=None,
+        drafter=drafter,
+        optimizer=optimizer,
+        lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0),
+        noise=NoiseSchedule.from_config(compose_typed([]).noise),
+        block_settings=BlockSettings(seed=0, num_anchors=8, gamma=4.0),
+        grad_clip=cfg.grad_clip,
+        num_buckets=1,
+    )
+    reference_optimizer = torch.optim.AdamW(
+        reference.parameters(), lr=cfg.lr, betas=tuple(cfg.betas), weight_decay=cfg.weight_decay, eps=cfg.eps
+    )
+    generator = torch.Generator().manual_seed(0)
+    total_weight = torch.tensor(37.0, device=device)
+    for _ in range(2):  # the second update also reads the moments of the first
+        grads = [torch.randn(p.shape, generator=generator).to(device) for p in drafter.parameters()]
+        for p, g in zip(drafter.parameters(), grads):
+            p.grad = g.clone()
+        for p, g in zip(reference.parameters(), grads):
+            p.grad = g / total_weight
+        grad_norm = step.apply(total_weight)
+        want_norm = torch.nn.utils.clip_grad_norm_(reference.parameters(), cfg.grad_clip)
+        reference_optimizer.step()
+        reference_optimizer.zero_grad(set_to_none=True)
+        torch.testing.assert_close(grad_norm, want_norm, rtol=1e-5, atol=0)
+    assert (want_norm > cfg.grad_clip) == clipped
+    for got, want in zip(drafter.parameters(), reference.parameters()):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-7)

@@ -300,9 +300,10 @@ class EvalConfig:
     # Decode steps and DFlash rounds replayed as CUDA graphs on static caches (null: on CUDA).
     # Hybrid targets (linear attention) always take the exact dynamic-cache path.
     cuda_graphs: Optional[bool] = None
-    # Fuse the captured steps' kernels with torch.compile first (a one-time compile per run:
-    # minutes for an 8B target; with every_steps, training's compiled code waits for it at the
-    # first periodic evaluation, as every thread does while another compiles).
+    # Fuse the captured steps' kernels with torch.compile first (a one-time compile per run, one
+    # layer's graph per step shape: docs/ARCHITECTURE.md §2b; with every_steps, training's
+    # compiled code waits for it at the first periodic evaluation, as every thread does while
+    # another compiles).
     compile_decoding: bool = False
     warmup_prompts: int = 2
     # dflash-eval: where the JSON report goes; null: <paths.output_dir>/eval.json.
