@@ -201,3 +201,61 @@ def test_the_monitor_ticks_between_the_prompts_of_a_periodic_evaluation(make_cfg
     run.execute()
     evaluations = [n for n in ticks_inside if n]  # run_pending returns at once with no snapshot
     assert len(evaluations) == 2 and all(n >= 3 for n in evaluations), ticks_inside
+
+
+class ScriptedProbe:
+    """A pipeline whose drafters have trained `samples` so far and publish one log window per
+    `publish()`: the monitor's view of a run, tick by tick, without a run."""
+
+    def __init__(self):
+        self.samples, self.windows, self.step = 0.0, [], 0
+
+    def publish(self, steps: int, samples: float) -> None:
+        self.step += steps
+        self.samples += samples
+        self.windows.append([types.SimpleNamespace(end_step=self.step)])
+
+    def completed_windows(self, wait: bool):
+        done, self.windows = self.windows, []
+        return done
+
+    def pipeline_stats(self) -> dict[str, float]:
+        return {"count/drafter0_samples": self.samples, "count/drafter0_tokens": 100 * self.samples}
+
+    def role_devices(self):
+        return {}
+
+
+def test_steady_throughput_leaves_out_start_up_and_the_tail(monkeypatch):
+    """summary.json's samples/s: from the first log window's tick to the last periodic tick.
+    Start-up (compiles) comes before the first window; the tail after the last periodic tick
+    runs faster than the steady state (the target is done: its drafter no longer shares the
+    GPU), so a short run must not count it; a run with no periodic tick after its first
+    window's is measured to the final tick."""
+    from dflash.config.schema import MonitorConfig
+    from dflash.monitor import monitor as monitor_module
+
+    now = [0.0]
+    monkeypatch.setattr(monitor_module.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(monitor_module, "train_metrics", lambda groups: {})
+
+    def run(ticks: list[tuple[float, float, bool]]) -> dict[str, float]:
+        probe = ScriptedProbe()
+        now[0] = 0.0  # the run starts
+        monitor = monitor_module.Monitor(
+            MonitorConfig(interval_s=5.0, telemetry=False, cuda_stats=False), [], probe, total_steps=40
+        )
+        for at, samples, final in ticks:
+            now[0] = at
+            probe.publish(steps=10, samples=samples)
+            monitor.maybe_tick(wait=final, force=final)
+        return monitor.steady_throughput()
+
+    # Start-up until t=60 (40 samples then), steady 4 samples/s, a tail at 8 samples/s.
+    steady = run([(60.0, 40, False), (65.0, 20, False), (70.0, 20, False), (72.0, 16, True)])
+    assert steady["perf/samples_per_s"] == pytest.approx(4.0)
+    assert steady["perf/tokens_per_s"] == pytest.approx(400.0)
+    # Only the first window's tick and the final one: the final one it is.
+    assert run([(60.0, 40, False), (70.0, 40, True)])["perf/samples_per_s"] == pytest.approx(4.0)
+    # Every step done before the first window's tick: nothing to measure.
+    assert run([(60.0, 40, True)]) == {}
