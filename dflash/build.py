@@ -165,7 +165,6 @@ def build_trainer(
         targets=models.targets,
         step_fns=step_fns,
         cfg=cfg.pipeline,
-        max_length=cfg.data.max_length,
         faults=faults,
         process_group=checked.process_group,
         **common,

@@ -89,3 +89,21 @@ def test_a_block_budget_below_one_sample_is_refused(make_cfg):
 
     with pytest.raises(ValueError, match=r"scheduler.block_tokens_per_batch=64 is below one sample's blocks"):
         build_run(make_cfg(["scheduler.block_tokens_per_batch=64"]))
+
+
+def test_warm_up_shapes_are_the_planned_batches_largest_per_used_bucket():
+    """The asynchronous warm-up runs the target at these shapes: each is a real batch's collated
+    shape (samples, longest sample), the bucket's batch with the most padded tokens; a bucket
+    no sample falls in gets none, and data of one length gets exactly its one shape."""
+    lengths = [20, 30, 44, 47, 60, 70, 79, 40, 33]  # buckets 0 and 1 of (48, 80, 128); 2 is empty
+    plan = planner("interleave", lengths, budget=160)
+    shapes = plan.largest_batch_shapes(0)
+    collated = {}
+    for batch in plan.epoch(0):
+        shape = (len(batch.sample_ids), max(lengths[i] for i in batch.sample_ids))
+        collated.setdefault(batch.bucket, []).append(shape)
+    assert shapes == [max(collated[b], key=lambda s: s[0] * s[1]) for b in sorted(collated)]
+    assert len(shapes) == 2  # no shape for the empty bucket
+    fixed = planner("interleave", [100] * 12, budget=512)
+    assert fixed.largest_batch_shapes(0) == [(5, 100)]
+    assert {(len(b.sample_ids), 100) for b in fixed.epoch(0)} >= {(5, 100)}

@@ -13,6 +13,7 @@ function of (seed, epoch): a run resumed at batch k of epoch e sees exactly what
 from __future__ import annotations
 
 import bisect
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -161,6 +162,18 @@ class BatchPlanner:
             PlannedBatch(epoch=epoch, index=i, bucket=batches[j][0], sample_ids=tuple(batches[j][1]))
             for i, j in enumerate(order)
         )
+
+    def largest_batch_shapes(self, epoch: int) -> list[tuple[int, int]]:
+        """Per bucket the epoch uses, the collated shape (samples, longest sample) of its batch
+        with the most padded tokens: what a warm-up runs so that kernels are tuned and graphs
+        compiled for the shapes training will meet, and only those (a bucket with no samples
+        costs no compile)."""
+        largest: dict[int, tuple[int, int]] = {}
+        for plan in self.epoch(epoch):
+            shape = (len(plan.sample_ids), int(self.lengths[list(plan.sample_ids)].max()))
+            if plan.bucket not in largest or shape[0] * shape[1] > math.prod(largest[plan.bucket]):
+                largest[plan.bucket] = shape
+        return [largest[bucket] for bucket in sorted(largest)]
 
     def batches_per_epoch(self, epoch: int) -> int:
         return len(self.epoch(epoch))

@@ -78,7 +78,6 @@ class AsyncTrainer(Trainer):
         log_every: int,
         checkpoints: CheckpointSettings,
         cfg: PipelineConfig,
-        max_length: int,
         faults: FaultInjection | None = None,
         process_group: ProcessGroupInfo | None = None,
     ):
@@ -93,7 +92,7 @@ class AsyncTrainer(Trainer):
         )
         self.targets = targets
         self.target = targets[0]
-        self.cfg, self.max_length = cfg, max_length
+        self.cfg = cfg
         self.faults = faults or FaultInjection()
         self._pending: dict[int, dict[int, MetricWindow]] = defaultdict(dict)
         self._failure: tuple[str, BaseException] | None = None
@@ -148,10 +147,11 @@ class AsyncTrainer(Trainer):
         ]
 
     def _warm_up(self) -> None:
-        shapes = []
-        for edge in self.planner.edges:
-            seq_len = min(edge, self.max_length)
-            shapes.append((max(1, self.planner.tokens_per_batch // seq_len), seq_len))
+        # The shapes of the first epoch's largest batch per bucket, not every bucket edge at the
+        # token budget: with exact-shape graphs (target.compile_dynamic=null) data of one shape
+        # then compiles one graph, the one training uses; with symbolic shapes, buckets no sample
+        # falls in compile nothing.
+        shapes = self.planner.largest_batch_shapes(0)
         started = time.perf_counter()
         for worker in self.workers:
             worker.warm_up(shapes)
