@@ -21,31 +21,16 @@ A round costs `round / plain step` plain steps: DFlash is faster once tau exceed
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
 
 def timer(device: torch.device):
+    from dflash.tools.timing import median_ms
+
     def measure(fn, reps: int) -> float:
-        for _ in range(3):
-            fn()
-        samples = []
-        for _ in range(reps):
-            if device.type == "cuda":
-                start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                start.record()
-                fn()
-                end.record()
-                end.synchronize()
-                samples.append(start.elapsed_time(end))
-            else:
-                started = time.perf_counter()
-                fn()
-                samples.append((time.perf_counter() - started) * 1000)
-        return statistics.median(samples)
+        return median_ms(fn, warmup=3, repeat=reps, device=device)
 
     return measure
 

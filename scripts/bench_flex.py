@@ -24,7 +24,6 @@ scores are not counted).
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -36,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dflash.block_mask import flex_block_mask, kv_tiles  # noqa: E402
 from dflash.blocks import sample_anchors  # noqa: E402
+from dflash.tools.timing import median_ms  # noqa: E402
 
 # name -> kernel_options. Forward keys (fwd_ prefix): BLOCK_M, BLOCK_N, num_stages, num_warps;
 # backward keys (bwd_ prefix): BLOCK_M1/N1 (the dK/dV kernel: N1 keys per program, M1 queries
@@ -100,20 +100,6 @@ def parse_args() -> argparse.Namespace:
     )
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, of {list(CONFIGS)}")
     return parser.parse_args()
-
-
-def cuda_ms(fn, *, warmup: int, repeat: int) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def attention_calls(compiled, options: dict, qkv, mask, grad_out):
@@ -204,8 +190,8 @@ def main() -> None:
         out_diff = rel_diff(out, reference[0])
         grad_diff = max(rel_diff(g, r) for g, r in zip(grads, reference[1]))
         with torch.no_grad():
-            fwd_ms = cuda_ms(forward, warmup=args.warmup, repeat=args.repeat)
-        both_ms = cuda_ms(forward_backward, warmup=args.warmup, repeat=args.repeat)
+            fwd_ms = median_ms(forward, warmup=args.warmup, repeat=args.repeat, device=device)
+        both_ms = median_ms(forward_backward, warmup=args.warmup, repeat=args.repeat, device=device)
         bwd_ms = both_ms - fwd_ms
         print(
             f"| {name} | {fwd_ms:.2f} | {forward_flops / fwd_ms / 1e9:.0f} | {bwd_ms:.2f} | "

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import statistics
 import sys
 from dataclasses import dataclass
 from pathlib import Path
@@ -51,6 +50,7 @@ from dflash.step_build import build_drafter, build_step_fn  # noqa: E402
 from dflash.step_variants import STEP_VARIANTS  # noqa: E402
 from dflash.tools.compose import compose_typed  # noqa: E402
 from dflash.tools.kernel_profile import write_kernel_table  # noqa: E402
+from dflash.tools.timing import median_ms  # noqa: E402
 
 DEFAULTS = ["target=qwen3_8b_random", "drafter=b16", "drafter.mask_token_id=151669", "gpu=single"]
 DENSE_BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
@@ -66,26 +66,12 @@ def time_phase(fn, *, warmup: int, repeat: int, device: torch.device) -> Timing:
     for _ in range(warmup):
         fn()
     if device.type != "cuda":
-        import time
-
-        times = []
-        for _ in range(repeat):
-            start = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - start)
-        return Timing(statistics.median(times), 0)
+        return Timing(median_ms(fn, warmup=0, repeat=repeat, device=device) / 1e3, 0)
     torch.cuda.synchronize(device)
     base = torch.cuda.memory_allocated(device)
     torch.cuda.reset_peak_memory_stats(device)
-    times = []
-    for _ in range(repeat):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return Timing(statistics.median(times), torch.cuda.max_memory_allocated(device) - base)
+    seconds = median_ms(fn, warmup=0, repeat=repeat, device=device) / 1e3
+    return Timing(seconds, torch.cuda.max_memory_allocated(device) - base)
 
 
 def linear_params(module: torch.nn.Module) -> int:
