@@ -68,3 +68,17 @@ def test_schedule_report_statistics():
     text = schedule_report.report({"x": [0, 0, 0, 1]}, 2, 2)
     assert "scheduler=x: 4 batches" in text and "b0=75.0%  b1=25.0%" in text
     assert "1:1  3:1   (longest 3)" in text and "mean 0.333  min 0.000" in text
+
+
+def test_median_ms_runs_warmup_then_repeat_calls_and_returns_their_median(monkeypatch):
+    """The benchmarks' timer: warm-up calls are not timed; the median is of the timed ones."""
+    import torch
+
+    from dflash.tools import timing
+
+    clock = iter([0.0, 0.005, 1.0, 1.001, 2.0, 2.003])  # timed calls of 5, 1 and 3 ms
+    monkeypatch.setattr(timing.time, "perf_counter", lambda: next(clock))
+    calls = []
+    ms = timing.median_ms(lambda: calls.append(1), warmup=2, repeat=3, device=torch.device("cpu"))
+    assert len(calls) == 5
+    assert abs(ms - 3.0) < 1e-9
