@@ -11,9 +11,10 @@ b16 drafter (drafter=b16, 512 anchors), one sample of 3072 tokens supervised fro
 Every override of dflash-train applies (drafter.num_layers=3, target.arch.num_hidden_layers=8 ...).
 
 Phases (CUDA events; median of --repeat after --warmup):
-- target features: the frozen target's decoder stack, no LM head (what the target worker runs):
-  `eager`, `compiled` (dynamic shapes, as `target.compile=true` trains) and `compiled_static`
-  (torch's default: shapes fixed until one changes);
+- target features: the frozen target's decoder stack up to its deepest feature layer, no LM
+  head (what the target worker runs): `eager`, `compiled` (dynamic shapes, as
+  `target.compile=true` trains) and `compiled_static` (torch's default: shapes fixed until one
+  changes);
 - drafter step: blocks -> forward -> loss -> backward -> clip -> fused AdamW (`DrafterStep`, the
   object training runs), one row per variant: `reference` (SDPA with the dense mask, full
   logits through autograd, eager), `fused` (+ the chunked LM-head loss), `flex` (+ block-sparse
@@ -79,9 +80,10 @@ def linear_params(module: torch.nn.Module) -> int:
 
 
 def target_flops(target: FrozenTarget, batch: int, seq_len: int) -> float:
-    """Decoder-stack matmuls + causal attention (query t sees t + 1 keys); no LM head."""
+    """Decoder-stack matmuls + causal attention (query t sees t + 1 keys) of the layers the
+    feature stack runs (up to the deepest feature layer); no LM head."""
     config = target.config
-    layers = target.model.base_model.layers
+    layers = target.model.base_model.layers[: target.feature_layers]
     matmul = 2 * linear_params(layers) * batch * seq_len
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     visible = batch * seq_len * (seq_len + 1) / 2

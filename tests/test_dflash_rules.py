@@ -76,6 +76,29 @@ def test_target_features_are_hidden_states_of_layer_id_plus_one():
 
 
 @pytest.mark.parametrize("model_type", ["qwen3", "qwen3_next", "llama"])
+@pytest.mark.parametrize("layer_ids, runs", [([1, 3], 4), ([0], 1), ([2, 5], 6)])
+def test_features_stop_at_the_deepest_feature_layer_and_equal_the_full_forward(
+    model_type, layer_ids, runs, request
+):
+    """The feature stack runs layers 0..max(layer_ids) only (no final norm): the features are
+    the full model's hidden states all the same, and the model itself is untouched."""
+    from transformers import AutoModelForCausalLM
+
+    directory = request.getfixturevalue(f"tiny_{model_type}_dir")
+    model = AutoModelForCausalLM.from_pretrained(directory)
+    ids = torch.randint(1, 500, (2, 11))
+    with torch.no_grad():
+        full = model(ids, output_hidden_states=True)
+    target = FrozenTarget(model, layer_ids)
+    assert target.feature_layers == runs
+    expected = torch.cat([full.hidden_states[i + 1] for i in layer_ids], dim=-1)
+    torch.testing.assert_close(target.features(ids), expected, rtol=0, atol=0)
+    after = target(ids)
+    torch.testing.assert_close(after.logits, full.logits, rtol=0, atol=0)
+    torch.testing.assert_close(after.features, expected, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_next", "llama"])
 def test_right_padding_leaves_real_token_features_unchanged(model_type, request):
     """Why FrozenTarget.features takes no padding mask: causal models never look ahead."""
     from transformers import AutoModelForCausalLM

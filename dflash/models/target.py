@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import inspect
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -12,6 +13,11 @@ import torch
 from torch import nn
 from transformers import AttentionInterface, AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+try:  # transformers >= 5: hidden states recorded by hooks (older versions collect them in the loop)
+    from transformers.utils.output_capturing import maybe_install_capturing_hooks as install_output_hooks
+except ImportError:
+    install_output_hooks = None
 
 from dflash.config.schema import TargetConfig
 from dflash.models.compile import compile_shared
@@ -75,6 +81,36 @@ class TargetOutput:
     features: torch.Tensor
 
 
+def feature_model(base_model: nn.Module, *, deepest: int) -> nn.Module:
+    """`base_model` run only up to decoder layer `deepest`: the layers past the deepest feature
+    layer, and the final norm, compute nothing the drafter reads (the paper's 8B layer choice
+    stops at layer 33 of 36: 2 layers, 5.6% of the feature forward). A shallow copy sharing
+    every submodule and weight, with its own module table and a config copy whose
+    `num_hidden_layers` ends transformers' layer loop there. Its last hidden state is that
+    layer's output as is: transformers overwrites the last captured hidden state with the
+    final-norm output, which is the identity here (and the full model's hidden state at a layer
+    that is not its last is un-normed too). When the deepest feature layer is the last layer
+    the model itself is returned."""
+    config = base_model.config
+    if deepest + 1 >= config.num_hidden_layers or not isinstance(
+        getattr(base_model, "norm", None), nn.Module
+    ):
+        return base_model  # nothing to cut, or a layout whose final norm we cannot name
+    # transformers 5 records hidden states with hooks on the decoder layers, installed on a
+    # model's first forward and flagged in its __dict__. Installed now, the copy inherits the
+    # flag; installed by each, the shared layers would record every hidden state twice.
+    if install_output_hooks is not None:
+        install_output_hooks(base_model)
+    stack = copy.copy(base_model)
+    stack._modules = dict(base_model._modules)  # else the copy's norm would replace the model's
+    stack.norm = nn.Identity()
+    stack.config = copy.copy(config)
+    stack.config.num_hidden_layers = deepest + 1
+    if getattr(config, "layer_types", None) is not None:
+        stack.config.layer_types = list(config.layer_types[: deepest + 1])
+    return stack
+
+
 class FrozenTarget(nn.Module):
     """Wraps an AutoModelForCausalLM; every parameter is frozen and the model stays in eval mode."""
 
@@ -87,15 +123,21 @@ class FrozenTarget(nn.Module):
         params = inspect.signature(model.forward).parameters
         self._cache_argument = "cache" if "cache" in params else "past_key_values"
         model.config._attn_implementation = CAUSAL_ATTENTION
-        # A function, not a module attribute (that would register the stack twice).
-        self._feature_stack: Callable[..., Any] = model.base_model.forward
+        # In a tuple, not a module attribute: that would register the shared layers twice.
+        self._feature_model = (feature_model(model.base_model, deepest=max(self.layer_ids)),)
+        self._feature_stack: Callable[..., Any] = self._feature_model[0].forward
+
+    @property
+    def feature_layers(self) -> int:
+        """How many decoder layers `features` runs (up to the deepest feature layer)."""
+        return self._feature_model[0].config.num_hidden_layers
 
     def compile_features(self, backend: Any = "inductor", dynamic: bool | None = True) -> None:
         """Compile the decoder stack that `features` runs. Decoding (`forward`, `generate`) stays
         eager. `dynamic`: True, batches of any size and length share the graphs (what training
         uses); None, torch's default: static shapes until a shape changes (scripts/bench_step.py
         sets the two side by side)."""
-        self._feature_stack = compile_shared(self.model.base_model.forward, backend=backend, dynamic=dynamic)
+        self._feature_stack = compile_shared(self._feature_model[0].forward, backend=backend, dynamic=dynamic)
 
     @contextmanager
     def _padded_attention(self) -> Iterator[None]:
