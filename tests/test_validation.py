@@ -113,7 +113,7 @@ def test_a_copy_of_a_compiled_drafter_is_eager_and_no_grad_runs_eagerly():
     assert len(graphs) >= 1
     torch.testing.assert_close(compiled, eager)
     twin = copy.deepcopy(drafter)
-    assert twin._compiled_layers is None
+    assert twin._compiled_forward is None
     with torch.no_grad():
         for p in twin.parameters():
             p.zero_()

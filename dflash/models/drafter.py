@@ -167,7 +167,7 @@ class DFlashDrafter(nn.Module):
         self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
         # Not a parameter and not exported: recomputed from config.
         self.rotary_emb = Qwen3RotaryEmbedding(config)
-        self._compiled_layers = None  # compile_training: the layers as one compiled graph
+        self._compiled_forward = None  # compile_training: context projections + layers, one graph
         self.reset_parameters()
 
     def reset_parameters(self) -> None:
@@ -216,17 +216,33 @@ class DFlashDrafter(nn.Module):
             hidden_BQH = layer(hidden_BQH, layer_kv, block_rope, mask)
         return self.norm(hidden_BQH)
 
+    def _context_and_layers(
+        self,
+        ctx_BSH: torch.Tensor,
+        ctx_rope: tuple[torch.Tensor, torch.Tensor],
+        hidden_BQH: torch.Tensor,
+        block_rope: tuple[torch.Tensor, torch.Tensor],
+        mask: torch.Tensor | BlockMask,
+    ) -> torch.Tensor:
+        """Every layer's context keys/values (k/v projections, k-norm, RoPE), then the layers:
+        the part of the training forward `compile_training` compiles. The projections' norm and
+        rotation are small elementwise kernels over every context position of every layer, which
+        the compiled graph fuses, forward and backward."""
+        ctx_kv = [layer.self_attn.context_kv(ctx_BSH, ctx_rope) for layer in self.layers]
+        return self._layers(hidden_BQH, ctx_kv, block_rope, mask)
+
     def compile_training(self, backend: Any = "inductor", dynamic: bool | None = True) -> None:
-        """Compile the draft layers of the training forward as one graph (`dynamic`: True, one
-        graph with symbolic shapes for batches of any size; None, torch's default: exact shapes
-        until one changes). Decoding (`draft`) stays eager: it runs under no_grad with a growing
-        cache, shapes a training graph would only be recompiled for."""
-        self._compiled_layers = compile_shared(self._layers, backend=backend, dynamic=dynamic)
+        """Compile the training forward's context projections and draft layers as one graph
+        (`dynamic`: True, one graph with symbolic shapes for batches of any size; None, torch's
+        default: exact shapes until one changes). fc, hidden_norm and the feature noise stay
+        eager (a seeded generator). Decoding (`draft`) stays eager: it runs under no_grad with a
+        growing cache, shapes a training graph would only be recompiled for."""
+        self._compiled_forward = compile_shared(self._context_and_layers, backend=backend, dynamic=dynamic)
 
     def __getstate__(self) -> dict[str, Any]:
         # A copy (deepcopy, pickle) is eager: the compiled function is bound to this instance.
         state = dict(self.__dict__)
-        state["_compiled_layers"] = None
+        state["_compiled_forward"] = None
         return state
 
     def _block_inputs(
@@ -265,9 +281,11 @@ class DFlashDrafter(nn.Module):
         """
         bsz, ctx_len, _ = features_BSF.shape
         ctx_pos = torch.arange(ctx_len, device=features_BSF.device).unsqueeze(0).expand(bsz, -1)
-        ctx_kv = self.context_kv(features_BSF, ctx_pos, feature_noise_std, noise_generator)
+        ctx_BSH = self.context(features_BSF, feature_noise_std, noise_generator)
+        ctx_rope = self.rotary_emb(ctx_BSH, ctx_pos)
         hidden, block_rope, mask = self._block_inputs(block_emb_BQH, block_pos_BQ, attn_mask_BQK)
-        # The compiled graph is the training one: without gradients (validation) the eager layers
-        # run, rather than a second graph compiled for no_grad.
-        compiled = self._compiled_layers is not None and torch.is_grad_enabled()
-        return (self._compiled_layers if compiled else self._layers)(hidden, ctx_kv, block_rope, mask)
+        # The compiled graph is the training one: without gradients (validation) the eager code
+        # runs, rather than a second graph compiled for no_grad.
+        compiled = self._compiled_forward is not None and torch.is_grad_enabled()
+        run = self._compiled_forward if compiled else self._context_and_layers
+        return run(ctx_BSH, ctx_rope, hidden, block_rope, mask)
