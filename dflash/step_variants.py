@@ -2,9 +2,9 @@
 
 `reference` is what every fast part is tested against (SDPA with the dense mask, full logits
 through autograd, eager layers); each next variant adds one part: `fused` the chunked LM-head
-loss, `flex` block-sparse flex_attention, `compiled` torch.compile of the draft layers (all of
-them: the CUDA default); `compiled_static` compiles them for exact shapes. scripts/bench_step.py times them; scripts/check_fast_path.py trains
-them side by side.
+loss, `flex` block-sparse flex_attention, `compiled` torch.compile of the drafter (all of
+them: the CUDA default); `compiled_static` compiles it for exact shapes. scripts/bench_step.py
+times them; scripts/check_fast_path.py trains them side by side.
 """
 
 from __future__ import annotations

@@ -18,7 +18,7 @@ Phases (CUDA events; median of --repeat after --warmup):
 - drafter step: blocks -> forward -> loss -> backward -> clip -> fused AdamW (`DrafterStep`, the
   object training runs), one row per variant: `reference` (SDPA with the dense mask, full
   logits through autograd, eager), `fused` (+ the chunked LM-head loss), `flex` (+ block-sparse
-  flex_attention), `compiled` (+ torch.compile of the draft layers: the CUDA default).
+  flex_attention), `compiled` (+ torch.compile of the drafter: the CUDA default).
 
 Useful FLOPs count only what a position may see: the target's causal attention counts each
 query's keys up to itself; a block query counts the context before its anchor plus its block.

@@ -124,9 +124,10 @@ class DrafterConfig:
     init_seed: int = 0
     # Training attention kernel (decoding always uses the dense mask: one block per step).
     attention: AttentionKind = AttentionKind.auto
-    # torch.compile the draft layers and the fused loss (null: on CUDA, off on CPU).
+    # torch.compile the drafter (context projections + draft layers) and the fused loss
+    # (null: on CUDA, off on CPU).
     compile: Optional[bool] = None
-    # torch.compile's `dynamic` for the draft layers' graph: as target.compile_dynamic.
+    # torch.compile's `dynamic` for the drafter's training graph: as target.compile_dynamic.
     compile_dynamic: Optional[bool] = True
 
 
