@@ -156,15 +156,15 @@ def main() -> None:
         1, args.heads, q_len, args.head_dim, device=device, dtype=torch.bfloat16, generator=generator
     )
     print(
-        f"{torch.cuda.get_device_name()} · torch {torch.__version__} · queries {q_len} x {args.heads} heads, "
-        f"keys {kv_len} x {args.kv_heads} heads, head dim {args.head_dim}, bf16 · "
+        f"{torch.cuda.get_device_name()} · torch {torch.__version__} · "
+        f"queries {q_len} x {args.heads} heads, keys {kv_len} x {args.kv_heads} heads, "
+        f"head dim {args.head_dim}, bf16 · "
         f"visible pairs {density:.1%} of the dense mask · "
         f"{'symbolic' if args.dynamic else 'exact'} shapes · median of {args.repeat}"
     )
     print()
-    print(
-        "| config | forward ms | forward TFLOP/s | backward ms | backward TFLOP/s | fwd+bwd ms | out diff | grad diff |"
-    )
+    columns = ["config", "forward ms", "forward TFLOP/s", "backward ms", "backward TFLOP/s", "fwd+bwd ms"]
+    print("| " + " | ".join(columns + ["out diff", "grad diff"]) + " |")
     print("|---|---|---|---|---|---|---|---|")
     reference = None
     for name in names:
