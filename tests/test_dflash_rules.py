@@ -91,8 +91,18 @@ def test_features_stop_at_the_deepest_feature_layer_and_equal_the_full_forward(
         full = model(ids, output_hidden_states=True)
     target = FrozenTarget(model, layer_ids)
     assert target.feature_layers == runs
+    layers = model.base_model.layers
+    ran = [0] * len(layers)
+    hooks = [
+        layer.register_forward_hook(lambda *_, index=index: ran.__setitem__(index, ran[index] + 1))
+        for index, layer in enumerate(layers)
+    ]
+    features = target.features(ids)
+    for hook in hooks:
+        hook.remove()
+    assert ran == [1] * runs + [0] * (len(layers) - runs)  # the layers past the deepest never run
     expected = torch.cat([full.hidden_states[i + 1] for i in layer_ids], dim=-1)
-    torch.testing.assert_close(target.features(ids), expected, rtol=0, atol=0)
+    torch.testing.assert_close(features, expected, rtol=0, atol=0)
     after = target(ids)
     torch.testing.assert_close(after.logits, full.logits, rtol=0, atol=0)
     torch.testing.assert_close(after.features, expected, rtol=0, atol=0)

@@ -248,7 +248,7 @@ def test_steady_throughput_leaves_out_start_up_and_the_tail(monkeypatch):
         for at, samples, final in ticks:
             now[0] = at
             probe.publish(steps=10, samples=samples)
-            monitor.maybe_tick(wait=final, force=final)
+            monitor.maybe_tick(wait=final, final=final)
         return monitor.steady_throughput()
 
     # Start-up until t=60 (40 samples then), steady 4 samples/s, a tail at 8 samples/s.

@@ -207,4 +207,4 @@ def test_regional_compile_makes_one_graph_per_step_shape_not_per_layer(arch):
     # One graph for one-token steps (a size-1 dimension is specialised), one for every longer
     # step: not one per layer (4 here), per step length or per attended-length bucket.
     assert len(target.model.base_model.layers) >= 4
-    assert counter.graphs <= 2, counter.graphs
+    assert 1 <= counter.graphs <= 2, counter.graphs  # >= 1: the compiled function did run

@@ -67,14 +67,15 @@ class Monitor:
         self._last_mark: tuple[float, float, float] | None = None
         self._final_mark: tuple[float, float, float] | None = None
 
-    def maybe_tick(self, wait: bool = False, force: bool = False) -> None:
-        """Tick if the interval has passed (or `force`); cheap to call often."""
+    def maybe_tick(self, wait: bool = False, final: bool = False) -> None:
+        """Tick if the interval has passed; cheap to call often. `final`: the run's last tick,
+        taken whatever the interval (it closes the tail that `steady_throughput` leaves out)."""
         now = time.perf_counter()
-        if not force and self.cfg.interval_s > 0 and now - self._last_tick < self.cfg.interval_s:
+        if not final and self.cfg.interval_s > 0 and now - self._last_tick < self.cfg.interval_s:
             return
         groups = self.probe.completed_windows(wait)
-        if groups or force or self.cfg.interval_s > 0:
-            self._tick(groups, final=force)
+        if groups or final or self.cfg.interval_s > 0:
+            self._tick(groups, final=final)
 
     def _tick(self, groups: list[list[MetricWindow]], final: bool = False) -> None:
         """One row per completed log window, at its own step, with that window's train/ metrics

@@ -110,7 +110,7 @@ class Trainer(ABC):
         with stop_on_signals() as stop:
             stopped_by = self._train(stop)
         self.train_wall_s = time.perf_counter() - started
-        self.monitor.maybe_tick(wait=True, force=True)
+        self.monitor.maybe_tick(wait=True, final=True)
         if self.periodic_eval is not None and stopped_by is None:
             self.periodic_eval.run_pending()  # the snapshot of the last steps, if still waiting
         self.position = self._final_position()
