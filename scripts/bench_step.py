@@ -10,7 +10,8 @@ Defaults: a random Qwen3-8B-shaped target built on the GPU (target=qwen3_8b_rand
 b16 drafter (drafter=b16, 512 anchors), one sample of 3072 tokens supervised from position 64.
 Every override of dflash-train applies (drafter.num_layers=3, target.arch.num_hidden_layers=8 ...).
 
-Phases (CUDA events; median of --repeat after --warmup):
+Phases (CUDA events; median of --repeat isolated calls after --warmup; a drafter row's notes
+add the mean over --repeat steps issued back to back, as training issues them):
 - target features: the frozen target's decoder stack up to its deepest feature layer, no LM
   head (what the target worker runs): `eager`, `compiled` (dynamic shapes, as
   `target.compile=true` trains) and `compiled_static` (torch's default: shapes fixed until one
@@ -51,7 +52,7 @@ from dflash.step_build import build_drafter, build_step_fn  # noqa: E402
 from dflash.step_variants import STEP_VARIANTS  # noqa: E402
 from dflash.tools.compose import compose_typed  # noqa: E402
 from dflash.tools.kernel_profile import write_kernel_table  # noqa: E402
-from dflash.tools.timing import median_ms  # noqa: E402
+from dflash.tools.timing import back_to_back_ms, median_ms  # noqa: E402
 
 DEFAULTS = ["target=qwen3_8b_random", "drafter=b16", "drafter.mask_token_id=151669", "gpu=single"]
 DENSE_BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
@@ -235,7 +236,15 @@ def main() -> None:
             device=device,
         )
         flops = drafter_flops(drafter, head, blocks_visible, block_tokens, args.samples * args.seq_len)
-        note = f"loss at init {loss:.5f} (vs first row {loss - reference_loss:+.1e}); {block_tokens} block tokens"
+        # The table's time is per isolated step (the device waits for the host at each start);
+        # a training loop issues its steps back to back.
+        steady = back_to_back_ms(
+            lambda s=step_fn, n=steps: s(batch, features, next(n)), repeat=args.repeat, device=device
+        )
+        note = (
+            f"loss at init {loss:.5f} (vs first row {loss - reference_loss:+.1e}); {block_tokens} block tokens; "
+            f"back to back {steady:.1f} ms/step"
+        )
         if counter.graphs:
             note += f"; {counter.graphs} graphs compiled"
         show(row(f"drafter step ({variant})", timing, flops, peak, note))

@@ -93,8 +93,9 @@ class TargetConfig:
     # "auto": bfloat16 on CUDA, float32 on CPU.
     dtype: str = "auto"
     # torch.compile the decoder stack that computes training features (dynamic shapes; decoding
-    # stays eager). Off by default: on an H200 it took a Qwen3-8B-shaped target from 100 to 79 ms
-    # per 3072-token sample, but compiled for ~2 minutes at start and again for new batch shapes.
+    # stays eager). Off by default, on in the paper-scale experiments: on an H200 it takes a
+    # Qwen3-8B-shaped target from 100 to 75 ms per 3072-token sample, after about a minute of
+    # compilation per graph.
     compile: bool = False
     # torch.compile's `dynamic` for that stack: true, one graph with symbolic shapes serves every
     # batch shape from the first step; null, torch's default: graphs for the exact shapes seen,
