@@ -94,6 +94,14 @@ bench_smollm2)
   timeout ${BENCH_TIMEOUT:-150} python3 scripts/bench_decode.py --reps 30 --context 512 --skip-dynamic \
     experiment=smollm2_b16 target.path=$GGUF paths.cache_dir=$W/chain/cache > "$OUT/bench_decode_smollm2.log" 2>&1
   grep -v "Loading weights\|it/s\]\|Warning" "$OUT/bench_decode_smollm2.log" | tail -10 ;;
+step_smollm2)
+  # The chain's training step at its own batch budget (16 samples x 512 anchors), with kernel
+  # tables and the device's idle gaps: where a 576-wide drafter's step goes.
+  timeout ${STEP_TIMEOUT:-150} python3 scripts/bench_step.py --samples 16 --seq-len 1024 --context 32 \
+    --target-variants eager,compiled --drafter-variants compiled,compiled_static --profile "$OUT/profile_smollm2" \
+    target=smollm2_135m target.path=$GGUF drafter.mask_token_id=16 paths.cache_dir=$W/chain/cache \
+    > "$OUT/bench_step_smollm2.log" 2>&1
+  grep "^|\|Error" "$OUT/bench_step_smollm2.log" | tail -5 ;;
 check)
   timeout ${CHECK_TIMEOUT:-400} python3 scripts/check_fast_path.py --steps 150 --every 10 experiment=smollm2_b16 \
     target=smollm2_135m target.path=$GGUF paths.cache_dir=$W/chain/cache "data.files=[$W/chain/regen.jsonl]" \

@@ -36,8 +36,8 @@ train)
     logger=jsonl monitor.cuda_stats=true monitor.interval_s=5 paths.cache_dir=/tmp/dflash-cache)
   ONE=(scheduler.block_tokens_per_batch=8192 train.total_steps=${STEPS:-200} logger.every_steps=1
     checkpoint.every_steps=100000)
-  timeout 120 python3 -m dflash.train "${PAPER[@]}" "${ONE[@]}" debug.max_steps=50 drafter.attention=sdpa \
-    drafter.compile=false loss.logits_chunk=0 paths.output_dir=/tmp/runs/reference \
+  timeout ${REFERENCE_TIMEOUT:-120} python3 -m dflash.train "${PAPER[@]}" "${ONE[@]}" debug.max_steps=50 drafter.attention=sdpa \
+    target.compile=false drafter.compile=false loss.logits_chunk=0 paths.output_dir=/tmp/runs/reference \
     > "$OUT/train_reference.log" 2>&1
   # FAST_ARGS: overrides of the fast and preset runs (e.g. the compiled target and exact-shape
   # graphs: target.compile=true target.compile_dynamic=null drafter.compile_dynamic=null).
