@@ -14,6 +14,9 @@
 #   PARTS="chain_eval bench_smollm2" EVAL_PROMPTS=24
 #   A later session skips regeneration with the regen output chain_regen brought back:
 #   PARTS=stage_a (carrying .chain/regen.jsonl.gz too); PARTS="join chain_reuse chain_train" ...
+#   (.whl + .gguf_a + .chain with a 30,000-conversation regen.jsonl.gz: 62 MiB of the 64.)
+#   The regen.jsonl.gz kept on 2026-11-30 (late) answers PROMPTS=30000 of .chain/prompts.jsonl.gz:
+#   chain_reuse must run with the same PROMPTS to rebuild the same held-out split.
 #   PARTS="check" ...  after chain_regen: scripts/check_fast_path.py on the regenerated data (every
 #     step variant beside the reference: gradients at init, then 150 steps of curves)
 set -uo pipefail

@@ -209,10 +209,18 @@ class ScriptedProbe:
 
     def __init__(self):
         self.samples, self.windows, self.step = 0.0, [], 0
+        self.device_s = {"target0": 0.0, "drafter0": 0.0}
+        self.drafter_wait_s = 0.0
 
-    def publish(self, steps: int, samples: float) -> None:
+    def publish(
+        self, steps: int, samples: float, target_s: float = 0.0, drafter_s: float = 0.0, wait_s: float = 0.0
+    ) -> None:
+        """`steps` more batches (one per step, both roles), their device seconds per role."""
         self.step += steps
         self.samples += samples
+        self.device_s["target0"] += target_s
+        self.device_s["drafter0"] += drafter_s
+        self.drafter_wait_s += wait_s
         self.windows.append([types.SimpleNamespace(end_step=self.step)])
 
     def completed_windows(self, wait: bool):
@@ -220,7 +228,12 @@ class ScriptedProbe:
         return done
 
     def pipeline_stats(self) -> dict[str, float]:
-        return {"count/drafter0_samples": self.samples, "count/drafter0_tokens": 100 * self.samples}
+        stats = {"count/drafter0_samples": self.samples, "count/drafter0_tokens": 100 * self.samples}
+        for name, seconds in self.device_s.items():
+            stats[f"count/{name}_timed_batches"] = float(self.step)
+            stats[f"worker/{name}_compute_total_s"] = seconds
+        stats["worker/drafter0_wait_total_s"] = self.drafter_wait_s
+        return stats
 
     def role_devices(self):
         return {}
@@ -259,3 +272,44 @@ def test_steady_throughput_leaves_out_start_up_and_the_tail(monkeypatch):
     assert run([(60.0, 40, False), (70.0, 40, True)])["perf/samples_per_s"] == pytest.approx(4.0)
     # Every step done before the first window's tick: nothing to measure.
     assert run([(60.0, 40, True)]) == {}
+
+
+def test_run_summary_role_times_leave_out_the_compiling_first_steps(monkeypatch):
+    """The summary's per-batch device times and busy shares come from the steady window (as its
+    samples/s): a first drafter step whose device span holds 75 s of compilation would otherwise
+    double a 40-step run's drafter time per batch (the paper_b16 run on 2 H200s: 1036 ms whole-
+    run against ~515 ms steady) and skew the split advice built on it."""
+    from dflash.config.schema import MonitorConfig
+    from dflash.monitor import monitor as monitor_module
+    from dflash.pipeline.roles import role_times
+
+    now = [0.0]
+    monkeypatch.setattr(monitor_module.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(monitor_module, "train_metrics", lambda groups: {})
+    probe = ScriptedProbe()
+    monitor = monitor_module.Monitor(
+        MonitorConfig(interval_s=5.0, telemetry=False, cuda_stats=False), [], probe, total_steps=40
+    )
+    # First window: 10 steps, the first of them compiling (75 s inside the drafter's span).
+    now[0] = 85.0
+    probe.publish(steps=10, samples=40, target_s=10 * 0.25, drafter_s=75.0 + 10 * 0.5)
+    monitor.maybe_tick()
+    for at in (90.0, 95.0):  # steady: 10 batches per 5 s, target 0.25 s and drafter 0.5 s each
+        now[0] = at
+        probe.publish(steps=10, samples=40, target_s=2.5, drafter_s=5.0, wait_s=0.5)
+        monitor.maybe_tick()
+    roles = monitor.steady_roles()
+    assert roles["roles/target_s_per_batch"] == pytest.approx(0.25)
+    assert roles["roles/drafter_s_per_batch"] == pytest.approx(0.5)
+    assert roles["roles/target_busy_frac"] == pytest.approx(0.5)
+    assert roles["roles/drafter_busy_frac"] == pytest.approx(1.0)
+    assert roles["roles/data_wait_frac"] == pytest.approx(0.1)
+    times = role_times(roles)
+    assert times.best_num_targets(8) == 3  # 3 / 0.25 = 12 vs 5 / 0.5 = 10 batches/s
+
+    # No steady window (the run ended within its first window): nothing, and the summary keeps
+    # the whole-run figures.
+    short = monitor_module.Monitor(
+        MonitorConfig(interval_s=5.0, telemetry=False, cuda_stats=False), [], ScriptedProbe(), total_steps=10
+    )
+    assert short.steady_roles() == {}

@@ -24,6 +24,7 @@ from dflash.monitor.sinks import MetricSink
 from dflash.monitor.telemetry import GpuTelemetry, cuda_allocator_stats
 from dflash.monitor.train_metrics import NonFiniteTraining, train_metrics
 from dflash.pipeline.counters import drafter_totals
+from dflash.pipeline.roles import window_role_summary
 from dflash.step_metrics import MetricWindow
 
 log = logging.getLogger(__name__)
@@ -39,6 +40,15 @@ class PipelineProbe(Protocol):
         """Instant values (batch/, queue/ depths) and cumulative counters (worker/*, *_s totals)."""
 
     def role_devices(self) -> dict[str, list[torch.device]]: ...
+
+
+@dataclass(frozen=True)
+class _Mark:
+    time: float
+    counters: dict[str, float]  # the probe's pipeline_stats() at that tick
+
+    def total(self, name: str) -> float:
+        return drafter_totals(self.counters, name)
 
 
 @dataclass
@@ -59,13 +69,13 @@ class Monitor:
         self.cuda_devices = [d for devices in roles.values() for d in devices if d.type == "cuda"]
         self._last_tick = time.perf_counter()
         self._last_counters: dict[str, float] = {}
-        # (time, cumulative samples, cumulative tokens) at the first tick that carried a train
-        # window, at the latest periodic tick and at the final (forced) one: the run's steady
-        # throughput, without start-up and compilation (which happen before the first window
-        # completes) and without the tail (see steady_throughput).
-        self._first_mark: tuple[float, float, float] | None = None
-        self._last_mark: tuple[float, float, float] | None = None
-        self._final_mark: tuple[float, float, float] | None = None
+        # The pipeline's cumulative counters at the first tick that carried a train window, at
+        # the latest periodic tick and at the final (forced) one: the run's steady throughput
+        # and role times, without start-up and compilation (which happen before the first
+        # window completes) and without the tail (see steady_throughput).
+        self._first_mark: _Mark | None = None
+        self._last_mark: _Mark | None = None
+        self._final_mark: _Mark | None = None
 
     def maybe_tick(self, wait: bool = False, final: bool = False) -> None:
         """Tick if the interval has passed; cheap to call often. `final`: the run's last tick,
@@ -92,7 +102,7 @@ class Monitor:
             rows.append((group[0].end_step, row))
         telemetry = self._pipeline_metrics(elapsed)
         if self.window_history:
-            mark = (now, telemetry["perf/samples_total"], telemetry["perf/tokens_total"])
+            mark = _Mark(now, self._last_counters)
             self._first_mark = self._first_mark or mark
             if final:
                 self._final_mark = mark
@@ -167,20 +177,36 @@ class Monitor:
         GPU the target no longer shares (one H200 doing both roles: 4.78 samples/s in every
         periodic tick of a 40-step run, 6.9 in its tail, 5.8 with the tail counted). A run with
         no periodic tick after its first window's is measured to the final tick."""
-        if self._first_mark is None:
+        window = self._steady_window()
+        if window is None:
             return {}
-        last = self._last_mark
-        if last is None or last[1] <= self._first_mark[1]:
-            last = self._final_mark
-        if last is None:
-            return {}
-        (t0, samples0, tokens0), (t1, samples1, tokens1) = self._first_mark, last
-        if t1 <= t0 or samples1 <= samples0:  # every step finished before the first window's tick
-            return {}
+        first, last = window
+        seconds = last.time - first.time
         return {
-            "perf/samples_per_s": (samples1 - samples0) / (t1 - t0),
-            "perf/tokens_per_s": (tokens1 - tokens0) / (t1 - t0),
+            "perf/samples_per_s": (last.total("samples") - first.total("samples")) / seconds,
+            "perf/tokens_per_s": (last.total("tokens") - first.total("tokens")) / seconds,
         }
+
+    def steady_roles(self) -> dict[str, float]:
+        """Each role's device time per batch, busy share and the drafters' data wait over the
+        window of `steady_throughput` (empty without one: the run summary then reports whole-run
+        figures, compilation included)."""
+        window = self._steady_window()
+        if window is None:
+            return {}
+        first, last = window
+        return window_role_summary(first.counters, last.counters, last.time - first.time)
+
+    def _steady_window(self) -> tuple[_Mark, _Mark] | None:
+        first = self._first_mark
+        if first is None:
+            return None
+        last = self._last_mark
+        if last is None or last.total("samples") <= first.total("samples"):
+            last = self._final_mark
+        if last is None or last.time <= first.time or last.total("samples") <= first.total("samples"):
+            return None  # every step finished before the first window's tick
+        return first, last
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         """Rows outside the tick cadence (the final evaluation)."""

@@ -110,6 +110,9 @@ class WorkCounters:
                 f"count/{name}_batches": float(self.batches),
                 f"count/{name}_samples": float(self.samples),
                 f"count/{name}_tokens": float(self.tokens),
+                # the batches `compute_total_s` covers (a step's device time is read once its
+                # end event has completed, so this trails `batches` by the steps in flight)
+                f"count/{name}_timed_batches": float(self._computed_batches),
                 f"worker/{name}_busy_total_s": self.busy_s,
                 f"worker/{name}_wait_total_s": self.wait_s,
                 f"worker/{name}_compute_total_s": self._compute_s,

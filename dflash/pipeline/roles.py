@@ -72,6 +72,39 @@ def role_summary(
     return summary
 
 
+def window_role_summary(
+    before: dict[str, float], after: dict[str, float], seconds: float
+) -> dict[str, float]:
+    """The `roles/` figures of `role_summary` between two `pipeline_stats()` snapshots taken
+    `seconds` apart: what the run summary reports, over the same steady window as its
+    throughput. Whole-run totals include the first steps, whose device spans also hold the
+    host's compilation of the step (a 40-step run at the paper shape: ~75 s of drafter compile
+    in the first span), and would double a short run's per-batch times and skew the split
+    advice."""
+    summary: dict[str, float] = {}
+    if seconds <= 0:
+        return summary
+    names = sorted(
+        k.removeprefix("count/").removesuffix("_timed_batches") for k in after if k.endswith("_timed_batches")
+    )
+
+    def delta(key: str) -> float:
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    for role in ("target", "drafter"):
+        workers = [n for n in names if n.startswith(role)]
+        spans = [(delta(f"worker/{n}_compute_total_s"), delta(f"count/{n}_timed_batches")) for n in workers]
+        per_batch = [device_s / batches for device_s, batches in spans if batches > 0]
+        if not per_batch:
+            return {}  # a role finished no step in the window: nothing steady to report
+        summary[f"roles/{role}_s_per_batch"] = sum(per_batch) / len(per_batch)
+        summary[f"roles/{role}_busy_frac"] = min(sum(s for s, _ in spans) / (len(workers) * seconds), 1.0)
+        if role == "drafter":
+            waited = sum(delta(f"worker/{n}_wait_total_s") for n in workers)
+            summary["roles/data_wait_frac"] = min(waited / (len(workers) * seconds), 1.0)
+    return summary
+
+
 def role_times(summary: dict[str, float]) -> RoleTimes | None:
     if "roles/target_s_per_batch" not in summary or "roles/drafter_s_per_batch" not in summary:
         return None
