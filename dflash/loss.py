@@ -61,8 +61,14 @@ def _chunk_ce_and_grad(
     w = weights[:, None]
     weighted_ce = ((lse - x.gather(1, labels[:, None])) * w).sum()
     hit = (x.argmax(dim=-1) == labels) & valid
-    # d(w * CE)/d(logits) = w * (softmax - onehot)
-    grad = (torch.exp(x - lse) * w).scatter_add(1, labels[:, None], -w)
+    # d(w * CE)/d(logits) = w * (softmax - onehot). The one-hot is a comparison with the column
+    # index rather than a scatter so that the compiled chunk can be one elementwise epilogue that
+    # writes the gradient in the logits' dtype: with the scatter, an H200 profile of the SmolLM2
+    # step showed a separate vocab-wide cast kernel (11 ms per step; the saving is not measured
+    # yet). Same fp32 arithmetic (p*w - w at the label): the same bits as the scatter.
+    p_w = torch.exp(x - lse) * w
+    onehot = torch.arange(x.shape[1], device=x.device)[None, :] == labels[:, None]
+    grad = torch.where(onehot, p_w - w, p_w)
     return weighted_ce, hit, grad.to(logits.dtype)
 
 

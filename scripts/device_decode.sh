@@ -15,7 +15,7 @@
 #   A later session skips regeneration with the regen output chain_regen brought back:
 #   PARTS=stage_a (carrying .chain/regen.jsonl.gz too); PARTS="join chain_reuse chain_train" ...
 #   (.whl + .gguf_a + .chain with a 30,000-conversation regen.jsonl.gz: 62 MiB of the 64.)
-#   The regen.jsonl.gz kept on 2026-11-30 (late) answers PROMPTS=30000 of .chain/prompts.jsonl.gz:
+#   The regen.jsonl.gz kept on 2026-11-30 (RESULTS.md, "night, 2") answers PROMPTS=30000 of .chain/prompts.jsonl.gz:
 #   chain_reuse must run with the same PROMPTS to rebuild the same held-out split.
 #   PARTS="check" ...  after chain_regen: scripts/check_fast_path.py on the regenerated data (every
 #     step variant beside the reference: gradients at init, then 150 steps of curves)
@@ -100,7 +100,7 @@ bench_smollm2)
 step_smollm2)
   # The chain's training step at its own batch budget (16 samples x 512 anchors), with kernel
   # tables and the device's idle gaps: where a 576-wide drafter's step goes.
-  timeout ${STEP_TIMEOUT:-150} python3 scripts/bench_step.py --samples 16 --seq-len 1024 --context 32 \
+  timeout ${STEP_TIMEOUT:-260} python3 scripts/bench_step.py --samples 16 --seq-len 1024 --context 32 \
     --target-variants eager,compiled --drafter-variants compiled,compiled_static --profile "$OUT/profile_smollm2" \
     target=smollm2_135m target.path=$GGUF drafter.mask_token_id=16 paths.cache_dir=$W/chain/cache \
     > "$OUT/bench_step_smollm2.log" 2>&1

@@ -72,7 +72,8 @@ def idle_report(activities: Sequence[DeviceActivity], *, steps: int, top: int = 
 def write_kernel_table(step: Callable[[], object], path: Path, repeats: int = 2) -> None:
     """torch.profiler over `repeats` back-to-back calls of `step` (CPU and CUDA activity) into
     `path`: on CUDA, ops by device time with their children, the kernels by their own time, and
-    the device's idle time between kernels with its longest gaps; on CPU, ops by host time. Run `step` once before: a first call's lazy setup is not the step."""
+    the device's idle time between kernels with its longest gaps; on CPU, ops by host time.
+    Run `step` once before: a first call's lazy setup is not the step."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
