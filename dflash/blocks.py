@@ -57,13 +57,23 @@ class DraftBlocks:
     valid: torch.Tensor  # [B, Q] bool, a supervised label (accuracy counts these, unweighted)
     anchors: torch.Tensor  # [B, A] anchor positions (0 for padding blocks)
     anchor_valid: torch.Tensor  # [B, A] bool; False = padding block
+    # [n] int64: the flat indices (into B * Q) where `valid`, found on the host with the blocks,
+    # so the fused loss runs the LM head on those rows only (no device value read to find them)
+    loss_rows: torch.Tensor
     block_size: int
 
     def to(self, device: torch.device, non_blocking: bool = False) -> DraftBlocks:
-        moved = {
-            name: host_to_device(getattr(self, name), device, non_blocking)
-            for name in ("block_ids", "positions", "labels", "weights", "valid", "anchors", "anchor_valid")
-        }
+        names = (
+            "block_ids",
+            "positions",
+            "labels",
+            "weights",
+            "valid",
+            "anchors",
+            "anchor_valid",
+            "loss_rows",
+        )
+        moved = {name: host_to_device(getattr(self, name), device, non_blocking) for name in names}
         return DraftBlocks(**moved, block_size=self.block_size)
 
 
@@ -133,6 +143,7 @@ def build_blocks(
         valid=torch.from_numpy(valid.reshape(flat)),
         anchors=torch.from_numpy(anchors),
         anchor_valid=torch.from_numpy(anchor_valid),
+        loss_rows=torch.from_numpy(np.flatnonzero(valid.reshape(-1))),
         block_size=block_size,
     )
 

@@ -128,29 +128,30 @@ def _fused_weighted_ce_and_hits(
         if torch.is_autocast_enabled(device_type)
         else torch.promote_types(hidden_BQH.dtype, lm_head.weight.dtype)
     )
-    # Position 0 of every block is the anchor itself: no label, weight 0, never a hit
-    # (blocks.build_blocks). Its rows skip the LM head, which saves 1/block_size of the loss's
-    # two vocab-wide matmuls (the largest GEMMs of a paper-scale step).
-    block_size = blocks.block_size
+    # Only positions with a label go through the LM head (`blocks.loss_rows`, found on the host):
+    # the others carry weight 0, no gradient and never a hit. That skips block position 0 (the
+    # anchor itself: 1/block_size of the loss's two vocab-wide matmuls, the largest GEMMs of a
+    # paper-scale step) and, on conversations, padding blocks and positions past a sample's
+    # end or outside its replies (15% of the rows of the SmolLM2 chain's batches).
+    rows = blocks.loss_rows
 
-    def predicted(per_position: torch.Tensor) -> torch.Tensor:
-        """[B, Q, ...] -> the rows of block positions 1..block_size-1, flattened."""
-        return per_position.unflatten(1, (-1, block_size))[:, :, 1:].flatten(0, 2)
+    def labelled(per_position: torch.Tensor) -> torch.Tensor:
+        """[B, Q, ...] -> the rows of `loss_rows`, [n, ...]."""
+        return per_position.flatten(0, 1).index_select(0, rows)
 
     with torch.autocast(device_type, enabled=False):
-        weighted_ce, hit_predicted = _FusedHeadCE.apply(
-            predicted(hidden_BQH),
+        weighted_ce, hit_rows = _FusedHeadCE.apply(
+            labelled(hidden_BQH),
             lm_head.weight,
-            predicted(blocks.labels),
-            predicted(blocks.weights),
-            predicted(blocks.valid),
+            labelled(blocks.labels),
+            labelled(blocks.weights),
+            labelled(blocks.valid),
             chunk,
             compute_dtype,
             compiled,
         )
-    hit = torch.zeros_like(blocks.valid).unflatten(1, (-1, block_size))
-    hit[:, :, 1:] = hit_predicted.view(hit.shape[0], -1, block_size - 1)
-    return weighted_ce, hit.flatten(1)
+    hit = torch.zeros_like(blocks.valid).flatten().index_copy(0, rows, hit_rows)
+    return weighted_ce, hit.view_as(blocks.valid)
 
 
 def draft_loss(

@@ -94,10 +94,11 @@ def target_flops(target: FrozenTarget, batch: int, seq_len: int) -> float:
 
 
 def drafter_flops(
-    drafter, head: TargetHead, blocks_visible: float, block_tokens: int, ctx_tokens: int
+    drafter, head: TargetHead, *, blocks_visible: float, block_tokens: int, labelled: int, ctx_tokens: int
 ) -> float:
     """Forward + backward of the drafter step. Trained weights: forward + 2x backward; the
-    frozen LM head: forward + input gradient; fc sees target features (no input gradient)."""
+    frozen LM head: forward + input gradient, on the `labelled` positions only (the others,
+    block position 0 among them, carry no loss); fc sees target features (no input gradient)."""
     config = drafter.config
     per_layer_block = sum(
         linear_params(m)
@@ -114,7 +115,7 @@ def drafter_flops(
         + 2 * linear_params(drafter.fc) * ctx_tokens
     )
     attention = 4 * config.num_attention_heads * config.head_dim * blocks_visible * len(drafter.layers)
-    lm_head = 2 * head.lm_head.weight.numel() * block_tokens
+    lm_head = 2 * head.lm_head.weight.numel() * labelled
     return 3 * forward + 3 * attention + 2 * lm_head
 
 
@@ -225,7 +226,7 @@ def main() -> None:
             torch._dynamo.reset()  # each variant compiles its own graphs
             drafter.compile_training(counter, dynamic=variant_cfg.drafter.compile_dynamic)
         step_fn = build_step_fn(variant_cfg, head=head, drafter=drafter, total_steps=10**6, num_buckets=1)
-        blocks_visible, block_tokens = visible_keys(step_fn, batch)
+        blocks_visible, block_tokens, labelled = visible_keys(step_fn, batch)
         stats, _ = step_fn.forward_backward(batch, features, 0)  # the loss at the initial weights
         loss = (stats.weighted_ce / stats.weight).item()
         step_fn.apply(stats.weight)
@@ -237,7 +238,14 @@ def main() -> None:
             repeat=args.repeat,
             device=device,
         )
-        flops = drafter_flops(drafter, head, blocks_visible, block_tokens, args.samples * args.seq_len)
+        flops = drafter_flops(
+            drafter,
+            head,
+            blocks_visible=blocks_visible,
+            block_tokens=block_tokens,
+            labelled=labelled,
+            ctx_tokens=args.samples * args.seq_len,
+        )
         # The table's time is per isolated step (the device waits for the host at each start);
         # a training loop issues its steps back to back.
         steady = back_to_back_ms(
@@ -260,15 +268,19 @@ def main() -> None:
             torch.cuda.empty_cache()
 
 
-def visible_keys(step_fn, batch: Batch) -> tuple[float, int]:
-    """Keys each block query may see, summed (context before its anchor + its block), and the
-    block tokens, for the anchors this step draws."""
+def visible_keys(step_fn, batch: Batch) -> tuple[float, int, int]:
+    """Keys each block query may see, summed (context before its anchor + its block), the
+    block tokens and the labelled positions (the LM head's rows), for the anchors this step draws."""
     from dflash.step import make_blocks
 
     blocks = make_blocks(batch, step_fn.drafter, step_fn.block_settings, keep_fraction=0.0)
     valid = blocks.anchor_valid
     per_block = (blocks.anchors + blocks.block_size) * valid
-    return float(per_block.sum()) * blocks.block_size, int(valid.sum()) * blocks.block_size
+    return (
+        float(per_block.sum()) * blocks.block_size,
+        int(valid.sum()) * blocks.block_size,
+        len(blocks.loss_rows),
+    )
 
 
 if __name__ == "__main__":

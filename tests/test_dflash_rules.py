@@ -249,6 +249,7 @@ def test_loss_is_weighted_mean_and_reduces_across_replicas_once():
                 k: getattr(blocks, k)[rows]
                 for k in ("block_ids", "positions", "labels", "weights", "valid", "anchors", "anchor_valid")
             },
+            loss_rows=blocks.valid[rows].flatten().nonzero().flatten(),
             block_size=4,
         )
         att = block_attention_mask(sub.anchors, sub.anchor_valid, 16, 4)
@@ -267,10 +268,21 @@ def test_loss_is_weighted_mean_and_reduces_across_replicas_once():
     assert not torch.isclose((a.loss() + b.loss()) / 2, full.loss())  # mean of means is the bug
 
 
-def test_fused_lm_head_loss_gives_the_reference_loss_accuracy_and_gradients():
+@pytest.mark.parametrize("unlabelled", [False, True])
+def test_fused_lm_head_loss_gives_the_reference_loss_accuracy_and_gradients(unlabelled):
+    """unlabelled: positions the fused loss skips besides each block's anchor (`loss_rows`): a
+    sample with few supervised positions (padding blocks, blocks running into unsupervised
+    tokens) and mask_ramp's kept tokens."""
     target = tiny_target()
     ids = torch.randint(0, 500, (2, 24))
-    blocks = blocks_for(ids, torch.ones(2, 24), num_anchors=6)  # Q = 24 positions per sample
+    loss_mask = torch.ones(2, 24)
+    if unlabelled:
+        loss_mask[1, :19] = 0  # 4 anchor candidates for 6 blocks
+        loss_mask[0, 10:13] = 0
+    blocks = blocks_for(ids, loss_mask, num_anchors=6, keep=0.3 if unlabelled else 0.0)  # Q = 24 per sample
+    if unlabelled:
+        assert not blocks.anchor_valid.all() and len(blocks.loss_rows) < blocks.valid.numel() * 3 // 4
+    assert torch.equal(blocks.loss_rows, blocks.valid.flatten().nonzero().flatten())
     att = block_attention_mask(blocks.anchors, blocks.anchor_valid, 24, 4)
     features, emb = target.features(ids), target.embed_tokens(blocks.block_ids)
     results = []
