@@ -150,7 +150,7 @@ def _fused_weighted_ce_and_hits(
             compute_dtype,
             compiled,
         )
-    hit = torch.zeros_like(blocks.valid).flatten().index_copy(0, rows, hit_rows)
+    hit = torch.zeros_like(blocks.valid).flatten().index_put_((rows,), hit_rows)  # rows are unique
     return weighted_ce, hit.view_as(blocks.valid)
 
 

@@ -301,14 +301,15 @@ def test_fused_lm_head_loss_gives_the_reference_loss_accuracy_and_gradients(unla
             torch.testing.assert_close(grad, ref)
 
 
-def test_empty_batch_gives_zero_loss_and_finite_zero_grads():
+@pytest.mark.parametrize("logits_chunk", [0, 5])  # the reference, and the fused loss with no row to run
+def test_empty_batch_gives_zero_loss_and_finite_zero_grads(logits_chunk):
     target = tiny_target()
     drafter = tiny_drafter(target)
     ids = torch.randint(0, 500, (2, 12))
     blocks = blocks_for(ids, torch.zeros(2, 12))
     att = block_attention_mask(blocks.anchors, blocks.anchor_valid, 12, 4)
     hidden = drafter(target.features(ids), target.embed_tokens(blocks.block_ids), blocks.positions, att)
-    loss = draft_loss(hidden, target.lm_head, blocks).loss()
+    loss = draft_loss(hidden, target.lm_head, blocks, logits_chunk=logits_chunk).loss()
     loss.backward()
     assert loss.item() == 0.0
     assert all(torch.isfinite(p.grad).all() and p.grad.abs().sum() == 0 for p in drafter.parameters())
