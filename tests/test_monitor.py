@@ -313,3 +313,18 @@ def test_run_summary_role_times_leave_out_the_compiling_first_steps(monkeypatch)
         MonitorConfig(interval_s=5.0, telemetry=False, cuda_stats=False), [], ScriptedProbe(), total_steps=10
     )
     assert short.steady_roles() == {}
+
+
+def test_drafter_totals_sum_every_replica_and_match_the_count_name_exactly():
+    """`timed_batches` (the batches a worker's device time covers) must not count as `batches`."""
+    from dflash.pipeline.counters import drafter_totals
+
+    stats = {
+        "count/drafter0_batches": 3.0,
+        "count/drafter0_timed_batches": 2.0,
+        "count/drafter1_batches": 4.0,
+        "count/target0_batches": 9.0,
+        "count/drafter0_samples": 5.0,
+    }
+    assert drafter_totals(stats, "batches") == 7.0
+    assert drafter_totals(stats, "samples") == 5.0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import threading
 import time
 from collections import deque
@@ -125,4 +126,5 @@ class WorkCounters:
 def drafter_totals(stats: dict[str, float], name: str) -> float:
     """`name` (samples, tokens, anchors, batches) summed over every drafter replica's counters in
     a `pipeline_stats()` dict: what the whole job has trained on so far."""
-    return sum(v for k, v in stats.items() if k.startswith("count/drafter") and k.endswith(f"_{name}"))
+    key = re.compile(rf"count/drafter\d+_{name}")  # exact: `batches` must not match `timed_batches`
+    return sum(v for k, v in stats.items() if key.fullmatch(k))
