@@ -16,7 +16,10 @@
 #   PARTS=stage_a (carrying .chain/regen.jsonl.gz too); PARTS="join chain_reuse chain_train" ...
 #   (.whl + .gguf_a + .chain with a 30,000-conversation regen.jsonl.gz: 62 MiB of the 64.)
 #   The regen.jsonl.gz kept on 2026-11-30 (RESULTS.md, "night, 2") answers PROMPTS=30000 of .chain/prompts.jsonl.gz:
-#   chain_reuse must run with the same PROMPTS to rebuild the same held-out split.
+#   chain_reuse must run with the same PROMPTS to rebuild the same held-out split. Planned run:
+#   PARTS=stage_a [.whl .gguf_a .chain]; PARTS="join chain_reuse chain_train" PROMPTS=30000
+#   TRAIN_ARGS="train.epochs=3 target.compile=true" [.whl .gguf_b]; PARTS=chain_train (same
+#   TRAIN_ARGS) until the schedule ends; PARTS="chain_eval step_smollm2" EVAL_PROMPTS=16.
 #   PARTS="check" ...  after chain_regen: scripts/check_fast_path.py on the regenerated data (every
 #     step variant beside the reference: gradients at init, then 150 steps of curves)
 set -uo pipefail
