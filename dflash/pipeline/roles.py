@@ -56,28 +56,21 @@ def advice_node_sizes(visible: int) -> list[int]:
 def role_summary(
     *, targets: list[WorkCounters], drafters: list[WorkCounters], wall_s: float
 ) -> dict[str, float]:
-    """`roles/` figures of a finished run: device time per batch, each role's busy share of the
-    training wall time (device time over the role's devices), and the drafters' data wait."""
-    summary: dict[str, float] = {}
-    for role, counters in (("target", targets), ("drafter", drafters)):
-        totals = [c.compute_totals() for c in counters]
-        per_batch = [seconds / batches for seconds, batches in totals if batches]
-        if per_batch:
-            summary[f"roles/{role}_s_per_batch"] = sum(per_batch) / len(per_batch)
-        if wall_s > 0:
-            busy = sum(seconds for seconds, _ in totals) / (len(counters) * wall_s)
-            summary[f"roles/{role}_busy_frac"] = min(busy, 1.0)
-    if wall_s > 0:
-        summary["roles/data_wait_frac"] = min(sum(c.wait_s for c in drafters) / (len(drafters) * wall_s), 1.0)
-    return summary
+    """`roles/` figures of a whole run: device time per batch, each role's busy share of the
+    training wall time (device time over the role's devices), and the drafters' data wait. The
+    run summary prefers the steady window's (`window_role_summary`, through the Monitor)."""
+    totals: dict[str, float] = {}
+    for counters in (*targets, *drafters):
+        totals.update(counters.stats())
+    return window_role_summary({}, totals, wall_s)
 
 
 def window_role_summary(
     before: dict[str, float], after: dict[str, float], seconds: float
 ) -> dict[str, float]:
-    """The `roles/` figures of `role_summary` between two `pipeline_stats()` snapshots taken
-    `seconds` apart: what the run summary reports, over the same steady window as its
-    throughput. Whole-run totals include the first steps, whose device spans also hold the
+    """The `roles/` figures between two `pipeline_stats()` snapshots taken `seconds` apart (or
+    from the start, `before` empty): what the run summary reports, over the same steady window
+    as its throughput. Whole-run totals include the first steps, whose device spans also hold the
     host's compilation of the step (a 40-step run at the paper shape: ~75 s of drafter compile
     in the first span), and would double a short run's per-batch times and skew the split
     advice."""
