@@ -14,10 +14,8 @@ path for both.
 from __future__ import annotations
 
 import copy
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
 
 import numpy as np
 import torch
@@ -29,6 +27,7 @@ from dflash.eval_report import BenchmarkResult, EvalReport
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import FrozenTarget
 from dflash.spec_decode import DecodeResult, plain_generate, speculative_generate
+from dflash.stopwatch import Stopwatch
 
 
 def target_eos_ids(target: FrozenTarget) -> frozenset[int]:
@@ -37,25 +36,6 @@ def target_eos_ids(target: FrozenTarget) -> frozenset[int]:
     if eos is None:
         return frozenset()
     return frozenset([eos] if isinstance(eos, int) else eos)
-
-
-class Stopwatch:
-    """Elapsed seconds of a callable: CUDA events on GPU (no host sync inside), else wall clock."""
-
-    def __init__(self, device: torch.device):
-        self.cuda = device.type == "cuda"
-
-    def __call__(self, fn: Callable[..., Any], *args: Any) -> tuple[Any, float]:
-        if self.cuda:
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            result = fn(*args)
-            end.record()
-            end.synchronize()
-            return result, start.elapsed_time(end) / 1000.0
-        started = time.perf_counter()
-        result = fn(*args)
-        return result, time.perf_counter() - started
 
 
 @dataclass

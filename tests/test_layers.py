@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parent.parent / "dflash"
 
 # Bottom to top. A module belongs to the layer of its longest listed prefix.
 LAYERS: list[list[str]] = [
-    ["dflash.errors", "dflash.digest", "dflash.config", "dflash.step_variants"],
+    ["dflash.errors", "dflash.digest", "dflash.config", "dflash.step_variants", "dflash.stopwatch"],
     ["dflash.models"],
     ["dflash.data"],
     [

@@ -1,33 +1,28 @@
-"""The median time of a function in milliseconds: CUDA events on a GPU (device time of the
-work the call enqueues, read after each call), the host clock elsewhere. The benchmark scripts
-(scripts/bench_*.py) time every row with it, so their figures compare."""
+"""Benchmark timers in milliseconds, on `dflash.stopwatch.Stopwatch` (CUDA events on a GPU, the
+host clock elsewhere). The benchmark scripts (scripts/bench_*.py) time every row with them, so
+their figures compare."""
 
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 
 import torch
 
+from dflash.stopwatch import Stopwatch
+
+
+def elapsed_ms(run: Callable[[], object], device: torch.device) -> float:
+    """Milliseconds one call of `run` takes, waiting for the device work it enqueued."""
+    _, seconds = Stopwatch(device)(run)
+    return seconds * 1000
+
 
 def median_ms(fn: Callable[[], object], *, warmup: int, repeat: int, device: torch.device) -> float:
+    """The median of `repeat` isolated calls, after `warmup` untimed ones."""
     for _ in range(warmup):
         fn()
-    samples = []
-    for _ in range(repeat):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            samples.append(start.elapsed_time(end))
-        else:
-            started = time.perf_counter()
-            fn()
-            samples.append((time.perf_counter() - started) * 1000)
-    return statistics.median(samples)
+    return statistics.median(elapsed_ms(fn, device) for _ in range(repeat))
 
 
 def back_to_back_ms(fn: Callable[[], object], *, repeat: int, device: torch.device) -> float:
@@ -36,15 +31,10 @@ def back_to_back_ms(fn: Callable[[], object], *, repeat: int, device: torch.devi
     n, so the time the device waits for the host at the start of every isolated call (what
     `median_ms` includes) is hidden wherever the host keeps ahead."""
     if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
+        torch.cuda.synchronize(device)  # earlier work must not count as this run's
+
+    def every_call() -> None:
         for _ in range(repeat):
             fn()
-        end.record()
-        end.synchronize()
-        return start.elapsed_time(end) / repeat
-    started = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    return (time.perf_counter() - started) * 1000 / repeat
+
+    return elapsed_ms(every_call, device) / repeat
