@@ -103,7 +103,6 @@ class Run:
             **{f"{role}_compiled_graphs": counter.graphs for role, counter in self.compiled.items()},
             **self.trainer.monitor.steady_throughput(),
             **self.trainer.role_summary(),
-            **self.trainer.monitor.steady_roles(),  # the steady window's, where the run had one
             **eval_metrics,
         }
 

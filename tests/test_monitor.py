@@ -328,3 +328,35 @@ def test_drafter_totals_sum_every_replica_and_match_the_count_name_exactly():
     }
     assert drafter_totals(stats, "batches") == 7.0
     assert drafter_totals(stats, "samples") == 5.0
+
+
+def test_the_run_summary_takes_the_steady_window_role_figures_over_the_whole_runs(monkeypatch):
+    """Trainer.role_summary (what summary.json reports): the monitor's steady window when the
+    run had one, the whole run's counters (compilation included) when it did not."""
+    import torch
+
+    from dflash.pipeline import counters as counters_module
+    from dflash.trainer.lifecycle import Trainer
+
+    clock = iter([0.0, 3.0, 3.0, 4.0])  # a target batch of 3 s (it compiled), a drafter one of 1 s
+    monkeypatch.setattr(counters_module.time, "perf_counter", lambda: next(clock))
+    batch = types.SimpleNamespace(plan=types.SimpleNamespace(sample_ids=[0]), real_tokens=8)
+    cpu = torch.device("cpu")
+    whole_run = counters_module.WorkCounters("target0"), counters_module.WorkCounters("drafter0")
+    for counters in whole_run:
+        span = counters_module.DeviceSpan.start(cpu).stop()
+        counters.record(batch, waited_s=0.0, busy_s=0.0, span=span)
+    steady = {"roles/target_s_per_batch": 0.25, "roles/drafter_s_per_batch": 0.5}
+
+    def trainer(window: dict[str, float]):
+        return types.SimpleNamespace(
+            monitor=types.SimpleNamespace(steady_roles=lambda: window),
+            _role_counters=lambda: ([whole_run[0]], [whole_run[1]]),
+            train_wall_s=10.0,
+        )
+
+    assert Trainer.role_summary(trainer(steady)) == steady
+    fallback = Trainer.role_summary(trainer({}))
+    assert fallback["roles/target_s_per_batch"] == pytest.approx(3.0)
+    assert fallback["roles/drafter_s_per_batch"] == pytest.approx(1.0)
+    assert fallback["roles/target_busy_frac"] == pytest.approx(0.3)

@@ -58,7 +58,7 @@ def role_summary(
 ) -> dict[str, float]:
     """`roles/` figures of a whole run: device time per batch, each role's busy share of the
     training wall time (device time over the role's devices), and the drafters' data wait. The
-    run summary prefers the steady window's (`window_role_summary`, through the Monitor)."""
+    run summary prefers the steady window's (`Trainer.role_summary`)."""
     totals: dict[str, float] = {}
     for counters in (*targets, *drafters):
         totals.update(counters.stats())

@@ -125,6 +125,11 @@ class Trainer(ABC):
         """(the target workers' counters, the drafters')."""
 
     def role_summary(self) -> dict[str, float]:
+        """The run's `roles/` figures: over the monitor's steady window (as its samples/s, no
+        compilation in it) where the run had one, else over the whole run."""
+        steady = self.monitor.steady_roles()
+        if steady:
+            return steady
         targets, drafters = self._role_counters()
         return role_summary(targets=targets, drafters=drafters, wall_s=self.train_wall_s)
 
