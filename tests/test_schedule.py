@@ -106,3 +106,28 @@ def test_warm_up_shapes_are_the_planned_batches_largest_per_used_bucket():
     assert len(shapes) == 2  # no shape for the empty bucket
     fixed = planner("interleave", [100] * 12, budget=512)
     assert fixed.largest_batch_shapes(0) == [(5, 100)]  # 12 samples of 100 in 512 tokens: 5, 5, 2
+
+
+def test_a_buckets_remainder_batch_is_evened_out_with_the_one_before_it():
+    """Greedy packing leaves a remainder batch of any size; a one- or two-sample batch costs a
+    compile mid-run (graphs specialise size 1, inductor guards size thresholds), so the
+    remainder takes samples from the batch before it until the two hold about as many."""
+    lengths = np.full(21, 10)
+    batches = pack_bucket(np.arange(21), lengths, tokens_per_batch=100)
+    assert [len(b) for b in batches] == [10, 6, 5]
+    assert sorted(itertools.chain(*batches)) == list(range(21))
+    # In a planned epoch: no batch of one in a bucket that holds more than one sample.
+    rng = np.random.default_rng(3)
+    plan = planner("interleave", rng.integers(10, 129, size=301), budget=512).epoch(0)
+    sizes = Counter(len(b.sample_ids) for b in plan)
+    assert 1 not in sizes and min(sizes) >= 2
+
+
+def test_evening_out_never_breaks_the_budget():
+    """The remainder [60] cannot take a 30-token sample under a 100-token budget (2 x 60 > 100):
+    it stays a batch of one rather than go over."""
+    lengths = np.array([30, 30, 30, 30, 60])
+    batches = pack_bucket(np.arange(5), lengths, tokens_per_batch=100)
+    assert batches == [[0, 1, 2], [3], [4]]
+    for batch in batches:
+        assert len(batch) * max(lengths[batch]) <= 100

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,25 +64,56 @@ def pack_bucket(
 ) -> list[list[int]]:
     """Greedy packing in the given order: a batch grows while batch_size * longest <= budget
     (and, with `block_budget`, while its block tokens fit too). A sample over budget on its own
-    is a batch of one."""
+    is a batch of one. The bucket's last batch, the remainder, then takes samples from the one
+    before it until the two hold about as many (see `_even_out_the_remainder`)."""
+
+    def fits(size: int, longest: int) -> bool:
+        return size * longest <= tokens_per_batch and (
+            block_budget is None
+            or block_budget.block_tokens(size, longest) <= block_budget.block_tokens_per_batch
+        )
+
     batches: list[list[int]] = []
     current: list[int] = []
     longest = 0
     for sample_id in sample_ids:
         length = int(lengths[sample_id])
-        grown, grown_longest = len(current) + 1, max(longest, length)
-        over = grown * grown_longest > tokens_per_batch or (
-            block_budget is not None
-            and block_budget.block_tokens(grown, grown_longest) > block_budget.block_tokens_per_batch
-        )
-        if current and over:
+        if current and not fits(len(current) + 1, max(longest, length)):
             batches.append(current)
             current, longest = [], 0
         current.append(int(sample_id))
         longest = max(longest, length)
     if current:
         batches.append(current)
+    _even_out_the_remainder(batches, lengths, fits)
     return batches
+
+
+def _even_out_the_remainder(
+    batches: list[list[int]], lengths: np.ndarray, fits: Callable[[int, int], bool]
+) -> None:
+    """Move samples from the second-to-last batch into the last until the two hold about as
+    many, as far as the budget allows (the batch they leave only shrinks, so it still fits).
+
+    Greedy packing leaves each bucket a remainder batch of any size, often one or two samples,
+    and compiled graphs are specialised on sizes: torch.compile builds a new graph for a batch
+    of one sample (dynamic shapes still specialise sizes 0 and 1), and inductor guards its
+    kernel choices on size thresholds that a remainder far below a full batch crosses. Each
+    such graph is compiled mid-run while every pipeline thread waits for it: on an H200 a
+    SmolLM2 run's pipeline stood still ~50 s and ~90 s at two remainders, which replayed
+    (scripts/replay_compiles.py) compiled the drafter again for 2 samples (43 s, inductor's
+    `can_fuse` guard on its block tokens) and target and drafter again for 1 sample (88 s)."""
+    if len(batches) < 2:
+        return
+    before, last = batches[-2], batches[-1]
+    longest = max(int(lengths[i]) for i in last)
+    while len(last) < (len(before) + len(last)) // 2:
+        moved = before[-1]
+        grown_longest = max(longest, int(lengths[moved]))
+        if not fits(len(last) + 1, grown_longest):
+            break
+        last.insert(0, before.pop())
+        longest = grown_longest
 
 
 def interleave_order(bucket_of_batch: list[int]) -> list[int]:
