@@ -16,10 +16,12 @@
 #   PARTS=stage_a (carrying .chain/regen.jsonl.gz too); PARTS="join chain_reuse chain_train" ...
 #   (.whl + .gguf_a + .chain with a 30,000-conversation regen.jsonl.gz: 62 MiB of the 64.)
 #   The regen.jsonl.gz kept on 2026-11-30 (RESULTS.md, "night, 2") answers PROMPTS=30000 of .chain/prompts.jsonl.gz:
-#   chain_reuse must run with the same PROMPTS to rebuild the same held-out split. Planned run:
+#   chain_reuse must run with the same PROMPTS to rebuild the same held-out split. Run on it
+#   (RESULTS.md, "night, 3"; 5,760 of ~6,500 steps in two training calls):
 #   PARTS=stage_a [.whl .gguf_a .chain]; PARTS="join chain_reuse chain_train" PROMPTS=30000
-#   TRAIN_ARGS="train.epochs=3 target.compile=true" [.whl .gguf_b]; PARTS=chain_train (same
-#   TRAIN_ARGS) until the schedule ends; PARTS="chain_eval step_smollm2" EVAL_PROMPTS=16.
+#   DEADLINE=570 TRAIN_ARGS="train.epochs=4 target.compile=true" [.whl .gguf_b];
+#   PARTS=chain_train DEADLINE=545 (same TRAIN_ARGS) [.whl]; PARTS=chain_eval EVAL_PROMPTS=16 [.whl].
+#   Each call must follow the last within ~30 s: the checkpoints live in the machine's /tmp.
 #   PARTS="check" ...  after chain_regen: scripts/check_fast_path.py on the regenerated data (every
 #     step variant beside the reference: gradients at init, then 150 steps of curves)
 set -uo pipefail
