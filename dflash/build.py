@@ -230,6 +230,8 @@ def build_run(composed: DictConfig, faults: FaultInjection | None = None) -> Run
     )
     if checked.resume_dir is not None:
         trainer.restore(checked.resume_dir)
+    for counter in models.compiled.values():  # later graphs are compiled mid-run: warned about
+        trainer.at_first_step(counter.settle)
     validation = attach_observers(
         trainer,
         checked=checked,

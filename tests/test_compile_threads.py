@@ -65,3 +65,23 @@ def test_every_compiled_function_of_the_package_goes_through_the_shared_lock():
             if isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.compile":
                 direct.append(f"{path.relative_to(package.parent)}:{node.lineno}")
     assert not direct, f"use dflash.models.compile.compile_shared, not torch.compile: {direct}"
+
+
+def test_a_graph_compiled_after_the_first_training_step_is_warned_about(caplog):
+    """Before `settle` graphs are the run's start-up; after it a new graph means the pipeline
+    stood still while it compiled: a warning that names the role and points at the replay."""
+    from dflash.models.compile import CompileCounter
+
+    counter = CompileCounter("drafter", backend=lambda graph_module, example_inputs: graph_module.forward)
+    double = compile_shared(lambda x: x * 2, backend=counter, dynamic=True)
+    with caplog.at_level("INFO", logger="dflash.models.compile"):
+        double(torch.ones(3, 4))
+        double(torch.ones(5, 4))  # symbolic shapes: no new graph
+        counter.settle()
+        double(torch.ones(7, 4))
+        assert counter.graphs == 1 and not [r for r in caplog.records if r.levelname == "WARNING"]
+        double(torch.ones(1, 4))  # a size of 1 is specialised: a new graph, mid-run
+    warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert counter.graphs == 2
+    assert len(warnings) == 1 and "drafter: compiling graph 2 mid-run" in warnings[0]
+    assert "scripts/replay_compiles.py" in warnings[0]

@@ -217,3 +217,15 @@ def test_a_llama_target_with_tied_embeddings_trains_and_decodes_losslessly(make_
     with safe_open(str(exported), "pt") as handle:
         keys = list(handle.keys())
     assert keys and not any("embed" in k or "lm_head" in k for k in keys)
+
+
+@pytest.mark.parametrize("pipeline", ["sync", "async"])
+def test_first_step_hooks_run_once_after_the_first_step(make_cfg, pipeline):
+    """Both trainers call `at_first_step` hooks once, after the first optimizer step: the run
+    settles its compile counters there, so later graphs are warned about as mid-run compiles."""
+    run = build_run(make_cfg(["train.total_steps=4", f"pipeline={pipeline}"]))
+    optimizer = run.trainer.step_fn.optimizer
+    updates_seen = []  # AdamW's step count of the first parameter when the hook ran
+    run.trainer.at_first_step(lambda: updates_seen.append(int(next(iter(optimizer.state.values()))["step"])))
+    run.execute()
+    assert updates_seen == [1]

@@ -64,6 +64,12 @@ class CompileCounter:
         self.graphs = 0
         self._backend = backend  # None: inductor; tests count graphs with a cheaper one
         self._lock = threading.Lock()  # replicas compile from their own threads
+        self._settled = False
+
+    def settle(self) -> None:
+        """Training has taken its first step: a graph from now on is compiled mid-run, with
+        every thread that runs compiled code waiting for it, and is logged as a warning."""
+        self._settled = True
 
     def __call__(self, graph_module, example_inputs):
         from torch._inductor.compile_fx import compile_fx  # imported when the first graph compiles
@@ -71,7 +77,16 @@ class CompileCounter:
         with self._lock:
             self.graphs += 1
             count = self.graphs
-        log.info("%s: compiling graph %d (%d inputs)", self.name, count, len(example_inputs))
+        if self._settled:
+            log.warning(
+                "%s: compiling graph %d mid-run, for a batch shape the graphs so far do not cover; "
+                "the pipeline waits until it is built (python scripts/replay_compiles.py names the "
+                "guard that failed)",
+                self.name,
+                count,
+            )
+        else:
+            log.info("%s: compiling graph %d (%d inputs)", self.name, count, len(example_inputs))
         if self._backend is not None:
             return self._backend(graph_module, example_inputs)
         return compile_fx(graph_module, example_inputs)

@@ -201,9 +201,9 @@ class AsyncTrainer(Trainer):
             )
 
     def _after_step(self, step: int) -> None:
-        # Drafter thread 0, between steps: the snapshot is a device copy, nothing waits on it.
-        if self.periodic_eval is not None:
-            self.periodic_eval.offer(step, self.drafter)
+        # Drafter thread 0, between steps: the periodic evaluation's snapshot is a device copy,
+        # nothing waits on it.
+        self._stepped(step)
 
     def _checkpoint_from_replica0(self, step: int) -> None:
         # Runs in drafter thread 0 while every replica waits at the checkpoint barrier.

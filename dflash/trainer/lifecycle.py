@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import time
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 
 import torch
 
@@ -64,6 +65,20 @@ class Trainer(ABC):
         self.periodic_eval: PeriodicEval | None = None
         self.train_wall_s = 0.0  # from the start of training to its last step
         self.replica_digest: str | None = None  # what every replica of every process agreed on
+        self._first_step_hooks: list[Callable[[], None]] = []
+
+    def at_first_step(self, hook: Callable[[], None]) -> None:
+        """Call `hook` once, after this process's first training step (the first after a
+        resume): every replica has run its first forward and backward by then."""
+        self._first_step_hooks.append(hook)
+
+    def _stepped(self, step: int) -> None:
+        """After each optimizer step (replica 0's thread in the asynchronous pipeline)."""
+        hooks, self._first_step_hooks = self._first_step_hooks, []
+        for hook in hooks:
+            hook()
+        if self.periodic_eval is not None:
+            self.periodic_eval.offer(step, self.drafter)
 
     def attach(self, *, monitor: Monitor, periodic_eval: PeriodicEval | None) -> None:
         self.monitor, self.periodic_eval = monitor, periodic_eval

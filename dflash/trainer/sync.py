@@ -119,8 +119,7 @@ class SyncTrainer(Trainer):
             step = self.position.step
             if self.cadence.logs_at(step):
                 self._windows.append(self.step_fn.metrics.publish(step, self.step_fn.lr))
-            if self.periodic_eval is not None:
-                self.periodic_eval.offer(step, self.drafter)
+            self._stepped(step)
             self._observe(stop)
             if self.cadence.checkpoints_at(step):
                 self.save()
