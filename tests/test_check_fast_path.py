@@ -6,28 +6,15 @@ the check must find it equal to the reference, and must find a path that is not.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import torch
 
 from dflash.step_variants import STEP_VARIANTS
 from dflash.trainer.validation import held_out_ids
-
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "check_fast_path.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("check_fast_path", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+from tests.scripts_as_modules import load_script
 
 
 def test_the_fused_loss_matches_the_reference_and_a_different_step_does_not(tmp_path, data_cache):
-    check = load_script()
+    check = load_script("check_fast_path")
     overrides = [
         "data.num_samples=48",
         "data.val_samples=4",

