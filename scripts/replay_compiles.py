@@ -67,8 +67,14 @@ def parse_batches(planner: BatchPlanner, spec: str) -> list[PlannedBatch]:
     """'epoch:index,...' -> the planned batches."""
     out = []
     for item in spec.split(","):
-        epoch, index = (int(x) for x in item.split(":"))
-        out.append(planner.epoch(epoch)[index])
+        try:
+            epoch, index = (int(x) for x in item.split(":"))
+        except ValueError:
+            raise SystemExit(f"--batches: {item!r} is not EPOCH:INDEX (e.g. 0:1617)") from None
+        plans = planner.epoch(epoch)
+        if not 0 <= index < len(plans):
+            raise SystemExit(f"--batches: epoch {epoch} has {len(plans)} batches; {item!r} is not one")
+        out.append(plans[index])
     return out
 
 
