@@ -66,7 +66,8 @@ class Schedule:
 
 def build_models(checked: Checked) -> Models:
     """One frozen target per target device, one drafter replica per drafter device (identical
-    init, so replicas start, and stay, identical); resumed weights; compiled graphs."""
+    init, so replicas start, and stay, identical); resumed or drafter.init_from weights; compiled
+    graphs."""
     targets = [
         FrozenTarget.from_config(checked.target_cfg, checked.layer_ids, torch.device(d))
         for d in checked.target_devices
@@ -80,12 +81,15 @@ def build_models(checked: Checked) -> Models:
         build_drafter(checked.config.drafter, checked.target_config, checked.layer_ids, d)
         for d in checked.drafter_devices
     ]
-    if checked.resume_dir is not None:
+    for key, directory in (("resume", checked.resume_dir), ("drafter.init_from", checked.init_dir)):
+        if directory is None:
+            continue
+        log.info("drafter weights from %s=%s", key, directory)
         for drafter in drafters:
             try:
-                load_drafter_weights(drafter, checked.resume_dir)
+                load_drafter_weights(drafter, directory)
             except ValueError as exc:
-                raise ValueError(f"resume={checked.resume_dir}: {exc}") from exc
+                raise ValueError(f"{key}={directory}: {exc}") from exc
     if uses_compile(checked.config.drafter.compile, torch.device(checked.drafter_devices[0])):
         compiled["drafter"] = CompileCounter("drafter")
         for drafter in drafters:

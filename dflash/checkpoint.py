@@ -84,8 +84,11 @@ RESUME_FIELDS = {
 RESUME_TARGET_FIELDS = ("name", "path", "model_type", "init_seed", "arch")
 
 
-def check_resume_matches(directory: Path, run_config: Qwen3Config, run_target: dict[str, Any]) -> None:
-    """Refuse to resume from a checkpoint trained for another drafter or target, naming both values.
+def check_resume_matches(
+    directory: Path, run_config: Qwen3Config, run_target: dict[str, Any], key: str = "resume"
+) -> None:
+    """Refuse to resume (or, key="drafter.init_from", start) from a drafter trained for another
+    drafter or target, naming both values.
 
     Loading weights of the same shapes trained on other layer ids, another mask id or another
     target would run, and train a drafter that inference then misuses.
@@ -109,7 +112,7 @@ def check_resume_matches(directory: Path, run_config: Qwen3Config, run_target: d
                 differences.append((f"target.{name}", saved_target.get(name), run_target.get(name)))
     if differences:
         described = "; ".join(f"{key}: checkpoint {old!r}, this run {new!r}" for key, old, new in differences)
-        raise ValueError(f"resume={directory} was trained for another drafter or target ({described})")
+        raise ValueError(f"{key}={directory} was trained for another drafter or target ({described})")
 
 
 def load_drafter_weights(drafter: DFlashDrafter, directory: Path) -> None:

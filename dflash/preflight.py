@@ -48,6 +48,7 @@ class Checked:
     eval_prompts: list[PromptSet]
     periodic_prompts: list[PromptSet] | None  # eval.every_steps > 0
     resume_dir: Path | None
+    init_dir: Path | None  # drafter.init_from, on a fresh start
     process_group: ProcessGroupInfo
     run_dir: Path
     run_config_yaml: str
@@ -62,15 +63,17 @@ def prompt_sets(cfg: Config, target_cfg: TargetConfig, vocab_size: int):
     return final, eval_prompt_sets(cfg, target_cfg, vocab_size, mask_id, cfg.eval.periodic_num_prompts)
 
 
-def checked_resume_dir(resume: str | None, run_drafter_config, run_target: dict) -> Path | None:
-    """`resume=`: a checkpoint directory of this drafter and target (refused before any load)."""
-    if not resume:
+def checked_drafter_dir(path: str | None, run_drafter_config, run_target: dict, key: str) -> Path | None:
+    """`resume=` or `drafter.init_from=` (`key`): a drafter directory of this drafter and target,
+    refused before any load."""
+    if not path:
         return None
-    resume_dir = Path(resume)
-    if not resume_dir.is_dir():
-        raise ValueError(f"resume={resume}: no such checkpoint directory")
-    check_resume_matches(resume_dir, run_drafter_config, run_target)
-    return resume_dir
+    directory = Path(path)
+    if not directory.is_dir():
+        kind = "checkpoint" if key == "resume" else "drafter"
+        raise ValueError(f"{key}={path}: no such {kind} directory")
+    check_resume_matches(directory, run_drafter_config, run_target, key=key)
+    return directory
 
 
 def check_before_loading(composed: DictConfig) -> Checked:
@@ -97,7 +100,12 @@ def check_before_loading(composed: DictConfig) -> Checked:
         torch.set_num_threads(cfg.gpu.cpu_threads)
     eval_prompts, periodic_prompts = prompt_sets(cfg, target_cfg, target_config.vocab_size)
     run_drafter_config = drafter_config(cfg.drafter, target_config, layer_ids)
-    resume_dir = checked_resume_dir(cfg.resume, run_drafter_config, resolved["target"])
+    resume_dir = checked_drafter_dir(cfg.resume, run_drafter_config, resolved["target"], "resume")
+    init_dir = None
+    if resume_dir is None:  # a resumed run continues from its checkpoint's weights
+        init_dir = checked_drafter_dir(
+            cfg.drafter.init_from, run_drafter_config, resolved["target"], "drafter.init_from"
+        )
     process_group = init_from_env(drafter_devices[0])
     require_same_layout(process_group, target_devices, drafter_devices)
     run_dir = Path(cfg.paths.output_dir)
@@ -114,6 +122,7 @@ def check_before_loading(composed: DictConfig) -> Checked:
         eval_prompts=eval_prompts,
         periodic_prompts=periodic_prompts,
         resume_dir=resume_dir,
+        init_dir=init_dir,
         process_group=process_group,
         run_dir=run_dir,
         run_config_yaml=run_config_yaml,

@@ -229,3 +229,28 @@ def test_first_step_hooks_run_once_after_the_first_step(make_cfg, pipeline):
     run.trainer.at_first_step(lambda: updates_seen.append(int(next(iter(optimizer.state.values()))["step"])))
     run.execute()
     assert updates_seen == [1]
+
+
+def test_init_from_starts_a_fresh_run_from_a_drafters_weights(make_cfg, tmp_path):
+    """drafter.init_from: another run's (or a z-lab export's) weights, a fresh optimizer and
+    schedule; a drafter of another shape is refused naming the key, before any training."""
+    from safetensors.torch import load_file
+
+    build_run(make_cfg(["train.total_steps=4"], tmp_path / "first")).execute()
+    last = tmp_path / "first" / "checkpoints" / "last"
+    run = build_run(make_cfg([f"drafter.init_from={last}", "train.total_steps=4"], tmp_path / "second"))
+    saved = load_file(str(last / "model.safetensors"))
+    weights = run.trainer.drafter.state_dict()
+    assert saved and all(
+        torch.equal(weights[name].to(tensor.dtype), tensor) for name, tensor in saved.items()
+    )
+    fresh = build_run(make_cfg(["train.total_steps=4"], tmp_path / "fresh")).trainer.drafter.state_dict()
+    assert any(not torch.equal(fresh[name].to(t.dtype), t) for name, t in saved.items())  # not the init
+    assert run.trainer.position.step == 0 and not run.trainer.step_fn.optimizer.state
+    run.execute()  # trains on from those weights
+    with pytest.raises(
+        ValueError, match=r"drafter.init_from=.* was trained for another drafter.*drafter.num_layers"
+    ):
+        build_run(make_cfg([f"drafter.init_from={last}", "drafter.num_layers=3"], tmp_path / "other"))
+    with pytest.raises(ValueError, match=r"drafter.init_from=.*missing: no such drafter directory"):
+        build_run(make_cfg([f"drafter.init_from={tmp_path / 'missing'}"], tmp_path / "none"))

@@ -130,6 +130,10 @@ class DrafterConfig:
     compile: Optional[bool] = None
     # torch.compile's `dynamic` for the drafter's training graph: as target.compile_dynamic.
     compile_dynamic: Optional[bool] = True
+    # A drafter directory (config.json + model.safetensors: a checkpoint of ours or a z-lab-layout
+    # export) whose weights this run starts from, with a fresh optimizer and schedule; it must be
+    # a drafter of this shape for this target. A resumed run (`resume=`) takes its checkpoint's.
+    init_from: Optional[str] = None
 
 
 @dataclass
