@@ -22,6 +22,9 @@
 #   DEADLINE=570 TRAIN_ARGS="train.epochs=4 target.compile=true" [.whl .gguf_b];
 #   PARTS=chain_train DEADLINE=545 (same TRAIN_ARGS) [.whl]; PARTS=chain_eval EVAL_PROMPTS=16 [.whl].
 #   Each call must follow the last within ~30 s: the checkpoints live in the machine's /tmp.
+#   To go on from a run in a later session: add chain_weights to the last call (it brings the
+#   drafter back in parts: put them in .init/), then start the next chain with PARTS=stage_init
+#   [.whl .init] at once after stage_a, and TRAIN_ARGS="... drafter.init_from=/tmp/init".
 #   PARTS="check" ...  after chain_regen: scripts/check_fast_path.py on the regenerated data (every
 #     step variant beside the reference: gradients at init, then 150 steps of curves)
 set -uo pipefail
@@ -39,6 +42,11 @@ stage_a)
   cp .gguf_a/part /tmp/gguf_a && cp .chain/prompts.jsonl.gz /tmp/prompts.jsonl.gz && ls -la /tmp/gguf_a
   # A regen output an earlier chain_regen brought back (see chain_reuse).
   [ -f .chain/regen.jsonl.gz ] && cp .chain/regen.jsonl.gz /tmp/regen.jsonl.gz && ls -la /tmp/regen.jsonl.gz ;;
+stage_init)
+  # A drafter chain_weights brought back, carried as .init/ (config.json + model.part_*): joined
+  # into /tmp/init for TRAIN_ARGS="drafter.init_from=/tmp/init" (a fresh schedule from its weights).
+  mkdir -p /tmp/init && cat .init/model.part_* > /tmp/init/model.safetensors && cp .init/config.json /tmp/init/ \
+    && ls -la /tmp/init ;;
 tests)
   timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_decoding.py \
     tests/test_gpu.py -k "${TESTS:-graph or replay or batching or compiled or bf16_greedy or lossless}" \
@@ -97,6 +105,18 @@ chain_eval)
   tail -60 "$OUT/chain_eval.log"
   mkdir -p "$OUT/chain"
   for d in $W/chain/eval_fp32 $W/chain/eval_bf16; do [ -f $d/eval.json ] && cp $d/eval.json "$OUT/chain/$(basename $d).json"; done ;;
+chain_weights)
+  # The last checkpoint's drafter, brought back for a later session: weights in bf16 (a 19M-
+  # parameter drafter: ~39 MB) in parts of 15 MiB (a returned file holds at most 16 MiB), and
+  # config.json. Put them in .init/ and run PARTS=stage_init in a call of their own.
+  mkdir -p "$OUT/init" && cp $W/chain/train/checkpoints/last/config.json "$OUT/init/" && python3 - "$W" "$OUT" <<'PY'
+import sys
+from safetensors.torch import load_file, save_file
+work, out = sys.argv[1], sys.argv[2]
+state = load_file(f"{work}/chain/train/checkpoints/last/model.safetensors")
+save_file({name: t.bfloat16() for name, t in state.items()}, f"{out}/init/model.safetensors")
+PY
+  (cd "$OUT/init" && split -b 15M model.safetensors model.part_ && rm model.safetensors && ls -la) ;;
 bench_smollm2)
   # One round against one plain step on the chain's own target (random drafter: timing only).
   timeout ${BENCH_TIMEOUT:-150} python3 scripts/bench_decode.py --reps 30 --context 512 --skip-dynamic \
