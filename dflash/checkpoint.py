@@ -111,7 +111,9 @@ def check_resume_matches(
             if saved_target.get(name) != run_target.get(name):
                 differences.append((f"target.{name}", saved_target.get(name), run_target.get(name)))
     if differences:
-        described = "; ".join(f"{key}: checkpoint {old!r}, this run {new!r}" for key, old, new in differences)
+        described = "; ".join(
+            f"{field}: checkpoint {old!r}, this run {new!r}" for field, old, new in differences
+        )
         raise ValueError(f"{key}={directory} was trained for another drafter or target ({described})")
 
 
