@@ -29,6 +29,15 @@ def local_target_config(cfg: Config) -> TargetConfig:
     return local_target(cfg.target, cfg.paths.cache_dir)
 
 
+def frozen_target(cfg: Config, device: torch.device | str) -> tuple[FrozenTarget, list[int]]:
+    """The run's frozen target on `device`, as dflash-train builds it (a GGUF path converted
+    once under paths.cache_dir), and the layer ids its features come from. The benchmark and
+    check scripts build their target with it, so they measure the target a run trains with."""
+    target_cfg = local_target_config(cfg)
+    layer_ids = resolve_layer_ids(cfg, load_target_config(target_cfg).num_hidden_layers)
+    return FrozenTarget.from_config(target_cfg, layer_ids, torch.device(device)), layer_ids
+
+
 def load_training_data(
     cfg: Config, target: FrozenTarget | None = None
 ) -> tuple[TokenDataset, PrepStats | None]:
@@ -41,8 +50,7 @@ def load_training_data(
     data_cfg, target_cfg = cfg.data, local_target_config(cfg)
     if data_cfg.kind is DataKind.synthetic:
         if target is None:
-            layer_ids = resolve_layer_ids(cfg, load_target_config(target_cfg).num_hidden_layers)
-            target = FrozenTarget.from_config(target_cfg, layer_ids, torch.device("cpu"))
+            target, _ = frozen_target(cfg, "cpu")
         dataset = load_or_generate(
             target, target_cfg, data_cfg, Path(cfg.paths.cache_dir), [cfg.drafter.mask_token_id]
         )

@@ -152,22 +152,17 @@ def main() -> None:
     args, overrides = parser.parse_known_args()
 
     from dflash.config.devices import resolve_device_split
-    from dflash.config_checks import resolve_layer_ids
     from dflash.distributed import visible_cuda_devices
-    from dflash.models.gguf import local_target
-    from dflash.models.target import FrozenTarget, load_target_config
+    from dflash.run_inputs import frozen_target
     from dflash.step_build import build_drafter
     from dflash.tools.compose import compose_typed
 
     cfg = compose_typed(
         ["paths.output_dir=/tmp/bench_decode", "paths.cache_dir=/tmp/bench_decode", *overrides]
     )
-    # A GGUF target.path (e.g. target=smollm2_135m) is converted once under paths.cache_dir.
-    cfg.target = local_target(cfg.target, cfg.paths.cache_dir)
-    target_config = load_target_config(cfg.target)
-    layer_ids = resolve_layer_ids(cfg, target_config.num_hidden_layers)
     device = torch.device(resolve_device_split(cfg, visible_cuda_devices())[0][0])
-    target = FrozenTarget.from_config(cfg.target, layer_ids, device)
+    target, layer_ids = frozen_target(cfg, device)  # a GGUF target.path: converted once
+    target_config = target.config
     drafter = build_drafter(cfg.drafter, target_config, layer_ids, str(device))
     drafter = drafter.to(target.lm_head.weight.dtype).eval()
     measure = timer(device)

@@ -42,13 +42,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dflash.config_checks import resolve_layer_ids  # noqa: E402
 from dflash.data.collate import Batch  # noqa: E402
 from dflash.data.schedule import PlannedBatch  # noqa: E402
 from dflash.models.compile import CompileCounter  # noqa: E402
-from dflash.models.gguf import local_target  # noqa: E402
-from dflash.models.target import FrozenTarget, load_target_config  # noqa: E402
+from dflash.models.target import FrozenTarget  # noqa: E402
 from dflash.models.target_head import TargetHead  # noqa: E402
+from dflash.run_inputs import frozen_target  # noqa: E402
 from dflash.step_build import build_drafter, build_step_fn  # noqa: E402
 from dflash.step_variants import STEP_VARIANTS  # noqa: E402
 from dflash.tools.compose import compose_typed  # noqa: E402
@@ -166,10 +165,7 @@ def main() -> None:
     defaults = DEFAULTS + ([] if device.type == "cuda" else ["gpu=cpu"])
     base = [d for d in defaults if d.split("=", 1)[0] not in given] + overrides
     cfg = compose_typed(base)
-    # A GGUF target.path (target=smollm2_135m) is converted once under paths.cache_dir.
-    target_cfg = local_target(cfg.target, cfg.paths.cache_dir)
-    layer_ids = resolve_layer_ids(cfg, load_target_config(target_cfg).num_hidden_layers)
-    target = FrozenTarget.from_config(target_cfg, layer_ids, device)
+    target, layer_ids = frozen_target(cfg, device)  # a GGUF target.path: converted once
     head = TargetHead.of(target)
     peak = peak_tflops(device)
     vocab = target.config.vocab_size

@@ -30,13 +30,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dflash.build import plan_batches  # noqa: E402
 from dflash.config.schema import Config  # noqa: E402
-from dflash.config_checks import resolve_layer_ids  # noqa: E402
 from dflash.data.collate import collate  # noqa: E402
 from dflash.data.dataset import TokenDataset  # noqa: E402
 from dflash.data.schedule import BatchPlanner, PlannedBatch  # noqa: E402
 from dflash.models.compile import CompileCounter  # noqa: E402
-from dflash.models.target import FrozenTarget, load_target_config  # noqa: E402
 from dflash.models.target_head import TargetHead  # noqa: E402
+from dflash.run_inputs import frozen_target  # noqa: E402
 from dflash.step_build import build_drafter, build_step_fn  # noqa: E402
 from dflash.tools.compose import compose_typed  # noqa: E402
 
@@ -90,8 +89,7 @@ def replay(
     """Build the run's target and drafter, compile both as a run does (`backend`: None for
     inductor), warm the target up as a run starts, then train on `batches` in order, yielding
     each as it finishes."""
-    layer_ids = resolve_layer_ids(cfg, load_target_config(cfg.target).num_hidden_layers)
-    target = FrozenTarget.from_config(cfg.target, layer_ids, device)
+    target, layer_ids = frozen_target(cfg, device)
     counters = {
         "target": CompileCounter("target features", backend),
         "drafter": CompileCounter("drafter", backend),

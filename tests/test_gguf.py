@@ -79,3 +79,28 @@ def test_a_missing_model_package_names_what_to_install(monkeypatch, tmp_path):
 def test_a_transformers_directory_is_left_as_is(tmp_path):
     cfg = TargetConfig(name="t", path=str(tmp_path))
     assert local_target(cfg, tmp_path / "cache") is cfg
+
+
+def test_the_scripts_target_is_built_from_a_gguf_paths_converted_directory(tmp_path, monkeypatch):
+    """`frozen_target` (bench_step, bench_decode, check_fast_path, replay_compiles) builds the
+    target as dflash-train does: a .gguf target.path is read from its converted directory, not
+    handed to transformers as a checkpoint directory."""
+    from dflash.run_inputs import frozen_target
+    from dflash.tools.compose import compose_typed
+    from tests.tiny_assets import save_tiny_target_with_tokenizer
+
+    converted = save_tiny_target_with_tokenizer(tmp_path / "converted", num_hidden_layers=4)
+    asked = []
+    monkeypatch.setattr(gguf, "converted_dir", lambda path, cache_dir: asked.append(path) or converted)
+    cfg = compose_typed(
+        [
+            "gpu=cpu",
+            "target=hf",
+            f"target.path={tmp_path / 'model.gguf'}",
+            "drafter.mask_token_id=7",
+            f"paths.cache_dir={tmp_path / 'cache'}",
+        ]
+    )
+    target, layer_ids = frozen_target(cfg, "cpu")
+    assert asked == [str(tmp_path / "model.gguf")]
+    assert target.config.num_hidden_layers == 4 and layer_ids == target.layer_ids
