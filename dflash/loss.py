@@ -51,21 +51,22 @@ def _weighted_ce_and_hits(
 
 
 def _chunk_ce_and_grad(
-    logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor, valid: torch.Tensor
+    logits: torch.Tensor, labels: torch.Tensor, weights: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One chunk of logits [n, V] -> (sum of w * CE, hits [n], d(sum w * CE)/d(logits) in the
-    logits' dtype). Softmax and CE in fp32, as the reference's `.float()` does. Compiled on
+    """One chunk of logits [n, V] of labelled positions -> (sum of w * CE, hits [n],
+    d(sum w * CE)/d(logits) in the logits' dtype). Softmax and CE in fp32, as the reference's `.float()` does. Compiled on
     CUDA (drafter.compile): one fused pass over the chunk instead of one per elementwise op."""
     x = logits.float()
     lse = torch.logsumexp(x, dim=-1, keepdim=True)
     w = weights[:, None]
     weighted_ce = ((lse - x.gather(1, labels[:, None])) * w).sum()
-    hit = (x.argmax(dim=-1) == labels) & valid
+    hit = x.argmax(dim=-1) == labels
     # d(w * CE)/d(logits) = w * (softmax - onehot). The one-hot is a comparison with the column
     # index rather than a scatter so that the compiled chunk can be one elementwise epilogue that
     # writes the gradient in the logits' dtype: with the scatter, an H200 profile of the SmolLM2
-    # step showed a separate vocab-wide cast kernel (11 ms per step; the saving is not measured
-    # yet). Same fp32 arithmetic (p*w - w at the label): the same bits as the scatter.
+    # step showed a separate vocab-wide cast kernel (11 ms per step; not measured alone since:
+    # the chain's training went 143 -> 161 samples/s with this and `loss_rows` together). Same
+    # fp32 arithmetic (p*w - w at the label): the same bits as the scatter.
     p_w = torch.exp(x - lse) * w
     onehot = torch.arange(x.shape[1], device=x.device)[None, :] == labels[:, None]
     grad = torch.where(onehot, p_w - w, p_w)
@@ -92,18 +93,16 @@ class _FusedHeadCE(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, hidden_NH, weight_VH, labels_N, weights_N, valid_N, chunk, compute_dtype, compiled):
+    def forward(ctx, hidden_NH, weight_VH, labels_N, weights_N, chunk, compute_dtype, compiled):
         weight = weight_VH.to(compute_dtype)
         per_chunk = _compiled_chunk_ce_and_grad() if compiled else _chunk_ce_and_grad
         grad_hidden = torch.empty_like(hidden_NH)
         weighted_ce = hidden_NH.new_zeros((), dtype=torch.float32)
-        hit = torch.empty_like(valid_N)
+        hit = torch.empty_like(labels_N, dtype=torch.bool)
         for start in range(0, hidden_NH.shape[0], chunk):
             rows = slice(start, start + chunk)
             logits = hidden_NH[rows].to(compute_dtype) @ weight.T
-            chunk_ce, hit[rows], grad_logits = per_chunk(
-                logits, labels_N[rows], weights_N[rows], valid_N[rows]
-            )
+            chunk_ce, hit[rows], grad_logits = per_chunk(logits, labels_N[rows], weights_N[rows])
             del logits
             weighted_ce += chunk_ce
             grad_hidden[rows] = grad_logits @ weight
@@ -114,7 +113,7 @@ class _FusedHeadCE(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_weighted_ce, _grad_hit):
         (grad_hidden,) = ctx.saved_tensors
-        return grad_hidden * grad_weighted_ce, None, None, None, None, None, None, None
+        return grad_hidden * grad_weighted_ce, None, None, None, None, None, None
 
 
 def _fused_weighted_ce_and_hits(
@@ -145,7 +144,6 @@ def _fused_weighted_ce_and_hits(
             lm_head.weight,
             labelled(blocks.labels),
             labelled(blocks.weights),
-            labelled(blocks.valid),
             chunk,
             compute_dtype,
             compiled,

@@ -72,8 +72,6 @@ class CompileCounter:
         self._settled = True
 
     def __call__(self, graph_module, example_inputs):
-        from torch._inductor.compile_fx import compile_fx  # imported when the first graph compiles
-
         with self._lock:
             self.graphs += 1
             count = self.graphs
@@ -89,4 +87,6 @@ class CompileCounter:
             log.info("%s: compiling graph %d (%d inputs)", self.name, count, len(example_inputs))
         if self._backend is not None:
             return self._backend(graph_module, example_inputs)
+        from torch._inductor.compile_fx import compile_fx  # imported when the first graph compiles
+
         return compile_fx(graph_module, example_inputs)
