@@ -128,4 +128,9 @@ class EvalReport:
         return lossless_line(metrics)
 
     def to_json(self) -> dict[str, Any]:
-        return {"meta": self.meta, "metrics": self.metrics(), "results": [asdict(r) for r in self.results]}
+        return {
+            "meta": self.meta,
+            "metrics": self.metrics(),
+            "results": [asdict(r) for r in self.results],
+            "interrupted": self.interrupted,
+        }

@@ -29,6 +29,9 @@ from dflash.models.target import FrozenTarget
 from dflash.spec_decode import DecodeResult, plain_generate, speculative_generate
 from dflash.stopwatch import Stopwatch
 
+# on_prompt(benchmark, temperature, prompts done, prompts in the set), after each prompt.
+PromptDone = Callable[[str, float, int, int], None]
+
 
 def target_eos_ids(target: FrozenTarget) -> frozenset[int]:
     """The end-of-sequence ids of the target's generation_config.json (int or list, maybe unset)."""
@@ -102,9 +105,11 @@ def evaluate_set(
     timing: bool,
     warmup_prompts: int = 0,
     should_stop: Callable[[], bool] | None = None,
+    on_prompt: PromptDone | None = None,
 ) -> BenchmarkResult:
     """Decode every prompt of the set with DFlash (and plainly when a reference or timing needs
-    it); `should_stop` is asked before each prompt, and the result covers the prompts done."""
+    it); `should_stop` is asked before each prompt, and the result covers the prompts done;
+    `on_prompt` hears of each prompt as it finishes."""
     greedy = temperature <= 0
     need_plain = greedy or timing
     stop = prompt_set.stop_ids | target_eos_ids(target)
@@ -141,6 +146,8 @@ def evaluate_set(
                 divergences.append(first_divergence(target, prompt, reference.output_ids, result.output_ids))
         if timing and decoders.prefill is not None:
             prefill_s += stopwatch(decoders.prefill, prompt)[1]
+        if on_prompt is not None:
+            on_prompt(prompt_set.name, temperature, evaluated, len(prompt_set.prompts))
     histogram = np.bincount(lengths, minlength=block_size + 1) / max(1, len(lengths))
     report = BenchmarkResult(
         benchmark=prompt_set.name,
@@ -188,10 +195,12 @@ def evaluate(
     timing: bool,
     should_stop: Callable[[], bool] | None = None,
     decoders: Decoders | None = None,
+    on_prompt: PromptDone | None = None,
 ) -> EvalReport:
     """Every prompt set at every temperature; `should_stop` (a signal) ends it early with what
     was evaluated, `interrupted` set. `decoders`: built by an earlier call with these prompt
-    sets (`Decoders.for_prompts`), loaded with this drafter's weights and reused."""
+    sets (`Decoders.for_prompts`), loaded with this drafter's weights and reused. `on_prompt`:
+    called after each prompt (progress for a long evaluation)."""
     if next(drafter.parameters()).device != target.device:
         drafter = copy.deepcopy(drafter).to(target.device)  # gpu=split: replicas live elsewhere
     was_training = drafter.training
@@ -215,6 +224,7 @@ def evaluate(
                     timing=timing,
                     warmup_prompts=cfg.warmup_prompts,
                     should_stop=should_stop,
+                    on_prompt=on_prompt,
                 )
                 if result.num_prompts:
                     report.results.append(result)

@@ -12,19 +12,26 @@
 #   PARTS=stage_a; PARTS="join chain_regen chain_train" PROMPTS=20000 DEADLINE=565
 #   TRAIN_ARGS=train.epochs=4; PARTS=chain_train DEADLINE=560 TRAIN_ARGS=(same);
 #   PARTS="chain_eval bench_smollm2" EVAL_PROMPTS=24
-#   A later session skips regeneration with the regen output chain_regen brought back:
-#   PARTS=stage_a (carrying .chain/regen.jsonl.gz too); PARTS="join chain_reuse chain_train" ...
-#   (.whl + .gguf_a + .chain with a 30,000-conversation regen.jsonl.gz: 62 MiB of the 64.)
-#   The regen.jsonl.gz kept on 2026-11-30 (RESULTS.md, "night, 2") answers PROMPTS=30000 of .chain/prompts.jsonl.gz:
-#   chain_reuse must run with the same PROMPTS to rebuild the same held-out split. Run on it
-#   (RESULTS.md, "night, 3"; 5,760 of ~6,500 steps in two training calls):
-#   PARTS=stage_a [.whl .gguf_a .chain]; PARTS="join chain_reuse chain_train" PROMPTS=30000
-#   DEADLINE=570 TRAIN_ARGS="train.epochs=4 target.compile=true" [.whl .gguf_b];
-#   PARTS=chain_train DEADLINE=545 (same TRAIN_ARGS) [.whl]; PARTS=chain_eval EVAL_PROMPTS=16 [.whl].
-#   Each call must follow the last within ~30 s: the checkpoints live in the machine's /tmp.
-#   To go on from a run in a later session: add chain_weights to the last call (it brings the
-#   drafter back in parts: put them in .init/), then start the next chain with PARTS=stage_init
-#   [.whl .init] at once after stage_a, and TRAIN_ARGS="... drafter.init_from=/tmp/init".
+# Each call must follow the last within ~30 s: the checkpoints live in the machine's /tmp.
+# Carried outputs of earlier runs (git-ignored folders; a call carries at most 64 MiB):
+#   .regen/regen.jsonl.gz  the regen output chain_regen brought back ($OUT/chain/regen.jsonl.gz):
+#                          chain_reuse uses it in place of a new regeneration, and chain_regen
+#                          resumes from it (only prompts it lacks are generated). It answers the
+#                          first PROMPTS lines of .chain/prompts.jsonl.gz: run with the PROMPTS
+#                          that wrote it (or more), never fewer, or held-out prompts are trained on.
+#   .init/                 a drafter chain_weights brought back ($OUT/init): PARTS=stage_init,
+#                          then TRAIN_ARGS="... drafter.init_from=/tmp/init" (a fresh schedule).
+#   stage_a and stage_init each stage .regen when it is carried with them.
+# The run of RESULTS.md "2026-11-30 (late night)", on 2 H200s (both roles on each GPU: 1.8x one
+# GPU's samples/s), 40,000 conversations (the 30,000 of .regen then + 10,000 regenerated):
+#   kind=nvidia-h200-x2: PARTS=stage_a [.whl .gguf_a .chain .regen];
+#   PARTS="join chain_reuse chain_regen chain_train" PROMPTS=40000 REGEN_TIMEOUT=240 DEADLINE=575
+#   TRAIN_ARGS="train.epochs=5 target.compile=true gpu.target=2 gpu.drafter=2" [.whl .gguf_b];
+#   PARTS=chain_train PROMPTS=40000 DEADLINE=580 TRAIN_ARGS=(same) [.whl];
+#   PARTS="chain_weights chain_eval" PROMPTS=40000 EVAL_PROMPTS=16 EVAL_TIMEOUT=340 [.whl].
+# To go on from that drafter (.init and the 40,000-conversation .regen, kept locally): the first
+#   call [.whl .gguf_a .chain], then PARTS=stage_init [.whl .init .regen] at once, then the rest
+#   as above with TRAIN_ARGS="... drafter.init_from=/tmp/init".
 #   PARTS="check" ...  after chain_regen: scripts/check_fast_path.py on the regenerated data (every
 #     step variant beside the reference: gradients at init, then 150 steps of curves)
 set -uo pipefail
@@ -36,17 +43,22 @@ RANDOM_03B=(gpu=single drafter=b16 drafter.num_layers=5 drafter.mask_token_id=50
   target.arch.hidden_size=1024 target.arch.intermediate_size=3072 target.arch.num_hidden_layers=16
   target.arch.num_attention_heads=16 target.arch.num_key_value_heads=8 target.arch.head_dim=64)
 mkdir -p $W
+# A regen output an earlier chain_regen brought back, when this call carries it (see the header).
+stage_regen() {
+  [ -f .regen/regen.jsonl.gz ] || return 0
+  cp .regen/regen.jsonl.gz /tmp/regen.jsonl.gz && ls -la /tmp/regen.jsonl.gz
+}
 for part in ${PARTS:-tests bench}; do
 case "$part" in
 stage_a)
   cp .gguf_a/part /tmp/gguf_a && cp .chain/prompts.jsonl.gz /tmp/prompts.jsonl.gz && ls -la /tmp/gguf_a
-  # A regen output an earlier chain_regen brought back (see chain_reuse).
-  [ -f .chain/regen.jsonl.gz ] && cp .chain/regen.jsonl.gz /tmp/regen.jsonl.gz && ls -la /tmp/regen.jsonl.gz ;;
+  stage_regen ;;
 stage_init)
   # A drafter chain_weights brought back, carried as .init/ (config.json + model.part_*): joined
   # into /tmp/init for TRAIN_ARGS="drafter.init_from=/tmp/init" (a fresh schedule from its weights).
   mkdir -p /tmp/init && cat .init/model.part_* > /tmp/init/model.safetensors && cp .init/config.json /tmp/init/ \
-    && ls -la /tmp/init ;;
+    && ls -la /tmp/init
+  stage_regen ;;
 tests)
   timeout ${TESTS_TIMEOUT:-240} python3 -m pytest -q -s -p no:cacheprovider tests/test_gpu_decoding.py \
     tests/test_gpu.py -k "${TESTS:-graph or replay or batching or compiled or bf16_greedy or lossless}" \
@@ -79,18 +91,23 @@ regen_bench)
     sampling.temperature=0 sampling.max_new_tokens=384 batch_size=128 > "$OUT/bench_regen_compiled.log" 2>&1
   grep -v "Loading weights\|it/s\]\|conv/s" "$OUT/bench_regen_compiled.log" | tail -5 ;;
 chain_regen)
+  # After chain_reuse (or an interrupted chain_regen) the output exists: only the prompts it
+  # lacks are generated.
   STAGES="prompts regen" PROMPTS_FILE=/tmp/prompts.jsonl.gz TARGET=$GGUF PROMPTS=${PROMPTS:-24000} \
     timeout ${REGEN_TIMEOUT:-300} bash scripts/smollm2_chain.sh $W/chain > "$OUT/chain_regen.log" 2>&1
   tail -12 "$OUT/chain_regen.log"; wc -l $W/chain/regen.jsonl
   # Brought back (files come back up to 16 MiB) so that a later session can skip regeneration:
-  # put it at .chain/regen.jsonl.gz, carry .chain with stage_a, and run chain_reuse instead.
+  # put it at .regen/regen.jsonl.gz (see the header).
   mkdir -p "$OUT/chain" && gzip -c $W/chain/regen.jsonl > "$OUT/chain/regen.jsonl.gz" && ls -la "$OUT/chain/regen.jsonl.gz" ;;
 chain_reuse)
   # The prompts stage (the same split of the same prompts file and PROMPTS as the regen that
   # wrote it), then the carried regen output in place of a new regeneration.
   STAGES="prompts" PROMPTS_FILE=/tmp/prompts.jsonl.gz TARGET=$GGUF PROMPTS=${PROMPTS:-24000} \
     bash scripts/smollm2_chain.sh $W/chain > "$OUT/chain_reuse.log" 2>&1 || { tail "$OUT/chain_reuse.log"; exit 1; }
-  gzip -dc /tmp/regen.jsonl.gz > $W/chain/regen.jsonl && wc -l $W/chain/regen.jsonl ;;
+  gzip -dc /tmp/regen.jsonl.gz > $W/chain/regen.jsonl && wc -l $W/chain/regen.jsonl
+  # More conversations than PROMPTS: the later ones answer this split's held-out prompts.
+  held=$(wc -l < $W/chain/regen.jsonl)
+  (( held <= ${PROMPTS:-24000} )) || { echo "chain_reuse: the carried regen holds $held conversations, more than PROMPTS=${PROMPTS:-24000}: run with PROMPTS=$held or more"; exit 1; } ;;
 chain_train)
   # A time limit stops training with a checkpoint; the next chain_train resumes from it. DEADLINE
   # (seconds since this script started) sets the limit when other parts ran first in this call.

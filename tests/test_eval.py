@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import math
+import signal
 
 import pytest
 import torch
@@ -102,6 +103,42 @@ def test_dflash_eval_reports_every_benchmark_and_writes_json(
     assert report["metrics"]["eval/math/tau"] == results[("math", 0.0)]["tau"]
     assert "eval/chat/tau_t0.8" in report["metrics"]
     assert "lossless: yes" in out and "math" in out and "speedup" in out
+
+
+def test_dflash_eval_stopped_by_a_signal_writes_the_prompts_it_finished(
+    tmp_path, tiny_chat_dir, benchmark_files, monkeypatch
+):
+    """A time limit's SIGTERM mid-evaluation: the prompt being decoded finishes, the report (file
+    and table) covers the prompts done and says interrupted, and the job ends as a stopped one."""
+    from dflash.tools import eval_drafter
+    from dflash.trainer.signals import StopRequested
+
+    finished = []
+    show_progress = eval_drafter.PromptProgress.__call__
+
+    def progress_then_sigterm(self, benchmark, temperature, done, total):
+        show_progress(self, benchmark, temperature, done, total)
+        finished.append((benchmark, done, total))
+        if len(finished) == 3:
+            signal.raise_signal(signal.SIGTERM)  # as `timeout` sends it
+
+    monkeypatch.setattr(eval_drafter.PromptProgress, "__call__", progress_then_sigterm)
+    drafter, _ = chat_drafter(tiny_chat_dir, tmp_path)
+    export_drafter(drafter, tmp_path / "drafter")
+    cfg = eval_cfg(tmp_path, tiny_chat_dir, tmp_path / "drafter", benchmark_files, ["eval.timing=false"])
+    before = signal.getsignal(signal.SIGTERM)
+    with pytest.raises(StopRequested) as stopped:
+        eval_drafter.run_eval(cfg)
+    assert stopped.value.signum == signal.SIGTERM
+    assert signal.getsignal(signal.SIGTERM) == before  # the handler is put back
+    assert [done for _, done, _ in finished] == [1, 2, 1]  # no prompt after the signal
+    report = json.loads((tmp_path / "eval_run" / "eval.json").read_text())
+    assert report["interrupted"] is True
+    assert [(r["benchmark"], r["num_prompts"]) for r in report["results"]] == [
+        (finished[0][0], 2),
+        (finished[2][0], 1),
+    ]
+    assert report["metrics"]["eval/num_prompts"] == 3.0
 
 
 def test_a_zlab_layout_drafter_written_by_other_tools_loads_into_dflash_eval(tmp_path, tiny_chat_dir, benchmark_files):  # fmt: skip

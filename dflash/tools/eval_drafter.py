@@ -10,6 +10,10 @@ checkpoint also holds its run's config.yaml: the target is then the one the draf
 against, unless `target...` is overridden on the command line (a z-lab export from other tools
 needs `target=... target.path=...`). The drafter runs in the target's dtype (bf16 on GPU), as an
 inference engine would run it. The JSON goes to `eval.output` (default <run dir>/eval.json).
+
+A progress bar per benchmark goes to stderr. SIGTERM or SIGINT (a time limit) ends the evaluation
+after the prompt being decoded: the report covers the prompts finished, says `interrupted`, and
+the process exits with 128 + signal, so a long run cut short still tells what it measured.
 """
 
 from __future__ import annotations
@@ -78,6 +82,29 @@ def target_for(
     return local_target(OmegaConf.to_object(merged), typed.paths.cache_dir), source
 
 
+class PromptProgress:
+    """One tqdm bar per benchmark and temperature on stderr (`evaluate`'s on_prompt): a long
+    evaluation shows that it moves and how far it got."""
+
+    def __init__(self) -> None:
+        self.bar = None
+        self.key: tuple[str, float] | None = None
+
+    def __call__(self, benchmark: str, temperature: float, done: int, total: int) -> None:
+        from tqdm import tqdm
+
+        if (benchmark, temperature) != self.key:
+            self.close()
+            self.key = (benchmark, temperature)
+            self.bar = tqdm(total=total, desc=f"dflash-eval {benchmark} t={temperature:g}", unit="prompt", mininterval=2.0)  # fmt: skip
+        self.bar.update(done - self.bar.n)
+
+    def close(self) -> None:
+        if self.bar is not None:
+            self.bar.close()
+            self.bar = None
+
+
 def run_eval(
     cfg: DictConfig, target_overridden: bool = False, target_fields: tuple[str, ...] = ()
 ) -> dict[str, Any]:
@@ -91,6 +118,7 @@ def run_eval(
     from dflash.evaluate import evaluate
     from dflash.models.target import FrozenTarget, load_target_config
     from dflash.run_inputs import eval_prompt_sets
+    from dflash.trainer.signals import StopRequested, stop_on_signals
 
     refuse_unknown_keys(cfg, Config)
     composed, cfg = cfg, typed_config(cfg)
@@ -116,7 +144,20 @@ def run_eval(
         torch.set_num_threads(cfg.gpu.cpu_threads)
     target = FrozenTarget.from_config(target_cfg, drafter_config.dflash_config["target_layer_ids"], device)
     drafter = load_drafter(drafter_dir, device).to(target.lm_head.weight.dtype).eval()
-    report = evaluate(target, drafter, prompt_sets, cfg.eval, timing=cfg.eval.timing)
+    progress = PromptProgress()
+    with stop_on_signals() as stop:
+        try:
+            report = evaluate(
+                target,
+                drafter,
+                prompt_sets,
+                cfg.eval,
+                timing=cfg.eval.timing,
+                should_stop=stop.is_set,
+                on_prompt=progress,
+            )
+        finally:
+            progress.close()
     report.meta = {
         "drafter": str(drafter_dir),
         "target": target_key,
@@ -139,6 +180,16 @@ def run_eval(
     if line is not None:
         print(f"lossless: {line}")
     print(f"report: {output}", flush=True)
+    if report.interrupted:
+        planned = sum(len(s.prompts) for s in prompt_sets) * len(cfg.eval.temperatures)
+        done = sum(result.num_prompts for result in report.results)
+        log.warning(
+            "dflash-eval: stopped by a signal after %d of %d prompt decodings; %s holds what was evaluated",
+            done,
+            planned,
+            output,
+        )
+        raise StopRequested(stop.signum)
     return payload
 
 
