@@ -51,6 +51,11 @@ class EvalReport:
     meta: dict[str, Any] = field(default_factory=dict)
     interrupted: bool = False  # stopped early (a signal): the results cover the prompts done
 
+    def decodings(self) -> int:
+        """Prompt decodings done, over every benchmark and temperature (fewer than planned when
+        `interrupted`)."""
+        return sum(result.num_prompts for result in self.results)
+
     def greedy(self) -> list[BenchmarkResult]:
         return [r for r in self.results if r.temperature <= 0]
 

@@ -175,6 +175,11 @@ def evaluate_set(
     return report
 
 
+def planned_decodings(prompt_sets: list[PromptSet], cfg: EvalConfig) -> int:
+    """Prompt decodings `evaluate` makes when nothing stops it: every prompt at every temperature."""
+    return sum(len(prompt_set.prompts) for prompt_set in prompt_sets) * len(cfg.temperatures)
+
+
 @torch.no_grad()
 def first_divergence(
     target: FrozenTarget, prompt: list[int], plain: list[int], dflash: list[int]

@@ -16,7 +16,7 @@ from dflash.config.schema import Config, DeviceKind
 from dflash.distributed import ProcessGroupInfo, visible_cuda_devices
 from dflash.eval_prompts import PromptSet
 from dflash.eval_report import lossless_line
-from dflash.evaluate import evaluate
+from dflash.evaluate import evaluate, planned_decodings
 from dflash.models.compile import CompileCounter
 from dflash.pipeline.roles import role_lines
 from dflash.trainer.lifecycle import Trainer
@@ -66,12 +66,11 @@ class Run:
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
             print(format_summary(summary), flush=True)
             if report.interrupted:
-                planned = sum(len(p.prompts) for p in self.eval_prompts) * len(self.cfg.eval.temperatures)
                 log.warning(
                     "stopped during the final evaluation after %d of %d prompt decodings: summary.json "
                     "holds what was evaluated; the training checkpoint is complete",
-                    sum(result.num_prompts for result in report.results),  # every temperature
-                    planned,
+                    report.decodings(),
+                    planned_decodings(self.eval_prompts, self.cfg.eval),
                 )
                 raise StopRequested(stop.signum)
             ok = True

@@ -106,7 +106,7 @@ def test_dflash_eval_reports_every_benchmark_and_writes_json(
 
 
 def test_dflash_eval_stopped_by_a_signal_writes_the_prompts_it_finished(
-    tmp_path, tiny_chat_dir, benchmark_files, monkeypatch
+    tmp_path, tiny_chat_dir, benchmark_files, monkeypatch, caplog
 ):
     """A time limit's SIGTERM mid-evaluation: the prompt being decoded finishes, the report (file
     and table) covers the prompts done and says interrupted, and the job ends as a stopped one."""
@@ -139,6 +139,7 @@ def test_dflash_eval_stopped_by_a_signal_writes_the_prompts_it_finished(
         (finished[2][0], 1),
     ]
     assert report["metrics"]["eval/num_prompts"] == 3.0
+    assert "after 3 of 4 prompt decodings" in caplog.text
 
 
 def test_a_zlab_layout_drafter_written_by_other_tools_loads_into_dflash_eval(tmp_path, tiny_chat_dir, benchmark_files):  # fmt: skip

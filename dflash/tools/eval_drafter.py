@@ -115,7 +115,7 @@ def run_eval(
     from dflash.config.keys import refuse_unknown_keys
     from dflash.config.typed import typed_config
     from dflash.distributed import visible_cuda_devices
-    from dflash.evaluate import evaluate
+    from dflash.evaluate import evaluate, planned_decodings
     from dflash.models.target import FrozenTarget, load_target_config
     from dflash.run_inputs import eval_prompt_sets
     from dflash.trainer.signals import StopRequested, stop_on_signals
@@ -181,12 +181,10 @@ def run_eval(
         print(f"lossless: {line}")
     print(f"report: {output}", flush=True)
     if report.interrupted:
-        planned = sum(len(s.prompts) for s in prompt_sets) * len(cfg.eval.temperatures)
-        done = sum(result.num_prompts for result in report.results)
         log.warning(
             "dflash-eval: stopped by a signal after %d of %d prompt decodings; %s holds what was evaluated",
-            done,
-            planned,
+            report.decodings(),
+            planned_decodings(prompt_sets, cfg.eval),
             output,
         )
         raise StopRequested(stop.signum)
