@@ -106,8 +106,8 @@ chain_reuse)
     bash scripts/smollm2_chain.sh $W/chain > "$OUT/chain_reuse.log" 2>&1 || { tail "$OUT/chain_reuse.log"; exit 1; }
   gzip -dc /tmp/regen.jsonl.gz > $W/chain/regen.jsonl && wc -l $W/chain/regen.jsonl
   # More conversations than PROMPTS: the later ones answer this split's held-out prompts.
-  held=$(wc -l < $W/chain/regen.jsonl)
-  (( held <= ${PROMPTS:-24000} )) || { echo "chain_reuse: the carried regen holds $held conversations, more than PROMPTS=${PROMPTS:-24000}: run with PROMPTS=$held or more"; exit 1; } ;;
+  conversations=$(wc -l < $W/chain/regen.jsonl)
+  (( conversations <= ${PROMPTS:-24000} )) || { echo "chain_reuse: the carried regen holds $conversations conversations, more than PROMPTS=${PROMPTS:-24000}: run with PROMPTS=$conversations or more"; exit 1; } ;;
 chain_train)
   # A time limit stops training with a checkpoint; the next chain_train resumes from it. DEADLINE
   # (seconds since this script started) sets the limit when other parts ran first in this call.
