@@ -2,6 +2,7 @@
 """Training prompts that no one here wrote, for `dflash-regen` to have a target answer.
 
     python scripts/make_training_prompts.py OUT.jsonl[.gz] [--seed 0] [--limit N]
+        [--sources A,B] [--exclude EARLIER.jsonl[.gz]]
 
 Each prompt is a fixed request wrapped around text that ships with this machine's software:
 - the Python standard library: every public function, method and class with a docstring, in four
@@ -17,7 +18,12 @@ Each prompt is a fixed request wrapped around text that ships with this machine'
   a visit plan, an event or feeling -> a diary entry); sayings and quotations from Debian
   `fortunes`, to interpret or to end a story with; the READMEs again as extraction tasks; and
   equations, word problems, probability and ordering puzzles whose numbers the seeded generator
-  draws.
+  draws;
+- function completions: each pure-Python standard-library function as a stub (its `def` line and
+  docstring, HumanEval's shape) to finish in a ```python block;
+- two-turn chats: a seeded share of the code, WordNet, fortune, math and extraction asks, each
+  followed by a second turn that reworks the first reply (shorter, for an expert, as a table,
+  checked another way, with type hints), as MT-Bench's second turns do.
 
 Every record is a conversation (OpenAI `messages`) whose assistant turn is a placeholder: dflash-
 regen replaces it with the target's reply, so the text trained on is the target's own. Records
@@ -26,12 +32,15 @@ are deduplicated, and any whose text shares a 13-word window with a HumanEval or
 The set depends on the Python version and the installed packages (both printed): a source
 whose files are missing (`apt-get install wordnet-base fortunes`) yields nothing and says so.
 With --limit, each source fills its share of the records (SHARES) and the others fill what one
-lacks, so code and documentation do not crowd out the chat requests.
+lacks, so code and documentation do not crowd out the chat requests. To grow a set that a target
+has already answered, write only new asks and append them: --sources picks the sources (their
+shares, renormalised), --exclude drops every record that opens with an ask of the earlier file.
 """
 
 from __future__ import annotations
 
 import argparse
+import ast
 import gzip
 import importlib
 import inspect
@@ -39,6 +48,7 @@ import json
 import pkgutil
 import re
 import sys
+import textwrap
 import warnings
 from importlib import metadata
 from pathlib import Path
@@ -64,15 +74,20 @@ SKIPPED_MODULES = {
 WINDOW = 13  # words: the contamination check's window
 # Code about half: with 36% standard-library prompts (9K of 25K) the SmolLM2 drafter's HumanEval
 # tau fell from 2.70 to 2.36 while MT-Bench rose from 1.58 to 2.19 against a mostly code and
-# documentation set of the same size (benchmarks/RESULTS.md, 2026-11-30 evening and night).
+# documentation set of the same size (benchmarks/RESULTS.md, 2026-11-30 evening and night). The
+# shares are about those of the 50,000-conversation set of RESULTS.md 2026-12-01: 40,000 from the
+# first seven sources, then 10,000 more of the last two (3,659 function completions, nearly all
+# there are, and 6,341 two-turn chats; written with --sources and --exclude).
 SHARES = {
-    "python stdlib": 0.45,
-    "debian readmes": 0.04,
-    "readme extraction": 0.02,
-    "fastchat dummy conversations": 0.02,
-    "wordnet senses": 0.30,
-    "fortunes": 0.08,
-    "math and reasoning": 0.09,
+    "python stdlib": 0.36,
+    "debian readmes": 0.03,
+    "readme extraction": 0.015,
+    "fastchat dummy conversations": 0.015,
+    "wordnet senses": 0.24,
+    "fortunes": 0.065,
+    "math and reasoning": 0.07,
+    "function completions": 0.075,
+    "two-turn chats": 0.13,
 }
 MATH_PROMPTS = 6000  # drawn; repeats are dropped as duplicates
 
@@ -114,8 +129,9 @@ def stdlib_modules():
             )
 
 
-def stdlib_prompts() -> list[str]:
-    prompts = []
+def stdlib_members():
+    """(module name, qualified name, object, docstring) of every public function, method and
+    class of the standard library with a docstring of 40 characters or more."""
     for module_name, module in stdlib_modules():
         for name, obj in sorted(vars(module).items()):
             if name.startswith("_") or getattr(obj, "__module__", None) != module_name:
@@ -129,25 +145,76 @@ def stdlib_prompts() -> list[str]:
                 ]
             for qualname, member in members:
                 doc = docstring_text(member)
-                if doc is None:
-                    continue
-                kind = "class" if inspect.isclass(member) else "function"
-                prompts.append(
-                    f"Write a Python {kind} `{qualname.split('.')[-1]}{signature_of(member)}` that does the "
-                    f"following:\n\n{doc}"
-                )
-                prompts.append(
-                    f"Explain what `{module_name}.{qualname}` in Python's standard library does, with a short "
-                    f"example. Its documentation says:\n\n{doc}"
-                )
-                prompts.append(
-                    f"Write pytest unit tests for `{module_name}.{qualname}` that check the behaviour its "
-                    f"documentation describes:\n\n{doc}"
-                )
-                prompts.append(
-                    f"When should I use `{module_name}.{qualname}`, and what mistakes do people make with it? "
-                    f"Its documentation says:\n\n{doc}"
-                )
+                if doc is not None:
+                    yield module_name, qualname, member, doc
+
+
+def stdlib_prompts() -> list[str]:
+    prompts = []
+    for module_name, qualname, member, doc in stdlib_members():
+        kind = "class" if inspect.isclass(member) else "function"
+        prompts.append(
+            f"Write a Python {kind} `{qualname.split('.')[-1]}{signature_of(member)}` that does the "
+            f"following:\n\n{doc}"
+        )
+        prompts.append(
+            f"Explain what `{module_name}.{qualname}` in Python's standard library does, with a short "
+            f"example. Its documentation says:\n\n{doc}"
+        )
+        prompts.append(
+            f"Write pytest unit tests for `{module_name}.{qualname}` that check the behaviour its "
+            f"documentation describes:\n\n{doc}"
+        )
+        prompts.append(
+            f"When should I use `{module_name}.{qualname}`, and what mistakes do people make with it? "
+            f"Its documentation says:\n\n{doc}"
+        )
+    return prompts
+
+
+def completion_stub(name: str, function) -> str | None:
+    """A function's `def` line (its real signature) and docstring, the body left to write: the
+    shape of a HumanEval prompt, and valid Python once a body is written. None for what has no
+    such stub: a class, a builtin without a signature, a default whose repr is not Python, a
+    docstring that would end the stub early."""
+    if not inspect.isroutine(function):
+        return None
+    try:
+        signature = str(inspect.signature(function))
+    except (TypeError, ValueError):
+        return None
+    doc = inspect.getdoc(function)
+    if not doc or len(doc) < 40 or '"""' in doc or "\\" in doc:
+        return None
+    body = textwrap.indent(doc[:800], "    ")
+    stub = f'def {name}{signature}:\n    """{body.lstrip()}\n    """\n'
+    try:  # a default whose repr is not Python (`<class 'dict'>`, an object's address) does not parse
+        ast.parse(stub + "    pass\n")
+    except SyntaxError:
+        return None
+    return stub
+
+
+# Asks around a stub. The first is the instruction dflash-eval wraps HumanEval's stubs in (our
+# own words, in dflash.data.benchmarks): a drafter meets the reply format users of that
+# benchmark see; the stubs themselves come from the standard library.
+COMPLETION_ASKS = (
+    PACKAGED["humaneval"].prompt_template,
+    "Here is the start of a Python function. Finish it, and reply with the whole function in one "
+    "```python code block.\n\n```python\n{prompt}```",
+    "Implement this Python function so that it does what its docstring says. Give the complete "
+    "function in one ```python code block.\n\n```python\n{prompt}```",
+)
+
+
+def function_completion_prompts(rng: np.random.Generator) -> list[str]:
+    """Each pure-Python standard-library function or method with a docstring, as a stub to
+    complete (completion_stub) inside one of COMPLETION_ASKS."""
+    prompts = []
+    for _, qualname, member, _ in stdlib_members():
+        stub = completion_stub(qualname.split(".")[-1], member)
+        if stub is not None:
+            prompts.append(COMPLETION_ASKS[rng.integers(len(COMPLETION_ASKS))].format(prompt=stub))
     return prompts
 
 
@@ -371,9 +438,88 @@ def asks(prompts: list[str]) -> list[dict]:
     ]
 
 
+# Second turns by the source of the first (our own words): MT-Bench's conversations have two
+# turns, the second asking to rework the first reply, and a drafter trained on one-turn
+# conversations only has never seen a reply that builds on an earlier one of its target.
+FOLLOW_UPS = {
+    "python stdlib": (
+        "Now add type hints and a short docstring to the code.",
+        "What is the time complexity of this, and could it be made faster?",
+        "Write three pytest test cases for it, including one edge case.",
+        "Explain the same thing to someone who has never programmed.",
+    ),
+    "wordnet senses": (
+        "Now rewrite your answer in about half as many words, keeping the main point.",
+        "Rewrite your answer for a reader who is an expert on the subject.",
+        "Give your answer a title, and add a closing paragraph that asks the reader a question.",
+        "Turn your answer into a numbered list of its main points.",
+        "Rewrite your answer so that no sentence is longer than twelve words.",
+        "Which part of your answer are you least sure about, and why?",
+    ),
+    "fortunes": (
+        "Now write a saying that claims the opposite, and argue for it in a few sentences.",
+        "Retell it as a poem of four lines.",
+        "Who might have said this, and in what situation? Describe the scene briefly.",
+    ),
+    "math and reasoning": (
+        "Check your answer by a different method.",
+        "Now change one of the numbers in the problem, and solve the new problem.",
+        "Explain the solution to a ten-year-old in three sentences.",
+        "What mistake would a student most likely make on this problem?",
+    ),
+    "readme extraction": (
+        "Now put the same information in a Markdown table.",
+        "Write the result as YAML instead of JSON.",
+        "Which of these would a new user need first? Answer in two sentences.",
+    ),
+}
+TWO_TURN_FRACTION = 0.3  # of each FOLLOW_UPS source's first turns
+
+
+def two_turn_chats(sources: dict[str, list[dict]], rng: np.random.Generator) -> list[dict]:
+    """Moves a seeded TWO_TURN_FRACTION of each FOLLOW_UPS source's one-turn asks into two-turn
+    conversations (the ask, a reply, a follow-up, a reply), so no first turn is in both. An ask
+    drawn twice (the math generator repeats some) opens one chat, whatever its follow-ups."""
+    chats, opened = [], set()
+    for source, follow_ups in FOLLOW_UPS.items():
+        records = sources[source]
+        moved = rng.random(len(records)) < TWO_TURN_FRACTION
+        sources[source] = [r for r, m in zip(records, moved, strict=True) if not m]
+        for record in (r for r, m in zip(records, moved, strict=True) if m):
+            if opening_ask(record) in opened:
+                continue
+            opened.add(opening_ask(record))
+            follow_up = follow_ups[rng.integers(len(follow_ups))]
+            chats.append(
+                {
+                    "messages": record["messages"]
+                    + [{"role": "user", "content": follow_up}, {"role": "assistant", "content": PLACEHOLDER}]
+                }
+            )
+    return chats
+
+
+def opening_ask(record: dict) -> str:
+    """The first user turn's text ("" when there is none)."""
+    for turn in record.get("messages") or record.get("conversations") or []:
+        if turn.get("role", turn.get("from")) in ("user", "human"):
+            return str(turn.get("content", turn.get("value", "")))
+    return ""
+
+
+def opening_asks(paths: list[Path]) -> set[str]:
+    """The opening asks of the conversations in `paths` (earlier prompts files)."""
+    found: set[str] = set()
+    for path in paths:
+        opener = gzip.open if path.suffix == ".gz" else open
+        with opener(path, "rt", encoding="utf-8") as handle:
+            found.update(opening_ask(json.loads(line)) for line in handle)
+    return found
+
+
 def mix(kept: dict[str, list[dict]], limit: int | None, rng: np.random.Generator) -> list[dict]:
-    """Every kept record in a seeded order; with `limit`, each source's SHARES of it first, then
-    the other sources' records fill what a small source could not."""
+    """Every kept record in a seeded order; with `limit`, each source's SHARES of it first (shares
+    of the sources present), then the other sources' records fill what a small source could not."""
     shuffled = {
         source: [records[i] for i in rng.permutation(len(records))] for source, records in kept.items()
     }
@@ -381,8 +527,9 @@ def mix(kept: dict[str, list[dict]], limit: int | None, rng: np.random.Generator
         chosen = [record for records in shuffled.values() for record in records]
     else:
         chosen, spare = [], []
+        total_share = sum(SHARES[source] for source in shuffled)  # < 1 with --sources
         for source, records in shuffled.items():
-            quota = round(SHARES[source] * limit)
+            quota = round(SHARES[source] / total_share * limit)
             chosen += records[:quota]
             spare += records[quota:]
         chosen += [spare[i] for i in rng.permutation(len(spare))][: max(0, limit - len(chosen))]
@@ -397,6 +544,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("output", type=Path)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--limit", type=int, default=None, help="keep at most this many records")
+    parser.add_argument(
+        "--sources",
+        default=None,
+        help="comma-separated sources to write (default: all); --limit shares among these",
+    )
+    parser.add_argument(
+        "--exclude",
+        type=Path,
+        action="append",
+        default=[],
+        help="an earlier prompts file: records opening with one of its asks are left out, so the "
+        "output extends it with new asks only (repeatable)",
+    )
     args = parser.parse_args(argv)
 
     rng = np.random.default_rng(args.seed)
@@ -410,12 +570,22 @@ def main(argv: list[str] | None = None) -> None:
         "fortunes": asks(fortune_prompts(rng)),
         "math and reasoning": asks(math_prompts(rng, MATH_PROMPTS)),
     }
+    # Their own generator: the sources above draw what they drew before these were added.
+    extra_rng = np.random.default_rng([args.seed, 2])
+    sources["function completions"] = asks(function_completion_prompts(extra_rng))
+    sources["two-turn chats"] = two_turn_chats(sources, extra_rng)
+    if args.sources is not None:
+        wanted = [name.strip() for name in args.sources.split(",")]
+        if unknown := sorted(set(wanted) - set(sources)):
+            raise SystemExit(f"--sources: unknown {unknown}; known: {sorted(sources)}")
+        sources = {name: sources[name] for name in wanted}
+    earlier = opening_asks(args.exclude)
     contaminated = benchmark_windows()
     seen: set[str] = set()
     kept: dict[str, list[dict]] = {}
     print(f"python {sys.version.split()[0]}; benchmark windows: {len(contaminated)} ({WINDOW}-word)")
     for source, records in sources.items():
-        duplicates = overlapping = 0
+        duplicates = overlapping = repeated = 0
         kept[source] = []
         for record in records:
             text = record_text(record)
@@ -423,13 +593,17 @@ def main(argv: list[str] | None = None) -> None:
                 duplicates += 1
                 continue
             seen.add(text)
+            if opening_ask(record) in earlier:
+                repeated += 1
+                continue
             if windows(text) & contaminated:
                 overlapping += 1
                 continue
             kept[source].append({**record, "source_kind": source})
         print(
             f"{source:30s} {len(records):7d} records, {duplicates} duplicates, "
-            f"{overlapping} sharing text with a benchmark (dropped)"
+            + (f"{repeated} opening as an --exclude file's do, " if args.exclude else "")
+            + f"{overlapping} sharing text with a benchmark (dropped)"
         )
     chosen = mix(kept, args.limit, np.random.default_rng([args.seed, 1]))
     print(

@@ -3,6 +3,7 @@ the evaluation benchmarks."""
 
 from __future__ import annotations
 
+import ast
 import gzip
 import json
 import re
@@ -12,6 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from dflash.data.benchmarks import PACKAGED
 from dflash.data.conversations import normalize
 from tests.scripts_as_modules import load_script
 
@@ -130,3 +132,72 @@ def test_a_limit_gives_each_source_its_share_and_the_others_fill_a_small_one():
     for source, share in prompts.SHARES.items():  # every other source its quota, then filling
         assert source == "fortunes" or counts[source] >= round(share * 200), source
     assert chosen == prompts.mix(kept, 200, np.random.default_rng(0))
+
+
+def documented(a, b=2):
+    """Add two numbers and return the sum, the way a calculator would.
+
+    >>> documented(1)
+    3
+    """
+    return a + b
+
+
+def test_a_completion_stub_is_the_def_line_and_docstring_of_a_function_left_to_write():
+    prompts = load_script("make_training_prompts")
+    stub = prompts.completion_stub("documented", documented)
+    assert stub == (
+        'def documented(a, b=2):\n    """Add two numbers and return the sum, the way a calculator would.\n\n'
+        '    >>> documented(1)\n    3\n    """\n'
+    )
+    ast.parse(stub + "    pass\n")  # HumanEval's shape: valid Python once a body is written
+    assert prompts.completion_stub("dict", dict) is None  # a class, not a function
+    assert prompts.completion_stub("f", lambda: None) is None  # no docstring
+
+
+def test_function_completions_wrap_standard_library_stubs_in_the_benchmark_instruction():
+    prompts = load_script("make_training_prompts")
+    found = prompts.function_completion_prompts(np.random.default_rng(0))
+    assert len(found) > 3000
+    instruction = PACKAGED["humaneval"].prompt_template.split("{prompt}")[0]
+    assert any(p.startswith(instruction) for p in found)  # the ask dflash-eval wraps HumanEval in
+    for p in found:
+        stub = p.split("```python\n", 1)[1].removesuffix("```")
+        assert stub.startswith("def ") and stub.endswith('    """\n')
+        ast.parse(stub + "    pass\n")
+
+
+def test_two_turn_chats_take_their_first_turns_away_from_the_one_turn_sources():
+    prompts = load_script("make_training_prompts")
+    asks = prompts.asks([f"Ask number {i}" for i in range(400)] + ["Ask number 1"])  # one repeated
+    sources = {source: list(asks) for source in prompts.FOLLOW_UPS}
+    chats = prompts.two_turn_chats(sources, np.random.default_rng(0))
+    opening = [prompts.opening_ask(c) for c in chats]
+    assert len(opening) == len(set(opening))  # an ask drawn twice opens one chat
+    for source, follow_ups in prompts.FOLLOW_UPS.items():
+        kept = {prompts.opening_ask(r) for r in sources[source]}
+        assert 0 < len(asks) - len(sources[source]) < len(asks)  # some moved, not all
+        moved = [c for c in chats if c["messages"][2]["content"] in follow_ups]
+        assert moved and not kept & {prompts.opening_ask(c) for c in moved}  # no ask in both
+    for chat in chats:
+        messages, _ = normalize(chat, need_reply=True)
+        assert [m["role"] for m in messages] == ["user", "assistant", "user", "assistant"]
+
+
+def test_a_set_written_to_extend_another_adds_only_asks_it_lacks(tmp_path, capsys):
+    prompts = load_script("make_training_prompts")
+    earlier = tmp_path / "earlier.jsonl.gz"
+    prompts.main([str(earlier), "--limit", "300", "--seed", "3"])
+    more = tmp_path / "more.jsonl"
+    prompts.main(
+        [str(more), "--limit", "60", "--seed", "3", "--sources", "function completions,two-turn chats"]
+        + ["--exclude", str(earlier)]
+    )
+    assert "opening as an --exclude file's do" in capsys.readouterr().out
+    records = [json.loads(line) for line in more.read_text().splitlines()]
+    assert len(records) == 60
+    assert {r["source_kind"] for r in records} == {"function completions", "two-turn chats"}
+    had = prompts.opening_asks([earlier])
+    assert not {prompts.opening_ask(r) for r in records} & had
+    with pytest.raises(SystemExit, match="--sources: unknown"):
+        prompts.main([str(more), "--sources", "two-turn chat"])
