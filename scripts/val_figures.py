@@ -1,0 +1,98 @@
+#!/usr/bin/env python
+"""A drafter's held-out figures on a run's validation split, without training: the val/loss,
+val/acc, val/tau_sim, val/tau_block and val/tau_decode that `data.val_samples` reports, for any
+drafter checkpoint.
+
+    python scripts/val_figures.py --ckpt DIR [--init-trained-on N] [hydra overrides of the run]
+
+The overrides are the run's own (experiment, data.files, target, data.val_samples, seed): the
+split is the one that run drew. A run started from another drafter's weights
+(`drafter.init_from`) on data that extends what that drafter trained on draws its split from the
+larger set, so most of its held-out samples are ones the initial drafter trained on, and its
+val/ figures read high. `--init-trained-on N` keeps only the held-out samples that neither run
+trained on: those past the first N samples, and those that the initial drafter's own run (on
+the first N samples, with the same data.val_samples and seed) held out. N is that run's sample
+count (dflash-prep's "training samples"); the first N samples must be the same in both (data
+extended by appending records).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dflash.build import plan_batches  # noqa: E402
+from dflash.checkpoint import load_drafter  # noqa: E402
+from dflash.config.devices import resolve_device_split  # noqa: E402
+from dflash.distributed import visible_cuda_devices  # noqa: E402
+from dflash.run_inputs import frozen_target, load_training_data  # noqa: E402
+from dflash.step import BlockSettings  # noqa: E402
+from dflash.tools.compose import compose_typed  # noqa: E402
+from dflash.trainer.validation import VAL_FIGURES, Validation, held_out_ids  # noqa: E402
+
+
+def unseen_by_init(val_ids: np.ndarray, *, trained_on: int, count: int, seed: int) -> np.ndarray:
+    """The held-out ids that a run on the first `trained_on` samples did not train on: those
+    past them, and those its own split (same count and seed) held out."""
+    if trained_on <= count:
+        raise SystemExit(f"--init-trained-on {trained_on}: must exceed data.val_samples={count}")
+    earlier = set(held_out_ids(trained_on, count, seed).tolist())
+    return np.array([i for i in val_ids.tolist() if i >= trained_on or i in earlier], dtype=val_ids.dtype)
+
+
+def main(argv: list[str] | None = None) -> dict[str, float]:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--ckpt", type=Path, required=True, help="a drafter directory (config.json + model.safetensors)"
+    )
+    parser.add_argument("--init-trained-on", type=int, default=None, metavar="N")
+    args, overrides = parser.parse_known_args(argv)
+
+    cfg = compose_typed(overrides)
+    device = torch.device(resolve_device_split(cfg, visible_cuda_devices())[0][0])  # the first target device
+    if device.type == "cpu":
+        torch.set_num_threads(cfg.gpu.cpu_threads)
+    target, _ = frozen_target(cfg, device)
+    dataset, _ = load_training_data(cfg, target)
+    _, budget, val_ids = plan_batches(cfg, dataset)
+    if val_ids is None:
+        raise SystemExit("data.val_samples=0: the run has no held-out split (set the run's data.val_samples)")
+    split = f"{len(val_ids)} held-out samples of {len(dataset)}"
+    if args.init_trained_on is not None:
+        val_ids = unseen_by_init(
+            val_ids, trained_on=args.init_trained_on, count=cfg.data.val_samples, seed=cfg.seed
+        )
+        split += f", {len(val_ids)} of them unseen by a run on the first {args.init_trained_on}"
+        if len(val_ids) == 0:
+            raise SystemExit(f"{split}: nothing left to measure")
+    drafter = load_drafter(args.ckpt, device)
+    settings = BlockSettings(
+        seed=cfg.seed,
+        num_anchors=cfg.drafter.num_anchors,
+        gamma=cfg.loss.gamma,
+        logits_chunk=cfg.loss.logits_chunk,
+    )
+    validation = Validation(
+        dataset,
+        val_ids,
+        settings=settings,
+        tokens_per_batch=cfg.scheduler.tokens_per_batch,
+        block_budget=budget,
+    )
+    figures = validation.run(target, drafter)
+    print(f"{args.ckpt}: {split}")
+    for name in VAL_FIGURES:
+        print(f"  val/{name:11s} {figures[f'val/{name}']:.3f}")
+    return figures
+
+
+if __name__ == "__main__":
+    main()
