@@ -29,9 +29,19 @@
 #   TRAIN_ARGS="train.epochs=5 target.compile=true gpu.target=2 gpu.drafter=2" [.whl .gguf_b];
 #   PARTS=chain_train PROMPTS=40000 DEADLINE=580 TRAIN_ARGS=(same) [.whl];
 #   PARTS="chain_weights chain_eval" PROMPTS=40000 EVAL_PROMPTS=16 EVAL_TIMEOUT=340 [.whl].
-# To go on from that drafter (.init and the 40,000-conversation .regen, kept locally): the first
-#   call [.whl .gguf_a .chain], then PARTS=stage_init [.whl .init .regen] at once, then the rest
-#   as above with TRAIN_ARGS="... drafter.init_from=/tmp/init".
+# The run of RESULTS.md "2026-12-01", on one H200, went on from that drafter (.init) with 10,000
+#   more prompts appended to the 40,000 (function completions and two-turn chats:
+#   make_training_prompts.py --sources "function completions,two-turn chats" --exclude OLD
+#   --limit 10000; .chain/prompts.jsonl.gz = OLD's first 40,000 lines, the 10,000, OLD's last 80):
+#   PARTS=stage_a [.whl .gguf_a .chain]; PARTS=stage_init [.whl .init .regen];
+#   PARTS="join chain_reuse chain_regen chain_train" PROMPTS=50000 REGEN_TIMEOUT=320 DEADLINE=582
+#   TRAIN_ARGS="train.epochs=2 target.compile=true drafter.init_from=/tmp/init" [.whl .gguf_b];
+#   (DEADLINE=582 left too little for the stop: the call's 600 s limit cut it, and the next call
+#   resumed from the last periodic checkpoint; leave >= 30 s)
+#   PARTS=chain_train PROMPTS=50000 DEADLINE=560 TRAIN_ARGS=(same) [.whl]; then
+#   PARTS="chain_train chain_weights" DEADLINE=400 (the schedule's end), PARTS=chain_eval EVAL_PROMPTS=16.
+#   Its .regen (50,000 conversations, answering the first 50,000 of .chain's 50,080 prompts) and
+#   .init are kept locally: the next run carries them alike, with PROMPTS >= 50000.
 #   PARTS="check" ...  after chain_regen: scripts/check_fast_path.py on the regenerated data (every
 #     step variant beside the reference: gradients at init, then 150 steps of curves)
 set -uo pipefail
