@@ -570,7 +570,8 @@ def main(argv: list[str] | None = None) -> None:
         "fortunes": asks(fortune_prompts(rng)),
         "math and reasoning": asks(math_prompts(rng, MATH_PROMPTS)),
     }
-    # Their own generator: the sources above draw what they drew before these were added.
+    # Their own generator, so the sources above draw the asks they drew before these two were
+    # added (the two-turn chats then take a share of them).
     extra_rng = np.random.default_rng([args.seed, 2])
     sources["function completions"] = asks(function_completion_prompts(extra_rng))
     sources["two-turn chats"] = two_turn_chats(sources, extra_rng)

@@ -67,6 +67,11 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         raise SystemExit("data.val_samples=0: the run has no held-out split (set the run's data.val_samples)")
     split = f"{len(val_ids)} held-out samples of {len(dataset)}"
     if args.init_trained_on is not None:
+        if args.init_trained_on > len(dataset):
+            raise SystemExit(
+                f"--init-trained-on {args.init_trained_on}: more samples than this data holds ({len(dataset)}); "
+                "give the earlier run's sample count"
+            )
         val_ids = unseen_by_init(
             val_ids, trained_on=args.init_trained_on, count=cfg.data.val_samples, seed=cfg.seed
         )
@@ -74,6 +79,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         if len(val_ids) == 0:
             raise SystemExit(f"{split}: nothing left to measure")
     drafter = load_drafter(args.ckpt, device)
+    # The reference attention and loss (no flex_attention, no compiled chunks): the fast paths a
+    # GPU run validates with are tested equal to them.
     settings = BlockSettings(
         seed=cfg.seed,
         num_anchors=cfg.drafter.num_anchors,
