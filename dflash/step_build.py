@@ -65,25 +65,30 @@ def build_lr_scheduler(cfg: LrScheduleConfig, optimizer, total_steps: int):
     return get_constant_schedule_with_warmup(optimizer, warmup)
 
 
+def block_settings_for(cfg: Config, drafter_device: torch.device) -> BlockSettings:
+    """How a run builds and scores its blocks on `drafter_device`: training's step and its
+    validation, and tools that measure a checkpoint the way its run did."""
+    return BlockSettings(
+        seed=cfg.seed,
+        num_anchors=cfg.drafter.num_anchors,
+        gamma=cfg.loss.gamma,
+        logits_chunk=cfg.loss.logits_chunk,
+        flex_attention=uses_flex_attention(cfg.drafter, drafter_device),
+        compiled_loss=uses_compile(cfg.drafter.compile, drafter_device),
+    )
+
+
 def build_step_fn(
     cfg: Config, *, head: TargetHead, drafter: DFlashDrafter, total_steps: int, num_buckets: int
 ) -> DrafterStep:
     optimizer = build_optimizer(cfg.optimizer, drafter.parameters())
-    drafter_device = next(drafter.parameters()).device
     return DrafterStep(
         head=head,
         drafter=drafter,
         optimizer=optimizer,
         lr_scheduler=build_lr_scheduler(cfg.lr_schedule, optimizer, total_steps),
         noise=NoiseSchedule.from_config(cfg.noise),
-        block_settings=BlockSettings(
-            seed=cfg.seed,
-            num_anchors=cfg.drafter.num_anchors,
-            gamma=cfg.loss.gamma,
-            logits_chunk=cfg.loss.logits_chunk,
-            flex_attention=uses_flex_attention(cfg.drafter, drafter_device),
-            compiled_loss=uses_compile(cfg.drafter.compile, drafter_device),
-        ),
+        block_settings=block_settings_for(cfg, next(drafter.parameters()).device),
         grad_clip=cfg.optimizer.grad_clip,
         num_buckets=num_buckets,
     )

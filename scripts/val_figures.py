@@ -32,7 +32,7 @@ from dflash.checkpoint import load_drafter  # noqa: E402
 from dflash.config.devices import resolve_device_split  # noqa: E402
 from dflash.distributed import visible_cuda_devices  # noqa: E402
 from dflash.run_inputs import frozen_target, load_training_data  # noqa: E402
-from dflash.step import BlockSettings  # noqa: E402
+from dflash.step_build import block_settings_for  # noqa: E402
 from dflash.tools.compose import compose_typed  # noqa: E402
 from dflash.trainer.validation import VAL_FIGURES, Validation, held_out_ids  # noqa: E402
 
@@ -79,14 +79,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         if len(val_ids) == 0:
             raise SystemExit(f"{split}: nothing left to measure")
     drafter = load_drafter(args.ckpt, device)
-    # The reference attention and loss (no flex_attention, no compiled chunks): the fast paths a
-    # GPU run validates with are tested equal to them.
-    settings = BlockSettings(
-        seed=cfg.seed,
-        num_anchors=cfg.drafter.num_anchors,
-        gamma=cfg.loss.gamma,
-        logits_chunk=cfg.loss.logits_chunk,
-    )
+    settings = block_settings_for(cfg, device)  # the run's own: flex_attention and compiled loss on a GPU
     validation = Validation(
         dataset,
         val_ids,
