@@ -58,6 +58,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dflash.data.benchmarks import PACKAGED, packaged_prompts  # noqa: E402
+from dflash.data.conversations import MalformedRecord, normalize  # noqa: E402
 
 PLACEHOLDER = "(the target writes this reply: run dflash-regen on this file)"
 # Modules with side effects on import (a browser, a GUI, printing) or that are not libraries.
@@ -426,8 +427,9 @@ def benchmark_windows() -> set[tuple[str, ...]]:
 
 
 def record_text(record: dict) -> str:
-    turns = record.get("messages") or record.get("conversations") or []
-    return "\n".join(str(t.get("content", t.get("value", ""))) for t in turns)
+    """Every turn's text, read as dflash-regen reads a record (either shape)."""
+    messages, _ = normalize(record, need_reply=False)
+    return "\n".join(m["content"] for m in messages)
 
 
 def asks(prompts: list[str]) -> list[dict]:
@@ -486,9 +488,10 @@ def two_turn_chats(sources: dict[str, list[dict]], rng: np.random.Generator) -> 
         moved = rng.random(len(records)) < TWO_TURN_FRACTION
         sources[source] = [r for r, m in zip(records, moved, strict=True) if not m]
         for record in (r for r, m in zip(records, moved, strict=True) if m):
-            if opening_ask(record) in opened:
+            ask = opening_ask(record)
+            if ask in opened:
                 continue
-            opened.add(opening_ask(record))
+            opened.add(ask)
             follow_up = follow_ups[rng.integers(len(follow_ups))]
             chats.append(
                 {
@@ -500,11 +503,9 @@ def two_turn_chats(sources: dict[str, list[dict]], rng: np.random.Generator) -> 
 
 
 def opening_ask(record: dict) -> str:
-    """The first user turn's text ("" when there is none)."""
-    for turn in record.get("messages") or record.get("conversations") or []:
-        if turn.get("role", turn.get("from")) in ("user", "human"):
-            return str(turn.get("content", turn.get("value", "")))
-    return ""
+    """The first user turn's text ("" when there is none), read as dflash-regen reads a record."""
+    messages, _ = normalize(record, need_reply=False)
+    return next((m["content"] for m in messages if m["role"] == "user"), "")
 
 
 def opening_asks(paths: list[Path]) -> set[str]:
@@ -513,7 +514,11 @@ def opening_asks(paths: list[Path]) -> set[str]:
     for path in paths:
         opener = gzip.open if path.suffix == ".gz" else open
         with opener(path, "rt", encoding="utf-8") as handle:
-            found.update(opening_ask(json.loads(line)) for line in handle)
+            for number, line in enumerate(handle, start=1):
+                try:
+                    found.add(opening_ask(json.loads(line)))
+                except (json.JSONDecodeError, MalformedRecord) as exc:
+                    raise SystemExit(f"--exclude {path}:{number}: not a conversation ({exc})") from exc
     return found
 
 

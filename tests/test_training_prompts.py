@@ -201,3 +201,7 @@ def test_a_set_written_to_extend_another_adds_only_asks_it_lacks(tmp_path, capsy
     assert not {prompts.opening_ask(r) for r in records} & had
     with pytest.raises(SystemExit, match="--sources: unknown"):
         prompts.main([str(more), "--sources", "two-turn chat"])
+    broken = tmp_path / "broken.jsonl"
+    broken.write_text(more.read_text().splitlines()[0] + '\n{"text": "no turns"}\n')
+    with pytest.raises(SystemExit, match=rf"--exclude {broken}:2: not a conversation"):
+        prompts.main([str(tmp_path / "none.jsonl"), "--exclude", str(broken)])
