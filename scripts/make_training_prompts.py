@@ -73,6 +73,7 @@ SKIPPED_MODULES = {
     "pydoc_data",
 }
 WINDOW = 13  # words: the contamination check's window
+OBJECT_ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
 # Code about half: with 36% standard-library prompts (9K of 25K) the SmolLM2 drafter's HumanEval
 # tau fell from 2.70 to 2.36 while MT-Bench rose from 1.58 to 2.19 against a mostly code and
 # documentation set of the same size (benchmarks/RESULTS.md, 2026-11-30 evening and night). The
@@ -101,8 +102,10 @@ def docstring_text(obj) -> str | None:
 
 
 def signature_of(obj) -> str:
+    """`obj`'s signature as text, without object addresses: a default such as a function shows
+    as `<function encode_base64 at 0x7f...>`, which differs from process to process."""
     try:
-        return str(inspect.signature(obj))
+        return OBJECT_ADDRESS.sub("", str(inspect.signature(obj)))
     except (TypeError, ValueError):
         return "(...)"
 
@@ -180,9 +183,8 @@ def completion_stub(name: str, function) -> str | None:
     docstring that would end the stub early."""
     if not inspect.isroutine(function):
         return None
-    try:
-        signature = str(inspect.signature(function))
-    except (TypeError, ValueError):
+    signature = signature_of(function)
+    if signature == "(...)":  # no signature to write
         return None
     doc = inspect.getdoc(function)
     if not doc or len(doc) < 40 or '"""' in doc or "\\" in doc:

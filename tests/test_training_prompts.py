@@ -205,3 +205,13 @@ def test_a_set_written_to_extend_another_adds_only_asks_it_lacks(tmp_path, capsy
     broken.write_text(more.read_text().splitlines()[0] + '\n{"text": "no turns"}\n')
     with pytest.raises(SystemExit, match=rf"--exclude {broken}:2: not a conversation"):
         prompts.main([str(tmp_path / "none.jsonl"), "--exclude", str(broken)])
+
+
+def takes_a_function(callback=documented, *, times=2):
+    """A default that is a function object: its repr holds the address it has in this process."""
+
+
+def test_a_signature_is_the_same_text_in_every_process():
+    prompts = load_script("make_training_prompts")
+    assert " at 0x" in repr(documented)  # what str(inspect.signature) would write
+    assert prompts.signature_of(takes_a_function) == "(callback=<function documented>, *, times=2)"
