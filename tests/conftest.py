@@ -57,33 +57,67 @@ TINY_ARCH = dict(
 )
 
 
-def save_tiny_model(directory: Path, model_type: str, **arch: int) -> Path:
-    """A random-init model of a real architecture saved as a local checkpoint directory
-    (`arch`: Qwen3 fields replacing TINY_ARCH's, e.g. a larger target for GPU benchmarks)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
+# Hybrid stacks (Qwen3-Next, Qwen3.5): Gated DeltaNet (linear attention) layers with a full
+# attention layer every second one here; MoE blocks with a shared expert.
+TINY_LINEAR_ATTENTION = dict(
+    linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16, linear_value_head_dim=16
+)
+TINY_MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32)
+TINY_VISION = dict(  # Qwen3.5's vision tower, as small as it goes; dflash never loads it
+    depth=1,
+    hidden_size=32,
+    intermediate_size=64,
+    num_heads=2,
+    patch_size=4,
+    spatial_merge_size=1,
+    temporal_patch_size=1,
+)
+FAMILIES = ["llama", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe"]
+
+
+def tiny_config(model_type: str, **arch: int):
+    """A tiny transformers config of `model_type` in the published layout: for the image-text
+    Qwen3.5 types, the text model under `text_config` beside a vision tower."""
+    from transformers import AutoConfig
 
     common = {k: v for k, v in TINY_ARCH.items() if k != "num_hidden_layers"}
+    hybrid_layers = ["linear_attention", "full_attention"] * 3
     if model_type == "qwen3":
-        config = AutoConfig.for_model("qwen3", **{**TINY_ARCH, **arch})
-    elif model_type == "llama":  # tied embeddings, as SmolLM2 and Llama-3.2 1B/3B have
-        config = AutoConfig.for_model("llama", **{**TINY_ARCH, "tie_word_embeddings": True, **arch})
-    else:  # qwen3_next: hybrid Gated DeltaNet (linear attention) + full attention layers, MoE MLP
-        config = AutoConfig.for_model(
+        return AutoConfig.for_model("qwen3", **{**TINY_ARCH, **arch})
+    if model_type == "llama":  # tied embeddings, as SmolLM2 and Llama-3.2 1B/3B have
+        return AutoConfig.for_model("llama", **{**TINY_ARCH, "tie_word_embeddings": True, **arch})
+    if model_type == "qwen3_moe":
+        return AutoConfig.for_model("qwen3_moe", **{**TINY_ARCH, **TINY_MOE, **arch})
+    if model_type == "qwen3_next":
+        return AutoConfig.for_model(
             "qwen3_next",
             num_hidden_layers=6,
-            linear_num_value_heads=4,
-            linear_num_key_heads=2,
-            linear_key_head_dim=16,
-            linear_value_head_dim=16,
-            num_experts=4,
-            num_experts_per_tok=2,
-            moe_intermediate_size=32,
+            **TINY_LINEAR_ATTENTION,
+            **TINY_MOE,
             shared_expert_intermediate_size=32,
             full_attention_interval=2,
             **common,
         )
+    text = dict(common, num_hidden_layers=6, layer_types=hybrid_layers, **TINY_LINEAR_ATTENTION, **arch)
+    if model_type == "qwen3_5_moe":
+        text.update(TINY_MOE, shared_expert_intermediate_size=32)
+    vision = dict(TINY_VISION, out_hidden_size=text["hidden_size"])
+    return AutoConfig.for_model(model_type, text_config=text, vision_config=vision)
+
+
+def save_tiny_model(directory: Path, model_type: str, **arch: int) -> Path:
+    """A random-init model of a real architecture saved as its publisher lays out a checkpoint
+    (`arch`: fields replacing TINY_ARCH's, e.g. a larger target for GPU benchmarks). Qwen3.5
+    types are saved whole by their image-text class (`model.language_model.*`, `model.visual.*`)."""
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    config = tiny_config(model_type, **arch)
     torch.manual_seed(0)
-    AutoModelForCausalLM.from_config(config).save_pretrained(directory)
+    if model_type in ("qwen3_5", "qwen3_5_moe"):
+        model = AutoModelForImageTextToText.from_config(config)
+    else:
+        model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(directory)
     return directory
 
 
@@ -100,6 +134,21 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 @pytest.fixture(scope="session")
 def tiny_qwen3_next_dir(tmp_path_factory) -> Path:
     return save_tiny_model(tmp_path_factory.mktemp("qwen3_next"), "qwen3_next")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_moe_dir(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5_dir(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("qwen3_5"), "qwen3_5")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_5_moe_dir(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("qwen3_5_moe"), "qwen3_5_moe")
 
 
 @pytest.fixture(scope="session")

@@ -14,7 +14,14 @@ from omegaconf import OmegaConf
 from dflash.build import build_run
 from dflash.config.devices import resolve_device_split
 from dflash.tools.compose import CONF_DIR
-from tests.conftest import SLOW_MACHINE_TIMEOUT_S, TINY_ARCH, compose_config, conversation_overrides
+from tests.conftest import (
+    SLOW_MACHINE_TIMEOUT_S,
+    TINY_ARCH,
+    TINY_LINEAR_ATTENTION,
+    TINY_MOE,
+    compose_config,
+    conversation_overrides,
+)
 
 SNAPSHOT = Path(__file__).parent / "snapshots" / "default_config_keys.txt"
 NOT_OPTION_GROUPS = {"hydra", "experiment"}
@@ -30,6 +37,18 @@ def group_options() -> list[tuple[str, str]]:
     )
 
 
+def tiny_hybrid_arch() -> list[str]:
+    """The arch keys of a published hybrid MoE preset, at sizes a CPU test builds in a second."""
+    shape = {
+        **{k: v for k, v in TINY_ARCH.items() if k != "intermediate_size"},
+        **TINY_LINEAR_ATTENTION,
+        **TINY_MOE,
+        "shared_expert_intermediate_size": 32,
+        "full_attention_interval": 2,
+    }
+    return [f"target.arch.{key}={value}" for key, value in shape.items()]
+
+
 def option_overrides(group: str, option: str, request) -> list[str]:
     """What an option needs beyond itself to build against the tiny target on this machine."""
     extra = {
@@ -43,6 +62,11 @@ def option_overrides(group: str, option: str, request) -> list[str]:
         ("target", "qwen3_8b_random"): lambda: [
             f"target.arch.{key}={value}" for key, value in TINY_ARCH.items()
         ],
+        ("target", "qwen3_5"): lambda: [f"target.path={request.getfixturevalue('tiny_qwen3_5_dir')}"],
+        ("target", "qwen3_5_moe"): lambda: [f"target.path={request.getfixturevalue('tiny_qwen3_5_moe_dir')}"],
+        # The published hybrid shapes' own keys, at the tiny sizes.
+        ("target", "qwen3_5_35b_a3b_random"): lambda: tiny_hybrid_arch(),
+        ("target", "qwen3_next_80b_random"): lambda: tiny_hybrid_arch(),
         # A real model (converted once per session into the shared cache): its own mask id.
         ("target", "smollm2_135m"): lambda: ["drafter.mask_token_id=16", "data.num_samples=8"],
         ("eval", "humaneval_mtbench"): lambda: [

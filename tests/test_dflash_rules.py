@@ -16,6 +16,7 @@ from dflash.loss import block_acceptance, draft_loss, tau_from_accuracy, tau_fro
 from dflash.models.drafter import DFlashDrafter, drafter_config
 from dflash.models.layer_ids import default_target_layer_ids
 from dflash.models.target import FrozenTarget
+from tests.conftest import FAMILIES
 
 MASK_ID = 511
 
@@ -75,7 +76,7 @@ def test_target_features_are_hidden_states_of_layer_id_plus_one():
     torch.testing.assert_close(target(ids).features, expected)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_next", "llama"])
+@pytest.mark.parametrize("model_type", FAMILIES)
 @pytest.mark.parametrize("layer_ids, runs", [([1, 3], 4), ([0], 1), ([2, 5], 6)])
 def test_features_stop_at_the_deepest_feature_layer_and_equal_the_full_forward(
     model_type, layer_ids, runs, request
@@ -108,7 +109,7 @@ def test_features_stop_at_the_deepest_feature_layer_and_equal_the_full_forward(
     torch.testing.assert_close(after.features, expected, rtol=0, atol=0)
 
 
-@pytest.mark.parametrize("model_type", ["qwen3", "qwen3_next", "llama"])
+@pytest.mark.parametrize("model_type", FAMILIES)
 def test_right_padding_leaves_real_token_features_unchanged(model_type, request):
     """Why FrozenTarget.features takes no padding mask: causal models never look ahead."""
     from transformers import AutoModelForCausalLM

@@ -65,12 +65,12 @@ def build_tokenizer(directory: Path, vocab_size: int = 480):
     return tokenizer
 
 
-def save_tiny_target_with_tokenizer(directory: Path, **arch: int) -> Path:
-    """tests/conftest.save_tiny_model's Qwen3 (fields in `arch` replaced) plus the tokenizer:
-    a complete local checkpoint."""
+def save_tiny_target_with_tokenizer(directory: Path, model_type: str = "qwen3", **arch: int) -> Path:
+    """tests/conftest.save_tiny_model's `model_type` (fields in `arch` replaced) plus the
+    tokenizer: a complete local checkpoint."""
     from tests.conftest import save_tiny_model
 
-    save_tiny_model(directory, "qwen3", **arch)
+    save_tiny_model(directory, model_type, **arch)
     build_tokenizer(directory)
     return directory
 

@@ -21,6 +21,7 @@ except ImportError:
 
 from dflash.config.schema import TargetConfig
 from dflash.models.compile import compile_shared
+from dflash.models.families import IMAGE_TEXT_TYPES, model_types_of, refuse_unsupported, text_config
 
 
 def causal_attention(module, query, key, value, attention_mask, **kwargs):
@@ -46,26 +47,32 @@ AttentionInterface.register(CAUSAL_ATTENTION, causal_attention)
 
 
 def load_target_config(cfg: TargetConfig) -> PretrainedConfig:
-    """The target's transformers config, without loading any weights (used by validation)."""
+    """The target's language-model config, without loading any weights (used by validation).
+
+    An image-text checkpoint (Qwen3.5, Qwen3.6) gives its `text_config`; a model_type outside
+    `SUPPORTED_FAMILIES` is refused here, before anything loads (dflash/models/families.py)."""
     if cfg.path is None:
         if not cfg.arch or cfg.model_type is None:
             raise ValueError(
                 f"target.path, or target.arch with target.model_type, must be set (target={cfg.name})"
             )
-        arch = dict(cfg.arch)
-        return AutoConfig.for_model(cfg.model_type, **arch)
+        refuse_unsupported(cfg.model_type, f"target.model_type (target={cfg.name})")
+        # A random image-text target is its language model alone: `arch` holds text fields.
+        model_type = f"{cfg.model_type}_text" if cfg.model_type in IMAGE_TEXT_TYPES else cfg.model_type
+        return AutoConfig.for_model(model_type, **dict(cfg.arch))
     try:
         config = AutoConfig.from_pretrained(cfg.path)
     except (OSError, ValueError) as exc:
         raise ValueError(
             f"target.path={cfg.path!r}: cannot read a transformers config there ({exc})"
         ) from exc
-    if cfg.model_type is not None and config.model_type != cfg.model_type:
+    refuse_unsupported(config.model_type, f"target.path={cfg.path!r}")
+    if cfg.model_type is not None and cfg.model_type not in model_types_of(config):
         raise ValueError(
             f"target.path={cfg.path!r} holds a {config.model_type!r} model, but target={cfg.name} "
             f"expects target.model_type={cfg.model_type!r}"
         )
-    return config
+    return text_config(config)
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -217,6 +224,15 @@ class FrozenTarget(nn.Module):
         """
         out = self._feature_stack(input_ids=input_ids, output_hidden_states=True, use_cache=False)
         return self._fuse(out.hidden_states)
+
+    @torch.no_grad()
+    def reference_features(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """`features` through the eager stack, whether or not `compile_features` ran: a one-off
+        forward (the start-up feature check) builds no graph for its shape."""
+        stack = self._feature_model[0]
+        return self._fuse(
+            stack(input_ids=input_ids, output_hidden_states=True, use_cache=False).hidden_states
+        )
 
     @torch.no_grad()
     def forward(

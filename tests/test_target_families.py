@@ -1,0 +1,137 @@
+"""Every target family users serve, from its checkpoint directory as published: Llama, Qwen3,
+Qwen3-MoE, Qwen3-Next and the image-text Qwen3.5 / Qwen3.5-MoE (Qwen3.6) layout, whose language
+model alone is loaded. Anything else is refused before any weights load."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from dflash.build import build_run
+from dflash.config.schema import TargetConfig
+from dflash.models.target import FrozenTarget
+from dflash.train import train
+from tests.conftest import FAMILIES, TINY_ARCH, conversation_overrides
+
+IMAGE_TEXT = ["qwen3_5", "qwen3_5_moe"]
+
+
+def family_dir(request, family: str) -> Path:
+    return request.getfixturevalue(f"tiny_{family}_dir")
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_trains_decodes_losslessly_and_exports_its_text_depth(family, make_cfg, request):
+    """`target=hf target.path=DIR` for each family: a few steps on CPU, fp32 DFlash decoding
+    identical to plain greedy, and an export in the z-lab layout whose num_target_layers is the
+    text stack's depth (6), with no embedding, LM head or vision weight."""
+    cfg = make_cfg(
+        [
+            "target=hf",
+            f"target.path={family_dir(request, family)}",
+            "train.total_steps=4",
+            "logger.every_steps=2",
+        ]
+    )
+    summary = train(cfg)
+    assert summary["steps"] == 4 and summary["eval/lossless_frac"] == 1.0
+    exported = Path(summary["checkpoint"])
+    config = json.loads((exported / "config.json").read_text())
+    assert config["num_target_layers"] == TINY_ARCH["num_hidden_layers"]
+    assert config["dflash_config"]["target_layer_ids"] == [1, 3]
+    with safe_open(str(exported / "model.safetensors"), "pt") as handle:
+        keys = list(handle.keys())
+    assert keys and all(k.startswith(("layers.", "fc.", "hidden_norm.", "norm.")) for k in keys)
+    check = json.loads((Path(cfg.paths.output_dir) / "feature_check.json").read_text())
+    assert [layer["layer"] for layer in check["layers"]] == [1, 3] and check["problems"] == []
+
+
+@pytest.mark.parametrize("family", IMAGE_TEXT)
+def test_image_text_checkpoint_loads_its_language_model_and_never_the_vision_tower(family, request):
+    """The features are the published model's own language-model hidden states (the
+    `model.language_model.*` weights, not a fresh init), and no vision weight is loaded."""
+    from transformers import AutoModelForImageTextToText
+
+    directory = family_dir(request, family)
+    target = FrozenTarget.from_config(
+        TargetConfig(name="hf", path=str(directory), model_type=None), [1, 3], torch.device("cpu")
+    )
+    assert not any("visual" in name for name, _ in target.model.named_parameters())
+    assert target.config.num_hidden_layers == 6 and target.config.model_type == f"{family}_text"
+    published = AutoModelForImageTextToText.from_pretrained(directory).eval()
+    ids = torch.randint(1, 500, (2, 9))
+    with torch.no_grad():
+        hidden = published.model.language_model(input_ids=ids, output_hidden_states=True).hidden_states
+        logits = published(input_ids=ids).logits
+    torch.testing.assert_close(target.features(ids), torch.cat([hidden[2], hidden[4]], dim=-1))
+    torch.testing.assert_close(target(ids).logits, logits)
+
+
+@pytest.mark.parametrize("family", IMAGE_TEXT)
+def test_a_preset_names_the_image_text_model_type_and_refuses_the_other(family, make_cfg, request, tmp_path):
+    other = "qwen3_5" if family == "qwen3_5_moe" else "qwen3_5_moe"
+    directory = family_dir(request, family)
+    run = build_run(make_cfg([f"target={family}", f"target.path={directory}", "train.total_steps=1"]))
+    assert run.trainer.target.config.model_type == f"{family}_text"
+    with pytest.raises(ValueError, match=f"holds a '{family}' model, but target={other} expects"):
+        build_run(make_cfg([f"target={other}", f"target.path={directory}"], tmp_path / "other"))
+
+
+def test_an_unsupported_model_type_is_refused_before_loading_naming_it(make_cfg, tmp_path, monkeypatch):
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.for_model("gpt2", n_layer=6, n_embd=32, n_head=2, vocab_size=512)
+    AutoModelForCausalLM.from_config(config).save_pretrained(tmp_path / "gpt2")
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("weights were loaded before the model type was checked")
+
+    monkeypatch.setattr(FrozenTarget, "from_config", no_load)
+    supported = "llama, mistral, qwen2, qwen3, qwen3_5, qwen3_5_moe, qwen3_moe, qwen3_next"
+    with pytest.raises(
+        ValueError, match=f"model_type 'gpt2' is not a supported target \\(supported: {supported}\\)"
+    ):
+        build_run(make_cfg(["target=hf", f"target.path={tmp_path / 'gpt2'}"]))
+    with pytest.raises(ValueError, match="target.model_type \\(target=tiny\\): model_type 'gpt2'"):
+        build_run(make_cfg(["target.model_type=gpt2"], tmp_path / "random"))
+
+
+def test_a_qwen3_5_directory_gives_its_tokenizer_and_chat_template(tmp_path, make_cfg, tiny_conversations):
+    """Conversation data rendered with the template of a Qwen3.5 directory (which ships a
+    processor config beside its tokenizer) trains."""
+    from tests.tiny_assets import save_tiny_target_with_tokenizer
+
+    directory = save_tiny_target_with_tokenizer(tmp_path / "qwen3_5_chat", model_type="qwen3_5")
+    (directory / "preprocessor_config.json").write_text(json.dumps({"processor_class": "Qwen3VLProcessor"}))
+    overrides = conversation_overrides(directory, [tiny_conversations])
+    summary = train(make_cfg(["target=hf"] + overrides + ["train.total_steps=2"]))
+    assert summary["steps"] == 2
+
+
+def test_random_image_text_targets_build_their_language_model(make_cfg):
+    """target=qwen3_5_35b_a3b_random's keys at tiny sizes: the text model, no vision tower."""
+    shape = {
+        "hidden_size": 64,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "linear_num_key_heads": 2,
+        "linear_num_value_heads": 4,
+        "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16,
+        "num_experts": 4,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 32,
+        "shared_expert_intermediate_size": 32,
+        "vocab_size": 512,
+    }
+    overrides = ["target=qwen3_5_35b_a3b_random", "train.total_steps=1", "drafter.target_layer_ids=[1,3]"]
+    run = build_run(make_cfg(overrides + [f"target.arch.{k}={v}" for k, v in shape.items()]))
+    model = run.trainer.target.model
+    assert type(model).__name__ == "Qwen3_5MoeForCausalLM"
+    assert model.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
