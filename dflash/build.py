@@ -21,6 +21,7 @@ from dflash.data.dataset import TokenDataset
 from dflash.data.schedule import BatchPlanner, BlockBudget, block_budget_for
 from dflash.models.compile import CompileCounter
 from dflash.models.drafter import DFlashDrafter
+from dflash.models.feature_check import check_target_features
 from dflash.models.target import FrozenTarget
 from dflash.models.target_head import heads_for
 from dflash.monitor.monitor import Monitor
@@ -122,6 +123,25 @@ def build_schedule(checked: Checked, models: Models) -> Schedule:
     planner, budget, val_ids = plan_batches(cfg, dataset)
     replicas = len(models.drafters) * checked.process_group.world_size
     return Schedule(dataset, planner, budget, val_ids, total_steps_for(cfg, planner, replicas))
+
+
+def check_features(checked: Checked, models: Models, dataset: TokenDataset) -> None:
+    """Every target's captured features on the first training sample, before any step
+    (dflash/models/feature_check.py); rank 0 writes the figures into the run dir."""
+    source = (
+        f"target.path={checked.target_cfg.path}"
+        if checked.target_cfg.path
+        else f"target={checked.target_cfg.name}"
+    )
+    input_ids, _ = dataset[0]
+    for target in models.targets:
+        check_target_features(
+            features_of=target.reference_features,
+            input_ids=input_ids.to(target.device),
+            layer_ids=checked.layer_ids,
+            run_dir=checked.run_dir if checked.process_group.is_main else None,
+            source=f"{source} on {target.device}",
+        )
 
 
 def build_step_fns(*, checked: Checked, models: Models, schedule: Schedule) -> list[DrafterStep]:
@@ -228,6 +248,7 @@ def build_run(composed: DictConfig, faults: FaultInjection | None = None) -> Run
     torch.manual_seed(cfg.seed)
     models = build_models(checked)
     schedule = build_schedule(checked, models)
+    check_features(checked, models, schedule.dataset)
     step_fns = build_step_fns(checked=checked, models=models, schedule=schedule)
     trainer = build_trainer(
         checked=checked, models=models, schedule=schedule, step_fns=step_fns, faults=faults

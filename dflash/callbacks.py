@@ -4,7 +4,7 @@ run (or sweep) dir it takes the dir's lock, so a second live run into it is refu
 
 run.json: resolved config, group choices, overrides, versions of dflash and its libraries, the
 git commit of the code, the devices, start/end time, exit status (with the error of a failed
-job), final metrics, and the dflash threads alive when the job started (multirun runs jobs in one
+job), final metrics, the start-up feature check's figures, and the dflash threads alive when the job started (multirun runs jobs in one
 process: a thread left by an earlier job would show here).
 """
 
@@ -30,10 +30,16 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from dflash.errors import exit_for_user_error, full_errors_requested
+from dflash.models.feature_check import REPORT_FILE as FEATURE_CHECK_FILE
 from dflash.run_lock import RunDirInUse, RunDirLock, holds_run_dir_lock, launch_rank
 from dflash.trainer.signals import StopRequested
 
 LIBRARIES = ("dflash", "torch", "transformers", "hydra-core", "omegaconf", "safetensors", "wandb", "numpy")
+
+
+def read_json(path: Path) -> dict[str, Any]:
+    """A JSON file the run wrote, or {} where the run ended before writing it."""
+    return json.loads(path.read_text()) if path.is_file() else {}
 
 
 def library_versions() -> dict[str, str]:
@@ -125,7 +131,6 @@ class RunRecordCallback(Callback):
         failed = job_return.status == JobStatus.FAILED
         error = job_return._return_value if failed else None
         stopped = isinstance(error, StopRequested)
-        summary_path = output_dir / "summary.json"
         record = {
             "status": "INTERRUPTED" if stopped else "FAILED" if failed else "COMPLETED",
             "signal": signal.Signals(error.signum).name if stopped else None,
@@ -141,7 +146,8 @@ class RunRecordCallback(Callback):
             "git": git_commit(Path(__file__).resolve().parent),
             "devices": device_inventory(),
             "threads_at_start": self._threads_at_start.pop(str(output_dir), []),
-            "metrics": json.loads(summary_path.read_text()) if summary_path.is_file() else {},
+            "metrics": read_json(output_dir / "summary.json"),
+            "feature_check": read_json(output_dir / FEATURE_CHECK_FILE),
         }
         # torchrun ranks share the dir: rank 0 writes run.json, the others run.rank<r>.json.
         rank = launch_rank()
