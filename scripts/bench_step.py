@@ -22,7 +22,7 @@ add the mean over --repeat steps issued back to back, as training issues them):
   flex_attention), `compiled` (+ torch.compile of the drafter: the CUDA default).
 
 Useful FLOPs count only what a position may see: the target's causal attention counts each
-query's keys up to itself; a block query counts the context before its anchor plus its block.
+query's keys up to itself (and a MoE target only the experts a token is routed to); a block query counts the context before its anchor plus its block.
 Backward counts twice the forward's matmuls for trained weights, once for frozen ones (the LM
 head and the target features need no weight gradient). MFU = useful FLOP/s over the device's
 dense bf16 peak. "peak extra" = peak allocated during the phase minus what was allocated before
@@ -52,6 +52,7 @@ from dflash.step_build import build_drafter, build_step_fn  # noqa: E402
 from dflash.step_variants import STEP_VARIANTS  # noqa: E402
 from dflash.tools.compose import compose_typed  # noqa: E402
 from dflash.tools.kernel_profile import write_kernel_table  # noqa: E402
+from dflash.tools.target_cost import part_flops  # noqa: E402
 from dflash.tools.timing import back_to_back_ms, median_ms  # noqa: E402
 
 DEFAULTS = ["target=qwen3_8b_random", "drafter=b16", "drafter.mask_token_id=151669", "gpu=single"]
@@ -81,15 +82,9 @@ def linear_params(module: torch.nn.Module) -> int:
 
 
 def target_flops(target: FrozenTarget, batch: int, seq_len: int) -> float:
-    """Decoder-stack matmuls + causal attention (query t sees t + 1 keys) of the layers the
-    feature stack runs (up to the deepest feature layer); no LM head."""
-    config = target.config
-    layers = target.model.base_model.layers[: target.feature_layers]
-    matmul = 2 * linear_params(layers) * batch * seq_len
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    visible = batch * seq_len * (seq_len + 1) / 2
-    attention = 4 * config.num_attention_heads * head_dim * visible * len(layers)
-    return matmul + attention
+    """The feature stack's useful FLOPs (dflash/tools/target_cost.py: the routed experts a token
+    uses, causal attention in full-attention layers, the DeltaNet recurrence); no LM head."""
+    return sum(part_flops(target, batch=batch, seq_len=seq_len).values())
 
 
 def drafter_flops(
