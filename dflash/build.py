@@ -77,7 +77,11 @@ def build_models(checked: Checked) -> Models:
     if checked.target_cfg.compile:
         compiled["target"] = CompileCounter("target features")
         for target in targets:
-            target.compile_features(compiled["target"], dynamic=checked.target_cfg.compile_dynamic)
+            target.compile_features(
+                compiled["target"],
+                dynamic=checked.target_cfg.compile_dynamic,
+                scope=checked.target_cfg.compile_scope.value,
+            )
     drafters = [
         build_drafter(checked.config.drafter, checked.target_config, checked.layer_ids, d)
         for d in checked.drafter_devices

@@ -94,7 +94,9 @@ def replay(
         "target": CompileCounter("target features", backend),
         "drafter": CompileCounter("drafter", backend),
     }
-    target.compile_features(counters["target"], dynamic=cfg.target.compile_dynamic)
+    target.compile_features(
+        counters["target"], dynamic=cfg.target.compile_dynamic, scope=cfg.target.compile_scope.value
+    )
     drafter = build_drafter(cfg.drafter, target.config, layer_ids, str(device))
     drafter.compile_training(counters["drafter"], dynamic=cfg.drafter.compile_dynamic)
     step_fn = build_step_fn(

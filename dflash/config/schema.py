@@ -26,6 +26,11 @@ class SchedulerKind(str, Enum):
     interleave = "interleave"
 
 
+class CompileScope(str, Enum):
+    stack = "stack"  # the target's whole feature stack as one graph
+    layers = "layers"  # each decoder layer apart: one graph per layer kind (regional)
+
+
 class LrScheduleKind(str, Enum):
     cosine = "cosine"
     constant = "constant"
@@ -103,6 +108,10 @@ class TargetConfig:
     # shapes never change, as at the paper's fixed 3072-token samples; one more compile where
     # they do).
     compile_dynamic: Optional[bool] = True
+    # What target.compile compiles: `stack`, the feature stack whole (dense targets: every layer
+    # in one graph); `layers`, each decoder layer apart, sharing one graph per layer kind (hybrid
+    # and MoE stacks, whose whole-stack compile of many unrolled layers takes minutes).
+    compile_scope: CompileScope = CompileScope.stack
 
 
 @dataclass

@@ -99,15 +99,16 @@ def feature_model(base_model: nn.Module, *, deepest: int) -> nn.Module:
     that is not its last is un-normed too). When the deepest feature layer is the last layer
     the model itself is returned."""
     config = base_model.config
+    # transformers 5 records hidden states with hooks on the decoder layers, installed on a
+    # model's first forward and flagged in its __dict__. Installed now, every copy (this one,
+    # `with_own_layers`') inherits the flag; installed by each, the shared layers would record
+    # every hidden state twice.
+    if install_output_hooks is not None:
+        install_output_hooks(base_model)
     if deepest + 1 >= config.num_hidden_layers or not isinstance(
         getattr(base_model, "norm", None), nn.Module
     ):
         return base_model  # nothing to cut, or a layout whose final norm we cannot name
-    # transformers 5 records hidden states with hooks on the decoder layers, installed on a
-    # model's first forward and flagged in its __dict__. Installed now, the copy inherits the
-    # flag; installed by each, the shared layers would record every hidden state twice.
-    if install_output_hooks is not None:
-        install_output_hooks(base_model)
     stack = copy.copy(base_model)
     stack._modules = dict(base_model._modules)  # else the copy's norm would replace the model's
     stack.norm = nn.Identity()
@@ -116,6 +117,17 @@ def feature_model(base_model: nn.Module, *, deepest: int) -> nn.Module:
     if getattr(config, "layer_types", None) is not None:
         stack.config.layer_types = list(config.layer_types[: deepest + 1])
     return stack
+
+
+def with_own_layers(stack: nn.Module) -> nn.Module:
+    """A shallow copy of a decoder stack whose decoder layers are shallow copies too: the same
+    weights, submodules and hooks, but each layer object its own, so compiling the copies
+    (`compile_features(scope="layers")`) leaves the model's own layers, which decoding runs,
+    eager."""
+    copied = copy.copy(stack)
+    copied._modules = dict(stack._modules)
+    copied.layers = nn.ModuleList(copy.copy(layer) for layer in stack.layers)
+    return copied
 
 
 class FrozenTarget(nn.Module):
@@ -139,12 +151,32 @@ class FrozenTarget(nn.Module):
         """How many decoder layers `features` runs (up to the deepest feature layer)."""
         return self._feature_model[0].config.num_hidden_layers
 
-    def compile_features(self, backend: Any = "inductor", dynamic: bool | None = True) -> None:
-        """Compile the decoder stack that `features` runs. Decoding (`forward`, `generate`) stays
-        eager. `dynamic`: True, batches of any size and length share the graphs (what training
-        uses); None, torch's default: static shapes until a shape changes (scripts/bench_step.py
-        sets the two side by side)."""
-        self._feature_stack = compile_shared(self._feature_model[0].forward, backend=backend, dynamic=dynamic)
+    def compile_features(
+        self, backend: Any = "inductor", dynamic: bool | None = True, scope: str = "stack"
+    ) -> None:
+        """Compile the decoder stack that `features` runs. Decoding (`forward`, `generate`) and
+        `reference_features` stay eager. `dynamic`: True, batches of any size and length share
+        the graphs (what training uses); None, torch's default: static shapes until a shape
+        changes (scripts/bench_step.py sets the two side by side).
+
+        `scope`: "stack", the whole stack as one function (fastest for dense stacks: every layer
+        inlined into one graph); "layers", each decoder layer apart (regional compilation): the
+        layers share their code, and dynamo keeps one graph per layer kind (a Gated DeltaNet
+        layer, a full-attention layer) with the weights as inputs, so a 48-layer hybrid MoE stack
+        compiles two layer graphs instead of one graph of 48 unrolled layers."""
+        if scope == "stack":
+            self._feature_stack = compile_shared(
+                self._feature_model[0].forward, backend=backend, dynamic=dynamic
+            )
+            return
+        if scope != "layers":
+            raise ValueError(f"target.compile_scope={scope!r}: expected 'stack' or 'layers'")
+        stack = with_own_layers(self._feature_model[0])
+        for layer in stack.layers[: self.feature_layers]:
+            # nn.Module.__call__ runs `_compiled_call_impl` when set (what Module.compile sets):
+            # the layer's hooks (transformers' hidden-state capture) stay in the call.
+            layer._compiled_call_impl = compile_shared(layer._call_impl, backend=backend, dynamic=dynamic)
+        self._feature_stack = stack.forward
 
     @contextmanager
     def _padded_attention(self) -> Iterator[None]:
