@@ -72,6 +72,20 @@ TINY_VISION = dict(  # Qwen3.5's vision tower, as small as it goes; dflash never
     spatial_merge_size=1,
     temporal_patch_size=1,
 )
+
+
+def tiny_hybrid_arch() -> list[str]:
+    """The arch keys of a published hybrid MoE preset, at sizes a CPU test builds in a second."""
+    shape = {
+        **{k: v for k, v in TINY_ARCH.items() if k != "intermediate_size"},
+        **TINY_LINEAR_ATTENTION,
+        **TINY_MOE,
+        "shared_expert_intermediate_size": 32,
+        "full_attention_interval": 2,
+    }
+    return [f"target.arch.{key}={value}" for key, value in shape.items()]
+
+
 FAMILIES = ["llama", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe"]
 
 

@@ -17,10 +17,9 @@ from dflash.tools.compose import CONF_DIR
 from tests.conftest import (
     SLOW_MACHINE_TIMEOUT_S,
     TINY_ARCH,
-    TINY_LINEAR_ATTENTION,
-    TINY_MOE,
     compose_config,
     conversation_overrides,
+    tiny_hybrid_arch,
 )
 
 SNAPSHOT = Path(__file__).parent / "snapshots" / "default_config_keys.txt"
@@ -35,18 +34,6 @@ def group_options() -> list[tuple[str, str]]:
         if group.is_dir() and group.name not in NOT_OPTION_GROUPS
         for option in group.glob("*.yaml")
     )
-
-
-def tiny_hybrid_arch() -> list[str]:
-    """The arch keys of a published hybrid MoE preset, at sizes a CPU test builds in a second."""
-    shape = {
-        **{k: v for k, v in TINY_ARCH.items() if k != "intermediate_size"},
-        **TINY_LINEAR_ATTENTION,
-        **TINY_MOE,
-        "shared_expert_intermediate_size": 32,
-        "full_attention_interval": 2,
-    }
-    return [f"target.arch.{key}={value}" for key, value in shape.items()]
 
 
 def option_overrides(group: str, option: str, request) -> list[str]:
@@ -65,7 +52,7 @@ def option_overrides(group: str, option: str, request) -> list[str]:
         ("target", "qwen3_5"): lambda: [f"target.path={request.getfixturevalue('tiny_qwen3_5_dir')}"],
         ("target", "qwen3_5_moe"): lambda: [f"target.path={request.getfixturevalue('tiny_qwen3_5_moe_dir')}"],
         # The published hybrid shapes' own keys, at the tiny sizes.
-        ("target", "qwen3_5_35b_a3b_random"): lambda: tiny_hybrid_arch(),
+        ("target", "qwen3_5_35b_a3b_random"): lambda: tiny_hybrid_arch() + ["drafter.intermediate_size=128"],
         ("target", "qwen3_next_80b_random"): lambda: tiny_hybrid_arch(),
         # A real model (converted once per session into the shared cache): its own mask id.
         ("target", "smollm2_135m"): lambda: ["drafter.mask_token_id=16", "data.num_samples=8"],

@@ -15,7 +15,7 @@ from dflash.build import build_run
 from dflash.config.schema import TargetConfig
 from dflash.models.target import FrozenTarget
 from dflash.train import train
-from tests.conftest import FAMILIES, TINY_ARCH, conversation_overrides
+from tests.conftest import FAMILIES, TINY_ARCH, conversation_overrides, tiny_hybrid_arch
 
 IMAGE_TEXT = ["qwen3_5", "qwen3_5_moe"]
 
@@ -112,26 +112,24 @@ def test_a_qwen3_5_directory_gives_its_tokenizer_and_chat_template(tmp_path, mak
     assert summary["steps"] == 2
 
 
+def test_a_target_of_expert_mlps_only_needs_the_drafters_mlp_width(make_cfg):
+    """Qwen3.5-MoE has no dense MLP width to copy: the drafter's is asked for, never defaulted."""
+    overrides = ["target=qwen3_5_35b_a3b_random", "drafter.target_layer_ids=[1,3]"]
+    with pytest.raises(
+        ValueError, match="drafter.intermediate_size must be set: the target \\(qwen3_5_moe_text\\)"
+    ):
+        build_run(make_cfg(overrides + tiny_hybrid_arch()))
+
+
 def test_random_image_text_targets_build_their_language_model(make_cfg):
     """target=qwen3_5_35b_a3b_random's keys at tiny sizes: the text model, no vision tower."""
-    shape = {
-        "hidden_size": 64,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
-        "head_dim": 16,
-        "linear_num_key_heads": 2,
-        "linear_num_value_heads": 4,
-        "linear_key_head_dim": 16,
-        "linear_value_head_dim": 16,
-        "num_experts": 4,
-        "num_experts_per_tok": 2,
-        "moe_intermediate_size": 32,
-        "shared_expert_intermediate_size": 32,
-        "vocab_size": 512,
-    }
-    overrides = ["target=qwen3_5_35b_a3b_random", "train.total_steps=1", "drafter.target_layer_ids=[1,3]"]
-    run = build_run(make_cfg(overrides + [f"target.arch.{k}={v}" for k, v in shape.items()]))
+    overrides = [
+        "target=qwen3_5_35b_a3b_random",
+        "train.total_steps=1",
+        "drafter.target_layer_ids=[1,3]",
+        "drafter.intermediate_size=128",
+    ]
+    run = build_run(make_cfg(overrides + tiny_hybrid_arch()))
     model = run.trainer.target.model
     assert type(model).__name__ == "Qwen3_5MoeForCausalLM"
-    assert model.config.layer_types == ["linear_attention"] * 3 + ["full_attention"]
+    assert model.config.layer_types == ["linear_attention", "full_attention"] * 3

@@ -58,6 +58,13 @@ def drafter_config(cfg: DrafterConfig, target: PretrainedConfig, layer_ids: list
         value = getattr(cfg, name)
         if value is not None:
             fields[name] = value
+    if "intermediate_size" not in fields:
+        # A stack of expert MLPs only (Qwen3.5-MoE) has no dense width to copy, and Qwen3Config's
+        # default (22016) would silently give the drafter an MLP ten times the target's hidden size.
+        raise ValueError(
+            f"drafter.intermediate_size must be set: the target ({target.model_type}) has no dense MLP "
+            f"width to copy (its MLPs are experts); e.g. drafter.intermediate_size={3 * target.hidden_size}"
+        )
     config = Qwen3Config(
         **fields,
         num_hidden_layers=cfg.num_layers,
