@@ -24,6 +24,7 @@ LAYERS: list[list[str]] = [
         "dflash.loss",
         "dflash.noise",
         "dflash.checkpoint",
+        "dflash.export",
         "dflash.distributed",
         "dflash.sync_detector",
         "dflash.run_lock",

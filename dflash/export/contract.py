@@ -1,0 +1,236 @@
+"""The export contract: what a drafter directory must hold for every reader users serve it
+with (the z-lab reference under its pinned transformers 4.57.1, SGLang, vLLM) to read it the
+same way. docs/EXPORT.md says, reader by reader, why each rule exists; `dflash-export check DIR`
+runs `check_export`.
+
+Every rule here guards a failure that is silent in at least one reader: SGLang skips weight
+names it does not know, so a renamed tensor is a drafter left at its initial weights; transformers
+4.57 reads the rotary base from `rope_theta` only, so an export without it rotates at 10000; a
+layer id past the target's depth captures nothing in one engine and another layer in another.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+from safetensors import SafetensorError, safe_open
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+LAYER_TYPES = ("full_attention", "sliding_attention")
+FLOAT_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+
+
+def expected_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of a drafter of this config: Qwen3 layers (per-head q/k norms, no
+    biases), the context projection `fc` over the fused target features, its `hidden_norm`, and
+    the final `norm`. No embedding and no LM head: every reader takes the target's."""
+    hidden = config["hidden_size"]
+    heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
+    head_dim = config.get("head_dim") or hidden // heads
+    inner = config["intermediate_size"]
+    features = len(config["dflash_config"]["target_layer_ids"])
+    shapes: dict[str, tuple[int, ...]] = {
+        "fc.weight": (hidden, features * hidden),
+        "hidden_norm.weight": (hidden,),
+        "norm.weight": (hidden,),
+    }
+    for i in range(config["num_hidden_layers"]):
+        layer = f"layers.{i}"
+        shapes.update(
+            {
+                f"{layer}.input_layernorm.weight": (hidden,),
+                f"{layer}.post_attention_layernorm.weight": (hidden,),
+                f"{layer}.self_attn.q_proj.weight": (heads * head_dim, hidden),
+                f"{layer}.self_attn.k_proj.weight": (kv_heads * head_dim, hidden),
+                f"{layer}.self_attn.v_proj.weight": (kv_heads * head_dim, hidden),
+                f"{layer}.self_attn.o_proj.weight": (hidden, heads * head_dim),
+                f"{layer}.self_attn.q_norm.weight": (head_dim,),
+                f"{layer}.self_attn.k_norm.weight": (head_dim,),
+                f"{layer}.mlp.gate_proj.weight": (inner, hidden),
+                f"{layer}.mlp.up_proj.weight": (inner, hidden),
+                f"{layer}.mlp.down_proj.weight": (hidden, inner),
+            }
+        )
+    return shapes
+
+
+def _field(config: dict[str, Any], key: str) -> Any:
+    """`block_size` and `num_target_layers`: top level, or inside dflash_config (both are read)."""
+    return config.get(key, (config.get("dflash_config") or {}).get(key))
+
+
+def config_problems(config: dict[str, Any], *, target: dict[str, Any] | None) -> list[str]:
+    """The config rules; `target` (the target's text config as a dict, or None) adds the pairing
+    rules: depth, hidden size and vocabulary."""
+    problems = []
+    if config.get("architectures") != ["DFlashDraftModel"]:
+        problems.append(
+            f"architectures is {config.get('architectures')!r}, not ['DFlashDraftModel'] "
+            "(SGLang and vLLM pick the drafter class by it)"
+        )
+    if config.get("model_type") != "qwen3":
+        problems.append(
+            f"model_type is {config.get('model_type')!r}, not 'qwen3' (the reference builds Qwen3 layers)"
+        )
+    for key in (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+    ):
+        if not isinstance(config.get(key), int) or config[key] <= 0:
+            problems.append(f"{key} is {config.get(key)!r}: a positive integer is needed")
+    if problems:
+        return problems  # the rules below read these fields
+    if config["num_attention_heads"] % config["num_key_value_heads"]:
+        problems.append("num_attention_heads is not a multiple of num_key_value_heads")
+    if config.get("hidden_act", "silu") != "silu":
+        problems.append(f"hidden_act is {config['hidden_act']!r}; SGLang's DFlash MLP runs silu only")
+    dflash = config.get("dflash_config")
+    if not isinstance(dflash, dict):
+        return problems + ["dflash_config is missing (mask_token_id, target_layer_ids)"]
+    mask_id, layer_ids = dflash.get("mask_token_id"), dflash.get("target_layer_ids")
+    if not isinstance(mask_id, int) or mask_id < 0:
+        problems.append(f"dflash_config.mask_token_id is {mask_id!r}: a token id is needed")
+    elif mask_id >= config.get("vocab_size", mask_id + 1):
+        problems.append(
+            f"dflash_config.mask_token_id {mask_id} is outside the vocabulary ({config['vocab_size']})"
+        )
+    depth = _field(config, "num_target_layers")
+    if not isinstance(depth, int) or depth <= 0:
+        problems.append(f"num_target_layers is {depth!r}: the target's layer count is needed")
+        depth = None
+    if not isinstance(layer_ids, list) or not layer_ids or not all(isinstance(i, int) for i in layer_ids):
+        problems.append(f"dflash_config.target_layer_ids is {layer_ids!r}: a list of layer ids is needed")
+    else:
+        if len(set(layer_ids)) != len(layer_ids):
+            problems.append(f"dflash_config.target_layer_ids {layer_ids} repeats a layer")
+        if depth is not None and not all(0 <= i < depth for i in layer_ids):
+            problems.append(
+                f"dflash_config.target_layer_ids {layer_ids} are not all inside the target's {depth} layers"
+            )
+    block = _field(config, "block_size")
+    if not isinstance(block, int) or block < 2:
+        problems.append(f"block_size is {block!r}: an integer >= 2 is needed (SGLang would assume 16)")
+    problems += rope_problems(config)
+    problems += layer_type_problems(config)
+    if target is not None:
+        problems += pairing_problems(config, target)
+    return problems
+
+
+def rope_problems(config: dict[str, Any]) -> list[str]:
+    rope = config.get("rope_parameters") or {}
+    theta = config.get("rope_theta")
+    if theta is None:
+        return [
+            "rope_theta is missing: transformers 4.57 (the z-lab reference's pin) reads the rotary base only there and falls back to 10000"
+        ]
+    if "rope_theta" in rope and rope["rope_theta"] != theta:
+        return [f"rope_theta {theta} differs from rope_parameters.rope_theta {rope['rope_theta']}"]
+    scaled = rope.get("rope_type", "default") != "default"
+    scaling = config.get("rope_scaling")
+    if scaled and (not isinstance(scaling, dict) or scaling.get("rope_type") != rope.get("rope_type")):
+        return [
+            f"rope_parameters has rope_type {rope['rope_type']!r} but rope_scaling is {scaling!r}: transformers 4.57 would not scale"
+        ]
+    return []
+
+
+def layer_type_problems(config: dict[str, Any]) -> list[str]:
+    layer_types = config.get("layer_types")
+    if layer_types is None:
+        return []
+    problems = []
+    if len(layer_types) != config["num_hidden_layers"]:
+        problems.append(
+            f"layer_types has {len(layer_types)} entries for {config['num_hidden_layers']} layers"
+        )
+    unknown = sorted(set(layer_types) - set(LAYER_TYPES))
+    if unknown:
+        problems.append(f"layer_types holds {unknown}; the readers know {list(LAYER_TYPES)}")
+    window = config.get("sliding_window")
+    if "sliding_attention" in layer_types and (not isinstance(window, int) or window <= 0):
+        problems.append(f"sliding layers need a positive sliding_window, got {window!r}")
+    return problems
+
+
+def pairing_problems(config: dict[str, Any], target: dict[str, Any]) -> list[str]:
+    problems = []
+    depth = _field(config, "num_target_layers")
+    if depth != target["num_hidden_layers"]:
+        problems.append(f"num_target_layers {depth} but the target has {target['num_hidden_layers']} layers")
+    if config["hidden_size"] != target["hidden_size"]:
+        problems.append(f"hidden_size {config['hidden_size']} but the target's is {target['hidden_size']}")
+    mask_id = config["dflash_config"].get("mask_token_id")
+    if isinstance(mask_id, int) and mask_id >= target["vocab_size"]:
+        problems.append(
+            f"dflash_config.mask_token_id {mask_id} is outside the target's vocabulary ({target['vocab_size']})"
+        )
+    return problems
+
+
+def weight_problems(path: Path, config: dict[str, Any]) -> list[str]:
+    """Names, shapes and dtypes of model.safetensors against the config."""
+    try:
+        with safe_open(str(path), "pt") as handle:
+            found = {name: handle.get_slice(name) for name in handle.keys()}
+            shapes = {name: tuple(s.get_shape()) for name, s in found.items()}
+            dtypes = {name: s.get_dtype() for name, s in found.items()}
+    except (OSError, SafetensorError) as exc:
+        return [f"{path}: not readable safetensors ({exc})"]
+    expected = expected_tensors(config)
+    problems = [f"{path}: tensor {name} is missing" for name in expected if name not in shapes]
+    for name in sorted(set(shapes) - set(expected)):
+        problems.append(
+            f"{path}: unexpected tensor {name} (SGLang would skip it silently, vLLM would refuse it)"
+        )
+    for name, shape in expected.items():
+        if name in shapes and shapes[name] != shape:
+            problems.append(
+                f"{path}: tensor {name} has shape {list(shapes[name])}, the config needs {list(shape)}"
+            )
+    kinds = set(dtypes.values())
+    if not kinds <= set(FLOAT_DTYPES):
+        problems.append(f"{path}: tensor dtypes {sorted(kinds)}; the readers load bf16, fp16 or fp32")
+    elif len(kinds) > 1:
+        problems.append(f"{path}: mixed tensor dtypes {sorted(kinds)}")
+    elif kinds:
+        stored = FLOAT_DTYPES[kinds.pop()]
+        declared = config.get("torch_dtype") or config.get("dtype")
+        if declared is not None and declared != stored:
+            problems.append(f"{path}: tensors are {stored} but config.json declares {declared}")
+    return problems
+
+
+def check_export(directory: Path, *, target: dict[str, Any] | None = None) -> list[str]:
+    """Every problem of a drafter directory, one line each ([] when it keeps the contract)."""
+    config_path, weights_path = Path(directory) / CONFIG_FILE, Path(directory) / WEIGHTS_FILE
+    try:
+        config = json.loads(config_path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        return [f"{config_path}: not a readable config ({exc})"]
+    problems = [f"{config_path}: {p}" for p in config_problems(config, target=target)]
+    if not weights_path.is_file():
+        return problems + [f"{weights_path}: missing"]
+    if not _describes_tensors(config):
+        return problems  # which tensors belong there cannot be said from this config
+    return problems + weight_problems(weights_path, config)
+
+
+def _describes_tensors(config: dict[str, Any]) -> bool:
+    sizes = (
+        "hidden_size",
+        "intermediate_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+    )
+    layer_ids = (config.get("dflash_config") or {}).get("target_layer_ids")
+    return all(isinstance(config.get(k), int) and config[k] > 0 for k in sizes) and isinstance(
+        layer_ids, list
+    )
