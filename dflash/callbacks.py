@@ -160,10 +160,13 @@ class RunRecordCallback(Callback):
             # expect; raised here, after the record, since Hydra would report it as a failure.
             self._unlock()
             raise SystemExit(128 + error.signum)
-        if failed and is_user_error(error) and hydra_cfg.mode == RunMode.RUN and not full_errors_requested():
+        if failed and is_user_error(error) and hydra_cfg.mode == RunMode.RUN:
             # One line instead of Hydra's traceback; the traceback stays in the record. (A sweep
-            # records the failed job and goes on.)
+            # records the failed job and goes on.) HYDRA_FULL_ERROR=1 adds the traceback to
+            # stderr; the exit code stays a user error's, so scripts read the same outcome.
             self._unlock()
+            if full_errors_requested():
+                traceback.print_exception(error, file=sys.stderr)
             exit_for_user_error(tool_name(), f"{error}  [traceback: {output_dir / filename}]")
 
 

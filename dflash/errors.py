@@ -1,6 +1,7 @@
 """How the command-line tools end on a user's mistake: one line naming the key, file or path and
 what to do, and exit code 2 (internal errors keep their traceback and exit 1).
-`HYDRA_FULL_ERROR=1` shows the whole traceback for user errors too.
+`HYDRA_FULL_ERROR=1` prints the whole traceback of a user error too, before that line; the exit
+code stays 2.
 """
 
 from __future__ import annotations

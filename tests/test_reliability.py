@@ -145,7 +145,9 @@ def test_user_errors_are_one_line_with_exit_code_2_and_the_traceback_is_kept(tmp
         [*train_cli, "drafter.mask_token_id=900", f"hydra.run.dir={tmp_path / 'full'}"],
         env={"HYDRA_FULL_ERROR": "1"},
     )
-    assert full.returncode == 1 and "Traceback" in full.stderr and "config_checks.py" in full.stderr
+    # HYDRA_FULL_ERROR=1 adds the traceback; a user error still exits 2 (the outcome scripts read).
+    assert full.returncode == 2 and "Traceback" in full.stderr and "config_checks.py" in full.stderr
+    assert full.stderr.strip().splitlines()[-1].startswith("dflash: error: drafter.mask_token_id=900")
     unwritable = run_tool([*train_cli, "hydra.run.dir=/proc/dflash-test"])
     assert unwritable.returncode == 2 and unwritable.stderr.strip().count("\n") == 0
     assert "cannot write the run dir /proc/dflash-test" in unwritable.stderr
