@@ -4,6 +4,8 @@ the OpenAI-compatible HTTP backend against a real loopback server serving the ti
 from __future__ import annotations
 
 import json
+import os
+from pathlib import Path
 
 import pytest
 import torch
@@ -256,3 +258,56 @@ def test_a_crash_mid_run_keeps_what_was_written_and_the_rerun_finishes(tmp_path,
     rerun = regenerate(backend, [str(source)], out, batch_size=1)
     assert rerun.already_done == len(survivors) and rerun.written == 9 - len(survivors)
     assert sorted(r["id"] for r in read_jsonl(out)) == list(range(9))
+
+
+class NoRequests:
+    """A backend that fails the test if regen asks it anything."""
+
+    conversations_in_flight = False
+    continuous = False
+
+    def generate(self, *args, **kwargs):
+        raise AssertionError("a request was made before the output was checked")
+
+
+@pytest.mark.parametrize(
+    "layout", ["same_file", "same_file_absolute", "hard_link", "in_input_dir", "matches_glob"]
+)
+def test_an_output_the_inputs_include_is_refused_before_any_request(tmp_path, monkeypatch, layout):
+    monkeypatch.chdir(tmp_path)
+    data = tmp_path / "data"
+    data.mkdir()
+    write_conversations(data / "chat.jsonl", 5)
+    inputs, output = {
+        "same_file": (["data/chat.jsonl"], data / "chat.jsonl"),
+        "same_file_absolute": ([str(data / "chat.jsonl")], Path("data/chat.jsonl")),
+        "hard_link": (["data/chat.jsonl"], tmp_path / "linked.jsonl"),
+        "in_input_dir": (["data"], data / "regen.jsonl"),  # not there yet: created by the run
+        "matches_glob": (["data/*.jsonl"], data / "regen.jsonl"),
+    }[layout]
+    if layout == "hard_link":
+        os.link(data / "chat.jsonl", output)
+    before = (data / "chat.jsonl").read_text()
+    with pytest.raises(ValueError, match="regen.output=.* would be read as an input"):
+        regenerate(NoRequests(), inputs, output, batch_size=2)
+    assert (data / "chat.jsonl").read_text() == before
+    assert layout in ("same_file", "same_file_absolute", "hard_link") or not output.exists()
+
+
+def test_a_second_regen_on_the_same_output_is_refused_while_the_first_lives(tmp_path, backend):
+    from dflash.run_lock import FileLock
+
+    source = write_conversations(tmp_path / "in.jsonl", 3)
+    out = tmp_path / "out.jsonl"
+    first = FileLock(tmp_path / ".out.jsonl.lock", lambda holder: ValueError(holder)).acquire()
+    try:
+        with pytest.raises(
+            ValueError,
+            match=f"regen.output={out} is being written by another dflash-regen \\(pid {os.getpid()}",
+        ):
+            regenerate(backend, [str(source)], out, batch_size=2)
+        assert not out.exists() or out.read_text() == ""
+    finally:
+        first.release()
+    assert regenerate(backend, [str(source)], out, batch_size=2).written == 3  # the lock is free again
+    assert regenerate(backend, [str(source)], out, batch_size=2).written == 0  # and released after a run

@@ -10,11 +10,13 @@ takes `batch_size` conversations per generate batch, turn by turn; a server back
 Resumable, nothing written twice: the output is JSON Lines, one line per finished
 conversation (written and flushed whole), keyed by the source location ("file:line"). A rerun
 reads the keys already present, drops a torn last line left by a crash, and does only the rest.
-A conversation whose request failed for good is not written, so a rerun retries it.
+A conversation whose request failed for good is not written, so a rerun retries it. One live
+process per output (an exclusive lock beside it), and never an output that the inputs include.
 """
 
 from __future__ import annotations
 
+import fnmatch
 import itertools
 import json
 import logging
@@ -25,8 +27,9 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash.data.conversations import Conversation, SkipReport, chunked, read_conversations
+from dflash.data.conversations import SUFFIXES, Conversation, SkipReport, chunked, read_conversations
 from dflash.regen.backends import RegenBackend, Reply
+from dflash.run_lock import FileLock
 
 log = logging.getLogger(__name__)
 
@@ -192,11 +195,53 @@ def _continuous(backend, todo: Iterator[Conversation], write: _Writer, stats: Re
         write.progress.set_postfix(tok_s=f"{stats.tokens_per_s():.0f}", refresh=False)
 
 
+def refuse_output_among_inputs(inputs: list[str], output: Path) -> None:
+    """The output must never be read as an input: regen appends to it while reading the inputs,
+    so it would answer its own lines again, without end (200 conversations became 10,389 lines
+    in 40 s). Refused when the output is an input file (by path, or by inode: a link to it), sits
+    in an input directory with a suffix read there, or matches an input glob, whether or not it
+    exists yet."""
+    target = Path(os.path.abspath(output))
+    candidates = {target, output.resolve()}
+    for entry in inputs:
+        path = Path(entry)
+        if any(ch in entry for ch in "*?["):
+            pattern = os.path.abspath(entry)
+            reads_it = any(fnmatch.fnmatch(str(c), pattern) for c in candidates)
+        elif path.is_dir():
+            reads_it = output.resolve().parent == path.resolve() and output.suffix in SUFFIXES
+        else:
+            reads_it = path.resolve() in candidates or (
+                path.exists() and output.exists() and os.path.samefile(path, output)
+            )
+        if reads_it:
+            raise ValueError(
+                f"regen.output={output} would be read as an input (regen.input entry {entry!r}): "
+                "regen would answer its own output again without end; write it outside the inputs"
+            )
+
+
 def regenerate(
     backend: RegenBackend, inputs: list[str], output: Path, batch_size: int, limit: int | None = None
 ) -> RegenStats:
+    """Answers every unfinished conversation of `inputs` into `output`; one process per output
+    (a second one is refused while the first lives: both would write every conversation)."""
+    refuse_output_among_inputs(inputs, output)
+    lock = FileLock(
+        output.with_name(f".{output.name}.lock"),
+        lambda holder: ValueError(
+            f"regen.output={output} is being written by another dflash-regen ({holder}); "
+            "wait for it, or write another output"
+        ),
+    )
+    with lock:
+        return _regenerate(backend, inputs, output, batch_size, limit)
+
+
+def _regenerate(
+    backend: RegenBackend, inputs: list[str], output: Path, batch_size: int, limit: int | None
+) -> RegenStats:
     stats = RegenStats()
-    output.parent.mkdir(parents=True, exist_ok=True)
     done = finished_sources(output)
     stats.already_done = len(done)
     todo = _unfinished(read_conversations(inputs, stats.skipped, "regen.input"), done, stats.skipped)

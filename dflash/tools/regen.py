@@ -56,7 +56,7 @@ def regen(cfg: DictConfig):
     from pathlib import Path
 
     from dflash.config.keys import refuse_unknown_keys
-    from dflash.regen.regenerate import regenerate
+    from dflash.regen.regenerate import refuse_output_among_inputs, regenerate
 
     refuse_unknown_keys(cfg, RegenConfig)
     typed: RegenConfig = OmegaConf.to_object(cfg)
@@ -67,6 +67,7 @@ def regen(cfg: DictConfig):
             f"max_len={typed.max_len} must exceed sampling.max_new_tokens={typed.sampling.max_new_tokens} "
             "(it holds the prompt and the reply)"
         )
+    refuse_output_among_inputs(list(typed.input), Path(typed.output))  # before the target loads
     backend = build_backend(typed)
     stats = regenerate(backend, list(typed.input), Path(typed.output), typed.batch_size, typed.limit)
     print(f"\n=== dflash-regen -> {typed.output} (backend={backend.name}; {backend.describe()}) ===")
