@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,13 @@ SLOW_MACHINE_TIMEOUT_S = 1800
 
 # Small enough for a test, large enough to fill every bucket and train a few steps.
 FAST = ["data.num_samples=48", "eval.num_prompts=2", "eval.max_new_tokens=12", "monitor.interval_s=0"]
+
+
+def run_module(module: str, *args: str) -> subprocess.CompletedProcess:
+    """`python -m module args...` as a user runs it, output captured, under the generous limit."""
+    return subprocess.run(
+        [sys.executable, "-m", module, *args], capture_output=True, text=True, timeout=SLOW_MACHINE_TIMEOUT_S
+    )
 
 
 def compose_config(
@@ -135,34 +144,22 @@ def save_tiny_model(directory: Path, model_type: str, **arch: int) -> Path:
     return directory
 
 
-@pytest.fixture(scope="session")
-def tiny_qwen3_dir(tmp_path_factory) -> Path:
-    return save_tiny_model(tmp_path_factory.mktemp("qwen3"), "qwen3")
+def tiny_checkpoint_fixture(family: str):
+    """A session fixture: a tiny checkpoint of `family` saved once (save_tiny_model)."""
+
+    @pytest.fixture(scope="session", name=f"tiny_{family}_dir")
+    def checkpoint(tmp_path_factory) -> Path:
+        return save_tiny_model(tmp_path_factory.mktemp(family), family)
+
+    return checkpoint
 
 
-@pytest.fixture(scope="session")
-def tiny_llama_dir(tmp_path_factory) -> Path:
-    return save_tiny_model(tmp_path_factory.mktemp("llama"), "llama")
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen3_next_dir(tmp_path_factory) -> Path:
-    return save_tiny_model(tmp_path_factory.mktemp("qwen3_next"), "qwen3_next")
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen3_moe_dir(tmp_path_factory) -> Path:
-    return save_tiny_model(tmp_path_factory.mktemp("qwen3_moe"), "qwen3_moe")
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen3_5_dir(tmp_path_factory) -> Path:
-    return save_tiny_model(tmp_path_factory.mktemp("qwen3_5"), "qwen3_5")
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen3_5_moe_dir(tmp_path_factory) -> Path:
-    return save_tiny_model(tmp_path_factory.mktemp("qwen3_5_moe"), "qwen3_5_moe")
+tiny_llama_dir = tiny_checkpoint_fixture("llama")
+tiny_qwen3_dir = tiny_checkpoint_fixture("qwen3")
+tiny_qwen3_moe_dir = tiny_checkpoint_fixture("qwen3_moe")
+tiny_qwen3_next_dir = tiny_checkpoint_fixture("qwen3_next")
+tiny_qwen3_5_dir = tiny_checkpoint_fixture("qwen3_5")
+tiny_qwen3_5_moe_dir = tiny_checkpoint_fixture("qwen3_5_moe")
 
 
 @pytest.fixture(scope="session")

@@ -19,6 +19,7 @@ from tests.conftest import (
     TINY_ARCH,
     compose_config,
     conversation_overrides,
+    run_module,
     tiny_hybrid_arch,
 )
 
@@ -229,12 +230,7 @@ def test_wrong_architecture_at_path_is_refused(tiny_qwen3_dir, make_cfg):
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "dflash.train", *args],
-        capture_output=True,
-        text=True,
-        timeout=SLOW_MACHINE_TIMEOUT_S,
-    )
+    return run_module("dflash.train", *args)
 
 
 def test_cli_cfg_job_info_and_shell_completion():

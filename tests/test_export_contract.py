@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -15,7 +14,7 @@ from safetensors.torch import load_file, save_file
 from dflash.checkpoint import export_drafter
 from dflash.export.contract import check_export
 from dflash.train import train
-from tests.conftest import SLOW_MACHINE_TIMEOUT_S
+from tests.conftest import run_module
 from tests.test_dflash_rules import tiny_drafter, tiny_target
 
 TINY_TARGET = {"num_hidden_layers": 6, "hidden_size": 64, "vocab_size": 512}
@@ -128,12 +127,7 @@ def test_the_target_pairing_is_checked(export):
 
 
 def run_cli(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run(
-        [sys.executable, "-m", "dflash.tools.export", *args],
-        capture_output=True,
-        text=True,
-        timeout=SLOW_MACHINE_TIMEOUT_S,
-    )
+    return run_module("dflash.tools.export", *args)
 
 
 def test_the_cli_prints_one_line_per_problem_and_exits_2(export, tiny_qwen3_5_dir):
