@@ -120,6 +120,17 @@ def test_broken_configs_are_named(export, config_edit, expected):
     assert all(p.startswith(str(export)) for p in problems)
 
 
+def test_every_problem_of_a_config_is_named_at_once(export):
+    def two_mistakes(config):
+        config["architectures"] = ["Qwen3ForCausalLM"]
+        config["dflash_config"]["mask_token_id"] = 600
+
+    edit_config(export, two_mistakes)
+    problems = check_export(export)
+    assert any("not ['DFlashDraftModel']" in p for p in problems)
+    assert any("mask_token_id 600 is outside the vocabulary" in p for p in problems)
+
+
 def test_the_target_pairing_is_checked(export):
     problems = check_export(export, target={"num_hidden_layers": 8, "hidden_size": 64, "vocab_size": 500})
     assert any("num_target_layers 6 but the target has 8 layers" in p for p in problems)

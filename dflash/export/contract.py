@@ -20,6 +20,13 @@ from safetensors import SafetensorError, safe_open
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 LAYER_TYPES = ("full_attention", "sliding_attention")
+SIZE_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+)
 FLOAT_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 
 
@@ -75,17 +82,13 @@ def config_problems(config: dict[str, Any], *, target: dict[str, Any] | None) ->
         problems.append(
             f"model_type is {config.get('model_type')!r}, not 'qwen3' (the reference builds Qwen3 layers)"
         )
-    for key in (
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-    ):
-        if not isinstance(config.get(key), int) or config[key] <= 0:
-            problems.append(f"{key} is {config.get(key)!r}: a positive integer is needed")
-    if problems:
-        return problems  # the rules below read these fields
+    sizes = [
+        f"{key} is {config.get(key)!r}: a positive integer is needed"
+        for key in SIZE_FIELDS
+        if not isinstance(config.get(key), int) or config[key] <= 0
+    ]
+    if sizes:
+        return problems + sizes  # the rules below read these fields
     if config["num_attention_heads"] % config["num_key_value_heads"]:
         problems.append("num_attention_heads is not a multiple of num_key_value_heads")
     if config.get("hidden_act", "silu") != "silu":
@@ -223,14 +226,7 @@ def check_export(directory: Path, *, target: dict[str, Any] | None = None) -> li
 
 
 def _describes_tensors(config: dict[str, Any]) -> bool:
-    sizes = (
-        "hidden_size",
-        "intermediate_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-    )
     layer_ids = (config.get("dflash_config") or {}).get("target_layer_ids")
-    return all(isinstance(config.get(k), int) and config[k] > 0 for k in sizes) and isinstance(
+    return all(isinstance(config.get(k), int) and config[k] > 0 for k in SIZE_FIELDS) and isinstance(
         layer_ids, list
     )
