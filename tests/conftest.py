@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -186,6 +187,18 @@ def conversation_overrides(chat_dir: Path, files: list[Path]) -> list[str]:
         "data.min_supervised_tokens=4",
         f"target.path={chat_dir}",
     ]
+
+
+# The suite gives the same result whatever the caller's shell holds: variables that change how
+# the tools end or where they log are cleared for every test and the subprocesses they start (a
+# test that needs one sets it itself). HYDRA_FULL_ERROR=1 adds tracebacks to one-line errors;
+# WANDB_MODE=online would send runs to a server.
+CALLER_VARIABLES = ("HYDRA_FULL_ERROR", "WANDB_MODE")
+
+
+def pytest_configure(config):
+    for name in CALLER_VARIABLES:
+        os.environ.pop(name, None)
 
 
 def pytest_collection_modifyitems(config, items):
