@@ -108,8 +108,13 @@ def test_a_qwen3_5_directory_gives_its_tokenizer_and_chat_template(tmp_path, mak
     directory = save_tiny_target_with_tokenizer(tmp_path / "qwen3_5_chat", model_type="qwen3_5")
     (directory / "preprocessor_config.json").write_text(json.dumps({"processor_class": "Qwen3VLProcessor"}))
     overrides = conversation_overrides(directory, [tiny_conversations])
+    from dflash.models.tokenizer import load_tokenizer
+
+    tokenizer = load_tokenizer(TargetConfig(name="hf", path=str(directory), model_type=None), "the test")
+    rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False)
+    assert rendered.startswith("<|im_start|>user")  # the directory's own template
     summary = train(make_cfg(["target=hf"] + overrides + ["train.total_steps=2"]))
-    assert summary["steps"] == 2
+    assert summary["steps"] == 2 and summary["train/loss"] > 0  # supervised tokens were found
 
 
 def test_a_target_of_expert_mlps_only_needs_the_drafters_mlp_width(make_cfg):

@@ -13,7 +13,9 @@ and a 800k-conversation run must skip that line, count it and say where it was.
 
 from __future__ import annotations
 
+import fnmatch
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -129,13 +131,33 @@ def _parquet_records(path: Path) -> Iterator[tuple[str, Any]]:
         yield f"{path}:row {index}", record
 
 
+def is_glob(entry: str) -> bool:
+    return any(ch in entry for ch in "*?[")
+
+
+def entry_reads(entry: str, path: Path) -> bool:
+    """Whether `expand_files([entry])` reads a file at `path`, whether or not it exists yet
+    (dflash-regen refuses an output its inputs would read back). The same rules as below: a
+    glob matches it, a directory holds it with a supported suffix, a file path is it (by path, or
+    by inode: a link)."""
+    candidates = {Path(os.path.abspath(path)), path.resolve()}
+    if is_glob(entry):
+        return any(fnmatch.fnmatch(str(c), os.path.abspath(entry)) for c in candidates)
+    named = Path(entry)
+    if named.is_dir():
+        return path.resolve().parent == named.resolve() and path.suffix in SUFFIXES
+    return named.resolve() in candidates or (
+        named.exists() and path.exists() and os.path.samefile(named, path)
+    )
+
+
 def expand_files(entries: list[str], config_key: str) -> list[Path]:
     """Files named by `entries`: paths, glob patterns (`shards/*.jsonl`, sorted) or directories
     (every supported file inside, sorted). Each entry must name at least one file."""
     files: list[Path] = []
     for entry in entries:
         path = Path(entry)
-        if any(ch in entry for ch in "*?["):
+        if is_glob(entry):
             matches = sorted(
                 p for p in Path(path.anchor or ".").glob(str(path.relative_to(path.anchor or ".")))
             )

@@ -16,7 +16,6 @@ process per output (an exclusive lock beside it), and never an output that the i
 
 from __future__ import annotations
 
-import fnmatch
 import itertools
 import json
 import logging
@@ -27,7 +26,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash.data.conversations import SUFFIXES, Conversation, SkipReport, chunked, read_conversations
+from dflash.data.conversations import Conversation, SkipReport, chunked, entry_reads, read_conversations
 from dflash.regen.backends import RegenBackend, Reply
 from dflash.run_lock import FileLock
 
@@ -198,23 +197,9 @@ def _continuous(backend, todo: Iterator[Conversation], write: _Writer, stats: Re
 def refuse_output_among_inputs(inputs: list[str], output: Path) -> None:
     """The output must never be read as an input: regen appends to it while reading the inputs,
     so it would answer its own lines again, without end (200 conversations became 10,389 lines
-    in 40 s). Refused when the output is an input file (by path, or by inode: a link to it), sits
-    in an input directory with a suffix read there, or matches an input glob, whether or not it
-    exists yet."""
-    target = Path(os.path.abspath(output))
-    candidates = {target, output.resolve()}
+    in 40 s). The rule is the input reader's own (`entry_reads`), whether or not it exists yet."""
     for entry in inputs:
-        path = Path(entry)
-        if any(ch in entry for ch in "*?["):
-            pattern = os.path.abspath(entry)
-            reads_it = any(fnmatch.fnmatch(str(c), pattern) for c in candidates)
-        elif path.is_dir():
-            reads_it = output.resolve().parent == path.resolve() and output.suffix in SUFFIXES
-        else:
-            reads_it = path.resolve() in candidates or (
-                path.exists() and output.exists() and os.path.samefile(path, output)
-            )
-        if reads_it:
+        if entry_reads(entry, output):
             raise ValueError(
                 f"regen.output={output} would be read as an input (regen.input entry {entry!r}): "
                 "regen would answer its own output again without end; write it outside the inputs"
