@@ -69,23 +69,56 @@ def _as_tables(visible: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
     return _with_head_dim(count), _with_head_dim(order)
 
 
-def kv_tiles(anchors_BA: np.ndarray, anchor_valid_BA: np.ndarray, ctx_len: int, block_size: int) -> KvTiles:
+def _context_tiles(
+    anchors_BA: np.ndarray,
+    anchor_valid_BA: np.ndarray,
+    block_size: int,
+    window: int | None,
+    q_tiles: int,
+    k_tiles: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """[B, q_tiles, k_tiles] (any, full): the context keys of a key tile some / every query of
+    the query tile may see. A query sees the keys [lo, hi): hi = its anchor (0 for a padding
+    block), lo = 0, or with a window its position - window + 1."""
+    sees_until = np.where(anchor_valid_BA, anchors_BA, 0).repeat(block_size, axis=1)  # [B, Q]
+    tile_start = np.arange(k_tiles) * TILE
+    tile_max = _tile_reduce(sees_until, q_tiles, pad=0, reduce=np.max)
+    tile_min = _tile_reduce(sees_until, q_tiles, pad=0, reduce=np.min)
+    # Entirely visible: every query of the tile sees the whole key tile. A tile of missing
+    # queries (pad 0) is never full.
+    full = (tile_start + TILE)[None, None, :] <= tile_min[:, :, None]
+    if window is None:
+        # Every interval starts at 0: a key tile is seen iff it starts before the largest anchor.
+        return tile_start[None, None, :] < tile_max[:, :, None], full
+    offsets = np.arange(sees_until.shape[1]) % block_size
+    sees_from = np.maximum(anchors_BA.repeat(block_size, axis=1) + offsets - window + 1, 0)  # [B, Q]
+    full &= tile_start[None, None, :] >= _tile_reduce(sees_from, q_tiles, pad=0, reduce=np.max)[:, :, None]
+    # Windows of blocks far apart need not overlap: test each query's own interval.
+    batch = sees_until.shape[0]
+    hi = np.zeros((batch, q_tiles * TILE), dtype=np.int64)
+    lo = np.zeros((batch, q_tiles * TILE), dtype=np.int64)
+    hi[:, : sees_until.shape[1]], lo[:, : sees_from.shape[1]] = sees_until, sees_from
+    hi, lo = hi.reshape(batch, q_tiles, TILE, 1), lo.reshape(batch, q_tiles, TILE, 1)
+    starts = tile_start[None, None, None, :]
+    seen = (lo < starts + TILE) & (starts < hi) & (lo < hi)
+    return seen.any(axis=2), full
+
+
+def kv_tiles(
+    anchors_BA: np.ndarray,
+    anchor_valid_BA: np.ndarray,
+    ctx_len: int,
+    block_size: int,
+    window: int | None = None,
+) -> KvTiles:
     """Which key tiles each query tile may see, under the rule of `block_attention_mask`:
-    context key i < anchor (valid blocks only), plus the keys of the query's own block."""
+    context key i < anchor (valid blocks only; with a window, also inside it), plus the keys of
+    the query's own block."""
     batch, num_blocks = anchors_BA.shape
     q_len = num_blocks * block_size
     kv_len = ctx_len + q_len
     q_tiles, k_tiles = -(-q_len // TILE), -(-kv_len // TILE)
-
-    # Context: a query sees keys [0, anchor) when its block is valid, nothing otherwise.
-    sees_until = np.where(anchor_valid_BA, anchors_BA, 0).repeat(block_size, axis=1)  # [B, Q]
-    tile_max = _tile_reduce(sees_until, q_tiles, pad=0, reduce=np.max)
-    tile_min = _tile_reduce(sees_until, q_tiles, pad=0, reduce=np.min)
-    tile_start = np.arange(k_tiles) * TILE
-    ctx_any = tile_start[None, None, :] < tile_max[:, :, None]
-    # Entirely visible: every query of the tile sees the whole key tile (its end <= the smallest
-    # anchor, hence inside the context). A tile of missing queries (pad 0) is never full.
-    ctx_full = (tile_start + TILE)[None, None, :] <= tile_min[:, :, None]
+    ctx_any, ctx_full = _context_tiles(anchors_BA, anchor_valid_BA, block_size, window, q_tiles, k_tiles)
 
     # Own block: query tile t holds blocks first..last, whose keys sit at ctx_len + j * block_size.
     q_start = np.arange(q_tiles) * TILE
@@ -102,13 +135,25 @@ def kv_tiles(anchors_BA: np.ndarray, anchor_valid_BA: np.ndarray, ctx_len: int, 
     return KvTiles(partial_count, partial_index, full_count, full_index, q_len=q_len, kv_len=kv_len)
 
 
-def tiles_for(blocks: DraftBlocks, ctx_len: int) -> KvTiles:
+def tiles_for(blocks: DraftBlocks, ctx_len: int, window: int | None = None) -> KvTiles:
     """The tile tables of a batch of blocks still on the host (before `blocks.to(device)`)."""
-    return kv_tiles(blocks.anchors.numpy(), blocks.anchor_valid.numpy(), ctx_len, blocks.block_size)
+    return kv_tiles(blocks.anchors.numpy(), blocks.anchor_valid.numpy(), ctx_len, blocks.block_size, window)
+
+
+def tiles_by_window(
+    blocks: DraftBlocks, ctx_len: int, windows: tuple[int | None, ...]
+) -> dict[int | None, KvTiles]:
+    """`tiles_for` each distinct window of a drafter's layers (None: full attention)."""
+    return {window: tiles_for(blocks, ctx_len, window) for window in windows}
 
 
 def flex_block_mask(
-    tiles: KvTiles, anchors_BA: torch.Tensor, anchor_valid_BA: torch.Tensor, ctx_len: int, block_size: int
+    tiles: KvTiles,
+    anchors_BA: torch.Tensor,
+    anchor_valid_BA: torch.Tensor,
+    ctx_len: int,
+    block_size: int,
+    window: int | None = None,
 ) -> BlockMask:
     """The BlockMask of `tiles` (on the anchors' device) with the element-wise rule for the
     partial tiles. Built from the tables alone: no device value is read on the host."""
@@ -117,7 +162,10 @@ def flex_block_mask(
     def visible(b, h, q_idx, kv_idx):
         # The kernel may evaluate queries past the end of a partial last tile: clamp the index.
         block = torch.clamp(q_idx // block_size, max=last_block)
-        sees_context = (kv_idx < anchors_BA[b, block]) & anchor_valid_BA[b, block]
+        anchor = anchors_BA[b, block]
+        sees_context = (kv_idx < anchor) & anchor_valid_BA[b, block]
+        if window is not None:
+            sees_context = sees_context & (kv_idx > anchor + q_idx % block_size - window)
         own_block = (kv_idx >= ctx_len) & ((kv_idx - ctx_len) // block_size == block)
         return sees_context | own_block
 

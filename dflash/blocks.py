@@ -149,13 +149,21 @@ def build_blocks(
 
 
 def block_attention_mask(
-    anchors_BA: torch.Tensor, anchor_valid_BA: torch.Tensor, ctx_len: int, block_size: int
+    anchors_BA: torch.Tensor,
+    anchor_valid_BA: torch.Tensor,
+    ctx_len: int,
+    block_size: int,
+    window: int | None = None,
 ) -> torch.Tensor:
     """Dense bool mask [B, Q, S + Q] (True = visible) for queries of block j with anchor a_j.
 
     - context key i is visible iff i < a_j, strictly: the anchor's own target hidden state does
       not exist yet at inference (the anchor is the token the target just emitted);
-    - every key of the query's own block is visible (bidirectional, no causal mask in the block);
+    - window (a sliding_attention layer): also iff p - i < window, p = a_j + k the query's
+      position: the keys a flash-attention window of that size keeps, as the serving engines
+      and the reference run it;
+    - every key of the query's own block is visible (bidirectional, no causal mask in the block,
+      in every layer type);
     - keys of other blocks never are.
     Padding blocks see no context and no other block; they see only their own keys, which keeps
     every softmax row finite (an all-masked row is NaN), and carry no loss.
@@ -163,8 +171,28 @@ def block_attention_mask(
     bsz, num_blocks = anchors_BA.shape
     device = anchors_BA.device
     ctx_idx = torch.arange(ctx_len, device=device)
-    ctx_visible = (ctx_idx[None, None, :] < anchors_BA[:, :, None]) & anchor_valid_BA[:, :, None]  # [B, A, S]
-    ctx_visible = ctx_visible.repeat_interleave(block_size, dim=1)  # [B, Q, S]
-    block_of = torch.arange(num_blocks * block_size, device=device) // block_size
+    anchor_BQ = anchors_BA.repeat_interleave(block_size, dim=1)
+    ctx_visible = (ctx_idx[None, None, :] < anchor_BQ[:, :, None]) & anchor_valid_BA.repeat_interleave(
+        block_size, dim=1
+    )[:, :, None]  # [B, Q, S]
+    query = torch.arange(num_blocks * block_size, device=device)
+    if window is not None:
+        position_BQ = anchor_BQ + query % block_size
+        ctx_visible &= ctx_idx[None, None, :] > position_BQ[:, :, None] - window
+    block_of = query // block_size
     same_block = (block_of[:, None] == block_of[None, :]).expand(bsz, -1, -1)  # [B, Q, Q]
     return torch.cat([ctx_visible, same_block], dim=2)
+
+
+def layer_masks(
+    anchors_BA: torch.Tensor,
+    anchor_valid_BA: torch.Tensor,
+    ctx_len: int,
+    block_size: int,
+    windows: tuple[int | None, ...],
+) -> dict[int | None, torch.Tensor]:
+    """`block_attention_mask` for each distinct window of a drafter's layers (None: full)."""
+    return {
+        window: block_attention_mask(anchors_BA, anchor_valid_BA, ctx_len, block_size, window)
+        for window in windows
+    }

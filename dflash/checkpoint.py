@@ -96,6 +96,8 @@ RESUME_FIELDS = {
     "num_attention_heads": "drafter.num_attention_heads",
     "num_key_value_heads": "drafter.num_key_value_heads",
     "head_dim": "drafter.head_dim",
+    "layer_types": "drafter.layer_types",
+    "sliding_window": "drafter.sliding_window",
     "hidden_size": "target hidden size",
     "vocab_size": "target vocab size",
     "num_target_layers": "target layer count",

@@ -11,7 +11,7 @@ import re
 from typing import Any
 
 from dflash.config.devices import ProcessSlot, resolve_device_split
-from dflash.config.schema import AttentionKind, DataKind, DeviceKind, NoiseKind, PipelineKind
+from dflash.config.schema import AttentionKind, DataKind, DeviceKind, LayerType, NoiseKind, PipelineKind
 from dflash.data.conversations import expand_files
 from dflash.models.layer_ids import default_target_layer_ids
 
@@ -70,6 +70,7 @@ def validate(
     for key in ("num_layers", "num_anchors"):
         if getattr(drafter, key) < 1:
             raise ValueError(f"drafter.{key} must be >= 1, got {getattr(drafter, key)}")
+    _validate_layer_types(drafter)
     if not cfg.loss.gamma > 0:
         raise ValueError(f"loss.gamma must be > 0, got {cfg.loss.gamma}")
     if cfg.loss.logits_chunk < 0:
@@ -184,3 +185,29 @@ def _validate_noise(cfg: Any) -> None:
         raise ValueError(f"noise=mask_ramp needs noise.start in (0, 1], got {noise.start}")
     if kind is NoiseKind.feature and not noise.std > 0.0:
         raise ValueError(f"noise=feature needs noise.std > 0, got {noise.std}")
+
+
+def _validate_layer_types(drafter) -> None:
+    """drafter.layer_types and drafter.sliding_window: one type per layer, and a window that
+    holds a whole block (a sliding layer sees its own block bidirectionally, as every reader does:
+    a window shorter than the block would cut the block's own keys at inference)."""
+    if drafter.layer_types is None:
+        if drafter.sliding_window is not None:
+            raise ValueError(
+                f"drafter.sliding_window={drafter.sliding_window} is set but no layer slides; "
+                "set drafter.layer_types (e.g. [sliding_attention, ..., full_attention]) or drop it"
+            )
+        return
+    if len(drafter.layer_types) != drafter.num_layers:
+        raise ValueError(
+            f"drafter.layer_types has {len(drafter.layer_types)} entries for "
+            f"drafter.num_layers={drafter.num_layers}: give one per draft layer"
+        )
+    if LayerType.sliding_attention not in drafter.layer_types:
+        return
+    window = drafter.sliding_window
+    if window is None or window < drafter.block_size:
+        raise ValueError(
+            f"drafter.sliding_window must be >= drafter.block_size={drafter.block_size} for the "
+            f"sliding_attention layers in drafter.layer_types, got {window}"
+        )

@@ -29,7 +29,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from dflash.blocks import block_attention_mask
+from dflash.blocks import layer_masks
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import FrozenTarget
 
@@ -124,11 +124,12 @@ class DrafterContext:
         block_ids = torch.full((1, block_size), self.drafter.mask_token_id, device=device)
         block_ids[0, 0] = anchor_token
         positions = torch.arange(anchor_pos, anchor_pos + block_size, device=device).unsqueeze(0)
-        mask = block_attention_mask(
+        mask = layer_masks(
             torch.tensor([[anchor_pos]], device=device),
             torch.ones((1, 1), dtype=torch.bool, device=device),
             ctx_len=anchor_pos,
             block_size=block_size,
+            windows=self.drafter.windows,
         )
         hidden = self.drafter.draft(self.kv, target.embed_tokens(block_ids), positions, mask)
         # fp32 drafter (master weights) in front of a bf16 target head on GPU.

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash.block_mask import KvTiles, flex_block_mask, tiles_for
-from dflash.blocks import DraftBlocks, block_attention_mask, build_blocks
+from dflash.block_mask import KvTiles, flex_block_mask, tiles_by_window
+from dflash.blocks import DraftBlocks, build_blocks, layer_masks
 from dflash.data.collate import Batch
 from dflash.loss import LossStats, draft_loss
 from dflash.models.compile import compiled_calls
@@ -60,18 +60,24 @@ def drafter_forward_loss(
     feature_noise_std: float = 0.0,
     noise_generator: torch.Generator | None = None,
     logits_chunk: int = 0,
-    tiles: KvTiles | None = None,
+    tiles: dict[int | None, KvTiles] | None = None,
     compiled_loss: bool = False,
 ) -> LossStats:
-    """tiles: the block-sparse tables of `blocks` (dflash.block_mask.kv_tiles, on the drafter's
-    device) for flex_attention; None: SDPA with the dense mask."""
+    """tiles: the block-sparse tables of `blocks` per window of the drafter's layers
+    (dflash.block_mask.tiles_by_window, on the drafter's device) for flex_attention; None: SDPA
+    with the dense masks."""
     with torch.no_grad():
         block_emb = head.embed_tokens(blocks.block_ids)  # frozen: no gradient to the embeddings
     ctx_len = features_BSF.shape[1]
     if tiles is None:
-        mask = block_attention_mask(blocks.anchors, blocks.anchor_valid, ctx_len, blocks.block_size)
+        mask = layer_masks(blocks.anchors, blocks.anchor_valid, ctx_len, blocks.block_size, drafter.windows)
     else:
-        mask = flex_block_mask(tiles, blocks.anchors, blocks.anchor_valid, ctx_len, blocks.block_size)
+        mask = {
+            window: flex_block_mask(
+                tiles[window], blocks.anchors, blocks.anchor_valid, ctx_len, blocks.block_size, window
+            )
+            for window in drafter.windows
+        }
     device_type = features_BSF.device.type
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device_type == "cuda" else nullcontext()
     with autocast:
@@ -112,7 +118,10 @@ class DrafterStep:
         num_anchors = int(blocks.anchor_valid.sum())  # host tensor: no device sync
         tiles = None
         if settings.flex_attention:  # tile tables from the host-side anchors: no device sync
-            tiles = tiles_for(blocks, batch.input_ids.shape[1]).to(self.device, non_blocking=True)
+            tiles = {
+                window: table.to(self.device, non_blocking=True)
+                for window, table in tiles_by_window(blocks, batch.input_ids.shape[1], self.drafter.windows).items()
+            }
         blocks = blocks.to(self.device, non_blocking=True)
         # Seeded by the batch's place in the schedule: resumed runs, any replica or node count
         # draw the same feature noise for the same batch, with no generator state to save.

@@ -92,7 +92,8 @@ def drafter_flops(
 ) -> float:
     """Forward + backward of the drafter step. Trained weights: forward + 2x backward; the
     frozen LM head: forward + input gradient, on the `labelled` positions only (the others,
-    block position 0 among them, carry no loss); fc sees target features (no input gradient)."""
+    block position 0 among them, carry no loss); fc sees target features (no input gradient).
+    blocks_visible: the (query, key) pairs the draft layers may attend, all layers summed."""
     config = drafter.config
     per_layer_block = sum(
         linear_params(m)
@@ -108,7 +109,7 @@ def drafter_flops(
         + 2 * kv * ctx_tokens
         + 2 * linear_params(drafter.fc) * ctx_tokens
     )
-    attention = 4 * config.num_attention_heads * config.head_dim * blocks_visible * len(drafter.layers)
+    attention = 4 * config.num_attention_heads * config.head_dim * blocks_visible  # summed over layers
     lm_head = 2 * head.lm_head.weight.numel() * labelled
     return 3 * forward + 3 * attention + 2 * lm_head
 
@@ -260,18 +261,22 @@ def main() -> None:
 
 
 def visible_keys(step_fn, batch: Batch) -> tuple[float, int, int]:
-    """Keys each block query may see, summed (context before its anchor + its block), the
-    block tokens and the labelled positions (the LM head's rows), for the anchors this step draws."""
+    """Keys the block queries may see, summed over queries and draft layers (the context before
+    the anchor, inside the window of a sliding layer, plus the query's block), the block tokens
+    and the labelled positions (the LM head's rows), for the anchors this step draws."""
     from dflash.step import make_blocks
 
-    blocks = make_blocks(batch, step_fn.drafter, step_fn.block_settings, keep_fraction=0.0)
-    valid = blocks.anchor_valid
-    per_block = (blocks.anchors + blocks.block_size) * valid
-    return (
-        float(per_block.sum()) * blocks.block_size,
-        int(valid.sum()) * blocks.block_size,
-        len(blocks.loss_rows),
-    )
+    drafter = step_fn.drafter
+    blocks = make_blocks(batch, drafter, step_fn.block_settings, keep_fraction=0.0)
+    valid = blocks.anchor_valid.numpy()
+    anchors = blocks.anchors.numpy()[:, :, None]  # [B, A, 1]
+    offsets = np.arange(blocks.block_size)[None, None, :]
+    visible = 0.0
+    for window in drafter.layer_windows:
+        sees_from = 0 if window is None else np.maximum(anchors + offsets - window + 1, 0)
+        context = np.maximum(anchors - sees_from, 0) * valid[:, :, None]
+        visible += float(context.sum()) + blocks.block_size * blocks.block_size * int(valid.sum())
+    return visible, int(valid.sum()) * blocks.block_size, len(blocks.loss_rows)
 
 
 if __name__ == "__main__":

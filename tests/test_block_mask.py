@@ -32,17 +32,12 @@ def tile_of(dense_BQK: torch.Tensor, b: int, q_tile: int, kv_tile: int) -> torch
     return dense_BQK[b, q_tile * TILE : (q_tile + 1) * TILE, kv_tile * TILE : (kv_tile + 1) * TILE]
 
 
-@pytest.mark.parametrize("shape", SHAPES)
-def test_tile_tables_cover_the_dense_mask_exactly(shape):
-    """A skipped tile must be entirely invisible, a full tile entirely visible; partial tiles get
-    the element-wise rule. This is what makes the sparse kernel compute the dense result."""
-    batch, ctx_len, num_anchors, block_size = shape
-    anchors, valid = random_anchors(batch, ctx_len, num_anchors, seed=sum(shape))
-    tiles = kv_tiles(anchors, valid, ctx_len, block_size)
-    dense = block_attention_mask(torch.from_numpy(anchors), torch.from_numpy(valid), ctx_len, block_size)
+def assert_tiles_cover(tiles, dense: torch.Tensor) -> tuple[int, int]:
+    """Every skipped tile of `tiles` is invisible in `dense`, every full tile entirely visible,
+    no tile both; returns the (skipped, full) tile counts."""
     q_tiles, kv_tiles_total = -(-dense.shape[1] // TILE), -(-dense.shape[2] // TILE)
     skipped = full = 0
-    for b in range(batch):
+    for b in range(dense.shape[0]):
         for t in range(q_tiles):
             partial_set = set(tiles.partial_index[b, 0, t, : tiles.partial_count[b, 0, t]].tolist())
             full_set = set(tiles.full_index[b, 0, t, : tiles.full_count[b, 0, t]].tolist())
@@ -55,6 +50,18 @@ def test_tile_tables_cover_the_dense_mask_exactly(shape):
                 elif k not in partial_set:
                     assert not block.any(), (b, t, k)
                     skipped += 1
+    return skipped, full
+
+
+@pytest.mark.parametrize("shape", SHAPES)
+def test_tile_tables_cover_the_dense_mask_exactly(shape):
+    """A skipped tile must be entirely invisible, a full tile entirely visible; partial tiles get
+    the element-wise rule. This is what makes the sparse kernel compute the dense result."""
+    batch, ctx_len, num_anchors, block_size = shape
+    anchors, valid = random_anchors(batch, ctx_len, num_anchors, seed=sum(shape))
+    tiles = kv_tiles(anchors, valid, ctx_len, block_size)
+    dense = block_attention_mask(torch.from_numpy(anchors), torch.from_numpy(valid), ctx_len, block_size)
+    skipped, full = assert_tiles_cover(tiles, dense)
     if ctx_len >= 700:  # long contexts: most tiles are skipped or need no element-wise rule
         assert skipped > 0 and full > 0
 

@@ -46,6 +46,7 @@ def option_overrides(group: str, option: str, request) -> list[str]:
             f"target.path={request.getfixturevalue('tiny_qwen3_next_dir')}"
         ],
         ("drafter", "b16"): lambda: ["drafter.mask_token_id=511", "target.arch.num_hidden_layers=12"],
+        ("drafter", "b16_sliding"): lambda: ["drafter.mask_token_id=511", "target.arch.num_hidden_layers=12"],
         # Qwen3-8B's shape would not fit this machine: the option's own keys, at the tiny sizes.
         ("target", "qwen3_8b_random"): lambda: [
             f"target.arch.{key}={value}" for key, value in TINY_ARCH.items()
@@ -191,6 +192,10 @@ def test_gpu_split_from_config():
         (["drafter.target_layer_ids=[1,9]"], "drafter.target_layer_ids"),
         (["drafter.mask_token_id=512"], "drafter.mask_token_id"),
         (["drafter.block_size=1"], "drafter.block_size"),
+        (["drafter.layer_types=[sliding_attention]"], "drafter.layer_types has 1 entries for drafter.num_layers=2"),
+        (["drafter.layer_types=[sliding_attention,full_attention]"], "drafter.sliding_window must be >= drafter.block_size=4"),
+        (["drafter.layer_types=[sliding_attention,full_attention]", "drafter.sliding_window=3"], "drafter.sliding_window must be"),
+        (["drafter.sliding_window=64"], "drafter.sliding_window=64 is set but no layer slides"),
         (["loss.gamma=0"], "loss.gamma"),
         (["loss.logits_chunk=-1"], "loss.logits_chunk"),
         (["drafter.attention=flex"], "drafter.attention=flex trains on CUDA only"),

@@ -31,8 +31,19 @@ def tiny_target() -> FrozenTarget:
     return FrozenTarget(AutoModelForCausalLM.from_config(config), [1, 3])
 
 
-def tiny_drafter(target: FrozenTarget, block_size: int = 4) -> DFlashDrafter:
-    cfg = DrafterConfig(name="t", num_layers=2, block_size=block_size, mask_token_id=MASK_ID, num_anchors=8)
+def tiny_drafter(
+    target: FrozenTarget, block_size: int = 4, layer_types: list[str] | None = None, sliding_window: int | None = None
+) -> DFlashDrafter:
+    """layer_types / sliding_window: drafter.layer_types and drafter.sliding_window."""
+    cfg = DrafterConfig(
+        name="t",
+        num_layers=2,
+        block_size=block_size,
+        mask_token_id=MASK_ID,
+        num_anchors=8,
+        layer_types=layer_types,
+        sliding_window=sliding_window,
+    )
     torch.manual_seed(1)
     return DFlashDrafter(drafter_config(cfg, target.config, target.layer_ids))
 

@@ -38,6 +38,7 @@ FIELDS = [
     "layer_types",
     "sliding_window",
     "use_sliding_window",
+    "is_causal",
     "block_size",
     "num_target_layers",
     "dflash_config",
@@ -72,8 +73,9 @@ def read_under_4_57(directory: Path) -> dict:
     return json.loads(result.stdout.strip().splitlines()[-1])
 
 
-def export_for(target_config, tmp_path: Path) -> Path:
-    cfg = DrafterConfig(name="b16", num_layers=1, block_size=16, mask_token_id=16, num_features=2)
+def export_for(target_config, tmp_path: Path, **drafter_fields) -> Path:
+    fields = {"name": "b16", "num_layers": 1, "block_size": 16, "mask_token_id": 16, "num_features": 2}
+    cfg = DrafterConfig(**{**fields, **drafter_fields})
     drafter = DFlashDrafter(drafter_config(cfg, target_config, [1, 3]))
     export_drafter(drafter, tmp_path / "export")
     return tmp_path / "export"
@@ -125,3 +127,14 @@ def test_a_qwen3_shaped_export_reads_alike_under_transformers_4_57(rope, tmp_pat
     )
     theirs = assert_read_alike(export_for(target, tmp_path))
     assert theirs["rope_theta"] == rope["rope_theta"]
+
+
+def test_a_sliding_window_export_reads_alike_under_transformers_4_57(tmp_path):
+    """4 sliding + 1 full layer (the long-context recipe): the window survives 4.57's reading
+    (it drops sliding_window without use_sliding_window) and the layers stay bidirectional."""
+    target = AutoConfig.for_model("qwen3", **TINY_ARCH)
+    layer_types = ["sliding_attention"] * 4 + ["full_attention"]
+    directory = export_for(target, tmp_path, num_layers=5, layer_types=layer_types, sliding_window=2048)
+    theirs = assert_read_alike(directory)
+    assert theirs["fields"]["layer_types"] == layer_types
+    assert theirs["fields"]["sliding_window"] == 2048 and theirs["fields"]["is_causal"] is False

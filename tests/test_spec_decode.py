@@ -168,16 +168,18 @@ def test_both_decoders_stop_at_the_first_stop_token_inclusive():
     assert result.output_ids == expected and sum(result.acceptance_lengths) == len(expected) - 1
 
 
+@pytest.mark.parametrize("layer_types", [None, ["sliding_attention", "full_attention"]])
 @torch.no_grad()
-def test_decoding_drafts_are_what_training_scores():
+def test_decoding_drafts_are_what_training_scores(layer_types):
     """At any anchor, both decoders draft exactly the training forward's argmax over the same
     context: the accuracy training measures (and tau_sim built on it) is the acceptance decoding
-    gets. Decoding writes features past the anchor too (rejected drafts): they must stay unseen."""
-    from dflash.blocks import block_attention_mask
+    gets. Decoding writes features past the anchor too (rejected drafts): they must stay unseen.
+    A sliding layer (window 8 here, shorter than most contexts) windows decoding as training."""
+    from dflash.blocks import layer_masks
     from dflash.decoding.static_drafter import StaticCacheDrafter
 
     target = tiny_target()
-    drafter = tiny_drafter(target).eval()
+    drafter = tiny_drafter(target, layer_types=layer_types, sliding_window=8 if layer_types else None).eval()
     torch.manual_seed(4)
     ids = torch.randint(0, 500, (1, 40))
     features = target(ids).features
@@ -188,7 +190,7 @@ def test_decoding_drafts_are_what_training_scores():
         block_ids = torch.full((1, block_size), drafter.mask_token_id)
         block_ids[0, 0] = ids[0, anchor]
         positions = (anchor + torch.arange(block_size))[None]
-        mask = block_attention_mask(torch.tensor([[anchor]]), torch.tensor([[True]]), 40, block_size)
+        mask = layer_masks(torch.tensor([[anchor]]), torch.tensor([[True]]), 40, block_size, drafter.windows)
         hidden = drafter(features, target.embed_tokens(block_ids), positions, mask)
         trained = target.lm_head(hidden)[0, 1:].argmax(-1).tolist()
         context = DrafterContext(drafter)

@@ -57,6 +57,13 @@ class AttentionKind(str, Enum):
     sdpa = "sdpa"  # SDPA with the dense [B, Q, S + Q] mask: the reference
 
 
+class LayerType(str, Enum):
+    """A draft layer's attention, under the names the serving engines read from `layer_types`."""
+
+    full_attention = "full_attention"  # every context key before the anchor
+    sliding_attention = "sliding_attention"  # the context keys within drafter.sliding_window
+
+
 class SyntheticText(str, Enum):
     greedy = "greedy"  # the target continues each prompt greedily: text a drafter can learn
     random = "random"  # uniformly random tokens, no target call: throughput runs at scale
@@ -131,6 +138,12 @@ class DrafterConfig:
     num_attention_heads: Optional[int] = None
     num_key_value_heads: Optional[int] = None
     head_dim: Optional[int] = None
+    # One entry per draft layer (null: all full_attention). A sliding_attention layer sees only
+    # the context keys within sliding_window positions of each query (docs/ARCHITECTURE.md §1);
+    # in-block attention stays bidirectional in every layer.
+    layer_types: Optional[list[LayerType]] = None
+    # Window of the sliding layers, in positions (>= block_size); required when any layer slides.
+    sliding_window: Optional[int] = None
     init_seed: int = 0
     # Training attention kernel (decoding always uses the dense mask: one block per step).
     attention: AttentionKind = AttentionKind.auto

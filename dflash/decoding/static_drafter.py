@@ -3,7 +3,7 @@
 The context keys/values of position p depend only on the target features at p, so they are
 written once, when the target computes those features (the verification forward of the round
 that commits p), at their absolute positions. A draft reads the cache up to a bucketed length
-`kv_len` through the training mask builder (`block_attention_mask`: context strictly before the
+`kv_len` through the training mask builder (`layer_masks`: context strictly before the
 anchor, the whole block bidirectionally), so entries at or after the anchor — features of
 rejected drafts, or stale ones from an earlier sequence — are never seen.
 """
@@ -15,7 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash.blocks import block_attention_mask
+from dflash.blocks import layer_masks
 from dflash.decoding.kv_cache import StaticKV
 from dflash.models.compile import compile_shared
 from dflash.models.drafter import DFlashDrafter
@@ -71,11 +71,12 @@ class StaticCacheDrafter(nn.Module):
     ) -> torch.Tensor:
         block_ids = torch.cat([anchor_1.view(1, 1), self.mask_row[:, 1:]], dim=1)
         positions = anchor_pos_1.view(1, 1) + self.offsets
-        mask = block_attention_mask(
+        mask = layer_masks(
             anchor_pos_1.view(1, 1),
             torch.ones((1, 1), dtype=torch.bool, device=anchor_1.device),
             ctx_len=kv_len,
             block_size=self.block_size,
+            windows=self.drafter.windows,
         )
         context = [self.kv.prefix(index, kv_len) for index in range(len(self.kv.keys))]
         hidden = self.drafter.draft(context, self.target.embed_tokens(block_ids), positions, mask)

@@ -156,9 +156,26 @@ def layer_type_problems(config: dict[str, Any]) -> list[str]:
     unknown = sorted(set(layer_types) - set(LAYER_TYPES))
     if unknown:
         problems.append(f"layer_types holds {unknown}; the readers know {list(LAYER_TYPES)}")
+    if "sliding_attention" not in layer_types:
+        return problems
     window = config.get("sliding_window")
-    if "sliding_attention" in layer_types and (not isinstance(window, int) or window <= 0):
+    if not isinstance(window, int) or window <= 0:
         problems.append(f"sliding layers need a positive sliding_window, got {window!r}")
+    elif isinstance(config.get("block_size"), int) and window < config["block_size"]:
+        problems.append(
+            f"sliding_window {window} is shorter than block_size {config['block_size']}: "
+            "a sliding layer would not see its whole block"
+        )
+    if config.get("use_sliding_window") is not True:
+        problems.append(
+            "sliding layers need use_sliding_window: true (transformers, 4.57 and 5, sets "
+            "sliding_window to null without it: the reference would run full attention)"
+        )
+    if config.get("is_causal") is not False:
+        problems.append(
+            f"sliding layers need is_causal: false, got {config.get('is_causal')!r} (SGLang and vLLM "
+            "run a sliding layer causally inside the block unless it is false; dflash trains it bidirectional)"
+        )
     return problems
 
 

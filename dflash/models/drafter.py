@@ -9,7 +9,8 @@ the returned hidden states with the target's frozen `lm_head`.
 from __future__ import annotations
 
 import functools
-from typing import Any
+from collections.abc import Mapping
+from typing import Any, Union
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +24,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
     apply_rotary_pos_emb,
 )
 
-from dflash.config.schema import DrafterConfig
+from dflash.config.schema import DrafterConfig, LayerType
 from dflash.models.compile import compile_shared
 
 # Qwen3 fields a drafter copies from its target (hidden size must match: KV injection and the
@@ -65,17 +66,41 @@ def drafter_config(cfg: DrafterConfig, target: PretrainedConfig, layer_ids: list
             f"drafter.intermediate_size must be set: the target ({target.model_type}) has no dense MLP "
             f"width to copy (its MLPs are experts); e.g. drafter.intermediate_size={3 * target.hidden_size}"
         )
+    layer_types = [LayerType(kind).value for kind in cfg.layer_types or [LayerType.full_attention] * cfg.num_layers]
+    sliding = LayerType.sliding_attention.value in layer_types
     config = Qwen3Config(
         **fields,
         num_hidden_layers=cfg.num_layers,
         attention_bias=False,
         tie_word_embeddings=False,
+        layer_types=layer_types,
+        # transformers (4.57 and 5 alike) drops sliding_window when use_sliding_window is false.
+        use_sliding_window=sliding,
+        sliding_window=cfg.sliding_window if sliding else None,
     )
+    # Every layer attends to its own block bidirectionally (the reference runs is_causal=False);
+    # SGLang and vLLM run a sliding layer causally unless the config says otherwise.
+    config.is_causal = False
     config.architectures = ["DFlashDraftModel"]
     config.block_size = cfg.block_size
     config.num_target_layers = target.num_hidden_layers
     config.dflash_config = {"mask_token_id": cfg.mask_token_id, "target_layer_ids": list(layer_ids)}
     return config
+
+
+Mask = Union[torch.Tensor, BlockMask]
+# One mask per distinct window of the drafter's layers (None: full attention), or one mask for
+# a drafter whose layers are all full attention.
+LayerMasks = Union[Mask, Mapping[Union[int, None], Mask]]
+
+
+def layer_windows(config: PretrainedConfig) -> list[int | None]:
+    """Each draft layer's sliding window, None for a full-attention layer (config.layer_types,
+    as transformers resolves it; absent: every layer full)."""
+    layer_types = getattr(config, "layer_types", None) or [LayerType.full_attention.value] * config.num_hidden_layers
+    return [
+        config.sliding_window if kind == LayerType.sliding_attention.value else None for kind in layer_types
+    ]
 
 
 @functools.cache
@@ -169,6 +194,19 @@ class DFlashDrafter(nn.Module):
         self.target_layer_ids: list[int] = list(config.dflash_config["target_layer_ids"])
         hidden = config.hidden_size
         self.layers = nn.ModuleList(DFlashDecoderLayer(config) for _ in range(config.num_hidden_layers))
+        if getattr(config, "is_causal", None) is True:
+            raise ValueError(
+                "this drafter config sets is_causal: true (causal attention inside the block); "
+                "dflash trains and decodes DFlash drafters with bidirectional blocks only"
+            )
+        self.layer_windows = layer_windows(config)
+        if any(window is not None and window < self.block_size for window in self.layer_windows):
+            raise ValueError(
+                f"sliding_window={config.sliding_window} is shorter than block_size={self.block_size}: "
+                "a sliding layer would not see its own block"
+            )
+        # The distinct windows, in layer order: callers build one attention mask per entry.
+        self.windows: tuple[int | None, ...] = tuple(dict.fromkeys(self.layer_windows))
         self.fc = nn.Linear(len(self.target_layer_ids) * hidden, hidden, bias=False)
         self.hidden_norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
         self.norm = Qwen3RMSNorm(hidden, eps=config.rms_norm_eps)
@@ -212,14 +250,31 @@ class DFlashDrafter(nn.Module):
         ctx_rope = self.rotary_emb(ctx_BSH, positions_BS)
         return [layer.self_attn.context_kv(ctx_BSH, ctx_rope) for layer in self.layers]
 
+    def _per_layer(self, masks: LayerMasks) -> tuple[Mask, ...]:
+        """Each layer's mask (dense ones given the head axis), from one mask per window."""
+        if not isinstance(masks, Mapping):
+            if self.windows != (None,):
+                raise ValueError(
+                    f"this drafter has sliding layers (windows {self.windows}): pass one attention "
+                    "mask per window (dflash.blocks.layer_masks with drafter.windows)"
+                )
+            masks = {None: masks}
+        missing = [window for window in self.windows if window not in masks]
+        if missing:
+            raise ValueError(f"no attention mask for the layers of window(s) {missing}")
+        shaped = {
+            window: mask if isinstance(mask, BlockMask) else mask.unsqueeze(1) for window, mask in masks.items()
+        }
+        return tuple(shaped[window] for window in self.layer_windows)
+
     def _layers(
         self,
         hidden_BQH: torch.Tensor,
         ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
         block_rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | BlockMask,
+        masks: tuple[Mask, ...],
     ) -> torch.Tensor:
-        for layer, layer_kv in zip(self.layers, ctx_kv):
+        for layer, layer_kv, mask in zip(self.layers, ctx_kv, masks):
             hidden_BQH = layer(hidden_BQH, layer_kv, block_rope, mask)
         return self.norm(hidden_BQH)
 
@@ -229,14 +284,14 @@ class DFlashDrafter(nn.Module):
         ctx_rope: tuple[torch.Tensor, torch.Tensor],
         hidden_BQH: torch.Tensor,
         block_rope: tuple[torch.Tensor, torch.Tensor],
-        mask: torch.Tensor | BlockMask,
+        masks: tuple[Mask, ...],
     ) -> torch.Tensor:
         """Every layer's context keys/values (k/v projections, k-norm, RoPE), then the layers:
         the part of the training forward `compile_training` compiles. The projections' norm and
         rotation are small elementwise kernels over every context position of every layer, which
         the compiled graph fuses, forward and backward."""
         ctx_kv = [layer.self_attn.context_kv(ctx_BSH, ctx_rope) for layer in self.layers]
-        return self._layers(hidden_BQH, ctx_kv, block_rope, mask)
+        return self._layers(hidden_BQH, ctx_kv, block_rope, masks)
 
     def compile_training(self, backend: Any = "inductor", dynamic: bool | None = True) -> None:
         """Compile the training forward's context projections and draft layers as one graph
@@ -253,46 +308,46 @@ class DFlashDrafter(nn.Module):
         return state
 
     def _block_inputs(
-        self, block_emb_BQH: torch.Tensor, block_pos_BQ: torch.Tensor, attn_mask_BQK: torch.Tensor | BlockMask
-    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], torch.Tensor | BlockMask]:
+        self, block_emb_BQH: torch.Tensor, block_pos_BQ: torch.Tensor, attn_masks: LayerMasks
+    ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor], tuple[Mask, ...]]:
         hidden = block_emb_BQH.to(self.fc.weight.dtype)
         block_rope = self.rotary_emb(hidden, block_pos_BQ)
-        mask = attn_mask_BQK if isinstance(attn_mask_BQK, BlockMask) else attn_mask_BQK.unsqueeze(1)
-        return hidden, block_rope, mask
+        return hidden, block_rope, self._per_layer(attn_masks)
 
     def draft(
         self,
         ctx_kv: list[tuple[torch.Tensor, torch.Tensor]],
         block_emb_BQH: torch.Tensor,
         block_pos_BQ: torch.Tensor,
-        attn_mask_BQK: torch.Tensor | BlockMask,
+        attn_masks: LayerMasks,
     ) -> torch.Tensor:
         """Hidden states of the block positions (after the final norm), [B, Q, H]; eager."""
-        hidden, block_rope, mask = self._block_inputs(block_emb_BQH, block_pos_BQ, attn_mask_BQK)
-        return self._layers(hidden, ctx_kv, block_rope, mask)
+        hidden, block_rope, masks = self._block_inputs(block_emb_BQH, block_pos_BQ, attn_masks)
+        return self._layers(hidden, ctx_kv, block_rope, masks)
 
     def forward(
         self,
         features_BSF: torch.Tensor,
         block_emb_BQH: torch.Tensor,
         block_pos_BQ: torch.Tensor,
-        attn_mask_BQK: torch.Tensor | BlockMask,
+        attn_masks: LayerMasks,
         feature_noise_std: float = 0.0,
         noise_generator: torch.Generator | None = None,
     ) -> torch.Tensor:
         """Hidden states of the block positions (after the final norm), [B, Q, H]; the training
         path (compiled after `compile_training`, when gradients are on).
 
-        attn_mask_BQK: bool, True = visible; keys are [context 0..S-1, block tokens 0..Q-1]; or
-        the same rule as a flex_attention BlockMask.
+        attn_masks: bool [B, Q, S + Q], True = visible; keys are [context 0..S-1, block tokens
+        0..Q-1]; or the same rule as a flex_attention BlockMask; one per entry of `windows`
+        (a mapping window -> mask) when some layers slide.
         """
         bsz, ctx_len, _ = features_BSF.shape
         ctx_pos = torch.arange(ctx_len, device=features_BSF.device).unsqueeze(0).expand(bsz, -1)
         ctx_BSH = self.context(features_BSF, feature_noise_std, noise_generator)
         ctx_rope = self.rotary_emb(ctx_BSH, ctx_pos)
-        hidden, block_rope, mask = self._block_inputs(block_emb_BQH, block_pos_BQ, attn_mask_BQK)
+        hidden, block_rope, masks = self._block_inputs(block_emb_BQH, block_pos_BQ, attn_masks)
         # The compiled graph is the training one: without gradients (validation) the eager code
         # runs, rather than a second graph compiled for no_grad.
         compiled = self._compiled_forward is not None and torch.is_grad_enabled()
         run = self._compiled_forward if compiled else self._context_and_layers
-        return run(ctx_BSH, ctx_rope, hidden, block_rope, mask)
+        return run(ctx_BSH, ctx_rope, hidden, block_rope, masks)

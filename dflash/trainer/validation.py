@@ -20,7 +20,7 @@ import logging
 import numpy as np
 import torch
 
-from dflash.block_mask import tiles_for
+from dflash.block_mask import tiles_by_window
 from dflash.data.collate import collate
 from dflash.data.dataset import TokenDataset
 from dflash.data.schedule import BlockBudget, PlannedBatch, pack_bucket
@@ -79,7 +79,10 @@ class Validation:
             blocks = make_blocks(batch, drafter, self.settings, keep_fraction=0.0)
             tiles = None
             if self.settings.flex_attention:
-                tiles = tiles_for(blocks, batch.input_ids.shape[1]).to(device)
+                tiles = {
+                    window: table.to(device)
+                    for window, table in tiles_by_window(blocks, batch.input_ids.shape[1], drafter.windows).items()
+                }
             stats = drafter_forward_loss(
                 head,
                 drafter,
