@@ -28,6 +28,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
+from dflash.export import speculators
 from dflash.models.drafter import DFlashDrafter
 
 CONFIG_FILE = "config.json"
@@ -55,18 +56,15 @@ def readable_by_every_transformers(config: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
-def export_drafter(drafter: DFlashDrafter, directory: Path) -> None:
-    """Write config.json + model.safetensors in the layout inference engines load."""
-    directory.mkdir(parents=True, exist_ok=True)
+def _exported_config(drafter: DFlashDrafter) -> dict[str, Any]:
     config = drafter.config.to_dict()
     config["dtype"] = str(next(drafter.parameters()).dtype).removeprefix("torch.")
-    config = readable_by_every_transformers(config)
+    return readable_by_every_transformers(config)
+
+
+def _write(directory: Path, config: dict[str, Any], state: dict[str, torch.Tensor]) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
     (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-    state = {
-        name: tensor.detach().contiguous().cpu()
-        for name, tensor in drafter.state_dict().items()
-        if name.startswith(EXPORTED_PREFIXES)
-    }
     weights = directory / WEIGHTS_FILE
     save_file(state, str(weights), metadata={"format": "pt"})
     # safetensors creates the file owner-only (0600); give it the mode config.json got from the
@@ -74,12 +72,58 @@ def export_drafter(drafter: DFlashDrafter, directory: Path) -> None:
     os.chmod(weights, (directory / CONFIG_FILE).stat().st_mode & 0o777)
 
 
-def read_drafter_config(directory: Path) -> Qwen3Config:
+def _drafter_tensors(drafter: DFlashDrafter) -> dict[str, torch.Tensor]:
+    return {
+        name: tensor.detach().contiguous().cpu()
+        for name, tensor in drafter.state_dict().items()
+        if name.startswith(EXPORTED_PREFIXES)
+    }
+
+
+def export_drafter(drafter: DFlashDrafter, directory: Path) -> None:
+    """Write config.json + model.safetensors in the layout inference engines load."""
+    _write(Path(directory), _exported_config(drafter), _drafter_tensors(drafter))
+
+
+def export_speculators(
+    drafter: DFlashDrafter, directory: Path, *, verifier: dict[str, Any], target_dir: Path | None = None
+) -> None:
+    """The same drafter in the speculators layout (dflash/export/speculators.py); with the
+    target's checkpoint directory, self-contained: its embedding and LM head bundled, in the
+    drafter's dtype."""
+    state = _drafter_tensors(drafter)
+    if target_dir is not None:
+        dtype = next(iter(state.values())).dtype
+        tables = speculators.target_tables(Path(target_dir))
+        hidden, vocab = drafter.config.hidden_size, drafter.config.vocab_size
+        for name, table in tables.items():
+            if tuple(table.shape) != (vocab, hidden):
+                raise ValueError(
+                    f"{target_dir}: its {name} is {list(table.shape)}, the drafter needs [{vocab}, {hidden}]: "
+                    "another target than the drafter was trained for"
+                )
+            state[name] = table.to(dtype).contiguous()
+    config = speculators.to_speculators(_exported_config(drafter), verifier=verifier)
+    _write(Path(directory), config, state)
+
+
+def _raw_config(directory: Path) -> dict[str, Any]:
     path = Path(directory) / CONFIG_FILE
     try:
-        raw = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: not a readable drafter config ({exc})") from exc
+
+
+def read_drafter_config(directory: Path) -> Qwen3Config:
+    """The drafter config of a directory in the z-lab layout (ours) or the speculators one."""
+    path = Path(directory) / CONFIG_FILE
+    raw = _raw_config(directory)
+    if speculators.is_speculators(raw):
+        problems = speculators.speculators_problems(raw)
+        if problems:
+            raise ValueError(f"{path}: a speculators config dflash cannot read ({'; '.join(problems)})")
+        raw = speculators.from_speculators(raw)
     missing = [key for key in ("block_size", "dflash_config") if key not in raw]
     if missing or "mask_token_id" not in raw.get("dflash_config", {}):
         raise ValueError(
@@ -115,10 +159,13 @@ def check_resume_matches(
     target would run, and train a drafter that inference then misuses.
     """
     saved = read_drafter_config(directory)
+    # The speculators layout records no target depth (its layer ids are checked against the
+    # target's depth with every run's).
+    unrecorded = {"num_target_layers"} if getattr(saved, "num_target_layers", None) is None else set()
     differences = [
         (key, getattr(saved, name, None), getattr(run_config, name, None))
         for name, key in RESUME_FIELDS.items()
-        if getattr(saved, name, None) != getattr(run_config, name, None)
+        if name not in unrecorded and getattr(saved, name, None) != getattr(run_config, name, None)
     ]
     for name in ("target_layer_ids", "mask_token_id"):
         if saved.dflash_config.get(name) != run_config.dflash_config[name]:
@@ -141,8 +188,9 @@ def check_resume_matches(
 def load_drafter_weights(drafter: DFlashDrafter, directory: Path) -> None:
     """model.safetensors of `directory` into `drafter`; every key must match both ways."""
     path = Path(directory) / WEIGHTS_FILE
+    raw = _raw_config(directory)
     try:
-        state = load_file(str(path))
+        state = speculators.drafter_state(path, raw) if speculators.is_speculators(raw) else load_file(str(path))
     except (OSError, SafetensorError) as exc:
         raise ValueError(f"{path}: unreadable drafter weights ({exc})") from exc
     try:

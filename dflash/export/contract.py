@@ -17,6 +17,8 @@ from typing import Any
 
 from safetensors import SafetensorError, safe_open
 
+from dflash.export import speculators
+
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 LAYER_TYPES = ("full_attention", "sliding_attention")
@@ -69,9 +71,12 @@ def _field(config: dict[str, Any], key: str) -> Any:
     return config.get(key, (config.get("dflash_config") or {}).get(key))
 
 
-def config_problems(config: dict[str, Any], *, target: dict[str, Any] | None) -> list[str]:
+def config_problems(config: dict[str, Any], *, target: dict[str, Any] | None, layout: str = "zlab") -> list[str]:
     """The config rules; `target` (the target's text config as a dict, or None) adds the pairing
-    rules: depth, hidden size and vocabulary."""
+    rules: depth, hidden size and vocabulary. layout="speculators" (converted to z-lab fields):
+    it records no num_target_layers (only a target can check its layer ids), and its readers
+    (speculators, vLLM) run transformers 5, so the 4.57 rotary fields are not needed."""
+    records_depth = layout == "zlab"
     problems = []
     if config.get("architectures") != ["DFlashDraftModel"]:
         problems.append(
@@ -103,8 +108,8 @@ def config_problems(config: dict[str, Any], *, target: dict[str, Any] | None) ->
         problems.append(
             f"dflash_config.mask_token_id {mask_id} is outside the vocabulary ({config['vocab_size']})"
         )
-    depth = _field(config, "num_target_layers")
-    if not isinstance(depth, int) or depth <= 0:
+    depth = _field(config, "num_target_layers") if records_depth else (target or {}).get("num_hidden_layers")
+    if records_depth and (not isinstance(depth, int) or depth <= 0):
         problems.append(f"num_target_layers is {depth!r}: the target's layer count is needed")
         depth = None
     if not isinstance(layer_ids, list) or not layer_ids or not all(isinstance(i, int) for i in layer_ids):
@@ -119,10 +124,11 @@ def config_problems(config: dict[str, Any], *, target: dict[str, Any] | None) ->
     block = _field(config, "block_size")
     if not isinstance(block, int) or block < 2:
         problems.append(f"block_size is {block!r}: an integer >= 2 is needed (SGLang would assume 16)")
-    problems += rope_problems(config)
+    if layout == "zlab":
+        problems += rope_problems(config)
     problems += layer_type_problems(config)
     if target is not None:
-        problems += pairing_problems(config, target)
+        problems += pairing_problems(config, target, records_depth=records_depth)
     return problems
 
 
@@ -179,10 +185,10 @@ def layer_type_problems(config: dict[str, Any]) -> list[str]:
     return problems
 
 
-def pairing_problems(config: dict[str, Any], target: dict[str, Any]) -> list[str]:
+def pairing_problems(config: dict[str, Any], target: dict[str, Any], *, records_depth: bool = True) -> list[str]:
     problems = []
     depth = _field(config, "num_target_layers")
-    if depth != target["num_hidden_layers"]:
+    if records_depth and depth != target["num_hidden_layers"]:
         problems.append(f"num_target_layers {depth} but the target has {target['num_hidden_layers']} layers")
     if config["hidden_size"] != target["hidden_size"]:
         problems.append(f"hidden_size {config['hidden_size']} but the target's is {target['hidden_size']}")
@@ -194,8 +200,11 @@ def pairing_problems(config: dict[str, Any], target: dict[str, Any]) -> list[str
     return problems
 
 
-def weight_problems(path: Path, config: dict[str, Any]) -> list[str]:
-    """Names, shapes and dtypes of model.safetensors against the config."""
+def weight_problems(
+    path: Path, config: dict[str, Any], optional: dict[str, tuple[int, ...]] | None = None
+) -> list[str]:
+    """Names, shapes and dtypes of model.safetensors against the config; `optional`: tensors a
+    layout may also hold (the speculators layout's bundled embedding and LM head)."""
     try:
         with safe_open(str(path), "pt") as handle:
             found = {name: handle.get_slice(name) for name in handle.keys()}
@@ -203,8 +212,9 @@ def weight_problems(path: Path, config: dict[str, Any]) -> list[str]:
             dtypes = {name: s.get_dtype() for name, s in found.items()}
     except (OSError, SafetensorError) as exc:
         return [f"{path}: not readable safetensors ({exc})"]
-    expected = expected_tensors(config)
-    problems = [f"{path}: tensor {name} is missing" for name in expected if name not in shapes]
+    required = expected_tensors(config)
+    problems = [f"{path}: tensor {name} is missing" for name in required if name not in shapes]
+    expected = {**required, **{name: shape for name, shape in (optional or {}).items() if name in shapes}}
     for name in sorted(set(shapes) - set(expected)):
         problems.append(
             f"{path}: unexpected tensor {name} (SGLang would skip it silently, vLLM would refuse it)"
@@ -234,12 +244,22 @@ def check_export(directory: Path, *, target: dict[str, Any] | None = None) -> li
         config = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         return [f"{config_path}: not a readable config ({exc})"]
-    problems = [f"{config_path}: {p}" for p in config_problems(config, target=target)]
+    layout, optional = "zlab", None
+    if speculators.is_speculators(config):
+        layout_problems = speculators.speculators_problems(config)
+        if layout_problems:
+            return [f"{config_path}: {p}" for p in layout_problems]
+        config, layout = speculators.from_speculators(config), "speculators"
+        table = (config["vocab_size"], config["hidden_size"])
+        optional = {name: table for name in speculators.BUNDLED_TENSORS}
+    problems = [
+        f"{config_path}: {p}" for p in config_problems(config, target=target, layout=layout)
+    ]
     if not weights_path.is_file():
         return problems + [f"{weights_path}: missing"]
     if not _describes_tensors(config):
         return problems  # which tensors belong there cannot be said from this config
-    return problems + weight_problems(weights_path, config)
+    return problems + weight_problems(weights_path, config, optional)
 
 
 def _describes_tensors(config: dict[str, Any]) -> bool:

@@ -1,12 +1,23 @@
 """`dflash-export check DIR [--target TARGET_DIR]`: does a drafter directory keep the export
 contract every serving reader relies on (docs/EXPORT.md)? One line per problem on stderr and exit
-2 on any; one `ok` line and exit 0 otherwise.
+2 on any; one `ok` line and exit 0 otherwise. Both layouts are checked: z-lab (what dflash
+writes) and speculators.
 
     dflash-export check outputs/run/checkpoints/last
     dflash-export check outputs/run/checkpoints/last --target /models/Qwen3-8B   # + the pairing
 
 `--target`: the target's checkpoint directory (its config.json; for an image-text checkpoint its
 `text_config`): the drafter's num_target_layers, hidden size and mask id are checked against it.
+
+`dflash-export convert SRC DST --layout speculators|zlab [--target TARGET_DIR] [--verifier NAME]`:
+the drafter of SRC (either layout) written to DST in the other one, checked before it is
+reported done. speculators: with `--target`, self-contained (the target's embedding and LM head
+bundled); `--verifier` (default: --target, else the run's target.path) names the target in
+`speculators_config.verifier`.
+
+    dflash-export convert outputs/run/checkpoints/last drafter-speculators --layout speculators \
+        --target /models/Qwen3-8B
+    dflash-export convert /drafters/from-speculators drafter-zlab --layout zlab
 """
 
 from __future__ import annotations
@@ -17,6 +28,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import yaml
+
+from dflash.checkpoint import RUN_CONFIG_FILE, export_drafter, export_speculators, load_drafter
 from dflash.errors import USER_ERROR_EXIT, exit_for_user_error
 from dflash.export.contract import check_export
 from dflash.models.families import IMAGE_TEXT_TYPES
@@ -38,6 +52,52 @@ def target_text_config(directory: Path) -> dict[str, Any]:
     return config
 
 
+def verifier_of(source: Path, target: Path | None, name: str | None) -> dict[str, Any]:
+    """speculators_config.verifier: the target's name (or path) and architectures."""
+    architectures = []
+    if target is not None:
+        architectures = json.loads((target / "config.json").read_text()).get("architectures") or []
+    if name is None and target is not None:
+        name = str(target)
+    run_yaml = source / RUN_CONFIG_FILE
+    if name is None and run_yaml.is_file():
+        name = ((yaml.safe_load(run_yaml.read_text()) or {}).get("target") or {}).get("path")
+    if name is None:
+        exit_for_user_error(TOOL, f"{source}: name the target the drafter serves with --target DIR or --verifier NAME")
+    return {"name_or_path": name, "architectures": architectures}
+
+
+def report(directory: Path, target: dict[str, Any] | None) -> None:
+    problems = check_export(directory, target=target)
+    for problem in problems:
+        print(f"{TOOL}: {problem}", file=sys.stderr)
+    if problems:
+        raise SystemExit(USER_ERROR_EXIT)
+    print(f"ok: {directory} keeps the export contract (docs/EXPORT.md)")
+
+
+def convert(args: argparse.Namespace, target: dict[str, Any] | None) -> None:
+    if args.destination.exists() and any(args.destination.iterdir()):
+        exit_for_user_error(TOOL, f"{args.destination}: not empty; convert writes a new directory")
+    try:
+        drafter = load_drafter(args.source)
+        if args.layout == "zlab":
+            if getattr(drafter.config, "num_target_layers", None) is None:
+                # The speculators layout records no target depth; SGLang resolves layer ids by it.
+                if target is None:
+                    exit_for_user_error(
+                        TOOL, f"{args.source} records no target depth (num_target_layers): give --target DIR"
+                    )
+                drafter.config.num_target_layers = target["num_hidden_layers"]
+            export_drafter(drafter, args.destination)
+        else:
+            verifier = verifier_of(args.source, args.target, args.verifier)
+            export_speculators(drafter, args.destination, verifier=verifier, target_dir=args.target)
+    except ValueError as exc:
+        exit_for_user_error(TOOL, str(exc))
+    report(args.destination, target)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
         prog=TOOL, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -46,16 +106,21 @@ def main(argv: list[str] | None = None) -> None:
     check = commands.add_parser("check", help="validate a drafter directory against the export contract")
     check.add_argument("directory", type=Path)
     check.add_argument("--target", type=Path, help="the target's checkpoint directory, for the pairing rules")
+    conversion = commands.add_parser("convert", help="write a drafter in the other layout (z-lab / speculators)")
+    conversion.add_argument("source", type=Path)
+    conversion.add_argument("destination", type=Path)
+    conversion.add_argument("--layout", choices=("speculators", "zlab"), required=True)
+    conversion.add_argument("--target", type=Path, help="the target's checkpoint directory")
+    conversion.add_argument("--verifier", help="the target's name in speculators_config (default: --target)")
     args = parser.parse_args(argv)
-    if not args.directory.is_dir():
-        exit_for_user_error(TOOL, f"{args.directory}: no such directory")
+    source = args.directory if args.command == "check" else args.source
+    if not source.is_dir():
+        exit_for_user_error(TOOL, f"{source}: no such directory")
     target = target_text_config(args.target) if args.target is not None else None
-    problems = check_export(args.directory, target=target)
-    for problem in problems:
-        print(f"{TOOL}: {problem}", file=sys.stderr)
-    if problems:
-        raise SystemExit(USER_ERROR_EXIT)
-    print(f"ok: {args.directory} keeps the export contract (docs/EXPORT.md)")
+    if args.command == "check":
+        report(args.directory, target)
+    else:
+        convert(args, target)
 
 
 if __name__ == "__main__":
