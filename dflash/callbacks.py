@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import signal
 import subprocess
 import sys
@@ -23,6 +24,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+import yaml
 from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
@@ -35,6 +37,38 @@ from dflash.run_lock import RunDirInUse, RunDirLock, holds_run_dir_lock, launch_
 from dflash.trainer.signals import StopRequested
 
 LIBRARIES = ("dflash", "torch", "transformers", "hydra-core", "omegaconf", "safetensors", "wandb", "numpy")
+
+
+# Config keys whose values are secrets: never written in clear into a record (run.json, .hydra/).
+_SECRET_KEY = re.compile(r"(api_key|password|secret)", re.IGNORECASE)
+# `key=value` inside an override string or Hydra's override_dirname.
+_SECRET_OVERRIDE = re.compile(r"((?:^|[,\s])[+~]*[\w.]*(?:api_key|password|secret)[\w]*=)[^,\s]*", re.IGNORECASE)
+MASK = "***"
+
+
+def masked(value: Any) -> Any:
+    """`value` (a config container, an override list or string) with every secret replaced by ***."""
+    if isinstance(value, dict):
+        return {
+            k: MASK if _SECRET_KEY.search(str(k)) and v not in (None, "") else masked(v) for k, v in value.items()
+        }
+    if isinstance(value, list):
+        return [masked(v) for v in value]
+    if isinstance(value, str):
+        return _SECRET_OVERRIDE.sub(lambda m: m.group(1) + MASK, value)
+    return value
+
+
+def mask_hydra_files(output_dir: Path, subdir: str | None) -> None:
+    """Hydra writes config.yaml, hydra.yaml and overrides.yaml before the job starts: rewrite
+    them with secrets masked (a key typed on the command line would sit there in clear)."""
+    if subdir is None:
+        return
+    for path in (output_dir / subdir).glob("*.yaml"):
+        original = yaml.safe_load(path.read_text())
+        hidden = masked(original)
+        if hidden != original:
+            path.write_text(yaml.safe_dump(hidden, sort_keys=False))
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -121,7 +155,9 @@ class RunRecordCallback(Callback):
         self._unlock()
 
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
-        output_dir = HydraConfig.get().runtime.output_dir
+        hydra_cfg = HydraConfig.get()
+        output_dir = hydra_cfg.runtime.output_dir
+        mask_hydra_files(Path(output_dir), hydra_cfg.output_subdir)
         self._started[output_dir] = time.time()
         self._threads_at_start[output_dir] = dflash_threads()
 
@@ -140,8 +176,8 @@ class RunRecordCallback(Callback):
             "end_time": time.time(),
             "job": {"name": hydra_cfg.job.name, "num": hydra_cfg.job.get("num"), "mode": str(hydra_cfg.mode)},
             "choices": OmegaConf.to_container(hydra_cfg.runtime.choices),
-            "overrides": list(hydra_cfg.overrides.task),
-            "config": _resolved(config),
+            "overrides": masked(list(hydra_cfg.overrides.task)),
+            "config": masked(_resolved(config)),
             "versions": library_versions(),
             "git": git_commit(Path(__file__).resolve().parent),
             "devices": device_inventory(),

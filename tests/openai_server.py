@@ -1,22 +1,34 @@
 """A small OpenAI-compatible chat-completions server on loopback, serving a regen backend.
 
 Enough of the protocol for `openai.OpenAI` (GET /v1/models, POST /v1/chat/completions), plus
-fault injection: the first `fail_first` completion requests answer 503, and any request whose
-last message contains `poison` answers 500 every time.
+fault injection: the first `fail_first` completion requests answer 503, any request whose
+last message contains `poison` answers 500 every time, and one whose last message contains a
+key of `bad_answers` gets that (content type, body) with status 200 (an answer that is no
+reply). `delay_s` slows every completion; `authorizations` records each request's header.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 MODEL_NAME = "tiny-chat"
 
 
 class LoopbackChatServer:
-    def __init__(self, backend, fail_first: int = 0, poison: str = "POISON"):
+    def __init__(
+        self,
+        backend,
+        fail_first: int = 0,
+        poison: str = "POISON",
+        bad_answers: dict[str, tuple[str, bytes]] | None = None,
+        delay_s: float = 0.0,
+    ):
         self.backend, self.fail_first, self.poison = backend, fail_first, poison
+        self.bad_answers, self.delay_s = dict(bad_answers or {}), delay_s
+        self.authorizations: list[str] = []
         self.lock = threading.Lock()
         self.requests = 0
         self.active = 0  # requests being handled right now
@@ -53,11 +65,25 @@ class LoopbackChatServer:
                     with server.active_lock:
                         server.active -= 1
 
+            def _raw(self, content_type: str, body: bytes) -> None:
+                self.send_response(200)
+                self.send_header("Content-Type", content_type)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
             def _complete(self):
                 length = int(self.headers.get("Content-Length", 0))
                 request = json.loads(self.rfile.read(length))
+                time.sleep(server.delay_s)
                 with server.lock:  # one generation at a time; requests queue here
                     server.requests += 1
+                    server.authorizations.append(self.headers.get("Authorization", ""))
+                    last = request["messages"][-1]["content"]
+                    bad = next((answer for key, answer in server.bad_answers.items() if key in last), None)
+                    if bad is not None:
+                        self._raw(*bad)
+                        return
                     if server.requests <= server.fail_first:
                         self._send(503, {"error": {"message": "warming up", "type": "unavailable"}})
                         return

@@ -422,12 +422,17 @@ class RegenConfig:
     cuda_graphs: Optional[bool] = None
     compile: bool = False
     # http: OpenAI-compatible base URL (e.g. http://localhost:8000/v1), model name (null: the
-    # first the server lists), API key, per-request timeout and retries (backoff, 429/5xx/errors).
+    # first the server lists), API key (null: the OPENAI_API_KEY environment variable, else
+    # "EMPTY"; masked as *** in every record), per-request timeout and retries (backoff,
+    # 429/5xx/errors).
     url: Optional[str] = None
     model: Optional[str] = None
-    api_key: str = "EMPTY"
+    api_key: Optional[str] = None
     timeout_s: float = 600.0
     max_retries: int = 5
+    # Exit 2 (after writing what succeeded) when more than this share of the conversations
+    # attempted failed: a dead or misconfigured server is an error, not a short dataset.
+    max_failed_frac: float = 0.01
     # Stop after this many conversations (null: all).
     limit: Optional[int] = None
 

@@ -194,6 +194,21 @@ class TransformersBackend:
         return replies
 
 
+def answer_problem(response: Any) -> str | None:
+    """Why a chat-completions answer holds no usable reply, or None when it does."""
+    choices = getattr(response, "choices", None)
+    if not isinstance(choices, list):
+        return f"not a chat completion: {str(response)[:80]!r}"
+    if not choices:
+        return "no choices"
+    content = getattr(getattr(choices[0], "message", None), "content", None)
+    if not isinstance(content, str):
+        return f"message content is {content!r}"
+    if not content.strip():
+        return "an empty message"
+    return None
+
+
 class HttpBackend:
     """An OpenAI-compatible chat-completions endpoint (thread-safe; one request per call).
 
@@ -227,19 +242,27 @@ class HttpBackend:
             raise ValueError(f"regen.url={url!r}: cannot list the served models ({exc})") from exc
 
     def _one(self, messages: Messages) -> Reply | None:
+        """One reply, or None (a counted failure) for a request that failed after the client's
+        retries or an answer that holds no reply: no `choices`, a body that is not a
+        chat-completion (an HTML error page behind a proxy), a null or empty content."""
         import openai
 
         try:
             response = self.client.chat.completions.create(
                 model=self.model, messages=messages, **self.request_options()
             )
-        except openai.OpenAIError as exc:
-            log.warning("regen: request to %s failed after retries: %s", self.url, exc)
+        except (openai.OpenAIError, ValueError, TypeError, KeyError) as exc:
+            # ValueError & co: a body the client could not parse (invalid JSON behind a 200).
+            log.warning("regen: request to %s failed after retries: %s: %s", self.url, type(exc).__name__, exc)
+            return None
+        problem = answer_problem(response)
+        if problem is not None:
+            log.warning("regen: %s answered without a reply (%s); counted as failed", self.url, problem)
             return None
         choice = response.choices[0]
         usage = getattr(response, "usage", None)
         tokens = getattr(usage, "completion_tokens", None) or 0
-        return Reply(choice.message.content or "", choice.finish_reason or "stop", tokens)
+        return Reply(choice.message.content, choice.finish_reason or "stop", tokens if isinstance(tokens, int) else 0)
 
     def request_options(self) -> dict:
         """Sampling fields left null are not sent: the server applies the model's defaults."""

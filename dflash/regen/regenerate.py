@@ -8,14 +8,18 @@ takes `batch_size` conversations per generate batch, turn by turn; a server back
 `batch_size` conversations in flight, each on its own.
 
 Resumable, nothing written twice: the output is JSON Lines, one line per finished
-conversation (written and flushed whole), keyed by the source location ("file:line"). A rerun
-reads the keys already present, drops a torn last line left by a crash, and does only the rest.
-A conversation whose request failed for good is not written, so a rerun retries it. One live
-process per output (an exclusive lock beside it), and never an output that the inputs include.
+conversation (written and flushed whole), keyed by the source conversation's content (a digest
+of its messages, `source_digest`), so naming the inputs another way (an absolute path, a glob,
+another order) never regenerates or skips one; the same conversation twice in the inputs is
+answered once and counted as a duplicate. A rerun reads the keys already present, drops a torn
+last line left by a crash, and does only the rest. A conversation whose request failed for good
+is not written, so a rerun retries it. One live process per output (an exclusive lock beside
+it), and never an output that the inputs include.
 """
 
 from __future__ import annotations
 
+import hashlib
 import itertools
 import json
 import logging
@@ -50,6 +54,21 @@ class RegenStats:
         self.cut_at_length += other.cut_at_length
         self.generated_tokens += other.generated_tokens
 
+    def attempted(self) -> int:
+        return self.written + self.failed
+
+    def summary(self) -> dict:
+        """The counts, for summary.json (and so the run record)."""
+        return {
+            "already_done": self.already_done,
+            "written": self.written,
+            "failed": self.failed,
+            "replies": self.replies,
+            "cut_at_length": self.cut_at_length,
+            "generated_tokens": self.generated_tokens,
+            "skipped": dict(self.skipped.counts),
+        }
+
     def tokens_per_s(self) -> float:
         return self.generated_tokens / max(time.monotonic() - self.started, 1e-9)
 
@@ -65,8 +84,15 @@ class RegenStats:
         return out + [f"  {example}" for example in self.skipped.examples]
 
 
+def conversation_digest(conversation: Conversation) -> str:
+    """The resume key of a source conversation: its messages, not where they were read from."""
+    text = json.dumps(conversation.messages, sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
+
+
 def finished_sources(output: Path) -> set[str]:
-    """Sources already written; truncates a torn last line (a crash mid-write) away."""
+    """Keys already written (source digests; the "file:line" source of lines an older dflash
+    wrote); truncates a torn last line (a crash mid-write) away."""
     if not output.exists():
         return set()
     data = output.read_bytes()
@@ -77,14 +103,21 @@ def finished_sources(output: Path) -> set[str]:
         )
         with output.open("r+b") as handle:
             handle.truncate(len(complete))
-    return {json.loads(line)["source"] for line in complete.decode().splitlines() if line.strip()}
+    records = [json.loads(line) for line in complete.decode().splitlines() if line.strip()]
+    return {record.get("source_digest", record["source"]) for record in records}
 
 
 def _unfinished(
     conversations: Iterator[Conversation], done: set[str], skipped: SkipReport
 ) -> Iterator[Conversation]:
+    seen: set[str] = set()
     for conversation in conversations:
-        if conversation.source in done:
+        digest = conversation_digest(conversation)
+        if digest in seen:
+            skipped.add("duplicate", conversation.source, "the same conversation as an earlier input record")
+            continue
+        seen.add(digest)
+        if digest in done or conversation.source in done:
             continue
         if not any(m["role"] == "user" for m in conversation.messages):
             skipped.add("no_user_turn", conversation.source, "no user turn to answer")
@@ -128,6 +161,7 @@ class ConversationTurns:
         """The output line, or None (counted as failed) when a reply failed."""
         if self.failed:
             stats.failed += 1
+            log.warning("regen: %s not written (a reply failed); a rerun retries it", self.conversation.source)
             return None
         messages = self.done
         # Trailing turns after the last reply (a final user turn) carry no supervision: dropped.
@@ -137,6 +171,7 @@ class ConversationTurns:
             **self.conversation.extra,
             "messages": messages,
             "source": self.conversation.source,
+            "source_digest": conversation_digest(self.conversation),
             "regen": {
                 "backend": backend.name,
                 "sampling": backend.describe(),
@@ -207,10 +242,16 @@ def refuse_output_among_inputs(inputs: list[str], output: Path) -> None:
 
 
 def regenerate(
-    backend: RegenBackend, inputs: list[str], output: Path, batch_size: int, limit: int | None = None
+    backend: RegenBackend,
+    inputs: list[str],
+    output: Path,
+    batch_size: int,
+    limit: int | None = None,
+    stats: RegenStats | None = None,
 ) -> RegenStats:
     """Answers every unfinished conversation of `inputs` into `output`; one process per output
-    (a second one is refused while the first lives: both would write every conversation)."""
+    (a second one is refused while the first lives: both would write every conversation).
+    `stats`: counted into as it goes (what an interrupted run had done stays readable)."""
     refuse_output_among_inputs(inputs, output)
     lock = FileLock(
         output.with_name(f".{output.name}.lock"),
@@ -220,13 +261,12 @@ def regenerate(
         ),
     )
     with lock:
-        return _regenerate(backend, inputs, output, batch_size, limit)
+        return _regenerate(backend, inputs, output, batch_size, limit, stats or RegenStats())
 
 
 def _regenerate(
-    backend: RegenBackend, inputs: list[str], output: Path, batch_size: int, limit: int | None
+    backend: RegenBackend, inputs: list[str], output: Path, batch_size: int, limit: int | None, stats: RegenStats
 ) -> RegenStats:
-    stats = RegenStats()
     done = finished_sources(output)
     stats.already_done = len(done)
     todo = _unfinished(read_conversations(inputs, stats.skipped, "regen.input"), done, stats.skipped)

@@ -5,11 +5,18 @@ Resumable: rerun the same command after an interruption and it continues where i
 
 from __future__ import annotations
 
+import json
+import os
+import signal
+import threading
+from contextlib import contextmanager
+
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from dflash.config.schema import RegenBackend, RegenConfig, register_configs
 from dflash.train import CONF_DIR
+from dflash.trainer.signals import StopRequested
 
 register_configs()
 
@@ -23,7 +30,7 @@ def build_backend(cfg: RegenConfig):
         return HttpBackend(
             url=cfg.url,
             model=cfg.model,
-            api_key=cfg.api_key,
+            api_key=cfg.api_key or os.environ.get("OPENAI_API_KEY") or "EMPTY",
             sampling=cfg.sampling,
             concurrency=cfg.batch_size,
             timeout_s=cfg.timeout_s,
@@ -52,11 +59,48 @@ def build_backend(cfg: RegenConfig):
     )
 
 
+class RegenStopped(StopRequested):
+    def __str__(self) -> str:
+        return (
+            f"stopped by {signal.Signals(self.signum).name}; the conversations written so far stay, "
+            "and rerunning the same command continues"
+        )
+
+
+@contextmanager
+def stop_by_raising():
+    """SIGTERM / SIGINT end regen at once with RegenStopped (the run record then says
+    INTERRUPTED, the exit code is 128 + signal); the output keeps every line already written."""
+
+    def stop(signum, frame):
+        raise RegenStopped(signum)
+
+    if threading.current_thread() is not threading.main_thread():  # only it may install handlers
+        yield
+        return
+    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def write_summary(stats) -> None:
+    """summary.json in the job dir: the run record (run.json) takes the counts from it."""
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        path = os.path.join(HydraConfig.get().runtime.output_dir, "summary.json")
+        with open(path, "w") as handle:
+            json.dump(stats.summary(), handle, indent=2)
+
+
 def regen(cfg: DictConfig):
     from pathlib import Path
 
     from dflash.config.keys import refuse_unknown_keys
-    from dflash.regen.regenerate import refuse_output_among_inputs, regenerate
+    from dflash.regen.regenerate import RegenStats, refuse_output_among_inputs, regenerate
 
     refuse_unknown_keys(cfg, RegenConfig)
     typed: RegenConfig = OmegaConf.to_object(cfg)
@@ -67,11 +111,24 @@ def regen(cfg: DictConfig):
             f"max_len={typed.max_len} must exceed sampling.max_new_tokens={typed.sampling.max_new_tokens} "
             "(it holds the prompt and the reply)"
         )
+    if not 0.0 <= typed.max_failed_frac <= 1.0:
+        raise ValueError(f"max_failed_frac must be in [0, 1], got {typed.max_failed_frac}")
     refuse_output_among_inputs(list(typed.input), Path(typed.output))  # before the target loads
-    backend = build_backend(typed)
-    stats = regenerate(backend, list(typed.input), Path(typed.output), typed.batch_size, typed.limit)
+    stats = RegenStats()
+    try:
+        with stop_by_raising():
+            backend = build_backend(typed)
+            regenerate(backend, list(typed.input), Path(typed.output), typed.batch_size, typed.limit, stats=stats)
+    finally:  # the counts reach the run record however regen ends
+        write_summary(stats)
     print(f"\n=== dflash-regen -> {typed.output} (backend={backend.name}; {backend.describe()}) ===")
     print("\n".join(stats.lines()), flush=True)
+    if stats.attempted() and stats.failed > typed.max_failed_frac * stats.attempted():
+        raise ValueError(
+            f"{stats.failed} of {stats.attempted()} conversations failed (more than max_failed_frac="
+            f"{typed.max_failed_frac}); the {stats.written} that succeeded are in {typed.output}, and "
+            "rerunning the same command retries the others"
+        )
     return stats
 
 
