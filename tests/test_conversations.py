@@ -317,3 +317,79 @@ def test_files_may_be_globs_or_directories(tmp_path, renderer):
         assert expanded.input_ids.tolist() == explicit.input_ids.tolist(), entry
     with pytest.raises(ValueError, match=r"data.files: '.*nothing-\*.jsonl' matches no file"):
         prepare(renderer, data_cfg([str(shards / "nothing-*.jsonl")]))
+
+
+# Three template shapes users train on, written out: Llama-3 (each turn trimmed), Qwen3 (an empty
+# think block before the final reply in non-thinking mode), and one that injects a system prompt.
+LLAMA3_TRIM = (
+    "{{ bos_token }}{% for m in messages %}<|start_header_id|>{{ m['role'] }}<|end_header_id|>\n\n"
+    "{{ m['content'] | trim }}<|eot_id|>{% endfor %}"
+    "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+QWEN3_THINKING = (
+    "{% for m in messages %}{% if m['role'] == 'assistant' %}<|im_start|>assistant\n"
+    "{% if loop.last %}<think>\n\n</think>\n\n{% endif %}{{ m['content'] }}<|im_end|>\n"
+    "{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n"
+    "{% if enable_thinking is defined and enable_thinking is false %}<think>\n\n</think>\n\n{% endif %}{% endif %}"
+)
+SYSTEM_INJECTING = (
+    "{% if messages[0]['role'] != 'system' %}<|im_start|>system\nYou are a helpful assistant; say a "
+    "when asked.<|im_end|>\n{% endif %}{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{{ m['content'] }}<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+# A user turn that ends in whitespace and holds the reply's words; a one-character reply that
+# also occurs inside the template's own markup ("a" in "assistant").
+TRICKY = [
+    {"role": "user", "content": "Repeat after me: hello world "},
+    {"role": "assistant", "content": "hello world"},
+    {"role": "user", "content": "Now just the letter a"},
+    {"role": "assistant", "content": "a"},
+]
+
+
+@pytest.mark.parametrize(
+    "template,end_of_turn,replies",
+    [
+        (None, "<|im_end|>", ["hello world<|im_end|>", "a<|im_end|>"]),
+        (LLAMA3_TRIM, "<|eot_id|>", ["hello world<|eot_id|>", "a<|eot_id|>"]),
+        (QWEN3_THINKING, "<|im_end|>", ["hello world<|im_end|>", "a<|im_end|>"]),
+        (SYSTEM_INJECTING, "<|im_end|>", ["hello world<|im_end|>", "a<|im_end|>"]),
+    ],
+    ids=["chatml", "llama3_trim", "qwen3_thinking", "system_injecting"],
+)
+def test_masks_come_from_where_the_template_writes_each_reply(tiny_chat_dir, template, end_of_turn, replies):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_chat_dir)
+    if template is not None:
+        tokenizer.chat_template = template
+    renderer = ChatRenderer(tokenizer, {"enable_thinking": False})
+    assert renderer.end_of_turn == end_of_turn
+    text = renderer.render_text(TRICKY)
+    spans = renderer.assistant_spans(text, TRICKY)
+    assert [text[start:end] for start, end in spans] == replies
+    # Each reply's span starts right where the template's reply header (the generation prompt
+    # of the conversation so far) ends, when that header is part of the full rendering.
+    prompt = renderer.render_text(TRICKY[:1], add_generation_prompt=True)
+    if text.startswith(prompt):
+        assert spans[0][0] == len(prompt)
+    ids, mask = renderer.tokenize(TRICKY)
+    offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+    for (token_start, _), supervised in zip(offsets, mask):
+        assert supervised == any(start <= token_start < end for start, end in spans)
+
+
+def test_a_reply_the_template_rewrites_is_refused_not_guessed(tiny_chat_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_chat_dir)
+    tokenizer.chat_template = tokenizer.chat_template.replace("message['content']", "message['content'] | upper")
+    if "upper" not in tokenizer.chat_template:
+        pytest.skip("the tiny template names its content otherwise")
+    with pytest.raises(ValueError, match="rewrites assistant content"):
+        ChatRenderer(tokenizer)
+    # One that rewrites some replies only (a reply holding a reasoning block, here): that record
+    # is refused with its index, not given a guessed mask.
+    tokenizer.chat_template = QWEN3_THINKING.replace("{{ m['content'] }}<|im_end|>\n{% else %}", "{{ m['content'].split('</think>')[-1] }}<|im_end|>\n{% else %}")  # fmt: skip
+    renderer = ChatRenderer(tokenizer)
+    reasoning = [TRICKY[0], {"role": "assistant", "content": "<think>hmm</think>hello world"}]
+    assert renderer.tokenize(TRICKY)[1].count(1) > 0
+    with pytest.raises(MalformedRecord, match=r"messages\[1\]: the chat template rewrites"):
+        renderer.tokenize(reasoning)

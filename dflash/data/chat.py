@@ -1,19 +1,26 @@
 """Render a conversation with the target's chat template; supervise the assistant tokens only.
 
 The whole conversation is rendered once (`apply_chat_template`, as the target saw such text in
-its own training) and tokenized with character offsets. Each assistant message's content is
-located in the rendered text, in order; the supervised span is that content plus the
-template's end-of-turn marker (e.g. `<|im_end|>`), because the target writes the marker to end
-its turn and the drafter must predict it. Everything else (system and user turns, role
-headers, template scaffolding such as Qwen3's empty think block) is context: loss mask 0.
+its own training) and tokenized with character offsets. Each assistant message's span in the
+rendered text comes from the template itself, never from searching for its text: the
+conversation is rendered again with an invisible sentinel inserted before (then after) that
+message's content, and the rendering must be the original one with the sentinel inserted at a
+single place, which is where the template put the content's start (end). A template that trims
+replies, injects a system prompt or adds thinking tags moves the boundaries with it; a reply that
+also appears in a user turn, or a one-character reply, is found where the template wrote it. The
+supervised span is that content plus the template's end-of-turn marker (e.g. `<|im_end|>`),
+because the target writes the marker to end its turn and the drafter must predict it. Everything
+else (system and user turns, role headers, template scaffolding such as Qwen3's empty think
+block) is context: loss mask 0.
 
 The end-of-turn marker is read off the template itself: a probe conversation is rendered and
 whatever follows the probe's assistant content (whitespace stripped) is the marker.
 
-A template that rewrites the assistant content (so it cannot be found verbatim) fails the
-record with a reason instead of guessing a mask. Such templates (e.g. ones that strip earlier
-turns' reasoning) can mark the supervised text themselves with transformers' `{% generation %}`
-... `{% endgeneration %}` blocks: when a template has them, its own assistant mask is used.
+A template that rewrites the assistant content (the sentinel does not come back at one place)
+fails the record with a reason instead of guessing a mask. Such templates (e.g. ones that strip
+earlier turns' reasoning) can mark the supervised text themselves with transformers'
+`{% generation %}` ... `{% endgeneration %}` blocks: when a template has them, its own assistant
+mask is used.
 """
 
 from __future__ import annotations
@@ -30,6 +37,9 @@ from dflash.models.tokenizer import load_tokenizer
 _PROBE_USER = "dflash-probe-user-7c1e"
 _PROBE_ASSISTANT = "dflash-probe-assistant-7c1e"
 _GENERATION_BLOCK = re.compile(r"{%-?\s*generation\s*-?%}")
+# Inserted into one assistant content to see where the template writes it: an invisible
+# separator (U+2063, not whitespace: `trim` keeps it), in no tokenizer's text.
+_SENTINEL = "\u2063dflash\u2063"
 
 
 class ChatRenderer:
@@ -48,7 +58,16 @@ class ChatRenderer:
         probe = self.render_text(
             [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_ASSISTANT}]
         )
-        self.end_of_turn = probe[probe.index(_PROBE_ASSISTANT) + len(_PROBE_ASSISTANT) :].strip()
+        if _PROBE_ASSISTANT not in probe:
+            if not self.template_marks_replies:
+                raise ValueError(
+                    f"the chat template of {getattr(tokenizer, 'name_or_path', '?')!r} rewrites assistant "
+                    "content (a probe reply does not come back verbatim), so no reply can be located for the "
+                    "loss mask; mark the replies in the template with {% generation %} ... {% endgeneration %}"
+                )
+            self.end_of_turn = ""
+        else:
+            self.end_of_turn = probe[probe.index(_PROBE_ASSISTANT) + len(_PROBE_ASSISTANT) :].strip()
 
     def render_text(self, messages: list[dict[str, str]], add_generation_prompt: bool = False) -> str:
         return self.tokenizer.apply_chat_template(
@@ -60,30 +79,44 @@ class ChatRenderer:
         text = self.render_text(messages, add_generation_prompt=True)
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
+    def _boundary(self, text: str, messages: list[dict[str, str]], index: int, *, after: bool) -> int | None:
+        """Where the template writes the start (after=False) or the end of messages[index]'s
+        content in `text` (the rendering of `messages`): the one place a sentinel added to that
+        content alone comes back; None when it does not come back at one place."""
+        # At the edge of the stripped content: a template that trims the reply keeps the sentinel.
+        content = messages[index]["content"]
+        body = content.strip()
+        lead, trail = content[: content.index(body)], content[content.index(body) + len(body) :]
+        marked_content = lead + body + _SENTINEL + trail if after else lead + _SENTINEL + body + trail
+        marked = dict(messages[index], content=marked_content)
+        variant = self.render_text([*messages[:index], marked, *messages[index + 1 :]])
+        position = next((i for i, (a, b) in enumerate(zip(text, variant)) if a != b), len(text))
+        if variant != text[:position] + _SENTINEL + text[position:]:
+            return None
+        return position
+
     def assistant_spans(self, text: str, messages: list[dict[str, str]]) -> list[tuple[int, int]]:
-        spans, cursor = [], 0
+        spans = []
         for index, message in enumerate(messages):
-            content = message["content"]
-            start = text.find(content, cursor) if content else -1
-            if message["role"] != "assistant":
-                if start >= 0:
-                    cursor = start + len(content)
-                continue
-            if start < 0 and content.strip():
-                content = content.strip()  # templates commonly strip the reply
-                start = text.find(content, cursor)
-            if start < 0:
-                if not content.strip():
-                    continue  # an empty reply supervises nothing
+            if message["role"] != "assistant" or not message["content"].strip():
+                continue  # an empty reply supervises nothing
+            start = self._boundary(text, messages, index, after=False)
+            end = self._boundary(text, messages, index, after=True)
+            if start is None or end is None or end <= start:
                 raise MalformedRecord(
                     f"messages[{index}]: the chat template rewrites this assistant content "
-                    "(not found verbatim in the rendered text)"
+                    "(an insertion into it does not come back at one place in the rendered text)"
                 )
-            end = start + len(content)
+            # A template that keeps the reply's outer whitespace: it is part of the reply.
+            content = message["content"]
+            lead, trail = content[: len(content) - len(content.lstrip())], content[len(content.rstrip()) :]
+            if lead and text[:start].endswith(lead):
+                start -= len(lead)
+            if trail and text.startswith(trail, end):
+                end += len(trail)
             if self.end_of_turn and text.startswith(self.end_of_turn, end):
                 end += len(self.end_of_turn)
             spans.append((start, end))
-            cursor = end
         return spans
 
     def tokenize(self, messages: list[dict[str, str]]) -> tuple[list[int], list[int]]:
