@@ -38,7 +38,7 @@ from dflash.digest import file_digest
 log = logging.getLogger(__name__)
 
 # Bump when the rendering or masking rules change: old caches then stop matching.
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 2: reply spans from the template's own rendering (dflash/data/chat.py)
 # Conversations tokenized per round (one datasets.map call when data.num_proc > 1).
 CHUNK = 20_000
 # Skip reasons counted while reading (the record never became a conversation).
