@@ -1,4 +1,4 @@
-"""Evaluation prompt sets: benchmark files (local JSONL, .jsonl.gz, or `package:<name>` for a
+"""Evaluation prompt sets: benchmark files (local JSONL, also .gz / .zst, or `package:<name>` for a
 file an installed package ships), rendered with the target's chat template, or random held-out
 token prompts for a target without a tokenizer.
 
@@ -8,7 +8,6 @@ conversation in either training shape, cut before its first reply.
 
 from __future__ import annotations
 
-import gzip
 import json
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -21,6 +20,7 @@ from jinja2 import TemplateError
 from dflash.config.schema import EvalConfig
 from dflash.data.benchmarks import is_packaged, packaged_prompts
 from dflash.data.conversations import MalformedRecord, normalize
+from dflash.data.files import lines, record_file
 from dflash.data.synthetic import random_prompts
 
 RANDOM_SET = "heldout"
@@ -44,40 +44,42 @@ def read_prompt_file(name: str, path: str, renderer: Any, limit: int) -> PromptS
         path = str(located)
     if not Path(path).is_file():
         raise ValueError(f"eval.benchmarks.{name}: {path} is not a file")
+    source = record_file(Path(path))
+    if source is None or source.kind != "jsonl":
+        raise ValueError(f"eval.benchmarks.{name}: {path} is not a JSON Lines file (.jsonl, .jsonl.gz, .jsonl.zst)")
     prompts = []
-    opener = gzip.open if path.endswith(".gz") else open
-    with opener(path, "rt", encoding="utf-8") as handle:
-        for line_no, line in enumerate(handle, start=1):
-            if len(prompts) == limit:
-                break
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                if isinstance(record, dict) and ("prompt" in record or "turns" in record):
-                    text = record["prompt"] if "prompt" in record else record["turns"][0]
-                    messages = [{"role": "user", "content": template.format(prompt=text)}]
-                else:  # a conversation (OpenAI or ShareGPT): everything before its first reply
-                    messages = []
-                    for message in normalize(record, need_reply=False)[0]:
-                        if message["role"] == "assistant":
-                            break
-                        messages.append(message)
-                    if not messages or messages[-1]["role"] != "user":
-                        raise MalformedRecord("no user turn before the first reply")
-                prompts.append(renderer.prompt_ids(messages))
-            except (
-                json.JSONDecodeError,
-                MalformedRecord,
-                TemplateError,
-                KeyError,
-                IndexError,
-                TypeError,
-            ) as exc:
-                raise ValueError(
-                    f"eval.benchmarks.{name}: {path}:{line_no}: expected {{'prompt': str}}, "
-                    f"{{'turns': [...]}} or a conversation ({type(exc).__name__}: {exc})"
-                ) from exc
+    for line_no, line in lines(source):
+        if len(prompts) == limit:
+            break
+        try:
+            record = json.loads(line.decode("utf-8"))
+            if isinstance(record, dict) and ("prompt" in record or "turns" in record):
+                text = record["prompt"] if "prompt" in record else record["turns"][0]
+                if not isinstance(text, str) or not text.strip():
+                    raise MalformedRecord(f"the prompt is {text!r}, not a non-empty string")
+                messages = [{"role": "user", "content": template.format(prompt=text)}]
+            else:  # a conversation (OpenAI or ShareGPT): everything before its first reply
+                messages = []
+                for message in normalize(record, need_reply=False)[0]:
+                    if message["role"] == "assistant":
+                        break
+                    messages.append(message)
+                if not messages or messages[-1]["role"] != "user":
+                    raise MalformedRecord("no user turn before the first reply")
+            prompts.append(renderer.prompt_ids(messages))
+        except (
+            json.JSONDecodeError,
+            UnicodeDecodeError,
+            MalformedRecord,
+            TemplateError,
+            KeyError,
+            IndexError,
+            TypeError,
+        ) as exc:
+            raise ValueError(
+                f"eval.benchmarks.{name}: {path}:{line_no}: expected {{'prompt': str}}, "
+                f"{{'turns': [...]}} or a conversation ({type(exc).__name__}: {exc})"
+            ) from exc
     if not prompts:
         raise ValueError(f"eval.benchmarks.{name}: {path} holds no prompt")
     eos = renderer.tokenizer.eos_token_id

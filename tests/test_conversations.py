@@ -319,6 +319,50 @@ def test_files_may_be_globs_or_directories(tmp_path, renderer):
         prepare(renderer, data_cfg([str(shards / "nothing-*.jsonl")]))
 
 
+
+def test_a_directory_is_read_recursively_in_every_supported_form(tmp_path, renderer, caplog):
+    """.jsonl, .JSONL, .jsonl.gz, .json.zst and a subdirectory are all read (150 of 150 records,
+    where only the plain .jsonl files were before); other files are named in a warning; a line
+    that is not UTF-8 is skipped and counted, not trained on as replacement characters."""
+    import gzip
+
+    import zstandard
+
+    root = tmp_path / "data"
+    (root / "more").mkdir(parents=True)
+    plain = write_conversations(root / "a.jsonl", 30, seed=1)
+    upper = write_conversations(root / "B.JSONL", 30, seed=2)
+    nested = write_conversations(root / "more" / "c.jsonl", 30, seed=3)
+    gz = write_conversations(tmp_path / "d.jsonl", 30, seed=4)
+    (root / "d.jsonl.gz").write_bytes(gzip.compress(gz.read_bytes()))
+    zst = write_conversations(tmp_path / "e.json", 30, seed=5)
+    (root / "more" / "e.json.zst").write_bytes(zstandard.ZstdCompressor().compress(zst.read_bytes()))
+    (root / "notes.txt").write_text("not data")
+    (root / ".out.jsonl.lock").write_text("")  # hidden: passed over without a word
+    with plain.open("ab") as handle:
+        handle.write(b'{"messages": [{"role": "user", "content": "caf\xe9"}, {"role": "assistant", "content": "x"}]}\n')
+    skipped = SkipReport()
+    with caplog.at_level("WARNING"):
+        conversations = list(read_conversations([str(root)], skipped, "data.files"))
+    assert len(conversations) == 150
+    assert skipped.counts == {"invalid_utf8": 1} and "a.jsonl:31" in skipped.examples[0]
+    warnings = [r.getMessage() for r in caplog.records if "not read" in r.getMessage()]
+    assert len(warnings) == 1 and "1 file(s) not read" in warnings[0] and "notes.txt" in warnings[0]
+    by_path = {str(p) for p in (plain, upper, nested)}
+    assert {c.source.rsplit(":", 1)[0] for c in conversations} >= by_path
+
+
+def test_an_eval_prompt_that_is_not_text_is_refused_with_its_line(tmp_path, renderer):
+    from dflash.eval_prompts import read_prompt_file
+
+    path = tmp_path / "prompts.jsonl"
+    path.write_text('{"prompt": "hello"}\n{"prompt": null}\n')
+    with pytest.raises(ValueError, match=r"prompts.jsonl:2: .*the prompt is None, not a non-empty string"):
+        read_prompt_file("mine", str(path), renderer, limit=10)
+    path.write_text('{"prompt": 42}\n')
+    with pytest.raises(ValueError, match="the prompt is 42"):
+        read_prompt_file("mine", str(path), renderer, limit=10)
+
 # Three template shapes users train on, written out: Llama-3 (each turn trimmed), Qwen3 (an empty
 # think block before the final reply in non-thinking mode), and one that injects a system prompt.
 LLAMA3_TRIM = (

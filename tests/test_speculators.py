@@ -17,9 +17,20 @@ from dflash.checkpoint import check_resume_matches, export_drafter, load_drafter
 from dflash.config.schema import DrafterConfig
 from dflash.export.contract import check_export
 from dflash.models.drafter import DFlashDrafter, drafter_config
-from tests.conftest import TINY_ARCH, run_module
+from dflash.tools.export import main as export_main
+from tests.conftest import TINY_ARCH
 
 LAYER_IDS = [1, 3]
+
+
+def export_cli(capsys, *args: str) -> tuple[int, str]:
+    """`dflash-export ARGS` in this process: (exit code, stderr)."""
+    try:
+        export_main(list(args))
+        code = 0
+    except SystemExit as exc:
+        code = exc.code
+    return code, capsys.readouterr().err
 
 
 def tiny_drafter(**fields) -> DFlashDrafter:
@@ -112,17 +123,16 @@ def test_a_vocabulary_map_is_refused_by_name(tmp_path):
         load_drafter(directory)
 
 
-def test_convert_to_speculators_and_back_keeps_the_drafter(tmp_path, tiny_qwen3_dir):
+def test_convert_to_speculators_and_back_keeps_the_drafter(tmp_path, tiny_qwen3_dir, capsys):
     """dflash-export convert: z-lab -> speculators (self-contained, the target's own tables
     bundled) -> z-lab gives back the export tensor for tensor; every step passes the check."""
     drafter = tiny_drafter(layer_types=["sliding_attention", "full_attention"], sliding_window=8)
     export_drafter(drafter, tmp_path / "zlab")
     spec, back = tmp_path / "spec", tmp_path / "back"
-    result = run_module(
-        "dflash.tools.export", "convert", str(tmp_path / "zlab"), str(spec), "--layout", "speculators",
-        "--target", str(tiny_qwen3_dir),
-    )  # fmt: skip
-    assert result.returncode == 0, result.stderr
+    code, err = export_cli(
+        capsys, "convert", str(tmp_path / "zlab"), str(spec), "--layout", "speculators", "--target", str(tiny_qwen3_dir)
+    )
+    assert code == 0, err
     config = json.loads((spec / "config.json").read_text())
     assert config["speculators_model_type"] == "dflash"
     assert config["aux_hidden_state_layer_ids"] == [i + 1 for i in LAYER_IDS]
@@ -137,10 +147,10 @@ def test_convert_to_speculators_and_back_keeps_the_drafter(tmp_path, tiny_qwen3_
         torch.testing.assert_close(handle.get_tensor("lm_head.weight"), target["lm_head.weight"].float())
         torch.testing.assert_close(handle.get_tensor("embed_tokens.weight"), target["model.embed_tokens.weight"].float())  # fmt: skip
 
-    result = run_module("dflash.tools.export", "convert", str(spec), str(back), "--layout", "zlab")
-    assert result.returncode == 2 and "records no target depth" in result.stderr  # SGLang needs it
-    result = run_module("dflash.tools.export", "convert", str(spec), str(back), "--layout", "zlab", "--target", str(tiny_qwen3_dir))  # fmt: skip
-    assert result.returncode == 0, result.stderr
+    code, err = export_cli(capsys, "convert", str(spec), str(back), "--layout", "zlab")
+    assert code == 2 and "records no target depth" in err  # SGLang needs it
+    code, err = export_cli(capsys, "convert", str(spec), str(back), "--layout", "zlab", "--target", str(tiny_qwen3_dir))
+    assert code == 0, err
     original, returned = load_file(str(tmp_path / "zlab" / "model.safetensors")), load_file(str(back / "model.safetensors"))  # fmt: skip
     assert original.keys() == returned.keys()
     for name in original:
@@ -149,12 +159,12 @@ def test_convert_to_speculators_and_back_keeps_the_drafter(tmp_path, tiny_qwen3_
     assert loaded.layer_windows == [8, None] and loaded.target_layer_ids == LAYER_IDS
 
 
-def test_convert_needs_a_verifier_name_and_an_empty_destination(tmp_path):
+def test_convert_needs_a_verifier_name_and_an_empty_destination(tmp_path, capsys):
     export_drafter(tiny_drafter(), tmp_path / "zlab")
-    result = run_module("dflash.tools.export", "convert", str(tmp_path / "zlab"), str(tmp_path / "spec"), "--layout", "speculators")  # fmt: skip
-    assert result.returncode == 2 and "--target DIR or --verifier NAME" in result.stderr
+    code, err = export_cli(capsys, "convert", str(tmp_path / "zlab"), str(tmp_path / "spec"), "--layout", "speculators")
+    assert code == 2 and "--target DIR or --verifier NAME" in err
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")
-    result = run_module("dflash.tools.export", "convert", str(tmp_path / "zlab"), str(tmp_path / "full"), "--layout", "zlab")  # fmt: skip
-    assert result.returncode == 2 and "not empty" in result.stderr
+    code, err = export_cli(capsys, "convert", str(tmp_path / "zlab"), str(tmp_path / "full"), "--layout", "zlab")
+    assert code == 2 and "not empty" in err
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine"

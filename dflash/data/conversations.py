@@ -5,10 +5,13 @@ Accepted shapes, per record (auto-detected):
   ShareGPT: {"conversations": [{"from": "human", "value": "..."}, ...]}
 Content may also be a list of OpenAI content parts ({"type": "text", "text": ...}).
 
-Files: `.jsonl` (JSON Lines), `.json` (JSON Lines, or one top-level array as ShareGPT dumps
-often are) and `.parquet` (read with `datasets`); entries may be glob patterns or directories. JSON Lines are parsed line by line on purpose:
-a loader that parses whole blocks (datasets' json builder) stops at the first broken line,
-and a 800k-conversation run must skip that line, count it and say where it was.
+Files (dflash/data/files.py): `.jsonl` (JSON Lines), `.json` (JSON Lines, or one top-level
+array as ShareGPT dumps often are), both also `.gz` / `.zst`, and `.parquet` (read with
+`datasets`), any case; entries may be glob patterns or directories (read recursively). JSON
+Lines are parsed line by line on purpose: a loader that parses whole blocks (datasets' json
+builder) stops at the first broken line, and a 800k-conversation run must skip that line, count
+it and say where it was. A line that is not UTF-8 is skipped and counted the same way (decoding
+it with replacement characters would train on them).
 """
 
 from __future__ import annotations
@@ -21,6 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflash.data.files import RecordFile, files_under, lines, open_binary, record_file
+
 ROLE_ALIASES = {
     "system": "system",
     "user": "user",
@@ -30,7 +35,6 @@ ROLE_ALIASES = {
     "chatgpt": "assistant",
     "model": "assistant",
 }
-SUFFIXES = (".jsonl", ".json", ".parquet")
 # How many malformed records are quoted with their location (all are counted).
 QUOTED_PROBLEMS = 5
 
@@ -100,27 +104,29 @@ def normalize(record: Any, need_reply: bool = True) -> tuple[list[dict[str, str]
     return messages, extra
 
 
-def _json_records(path: Path) -> Iterator[tuple[str, Any]]:
-    """(location, parsed record or the JSONDecodeError) for each record of a JSON file."""
-    with path.open("r", encoding="utf-8", errors="replace") as handle:
-        first = handle.read(4096).lstrip()[:1]
-        handle.seek(0)
-        if path.suffix == ".json" and first == "[":
+def _json_records(record: RecordFile) -> Iterator[tuple[str, Any]]:
+    """(location, parsed record, or the JSONDecodeError / UnicodeDecodeError) for each record
+    of a JSON file."""
+    path = record.path
+    if record.kind == "json":
+        with open_binary(record) as handle:
+            is_array = handle.read(4096).lstrip()[:1] == b"["
+        if is_array:
+            with open_binary(record) as handle:
+                data = handle.read()
             try:
-                records = json.load(handle)
-            except json.JSONDecodeError as exc:
-                yield f"{path}:{exc.lineno}", exc
+                records = json.loads(data.decode("utf-8"))
+            except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+                yield f"{path}:{getattr(exc, 'lineno', 1)}", exc
                 return
-            for index, record in enumerate(records):
-                yield f"{path}:record {index}", record
+            for index, item in enumerate(records):
+                yield f"{path}:record {index}", item
             return
-        for line_no, line in enumerate(handle, start=1):
-            if not line.strip():
-                continue
-            try:
-                yield f"{path}:{line_no}", json.loads(line)
-            except json.JSONDecodeError as exc:
-                yield f"{path}:{line_no}", exc
+    for line_no, line in lines(record):
+        try:
+            yield f"{path}:{line_no}", json.loads(line.decode("utf-8"))
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            yield f"{path}:{line_no}", exc
 
 
 def _parquet_records(path: Path) -> Iterator[tuple[str, Any]]:
@@ -145,7 +151,9 @@ def entry_reads(entry: str, path: Path) -> bool:
         return any(fnmatch.fnmatch(str(c), os.path.abspath(entry)) for c in candidates)
     named = Path(entry)
     if named.is_dir():
-        return path.resolve().parent == named.resolve() and path.suffix in SUFFIXES
+        root, inside = named.resolve(), path.resolve()
+        hidden = inside.is_relative_to(root) and any(p.startswith(".") for p in inside.relative_to(root).parts)
+        return inside.is_relative_to(root) and not hidden and record_file(path) is not None
     return named.resolve() in candidates or (
         named.exists() and path.exists() and os.path.samefile(named, path)
     )
@@ -153,7 +161,8 @@ def entry_reads(entry: str, path: Path) -> bool:
 
 def expand_files(entries: list[str], config_key: str) -> list[Path]:
     """Files named by `entries`: paths, glob patterns (`shards/*.jsonl`, sorted) or directories
-    (every supported file inside, sorted). Each entry must name at least one file."""
+    (every record file under them, recursively, sorted: dflash/data/files.py). Each entry must
+    name at least one file."""
     files: list[Path] = []
     for entry in entries:
         path = Path(entry)
@@ -163,7 +172,7 @@ def expand_files(entries: list[str], config_key: str) -> list[Path]:
             )
             matched = [p for p in matches if p.is_file()]
         elif path.is_dir():
-            matched = sorted(p for p in path.iterdir() if p.is_file() and p.suffix in SUFFIXES)
+            matched = files_under(path)
         else:
             matched = [path]
         if not matched:
@@ -190,10 +199,17 @@ def read_conversations(files: list[str], skipped: SkipReport, config_key: str) -
     for path in expand_files(files, config_key):
         if not path.is_file():
             raise ValueError(f"{config_key}: {path} is not a file")
-        if path.suffix not in SUFFIXES:
-            raise ValueError(f"{config_key}: {path} has suffix {path.suffix!r}; expected one of {SUFFIXES}")
-        records = _parquet_records(path) if path.suffix == ".parquet" else _json_records(path)
+        kind = record_file(path)
+        if kind is None:
+            raise ValueError(
+                f"{config_key}: {path} is not a record file (.jsonl, .json or .parquet; the JSON ones "
+                "also as .gz or .zst)"
+            )
+        records = _parquet_records(path) if kind.kind == "parquet" else _json_records(kind)
         for source, record in records:
+            if isinstance(record, UnicodeDecodeError):
+                skipped.add("invalid_utf8", source, f"not UTF-8 ({record.reason} at byte {record.start})")
+                continue
             if isinstance(record, json.JSONDecodeError):
                 skipped.add("invalid_json", source, f"invalid JSON ({record.msg})")
                 continue
