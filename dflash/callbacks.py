@@ -120,6 +120,7 @@ class RunRecordCallback(Callback):
         self._started: dict[str, float] = {}
         self._threads_at_start: dict[str, list[str]] = {}
         self._lock: RunDirLock | None = None
+        self._output_locks: dict[str, RunDirLock] = {}  # job dir -> the lock on its paths.output_dir
 
     # The lock is taken before Hydra writes .hydra/ into the dir, and held until the run or
     # sweep ends (or the process dies). Hydra turns a callback's exception into a warning and
@@ -154,10 +155,31 @@ class RunRecordCallback(Callback):
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         self._unlock()
 
+    def _lock_output_dir(self, job_dir: str, config: DictConfig) -> None:
+        """paths.output_dir, where it is not the job dir (which is locked already): two live
+        runs writing one would interleave their metrics and overwrite their checkpoints."""
+        output_dir = OmegaConf.select(config, "paths.output_dir", default=None)
+        if not output_dir or not holds_run_dir_lock():
+            return
+        if Path(output_dir).resolve() == Path(job_dir).resolve():
+            return
+        try:
+            self._output_locks[job_dir] = RunDirLock(output_dir).acquire()
+        except RunDirInUse as exc:
+            exit_for_user_error(tool_name(), f"paths.output_dir: {exc}")
+        except OSError as exc:
+            exit_for_user_error(tool_name(), f"paths.output_dir={output_dir}: cannot write it ({exc.strerror})")
+
+    def _release_output_dir(self, job_dir: str) -> None:
+        lock = self._output_locks.pop(job_dir, None)
+        if lock is not None:
+            lock.release()
+
     def on_job_start(self, config: DictConfig, **kwargs: Any) -> None:
         hydra_cfg = HydraConfig.get()
         output_dir = hydra_cfg.runtime.output_dir
         mask_hydra_files(Path(output_dir), hydra_cfg.output_subdir)
+        self._lock_output_dir(str(Path(output_dir)), config)
         self._started[output_dir] = time.time()
         self._threads_at_start[output_dir] = dflash_threads()
 
@@ -188,9 +210,8 @@ class RunRecordCallback(Callback):
         # torchrun ranks share the dir: rank 0 writes run.json, the others run.rank<r>.json.
         rank = launch_rank()
         filename = self.filename if rank == 0 else self.filename.replace(".json", f".rank{rank}.json")
-        tmp = output_dir / f".{filename}.tmp"
-        tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
-        tmp.replace(output_dir / filename)
+        write_record(output_dir / filename, record)
+        self._release_output_dir(str(output_dir))
         if stopped:
             # A signalled job ends the process (a sweep too) with 128 + signal, as schedulers
             # expect; raised here, after the record, since Hydra would report it as a failure.
@@ -204,6 +225,24 @@ class RunRecordCallback(Callback):
             if full_errors_requested():
                 traceback.print_exception(error, file=sys.stderr)
             exit_for_user_error(tool_name(), f"{error}  [traceback: {output_dir / filename}]")
+
+
+def write_record(path: Path, record: dict[str, Any]) -> None:
+    """run.json, atomically; when it cannot be written (a full disk), no temporary file stays and
+    the record's status and error go to stderr instead, so the outcome is never lost."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
+        tmp.replace(path)
+    except OSError as exc:
+        tmp.unlink(missing_ok=True)
+        print(
+            f"{tool_name()}: cannot write the run record {path} ({exc.strerror or exc}); "
+            f"status {record['status']}" + (f": {record['error']}" if record.get("error") else ""),
+            file=sys.stderr,
+        )
+        if record.get("traceback"):
+            print(record["traceback"], file=sys.stderr)
 
 
 def is_user_error(error: BaseException) -> bool:

@@ -222,7 +222,9 @@ def save_checkpoint(
         export_drafter(drafter, tmp)
         torch.save(trainer_state, tmp / STATE_FILE)
         (tmp / RUN_CONFIG_FILE).write_text(run_config_yaml)
-    except (OSError, SafetensorError) as exc:  # a full disk, a quota, a vanished mount
+    except (OSError, SafetensorError, RuntimeError) as exc:
+        # A full disk, a quota, a vanished mount (torch.save reports a failed write as a
+        # RuntimeError): nothing half-written stays behind.
         shutil.rmtree(tmp, ignore_errors=True)
         last = root / "last"
         kept = (

@@ -254,3 +254,61 @@ def test_debug_fast_shortens_training_and_the_evaluation(tmp_path, data_cache):
     cfg = compose_test_config(["debug=fast", "data.num_samples=48"], tmp_path / "run", data_cache)
     summary = train(cfg)
     assert summary["steps"] == 6 and summary["eval/num_prompts"] == 2  # the default evaluates 16
+
+
+def test_a_live_runs_paths_output_dir_is_refused_to_a_second_run(tmp_path, data_cache):
+    """Two runs with their own Hydra dirs but one paths.output_dir: the second is refused (it
+    would interleave metrics and overwrite checkpoints), naming the key and the holder."""
+    from dflash.run_lock import RunDirLock
+
+    shared = tmp_path / "shared"
+    with RunDirLock(shared):  # a live run holding it (this process)
+        second = cli(FAST + [f"paths.cache_dir={data_cache}", f"paths.output_dir={shared}", f"hydra.run.dir={tmp_path / 'own'}"])  # fmt: skip
+        _, error = second.communicate(timeout=CLI_TIMEOUT_S)
+    assert second.returncode == 2, error[-2000:]
+    assert f"paths.output_dir: run dir {shared} belongs to a run still alive (pid {os.getpid()}" in error
+
+
+def test_a_fresh_run_into_a_finished_runs_dir_is_refused_and_changes_nothing(tmp_path, data_cache):
+    finished = tmp_path / "finished"
+    (finished / "checkpoints" / "step_0000004").mkdir(parents=True)
+    (finished / "checkpoints" / "last").symlink_to("step_0000004")
+    (finished / "metrics.jsonl").write_text('{"step": 1}\n')
+    second = cli(FAST + [f"paths.cache_dir={data_cache}", f"paths.output_dir={finished}", f"hydra.run.dir={tmp_path / 'own'}"])  # fmt: skip
+    _, error = second.communicate(timeout=CLI_TIMEOUT_S)
+    assert second.returncode == 2, error[-2000:]
+    assert f"paths.output_dir={finished} holds an earlier run (metrics.jsonl): resume={finished / 'checkpoints' / 'last'} continues" in error  # fmt: skip
+    assert (finished / "metrics.jsonl").read_text() == '{"step": 1}\n'
+
+
+def test_a_full_disk_while_checkpointing_names_the_path_and_leaves_no_temporary(tmp_path, monkeypatch):
+    from dflash.checkpoint import save_checkpoint
+    from tests.test_dflash_rules import tiny_drafter, tiny_target
+
+    def no_space(*args, **kwargs):
+        raise RuntimeError("[enforce fail at inline_container.cc:664] . PytorchStreamWriter failed writing file data/0: file write failed")  # fmt: skip
+
+    monkeypatch.setattr(torch, "save", no_space)
+    with pytest.raises(OSError, match=r"writing checkpoint .*step_0000007 failed .*no earlier checkpoint"):
+        save_checkpoint(tmp_path / "ckpt", 7, tiny_drafter(tiny_target()), {}, "a: 1\n", keep_last=2)
+    assert [p.name for p in (tmp_path / "ckpt").iterdir()] == []
+
+
+def test_a_run_record_that_cannot_be_written_goes_to_stderr_and_leaves_no_temporary(tmp_path, monkeypatch, capsys):
+    import errno
+
+    from dflash.callbacks import write_record
+
+    original = Path.write_text
+
+    def full(self, *args, **kwargs):
+        if self.name.endswith(".tmp"):
+            original(self, "")  # the 0-byte file a full disk leaves
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(Path, "write_text", full)
+    write_record(tmp_path / "run.json", {"status": "FAILED", "error": "OSError: disk full", "traceback": "Traceback ..."})
+    err = capsys.readouterr().err
+    assert "cannot write the run record" in err and "status FAILED: OSError: disk full" in err and "Traceback" in err
+    assert list(tmp_path.iterdir()) == []
