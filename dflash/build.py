@@ -178,6 +178,7 @@ def build_trainer(
         every_steps=cfg.checkpoint.every_steps,
         keep_last=cfg.checkpoint.keep_last,
         run_config_yaml=checked.run_config_yaml,
+        target_identity=checked.target_identity,
     )
     common = dict(
         dataset=schedule.dataset,

@@ -30,6 +30,7 @@ from transformers import Qwen3Config
 
 from dflash.export import speculators
 from dflash.models.drafter import DFlashDrafter
+from dflash.models.identity import IDENTITY_FILE, identity_differences, read_identity
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -149,11 +150,39 @@ RESUME_FIELDS = {
 RESUME_TARGET_FIELDS = ("name", "path", "model_type", "init_seed", "arch")
 
 
+def _target_differences(
+    directory: Path, run_target: dict[str, Any], run_identity: dict[str, Any] | None
+) -> list[tuple[str, Any, Any]]:
+    """Which target a checkpoint was trained on, against this run's: by content where the
+    checkpoint records it (dflash/models/identity.py), else by the run config's target fields
+    (a path compared as the directory it names)."""
+    saved_identity = read_identity(directory)
+    if saved_identity is not None and run_identity is not None:
+        return [("target", difference, "this run's target") for difference in identity_differences(saved_identity, run_identity)]  # fmt: skip
+    run_yaml = Path(directory) / RUN_CONFIG_FILE
+    if not run_yaml.is_file():
+        return []
+    saved_target = (yaml.safe_load(run_yaml.read_text()) or {}).get("target", {})
+    differences = []
+    for name in RESUME_TARGET_FIELDS:
+        old, new = saved_target.get(name), run_target.get(name)
+        if name == "path" and old and new and Path(old).resolve() == Path(new).resolve():
+            continue
+        if old != new:
+            differences.append((f"target.{name}", old, new))
+    return differences
+
+
 def check_resume_matches(
-    directory: Path, run_config: Qwen3Config, run_target: dict[str, Any], key: str = "resume"
+    directory: Path,
+    run_config: Qwen3Config,
+    run_target: dict[str, Any],
+    key: str = "resume",
+    run_identity: dict[str, Any] | None = None,
 ) -> None:
     """Refuse to resume (or, key="drafter.init_from", start) from a drafter trained for another
-    drafter or target, naming both values.
+    drafter or target, naming both values. run_identity: this run's target by content
+    (`target_identity`), compared with the checkpoint's target.json.
 
     Loading weights of the same shapes trained on other layer ids, another mask id or another
     target would run, and train a drafter that inference then misuses.
@@ -172,12 +201,7 @@ def check_resume_matches(
             differences.append(
                 (f"drafter.{name}", saved.dflash_config.get(name), run_config.dflash_config[name])
             )
-    run_yaml = Path(directory) / RUN_CONFIG_FILE
-    if run_yaml.is_file():
-        saved_target = (yaml.safe_load(run_yaml.read_text()) or {}).get("target", {})
-        for name in RESUME_TARGET_FIELDS:
-            if saved_target.get(name) != run_target.get(name):
-                differences.append((f"target.{name}", saved_target.get(name), run_target.get(name)))
+    differences += _target_differences(Path(directory), run_target, run_identity)
     if differences:
         described = "; ".join(
             f"{field}: checkpoint {old!r}, this run {new!r}" for field, old, new in differences
@@ -213,7 +237,10 @@ def save_checkpoint(
     trainer_state: dict[str, Any],
     run_config_yaml: str,
     keep_last: int,
+    target_identity: dict[str, Any] | None = None,
 ) -> Path:
+    """target_identity: what the target is by content, kept as target.json for resume,
+    drafter.init_from and dflash-eval to compare."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:07d}"
     tmp = root / f".tmp-{final.name}"
@@ -222,6 +249,8 @@ def save_checkpoint(
         export_drafter(drafter, tmp)
         torch.save(trainer_state, tmp / STATE_FILE)
         (tmp / RUN_CONFIG_FILE).write_text(run_config_yaml)
+        if target_identity is not None:
+            (tmp / IDENTITY_FILE).write_text(json.dumps(target_identity, indent=2, sort_keys=True) + "\n")
     except (OSError, SafetensorError, RuntimeError) as exc:
         # A full disk, a quota, a vanished mount (torch.save reports a failed write as a
         # RuntimeError): nothing half-written stays behind.

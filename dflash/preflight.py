@@ -29,6 +29,7 @@ from dflash.distributed import (
 )
 from dflash.eval_prompts import PromptSet
 from dflash.models.drafter import drafter_config
+from dflash.models.identity import target_identity
 from dflash.models.target import load_target_config
 from dflash.run_inputs import eval_prompt_sets, local_target_config
 
@@ -52,6 +53,7 @@ class Checked:
     process_group: ProcessGroupInfo
     run_dir: Path
     run_config_yaml: str
+    target_identity: dict  # dflash/models/identity.py
 
 
 def prompt_sets(cfg: Config, target_cfg: TargetConfig, vocab_size: int):
@@ -63,16 +65,18 @@ def prompt_sets(cfg: Config, target_cfg: TargetConfig, vocab_size: int):
     return final, eval_prompt_sets(cfg, target_cfg, vocab_size, mask_id, cfg.eval.periodic_num_prompts)
 
 
-def checked_drafter_dir(path: str | None, run_drafter_config, run_target: dict, key: str) -> Path | None:
-    """`resume=` or `drafter.init_from=` (`key`): a drafter directory of this drafter and target,
-    refused before any load."""
+def checked_drafter_dir(
+    path: str | None, run_drafter_config, run_target: dict, key: str, run_identity: dict | None = None
+) -> Path | None:
+    """`resume=` or `drafter.init_from=` (`key`): a drafter directory of this drafter and target
+    (by content: `run_identity`), refused before any load."""
     if not path:
         return None
     directory = Path(path)
     if not directory.is_dir():
         kind = "checkpoint" if key == "resume" else "drafter"
         raise ValueError(f"{key}={path}: no such {kind} directory")
-    check_resume_matches(directory, run_drafter_config, run_target, key=key)
+    check_resume_matches(directory, run_drafter_config, run_target, key=key, run_identity=run_identity)
     return directory
 
 
@@ -118,11 +122,12 @@ def check_before_loading(composed: DictConfig) -> Checked:
         torch.set_num_threads(cfg.gpu.cpu_threads)
     eval_prompts, periodic_prompts = prompt_sets(cfg, target_cfg, target_config.vocab_size)
     run_drafter_config = drafter_config(cfg.drafter, target_config, layer_ids)
-    resume_dir = checked_drafter_dir(cfg.resume, run_drafter_config, resolved["target"], "resume")
+    identity = target_identity(target_cfg)
+    resume_dir = checked_drafter_dir(cfg.resume, run_drafter_config, resolved["target"], "resume", identity)
     init_dir = None
     if resume_dir is None:  # a resumed run continues from its checkpoint's weights
         init_dir = checked_drafter_dir(
-            cfg.drafter.init_from, run_drafter_config, resolved["target"], "drafter.init_from"
+            cfg.drafter.init_from, run_drafter_config, resolved["target"], "drafter.init_from", identity
         )
     process_group = init_from_env(drafter_devices[0])
     require_same_layout(process_group, target_devices, drafter_devices)
@@ -146,4 +151,5 @@ def check_before_loading(composed: DictConfig) -> Checked:
         process_group=process_group,
         run_dir=run_dir,
         run_config_yaml=run_config_yaml,
+        target_identity=identity,
     )

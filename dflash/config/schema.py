@@ -319,6 +319,9 @@ class EvalConfig:
     # 0: greedy, with the check that the output equals plain greedy decoding.
     temperatures: list[float] = field(default_factory=lambda: [0.0])
     seed: int = 12345
+    # dflash-eval: refuse a checkpoint whose target.json says it was trained on another target
+    # (other weights, config or tokenizer of the same shape); false evaluates it anyway.
+    check_target: bool = True
     # Evaluate a snapshot of the drafter every N optimizer steps while training (0: never; the
     # end-of-training evaluation always runs), on `periodic_num_prompts` prompts per benchmark.
     every_steps: int = 0

@@ -50,6 +50,22 @@ def check_pairing(drafter_config: Any, target_config: Any, drafter_dir: Path, ta
         raise ValueError(f"ckpt={drafter_dir} does not fit the target ({target_key}): {'; '.join(problems)}")
 
 
+def check_same_target(drafter_dir: Path, target_cfg: TargetConfig, target_key: str) -> None:
+    """A checkpoint that records its target by content (target.json) is evaluated against that
+    target only: a same-shape target with other weights decodes, and accepts about nothing."""
+    from dflash.models.identity import identity_differences, read_identity, target_identity
+
+    saved = read_identity(drafter_dir)
+    if saved is None:
+        return
+    differences = identity_differences(saved, target_identity(target_cfg))
+    if differences:
+        raise ValueError(
+            f"ckpt={drafter_dir} was trained on another target than {target_key} ({', '.join(differences)}); "
+            "evaluate it against its own target, or set eval.check_target=false to measure it here anyway"
+        )
+
+
 def target_for(
     cfg: DictConfig,
     *,
@@ -137,6 +153,8 @@ def run_eval(
     target_key = f"target={target_cfg.name}" + (f", target.path={target_cfg.path}" if target_cfg.path else "")
     log.info("dflash-eval: %s (from %s)", target_key, target_source)
     check_pairing(drafter_config, target_config, drafter_dir, target_key)
+    if cfg.eval.check_target:
+        check_same_target(drafter_dir, target_cfg, target_key)
     mask_id = drafter_config.dflash_config["mask_token_id"]
     prompt_sets = eval_prompt_sets(cfg, target_cfg, target_config.vocab_size, mask_id, cfg.eval.num_prompts)
     device = torch.device(resolve_device_split(cfg, visible_cuda_devices())[0][0])

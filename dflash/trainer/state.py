@@ -38,6 +38,7 @@ class CheckpointSettings:
     every_steps: int
     keep_last: int
     run_config_yaml: str
+    target_identity: dict[str, Any] | None = None  # dflash/models/identity.py: kept as target.json
 
 
 def trainer_state(step_fn: DrafterStep, position: DataPosition) -> dict[str, Any]:
@@ -60,6 +61,7 @@ def save(settings: CheckpointSettings, step_fn: DrafterStep, position: DataPosit
         trainer_state(step_fn, position),
         settings.run_config_yaml,
         settings.keep_last,
+        target_identity=settings.target_identity,
     )
     log.info("checkpoint: %s", path)
     return path
