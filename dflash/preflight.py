@@ -56,13 +56,14 @@ class Checked:
     target_identity: dict  # dflash/models/identity.py
 
 
-def prompt_sets(cfg: Config, target_cfg: TargetConfig, vocab_size: int):
+def prompt_sets(cfg: Config, target_cfg: TargetConfig, target_config):
     """The final evaluation's prompt sets and, with eval.every_steps > 0, the periodic one's."""
-    mask_id = cfg.drafter.mask_token_id
-    final = eval_prompt_sets(cfg, target_cfg, vocab_size, mask_id, cfg.eval.num_prompts)
+    mask_id, vocab_size = cfg.drafter.mask_token_id, target_config.vocab_size
+    context = getattr(target_config, "max_position_embeddings", None)
+    final = eval_prompt_sets(cfg, target_cfg, vocab_size, mask_id, cfg.eval.num_prompts, context)
     if cfg.eval.every_steps <= 0:
         return final, None
-    return final, eval_prompt_sets(cfg, target_cfg, vocab_size, mask_id, cfg.eval.periodic_num_prompts)
+    return final, eval_prompt_sets(cfg, target_cfg, vocab_size, mask_id, cfg.eval.periodic_num_prompts, context)
 
 
 def checked_drafter_dir(
@@ -120,7 +121,7 @@ def check_before_loading(composed: DictConfig) -> Checked:
     target_devices, drafter_devices = resolve_device_split(cfg, visible_cuda_devices(), slot)
     if "cpu" in target_devices + drafter_devices:
         torch.set_num_threads(cfg.gpu.cpu_threads)
-    eval_prompts, periodic_prompts = prompt_sets(cfg, target_cfg, target_config.vocab_size)
+    eval_prompts, periodic_prompts = prompt_sets(cfg, target_cfg, target_config)
     run_drafter_config = drafter_config(cfg.drafter, target_config, layer_ids)
     identity = target_identity(target_cfg)
     resume_dir = checked_drafter_dir(cfg.resume, run_drafter_config, resolved["target"], "resume", identity)

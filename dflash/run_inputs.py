@@ -5,6 +5,8 @@ report), so each reads them exactly as training does.
 
 from __future__ import annotations
 
+import math
+
 import logging
 from pathlib import Path
 
@@ -68,14 +70,25 @@ def load_training_data(
 
 
 def eval_prompt_sets(
-    cfg: Config, target_cfg: TargetConfig, vocab_size: int, mask_token_id: int, limit: int
+    cfg: Config,
+    target_cfg: TargetConfig,
+    vocab_size: int,
+    mask_token_id: int,
+    limit: int,
+    context_len: int | None = None,
 ) -> list[PromptSet]:
     """The held-out prompts: `eval.benchmarks` files (the target's chat template), else random
-    token prompts (never holding the drafter's mask id)."""
+    token prompts (never holding the drafter's mask id). context_len: the target's positions
+    (max_position_embeddings); the longest prompt + eval.max_new_tokens must fit in it."""
     eval_cfg = cfg.eval
     for key in ("num_prompts", "periodic_num_prompts", "max_new_tokens"):
         if getattr(eval_cfg, key) < 1:
             raise ValueError(f"eval.{key} must be >= 1, got {getattr(eval_cfg, key)}")
+    temperatures = list(eval_cfg.temperatures)
+    if not temperatures or any(not math.isfinite(t) or t < 0 for t in temperatures):
+        raise ValueError(
+            f"eval.temperatures must be a non-empty list of finite values >= 0 (0: greedy), got {temperatures}"
+        )
 
     def renderer() -> ChatRenderer:
         return load_chat_renderer(target_cfg, "eval.benchmarks")
@@ -86,4 +99,13 @@ def eval_prompt_sets(
             "conversations in data.files; set 'eval.benchmarks={name: prompts.jsonl}'"
         )
 
-    return load_prompt_sets(eval_cfg, renderer, vocab_size, [mask_token_id], limit)
+    sets = load_prompt_sets(eval_cfg, renderer, vocab_size, [mask_token_id], limit)
+    if context_len is not None:
+        longest = max((len(p), s.name) for s in sets for p in s.prompts)
+        if longest[0] + eval_cfg.max_new_tokens > context_len:
+            raise ValueError(
+                f"eval.max_new_tokens={eval_cfg.max_new_tokens} + the longest prompt ({longest[0]} tokens, "
+                f"{longest[1]}) exceeds the target's {context_len} positions (max_position_embeddings); "
+                f"lower eval.max_new_tokens to at most {context_len - longest[0]}"
+            )
+    return sets

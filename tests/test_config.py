@@ -209,6 +209,9 @@ def test_gpu_split_from_config():
         (["+loss.gamm=5"], "unknown config key 'loss.gamm'.*did you mean loss.gamma?"),
         (["+foo.bar=1"], "unknown config key 'foo'"),
         (["debug.max_steps=0"], "debug.max_steps must be >= 1"),
+        (["eval.temperatures=[]"], "eval.temperatures must be a non-empty list"),
+        (["eval.temperatures=[0.0,-1.0]"], "eval.temperatures must be .* got [0.0, -1.0]"),
+        (["eval.max_new_tokens=1000000000"], "eval.max_new_tokens=1000000000 .* exceeds the target's 4096 positions .* at most 4080"),
         (["objective=foo"], "objective='foo' is not a summary metric"),
     ],
 )

@@ -156,7 +156,14 @@ def run_eval(
     if cfg.eval.check_target:
         check_same_target(drafter_dir, target_cfg, target_key)
     mask_id = drafter_config.dflash_config["mask_token_id"]
-    prompt_sets = eval_prompt_sets(cfg, target_cfg, target_config.vocab_size, mask_id, cfg.eval.num_prompts)
+    prompt_sets = eval_prompt_sets(
+        cfg,
+        target_cfg,
+        target_config.vocab_size,
+        mask_id,
+        cfg.eval.num_prompts,
+        getattr(target_config, "max_position_embeddings", None),
+    )
     device = torch.device(resolve_device_split(cfg, visible_cuda_devices())[0][0])
     if device.type == "cpu":
         torch.set_num_threads(cfg.gpu.cpu_threads)
