@@ -42,7 +42,9 @@ LIBRARIES = ("dflash", "torch", "transformers", "hydra-core", "omegaconf", "safe
 # Config keys whose values are secrets: never written in clear into a record (run.json, .hydra/).
 _SECRET_KEY = re.compile(r"(api_key|password|secret)", re.IGNORECASE)
 # `key=value` inside an override string or Hydra's override_dirname.
-_SECRET_OVERRIDE = re.compile(r"((?:^|[,\s])[+~]*[\w.]*(?:api_key|password|secret)[\w]*=)[^,\s]*", re.IGNORECASE)
+_SECRET_OVERRIDE = re.compile(
+    r"((?:^|[,\s])[+~]*[\w.]*(?:api_key|password|secret)[\w]*=)[^,\s]*", re.IGNORECASE
+)
 MASK = "***"
 
 
@@ -50,7 +52,8 @@ def masked(value: Any) -> Any:
     """`value` (a config container, an override list or string) with every secret replaced by ***."""
     if isinstance(value, dict):
         return {
-            k: MASK if _SECRET_KEY.search(str(k)) and v not in (None, "") else masked(v) for k, v in value.items()
+            k: MASK if _SECRET_KEY.search(str(k)) and v not in (None, "") else masked(v)
+            for k, v in value.items()
         }
     if isinstance(value, list):
         return [masked(v) for v in value]
@@ -168,7 +171,9 @@ class RunRecordCallback(Callback):
         except RunDirInUse as exc:
             exit_for_user_error(tool_name(), f"paths.output_dir: {exc}")
         except OSError as exc:
-            exit_for_user_error(tool_name(), f"paths.output_dir={output_dir}: cannot write it ({exc.strerror})")
+            exit_for_user_error(
+                tool_name(), f"paths.output_dir={output_dir}: cannot write it ({exc.strerror})"
+            )
 
     def _release_output_dir(self, job_dir: str) -> None:
         lock = self._output_locks.pop(job_dir, None)

@@ -214,7 +214,9 @@ def load_drafter_weights(drafter: DFlashDrafter, directory: Path) -> None:
     path = Path(directory) / WEIGHTS_FILE
     raw = _raw_config(directory)
     try:
-        state = speculators.drafter_state(path, raw) if speculators.is_speculators(raw) else load_file(str(path))
+        state = (
+            speculators.drafter_state(path, raw) if speculators.is_speculators(raw) else load_file(str(path))
+        )
     except (OSError, SafetensorError) as exc:
         raise ValueError(f"{path}: unreadable drafter weights ({exc})") from exc
     try:

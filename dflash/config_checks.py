@@ -48,29 +48,7 @@ def validate(
     visible_cuda_devices: int,
     slot: ProcessSlot | None = None,
 ) -> None:
-    drafter = cfg.drafter
-    layer_ids = resolve_layer_ids(cfg, num_target_layers)
-    bad = [i for i in layer_ids if not 0 <= i < num_target_layers]
-    if bad:
-        raise ValueError(
-            f"drafter.target_layer_ids {layer_ids}: {bad} out of range for a target with "
-            f"{num_target_layers} layers (valid: 0..{num_target_layers - 1})"
-        )
-    if len(set(layer_ids)) != len(layer_ids):
-        raise ValueError(f"drafter.target_layer_ids {layer_ids} repeats a layer")
-    if not 0 <= drafter.mask_token_id < target_vocab_size:
-        raise ValueError(
-            f"drafter.mask_token_id={drafter.mask_token_id} is outside the target's embedding rows "
-            f"(target vocab_size {target_vocab_size}); pick an unused id below it"
-        )
-    if drafter.block_size < 2:
-        raise ValueError(
-            f"drafter.block_size must be >= 2 (anchor + at least one draft), got {drafter.block_size}"
-        )
-    for key in ("num_layers", "num_anchors"):
-        if getattr(drafter, key) < 1:
-            raise ValueError(f"drafter.{key} must be >= 1, got {getattr(drafter, key)}")
-    _validate_layer_types(drafter)
+    validate_drafter(cfg, num_target_layers=num_target_layers, target_vocab_size=target_vocab_size)
     if not cfg.loss.gamma > 0:
         raise ValueError(f"loss.gamma must be > 0, got {cfg.loss.gamma}")
     if cfg.loss.logits_chunk < 0:
@@ -211,3 +189,31 @@ def _validate_layer_types(drafter) -> None:
             f"drafter.sliding_window must be >= drafter.block_size={drafter.block_size} for the "
             f"sliding_attention layers in drafter.layer_types, got {window}"
         )
+
+
+def validate_drafter(cfg: Any, *, num_target_layers: int, target_vocab_size: int) -> None:
+    """The drafter's keys against the target: layer ids, mask id, block and layer settings (what
+    the benchmark scripts check too, before they build anything)."""
+    drafter = cfg.drafter
+    layer_ids = resolve_layer_ids(cfg, num_target_layers)
+    bad = [i for i in layer_ids if not 0 <= i < num_target_layers]
+    if bad:
+        raise ValueError(
+            f"drafter.target_layer_ids {layer_ids}: {bad} out of range for a target with "
+            f"{num_target_layers} layers (valid: 0..{num_target_layers - 1})"
+        )
+    if len(set(layer_ids)) != len(layer_ids):
+        raise ValueError(f"drafter.target_layer_ids {layer_ids} repeats a layer")
+    if not 0 <= drafter.mask_token_id < target_vocab_size:
+        raise ValueError(
+            f"drafter.mask_token_id={drafter.mask_token_id} is outside the target's embedding rows "
+            f"(target vocab_size {target_vocab_size}); pick an unused id below it"
+        )
+    if drafter.block_size < 2:
+        raise ValueError(
+            f"drafter.block_size must be >= 2 (anchor + at least one draft), got {drafter.block_size}"
+        )
+    for key in ("num_layers", "num_anchors"):
+        if getattr(drafter, key) < 1:
+            raise ValueError(f"drafter.{key} must be >= 1, got {getattr(drafter, key)}")
+    _validate_layer_types(drafter)

@@ -46,7 +46,9 @@ def read_prompt_file(name: str, path: str, renderer: Any, limit: int) -> PromptS
         raise ValueError(f"eval.benchmarks.{name}: {path} is not a file")
     source = record_file(Path(path))
     if source is None or source.kind != "jsonl":
-        raise ValueError(f"eval.benchmarks.{name}: {path} is not a JSON Lines file (.jsonl, .jsonl.gz, .jsonl.zst)")
+        raise ValueError(
+            f"eval.benchmarks.{name}: {path} is not a JSON Lines file (.jsonl, .jsonl.gz, .jsonl.zst)"
+        )
     prompts = []
     for line_no, line in lines(source):
         if len(prompts) == limit:

@@ -63,7 +63,9 @@ def prompt_sets(cfg: Config, target_cfg: TargetConfig, target_config):
     final = eval_prompt_sets(cfg, target_cfg, vocab_size, mask_id, cfg.eval.num_prompts, context)
     if cfg.eval.every_steps <= 0:
         return final, None
-    return final, eval_prompt_sets(cfg, target_cfg, vocab_size, mask_id, cfg.eval.periodic_num_prompts, context)
+    return final, eval_prompt_sets(
+        cfg, target_cfg, vocab_size, mask_id, cfg.eval.periodic_num_prompts, context
+    )
 
 
 def checked_drafter_dir(
@@ -89,7 +91,9 @@ def refuse_earlier_run(run_dir: Path) -> None:
     """A fresh run into a directory that holds another run's results would append its rows to
     that run's metrics (the same steps twice) and replace its summary: refused, saying how to
     continue that run or start elsewhere."""
-    found = [name for name in EARLIER_RUN_FILES if (run_dir / name).is_file() and (run_dir / name).stat().st_size]
+    found = [
+        name for name in EARLIER_RUN_FILES if (run_dir / name).is_file() and (run_dir / name).stat().st_size
+    ]
     if found:
         last = run_dir / "checkpoints" / "last"
         resume = f"resume={last}" if last.exists() else "resume=<one of its checkpoints>"

@@ -5,22 +5,23 @@ report), so each reads them exactly as training does.
 
 from __future__ import annotations
 
-import math
-
 import logging
+import math
+import os
 from pathlib import Path
 
 import torch
 
 from dflash.config.schema import Config, DataKind, TargetConfig
-from dflash.config_checks import resolve_layer_ids
+from dflash.config_checks import resolve_layer_ids, validate_drafter
 from dflash.data.chat import ChatRenderer, load_chat_renderer
 from dflash.data.dataset import TokenDataset
 from dflash.data.prepare import PrepStats, load_or_prepare
 from dflash.data.synthetic import load_or_generate
+from dflash.errors import exit_for_user_error
 from dflash.eval_prompts import PromptSet, load_prompt_sets
 from dflash.models.gguf import local_target
-from dflash.models.target import FrozenTarget, load_target_config
+from dflash.models.target import FrozenTarget, load_target_config, resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -36,8 +37,46 @@ def frozen_target(cfg: Config, device: torch.device | str) -> tuple[FrozenTarget
     once under paths.cache_dir), and the layer ids its features come from. The benchmark and
     check scripts build their target with it, so they measure the target a run trains with."""
     target_cfg = local_target_config(cfg)
-    layer_ids = resolve_layer_ids(cfg, load_target_config(target_cfg).num_hidden_layers)
-    return FrozenTarget.from_config(target_cfg, layer_ids, torch.device(device)), layer_ids
+    config = load_target_config(target_cfg)
+    device = torch.device(device)
+    # What dflash-train checks first, and a target that cannot fit: one line (ValueError), not
+    # an IndexError deep in a forward or the OOM killer.
+    validate_drafter(cfg, num_target_layers=config.num_hidden_layers, target_vocab_size=config.vocab_size)
+    refuse_what_cannot_fit(target_cfg, config, device)
+    layer_ids = resolve_layer_ids(cfg, config.num_hidden_layers)
+    return FrozenTarget.from_config(target_cfg, layer_ids, device), layer_ids
+
+
+def script_target(cfg: Config, device: torch.device | str, script: str) -> tuple[FrozenTarget, list[int]]:
+    """`frozen_target` for a benchmark or check script: a refusal is its one line and exit 2,
+    as dflash-train's."""
+    try:
+        return frozen_target(cfg, device)
+    except ValueError as exc:
+        exit_for_user_error(script, str(exc))
+
+
+def available_bytes(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+
+
+def refuse_what_cannot_fit(target_cfg: TargetConfig, config, device: torch.device) -> None:
+    """The target's weights (counted on the meta device, in the dtype it loads in) must fit in
+    the device's free memory."""
+    from transformers import AutoModelForCausalLM
+
+    with torch.device("meta"):
+        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
+    needed = params * resolve_dtype(target_cfg.dtype, device).itemsize
+    free = available_bytes(device)
+    if needed > free:
+        raise ValueError(
+            f"target={target_cfg.name}: {params / 1e9:.2f}B parameters need {needed / 2**30:.1f} GiB on {device}, "
+            f"which has {free / 2**30:.1f} GiB free; choose a smaller target (target.arch.num_hidden_layers=..., "
+            "target=tiny) or another device"
+        )
 
 
 def load_training_data(

@@ -120,7 +120,9 @@ class DrafterStep:
         if settings.flex_attention:  # tile tables from the host-side anchors: no device sync
             tiles = {
                 window: table.to(self.device, non_blocking=True)
-                for window, table in tiles_by_window(blocks, batch.input_ids.shape[1], self.drafter.windows).items()
+                for window, table in tiles_by_window(
+                    blocks, batch.input_ids.shape[1], self.drafter.windows
+                ).items()
             }
         blocks = blocks.to(self.device, non_blocking=True)
         # Seeded by the batch's place in the schedule: resumed runs, any replica or node count

@@ -153,7 +153,7 @@ def main() -> None:
 
     from dflash.config.devices import resolve_device_split
     from dflash.distributed import visible_cuda_devices
-    from dflash.run_inputs import frozen_target
+    from dflash.run_inputs import script_target
     from dflash.step_build import build_drafter
     from dflash.tools.compose import compose_typed
 
@@ -161,7 +161,7 @@ def main() -> None:
         ["paths.output_dir=/tmp/bench_decode", "paths.cache_dir=/tmp/bench_decode", *overrides]
     )
     device = torch.device(resolve_device_split(cfg, visible_cuda_devices())[0][0])
-    target, layer_ids = frozen_target(cfg, device)  # a GGUF target.path: converted once
+    target, layer_ids = script_target(cfg, device, "bench_decode")  # a GGUF target.path: converted once
     target_config = target.config
     drafter = build_drafter(cfg.drafter, target_config, layer_ids, str(device))
     drafter = drafter.to(target.lm_head.weight.dtype).eval()

@@ -47,7 +47,7 @@ from dflash.data.schedule import PlannedBatch  # noqa: E402
 from dflash.models.compile import CompileCounter  # noqa: E402
 from dflash.models.target import FrozenTarget  # noqa: E402
 from dflash.models.target_head import TargetHead  # noqa: E402
-from dflash.run_inputs import frozen_target  # noqa: E402
+from dflash.run_inputs import script_target  # noqa: E402
 from dflash.step_build import build_drafter, build_step_fn  # noqa: E402
 from dflash.step_variants import STEP_VARIANTS  # noqa: E402
 from dflash.tools.compose import compose_typed  # noqa: E402
@@ -161,7 +161,7 @@ def main() -> None:
     defaults = DEFAULTS + ([] if device.type == "cuda" else ["gpu=cpu"])
     base = [d for d in defaults if d.split("=", 1)[0] not in given] + overrides
     cfg = compose_typed(base)
-    target, layer_ids = frozen_target(cfg, device)  # a GGUF target.path: converted once
+    target, layer_ids = script_target(cfg, device, "bench_step")  # a GGUF target.path: converted once
     head = TargetHead.of(target)
     peak = peak_tflops(device)
     vocab = target.config.vocab_size

@@ -34,7 +34,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dflash.models.compile import CompileCounter  # noqa: E402
-from dflash.run_inputs import frozen_target  # noqa: E402
+from dflash.run_inputs import script_target  # noqa: E402
 from dflash.tools.compose import compose_typed  # noqa: E402
 from dflash.tools.target_cost import PARTS, PartTimer, part_flops  # noqa: E402
 from dflash.tools.timing import median_ms  # noqa: E402
@@ -74,7 +74,7 @@ def main() -> None:
     if "target" in given:  # another target: none of the default target's own keys
         defaults = [d for d in defaults if not d.startswith(("target.", "drafter.target_layer_ids"))]
     base = defaults + overrides
-    target, _ = frozen_target(compose_typed(base), device)
+    target, _ = script_target(compose_typed(base), device, "bench_target")
     model, peak = target.model, peak_tflops()
     weights = torch.cuda.memory_allocated(device)
     config = target.config

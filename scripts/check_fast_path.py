@@ -37,7 +37,7 @@ from dflash.data.dataset import TokenDataset  # noqa: E402
 from dflash.loss import objective_figures  # noqa: E402
 from dflash.models.target import FrozenTarget  # noqa: E402
 from dflash.models.target_head import TargetHead  # noqa: E402
-from dflash.run_inputs import frozen_target, load_training_data  # noqa: E402
+from dflash.run_inputs import load_training_data, script_target  # noqa: E402
 from dflash.step_build import build_drafter, build_step_fn, uses_compile  # noqa: E402
 from dflash.step_variants import STEP_VARIANTS  # noqa: E402
 from dflash.tools.compose import compose_typed  # noqa: E402
@@ -59,7 +59,9 @@ class Setup:
     def load(cls, overrides: list[str], steps: int, device: torch.device) -> Setup:
         base = (["gpu=single"] if device.type == "cuda" else ["gpu=cpu"]) + overrides
         cfg = compose_typed(base)
-        target, layer_ids = frozen_target(cfg, device)  # a GGUF target.path: converted once
+        target, layer_ids = script_target(
+            cfg, device, "check_fast_path"
+        )  # a GGUF target.path: converted once
         dataset, _ = load_training_data(cfg, target)
         planner, _, _ = plan_batches(cfg, dataset)  # the run's own plan, held-out split left out
         plans = [planner.at(i) for i in range(steps)]

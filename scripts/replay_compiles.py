@@ -35,7 +35,7 @@ from dflash.data.dataset import TokenDataset  # noqa: E402
 from dflash.data.schedule import BatchPlanner, PlannedBatch  # noqa: E402
 from dflash.models.compile import CompileCounter  # noqa: E402
 from dflash.models.target_head import TargetHead  # noqa: E402
-from dflash.run_inputs import frozen_target  # noqa: E402
+from dflash.run_inputs import script_target  # noqa: E402
 from dflash.step_build import build_drafter, build_step_fn  # noqa: E402
 from dflash.tools.compose import compose_typed  # noqa: E402
 
@@ -89,7 +89,7 @@ def replay(
     """Build the run's target and drafter, compile both as a run does (`backend`: None for
     inductor), warm the target up as a run starts, then train on `batches` in order, yielding
     each as it finishes."""
-    target, layer_ids = frozen_target(cfg, device)
+    target, layer_ids = script_target(cfg, device, "replay_compiles")
     counters = {
         "target": CompileCounter("target features", backend),
         "drafter": CompileCounter("drafter", backend),

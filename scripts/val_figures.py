@@ -31,7 +31,7 @@ from dflash.build import plan_batches  # noqa: E402
 from dflash.checkpoint import load_drafter  # noqa: E402
 from dflash.config.devices import resolve_device_split  # noqa: E402
 from dflash.distributed import visible_cuda_devices  # noqa: E402
-from dflash.run_inputs import frozen_target, load_training_data  # noqa: E402
+from dflash.run_inputs import load_training_data, script_target  # noqa: E402
 from dflash.step_build import block_settings_for  # noqa: E402
 from dflash.tools.compose import compose_typed  # noqa: E402
 from dflash.trainer.validation import VAL_FIGURES, Validation, held_out_ids  # noqa: E402
@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     device = torch.device(resolve_device_split(cfg, visible_cuda_devices())[0][0])  # the first target device
     if device.type == "cpu":
         torch.set_num_threads(cfg.gpu.cpu_threads)
-    target, _ = frozen_target(cfg, device)
+    target, _ = script_target(cfg, device, "val_figures")
     dataset, _ = load_training_data(cfg, target)
     _, budget, val_ids = plan_batches(cfg, dataset)
     if val_ids is None:

@@ -192,9 +192,18 @@ def test_gpu_split_from_config():
         (["drafter.target_layer_ids=[1,9]"], "drafter.target_layer_ids"),
         (["drafter.mask_token_id=512"], "drafter.mask_token_id"),
         (["drafter.block_size=1"], "drafter.block_size"),
-        (["drafter.layer_types=[sliding_attention]"], "drafter.layer_types has 1 entries for drafter.num_layers=2"),
-        (["drafter.layer_types=[sliding_attention,full_attention]"], "drafter.sliding_window must be >= drafter.block_size=4"),
-        (["drafter.layer_types=[sliding_attention,full_attention]", "drafter.sliding_window=3"], "drafter.sliding_window must be"),
+        (
+            ["drafter.layer_types=[sliding_attention]"],
+            "drafter.layer_types has 1 entries for drafter.num_layers=2",
+        ),
+        (
+            ["drafter.layer_types=[sliding_attention,full_attention]"],
+            "drafter.sliding_window must be >= drafter.block_size=4",
+        ),
+        (
+            ["drafter.layer_types=[sliding_attention,full_attention]", "drafter.sliding_window=3"],
+            "drafter.sliding_window must be",
+        ),
         (["drafter.sliding_window=64"], "drafter.sliding_window=64 is set but no layer slides"),
         (["loss.gamma=0"], "loss.gamma"),
         (["loss.logits_chunk=-1"], "loss.logits_chunk"),
@@ -211,7 +220,10 @@ def test_gpu_split_from_config():
         (["debug.max_steps=0"], "debug.max_steps must be >= 1"),
         (["eval.temperatures=[]"], "eval.temperatures must be a non-empty list"),
         (["eval.temperatures=[0.0,-1.0]"], "eval.temperatures must be .* got [0.0, -1.0]"),
-        (["eval.max_new_tokens=1000000000"], "eval.max_new_tokens=1000000000 .* exceeds the target's 4096 positions .* at most 4080"),
+        (
+            ["eval.max_new_tokens=1000000000"],
+            "eval.max_new_tokens=1000000000 .* exceeds the target's 4096 positions .* at most 4080",
+        ),
         (["objective=foo"], "objective='foo' is not a summary metric"),
     ],
 )

@@ -319,7 +319,6 @@ def test_files_may_be_globs_or_directories(tmp_path, renderer):
         prepare(renderer, data_cfg([str(shards / "nothing-*.jsonl")]))
 
 
-
 def test_a_directory_is_read_recursively_in_every_supported_form(tmp_path, renderer, caplog):
     """.jsonl, .JSONL, .jsonl.gz, .json.zst and a subdirectory are all read (150 of 150 records,
     where only the plain .jsonl files were before); other files are named in a warning; a line
@@ -340,7 +339,9 @@ def test_a_directory_is_read_recursively_in_every_supported_form(tmp_path, rende
     (root / "notes.txt").write_text("not data")
     (root / ".out.jsonl.lock").write_text("")  # hidden: passed over without a word
     with plain.open("ab") as handle:
-        handle.write(b'{"messages": [{"role": "user", "content": "caf\xe9"}, {"role": "assistant", "content": "x"}]}\n')
+        handle.write(
+            b'{"messages": [{"role": "user", "content": "caf\xe9"}, {"role": "assistant", "content": "x"}]}\n'
+        )
     skipped = SkipReport()
     with caplog.at_level("WARNING"):
         conversations = list(read_conversations([str(root)], skipped, "data.files"))
@@ -362,6 +363,7 @@ def test_an_eval_prompt_that_is_not_text_is_refused_with_its_line(tmp_path, rend
     path.write_text('{"prompt": 42}\n')
     with pytest.raises(ValueError, match="the prompt is 42"):
         read_prompt_file("mine", str(path), renderer, limit=10)
+
 
 # Three template shapes users train on, written out: Llama-3 (each turn trimmed), Qwen3 (an empty
 # think block before the final reply in non-thinking mode), and one that injects a system prompt.
@@ -424,7 +426,9 @@ def test_masks_come_from_where_the_template_writes_each_reply(tiny_chat_dir, tem
 
 def test_a_reply_the_template_rewrites_is_refused_not_guessed(tiny_chat_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_chat_dir)
-    tokenizer.chat_template = tokenizer.chat_template.replace("message['content']", "message['content'] | upper")
+    tokenizer.chat_template = tokenizer.chat_template.replace(
+        "message['content']", "message['content'] | upper"
+    )
     if "upper" not in tokenizer.chat_template:
         pytest.skip("the tiny template names its content otherwise")
     with pytest.raises(ValueError, match="rewrites assistant content"):

@@ -32,7 +32,10 @@ def tiny_target() -> FrozenTarget:
 
 
 def tiny_drafter(
-    target: FrozenTarget, block_size: int = 4, layer_types: list[str] | None = None, sliding_window: int | None = None
+    target: FrozenTarget,
+    block_size: int = 4,
+    layer_types: list[str] | None = None,
+    sliding_window: int | None = None,
 ) -> DFlashDrafter:
     """layer_types / sliding_window: drafter.layer_types and drafter.sliding_window."""
     cfg = DrafterConfig(

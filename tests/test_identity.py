@@ -45,7 +45,10 @@ def checkpoint_for(tmp_path, target_dir):
 
 def test_resume_refuses_same_shape_targets_of_other_content_and_accepts_the_same_one(tmp_path, targets):
     ckpt, config = checkpoint_for(tmp_path, targets["same"])
-    for name, expected in (("other_weights", "weights differ"), ("other_tokenizer", "tokenizer vocabulary differ")):
+    for name, expected in (
+        ("other_weights", "weights differ"),
+        ("other_tokenizer", "tokenizer vocabulary differ"),
+    ):
         identity = target_identity(TargetConfig(name="hf", path=str(targets[name])))
         with pytest.raises(ValueError, match=f"trained for another drafter or target .*{expected}"):
             check_resume_matches(ckpt, config, {"path": str(targets[name])}, run_identity=identity)
@@ -67,7 +70,9 @@ def test_a_checkpoint_without_target_json_compares_paths_as_directories(tmp_path
 def test_dflash_eval_refuses_a_target_of_the_same_shape_with_other_weights(tmp_path, targets):
     ckpt, _ = checkpoint_for(tmp_path, targets["same"])
     check_same_target(ckpt, TargetConfig(name="hf", path=f"{targets['same']}/"), "target=hf")
-    with pytest.raises(ValueError, match=r"another target than target=hf \(weights differ\).*eval.check_target=false"):
+    with pytest.raises(
+        ValueError, match=r"another target than target=hf \(weights differ\).*eval.check_target=false"
+    ):
         check_same_target(ckpt, TargetConfig(name="hf", path=str(targets["other_weights"])), "target=hf")
 
 

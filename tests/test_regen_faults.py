@@ -27,16 +27,34 @@ from tests.tiny_assets import write_conversations
 
 GREEDY = SamplingConfig(temperature=0.0, max_new_tokens=6)
 BAD_ANSWERS = {
-    "EMPTYCHOICES": ("application/json", json.dumps({"id": "x", "object": "chat.completion", "choices": []}).encode()),
+    "EMPTYCHOICES": (
+        "application/json",
+        json.dumps({"id": "x", "object": "chat.completion", "choices": []}).encode(),
+    ),
     "HTMLPAGE": ("text/html", b"<html><body>502 Bad Gateway</body></html>"),
     "NOTJSON": ("application/json", b"{this is not json"),
-    "NULLCONTENT": ("application/json", json.dumps({"id": "x", "object": "chat.completion", "created": 0, "model": "tiny-chat", "choices": [{"index": 0, "message": {"role": "assistant", "content": None}, "finish_reason": "stop"}]}).encode()),  # fmt: skip
+    "NULLCONTENT": (
+        "application/json",
+        json.dumps(
+            {
+                "id": "x",
+                "object": "chat.completion",
+                "created": 0,
+                "model": "tiny-chat",
+                "choices": [
+                    {"index": 0, "message": {"role": "assistant", "content": None}, "finish_reason": "stop"}
+                ],
+            }
+        ).encode(),
+    ),  # fmt: skip
 }
 
 
 @pytest.fixture(scope="module")
 def served(tiny_chat_dir):
-    target = FrozenTarget.from_config(TargetConfig(name="tiny", path=str(tiny_chat_dir)), [1], torch.device("cpu"))
+    target = FrozenTarget.from_config(
+        TargetConfig(name="tiny", path=str(tiny_chat_dir)), [1], torch.device("cpu")
+    )
     return TransformersBackend(target, ChatRenderer(AutoTokenizer.from_pretrained(tiny_chat_dir)), GREEDY, slots=2, max_len=256)  # fmt: skip
 
 
@@ -53,7 +71,13 @@ def mark(source: Path, markers: dict[int, str]) -> None:
 
 def http(server: LoopbackChatServer, api_key: str = "EMPTY") -> HttpBackend:
     return HttpBackend(
-        url=server.url, model="tiny-chat", api_key=api_key, sampling=GREEDY, concurrency=3, timeout_s=30, max_retries=0
+        url=server.url,
+        model="tiny-chat",
+        api_key=api_key,
+        sampling=GREEDY,
+        concurrency=3,
+        timeout_s=30,
+        max_retries=0,
     )
 
 
@@ -71,7 +95,14 @@ def test_each_bad_answer_is_a_counted_failure_not_a_crash(tmp_path, served):
 def run_regen(tmp_path: Path, *args: str, env: dict | None = None, **popen) -> subprocess.Popen:
     clean = {k: v for k, v in os.environ.items() if k != "OPENAI_API_KEY"}
     return subprocess.Popen(
-        [sys.executable, "-m", "dflash.tools.regen", "backend=http", f"hydra.run.dir={tmp_path / 'run'}", *args],
+        [
+            sys.executable,
+            "-m",
+            "dflash.tools.regen",
+            "backend=http",
+            f"hydra.run.dir={tmp_path / 'run'}",
+            *args,
+        ],
         env={**clean, **(env or {})},
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
@@ -99,7 +130,9 @@ def test_the_api_key_comes_from_the_environment_and_never_lands_in_a_record(tmp_
     source = write_conversations(tmp_path / "in.jsonl", 2, seed=4)
     with LoopbackChatServer(served) as server:
         args = (f"url={server.url}", f"input=[{source}]")
-        first = run_regen(tmp_path, *args, f"output={tmp_path / 'a.jsonl'}", env={"OPENAI_API_KEY": "sk-from-env-1"})
+        first = run_regen(
+            tmp_path, *args, f"output={tmp_path / 'a.jsonl'}", env={"OPENAI_API_KEY": "sk-from-env-1"}
+        )
         assert first.wait(timeout=SLOW_MACHINE_TIMEOUT_S) == 0, first.stderr.read()
         assert set(server.authorizations) == {"Bearer sk-from-env-1"}
         server.authorizations.clear()
@@ -135,7 +168,9 @@ def test_sigterm_leaves_a_run_record_and_every_written_line_whole(tmp_path, serv
     source = write_conversations(tmp_path / "in.jsonl", 40, seed=6)
     out = tmp_path / "out.jsonl"
     with LoopbackChatServer(served, delay_s=0.2) as server:
-        running = run_regen(tmp_path, f"url={server.url}", f"input=[{source}]", f"output={out}", "batch_size=2")
+        running = run_regen(
+            tmp_path, f"url={server.url}", f"input=[{source}]", f"output={out}", "batch_size=2"
+        )
         deadline = time.monotonic() + SLOW_MACHINE_TIMEOUT_S
         while not (out.is_file() and out.read_text().count("\n") >= 2) and time.monotonic() < deadline:
             time.sleep(0.1)

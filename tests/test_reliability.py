@@ -294,7 +294,9 @@ def test_a_full_disk_while_checkpointing_names_the_path_and_leaves_no_temporary(
     assert [p.name for p in (tmp_path / "ckpt").iterdir()] == []
 
 
-def test_a_run_record_that_cannot_be_written_goes_to_stderr_and_leaves_no_temporary(tmp_path, monkeypatch, capsys):
+def test_a_run_record_that_cannot_be_written_goes_to_stderr_and_leaves_no_temporary(
+    tmp_path, monkeypatch, capsys
+):
     import errno
 
     from dflash.callbacks import write_record
@@ -308,7 +310,14 @@ def test_a_run_record_that_cannot_be_written_goes_to_stderr_and_leaves_no_tempor
         return original(self, *args, **kwargs)
 
     monkeypatch.setattr(Path, "write_text", full)
-    write_record(tmp_path / "run.json", {"status": "FAILED", "error": "OSError: disk full", "traceback": "Traceback ..."})
+    write_record(
+        tmp_path / "run.json",
+        {"status": "FAILED", "error": "OSError: disk full", "traceback": "Traceback ..."},
+    )
     err = capsys.readouterr().err
-    assert "cannot write the run record" in err and "status FAILED: OSError: disk full" in err and "Traceback" in err
+    assert (
+        "cannot write the run record" in err
+        and "status FAILED: OSError: disk full" in err
+        and "Traceback" in err
+    )
     assert list(tmp_path.iterdir()) == []

@@ -65,7 +65,9 @@ def test_window_tile_tables_cover_the_dense_mask_exactly(shape, window):
     window = max(window, block_size)
     anchors, valid = random_anchors(batch, ctx_len, num_anchors, seed=sum(shape) + window)
     tiles = kv_tiles(anchors, valid, ctx_len, block_size, window)
-    dense = block_attention_mask(torch.from_numpy(anchors), torch.from_numpy(valid), ctx_len, block_size, window)
+    dense = block_attention_mask(
+        torch.from_numpy(anchors), torch.from_numpy(valid), ctx_len, block_size, window
+    )
     skipped, _ = assert_tiles_cover(tiles, dense)
     if ctx_len >= 700:  # a window over a long context leaves most key tiles out
         assert skipped > tiles.partial_count.numel()
@@ -124,7 +126,12 @@ def test_a_sliding_drafter_whose_window_holds_everything_is_the_full_drafter():
         drafter.load_state_dict(full.state_dict())
     blocks, features, emb = _drafter_inputs(target)
     out = {
-        name: model(features, emb, blocks.positions, layer_masks(blocks.anchors, blocks.anchor_valid, 40, 4, model.windows))
+        name: model(
+            features,
+            emb,
+            blocks.positions,
+            layer_masks(blocks.anchors, blocks.anchor_valid, 40, 4, model.windows),
+        )
         for name, model in (("full", full), ("wide", wide), ("narrow", narrow))
     }
     torch.testing.assert_close(out["wide"], out["full"], rtol=0, atol=1e-12)

@@ -130,7 +130,14 @@ def test_convert_to_speculators_and_back_keeps_the_drafter(tmp_path, tiny_qwen3_
     export_drafter(drafter, tmp_path / "zlab")
     spec, back = tmp_path / "spec", tmp_path / "back"
     code, err = export_cli(
-        capsys, "convert", str(tmp_path / "zlab"), str(spec), "--layout", "speculators", "--target", str(tiny_qwen3_dir)
+        capsys,
+        "convert",
+        str(tmp_path / "zlab"),
+        str(spec),
+        "--layout",
+        "speculators",
+        "--target",
+        str(tiny_qwen3_dir),
     )
     assert code == 0, err
     config = json.loads((spec / "config.json").read_text())
@@ -149,7 +156,9 @@ def test_convert_to_speculators_and_back_keeps_the_drafter(tmp_path, tiny_qwen3_
 
     code, err = export_cli(capsys, "convert", str(spec), str(back), "--layout", "zlab")
     assert code == 2 and "records no target depth" in err  # SGLang needs it
-    code, err = export_cli(capsys, "convert", str(spec), str(back), "--layout", "zlab", "--target", str(tiny_qwen3_dir))
+    code, err = export_cli(
+        capsys, "convert", str(spec), str(back), "--layout", "zlab", "--target", str(tiny_qwen3_dir)
+    )
     assert code == 0, err
     original, returned = load_file(str(tmp_path / "zlab" / "model.safetensors")), load_file(str(back / "model.safetensors"))  # fmt: skip
     assert original.keys() == returned.keys()
@@ -161,10 +170,14 @@ def test_convert_to_speculators_and_back_keeps_the_drafter(tmp_path, tiny_qwen3_
 
 def test_convert_needs_a_verifier_name_and_an_empty_destination(tmp_path, capsys):
     export_drafter(tiny_drafter(), tmp_path / "zlab")
-    code, err = export_cli(capsys, "convert", str(tmp_path / "zlab"), str(tmp_path / "spec"), "--layout", "speculators")
+    code, err = export_cli(
+        capsys, "convert", str(tmp_path / "zlab"), str(tmp_path / "spec"), "--layout", "speculators"
+    )
     assert code == 2 and "--target DIR or --verifier NAME" in err
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")
-    code, err = export_cli(capsys, "convert", str(tmp_path / "zlab"), str(tmp_path / "full"), "--layout", "zlab")
+    code, err = export_cli(
+        capsys, "convert", str(tmp_path / "zlab"), str(tmp_path / "full"), "--layout", "zlab"
+    )
     assert code == 2 and "not empty" in err
     assert (tmp_path / "full" / "keep.txt").read_text() == "mine"

@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import re
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from dflash.tools import report, schedule_report
 from dflash.train import train
+from tests.conftest import SLOW_MACHINE_TIMEOUT_S
 
 
 def test_report_writes_plots_and_a_summary_and_compares_two_runs(make_cfg, tmp_path, capsys):
@@ -98,3 +104,25 @@ def test_back_to_back_ms_times_the_calls_together_and_divides_by_their_count(mon
     ms = timing.back_to_back_ms(lambda: calls.append(1), repeat=4, device=torch.device("cpu"))
     assert len(calls) == 4
     assert abs(ms - 3.0) < 1e-9
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        # The tiny target with the script's default mask id (Qwen3's 151669): dflash-train's check.
+        (["target=tiny", "drafter=tiny"], "drafter.mask_token_id=151669 is outside the target's embedding rows"),
+        # A target no machine holds: refused from its meta-device size, before anything is built.
+        (
+            ["target.arch.hidden_size=16384", "target.arch.vocab_size=2000000", "target.arch.num_hidden_layers=8"],
+            r"target=qwen3_8b_random: \d+\.\d+B parameters need \d+\.\d GiB on cpu, which has",
+        ),
+    ],
+    ids=["mask_id_outside_the_vocab", "weights_beyond_the_device"],
+)
+def test_benchmark_scripts_refuse_like_the_cli_in_one_line(overrides, message):
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_step.py"
+    result = subprocess.run(
+        [sys.executable, str(script), *overrides], capture_output=True, text=True, timeout=SLOW_MACHINE_TIMEOUT_S
+    )
+    assert result.returncode == 2, result.stderr[-2000:]
+    assert re.search(message, result.stderr) and result.stderr.count("\n") == 1, result.stderr[-2000:]

@@ -152,7 +152,9 @@ def entry_reads(entry: str, path: Path) -> bool:
     named = Path(entry)
     if named.is_dir():
         root, inside = named.resolve(), path.resolve()
-        hidden = inside.is_relative_to(root) and any(p.startswith(".") for p in inside.relative_to(root).parts)
+        hidden = inside.is_relative_to(root) and any(
+            p.startswith(".") for p in inside.relative_to(root).parts
+        )
         return inside.is_relative_to(root) and not hidden and record_file(path) is not None
     return named.resolve() in candidates or (
         named.exists() and path.exists() and os.path.samefile(named, path)

@@ -71,7 +71,9 @@ def _field(config: dict[str, Any], key: str) -> Any:
     return config.get(key, (config.get("dflash_config") or {}).get(key))
 
 
-def config_problems(config: dict[str, Any], *, target: dict[str, Any] | None, layout: str = "zlab") -> list[str]:
+def config_problems(
+    config: dict[str, Any], *, target: dict[str, Any] | None, layout: str = "zlab"
+) -> list[str]:
     """The config rules; `target` (the target's text config as a dict, or None) adds the pairing
     rules: depth, hidden size and vocabulary. layout="speculators" (converted to z-lab fields):
     it records no num_target_layers (only a target can check its layer ids), and its readers
@@ -185,7 +187,9 @@ def layer_type_problems(config: dict[str, Any]) -> list[str]:
     return problems
 
 
-def pairing_problems(config: dict[str, Any], target: dict[str, Any], *, records_depth: bool = True) -> list[str]:
+def pairing_problems(
+    config: dict[str, Any], target: dict[str, Any], *, records_depth: bool = True
+) -> list[str]:
     problems = []
     depth = _field(config, "num_target_layers")
     if records_depth and depth != target["num_hidden_layers"]:
@@ -252,9 +256,7 @@ def check_export(directory: Path, *, target: dict[str, Any] | None = None) -> li
         config, layout = speculators.from_speculators(config), "speculators"
         table = (config["vocab_size"], config["hidden_size"])
         optional = {name: table for name in speculators.BUNDLED_TENSORS}
-    problems = [
-        f"{config_path}: {p}" for p in config_problems(config, target=target, layout=layout)
-    ]
+    problems = [f"{config_path}: {p}" for p in config_problems(config, target=target, layout=layout)]
     if not weights_path.is_file():
         return problems + [f"{weights_path}: missing"]
     if not _describes_tensors(config):

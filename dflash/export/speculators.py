@@ -64,7 +64,10 @@ def speculators_problems(config: dict[str, Any]) -> list[str]:
         problems.append(
             f"target_hidden_size {hidden} differs from the draft layers' hidden_size {layer.get('hidden_size')}"
         )
-    if "sliding_attention" in (layer.get("layer_types") or []) and config.get("sliding_window_non_causal") is not True:
+    if (
+        "sliding_attention" in (layer.get("layer_types") or [])
+        and config.get("sliding_window_non_causal") is not True
+    ):
         problems.append(
             "sliding layers with sliding_window_non_causal false: a causal block, which dflash does not train or decode"
         )
@@ -136,11 +139,15 @@ def target_tables(target_dir: Path) -> dict[str, torch.Tensor]:
     else:
         single = target_dir / "model.safetensors"
         if not single.is_file():
-            raise ValueError(f"{target_dir}: no model.safetensors(.index.json) to take the embedding and LM head from")
+            raise ValueError(
+                f"{target_dir}: no model.safetensors(.index.json) to take the embedding and LM head from"
+            )
         with safe_open(str(single), "pt") as handle:
             files = {name: single.name for name in handle.keys()}
     # The language model's table: an image-text checkpoint also holds a vision tower's.
-    embed = sorted((name for name in files if name.endswith("embed_tokens.weight")), key=lambda n: "visual" in n)
+    embed = sorted(
+        (name for name in files if name.endswith("embed_tokens.weight")), key=lambda n: "visual" in n
+    )
     if not embed:
         raise ValueError(f"{target_dir}: no embed_tokens.weight among the target's tensors")
     head = "lm_head.weight" if "lm_head.weight" in files else embed[0]

@@ -66,7 +66,9 @@ def drafter_config(cfg: DrafterConfig, target: PretrainedConfig, layer_ids: list
             f"drafter.intermediate_size must be set: the target ({target.model_type}) has no dense MLP "
             f"width to copy (its MLPs are experts); e.g. drafter.intermediate_size={3 * target.hidden_size}"
         )
-    layer_types = [LayerType(kind).value for kind in cfg.layer_types or [LayerType.full_attention] * cfg.num_layers]
+    layer_types = [
+        LayerType(kind).value for kind in cfg.layer_types or [LayerType.full_attention] * cfg.num_layers
+    ]
     sliding = LayerType.sliding_attention.value in layer_types
     config = Qwen3Config(
         **fields,
@@ -97,7 +99,9 @@ LayerMasks = Union[Mask, Mapping[Union[int, None], Mask]]
 def layer_windows(config: PretrainedConfig) -> list[int | None]:
     """Each draft layer's sliding window, None for a full-attention layer (config.layer_types,
     as transformers resolves it; absent: every layer full)."""
-    layer_types = getattr(config, "layer_types", None) or [LayerType.full_attention.value] * config.num_hidden_layers
+    layer_types = (
+        getattr(config, "layer_types", None) or [LayerType.full_attention.value] * config.num_hidden_layers
+    )
     return [
         config.sliding_window if kind == LayerType.sliding_attention.value else None for kind in layer_types
     ]
@@ -263,7 +267,8 @@ class DFlashDrafter(nn.Module):
         if missing:
             raise ValueError(f"no attention mask for the layers of window(s) {missing}")
         shaped = {
-            window: mask if isinstance(mask, BlockMask) else mask.unsqueeze(1) for window, mask in masks.items()
+            window: mask if isinstance(mask, BlockMask) else mask.unsqueeze(1)
+            for window, mask in masks.items()
         }
         return tuple(shaped[window] for window in self.layer_windows)
 

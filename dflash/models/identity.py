@@ -73,7 +73,13 @@ def _tokenizer_digest(directory: Path) -> str | None:
 def target_identity(target: TargetConfig) -> dict[str, Any]:
     """The digests of `target` (a local directory: GGUF targets after their conversion)."""
     if target.path is None:
-        return {"random": {"model_type": target.model_type, "arch": dict(target.arch or {}), "init_seed": target.init_seed}}
+        return {
+            "random": {
+                "model_type": target.model_type,
+                "arch": dict(target.arch or {}),
+                "init_seed": target.init_seed,
+            }
+        }
     directory = Path(target.path)
     tokenizer_dir = Path(target.tokenizer) if target.tokenizer else directory
     return {

@@ -253,7 +253,9 @@ class HttpBackend:
             )
         except (openai.OpenAIError, ValueError, TypeError, KeyError) as exc:
             # ValueError & co: a body the client could not parse (invalid JSON behind a 200).
-            log.warning("regen: request to %s failed after retries: %s: %s", self.url, type(exc).__name__, exc)
+            log.warning(
+                "regen: request to %s failed after retries: %s: %s", self.url, type(exc).__name__, exc
+            )
             return None
         problem = answer_problem(response)
         if problem is not None:
@@ -262,7 +264,9 @@ class HttpBackend:
         choice = response.choices[0]
         usage = getattr(response, "usage", None)
         tokens = getattr(usage, "completion_tokens", None) or 0
-        return Reply(choice.message.content, choice.finish_reason or "stop", tokens if isinstance(tokens, int) else 0)
+        return Reply(
+            choice.message.content, choice.finish_reason or "stop", tokens if isinstance(tokens, int) else 0
+        )
 
     def request_options(self) -> dict:
         """Sampling fields left null are not sent: the server applies the model's defaults."""

@@ -161,7 +161,9 @@ class ConversationTurns:
         """The output line, or None (counted as failed) when a reply failed."""
         if self.failed:
             stats.failed += 1
-            log.warning("regen: %s not written (a reply failed); a rerun retries it", self.conversation.source)
+            log.warning(
+                "regen: %s not written (a reply failed); a rerun retries it", self.conversation.source
+            )
             return None
         messages = self.done
         # Trailing turns after the last reply (a final user turn) carry no supervision: dropped.
@@ -265,7 +267,12 @@ def regenerate(
 
 
 def _regenerate(
-    backend: RegenBackend, inputs: list[str], output: Path, batch_size: int, limit: int | None, stats: RegenStats
+    backend: RegenBackend,
+    inputs: list[str],
+    output: Path,
+    batch_size: int,
+    limit: int | None,
+    stats: RegenStats,
 ) -> RegenStats:
     done = finished_sources(output)
     stats.already_done = len(done)

@@ -63,7 +63,9 @@ def verifier_of(source: Path, target: Path | None, name: str | None) -> dict[str
     if name is None and run_yaml.is_file():
         name = ((yaml.safe_load(run_yaml.read_text()) or {}).get("target") or {}).get("path")
     if name is None:
-        exit_for_user_error(TOOL, f"{source}: name the target the drafter serves with --target DIR or --verifier NAME")
+        exit_for_user_error(
+            TOOL, f"{source}: name the target the drafter serves with --target DIR or --verifier NAME"
+        )
     return {"name_or_path": name, "architectures": architectures}
 
 
@@ -106,7 +108,9 @@ def main(argv: list[str] | None = None) -> None:
     check = commands.add_parser("check", help="validate a drafter directory against the export contract")
     check.add_argument("directory", type=Path)
     check.add_argument("--target", type=Path, help="the target's checkpoint directory, for the pairing rules")
-    conversion = commands.add_parser("convert", help="write a drafter in the other layout (z-lab / speculators)")
+    conversion = commands.add_parser(
+        "convert", help="write a drafter in the other layout (z-lab / speculators)"
+    )
     conversion.add_argument("source", type=Path)
     conversion.add_argument("destination", type=Path)
     conversion.add_argument("--layout", choices=("speculators", "zlab"), required=True)

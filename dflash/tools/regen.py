@@ -118,7 +118,9 @@ def regen(cfg: DictConfig):
     try:
         with stop_by_raising():
             backend = build_backend(typed)
-            regenerate(backend, list(typed.input), Path(typed.output), typed.batch_size, typed.limit, stats=stats)
+            regenerate(
+                backend, list(typed.input), Path(typed.output), typed.batch_size, typed.limit, stats=stats
+            )
     finally:  # the counts reach the run record however regen ends
         write_summary(stats)
     print(f"\n=== dflash-regen -> {typed.output} (backend={backend.name}; {backend.describe()}) ===")

@@ -81,7 +81,9 @@ class Validation:
             if self.settings.flex_attention:
                 tiles = {
                     window: table.to(device)
-                    for window, table in tiles_by_window(blocks, batch.input_ids.shape[1], drafter.windows).items()
+                    for window, table in tiles_by_window(
+                        blocks, batch.input_ids.shape[1], drafter.windows
+                    ).items()
                 }
             stats = drafter_forward_loss(
                 head,
