@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -199,6 +200,10 @@ CALLER_VARIABLES = ("HYDRA_FULL_ERROR", "WANDB_MODE")
 def pytest_configure(config):
     for name in CALLER_VARIABLES:
         os.environ.pop(name, None)
+    # A caller's Hugging Face cache (unwritable, or holding other files) is not the suite's: its
+    # own, empty and offline (nothing here downloads).
+    os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="dflash-tests-hf-")
+    os.environ["HF_HUB_OFFLINE"] = "1"
 
 
 def pytest_collection_modifyitems(config, items):

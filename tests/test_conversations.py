@@ -365,6 +365,22 @@ def test_an_eval_prompt_that_is_not_text_is_refused_with_its_line(tmp_path, rend
         read_prompt_file("mine", str(path), renderer, limit=10)
 
 
+def test_a_repeated_conversation_trains_once_and_a_renamed_cache_names_this_runs_files(tmp_path, renderer):
+    source = write_conversations(tmp_path / "a.jsonl", 6, seed=7)
+    lines = source.read_text().splitlines()
+    source.write_text("\n".join([*lines, lines[1], "{broken"]) + "\n")
+    dataset, stats = load_or_prepare(renderer, data_cfg([source]), tmp_path / "cache")
+    assert stats.samples == 6 and stats.skipped == {"duplicate": 1, "invalid_json": 1}
+    assert len(dataset) == 6
+    renamed = tmp_path / "b.jsonl"
+    source.rename(renamed)
+    _, again = load_or_prepare(renderer, data_cfg([renamed]), tmp_path / "cache")
+    assert again.reused_cache and again.skipped == stats.skipped
+    assert all(example.startswith(f"{renamed}:") for example in again.skipped_examples), (
+        again.skipped_examples
+    )
+
+
 # Three template shapes users train on, written out: Llama-3 (each turn trimmed), Qwen3 (an empty
 # think block before the final reply in non-thinking mode), and one that injects a system prompt.
 LLAMA3_TRIM = (

@@ -17,6 +17,7 @@ it with replacement characters would train on them).
 from __future__ import annotations
 
 import fnmatch
+import hashlib
 import json
 import os
 from collections.abc import Iterator
@@ -65,6 +66,13 @@ class SkipReport:
     @property
     def total(self) -> int:
         return sum(self.counts.values())
+
+
+def conversation_digest(conversation: Conversation) -> str:
+    """A conversation's identity: its messages, not where they were read from (regen's resume
+    key; training data drops a repeat of one)."""
+    text = json.dumps(conversation.messages, sort_keys=True, ensure_ascii=False)
+    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
 
 
 def _content(value: Any, where: str) -> str:

@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,9 +27,11 @@ import numpy as np
 from dflash.config.schema import DataConfig
 from dflash.data.chat import ChatRenderer
 from dflash.data.conversations import (
+    Conversation,
     MalformedRecord,
     SkipReport,
     chunked,
+    conversation_digest,
     expand_files,
     read_conversations,
 )
@@ -42,7 +45,7 @@ FORMAT_VERSION = 2  # 2: reply spans from the template's own rendering (dflash/d
 # Conversations tokenized per round (one datasets.map call when data.num_proc > 1).
 CHUNK = 20_000
 # Skip reasons counted while reading (the record never became a conversation).
-READ_PROBLEMS = ("invalid_json", "malformed")
+READ_PROBLEMS = ("invalid_json", "invalid_utf8", "malformed")
 
 
 @dataclass
@@ -56,6 +59,7 @@ class PrepStats:
     skipped_examples: list[str] = field(default_factory=list)  # "file:line: why", the first few
     cache_path: str = ""
     reused_cache: bool = False
+    files: list[str] = field(default_factory=list)  # as named when the cache was written
     seconds: float = 0.0
 
     def lines(self) -> list[str]:
@@ -120,11 +124,27 @@ def _tokenize_all(conversations: list, renderer: ChatRenderer, cfg: DataConfig) 
     ]
 
 
+def _first_of_each(conversations: Iterator[Conversation], skipped: SkipReport) -> Iterator[Conversation]:
+    """A conversation repeated in the data (the same messages: a file given twice, a shard
+    overlap) is trained on once; each repeat is counted as a duplicate."""
+    seen: set[str] = set()
+    for conversation in conversations:
+        digest = conversation_digest(conversation)
+        if digest in seen:
+            skipped.add("duplicate", conversation.source, "the same conversation as an earlier record")
+            continue
+        seen.add(digest)
+        yield conversation
+
+
 def prepare(renderer: ChatRenderer, cfg: DataConfig) -> tuple[TokenDataset, PrepStats]:
     """Streams the files `CHUNK` conversations at a time; each kept sample is held as two compact
     arrays (int32 ids, uint8 mask), so memory follows the token count, not the text."""
-    stats, skipped = PrepStats(), SkipReport()
-    conversations = read_conversations(list(cfg.files), skipped, "data.files")
+    stats, skipped = (
+        PrepStats(files=[str(p) for p in expand_files(list(cfg.files), "data.files")]),
+        SkipReport(),
+    )
+    conversations = _first_of_each(read_conversations(list(cfg.files), skipped, "data.files"), skipped)
     samples: list[tuple[np.ndarray, np.ndarray]] = []
     read = 0
     for chunk in chunked(conversations, CHUNK):
@@ -162,6 +182,20 @@ def prepare(renderer: ChatRenderer, cfg: DataConfig) -> tuple[TokenDataset, Prep
     return TokenDataset.from_samples(samples), stats
 
 
+def renamed(stats: PrepStats, files: list[str]) -> None:
+    """A cache reused for the same bytes under other names: its skip examples name this run's
+    files (the cache key lists the files' digests in order, so file i is file i)."""
+    if len(stats.files) != len(files):
+        return
+    for old, new in zip(stats.files, files):
+        if old != new:
+            stats.skipped_examples = [
+                new + example[len(old) :] if example.startswith(old + ":") else example
+                for example in stats.skipped_examples
+            ]
+    stats.files = files
+
+
 def load_or_prepare(
     renderer: ChatRenderer, cfg: DataConfig, cache_dir: Path
 ) -> tuple[TokenDataset, PrepStats]:
@@ -171,6 +205,7 @@ def load_or_prepare(
     if path.exists() and stats_path.exists():
         stats = PrepStats(**json.loads(stats_path.read_text()))
         stats.reused_cache, stats.seconds = True, round(time.perf_counter() - started, 2)
+        renamed(stats, [str(p) for p in expand_files(list(cfg.files), "data.files")])
         log.info("data: reusing %s", path)
         return TokenDataset.load(path), stats
     dataset, stats = prepare(renderer, cfg)

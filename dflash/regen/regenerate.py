@@ -19,7 +19,6 @@ it), and never an output that the inputs include.
 
 from __future__ import annotations
 
-import hashlib
 import itertools
 import json
 import logging
@@ -30,7 +29,14 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from dflash.data.conversations import Conversation, SkipReport, chunked, entry_reads, read_conversations
+from dflash.data.conversations import (
+    Conversation,
+    SkipReport,
+    chunked,
+    conversation_digest,
+    entry_reads,
+    read_conversations,
+)
 from dflash.regen.backends import RegenBackend, Reply
 from dflash.run_lock import FileLock
 
@@ -82,12 +88,6 @@ class RegenStats:
             f"skipped input        {self.skipped.total} {self.skipped.counts or ''}",
         ]
         return out + [f"  {example}" for example in self.skipped.examples]
-
-
-def conversation_digest(conversation: Conversation) -> str:
-    """The resume key of a source conversation: its messages, not where they were read from."""
-    text = json.dumps(conversation.messages, sort_keys=True, ensure_ascii=False)
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
 
 
 def finished_sources(output: Path) -> set[str]:
