@@ -24,6 +24,7 @@ from dflash.models.drafter import DFlashDrafter
 from dflash.models.feature_check import check_target_features
 from dflash.models.target import FrozenTarget
 from dflash.models.target_head import heads_for
+from dflash.monitor.callbacks import TrainingCallbacks, build_callbacks
 from dflash.monitor.monitor import Monitor
 from dflash.monitor.sinks import build_sinks
 from dflash.preflight import Checked, check_before_loading
@@ -207,9 +208,11 @@ def attach_observers(
     models: Models,
     schedule: Schedule,
     block_settings: BlockSettings,
+    callbacks: TrainingCallbacks,
 ) -> Validation | None:
     """Rank 0's sinks and monitor (every rank has a monitor; the others log nowhere), the
-    held-out validation and the periodic evaluation."""
+    held-out validation and the periodic evaluation; the callbacks get every logged row as a
+    sink does, and the trainer's checkpoints."""
     cfg, is_main = checked.config, checked.process_group.is_main
     # After the restore: a resumed run's progress bar starts where the run left off.
     sinks = (
@@ -223,6 +226,8 @@ def attach_observers(
         if is_main
         else []
     )
+    if callbacks:
+        sinks.append(callbacks)
     monitor = Monitor(cfg.monitor, sinks, trainer, trainer.stop_after)
     validation = None
     if schedule.val_ids is not None and is_main:
@@ -243,13 +248,16 @@ def attach_observers(
             monitor=monitor,
             validation=validation,
         )
-    trainer.attach(monitor=monitor, periodic_eval=periodic_eval)
+    trainer.attach(monitor=monitor, periodic_eval=periodic_eval, callbacks=callbacks)
     return validation
 
 
 def build_run(composed: DictConfig, faults: FaultInjection | None = None) -> Run:
     checked = check_before_loading(composed)
     cfg = checked.config
+    # Before any weights load: a callback that cannot be built is refused at once (rank 0 only
+    # reports, so only it runs them).
+    callbacks = build_callbacks(cfg.callbacks) if checked.process_group.is_main else TrainingCallbacks()
     torch.manual_seed(cfg.seed)
     models = build_models(checked)
     schedule = build_schedule(checked, models)
@@ -268,6 +276,7 @@ def build_run(composed: DictConfig, faults: FaultInjection | None = None) -> Run
         models=models,
         schedule=schedule,
         block_settings=step_fns[0].block_settings,
+        callbacks=callbacks,
     )
     log.info(
         "dflash: %d samples, %d steps (%d batches in epoch 0), target layers %s, devices %s -> %s, pipeline=%s",
@@ -288,4 +297,5 @@ def build_run(composed: DictConfig, faults: FaultInjection | None = None) -> Run
         eval_prompts=checked.eval_prompts,
         compiled=models.compiled,
         validation=validation,
+        callbacks=callbacks,
     )

@@ -18,6 +18,7 @@ from dflash.eval_prompts import PromptSet
 from dflash.eval_report import lossless_line
 from dflash.evaluate import evaluate, planned_decodings
 from dflash.models.compile import CompileCounter
+from dflash.monitor.callbacks import TrainingCallbacks
 from dflash.pipeline.roles import role_lines
 from dflash.trainer.lifecycle import Trainer
 from dflash.trainer.signals import StopRequested, stop_on_signals
@@ -36,11 +37,13 @@ class Run:
     eval_prompts: list[PromptSet]  # the end-of-training evaluation
     compiled: dict[str, CompileCounter] = field(default_factory=dict)  # per role: graphs compiled
     validation: Validation | None = None  # data.val_samples: measured before the final evaluation
+    callbacks: TrainingCallbacks = field(default_factory=TrainingCallbacks)  # the `callbacks:` node
 
     def execute(self) -> dict[str, Any]:
         started = time.perf_counter()
         ok = False
         try:
+            self.callbacks.on_train_start(self.trainer)
             with torch.autograd.set_detect_anomaly(self.cfg.debug.detect_anomaly):
                 self.trainer.run()
             if not self.process_group.is_main:
@@ -61,6 +64,7 @@ class Run:
                 )
             eval_metrics = report.metrics()
             self.trainer.monitor.log(eval_metrics, self.trainer.position.step)
+            self.callbacks.on_eval(self.trainer.position.step, eval_metrics)
             summary = self._summary({**val_metrics, **eval_metrics}, time.perf_counter() - started)
             summary["eval/interrupted"] = report.interrupted
             (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -73,6 +77,7 @@ class Run:
                     planned_decodings(self.eval_prompts, self.cfg.eval),
                 )
                 raise StopRequested(stop.signum)
+            self.callbacks.on_train_end(summary)
             ok = True
             return summary
         finally:

@@ -269,15 +269,16 @@ def test_a_live_runs_paths_output_dir_is_refused_to_a_second_run(tmp_path, data_
     assert f"paths.output_dir: run dir {shared} belongs to a run still alive (pid {os.getpid()}" in error
 
 
-def test_a_fresh_run_into_a_finished_runs_dir_is_refused_and_changes_nothing(tmp_path, data_cache):
+def test_a_fresh_run_into_a_finished_runs_dir_is_refused_and_changes_nothing(tmp_path, make_cfg):
+    from dflash.build import build_run
+
     finished = tmp_path / "finished"
     (finished / "checkpoints" / "step_0000004").mkdir(parents=True)
     (finished / "checkpoints" / "last").symlink_to("step_0000004")
     (finished / "metrics.jsonl").write_text('{"step": 1}\n')
-    second = cli(FAST + [f"paths.cache_dir={data_cache}", f"paths.output_dir={finished}", f"hydra.run.dir={tmp_path / 'own'}"])  # fmt: skip
-    _, error = second.communicate(timeout=CLI_TIMEOUT_S)
-    assert second.returncode == 2, error[-2000:]
-    assert f"paths.output_dir={finished} holds an earlier run (metrics.jsonl): resume={finished / 'checkpoints' / 'last'} continues" in error  # fmt: skip
+    expected = f"paths.output_dir={finished} holds an earlier run (metrics.jsonl): resume={finished / 'checkpoints' / 'last'} continues"  # fmt: skip
+    with pytest.raises(ValueError, match=re.escape(expected)):
+        build_run(make_cfg(output_dir=finished))
     assert (finished / "metrics.jsonl").read_text() == '{"step": 1}\n'
 
 

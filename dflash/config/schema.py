@@ -389,6 +389,9 @@ class Config:
     ckpt: Optional[str] = None
     # The summary metric the task function returns (what a Hydra sweeper optimizes).
     objective: str = "eval/tau"
+    # Training callbacks, name -> {_target_: a class, its keyword arguments}
+    # (dflash/monitor/callbacks.py, docs/extending.md): +callbacks.mine._target_=my_module.Mine
+    callbacks: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
@@ -449,5 +452,6 @@ def register_configs() -> None:
     # A name -> file map the user fills: `eval.benchmarks={gsm8k: g.jsonl}` must work without
     # Hydra's `+` (the flag keeps Hydra's struct mode from refusing the new names).
     OmegaConf.set_struct(schema.eval.benchmarks, False)
+    OmegaConf.set_struct(schema.callbacks, False)
     ConfigStore.instance().store(name="dflash_schema", node=schema)
     ConfigStore.instance().store(name="dflash_regen_schema", node=RegenConfig)

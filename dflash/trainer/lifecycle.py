@@ -26,6 +26,7 @@ from dflash.cadence import Cadence
 from dflash.data.dataset import TokenDataset
 from dflash.data.schedule import BatchPlanner
 from dflash.distributed import ProcessGroupInfo
+from dflash.monitor.callbacks import TrainingCallbacks
 from dflash.monitor.monitor import Monitor
 from dflash.pipeline.counters import WorkCounters
 from dflash.pipeline.replicas import check_replicas_identical
@@ -63,6 +64,7 @@ class Trainer(ABC):
         self.position = DataPosition()
         self.monitor: Monitor | None = None
         self.periodic_eval: PeriodicEval | None = None
+        self.callbacks = TrainingCallbacks()
         self.train_wall_s = 0.0  # from the start of training to its last step
         self.replica_digest: str | None = None  # what every replica of every process agreed on
         self._first_step_hooks: list[Callable[[], None]] = []
@@ -80,8 +82,15 @@ class Trainer(ABC):
         if self.periodic_eval is not None:
             self.periodic_eval.offer(step, self.drafter)
 
-    def attach(self, *, monitor: Monitor, periodic_eval: PeriodicEval | None) -> None:
+    def attach(
+        self,
+        *,
+        monitor: Monitor,
+        periodic_eval: PeriodicEval | None,
+        callbacks: TrainingCallbacks | None = None,
+    ) -> None:
         self.monitor, self.periodic_eval = monitor, periodic_eval
+        self.callbacks = callbacks or TrainingCallbacks()
 
     # -- checkpoints -------------------------------------------------------------------------
     def restore(self, directory) -> None:
@@ -89,7 +98,9 @@ class Trainer(ABC):
 
     def save(self):
         if self.process_group.is_main:  # every rank holds the same weights; one writes them
-            return state.save(self.checkpoints, self.step_fn, self.position)
+            path = state.save(self.checkpoints, self.step_fn, self.position)
+            self.callbacks.on_checkpoint(self.position.step, path)
+            return path
         return None
 
     # -- the lifecycle -----------------------------------------------------------------------
