@@ -66,14 +66,15 @@ def test_tile_tables_cover_the_dense_mask_exactly(shape):
         assert skipped > 0 and full > 0
 
 
-@pytest.mark.parametrize("shape", SHAPES[:4])
-def test_flex_attention_with_the_block_mask_equals_sdpa_with_the_dense_mask(shape):
+def assert_flex_equals_sdpa(shape, window: int | None, seed: int) -> None:
+    """flex_attention through the tile tables and mask rule of `shape` (with `window`: a
+    sliding layer's) gives SDPA's result with the dense mask, to float64 rounding."""
     batch, ctx_len, num_anchors, block_size = shape
-    anchors, valid = random_anchors(batch, ctx_len, num_anchors, seed=1)
-    tiles = kv_tiles(anchors, valid, ctx_len, block_size)
+    anchors, valid = random_anchors(batch, ctx_len, num_anchors, seed=seed)
     anchors_t, valid_t = torch.from_numpy(anchors), torch.from_numpy(valid)
-    block_mask = flex_block_mask(tiles, anchors_t, valid_t, ctx_len, block_size)
-    dense = block_attention_mask(anchors_t, valid_t, ctx_len, block_size)
+    tiles = kv_tiles(anchors, valid, ctx_len, block_size, window)
+    block_mask = flex_block_mask(tiles, anchors_t, valid_t, ctx_len, block_size, window)
+    dense = block_attention_mask(anchors_t, valid_t, ctx_len, block_size, window)
     q_len = num_anchors * block_size
     gen = torch.Generator().manual_seed(0)
     q = torch.randn(batch, 4, q_len, 16, generator=gen, dtype=torch.float64)
@@ -83,6 +84,11 @@ def test_flex_attention_with_the_block_mask_equals_sdpa_with_the_dense_mask(shap
         warnings.simplefilter("ignore")  # eager flex_attention warns that it is unfused
         sparse = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
     torch.testing.assert_close(sparse, reference, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("shape", SHAPES[:4])
+def test_flex_attention_with_the_block_mask_equals_sdpa_with_the_dense_mask(shape):
+    assert_flex_equals_sdpa(shape, window=None, seed=1)
 
 
 def canonical_strides(shape: tuple[int, ...]) -> tuple[int, ...]:

@@ -87,17 +87,20 @@ def test_loss_mask_covers_exactly_the_assistant_replies_and_their_end_of_turn(re
 
 def test_malformed_records_are_counted_with_file_and_line(tmp_path, renderer):
     path = tmp_path / "mixed.jsonl"
-    good = json.dumps({"messages": CONVERSATION})
+
+    def good(n: int) -> str:  # three different conversations (a repeat would count as a duplicate)
+        return json.dumps({"messages": [{"role": "system", "content": f"Be brief ({n})."}, *CONVERSATION[1:]]})
+
     lines = [
-        good,
+        good(1),
         "{not json",
-        good,
+        good(2),
         json.dumps({"text": "no conversation field"}),
         json.dumps({"messages": [{"role": "wizard", "content": "hi"}]}),
         "",
         json.dumps({"messages": [{"role": "user", "content": "only a question"}]}),
         json.dumps({"conversations": [{"from": "human"}]}),
-        good,
+        good(3),
     ]
     path.write_text("\n".join(lines) + "\n")
     dataset, stats = prepare(renderer, data_cfg([path]))

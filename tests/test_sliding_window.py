@@ -4,7 +4,6 @@ block-sparse tables describe it exactly, and a sliding drafter trains, decodes a
 from __future__ import annotations
 
 import json
-import warnings
 
 import numpy as np
 import pytest
@@ -18,7 +17,7 @@ from dflash.checkpoint import export_drafter, load_drafter
 from dflash.config.schema import DrafterConfig
 from dflash.export.contract import check_export
 from dflash.models.drafter import DFlashDrafter, drafter_config
-from tests.test_block_mask import SHAPES, assert_tiles_cover, random_anchors
+from tests.test_block_mask import SHAPES, assert_flex_equals_sdpa, assert_tiles_cover, random_anchors
 from tests.test_dflash_rules import MASK_ID, blocks_for, tiny_drafter, tiny_target
 
 SLIDING = ["sliding_attention", "full_attention"]
@@ -75,22 +74,7 @@ def test_window_tile_tables_cover_the_dense_mask_exactly(shape, window):
 
 @pytest.mark.parametrize("shape", SHAPES[:4])
 def test_flex_attention_in_a_window_equals_sdpa_with_the_dense_mask(shape):
-    batch, ctx_len, num_anchors, block_size = shape
-    window = 3 * block_size + 5
-    anchors, valid = random_anchors(batch, ctx_len, num_anchors, seed=2)
-    anchors_t, valid_t = torch.from_numpy(anchors), torch.from_numpy(valid)
-    tiles = kv_tiles(anchors, valid, ctx_len, block_size, window)
-    block_mask = flex_block_mask(tiles, anchors_t, valid_t, ctx_len, block_size, window)
-    dense = block_attention_mask(anchors_t, valid_t, ctx_len, block_size, window)
-    q_len = num_anchors * block_size
-    gen = torch.Generator().manual_seed(0)
-    q = torch.randn(batch, 4, q_len, 16, generator=gen, dtype=torch.float64)
-    k, v = (torch.randn(batch, 2, ctx_len + q_len, 16, generator=gen, dtype=torch.float64) for _ in range(2))
-    reference = F.scaled_dot_product_attention(q, k, v, attn_mask=dense[:, None], enable_gqa=True)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # eager flex_attention warns that it is unfused
-        sparse = flex_attention(q, k, v, block_mask=block_mask, enable_gqa=True)
-    torch.testing.assert_close(sparse, reference, rtol=0, atol=1e-12)
+    assert_flex_equals_sdpa(shape, window=3 * shape[3] + 5, seed=2)
 
 
 def _drafter_inputs(target, ctx_len=40):

@@ -75,6 +75,19 @@ def conversation_digest(conversation: Conversation) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
 
 
+def drop_repeats(conversations: Iterator[Conversation], skipped: SkipReport) -> Iterator[Conversation]:
+    """Each conversation once: a repeat of an earlier one (the same messages: a file given twice,
+    a shard overlap) is counted as a duplicate and left out."""
+    seen: set[str] = set()
+    for conversation in conversations:
+        digest = conversation_digest(conversation)
+        if digest in seen:
+            skipped.add("duplicate", conversation.source, "the same conversation as an earlier record")
+            continue
+        seen.add(digest)
+        yield conversation
+
+
 def _content(value: Any, where: str) -> str:
     if isinstance(value, str):
         return value

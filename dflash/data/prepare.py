@@ -17,7 +17,6 @@ import hashlib
 import json
 import logging
 import time
-from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -27,11 +26,10 @@ import numpy as np
 from dflash.config.schema import DataConfig
 from dflash.data.chat import ChatRenderer
 from dflash.data.conversations import (
-    Conversation,
     MalformedRecord,
     SkipReport,
     chunked,
-    conversation_digest,
+    drop_repeats,
     expand_files,
     read_conversations,
 )
@@ -124,19 +122,6 @@ def _tokenize_all(conversations: list, renderer: ChatRenderer, cfg: DataConfig) 
     ]
 
 
-def _first_of_each(conversations: Iterator[Conversation], skipped: SkipReport) -> Iterator[Conversation]:
-    """A conversation repeated in the data (the same messages: a file given twice, a shard
-    overlap) is trained on once; each repeat is counted as a duplicate."""
-    seen: set[str] = set()
-    for conversation in conversations:
-        digest = conversation_digest(conversation)
-        if digest in seen:
-            skipped.add("duplicate", conversation.source, "the same conversation as an earlier record")
-            continue
-        seen.add(digest)
-        yield conversation
-
-
 def prepare(renderer: ChatRenderer, cfg: DataConfig) -> tuple[TokenDataset, PrepStats]:
     """Streams the files `CHUNK` conversations at a time; each kept sample is held as two compact
     arrays (int32 ids, uint8 mask), so memory follows the token count, not the text."""
@@ -144,7 +129,7 @@ def prepare(renderer: ChatRenderer, cfg: DataConfig) -> tuple[TokenDataset, Prep
         PrepStats(files=[str(p) for p in expand_files(list(cfg.files), "data.files")]),
         SkipReport(),
     )
-    conversations = _first_of_each(read_conversations(list(cfg.files), skipped, "data.files"), skipped)
+    conversations = drop_repeats(read_conversations(list(cfg.files), skipped, "data.files"), skipped)
     samples: list[tuple[np.ndarray, np.ndarray]] = []
     read = 0
     for chunk in chunked(conversations, CHUNK):

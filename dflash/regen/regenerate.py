@@ -34,6 +34,7 @@ from dflash.data.conversations import (
     SkipReport,
     chunked,
     conversation_digest,
+    drop_repeats,
     entry_reads,
     read_conversations,
 )
@@ -110,14 +111,8 @@ def finished_sources(output: Path) -> set[str]:
 def _unfinished(
     conversations: Iterator[Conversation], done: set[str], skipped: SkipReport
 ) -> Iterator[Conversation]:
-    seen: set[str] = set()
-    for conversation in conversations:
-        digest = conversation_digest(conversation)
-        if digest in seen:
-            skipped.add("duplicate", conversation.source, "the same conversation as an earlier input record")
-            continue
-        seen.add(digest)
-        if digest in done or conversation.source in done:
+    for conversation in drop_repeats(conversations, skipped):
+        if conversation_digest(conversation) in done or conversation.source in done:
             continue
         if not any(m["role"] == "user" for m in conversation.messages):
             skipped.add("no_user_turn", conversation.source, "no user turn to answer")
