@@ -195,3 +195,14 @@ def test_flex_window_gradients_equal_the_dense_reference_on_cuda():
     for sparse, reference in zip(grads["sparse"], grads["dense"]):
         torch.testing.assert_close(sparse, reference, rtol=2e-3, atol=2e-3)
     assert np.isfinite(grads["sparse"][1].sum().item())
+
+
+def test_a_sliding_layer_whose_window_transformers_drops_is_refused_on_load(tmp_path):
+    """use_sliding_window false: transformers reads sliding_window as null, so which attention
+    the drafter trained with cannot be told; it is refused, not run as full attention."""
+    drafter = tiny_drafter(tiny_target(), layer_types=SLIDING, sliding_window=8)
+    export_drafter(drafter, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "use_sliding_window": False}))
+    with pytest.raises(ValueError, match="sliding_window is null"):
+        load_drafter(tmp_path)

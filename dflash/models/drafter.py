@@ -102,6 +102,14 @@ def layer_windows(config: PretrainedConfig) -> list[int | None]:
     layer_types = (
         getattr(config, "layer_types", None) or [LayerType.full_attention.value] * config.num_hidden_layers
     )
+    sliding = LayerType.sliding_attention.value in layer_types
+    if sliding and getattr(config, "sliding_window", None) is None:
+        # transformers nulls the window when use_sliding_window is false: which attention such
+        # a drafter was trained with cannot be told, so it is not guessed.
+        raise ValueError(
+            "layer_types holds sliding_attention layers but sliding_window is null (use_sliding_window "
+            "false?): set sliding_window (and use_sliding_window: true) in the drafter's config.json"
+        )
     return [
         config.sliding_window if kind == LayerType.sliding_attention.value else None for kind in layer_types
     ]
