@@ -157,7 +157,9 @@ def _target_differences(
     checkpoint records it (dflash/models/identity.py), else by the run config's target fields
     (a path compared as the directory it names)."""
     saved_identity = read_identity(directory)
-    if saved_identity is not None and run_identity is not None:
+    # A random-init target is its config fields, compared below key by key (names the key).
+    by_content = saved_identity is not None and run_identity is not None and "random" not in saved_identity
+    if by_content:
         return [("target", difference, "this run's target") for difference in identity_differences(saved_identity, run_identity)]  # fmt: skip
     run_yaml = Path(directory) / RUN_CONFIG_FILE
     if not run_yaml.is_file():

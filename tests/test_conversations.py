@@ -89,7 +89,9 @@ def test_malformed_records_are_counted_with_file_and_line(tmp_path, renderer):
     path = tmp_path / "mixed.jsonl"
 
     def good(n: int) -> str:  # three different conversations (a repeat would count as a duplicate)
-        return json.dumps({"messages": [{"role": "system", "content": f"Be brief ({n})."}, *CONVERSATION[1:]]})
+        return json.dumps(
+            {"messages": [{"role": "system", "content": f"Be brief ({n})."}, *CONVERSATION[1:]]}
+        )
 
     lines = [
         good(1),
@@ -368,13 +370,16 @@ def test_an_eval_prompt_that_is_not_text_is_refused_with_its_line(tmp_path, rend
         read_prompt_file("mine", str(path), renderer, limit=10)
 
 
-def test_a_repeated_conversation_trains_once_and_a_renamed_cache_names_this_runs_files(tmp_path, renderer):
+def test_a_repeated_conversation_is_counted_and_a_renamed_cache_names_this_runs_files(tmp_path, renderer):
     source = write_conversations(tmp_path / "a.jsonl", 6, seed=7)
     lines = source.read_text().splitlines()
     source.write_text("\n".join([*lines, lines[1], "{broken"]) + "\n")
     dataset, stats = load_or_prepare(renderer, data_cfg([source]), tmp_path / "cache")
-    assert stats.samples == 6 and stats.skipped == {"duplicate": 1, "invalid_json": 1}
-    assert len(dataset) == 6
+    assert stats.samples == 7 and stats.duplicates == 1 and stats.skipped == {"invalid_json": 1}
+    assert (
+        len(dataset) == 7
+        and "duplicates           1 conversations repeat an earlier one (kept)" in stats.lines()
+    )
     renamed = tmp_path / "b.jsonl"
     source.rename(renamed)
     _, again = load_or_prepare(renderer, data_cfg([renamed]), tmp_path / "cache")

@@ -89,7 +89,7 @@ def test_the_scripts_target_is_built_from_a_gguf_paths_converted_directory(tmp_p
     from dflash.tools.compose import compose_typed
     from tests.tiny_assets import save_tiny_target_with_tokenizer
 
-    converted = save_tiny_target_with_tokenizer(tmp_path / "converted", num_hidden_layers=4)
+    converted = save_tiny_target_with_tokenizer(tmp_path / "converted", num_hidden_layers=6)
     asked = []
     monkeypatch.setattr(gguf, "converted_dir", lambda path, cache_dir: asked.append(path) or converted)
     cfg = compose_typed(
@@ -103,4 +103,4 @@ def test_the_scripts_target_is_built_from_a_gguf_paths_converted_directory(tmp_p
     )
     target, layer_ids = frozen_target(cfg, "cpu")
     assert asked == [str(tmp_path / "model.gguf")]
-    assert target.config.num_hidden_layers == 4 and layer_ids == target.layer_ids
+    assert target.config.num_hidden_layers == 6 and layer_ids == target.layer_ids

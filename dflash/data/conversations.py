@@ -70,7 +70,7 @@ class SkipReport:
 
 def conversation_digest(conversation: Conversation) -> str:
     """A conversation's identity: its messages, not where they were read from (regen's resume
-    key; training data drops a repeat of one)."""
+    key; training data counts a repeat of one)."""
     text = json.dumps(conversation.messages, sort_keys=True, ensure_ascii=False)
     return hashlib.sha256(text.encode("utf-8")).hexdigest()[:32]
 

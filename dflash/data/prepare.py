@@ -17,6 +17,7 @@ import hashlib
 import json
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,10 +27,11 @@ import numpy as np
 from dflash.config.schema import DataConfig
 from dflash.data.chat import ChatRenderer
 from dflash.data.conversations import (
+    Conversation,
     MalformedRecord,
     SkipReport,
     chunked,
-    drop_repeats,
+    conversation_digest,
     expand_files,
     read_conversations,
 )
@@ -58,6 +60,7 @@ class PrepStats:
     cache_path: str = ""
     reused_cache: bool = False
     files: list[str] = field(default_factory=list)  # as named when the cache was written
+    duplicates: int = 0  # conversations repeating an earlier one (kept)
     seconds: float = 0.0
 
     def lines(self) -> list[str]:
@@ -69,6 +72,8 @@ class PrepStats:
             + (" ".join(f"{k}={v}" for k, v in sorted(self.skipped.items())) or ""),
         ]
         out += [f"  {example}" for example in self.skipped_examples]
+        if self.duplicates:
+            out.append(f"duplicates           {self.duplicates} conversations repeat an earlier one (kept)")
         out.append(f"cache                {self.cache_path} ({'reused' if self.reused_cache else 'written'})")
         return out
 
@@ -122,6 +127,17 @@ def _tokenize_all(conversations: list, renderer: ChatRenderer, cfg: DataConfig) 
     ]
 
 
+def count_repeats(conversations: Iterator[Conversation], stats: PrepStats) -> Iterator[Conversation]:
+    """Every conversation, the repeats of earlier ones counted (kept: data that repeats a
+    conversation on purpose weighs it so; an accidental repeat shows in the count)."""
+    seen: set[str] = set()
+    for conversation in conversations:
+        digest = conversation_digest(conversation)
+        stats.duplicates += digest in seen
+        seen.add(digest)
+        yield conversation
+
+
 def prepare(renderer: ChatRenderer, cfg: DataConfig) -> tuple[TokenDataset, PrepStats]:
     """Streams the files `CHUNK` conversations at a time; each kept sample is held as two compact
     arrays (int32 ids, uint8 mask), so memory follows the token count, not the text."""
@@ -129,7 +145,7 @@ def prepare(renderer: ChatRenderer, cfg: DataConfig) -> tuple[TokenDataset, Prep
         PrepStats(files=[str(p) for p in expand_files(list(cfg.files), "data.files")]),
         SkipReport(),
     )
-    conversations = drop_repeats(read_conversations(list(cfg.files), skipped, "data.files"), skipped)
+    conversations = count_repeats(read_conversations(list(cfg.files), skipped, "data.files"), stats)
     samples: list[tuple[np.ndarray, np.ndarray]] = []
     read = 0
     for chunk in chunked(conversations, CHUNK):
