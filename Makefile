@@ -37,8 +37,8 @@ $(COMPAT_STAMP): $(STAMP)
 train: install  ## run the tiny default training end to end on CPU
 	$(BIN)/dflash-train $(ARGS)
 
-test: install  ## run every CPU test (gpu-marked tests skip without CUDA)
-	$(BIN)/python -m pytest -q --durations=25
+test: install  ## run every CPU test (gpu-marked tests skip without CUDA), two at a time
+	$(BIN)/python -m pytest -q -n 2 --durations=25
 
 test-fast: install  ## skip the slow end-to-end tests
 	$(BIN)/python -m pytest -q -m "not slow"
