@@ -104,3 +104,22 @@ def test_the_scripts_target_is_built_from_a_gguf_paths_converted_directory(tmp_p
     target, layer_ids = frozen_target(cfg, "cpu")
     assert asked == [str(tmp_path / "model.gguf")]
     assert target.config.num_hidden_layers == 6 and layer_ids == target.layer_ids
+
+
+def test_two_conversions_of_one_file_at_once_both_finish_with_the_first_copy(tmp_path):
+    """The jobs of a sweep may convert the same GGUF at once: the one that publishes second finds
+    the directory in place, drops its own copy and goes on (it crashed on the rename before)."""
+    target_dir = tmp_path / "gguf" / "model-0123"
+    for name, text in (("first", "one"), ("second", "two")):
+        staging = tmp_path / "gguf" / f".model-0123-{name}"
+        staging.mkdir(parents=True)
+        (staging / "config.json").write_text(text)
+        gguf.publish(staging, target_dir)
+        assert not staging.exists()
+    assert (target_dir / "config.json").read_text() == "one"
+    broken = tmp_path / "gguf" / ".model-9-x"
+    broken.mkdir()
+    (tmp_path / "gguf" / "model-9").mkdir()
+    (tmp_path / "gguf" / "model-9" / "stray").write_text("")  # in the way, yet no conversion
+    with pytest.raises(OSError):
+        gguf.publish(broken, tmp_path / "gguf" / "model-9")

@@ -105,10 +105,22 @@ def _convert(source: Path, target_dir: Path) -> None:
     try:
         clean.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
-        staging.rename(target_dir)  # atomic: a half-written directory is never found
+        publish(staging, target_dir)
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def publish(staging: Path, target_dir: Path) -> None:
+    """Move a finished conversion into place, atomically (a half-written directory is never
+    found). Two processes converting the same file at once (the jobs of a sweep) both finish:
+    the later one finds the directory published and drops its own copy (the same bytes)."""
+    try:
+        staging.rename(target_dir)
+    except OSError:
+        if not (target_dir / "config.json").is_file():
+            raise
+        shutil.rmtree(staging, ignore_errors=True)
 
 
 def local_target(cfg: TargetConfig, cache_dir: str | Path) -> TargetConfig:
