@@ -419,16 +419,20 @@ TRICKY = [
 
 
 @pytest.mark.parametrize(
-    "template,end_of_turn,replies",
+    "template,end_of_turn,replies,prompt_is_prefix",
     [
-        (None, "<|im_end|>", ["hello world<|im_end|>", "a<|im_end|>"]),
-        (LLAMA3_TRIM, "<|eot_id|>", ["hello world<|eot_id|>", "a<|eot_id|>"]),
-        (QWEN3_THINKING, "<|im_end|>", ["hello world<|im_end|>", "a<|im_end|>"]),
-        (SYSTEM_INJECTING, "<|im_end|>", ["hello world<|im_end|>", "a<|im_end|>"]),
+        (None, "<|im_end|>", ["hello world<|im_end|>", "a<|im_end|>"], True),
+        (LLAMA3_TRIM, "<|eot_id|>", ["hello world<|eot_id|>", "a<|eot_id|>"], True),
+        # The generation prompt ends in the empty think block, which an earlier reply of the
+        # whole conversation does not get: no span can be found from the prompt's length there.
+        (QWEN3_THINKING, "<|im_end|>", ["hello world<|im_end|>", "a<|im_end|>"], False),
+        (SYSTEM_INJECTING, "<|im_end|>", ["hello world<|im_end|>", "a<|im_end|>"], True),
     ],
     ids=["chatml", "llama3_trim", "qwen3_thinking", "system_injecting"],
 )
-def test_masks_come_from_where_the_template_writes_each_reply(tiny_chat_dir, template, end_of_turn, replies):
+def test_masks_come_from_where_the_template_writes_each_reply(
+    tiny_chat_dir, template, end_of_turn, replies, prompt_is_prefix
+):
     tokenizer = AutoTokenizer.from_pretrained(tiny_chat_dir)
     if template is not None:
         tokenizer.chat_template = template
@@ -437,10 +441,11 @@ def test_masks_come_from_where_the_template_writes_each_reply(tiny_chat_dir, tem
     text = renderer.render_text(TRICKY)
     spans = renderer.assistant_spans(text, TRICKY)
     assert [text[start:end] for start, end in spans] == replies
-    # Each reply's span starts right where the template's reply header (the generation prompt
-    # of the conversation so far) ends, when that header is part of the full rendering.
+    # Where the generation prompt of the conversation so far is part of the full rendering, the
+    # first reply's span starts right where it ends.
     prompt = renderer.render_text(TRICKY[:1], add_generation_prompt=True)
-    if text.startswith(prompt):
+    assert text.startswith(prompt) == prompt_is_prefix
+    if prompt_is_prefix:
         assert spans[0][0] == len(prompt)
     ids, mask = renderer.tokenize(TRICKY)
     offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
@@ -450,11 +455,7 @@ def test_masks_come_from_where_the_template_writes_each_reply(tiny_chat_dir, tem
 
 def test_a_reply_the_template_rewrites_is_refused_not_guessed(tiny_chat_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_chat_dir)
-    tokenizer.chat_template = tokenizer.chat_template.replace(
-        "message['content']", "message['content'] | upper"
-    )
-    if "upper" not in tokenizer.chat_template:
-        pytest.skip("the tiny template names its content otherwise")
+    tokenizer.chat_template = SYSTEM_INJECTING.replace("{{ m['content'] }}", "{{ m['content'] | upper }}")
     with pytest.raises(ValueError, match="rewrites assistant content"):
         ChatRenderer(tokenizer)
     # One that rewrites some replies only (a reply holding a reasoning block, here): that record

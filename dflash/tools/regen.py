@@ -8,15 +8,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import threading
-from contextlib import contextmanager
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from dflash.config.schema import RegenBackend, RegenConfig, register_configs
 from dflash.train import CONF_DIR
-from dflash.trainer.signals import StopRequested
+from dflash.trainer.signals import StopRequested, on_signals
 
 register_configs()
 
@@ -67,7 +65,6 @@ class RegenStopped(StopRequested):
         )
 
 
-@contextmanager
 def stop_by_raising():
     """SIGTERM / SIGINT end regen at once with RegenStopped (the run record then says
     INTERRUPTED, the exit code is 128 + signal); the output keeps every line already written."""
@@ -75,15 +72,7 @@ def stop_by_raising():
     def stop(signum, frame):
         raise RegenStopped(signum)
 
-    if threading.current_thread() is not threading.main_thread():  # only it may install handlers
-        yield
-        return
-    previous = {sig: signal.signal(sig, stop) for sig in (signal.SIGTERM, signal.SIGINT)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+    return on_signals(stop)
 
 
 def write_summary(stats) -> None:

@@ -31,21 +31,28 @@ class StopSignal:
 
 
 @contextmanager
-def stop_on_signals():
-    """Within the block, SIGINT and SIGTERM set the returned StopSignal instead of killing us.
+def on_signals(handler):
+    """Within the block, SIGINT and SIGTERM call `handler(signum, frame)` instead of killing us;
+    the previous handlers come back after it.
 
     Only the main thread can install handlers; elsewhere (a test driving train() from a thread)
-    the signals keep their default behaviour.
-    """
-    stop = StopSignal()
+    the signals keep their default behaviour."""
     if threading.current_thread() is not threading.main_thread():
-        yield stop
+        yield
         return
     previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
     for sig in previous:
-        signal.signal(sig, lambda signum, frame: stop.request(signum))
+        signal.signal(sig, handler)
     try:
-        yield stop
+        yield
     finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        for sig, handler_before in previous.items():
+            signal.signal(sig, handler_before)
+
+
+@contextmanager
+def stop_on_signals():
+    """Within the block, SIGINT and SIGTERM set the returned StopSignal instead of killing us."""
+    stop = StopSignal()
+    with on_signals(lambda signum, frame: stop.request(signum)):
+        yield stop
