@@ -7,8 +7,8 @@ equals plain greedy output. With timing on: time per output token of plain (KV-c
 token per forward) over DFlash decoding, timed with CUDA events on GPU, after warm-up runs.
 
 Both decoders run on the same engine (dflash.decoding: static caches, CUDA graphs on GPU) so
-the speedup compares algorithms, not Python overheads; hybrid targets use the dynamic-cache
-path for both.
+the speedup compares algorithms, not Python overheads (hybrid targets included); a target the
+static decoder refuses (a sliding window) uses the dynamic-cache path for both.
 """
 
 from __future__ import annotations

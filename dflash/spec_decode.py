@@ -16,7 +16,8 @@ Caching: the target keeps a KV cache cropped back to the committed tokens after 
 verification; the drafter keeps per-layer keys/values of its context (projections of target
 features, which never change once a token is committed) and appends to them. A target whose
 cache cannot be cropped (linear-attention layers, e.g. Qwen3-Next) re-runs the whole sequence
-each round instead: exact, slower (`TargetSession.cached`).
+each round instead: exact, slower (`TargetSession.cached`). This is the reference path; decoding
+runs on dflash.decoding's static caches, which roll such layers back exactly.
 
 The drafter is called through the same mask builder as in training (one valid anchor, full
 context before it), so a train/inference mismatch in the mask cannot hide here.

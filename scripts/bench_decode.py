@@ -8,12 +8,18 @@ depend on them; the drafter runs in the target's dtype, as in dflash-eval), pref
 `--context` tokens, then times with CUDA events on GPU (wall clock on CPU), median over
 `--reps` after warm-up:
 
-  weights floor     the target's weight bytes / the measured device-copy bandwidth: the
-                    least time any batch-1 decoding step can take (it reads every weight)
-  plain step        one target forward of 1 token + the host read of its argmax
+  weights floor     the weight bytes a token's step reads (every weight; of a MoE's routed
+                    experts only the top-k a token uses) / the measured device-copy
+                    bandwidth: the least time a batch-1 decoding step can take
+  plain step        one target forward of 1 token + the host read of its argmax (+ the
+                    commit of its DeltaNet states, for a hybrid target)
   verify            one target forward of the block (B tokens) + drafter-context write
   draft             one drafter forward for a block over the cached context
-  round             draft + verify + one host read + acceptance, as dflash-eval runs it
+  round             draft + verify + one host read + acceptance (+ the commit of the accepted
+                    tokens' DeltaNet states), as dflash-eval runs it
+
+Hybrid targets (Qwen3-Next, Qwen3.5 / 3.6: target=qwen3_5_9b_random) run the same decoder, their
+Gated DeltaNet layers over per-slot states; their dynamic path re-runs the whole sequence.
 
 A round costs `round / plain step` plain steps: DFlash is faster once tau exceeds that ratio.
 """
@@ -69,6 +75,7 @@ class PreparedDecoder:
 
 def static_rows(target, drafter, prompt, measure, reps, compile):
     from dflash.decoding.graphs import GraphedFunction
+    from dflash.spec_decode import accepted_prefix
 
     block = drafter.block_size
     prepared = PreparedDecoder(target, drafter, prompt, graphs=None, compile=compile)
@@ -77,6 +84,7 @@ def static_rows(target, drafter, prompt, measure, reps, compile):
 
     def plain_step():
         decoder._plain_step(decoder._ids, decoder._pos, kv_len=kv_len).argmax(-1).tolist()
+        decoder.keep(1)
 
     # With compile, the decoder's caches hold the compiled per-layer steps: these graphs replay them.
     verify_graph = GraphedFunction(prepared.verify, enabled=decoder.graphs_on)
@@ -85,7 +93,8 @@ def static_rows(target, drafter, prompt, measure, reps, compile):
     def round_():
         drafts, logits = decoder._round(decoder._ids, decoder._pos, kv_len=kv_len)
         both = torch.cat([drafts, logits.argmax(-1)]).tolist()
-        sum(a == b for a, b in zip(both[: block - 1], both[block - 1 :]))
+        accepted = accepted_prefix(both[: block - 1], both[block - 1 :])
+        decoder.keep(accepted + 1)
 
     return [
         ("plain step", measure(plain_step, reps)),
@@ -114,10 +123,11 @@ def write_profiles(target, drafter, prompt, directory: Path) -> None:
 
 
 def dynamic_rows(target, drafter, prompt, measure, reps):
-    """The transformers-cache path (what hybrid targets still use): eager, a forward per call."""
+    """The transformers path the static decoder replaced: eager, a forward per call over a
+    cropped KV cache (a hybrid target's states cannot be cropped: it re-runs the sequence)."""
     from dflash.spec_decode import DrafterContext, TargetSession, TokenChooser, accepted_prefix
 
-    session, context = TargetSession(target, cached=True), DrafterContext(drafter)
+    session, context = TargetSession(target), DrafterContext(drafter)
     _, features = session.run(prompt)
     context.extend(features)
     choose, committed = TokenChooser(0.0, target.device), len(session.ids)
@@ -156,6 +166,7 @@ def main() -> None:
     from dflash.run_inputs import script_target
     from dflash.step_build import build_drafter
     from dflash.tools.compose import compose_typed
+    from dflash.tools.target_cost import token_weight_bytes
 
     cfg = compose_typed(
         ["paths.output_dir=/tmp/bench_decode", "paths.cache_dir=/tmp/bench_decode", *overrides]
@@ -168,6 +179,7 @@ def main() -> None:
     measure = timer(device)
     prompt = torch.randint(0, cfg.drafter.mask_token_id, (args.context,)).tolist()
     weight_bytes = sum(p.numel() * p.element_size() for p in target.parameters())
+    step_bytes = token_weight_bytes(target)
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     print(
         f"\n{name}, {target_config.num_hidden_layers}-layer target ({weight_bytes / 2**30:.2f} GiB of weights), "
@@ -177,8 +189,11 @@ def main() -> None:
     floor_ms = None
     if device.type == "cuda":
         bandwidth = copy_bandwidth(device, measure)
-        floor_ms = weight_bytes / bandwidth * 1000
-        print(f"weights floor {floor_ms:.3f} ms (device copy bandwidth {bandwidth / 1e12:.2f} TB/s)")
+        floor_ms = step_bytes / bandwidth * 1000
+        print(
+            f"weights floor {floor_ms:.3f} ms ({step_bytes / 2**30:.2f} GiB read per token step, "
+            f"device copy bandwidth {bandwidth / 1e12:.2f} TB/s)"
+        )
     graphs = "CUDA graphs" if device.type == "cuda" else "eager"
     print(f"{'part':<30}{'ms':>9}{'x plain step':>14}{'x floor':>9}")
     print(

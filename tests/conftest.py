@@ -85,15 +85,13 @@ TINY_VISION = dict(  # Qwen3.5's vision tower, as small as it goes; dflash never
 )
 
 
-def tiny_hybrid_arch() -> list[str]:
-    """The arch keys of a published hybrid MoE preset, at sizes a CPU test builds in a second."""
-    shape = {
-        **{k: v for k, v in TINY_ARCH.items() if k != "intermediate_size"},
-        **TINY_LINEAR_ATTENTION,
-        **TINY_MOE,
-        "shared_expert_intermediate_size": 32,
-        "full_attention_interval": 2,
-    }
+def tiny_hybrid_arch(moe: bool = True) -> list[str]:
+    """The arch keys of a published hybrid preset (MoE, or dense with `moe=False`), at sizes a
+    CPU test builds in a second."""
+    shape = {**TINY_ARCH, **TINY_LINEAR_ATTENTION, "full_attention_interval": 2}
+    if moe:
+        del shape["intermediate_size"]
+        shape.update(TINY_MOE, shared_expert_intermediate_size=32)
     return [f"target.arch.{key}={value}" for key, value in shape.items()]
 
 

@@ -56,6 +56,7 @@ def option_overrides(group: str, option: str, request) -> list[str]:
         # The published hybrid shapes' own keys, at the tiny sizes.
         ("target", "qwen3_5_35b_a3b_random"): lambda: tiny_hybrid_arch() + ["drafter.intermediate_size=128"],
         ("target", "qwen3_next_80b_random"): lambda: tiny_hybrid_arch(),
+        ("target", "qwen3_5_9b_random"): lambda: tiny_hybrid_arch(moe=False),
         # A real model (converted once per session into the shared cache): its own mask id.
         ("target", "smollm2_135m"): lambda: ["drafter.mask_token_id=16", "data.num_samples=8"],
         ("eval", "humaneval_mtbench"): lambda: [

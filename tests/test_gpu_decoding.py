@@ -5,8 +5,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from transformers import AutoModelForCausalLM
 
 from dflash.decoding.engine import StaticDecoder
+from dflash.models.target import FrozenTarget
 from dflash.spec_decode import plain_generate
 from tests.test_dflash_rules import tiny_drafter, tiny_target
 from tests.test_static_decoding import check_continuous_batching_equals_greedy
@@ -105,3 +107,66 @@ def test_captured_rounds_replay_with_the_weights_loaded_after_the_capture():
     reused.load_drafter_weights(second)
     expected = replayed_drafts(StaticDecoder(target, second, max_len=64, graphs=True, kv_bucket=32))
     assert replayed_drafts(reused) == expected and expected != before
+
+
+def fp32_cuda_hybrid(directory):
+    target = FrozenTarget(AutoModelForCausalLM.from_pretrained(directory), [4, 1])
+    target.model.to("cuda")
+    return target, tiny_drafter(target).to("cuda").eval()
+
+
+@pytest.mark.parametrize("compile", [False, True])
+def test_hybrid_graphs_decode_the_tokens_eager_decodes(tiny_qwen3_5_dir, compile):
+    """A Gated DeltaNet target (Qwen3.5 layout) in the static decoder: replayed graphs (and
+    compiled steps) give the eager static path's tokens and acceptance lengths, and DFlash gives
+    plain greedy's tokens, with partly accepted blocks rolled back in the DeltaNet states (an
+    oracle drafter wrong at a varying place); the commit is one more captured graph."""
+    from tests.test_static_decoding import wrong_at
+
+    target, drafter = fp32_cuda_hybrid(tiny_qwen3_5_dir)
+    graphed = StaticDecoder(target, drafter, max_len=128, graphs=True, compile=compile, kv_bucket=32)
+    eager = StaticDecoder(target, drafter, max_len=128, graphs=False, kv_bucket=32)
+    block = drafter.block_size
+    for seed in range(3):
+        torch.manual_seed(seed)
+        prompt = torch.randint(0, 500, (6 + 9 * seed,)).tolist()
+        plain = eager.plain(prompt, 40).output_ids
+        assert graphed.plain(prompt, 40).output_ids == plain
+        spec = graphed.speculative(prompt, 40)
+        assert spec.output_ids == plain
+        assert spec.acceptance_lengths == eager.speculative(prompt, 40).acceptance_lengths
+        sequence = prompt + eager.plain(prompt, 40 + block).output_ids
+
+        def oracle(anchor_1, anchor_pos_1, *, kv_len, sequence=sequence):
+            anchor = int(anchor_pos_1)  # a host read: this drafter runs eagerly, outside the graph
+            drafts = torch.tensor(sequence[anchor + 1 : anchor + block], device="cuda")
+            wrong = wrong_at(anchor, block)
+            if wrong < block - 1:
+                drafts[wrong] = (drafts[wrong] + 1) % 500
+            return drafts
+
+        for decoder in (graphed, eager):
+            decoder.drafter_cache.draft = oracle
+        # Graphs off for the oracle (it reads the host), on for the target's commit and steps:
+        graphed._round.enabled = False
+        assert graphed.speculative(prompt, 40).output_ids == plain
+        graphed._round.enabled = True
+        del graphed.drafter_cache.draft, eager.drafter_cache.draft
+    assert graphed._commit.captures == 1
+
+
+def test_hybrid_continuous_batching_with_graphs_equals_one_by_one_greedy(tiny_qwen3_next_dir):
+    """Against the eager static decoder's greedy: on CUDA transformers' own path runs
+    flash-linear-attention's kernels (TF32 products), the static steps the fp32 recurrence."""
+    target, _ = fp32_cuda_hybrid(tiny_qwen3_next_dir)
+    eager = StaticDecoder(target, max_len=160, graphs=False, kv_bucket=32)
+    batcher = check_continuous_batching_equals_greedy(
+        target,
+        max_new=24,
+        greedy=lambda _, prompt, max_new: eager.plain(prompt, max_new),
+        slots=4,
+        max_len=128,
+        graphs=True,
+        kv_bucket=32,
+    )
+    assert batcher.commit_fn.captures == 1

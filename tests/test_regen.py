@@ -35,7 +35,7 @@ def chat_target(tiny_chat_dir):
 @pytest.fixture(params=["continuous", "generate"])
 def backend(request, chat_target):
     """Both in-process paths: continuous batching on the static cache, and the generate()
-    batches that targets without a static cache (hybrid linear attention) use."""
+    batches that targets without a static cache (a sliding attention window) use."""
     backend = TransformersBackend(*chat_target, GREEDY, slots=3, max_len=256)
     assert backend.continuous
     if request.param == "generate":

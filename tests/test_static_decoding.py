@@ -1,8 +1,11 @@
 """The static-cache decoder (dflash.decoding): the same logits, features and tokens as the
-transformers forward and the dynamic-cache decoding it replaces (graphs off on CPU; the GPU
-tests in test_gpu_decoding.py replay CUDA graphs)."""
+transformers forward and the dynamic-cache decoding it replaces, for every target family users
+serve (dense, MoE, and the hybrid Gated DeltaNet ones whose states roll back exactly), with graphs
+off on CPU; the GPU tests in test_gpu_decoding.py replay CUDA graphs."""
 
 from __future__ import annotations
+
+import random
 
 import pytest
 import torch
@@ -26,17 +29,29 @@ def tiny_llama_target() -> FrozenTarget:
 
 
 TARGETS = {"qwen3": tiny_target, "llama": tiny_llama_target}
+# Published layouts saved by transformers (tests/conftest.py): MoE and hybrid. Features from a
+# Gated DeltaNet layer (4) and a full-attention one (1).
+SAVED = ["qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe"]
+HYBRIDS = ["qwen3_next", "qwen3_5", "qwen3_5_moe"]
 
 
-@pytest.mark.parametrize("arch", sorted(TARGETS))
-def test_prefill_and_steps_equal_the_full_forward(arch):
-    """Two slots of different lengths, a rejected block that is only forgotten (the next tokens
-    overwrite it), and multi-token steps: logits and features equal one full forward each."""
-    target = TARGETS[arch]()
+def family_target(arch: str, request) -> FrozenTarget:
+    if arch in TARGETS:
+        return TARGETS[arch]()
+    directory = request.getfixturevalue(f"tiny_{arch}_dir")
+    return FrozenTarget(AutoModelForCausalLM.from_pretrained(directory), [4, 1])
+
+
+@pytest.mark.parametrize("arch", sorted(TARGETS) + SAVED)
+def test_prefill_and_steps_equal_the_full_forward(arch, request):
+    """Two slots of different lengths (the shorter prompt padded), a rejected block that is only
+    forgotten (attention: the next tokens overwrite it; DeltaNet: nothing committed), and
+    multi-token steps, each kept whole: logits and features equal one full forward each."""
+    target = family_target(arch, request)
     torch.manual_seed(3)
     seqs = [torch.randint(0, 500, (40,)), torch.randint(0, 500, (40,))]
     full = [target(s[None]) for s in seqs]
-    cache = StaticCacheTarget(target, slots=2, max_len=64, kv_bucket=16, features=True)
+    cache = StaticCacheTarget(target, slots=2, max_len=64, kv_bucket=16, features=True, max_step=4)
     lengths = [9, 5]
     ids = torch.stack([seqs[0][:9], torch.cat([seqs[1][:5], torch.zeros(4, dtype=torch.long)])])
     logits, features = cache.prefill(ids, torch.tensor([0, 1]), torch.tensor([8, 4]))
@@ -45,13 +60,15 @@ def test_prefill_and_steps_equal_the_full_forward(arch):
         torch.testing.assert_close(
             features[row, :length], full[row].features[0, :length], atol=1e-5, rtol=1e-5
         )
-    # A rejected 3-token block in slot 0, then real tokens over it.
+    # A rejected 3-token block in both slots, then real tokens over it.
     rejected = torch.tensor([[1, 2, 3], [4, 5, 6]])
     cache.step(rejected, torch.tensor([[9, 10, 11], [5, 6, 7]]), kv_len=cache.kv_len_for(12))
+    cache.commit(torch.tensor([0, 0]))
     for count in (3, 1, 4):
         new = torch.stack([seqs[r][lengths[r] : lengths[r] + count] for r in range(2)])
         positions = torch.stack([torch.arange(n, n + count) for n in lengths])
         logits, features = cache.step(new, positions, kv_len=cache.kv_len_for(max(lengths) + count))
+        cache.commit(torch.tensor([count, count]))
         for row, length in enumerate(lengths):
             span = slice(length, length + count)
             torch.testing.assert_close(logits[row], full[row].logits[0, span], atol=1e-5, rtol=1e-5)
@@ -59,9 +76,31 @@ def test_prefill_and_steps_equal_the_full_forward(arch):
         lengths = [n + count for n in lengths]
 
 
-@pytest.mark.parametrize("arch", sorted(TARGETS))
-def test_static_plain_and_dflash_greedy_equal_transformers_greedy(arch):
-    target = TARGETS[arch]()
+@pytest.mark.parametrize("arch", HYBRIDS)
+def test_a_deltanet_step_keeps_exactly_the_prefix_it_is_told(arch, request):
+    """Slot 0 keeps 2 of a 4-token step, slot 1 all 4 and then 0 of the next: each continues
+    as if only the kept tokens had ever been run (the state after each prefix is exact)."""
+    target = family_target(arch, request)
+    torch.manual_seed(4)
+    seq = torch.randint(0, 500, (30,))
+    full = target(seq[None])
+    cache = StaticCacheTarget(target, slots=2, max_len=32, kv_bucket=16, features=True, max_step=4)
+    cache.prefill(seq[None, :6].expand(2, -1), torch.tensor([0, 1]), torch.tensor([5, 5]))
+    cache.step(seq[6:10].expand(2, -1), torch.arange(6, 10).expand(2, -1), kv_len=16)
+    cache.commit(torch.tensor([2, 4]))
+    cache.step(torch.tensor([[7, 7, 7, 7]] * 2), torch.tensor([[8, 9, 10, 11], [10, 11, 12, 13]]), kv_len=16)
+    cache.commit(torch.tensor([0, 0]))
+    lengths = [8, 10]
+    new = torch.stack([seq[n : n + 3] for n in lengths])
+    logits, features = cache.step(new, torch.stack([torch.arange(n, n + 3) for n in lengths]), kv_len=16)
+    for row, length in enumerate(lengths):
+        torch.testing.assert_close(logits[row], full.logits[0, length : length + 3], atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(features[row], full.features[0, length : length + 3], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("arch", sorted(TARGETS) + SAVED)
+def test_static_plain_and_dflash_greedy_equal_transformers_greedy(arch, request):
+    target = family_target(arch, request)
     drafter = tiny_drafter(target).eval()
     decoder = StaticDecoder(target, drafter, max_len=64, graphs=False, kv_bucket=16)
     for seed in range(3):
@@ -76,6 +115,45 @@ def test_static_plain_and_dflash_greedy_equal_transformers_greedy(arch):
         assert (
             result.acceptance_lengths == speculative_generate(target, drafter, prompt, 24).acceptance_lengths
         )
+
+
+def wrong_at(anchor: int, block: int) -> int:
+    """Which draft of the round anchored at `anchor` the oracle gets wrong (>= block - 1: none)."""
+    return random.Random(anchor).randrange(block + 1)
+
+
+@pytest.mark.parametrize("arch", ["qwen3", *HYBRIDS])
+def test_partly_accepted_drafts_roll_back_exactly(arch, request):
+    """A drafter that drafts the target's own continuation with one token wrong at a place that
+    changes every round: rounds accept from none to all of a block, each rollback must leave the
+    target exactly after the accepted tokens (else the next round's choices drift and the
+    output leaves plain greedy's)."""
+    target = family_target(arch, request)
+    drafter = tiny_drafter(target).eval()
+    decoder = StaticDecoder(target, drafter, max_len=96, graphs=False, kv_bucket=16)
+    block, max_new = drafter.block_size, 48
+    torch.manual_seed(11)
+    prompt = torch.randint(0, 500, (9,)).tolist()
+    sequence = prompt + plain_generate(target, prompt, max_new + block).output_ids
+
+    def oracle(anchor_1, anchor_pos_1, *, kv_len):
+        anchor = int(anchor_pos_1)
+        drafts = torch.tensor(sequence[anchor + 1 : anchor + block])
+        wrong = wrong_at(anchor, block)
+        if wrong < block - 1:
+            drafts[wrong] = (drafts[wrong] + 1) % 500
+        return drafts
+
+    decoder.drafter_cache.draft = oracle
+    result = decoder.speculative(prompt, max_new)
+    assert result.output_ids == sequence[len(prompt) : len(prompt) + max_new]
+    expected, anchor = [], len(prompt)
+    while sum(expected) < max_new - 1:
+        produced = min(wrong_at(anchor, block), block - 1) + 1
+        expected.append(min(produced, max_new - 1 - sum(expected)))
+        anchor += produced
+    assert result.acceptance_lengths == expected
+    assert len(set(expected)) >= 4  # rollbacks of many lengths, all-accepted rounds included
 
 
 def test_static_dflash_sampling_and_stop_tokens_follow_the_reference():
@@ -102,20 +180,26 @@ def test_a_prompt_beyond_the_static_cache_is_refused_with_its_size():
         decoder.plain(list(range(45)), 8)
 
 
-def test_hybrid_targets_are_refused_and_keep_the_dynamic_path(tiny_qwen3_next_dir):
-    target = FrozenTarget(AutoModelForCausalLM.from_pretrained(tiny_qwen3_next_dir), [1, 3])
-    assert "qwen3_next" in static_decoding_refusal(target)
+def test_a_sliding_window_target_is_refused_and_keeps_the_dynamic_path():
+    config = AutoConfig.for_model("mistral", **{**TINY_ARCH, "sliding_window": 16})
+    target = FrozenTarget(AutoModelForCausalLM.from_config(config), [1, 3])
+    assert static_decoding_refusal(target) == "a sliding attention window"
     assert StaticDecoder.for_target(target, None, max_len=32, graphs=None) is None
+    for arch in ("qwen3", "llama"):
+        assert static_decoding_refusal(TARGETS[arch]()) is None
 
 
-def check_continuous_batching_equals_greedy(target, *, max_new: int, **batcher_options) -> ContinuousBatcher:
+def check_continuous_batching_equals_greedy(
+    target, *, max_new: int, greedy=plain_generate, **batcher_options
+) -> ContinuousBatcher:
     """11 prompts of different lengths through a batcher with fewer slots (refills): every reply
-    is the target's one-by-one greedy continuation, up to (not including) a stop token some
-    replies reach, with the right finish reason; the generated-token count includes the stops.
-    Shared by the CPU test (graphs off) and the GPU tests (graphs, compiled)."""
+    is the target's one-by-one greedy continuation (`greedy(target, prompt, max_new)`), up to
+    (not including) a stop token some replies reach, with the right finish reason; the
+    generated-token count includes the stops. Shared by the CPU test (graphs off) and the GPU
+    tests (graphs, compiled)."""
     torch.manual_seed(0)
     prompts = [torch.randint(0, 500, (int(n),)).tolist() for n in torch.randint(3, 30, (11,))]
-    references = [plain_generate(target, p, max_new).output_ids for p in prompts]
+    references = [greedy(target, p, max_new).output_ids for p in prompts]
     stop = references[1][4]
     batcher = ContinuousBatcher(
         target,
@@ -140,10 +224,18 @@ def check_continuous_batching_equals_greedy(target, *, max_new: int, **batcher_o
     return batcher
 
 
-def test_continuous_batching_equals_one_by_one_greedy_with_refills_and_prefill_groups():
-    """3 slots, prefills split into groups of <= 40 padded tokens."""
+@pytest.mark.parametrize("arch", ["llama", "qwen3_5"])
+def test_continuous_batching_equals_one_by_one_greedy_with_refills_and_prefill_groups(arch, request):
+    """3 slots, prefills split into groups of <= 40 padded tokens (padding inert in DeltaNet
+    states too)."""
     check_continuous_batching_equals_greedy(
-        tiny_llama_target(), max_new=16, slots=3, max_len=64, graphs=False, kv_bucket=16, prefill_tokens=40
+        family_target(arch, request),
+        max_new=16,
+        slots=3,
+        max_len=64,
+        graphs=False,
+        kv_bucket=16,
+        prefill_tokens=40,
     )
 
 
@@ -208,3 +300,53 @@ def test_regional_compile_makes_one_graph_per_step_shape_not_per_layer(arch):
     # step: not one per layer (4 here), per step length or per attended-length bucket.
     assert len(target.model.base_model.layers) >= 4
     assert 1 <= counter.graphs <= 2, counter.graphs  # >= 1: the compiled function did run
+
+
+def test_regional_compile_of_a_hybrid_makes_one_graph_per_layer_kind_and_step_shape(tiny_qwen3_5_dir):
+    """A hybrid's steps as decoding runs them (one-token steps and 4-token verifications, each
+    committed): one graph per layer kind (Gated DeltaNet, gated attention) and step length,
+    whatever the depth, with the eager step's logits, features and states."""
+    torch._dynamo.reset()
+    target = FrozenTarget(AutoModelForCausalLM.from_pretrained(tiny_qwen3_5_dir), [4, 1])
+    torch.manual_seed(3)
+    ids = torch.randint(0, 500, (2, 60))
+    counter = GraphCounter()
+    eager = StaticCacheTarget(target, slots=2, max_len=64, kv_bucket=24, features=True, max_step=4)
+    compiled = StaticCacheTarget(
+        target, slots=2, max_len=64, kv_bucket=24, features=True, max_step=4, compile_backend=counter
+    )
+    for cache in (eager, compiled):
+        cache.prefill(ids[:, :9], torch.tensor([0, 1]), torch.tensor([8, 8]))
+    length = 9
+    for count in (1, 4, 1, 4, 4, 4, 4, 4, 4, 1):  # the attended length crosses from 24 to 48
+        new, positions = ids[:, length : length + count], torch.arange(length, length + count).expand(2, -1)
+        kv_len = eager.kv_len_for(length + count)
+        (want_logits, want_features), (logits, features) = (
+            cache.step(new, positions, kv_len=kv_len) for cache in (eager, compiled)
+        )
+        torch.testing.assert_close(logits, want_logits, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(features, want_features, atol=1e-5, rtol=1e-5)
+        kept = torch.tensor([count, max(count - 2, 0)])
+        for cache in (eager, compiled):
+            cache.commit(kept)
+        length += int(kept.min())
+    assert len(target.model.base_model.layers) == 6 and len(compiled.states) == 3
+    assert 2 <= counter.graphs <= 4, counter.graphs  # 2 kinds x 2 step lengths at most
+
+
+def test_bench_decode_times_a_hybrid_target_on_the_static_decoder(tiny_qwen3_5_dir, monkeypatch, capsys):
+    """scripts/bench_decode.py on a Qwen3.5-layout target: the static rows (steps and rounds
+    with their DeltaNet commits) and the dynamic path's (which re-runs the sequence)."""
+    import runpy
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_decode.py"
+    arguments = ["--reps", "2", "--context", "16", "target=hf", f"target.path={tiny_qwen3_5_dir}"]
+    arguments += ["drafter=tiny", "drafter.mask_token_id=511", "gpu=cpu"]
+    monkeypatch.setattr(sys, "argv", [str(script), *arguments])
+    runpy.run_path(str(script), run_name="__main__")
+    out = capsys.readouterr().out
+    for row in ("plain step [static]", "verify (B=4) [static]", "round [static]", "round [dynamic]"):
+        assert row in out, out
+    assert "static: DFlash is faster than plain decoding once tau >" in out

@@ -43,3 +43,23 @@ def test_a_dense_target_has_attention_and_dense_mlp_parts_only(tiny_qwen3_dir):
     target = FrozenTarget(AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir), [1, 3])
     assert [part for part, _ in layer_parts(target.model.model.layers[0])] == ["full attention", "dense MLP"]
     assert set(part_flops(target, batch=1, seq_len=8)) == {"full attention", "dense MLP"}
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_next"])
+def test_a_token_step_reads_every_weight_but_the_unrouted_experts(family, request):
+    """bench_decode's weights floor: a dense target's step reads all its weights; a MoE target's
+    reads the experts a token is routed to (top-2 of 4 here: half the routed experts' bytes)."""
+    from dflash.tools.target_cost import token_weight_bytes
+
+    model = AutoModelForCausalLM.from_pretrained(request.getfixturevalue(f"tiny_{family}_dir"))
+    target = FrozenTarget(model, [3])
+    every = sum(p.numel() * p.element_size() for p in model.parameters())
+    routed = sum(
+        p.numel() * p.element_size()
+        for layer in model.model.layers
+        if hasattr(getattr(layer, "mlp", None), "experts")
+        for p in layer.mlp.experts.parameters()
+    )
+    share = model.config.num_experts_per_tok / model.config.num_experts if routed else 0.0
+    assert (routed > 0) == (family == "qwen3_next")
+    assert token_weight_bytes(target) == pytest.approx(every - routed + share * routed)

@@ -2,7 +2,7 @@
 replayed as CUDA graphs, and continuous batching for regeneration.
 
 Every decoding path of the project (plain and speculative decoding in `dflash.spec_decode`,
-`dflash-eval`, `scripts/bench_decode.py`, in-process `dflash-regen`) runs on these pieces when
-the target is a full-attention decoder (`static_decoding_refusal`); hybrid targets keep the exact
-dynamic-cache path.
+`dflash-eval`, `scripts/bench_decode.py`, in-process `dflash-regen`) runs on these pieces for
+every supported family, hybrid Gated DeltaNet targets included (`static_decoding_refusal`); only
+a sliding-window target keeps the exact dynamic-cache path.
 """

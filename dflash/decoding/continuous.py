@@ -6,8 +6,9 @@ Each `step()` first prefills queued prompts into free slots (eager, right-padded
 `prefill_tokens` tokens per forward) when enough slots are free to make a prefill worth its
 launch cost (`refill_at`, or none is decoding), then runs one decode step of every slot as one
 CUDA graph (per attended-length bucket) and samples the next tokens. Free slots ride along in
-the step (their keys land in their own rows, which the next prefill overwrites): a fixed batch
-shape is what lets one graph serve the whole run.
+the step (their keys and DeltaNet states land in their own rows, which the next prefill
+overwrites): a fixed batch shape is what lets one graph serve the whole run. A hybrid target's
+DeltaNet states then keep every slot's one new token (`commit`, a second graph).
 """
 
 from __future__ import annotations
@@ -66,7 +67,10 @@ class ContinuousBatcher:
         self.slots, self.max_new_tokens, self.stop_ids = slots, max_new_tokens, stop_ids
         self.sampler, self.prefill_tokens = sampler, prefill_tokens
         self.refill_at = max(1, slots // 8)
-        self.step_fn = GraphedFunction(self._step, enabled=graphs_enabled(graphs, self.device))
+        enabled = graphs_enabled(graphs, self.device)
+        self.step_fn = GraphedFunction(self._step, enabled=enabled)
+        self.commit_fn = GraphedFunction(self.cache.commit, enabled=enabled)
+        self.one_each = torch.ones(slots, dtype=torch.long, device=self.device)
         self.queue: deque[tuple[Any, list[int]]] = deque()
         self.running: list[_Sequence | None] = [None] * slots
         self.next_ids = torch.zeros((slots, 1), dtype=torch.long, device=self.device)
@@ -158,6 +162,8 @@ class ContinuousBatcher:
                 positions[row, 0] = sequence.prompt_len + len(sequence.tokens) - 1
         kv_len = self.cache.kv_len_for(int(positions.max()) + 1)
         logits = self.step_fn(self.next_ids, torch.from_numpy(positions).to(self.device), kv_len=kv_len)
+        if self.cache.recurrent:
+            self.commit_fn(self.one_each)
         tokens = self.sampler(logits)
         self.next_ids.copy_(tokens.unsqueeze(1))
         finished: list[Finished] = []

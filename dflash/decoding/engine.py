@@ -4,7 +4,8 @@ A DFlash round is ONE graph: the drafter's block forward, the target's verificat
 [anchor, drafts], and the drafter-context write of the features the verification produced, all
 on the device; the host then reads the drafts and the target's choices in one transfer, keeps
 the accepted prefix and moves the committed length. Nothing is copied back or cropped: the next
-round writes over the rejected positions (dflash.decoding.static_target).
+round writes over the rejected positions (dflash.decoding.static_target). A hybrid target's
+DeltaNet layers then keep the state after the accepted tokens (`commit`, one more small graph).
 
 Exactness is the algorithm's (dflash.spec_decode): every committed token is the target's own
 choice given the committed prefix, so greedy output equals plain greedy output.
@@ -54,6 +55,7 @@ class StaticDecoder:
             max_len=capacity,
             kv_bucket=kv_bucket,
             features=drafter is not None,
+            max_step=self.block_size,
             compile_backend=backend,
         )
         self.drafter_cache = None
@@ -67,9 +69,11 @@ class StaticDecoder:
         pool = torch.cuda.graph_pool_handle() if enabled else None
         self._plain_step = GraphedFunction(self._plain_fn, enabled=enabled, pool=pool)
         self._round = GraphedFunction(self._round_fn, enabled=enabled, pool=pool)
+        self._commit = GraphedFunction(self.target_cache.commit, enabled=enabled, pool=pool)
         device = target.device
         self._ids = torch.zeros((1, 1), dtype=torch.long, device=device)
         self._pos = torch.zeros((1, 1), dtype=torch.long, device=device)
+        self._taken = torch.zeros(1, dtype=torch.long, device=device)
 
     @classmethod
     def for_target(
@@ -103,7 +107,7 @@ class StaticDecoder:
 
     @property
     def captures(self) -> int:
-        return self._plain_step.captures + self._round.captures
+        return self._plain_step.captures + self._round.captures + self._commit.captures
 
     @torch.no_grad()
     def capture_every_shape(self) -> int:
@@ -122,6 +126,8 @@ class StaticDecoder:
             self._plain_step(self._ids, self._pos, kv_len=kv_len)
             if self.drafter_cache is not None:
                 self._round(self._ids, self._pos, kv_len=kv_len)
+        if self.target_cache.recurrent:
+            self.keep(0)  # the commit's graph (one shape); 0 keeps every state as it is
         return self.captures
 
     # -- captured functions: device tensors in, device tensors out -------------------------------
@@ -141,6 +147,14 @@ class StaticDecoder:
     def _set(self, token: int, position: int) -> None:
         self._ids.fill_(token)
         self._pos.fill_(position)
+
+    def keep(self, tokens: int) -> None:
+        """After a plain step or a round: the target's DeltaNet states advance by the first
+        `tokens` tokens it ran (a round keeps the anchor and the accepted drafts). Nothing to
+        do for a full-attention target, whose rollback is the committed length alone."""
+        if self.target_cache.recurrent:
+            self._taken.fill_(tokens)
+            self._commit(self._taken)
 
     def _prefill(self, prompt: list[int]):
         ids = torch.tensor([prompt], device=self.target.device)
@@ -181,6 +195,7 @@ class StaticDecoder:
             self._set(output[-1], position)
             kv_len = self.target_cache.kv_len_for(position + 1)
             output += choose(self._plain_step(self._ids, self._pos, kv_len=kv_len))
+            self.keep(1)
         return DecodeResult(output_ids=output)
 
     @torch.no_grad()
@@ -214,6 +229,7 @@ class StaticDecoder:
             if stopped:
                 break
             committed += accepted + 1
+            self.keep(accepted + 1)
         return DecodeResult(output_ids=output, acceptance_lengths=acceptance)
 
     @staticmethod

@@ -1,47 +1,67 @@
-"""The target over a static KV cache: every decoding path's forward (prefill, one-token decode,
+"""The target over static caches: every decoding path's forward (prefill, one-token decode,
 block verification), in shapes a CUDA graph can capture.
 
-The cache is a preallocated [slots, kv_heads, max_len, head_dim] key/value pair per layer
-(dflash.decoding.kv_cache). Each slot is one sequence; the caller (who knows every sequence's length on the host) passes the
-absolute position of every new token. A forward writes the new keys/values at those positions
-and each query attends to the keys at positions <= its own, so:
+Full-attention layers keep a preallocated [slots, kv_heads, max_len, head_dim] key/value pair
+(dflash.decoding.kv_cache). Each slot is one sequence; the caller (who knows every sequence's
+length on the host) passes the absolute position of every new token. A forward writes the new
+keys/values at those positions and each query attends to the keys at positions <= its own, so:
 - rolling back a rejected draft is only a smaller length on the host: the rejected entries stay
   in the cache, invisible (beyond every later query until overwritten by the next tokens);
 - a slot is reused by a new sequence without clearing it;
 - the attended length `kv_len` is a bucket (a multiple of `kv_bucket`) covering the longest
   sequence, so short sequences do not pay for `max_len` and the shapes stay few.
 
-Only the attention is ours: embeddings, norms, projections, rotary tables, MLPs and the LM head
-are the model's own modules, so weights, rope scaling and per-architecture details stay
-transformers'. Supported: decoder-only models whose layers are all full attention in the
-Llama layout (Llama, Mistral without a sliding window, Qwen2, Qwen3); `static_decoding_refusal`
-names why any other target is not, and callers fall back to the dynamic-cache path.
+Gated DeltaNet layers of hybrid targets (Qwen3-Next, Qwen3.5 / 3.6) keep a per-slot state
+instead (dflash.decoding.deltanet): a step writes the state after each of its tokens beside the
+committed one, and `commit(taken)` keeps each slot's first `taken` tokens, so a rejected draft
+is undone exactly there too. Targets without such layers need no commit (it does nothing).
+
+Only the token mixing is ours: embeddings, norms, projections, rotary tables, MLPs (experts
+included) and the LM head are the model's own modules, so weights, rope scaling and
+per-architecture details stay transformers'. Supported: decoder-only models whose layers are
+full attention (Llama, Mistral without a sliding window, Qwen2, Qwen3, Qwen3-MoE; Qwen3-Next's
+and Qwen3.5's gated attention with its partial rotary) or Gated DeltaNet;
+`static_decoding_refusal` names why any other target is not, and callers fall back to the
+dynamic-cache path.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from dflash.decoding.deltanet import DeltaNetStates, deltanet_prefill, deltanet_step, is_deltanet_layer
 from dflash.decoding.kv_cache import StaticKV, write_layer
 from dflash.models.compile import compile_shared
 from dflash.models.target import FrozenTarget
 
-_LLAMA_LAYOUT = {"llama", "mistral", "qwen2", "qwen3"}
+# The text model's model_type (an image-text checkpoint's `text_config`): what the static
+# decoder runs. All share the decoder-layer layout (pre-norm mixer, pre-norm MLP or MoE).
+STATIC_MODEL_TYPES = {
+    "llama",
+    "mistral",
+    "qwen2",
+    "qwen3",
+    "qwen3_moe",
+    "qwen3_next",
+    "qwen3_5_text",
+    "qwen3_5_moe_text",
+}
+_STATIC_LAYER_TYPES = {"full_attention", "linear_attention"}
 
 
 def static_decoding_refusal(target: FrozenTarget) -> str | None:
     """Why the static-cache decoder cannot run this target (None: it can)."""
     config = target.config
-    if config.model_type not in _LLAMA_LAYOUT:
-        return f"model_type {config.model_type!r} is not one of {sorted(_LLAMA_LAYOUT)}"
+    if config.model_type not in STATIC_MODEL_TYPES:
+        return f"model_type {config.model_type!r} is not one of {sorted(STATIC_MODEL_TYPES)}"
     layer_types = set(getattr(config, "layer_types", None) or ["full_attention"])
-    if layer_types != {"full_attention"}:
-        return f"layer types {sorted(layer_types)}: only full attention has a croppable static cache"
+    if not layer_types <= _STATIC_LAYER_TYPES:
+        return f"layer types {sorted(layer_types - _STATIC_LAYER_TYPES)} have no static cache"
     if getattr(config, "use_sliding_window", False) or (
         config.model_type == "mistral" and getattr(config, "sliding_window", None)
     ):
@@ -55,15 +75,20 @@ def round_up(value: int, multiple: int) -> int:
 
 class StaticCacheTarget(nn.Module):
     """`prefill` fills fresh slots from position 0; `step` runs new tokens of every slot over the
-    cache. Both return (logits, fused features or None).
+    caches; `commit` keeps a prefix of the last step in the DeltaNet states. `prefill` and `step`
+    return (logits, fused features or None).
 
-    `compile_backend` (e.g. "inductor"; None: eager): `step`'s per-layer work is one function
-    compiled once for every layer (regional compilation). The layers share their code, and their
-    weights and caches are the compiled function's inputs, so a 36-layer step compiles one layer's
-    graph per step shape (a decode step, a verification) instead of one graph of the whole model
-    (at 8B a whole-model compile did not finish in 185 s; per layer, compiling and measuring every
-    step took under 270 s). Kernels still fuse within a layer, which is where a step's many small
-    kernels are (norms, rotary, residuals)."""
+    `max_step`: the most tokens one `step` runs per slot (a verification's block), which sizes
+    the DeltaNet layers' per-token states.
+
+    `compile_backend` (e.g. "inductor"; None: eager): `step`'s per-layer work is one function per
+    layer kind (full attention, DeltaNet), compiled once for every layer of that kind (regional
+    compilation). The layers share their code, and their weights and caches are the compiled
+    function's inputs, so a 36-layer step compiles one layer's graph per step shape (a decode
+    step, a verification) instead of one graph of the whole model (at 8B a whole-model compile
+    did not finish in 185 s; per layer, compiling and measuring every step took under 270 s).
+    Kernels still fuse within a layer, which is where a step's many small kernels are (norms,
+    rotary, residuals; the delta rule's per-token updates)."""
 
     def __init__(
         self,
@@ -73,6 +98,7 @@ class StaticCacheTarget(nn.Module):
         max_len: int,
         kv_bucket: int = 256,
         features: bool,
+        max_step: int = 1,
         compile_backend: Any = None,
     ):
         super().__init__()
@@ -88,29 +114,55 @@ class StaticCacheTarget(nn.Module):
             base.rotary_emb,
         )
         config = target.config
-        attention = self.layers[0].self_attn
+        # Each layer's place in its kind's cache list: KV pairs for attention, states for DeltaNet.
+        self.deltanet = [is_deltanet_layer(layer) for layer in self.layers]
+        self.cache_index, counts = [], [0, 0]
+        for recurrent in self.deltanet:
+            self.cache_index.append(counts[recurrent])
+            counts[recurrent] += 1
+        attention = next(layer.self_attn for layer, d in zip(self.layers, self.deltanet) if not d)
         self.head_dim = attention.head_dim
         self.num_heads = config.num_attention_heads
         self.num_kv_heads = config.num_key_value_heads
         self.groups = self.num_heads // self.num_kv_heads
+        # Qwen3-Next / Qwen3.5 attention: q_proj also yields a per-channel output gate.
+        self.gated = attention.q_proj.out_features == 2 * self.num_heads * self.head_dim
+        # The model's own rotation: partial rotary (Qwen3-Next, Qwen3.5) rotates a prefix of each head.
+        self.apply_rotary = sys.modules[type(attention).__module__].apply_rotary_pos_emb
         self.kv_bucket = kv_bucket
         self.max_len = round_up(max_len, kv_bucket)
         self.slots = slots
         self.with_features = features
+        dtype = self.embed.weight.dtype
         self.kv = StaticKV(
-            layers=len(self.layers),
+            layers=counts[False],
             slots=slots,
             kv_heads=self.num_kv_heads,
             max_len=self.max_len,
             head_dim=self.head_dim,
-            dtype=self.embed.weight.dtype,
+            dtype=dtype,
             device=target.device,
         )
-        self._step_layer = (
-            self._step_layer_eager
-            if compile_backend is None
-            else compile_shared(self._step_layer_eager, backend=compile_backend, dynamic=True)
+        self.states = DeltaNetStates(
+            [layer.linear_attn for layer, d in zip(self.layers, self.deltanet) if d],
+            slots=slots,
+            max_step=max_step,
+            dtype=dtype,
+            device=target.device,
         )
+        self._attention_layer, self._deltanet_layer = self._attention_layer_eager, self._deltanet_layer_eager
+        if compile_backend is not None:
+            self._attention_layer = compile_shared(
+                self._attention_layer_eager, backend=compile_backend, dynamic=True
+            )
+            self._deltanet_layer = compile_shared(
+                self._deltanet_layer_eager, backend=compile_backend, dynamic=True
+            )
+
+    @property
+    def recurrent(self) -> bool:
+        """Whether steps must be committed (the target has DeltaNet layers)."""
+        return len(self.states) > 0
 
     def kv_len_for(self, longest: int) -> int:
         """The attended cache length covering positions < `longest` (a bucket edge)."""
@@ -119,21 +171,37 @@ class StaticCacheTarget(nn.Module):
         return min(self.max_len, round_up(max(longest, 1), self.kv_bucket))
 
     def _project(self, layer: nn.Module, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]):
-        """Rotated queries [N, H, Q, D] and keys [N, Hkv, Q, D], values [N, Hkv, Q, D]."""
+        """Rotated queries [N, H, Q, D] and keys [N, Hkv, Q, D], values [N, Hkv, Q, D], and the
+        output gate [N, Q, H * D] of gated attention (else None)."""
         attention = layer.self_attn
         n, q_len, _ = x.shape
-        q = attention.q_proj(x).view(n, q_len, -1, self.head_dim)
+        projected = attention.q_proj(x)
+        gate = None
+        if self.gated:
+            q, gate = torch.chunk(projected.view(n, q_len, -1, 2 * self.head_dim), 2, dim=-1)
+            gate = gate.reshape(n, q_len, -1)
+        else:
+            q = projected.view(n, q_len, -1, self.head_dim)
         k = attention.k_proj(x).view(n, q_len, -1, self.head_dim)
         v = attention.v_proj(x).view(n, q_len, -1, self.head_dim).transpose(1, 2)
         if hasattr(attention, "q_norm"):  # Qwen3: per-head RMSNorm before the rotation
             q, k = attention.q_norm(q), attention.k_norm(k)
-        q, k = apply_rotary_pos_emb(q.transpose(1, 2), k.transpose(1, 2), *rope)
-        return q, k, v
+        q, k = self.apply_rotary(q.transpose(1, 2), k.transpose(1, 2), *rope)
+        return q, k, v, gate
 
-    def _finish_layer(self, layer: nn.Module, hidden: torch.Tensor, attended: torch.Tensor) -> torch.Tensor:
+    @staticmethod
+    def _mlp(layer: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        out = layer.mlp(layer.post_attention_layernorm(hidden))
+        return hidden + (out[0] if isinstance(out, tuple) else out)  # some MoE blocks add router logits
+
+    def _finish_attention(
+        self, layer: nn.Module, hidden: torch.Tensor, attended: torch.Tensor, gate: torch.Tensor | None
+    ) -> torch.Tensor:
         n, _, q_len, _ = attended.shape
-        hidden = hidden + layer.self_attn.o_proj(attended.transpose(1, 2).reshape(n, q_len, -1))
-        return hidden + layer.mlp(layer.post_attention_layernorm(hidden))
+        mixed = attended.transpose(1, 2).reshape(n, q_len, -1)
+        if gate is not None:
+            mixed = mixed * torch.sigmoid(gate)
+        return self._mlp(layer, hidden + layer.self_attn.o_proj(mixed))
 
     def _fuse(self, collected: dict[int, torch.Tensor]) -> torch.Tensor | None:
         """Decoder-layer outputs concatenated in `target.layer_ids` order, as FrozenTarget does."""
@@ -146,18 +214,30 @@ class StaticCacheTarget(nn.Module):
         """Fresh sequences (right-padded prompts [R, P]) into cache slots `rows_R`, from position
         0. Logits [R, V] at each prompt's last position `last_R`; features [R, P, F] or None.
         Eager (prompt shapes vary); padding writes keys past a prompt's end that the next tokens
-        overwrite before any query can see them."""
+        overwrite before any query can see them, and leaves the DeltaNet states untouched."""
         hidden = self.embed(ids_RP)
         positions = torch.arange(ids_RP.shape[1], device=ids_RP.device).expand_as(ids_RP)
         rope = self.rotary(hidden, positions)
         collected, layer_ids = {}, set(self.target.layer_ids)
         for index, layer in enumerate(self.layers):
-            q, k, v = self._project(layer, layer.input_layernorm(hidden), rope)
-            self.kv.write_prefix(index, rows_R, k, v)
-            attended = F.scaled_dot_product_attention(
-                q, k, v, is_causal=True, scale=layer.self_attn.scaling, enable_gqa=self.groups > 1
-            )
-            hidden = self._finish_layer(layer, hidden, attended)
+            slot = self.cache_index[index]
+            if self.deltanet[index]:
+                mixed = deltanet_prefill(
+                    layer.linear_attn,
+                    layer.input_layernorm(hidden),
+                    last_R,
+                    rows_R=rows_R,
+                    conv=self.states.conv[slot],
+                    recurrent=self.states.recurrent[slot],
+                )
+                hidden = self._mlp(layer, hidden + mixed)
+            else:
+                q, k, v, gate = self._project(layer, layer.input_layernorm(hidden), rope)
+                self.kv.write_prefix(slot, rows_R, k, v)
+                attended = F.scaled_dot_product_attention(
+                    q, k, v, is_causal=True, scale=layer.self_attn.scaling, enable_gqa=self.groups > 1
+                )
+                hidden = self._finish_attention(layer, hidden, attended, gate)
             if self.with_features and index in layer_ids:
                 collected[index] = hidden
         last = hidden[torch.arange(len(rows_R), device=hidden.device), last_R]
@@ -165,26 +245,48 @@ class StaticCacheTarget(nn.Module):
 
     @torch.no_grad()
     def step(self, ids_SQ: torch.Tensor, positions_SQ: torch.Tensor, *, kv_len: int):
-        """Q new tokens of every slot at absolute `positions_SQ` (each < kv_len) over the cache:
+        """Q new tokens of every slot at absolute `positions_SQ` (each < kv_len) over the caches:
         logits [S, Q, V], features [S, Q, F] or None. Capturable: no host reads, fixed shapes.
+        DeltaNet states stay as committed until `commit`.
 
         Grouped-query attention without copying the cache per head: the G query heads that share
         a key/value head are laid out as G*Q query rows of that head, so one attention call per
         layer reads each cached key once, with the same position mask for every group."""
+        if ids_SQ.shape[1] > self.states.max_step and self.recurrent:
+            raise ValueError(f"a step of {ids_SQ.shape[1]} tokens exceeds max_step={self.states.max_step}")
         hidden = self.embed(ids_SQ)
         cos, sin = self.rotary(hidden, positions_SQ)
         visible = torch.arange(kv_len, device=ids_SQ.device) <= positions_SQ[:, :, None]  # [S, Q, T]
         mask = visible.repeat(1, self.groups, 1).unsqueeze(1)  # [S, 1, G*Q, T]
         collected, layer_ids = {}, set(self.target.layer_ids)
         for index, layer in enumerate(self.layers):
-            hidden = self._step_layer(
-                layer, hidden, cos, sin, mask, positions_SQ, self.kv.keys[index], self.kv.values[index]
-            )
+            slot = self.cache_index[index]
+            if self.deltanet[index]:
+                states = self.states
+                hidden = self._deltanet_layer(
+                    layer,
+                    hidden,
+                    states.conv[slot],
+                    states.recurrent[slot],
+                    states.window[slot],
+                    states.steps[slot],
+                )
+            else:
+                hidden = self._attention_layer(
+                    layer, hidden, cos, sin, mask, positions_SQ, self.kv.keys[slot], self.kv.values[slot]
+                )
             if self.with_features and index in layer_ids:
                 collected[index] = hidden
         return self.target.lm_head(self.norm(hidden)), self._fuse(collected)
 
-    def _step_layer_eager(
+    @torch.no_grad()
+    def commit(self, taken_S: torch.Tensor) -> None:
+        """After a `step`: each slot's DeltaNet states advance by its first `taken_S[s]` tokens
+        of that step (0: none). Capturable; nothing to do for full-attention targets, whose
+        rollback is the caller's smaller length."""
+        self.states.commit(taken_S)
+
+    def _attention_layer_eager(
         self,
         layer: nn.Module,
         hidden: torch.Tensor,
@@ -195,12 +297,13 @@ class StaticCacheTarget(nn.Module):
         keys: torch.Tensor,
         values: torch.Tensor,
     ) -> torch.Tensor:
-        """One decoder layer of `step`: write the new keys/values into the layer's cache, attend
-        over its first mask.shape[-1] positions. Only tensors and the layer come in (no layer
-        index, no Python int that differs between layers), so one compiled graph serves all."""
+        """One full-attention decoder layer of `step`: write the new keys/values into the
+        layer's cache, attend over its first mask.shape[-1] positions. Only tensors and the layer
+        come in (no layer index, no Python int that differs between layers), so one compiled
+        graph serves all."""
         slots, q_len, _ = hidden.shape
         kv_len = mask.shape[-1]
-        q, k, v = self._project(layer, layer.input_layernorm(hidden), (cos, sin))
+        q, k, v, gate = self._project(layer, layer.input_layernorm(hidden), (cos, sin))
         write_layer(keys, values, positions_SQ, k, v)
         grouped = q.reshape(slots, self.num_kv_heads, self.groups * q_len, self.head_dim)
         attended = F.scaled_dot_product_attention(
@@ -210,4 +313,20 @@ class StaticCacheTarget(nn.Module):
             attn_mask=mask,
             scale=layer.self_attn.scaling,
         ).reshape(slots, self.num_heads, q_len, self.head_dim)
-        return self._finish_layer(layer, hidden, attended)
+        return self._finish_attention(layer, hidden, attended, gate)
+
+    def _deltanet_layer_eager(
+        self,
+        layer: nn.Module,
+        hidden: torch.Tensor,
+        conv: torch.Tensor,
+        recurrent: torch.Tensor,
+        window: torch.Tensor,
+        steps: torch.Tensor,
+    ) -> torch.Tensor:
+        """One Gated DeltaNet decoder layer of `step` (dflash.decoding.deltanet.deltanet_step);
+        like the attention layer's, one compiled graph serves every layer of the kind."""
+        mixed = deltanet_step(
+            layer.linear_attn, layer.input_layernorm(hidden), conv, recurrent, window, steps
+        )
+        return self._mlp(layer, hidden + mixed)

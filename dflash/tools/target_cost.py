@@ -66,6 +66,28 @@ def _expert_elements_per_token(experts: nn.Module, config) -> float:
     return _matrix_elements(experts) * top_k / len(experts)  # a ModuleList of expert MLPs
 
 
+def token_weight_bytes(target: FrozenTarget) -> float:
+    """Weight bytes one token's decoding step reads: every weight of the model but the routed
+    experts, of which only the `num_experts_per_tok` a token uses (a batch-1 step's floor is
+    these bytes over the memory bandwidth)."""
+    total = 0.0
+    experts = {id(p) for layer in target.model.base_model.layers for p in _routed_expert_params(layer)}
+    for parameter in target.model.parameters():
+        if id(parameter) not in experts:
+            total += parameter.numel() * parameter.element_size()
+    for layer in target.model.base_model.layers:
+        mlp_experts = getattr(getattr(layer, "mlp", None), "experts", None)
+        if mlp_experts is not None:
+            element = next(mlp_experts.parameters()).element_size()
+            total += _expert_elements_per_token(mlp_experts, target.config) * element
+    return total
+
+
+def _routed_expert_params(layer: nn.Module) -> list[nn.Parameter]:
+    experts = getattr(getattr(layer, "mlp", None), "experts", None)
+    return [] if experts is None else list(experts.parameters())
+
+
 def part_flops(target: FrozenTarget, *, batch: int, seq_len: int) -> dict[str, float]:
     """Useful FLOPs of one feature forward over [batch, seq_len] tokens, per part."""
     config = target.config
