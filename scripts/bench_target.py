@@ -30,6 +30,7 @@ import time
 from pathlib import Path
 
 import torch
+from torch._dynamo.utils import counters
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -102,6 +103,7 @@ def main() -> None:
             counter = CompileCounter(f"target ({variant})")
             if variant != "eager":
                 torch._dynamo.reset()  # each scope compiles its own graphs
+                counters.clear()
                 target.compile_features(counter, scope=variant)
                 forward = target.features
             for samples in [int(s) for s in args.samples.split(",") if s]:
@@ -126,7 +128,8 @@ def main() -> None:
                 extra = torch.cuda.max_memory_allocated(device) - weights
                 rate = sum(flops.values()) / ms / 1e9
                 mfu = f"{100 * rate / peak:.1f}%" if peak else "-"
-                graphs = f", {counter.graphs} graphs" if counter.graphs else ""
+                breaks = sum(counters["graph_break"].values())
+                graphs = f", {counter.graphs} graphs, {breaks} graph breaks" if counter.graphs else ""
                 rows.append(
                     f"| {experts} | {variant} | {samples} x {args.seq_len} | {ms:.1f} ms | {rate:.0f} | {mfu} | "
                     f"{extra / 2**30:.1f} GiB | {first_s:.1f} s{graphs} |"

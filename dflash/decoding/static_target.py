@@ -129,6 +129,9 @@ class StaticCacheTarget(nn.Module):
         self.gated = attention.q_proj.out_features == 2 * self.num_heads * self.head_dim
         # The model's own rotation: partial rotary (Qwen3-Next, Qwen3.5) rotates a prefix of each head.
         self.apply_rotary = sys.modules[type(attention).__module__].apply_rotary_pos_emb
+        # Qwen3.5's multimodal rotary takes (temporal, height, width) positions, all three the
+        # text position for text (some transformers versions expand 2-D positions themselves).
+        self.mrope = hasattr(self.rotary, "mrope_section")
         self.kv_bucket = kv_bucket
         self.max_len = round_up(max_len, kv_bucket)
         self.slots = slots
@@ -203,6 +206,11 @@ class StaticCacheTarget(nn.Module):
             mixed = mixed * torch.sigmoid(gate)
         return self._mlp(layer, hidden + layer.self_attn.o_proj(mixed))
 
+    def _rope(self, hidden: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.mrope:
+            positions = positions.expand(3, *positions.shape)
+        return self.rotary(hidden, positions)
+
     def _fuse(self, collected: dict[int, torch.Tensor]) -> torch.Tensor | None:
         """Decoder-layer outputs concatenated in `target.layer_ids` order, as FrozenTarget does."""
         if not self.with_features:
@@ -217,7 +225,7 @@ class StaticCacheTarget(nn.Module):
         overwrite before any query can see them, and leaves the DeltaNet states untouched."""
         hidden = self.embed(ids_RP)
         positions = torch.arange(ids_RP.shape[1], device=ids_RP.device).expand_as(ids_RP)
-        rope = self.rotary(hidden, positions)
+        rope = self._rope(hidden, positions)
         collected, layer_ids = {}, set(self.target.layer_ids)
         for index, layer in enumerate(self.layers):
             slot = self.cache_index[index]
@@ -255,7 +263,7 @@ class StaticCacheTarget(nn.Module):
         if ids_SQ.shape[1] > self.states.max_step and self.recurrent:
             raise ValueError(f"a step of {ids_SQ.shape[1]} tokens exceeds max_step={self.states.max_step}")
         hidden = self.embed(ids_SQ)
-        cos, sin = self.rotary(hidden, positions_SQ)
+        cos, sin = self._rope(hidden, positions_SQ)
         visible = torch.arange(kv_len, device=ids_SQ.device) <= positions_SQ[:, :, None]  # [S, Q, T]
         mask = visible.repeat(1, self.groups, 1).unsqueeze(1)  # [S, 1, G*Q, T]
         collected, layer_ids = {}, set(self.target.layer_ids)

@@ -119,14 +119,39 @@ def feature_model(base_model: nn.Module, *, deepest: int) -> nn.Module:
     return stack
 
 
+# transformers' forward hooks that record outputs (hidden states, router logits, attentions) for
+# `output_*=True`: they read a context variable, which dynamo cannot trace.
+_OUTPUT_CAPTURE_HOOK = "output_capturing_hook"
+
+
+def _own_module_tree(module: nn.Module, *, capture_hooks: bool) -> nn.Module:
+    """A shallow copy of `module` and of every submodule below it: the same parameters and
+    buffers, each module object its own. `capture_hooks=False` leaves transformers' output
+    capturing hooks off the copy (other hooks stay)."""
+    copied = copy.copy(module)
+    copied._modules = {
+        name: None if child is None else _own_module_tree(child, capture_hooks=False)
+        for name, child in module._modules.items()
+    }
+    if not capture_hooks:
+        copied._forward_hooks = type(module._forward_hooks)(
+            (key, hook)
+            for key, hook in module._forward_hooks.items()
+            if getattr(hook, "__name__", "") != _OUTPUT_CAPTURE_HOOK
+        )
+    return copied
+
+
 def with_own_layers(stack: nn.Module) -> nn.Module:
-    """A shallow copy of a decoder stack whose decoder layers are shallow copies too: the same
-    weights, submodules and hooks, but each layer object its own, so compiling the copies
-    (`compile_features(scope="layers")`) leaves the model's own layers, which decoding runs,
-    eager."""
+    """A shallow copy of a decoder stack whose decoder layers, and everything inside them, are
+    shallow copies too: the same weights, but each module object its own, so compiling the
+    copies (`compile_features(scope="layers")`) leaves the model's own layers, which decoding
+    runs, eager. Inside a layer the copies carry no output-capturing hooks: the feature stack
+    records the decoder layers' outputs only (their own hooks stay), and a router's
+    logits-recording hook in every MoE layer would break each layer's graph in two."""
     copied = copy.copy(stack)
     copied._modules = dict(stack._modules)
-    copied.layers = nn.ModuleList(copy.copy(layer) for layer in stack.layers)
+    copied.layers = nn.ModuleList(_own_module_tree(layer, capture_hooks=True) for layer in stack.layers)
     return copied
 
 
@@ -173,9 +198,9 @@ class FrozenTarget(nn.Module):
             raise ValueError(f"target.compile_scope={scope!r}: expected 'stack' or 'layers'")
         stack = with_own_layers(self._feature_model[0])
         for layer in stack.layers[: self.feature_layers]:
-            # nn.Module.__call__ runs `_compiled_call_impl` when set (what Module.compile sets):
-            # the layer's hooks (transformers' hidden-state capture) stay in the call.
-            layer._compiled_call_impl = compile_shared(layer._call_impl, backend=backend, dynamic=dynamic)
+            # The layer's forward alone: its hooks (transformers' hidden-state capture, which
+            # dynamo cannot trace) run around the compiled graph, eagerly.
+            layer.forward = compile_shared(layer.forward, backend=backend, dynamic=dynamic)
         self._feature_stack = stack.forward
 
     @contextmanager
