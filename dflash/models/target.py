@@ -142,6 +142,18 @@ def _own_module_tree(module: nn.Module, *, capture_hooks: bool) -> nn.Module:
     return copied
 
 
+def compile_regions(layer: nn.Module) -> list[nn.Module]:
+    """What `compile_features(scope="layers")` compiles of one decoder layer: the whole layer,
+    except in a Gated DeltaNet layer, where only the MLP (experts, router, shared expert) is
+    compiled and the token mixer stays eager. Its work is flash-linear-attention's kernels,
+    which dynamo does not call: under torch.compile transformers runs its PyTorch reference of
+    the chunked delta rule instead, a loop over 64-token chunks that dynamo unrolls (on an H200,
+    47 s of tracing and over 100 s more before inductor started, for one Qwen3-Next layer)."""
+    if isinstance(getattr(layer, "linear_attn", None), nn.Module):
+        return [layer.mlp]
+    return [layer]
+
+
 def with_own_layers(stack: nn.Module) -> nn.Module:
     """A shallow copy of a decoder stack whose decoder layers, and everything inside them, are
     shallow copies too: the same weights, but each module object its own, so compiling the
@@ -185,10 +197,10 @@ class FrozenTarget(nn.Module):
         changes (scripts/bench_step.py sets the two side by side).
 
         `scope`: "stack", the whole stack as one function (fastest for dense stacks: every layer
-        inlined into one graph); "layers", each decoder layer apart (regional compilation): the
-        layers share their code, and dynamo keeps one graph per layer kind (a Gated DeltaNet
-        layer, a full-attention layer) with the weights as inputs, so a 48-layer hybrid MoE stack
-        compiles two layer graphs instead of one graph of 48 unrolled layers."""
+        inlined into one graph); "layers", each decoder layer apart (regional compilation,
+        `compile_regions`): the layers share their code, and dynamo keeps one graph per region
+        kind with the weights as inputs, so a 48-layer hybrid MoE stack compiles two graphs
+        instead of one graph of 48 unrolled layers."""
         if scope == "stack":
             self._feature_stack = compile_shared(
                 self._feature_model[0].forward, backend=backend, dynamic=dynamic
@@ -198,9 +210,10 @@ class FrozenTarget(nn.Module):
             raise ValueError(f"target.compile_scope={scope!r}: expected 'stack' or 'layers'")
         stack = with_own_layers(self._feature_model[0])
         for layer in stack.layers[: self.feature_layers]:
-            # The layer's forward alone: its hooks (transformers' hidden-state capture, which
-            # dynamo cannot trace) run around the compiled graph, eagerly.
-            layer.forward = compile_shared(layer.forward, backend=backend, dynamic=dynamic)
+            for region in compile_regions(layer):
+                # A module's forward alone: its hooks (a decoder layer's hidden-state capture,
+                # which dynamo cannot trace) run around the compiled graph, eagerly.
+                region.forward = compile_shared(region.forward, backend=backend, dynamic=dynamic)
         self._feature_stack = stack.forward
 
     @contextmanager
