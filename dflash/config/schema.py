@@ -328,13 +328,16 @@ class EvalConfig:
     periodic_num_prompts: int = 4
     # dflash-eval: time plain vs DFlash decoding (speedup), after `warmup_prompts` untimed runs.
     timing: bool = True
-    # Decode steps and DFlash rounds replayed as CUDA graphs on static caches (null: on CUDA).
-    # Hybrid targets (linear attention) always take the exact dynamic-cache path.
+    # Decode steps and DFlash rounds replayed as CUDA graphs on static caches (null: on CUDA),
+    # hybrid Gated DeltaNet targets included; a sliding-window target takes the exact
+    # dynamic-cache path.
     cuda_graphs: Optional[bool] = None
     # Fuse the captured steps' kernels with torch.compile first (a one-time compile per run, one
-    # layer's graph per step shape: docs/ARCHITECTURE.md §2b; with every_steps, training's
-    # compiled code waits for it at the first periodic evaluation, as every thread does while
-    # another compiles).
+    # layer's graph per layer kind and step shape: docs/ARCHITECTURE.md §2b; with every_steps,
+    # training's compiled code waits for it at the first periodic evaluation, as every thread
+    # does while another compiles). Hybrid targets want it: a DeltaNet verification is a
+    # token-by-token recurrence of small kernels (Qwen3.5-9B shape on an H200: a round 2.33 plain
+    # steps without, 1.10 with; experiment=qwen3_5_b16 turns it on).
     compile_decoding: bool = False
     warmup_prompts: int = 2
     # dflash-eval: where the JSON report goes; null: <paths.output_dir>/eval.json.
