@@ -23,7 +23,7 @@ CONF_DIR = str(Path(__file__).resolve().parent.parent / "conf")
 
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Run one training job described by `cfg`; returns the final summary (floats and paths)."""
-    from dflash.build import build_run
+    from dflash.run.launch import build_run
 
     run = build_run(cfg)
     try:

@@ -75,7 +75,7 @@ class PreparedDecoder:
 
 def static_rows(target, drafter, prompt, measure, reps, compile):
     from dflash.decoding.graphs import GraphedFunction
-    from dflash.spec_decode import accepted_prefix
+    from dflash.decoding.reference import accepted_prefix
 
     block = drafter.block_size
     prepared = PreparedDecoder(target, drafter, prompt, graphs=None, compile=compile)
@@ -125,7 +125,7 @@ def write_profiles(target, drafter, prompt, directory: Path) -> None:
 def dynamic_rows(target, drafter, prompt, measure, reps):
     """The transformers path the static decoder replaced: eager, a forward per call over a
     cropped KV cache (a hybrid target's states cannot be cropped: it re-runs the sequence)."""
-    from dflash.spec_decode import DrafterContext, TargetSession, TokenChooser, accepted_prefix
+    from dflash.decoding.reference import DrafterContext, TargetSession, TokenChooser, accepted_prefix
 
     session, context = TargetSession(target), DrafterContext(drafter)
     _, features = session.run(prompt)
@@ -163,8 +163,8 @@ def main() -> None:
 
     from dflash.config.devices import resolve_device_split
     from dflash.distributed import visible_cuda_devices
-    from dflash.run_inputs import script_target
-    from dflash.step_build import build_drafter
+    from dflash.run.inputs import script_target
+    from dflash.step.build import build_drafter
     from dflash.tools.compose import compose_typed
     from dflash.tools.target_cost import token_weight_bytes
 

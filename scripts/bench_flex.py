@@ -10,7 +10,7 @@ against ~4.7 ms in its forward (benchmarks/RESULTS.md): the backward kernel's ti
 torch's per-architecture default, not tuned for this mask (one query tile sees the context
 before its anchors plus one partly visible tile of its own blocks). This script times the
 attention alone (queries 32 heads x anchors*block, keys 8 heads x context + anchors*block,
-head dim 128, bf16; the mask of `dflash.block_mask` from anchors drawn as training draws them)
+head dim 128, bf16; the mask of `dflash.step.block_mask` from anchors drawn as training draws them)
 for each named configuration of `kernel_options` (what `drafter.flex_kernel_options` passes),
 plus `autotune`: inductor's max-autotune search over its own candidate list, which logs the
 winner ("AUTOTUNE ..." lines). Every row's output and gradients are compared with the first
@@ -33,8 +33,8 @@ from torch.nn.attention.flex_attention import flex_attention
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dflash.block_mask import flex_block_mask, kv_tiles  # noqa: E402
-from dflash.blocks import sample_anchors  # noqa: E402
+from dflash.step.block_mask import flex_block_mask, kv_tiles  # noqa: E402
+from dflash.step.blocks import sample_anchors  # noqa: E402
 from dflash.tools.timing import median_ms  # noqa: E402
 
 # name -> kernel_options. Forward keys (fwd_ prefix): BLOCK_M, BLOCK_N, num_stages, num_warps;

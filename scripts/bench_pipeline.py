@@ -31,8 +31,8 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dflash.build import build_run  # noqa: E402
 from dflash.pipeline.counters import drafter_totals  # noqa: E402
+from dflash.run.launch import build_run  # noqa: E402
 from dflash.tools.compose import compose_config  # noqa: E402
 
 

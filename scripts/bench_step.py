@@ -47,9 +47,9 @@ from dflash.data.schedule import PlannedBatch  # noqa: E402
 from dflash.models.compile import CompileCounter  # noqa: E402
 from dflash.models.target import FrozenTarget  # noqa: E402
 from dflash.models.target_head import TargetHead  # noqa: E402
-from dflash.run_inputs import script_target  # noqa: E402
-from dflash.step_build import build_drafter, build_step_fn  # noqa: E402
-from dflash.step_variants import STEP_VARIANTS  # noqa: E402
+from dflash.run.inputs import script_target  # noqa: E402
+from dflash.step.build import build_drafter, build_step_fn  # noqa: E402
+from dflash.step.variants import STEP_VARIANTS  # noqa: E402
 from dflash.tools.compose import compose_typed  # noqa: E402
 from dflash.tools.kernel_profile import write_kernel_table  # noqa: E402
 from dflash.tools.target_cost import part_flops  # noqa: E402
@@ -264,7 +264,7 @@ def visible_keys(step_fn, batch: Batch) -> tuple[float, int, int]:
     """Keys the block queries may see, summed over queries and draft layers (the context before
     the anchor, inside the window of a sliding layer, plus the query's block), the block tokens
     and the labelled positions (the LM head's rows), for the anchors this step draws."""
-    from dflash.step import make_blocks
+    from dflash.step.step import make_blocks
 
     drafter = step_fn.drafter
     blocks = make_blocks(batch, drafter, step_fn.block_settings, keep_fraction=0.0)

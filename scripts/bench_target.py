@@ -35,7 +35,7 @@ from torch._dynamo.utils import counters
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dflash.models.compile import CompileCounter  # noqa: E402
-from dflash.run_inputs import script_target  # noqa: E402
+from dflash.run.inputs import script_target  # noqa: E402
 from dflash.tools.compose import compose_typed  # noqa: E402
 from dflash.tools.target_cost import PARTS, PartTimer, part_flops  # noqa: E402
 from dflash.tools.timing import median_ms  # noqa: E402

@@ -26,7 +26,7 @@ $PY -m dflash.tools.prep "${DATA[@]}" paths.output_dir="$W/prep" 2>&1 | quiet
 $PY -m dflash.train "${DATA[@]}" gpu="$GPU" train.epochs="${EPOCHS:-8}" paths.output_dir="$W/train" \
   "eval.benchmarks={heldout:$W/heldout.jsonl}" eval.max_new_tokens="${EVAL_NEW:-64}" "$@" \
   2>&1 | { grep -v "INFO\|Loading weights\|it/s\]" || true; }
-$PY -m dflash.tools.eval_drafter gpu="$GPU" ckpt="$W/train/checkpoints/last" \
+$PY -m dflash.tools.eval gpu="$GPU" ckpt="$W/train/checkpoints/last" \
   "eval.benchmarks={heldout:$W/heldout.jsonl,seen:$W/regen.jsonl}" eval.num_prompts="${EVAL_PROMPTS:-16}" \
   eval.max_new_tokens="${EVAL_NEW:-64}" "eval.temperatures=${EVAL_TEMPS:-[0,1]}" paths.output_dir="$W/eval" \
   2>&1 | quiet

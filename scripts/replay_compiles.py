@@ -28,15 +28,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dflash.build import plan_batches  # noqa: E402
 from dflash.config.schema import Config  # noqa: E402
 from dflash.data.collate import collate  # noqa: E402
 from dflash.data.dataset import TokenDataset  # noqa: E402
 from dflash.data.schedule import BatchPlanner, PlannedBatch  # noqa: E402
 from dflash.models.compile import CompileCounter  # noqa: E402
 from dflash.models.target_head import TargetHead  # noqa: E402
-from dflash.run_inputs import script_target  # noqa: E402
-from dflash.step_build import build_drafter, build_step_fn  # noqa: E402
+from dflash.run.inputs import script_target  # noqa: E402
+from dflash.run.launch import plan_batches  # noqa: E402
+from dflash.step.build import build_drafter, build_step_fn  # noqa: E402
 from dflash.tools.compose import compose_typed  # noqa: E402
 
 

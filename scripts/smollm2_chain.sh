@@ -91,10 +91,10 @@ if [[ $STAGES == *" eval "* ]]; then
   EVAL=(paths.cache_dir="$W/cache" ckpt="$TRAIN_DIR/checkpoints/last" gpu="${GPU:-single}" eval=humaneval_mtbench
     "eval.benchmarks=$BENCHMARKS" eval.num_prompts="${EVAL_PROMPTS:-80}" eval.max_new_tokens="${EVAL_NEW:-256}")
   # fp32: greedy DFlash output must equal plain greedy output token for token (tau, lossless).
-  stage $PY -m dflash.tools.eval_drafter "${EVAL[@]}" target.dtype=float32 eval.timing=false \
+  stage $PY -m dflash.tools.eval "${EVAL[@]}" target.dtype=float32 eval.timing=false \
     paths.output_dir="$W/eval_fp32"
   # bf16: the speed a user serving the target sees (near-tie divergences are reported, not hidden).
-  stage $PY -m dflash.tools.eval_drafter "${EVAL[@]}" paths.output_dir="$W/eval_bf16"
+  stage $PY -m dflash.tools.eval "${EVAL[@]}" paths.output_dir="$W/eval_bf16"
   # The training run's last held-out measurement, to set beside heldout_prompts' tau above.
   if [[ -f $TRAIN_DIR/metrics.jsonl ]]; then $PY - "$TRAIN_DIR/metrics.jsonl" <<'PY'
 import json, sys

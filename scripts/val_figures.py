@@ -27,12 +27,12 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dflash.build import plan_batches  # noqa: E402
-from dflash.checkpoint import load_drafter  # noqa: E402
 from dflash.config.devices import resolve_device_split  # noqa: E402
 from dflash.distributed import visible_cuda_devices  # noqa: E402
-from dflash.run_inputs import load_training_data, script_target  # noqa: E402
-from dflash.step_build import block_settings_for  # noqa: E402
+from dflash.export.zlab import load_drafter  # noqa: E402
+from dflash.run.inputs import load_training_data, script_target  # noqa: E402
+from dflash.run.launch import plan_batches  # noqa: E402
+from dflash.step.build import block_settings_for  # noqa: E402
 from dflash.tools.compose import compose_typed  # noqa: E402
 from dflash.trainer.validation import VAL_FIGURES, Validation, held_out_ids  # noqa: E402
 

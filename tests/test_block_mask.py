@@ -10,8 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
-from dflash.block_mask import TILE, flex_block_mask, kv_tiles
-from dflash.blocks import block_attention_mask
+from dflash.step.block_mask import TILE, flex_block_mask, kv_tiles
+from dflash.step.blocks import block_attention_mask
 from tests.test_dflash_rules import blocks_for, tiny_drafter, tiny_target
 
 # (batch, context length, anchors, block size): block sizes that divide the tile and that do not,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash.step_variants import STEP_VARIANTS
+from dflash.step.variants import STEP_VARIANTS
 from dflash.trainer.validation import held_out_ids
 from tests.scripts_as_modules import load_script
 

@@ -11,8 +11,8 @@ import pytest
 from hydra.errors import ConfigCompositionException
 from omegaconf import OmegaConf
 
-from dflash.build import build_run
 from dflash.config.devices import resolve_device_split
+from dflash.run.launch import build_run
 from dflash.tools.compose import CONF_DIR
 from tests.conftest import (
     SLOW_MACHINE_TIMEOUT_S,

@@ -176,7 +176,7 @@ def test_cache_is_reused_and_keyed_by_tokenizer_template_length_and_file_bytes(t
 
 
 def test_dflash_prep_builds_the_cache_training_reads(tmp_path, tiny_chat_dir, tiny_conversations, capsys):
-    from dflash.build import build_run
+    from dflash.run.launch import build_run
     from dflash.tools.prep import prep
     from tests.conftest import compose_config
 
@@ -198,7 +198,7 @@ def test_dflash_prep_builds_the_cache_training_reads(tmp_path, tiny_chat_dir, ti
 
 
 def test_conversation_data_without_a_tokenizer_names_the_keys(tmp_path, tiny_conversations):
-    from dflash.build import build_run
+    from dflash.run.launch import build_run
     from tests.conftest import compose_config
 
     overrides = ["data=conversations", f"data.files=[{tiny_conversations}]", "data.max_length=128"]
@@ -207,7 +207,7 @@ def test_conversation_data_without_a_tokenizer_names_the_keys(tmp_path, tiny_con
 
 
 def test_unset_or_missing_files_name_the_key_before_any_model_loads(tmp_path):
-    from dflash.build import build_run
+    from dflash.run.launch import build_run
     from tests.conftest import compose_config
 
     with pytest.raises(ValueError, match=r"needs data.files="):
@@ -359,7 +359,7 @@ def test_a_directory_is_read_recursively_in_every_supported_form(tmp_path, rende
 
 
 def test_an_eval_prompt_that_is_not_text_is_refused_with_its_line(tmp_path, renderer):
-    from dflash.eval_prompts import read_prompt_file
+    from dflash.eval.prompts import read_prompt_file
 
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"prompt": "hello"}\n{"prompt": null}\n')

@@ -7,7 +7,7 @@ import torch
 from dflash.config.schema import DataConfig, SyntheticText, TargetConfig
 from dflash.data import synthetic
 from dflash.data.synthetic import load_or_generate
-from dflash.spec_decode import plain_generate
+from dflash.decoding.reference import plain_generate
 from tests.test_dflash_rules import tiny_target
 
 TARGET_CFG = TargetConfig(name="tiny", arch={"vocab_size": 512})

@@ -10,12 +10,18 @@ import pytest
 import torch
 from transformers import AutoConfig
 
-from dflash.blocks import block_attention_mask, build_blocks, position_weights, sample_anchors, sample_rng
 from dflash.config.schema import DrafterConfig
-from dflash.loss import block_acceptance, draft_loss, tau_from_accuracy, tau_from_rounds, tau_from_runs
 from dflash.models.drafter import DFlashDrafter, drafter_config
 from dflash.models.layer_ids import default_target_layer_ids
 from dflash.models.target import FrozenTarget
+from dflash.step.blocks import (
+    block_attention_mask,
+    build_blocks,
+    position_weights,
+    sample_anchors,
+    sample_rng,
+)
+from dflash.step.loss import block_acceptance, draft_loss, tau_from_accuracy, tau_from_rounds, tau_from_runs
 from tests.conftest import FAMILIES
 
 MASK_ID = 511
@@ -391,9 +397,9 @@ def test_train_tau_block_pools_the_runs_of_every_step_and_replica():
     like the loss, so a step or replica with few blocks weighs what it holds."""
     from dflash.data.collate import Batch
     from dflash.data.schedule import PlannedBatch
-    from dflash.loss import LossStats
     from dflash.monitor.train_metrics import train_metrics
-    from dflash.step_metrics import StepMetrics
+    from dflash.step.loss import LossStats
+    from dflash.step.metrics import StepMetrics
 
     def stats(accepted: float, blocks: float, rounds: float) -> LossStats:
         one = torch.tensor(1.0)
@@ -446,9 +452,9 @@ def test_apply_is_clip_grad_norm_then_adamw_on_the_weight_normalised_gradients(d
     kernel (its `grad_scale` input) instead of rescaling the gradients: the update must be the
     textbook one — gradients / total weight, clip_grad_norm_, then AdamW."""
     from dflash.config.schema import OptimizerConfig
-    from dflash.noise import NoiseSchedule
-    from dflash.step import BlockSettings, DrafterStep
-    from dflash.step_build import build_optimizer
+    from dflash.step.build import build_optimizer
+    from dflash.step.noise import NoiseSchedule
+    from dflash.step.step import BlockSettings, DrafterStep
     from dflash.tools.compose import compose_typed
 
     drafter = tiny_drafter(tiny_target()).to(device)

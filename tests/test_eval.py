@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash.checkpoint import export_drafter
 from dflash.config.schema import DrafterConfig, TargetConfig
+from dflash.export.zlab import export_drafter
 from dflash.models.drafter import DFlashDrafter, drafter_config
 from dflash.models.target import FrozenTarget
 from tests.conftest import compose_config
@@ -75,7 +75,7 @@ def eval_cfg(tmp_path, target_dir, drafter_dir, benchmarks, extra=()):
 def test_dflash_eval_reports_every_benchmark_and_writes_json(
     tmp_path, tiny_chat_dir, benchmark_files, capsys
 ):
-    from dflash.tools.eval_drafter import run_eval
+    from dflash.tools.eval import run_eval
 
     drafter, _ = chat_drafter(tiny_chat_dir, tmp_path)
     export_drafter(drafter, tmp_path / "drafter")
@@ -110,11 +110,11 @@ def test_dflash_eval_stopped_by_a_signal_writes_the_prompts_it_finished(
 ):
     """A time limit's SIGTERM mid-evaluation: the prompt being decoded finishes, the report (file
     and table) covers the prompts done and says interrupted, and the job ends as a stopped one."""
-    from dflash.tools import eval_drafter
+    from dflash.tools import eval as eval_tool
     from dflash.trainer.signals import StopRequested
 
     finished = []
-    show_progress = eval_drafter.PromptProgress.__call__
+    show_progress = eval_tool.PromptProgress.__call__
 
     def progress_then_sigterm(self, benchmark, temperature, done, total):
         show_progress(self, benchmark, temperature, done, total)
@@ -122,13 +122,13 @@ def test_dflash_eval_stopped_by_a_signal_writes_the_prompts_it_finished(
         if len(finished) == 3:
             signal.raise_signal(signal.SIGTERM)  # as `timeout` sends it
 
-    monkeypatch.setattr(eval_drafter.PromptProgress, "__call__", progress_then_sigterm)
+    monkeypatch.setattr(eval_tool.PromptProgress, "__call__", progress_then_sigterm)
     drafter, _ = chat_drafter(tiny_chat_dir, tmp_path)
     export_drafter(drafter, tmp_path / "drafter")
     cfg = eval_cfg(tmp_path, tiny_chat_dir, tmp_path / "drafter", benchmark_files, ["eval.timing=false"])
     before = signal.getsignal(signal.SIGTERM)
     with pytest.raises(StopRequested) as stopped:
-        eval_drafter.run_eval(cfg)
+        eval_tool.run_eval(cfg)
     assert stopped.value.signum == signal.SIGTERM
     assert signal.getsignal(signal.SIGTERM) == before  # the handler is put back
     assert [done for _, done, _ in finished] == [1, 2, 1]  # no prompt after the signal
@@ -145,7 +145,7 @@ def test_dflash_eval_stopped_by_a_signal_writes_the_prompts_it_finished(
 def test_a_zlab_layout_drafter_written_by_other_tools_loads_into_dflash_eval(tmp_path, tiny_chat_dir, benchmark_files):  # fmt: skip
     """bf16 tensors and config fields we never write (auto_map, torch_dtype, transformers_version),
     saved with safetensors directly: only the published layout is shared."""
-    from dflash.tools.eval_drafter import run_eval
+    from dflash.tools.eval import run_eval
 
     drafter, target_config = chat_drafter(tiny_chat_dir, tmp_path)
     directory = tmp_path / "zlab"
@@ -181,7 +181,7 @@ def test_a_zlab_layout_drafter_written_by_other_tools_loads_into_dflash_eval(tmp
 def test_a_drafter_for_another_target_is_refused_naming_both(tmp_path, tiny_chat_dir, benchmark_files):
     from transformers import AutoConfig
 
-    from dflash.tools.eval_drafter import run_eval
+    from dflash.tools.eval import run_eval
 
     config = AutoConfig.from_pretrained(tiny_chat_dir)
     config.num_hidden_layers = 12
@@ -192,7 +192,7 @@ def test_a_drafter_for_another_target_is_refused_naming_both(tmp_path, tiny_chat
 
 
 def test_bad_prompt_file_names_benchmark_file_and_line(tmp_path, tiny_chat_dir):
-    from dflash.tools.eval_drafter import run_eval
+    from dflash.tools.eval import run_eval
 
     drafter, _ = chat_drafter(tiny_chat_dir, tmp_path)
     export_drafter(drafter, tmp_path / "drafter")
@@ -255,7 +255,7 @@ def reference_block_hidden(config, w, features, block_emb):
 
 
 def test_our_export_is_readable_from_config_json_and_safetensors_alone(tmp_path, tiny_chat_dir):
-    from dflash.spec_decode import DrafterContext
+    from dflash.decoding.reference import DrafterContext
 
     target = FrozenTarget.from_config(
         TargetConfig(name="t", path=str(tiny_chat_dir)), [1, 3], torch.device("cpu")
@@ -284,7 +284,7 @@ def test_our_export_is_readable_from_config_json_and_safetensors_alone(tmp_path,
 def test_periodic_eval_logs_tau_per_benchmark_while_training(
     pipeline, tmp_path, tiny_chat_dir, benchmark_files, monkeypatch
 ):
-    from dflash.evaluate import Decoders
+    from dflash.eval.evaluate import Decoders
     from dflash.train import train
     from tests.conftest import conversation_overrides
 
@@ -328,8 +328,8 @@ def test_periodic_eval_logs_tau_per_benchmark_while_training(
 
 
 def test_first_divergence_locates_the_difference_and_measures_the_targets_preference():
-    from dflash.evaluate import first_divergence
-    from dflash.spec_decode import plain_generate
+    from dflash.decoding.reference import plain_generate
+    from dflash.eval.evaluate import first_divergence
     from tests.test_dflash_rules import tiny_target
 
     target = tiny_target()
@@ -343,7 +343,7 @@ def test_first_divergence_locates_the_difference_and_measures_the_targets_prefer
 
 
 def test_a_dflash_checkpoint_brings_its_target_unless_the_command_line_names_one(tmp_path, tiny_chat_dir, benchmark_files):  # fmt: skip
-    from dflash.tools.eval_drafter import run_eval
+    from dflash.tools.eval import run_eval
     from dflash.train import train
     from tests.conftest import conversation_overrides
 
@@ -386,7 +386,7 @@ def test_packaged_humaneval_and_mtbench_prompts_are_rendered_as_chat_requests(ti
     """`eval=humaneval_mtbench`: HumanEval (gzipped, each signature wrapped in the instruction)
     and MT-Bench first turns, read from the installed packages in file order."""
     from dflash.data.chat import load_chat_renderer
-    from dflash.eval_prompts import read_prompt_file
+    from dflash.eval.prompts import read_prompt_file
 
     cfg = compose_config(["eval=humaneval_mtbench", f"target.path={tiny_chat_dir}"])
     renderer = load_chat_renderer(TargetConfig(name="t", path=str(tiny_chat_dir)), "eval")
@@ -421,9 +421,9 @@ def test_speedup_divides_each_paths_time_by_its_own_output_and_reports_the_round
     """In bf16 a greedy DFlash output may stop at another length than the plain one (near-ties):
     each path's ms/token uses its own token count. The round cost is a round's time in plain
     steps with the prefill (timed apart) taken out of both, as bench_decode measures it."""
-    from dflash import evaluate as evaluate_module
-    from dflash.eval_prompts import PromptSet
-    from dflash.spec_decode import DecodeResult
+    from dflash.decoding.reference import DecodeResult
+    from dflash.eval import evaluate as evaluate_module
+    from dflash.eval.prompts import PromptSet
 
     seconds = {"speculative": 0.1, "plain": 0.4, "prefill": 0.01}
 
@@ -462,8 +462,8 @@ def test_speedup_divides_each_paths_time_by_its_own_output_and_reports_the_round
     # (100 - 10) ms / 2 rounds against (400 - 10) ms / 19 steps
     assert result.round_cost == pytest.approx((0.09 / 2) / (0.39 / 19))
     # Every figure the report emits is one `objective=` may name.
-    from dflash.config_checks import is_summary_metric
-    from dflash.eval_report import EvalReport
+    from dflash.eval.report import EvalReport
+    from dflash.run.checks import is_summary_metric
 
     metrics = EvalReport(results=[result]).metrics()
     assert {"eval/set/round_cost_t1", "eval/set/prefill_ms_t1", "eval/set/speedup_t1"} <= set(metrics)

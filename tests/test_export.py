@@ -8,8 +8,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash.blocks import block_attention_mask
-from dflash.checkpoint import export_drafter, load_drafter
+from dflash.export.zlab import export_drafter, load_drafter
+from dflash.step.blocks import block_attention_mask
 from tests.test_dflash_rules import blocks_for, tiny_drafter, tiny_target
 
 

@@ -16,8 +16,8 @@ import torch
 from transformers import AutoConfig
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
-from dflash.checkpoint import export_drafter, read_drafter_config
 from dflash.config.schema import DrafterConfig
+from dflash.export.zlab import export_drafter, read_drafter_config
 from dflash.models.drafter import DFlashDrafter, drafter_config
 from tests.conftest import SLOW_MACHINE_TIMEOUT_S, TINY_ARCH
 

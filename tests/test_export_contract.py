@@ -11,8 +11,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash.checkpoint import export_drafter
 from dflash.export.contract import check_export
+from dflash.export.zlab import export_drafter
 from dflash.train import train
 from tests.conftest import run_module
 from tests.test_dflash_rules import tiny_drafter, tiny_target

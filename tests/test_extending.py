@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from dflash.build import build_run
+from dflash.run.launch import build_run
 from tests.conftest import FAST, SLOW_MACHINE_TIMEOUT_S
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "extending.md"

@@ -85,7 +85,7 @@ def test_the_scripts_target_is_built_from_a_gguf_paths_converted_directory(tmp_p
     """`frozen_target` (bench_step, bench_decode, check_fast_path, replay_compiles) builds the
     target as dflash-train does: a .gguf target.path is read from its converted directory, not
     handed to transformers as a checkpoint directory."""
-    from dflash.run_inputs import frozen_target
+    from dflash.run.inputs import frozen_target
     from dflash.tools.compose import compose_typed
     from tests.tiny_assets import save_tiny_target_with_tokenizer
 

@@ -27,7 +27,7 @@ def test_single_gpu_run_trains_and_decodes_losslessly(make_cfg):
 
 
 def test_target_runs_in_bf16_and_drafter_keeps_fp32_master_weights(make_cfg):
-    from dflash.build import build_run
+    from dflash.run.launch import build_run
 
     run = build_run(make_cfg(["gpu=single", "train.total_steps=2"]))
     try:
@@ -39,7 +39,7 @@ def test_target_runs_in_bf16_and_drafter_keeps_fp32_master_weights(make_cfg):
 
 
 def test_async_pipeline_hot_path_has_no_host_sync(make_cfg):
-    from dflash.build import build_run
+    from dflash.run.launch import build_run
     from dflash.sync_detector import SyncDetector
 
     run = build_run(
@@ -98,8 +98,8 @@ def test_bf16_greedy_differences_happen_only_at_near_ties():
     """In bf16, verifying a block at once and decoding one token at a time round differently, so
     a near-tie between two tokens can resolve differently. Every difference must be such a tie:
     the target's own logit gap between the two tokens is within a few bf16 steps."""
-    from dflash.eval_prompts import PromptSet
-    from dflash.evaluate import Decoders, evaluate_set
+    from dflash.eval.evaluate import Decoders, evaluate_set
+    from dflash.eval.prompts import PromptSet
     from tests.test_dflash_rules import tiny_drafter, tiny_target
 
     target = tiny_target()

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.build import build_run
 from dflash.pipeline.replicas import weights_digest
+from dflash.run.launch import build_run
 from dflash.train import train
 from tests.conftest import FAST
 

@@ -10,10 +10,11 @@ import shutil
 import pytest
 from safetensors.torch import load_file, save_file
 
-from dflash.checkpoint import check_resume_matches, save_checkpoint
 from dflash.config.schema import TargetConfig
 from dflash.models.identity import target_identity
-from dflash.tools.eval_drafter import check_same_target
+from dflash.run.resume import check_resume_matches
+from dflash.tools.eval import check_same_target
+from dflash.trainer.checkpoint import save_checkpoint
 from tests.test_dflash_rules import tiny_drafter, tiny_target
 
 

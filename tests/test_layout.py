@@ -6,12 +6,12 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.build import build_run
 from dflash.config.devices import ProcessSlot, resolve_device_split
 from dflash.distributed import ProcessGroupInfo
 from dflash.models.target_head import TargetHead, heads_for
 from dflash.pipeline.replicas import check_replicas_identical, weights_digest
 from dflash.pipeline.roles import RoleTimes, role_lines
+from dflash.run.launch import build_run
 from dflash.train import train
 from tests.conftest import SLOW_MACHINE_TIMEOUT_S, compose_config
 from tests.test_dflash_rules import tiny_drafter, tiny_target

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.build import build_run
 from dflash.config.schema import WandbConfig
 from dflash.monitor.sinks import EVAL_STEP, BackgroundSink, WandbSink
 from dflash.monitor.telemetry import GpuTelemetry
+from dflash.run.launch import build_run
 
 FAMILIES = ("train/", "drafter0/", "drafter1/", "batch/", "queue/", "worker/", "perf/")
 

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from dflash.config.schema import NoiseConfig, NoiseKind
-from dflash.noise import NoiseSchedule
+from dflash.step.noise import NoiseSchedule
 from tests.test_dflash_rules import MASK_ID, blocks_for, tiny_drafter, tiny_target
 
 

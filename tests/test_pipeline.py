@@ -18,12 +18,12 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash.build import build_run
 from dflash.config.schema import SchedulerConfig, SchedulerKind
 from dflash.data.dataset import TokenDataset
 from dflash.data.schedule import BatchPlanner
 from dflash.pipeline.prefetch import BatchPrefetcher
 from dflash.pipeline.queues import HiddenStateQueue, OrderedQueue, QueueClosed
+from dflash.run.launch import build_run
 from dflash.train import train
 from dflash.trainer.async_trainer import FaultInjection
 from tests.conftest import FAST, SLOW_MACHINE_TIMEOUT_S, compose_config

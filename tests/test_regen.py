@@ -14,10 +14,10 @@ from transformers import AutoTokenizer
 
 from dflash.config.schema import RegenBackend, SamplingConfig, TargetConfig
 from dflash.data.chat import ChatRenderer
+from dflash.decoding.reference import plain_generate
 from dflash.models.target import FrozenTarget
 from dflash.regen.backends import HttpBackend, TransformersBackend
 from dflash.regen.regenerate import regenerate
-from dflash.spec_decode import plain_generate
 from tests.openai_server import LoopbackChatServer
 from tests.tiny_assets import write_conversations
 
@@ -295,7 +295,7 @@ def test_an_output_the_inputs_include_is_refused_before_any_request(tmp_path, mo
 
 
 def test_a_second_regen_on_the_same_output_is_refused_while_the_first_lives(tmp_path, backend):
-    from dflash.run_lock import FileLock
+    from dflash.run.lock import FileLock
 
     source = write_conversations(tmp_path / "in.jsonl", 3)
     out = tmp_path / "out.jsonl"

@@ -146,7 +146,7 @@ def test_user_errors_are_one_line_with_exit_code_2_and_the_traceback_is_kept(tmp
         env={"HYDRA_FULL_ERROR": "1"},
     )
     # HYDRA_FULL_ERROR=1 adds the traceback; a user error still exits 2 (the outcome scripts read).
-    assert full.returncode == 2 and "Traceback" in full.stderr and "config_checks.py" in full.stderr
+    assert full.returncode == 2 and "Traceback" in full.stderr and "run/checks.py" in full.stderr
     assert full.stderr.strip().splitlines()[-1].startswith("dflash: error: drafter.mask_token_id=900")
     unwritable = run_tool([*train_cli, "hydra.run.dir=/proc/dflash-test"])
     assert unwritable.returncode == 2 and unwritable.stderr.strip().count("\n") == 0
@@ -160,7 +160,7 @@ def test_user_errors_are_one_line_with_exit_code_2_and_the_traceback_is_kept(tmp
 
 
 def test_an_empty_conversation_file_says_it_is_empty(make_cfg, tiny_chat_dir, tmp_path):
-    from dflash.build import build_run
+    from dflash.run.launch import build_run
     from tests.conftest import conversation_overrides
 
     empty = tmp_path / "empty.jsonl"
@@ -189,9 +189,9 @@ def test_a_nan_loss_skips_its_update_and_stops_the_run_with_good_checkpoints(mak
     import torch
     from safetensors.torch import load_file
 
-    from dflash import step as step_module
-    from dflash.build import build_run
     from dflash.monitor.train_metrics import NonFiniteTraining
+    from dflash.run.launch import build_run
+    from dflash.step import step as step_module
 
     cfg = make_cfg(
         [f"pipeline={pipeline}", "train.total_steps=40", "checkpoint.every_steps=4", "logger.every_steps=1"]
@@ -218,8 +218,8 @@ def test_a_nan_loss_skips_its_update_and_stops_the_run_with_good_checkpoints(mak
 
 
 def test_a_resumed_runs_progress_bar_starts_where_it_left_off(make_cfg, tmp_path):
-    from dflash.build import build_run
     from dflash.monitor.sinks import ProgressSink
+    from dflash.run.launch import build_run
     from dflash.train import train
 
     first = make_cfg(["train.total_steps=8", "checkpoint.every_steps=4"], tmp_path / "first")
@@ -236,7 +236,7 @@ def test_a_resumed_runs_progress_bar_starts_where_it_left_off(make_cfg, tmp_path
 def test_cpu_runs_use_the_configured_thread_count(make_cfg):
     import torch
 
-    from dflash.build import build_run
+    from dflash.run.launch import build_run
 
     run = build_run(make_cfg(["gpu.cpu_threads=2"]))
     try:
@@ -259,7 +259,7 @@ def test_debug_fast_shortens_training_and_the_evaluation(tmp_path, data_cache):
 def test_a_live_runs_paths_output_dir_is_refused_to_a_second_run(tmp_path, data_cache):
     """Two runs with their own Hydra dirs but one paths.output_dir: the second is refused (it
     would interleave metrics and overwrite checkpoints), naming the key and the holder."""
-    from dflash.run_lock import RunDirLock
+    from dflash.run.lock import RunDirLock
 
     shared = tmp_path / "shared"
     with RunDirLock(shared):  # a live run holding it (this process)
@@ -270,7 +270,7 @@ def test_a_live_runs_paths_output_dir_is_refused_to_a_second_run(tmp_path, data_
 
 
 def test_a_fresh_run_into_a_finished_runs_dir_is_refused_and_changes_nothing(tmp_path, make_cfg):
-    from dflash.build import build_run
+    from dflash.run.launch import build_run
 
     finished = tmp_path / "finished"
     (finished / "checkpoints" / "step_0000004").mkdir(parents=True)
@@ -283,7 +283,7 @@ def test_a_fresh_run_into_a_finished_runs_dir_is_refused_and_changes_nothing(tmp
 
 
 def test_a_full_disk_while_checkpointing_names_the_path_and_leaves_no_temporary(tmp_path, monkeypatch):
-    from dflash.checkpoint import save_checkpoint
+    from dflash.trainer.checkpoint import save_checkpoint
     from tests.test_dflash_rules import tiny_drafter, tiny_target
 
     def no_space(*args, **kwargs):
@@ -300,7 +300,7 @@ def test_a_run_record_that_cannot_be_written_goes_to_stderr_and_leaves_no_tempor
 ):
     import errno
 
-    from dflash.callbacks import write_record
+    from dflash.run.record import write_record
 
     original = Path.write_text
 

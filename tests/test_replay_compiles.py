@@ -10,9 +10,9 @@ from __future__ import annotations
 
 import torch
 
-from dflash.build import plan_batches
 from dflash.data.schedule import PlannedBatch
-from dflash.run_inputs import load_training_data
+from dflash.run.inputs import load_training_data
+from dflash.run.launch import plan_batches
 from dflash.tools.compose import compose_typed
 from tests.scripts_as_modules import load_script
 

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash import spec_decode
-from dflash.spec_decode import (
+from dflash.decoding import reference
+from dflash.decoding.reference import (
     DrafterContext,
     TargetSession,
     accepted_prefix,
@@ -74,7 +74,7 @@ def test_a_perfect_drafter_is_accepted_whole_blocks(monkeypatch):
         start = context.length + 1 - len(prompt)  # index in `truth` of the token after the anchor
         return truth[start : start + drafter.block_size - 1]
 
-    monkeypatch.setattr(spec_decode, "drafter_guess", oracle)
+    monkeypatch.setattr(reference, "drafter_guess", oracle)
     result = speculative_generate(target, drafter, prompt, 40)
     assert result.output_ids == truth
     assert result.acceptance_lengths[:-1] == [drafter.block_size] * (len(result.acceptance_lengths) - 1)
@@ -106,7 +106,7 @@ class ContextKeyedSampler:
 
 @pytest.mark.parametrize("drafter_kind", ["oracle", "untrained", "always_wrong"])
 def test_sampled_decoding_commits_exactly_the_targets_samples(drafter_kind, monkeypatch):
-    monkeypatch.setattr(spec_decode, "TokenChooser", ContextKeyedSampler)
+    monkeypatch.setattr(reference, "TokenChooser", ContextKeyedSampler)
     target = tiny_target()
     drafter = tiny_drafter(target).eval()
     prompt = torch.randint(0, 500, (8,)).tolist()
@@ -118,10 +118,10 @@ def test_sampled_decoding_commits_exactly_the_targets_samples(drafter_kind, monk
             start = context.length + 1 - len(prompt)
             return plain[start : start + drafter.block_size - 1]
 
-        monkeypatch.setattr(spec_decode, "drafter_guess", guess)
+        monkeypatch.setattr(reference, "drafter_guess", guess)
     elif drafter_kind == "always_wrong":
         never = next(t for t in range(500) if t not in plain)  # a token this trajectory never samples
-        monkeypatch.setattr(spec_decode, "drafter_guess", lambda c, t, a: [never] * (drafter.block_size - 1))
+        monkeypatch.setattr(reference, "drafter_guess", lambda c, t, a: [never] * (drafter.block_size - 1))
     result = speculative_generate(target, drafter, prompt, 30, temperature=1.0)
     assert result.output_ids == plain
     if drafter_kind == "oracle":
@@ -175,8 +175,8 @@ def test_decoding_drafts_are_what_training_scores(layer_types):
     context: the accuracy training measures (and tau_sim built on it) is the acceptance decoding
     gets. Decoding writes features past the anchor too (rejected drafts): they must stay unseen.
     A sliding layer (window 8 here, shorter than most contexts) windows decoding as training."""
-    from dflash.blocks import layer_masks
     from dflash.decoding.static_drafter import StaticCacheDrafter
+    from dflash.step.blocks import layer_masks
 
     target = tiny_target()
     drafter = tiny_drafter(target, layer_types=layer_types, sliding_window=8 if layer_types else None).eval()

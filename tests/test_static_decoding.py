@@ -13,10 +13,10 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from dflash.decoding.continuous import ContinuousBatcher
 from dflash.decoding.engine import StaticDecoder
+from dflash.decoding.reference import plain_generate, speculative_generate
 from dflash.decoding.sampling import Sampler
 from dflash.decoding.static_target import StaticCacheTarget, static_decoding_refusal
 from dflash.models.target import FrozenTarget
-from dflash.spec_decode import plain_generate, speculative_generate
 from tests.conftest import TINY_ARCH
 from tests.test_dflash_rules import tiny_drafter, tiny_target
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 from safetensors import safe_open
 
-from dflash.build import build_run
 from dflash.config.schema import TargetConfig
 from dflash.models.target import FrozenTarget
+from dflash.run.launch import build_run
 from dflash.train import train
 from tests.conftest import FAMILIES, TINY_ARCH, conversation_overrides, tiny_hybrid_arch
 

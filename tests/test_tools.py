@@ -8,7 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from dflash.tools import report, schedule_report
+from dflash.tools import report
+from dflash.tools import schedule as schedule_tool
 from dflash.train import train
 
 
@@ -54,7 +55,7 @@ def test_bucket_mix_per_tick_is_the_delta_of_cumulative_counts():
 
 
 def test_schedule_report_shows_interleave_breaking_runs(make_cfg, capsys, data_cache):
-    schedule_report.main(["data.num_samples=48", f"paths.cache_dir={data_cache}"])
+    schedule_tool.main(["data.num_samples=48", f"paths.cache_dir={data_cache}"])
     text = capsys.readouterr().out
     assert "scheduler=shuffle" in text and "scheduler=interleave" in text
     longest = [
@@ -65,11 +66,11 @@ def test_schedule_report_shows_interleave_breaking_runs(make_cfg, capsys, data_c
 
 def test_schedule_report_statistics():
     buckets = [0, 0, 0, 1, 1, 0, 2]
-    assert dict(schedule_report.run_lengths(buckets)) == {3: 1, 2: 1, 1: 2}
-    mean_h, min_h = schedule_report.windowed_entropy([0, 1, 2, 0, 1, 2], 3, 3)
+    assert dict(schedule_tool.run_lengths(buckets)) == {3: 1, 2: 1, 1: 2}
+    mean_h, min_h = schedule_tool.windowed_entropy([0, 1, 2, 0, 1, 2], 3, 3)
     assert abs(mean_h - 1.0) < 1e-9 and abs(min_h - 1.0) < 1e-9
-    assert schedule_report.windowed_entropy([0, 0, 0], 3, 3) == (0.0, 0.0)
-    text = schedule_report.report({"x": [0, 0, 0, 1]}, 2, 2)
+    assert schedule_tool.windowed_entropy([0, 0, 0], 3, 3) == (0.0, 0.0)
+    text = schedule_tool.report({"x": [0, 0, 0, 1]}, 2, 2)
     assert "scheduler=x: 4 batches" in text and "b0=75.0%  b1=25.0%" in text
     assert "1:1  3:1   (longest 3)" in text and "mean 0.333  min 0.000" in text
 

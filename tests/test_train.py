@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash import checkpoint as checkpoint_module
-from dflash.build import build_run
-from dflash.checkpoint import load_drafter
+from dflash.export.zlab import load_drafter
+from dflash.run.launch import build_run
 from dflash.train import train
+from dflash.trainer import checkpoint as checkpoint_module
 from tests.conftest import SLOW_MACHINE_TIMEOUT_S
 
 SHORT = ["train.total_steps=8", "logger.every_steps=1", "checkpoint.every_steps=4"]
@@ -56,7 +56,7 @@ def test_train_writes_metrics_checkpoints_and_summary(make_cfg):
     assert state["position"]["step"] == 8
     assert load_drafter(ckpts / "last").block_size == 4
     # What `objective=` accepts is checked before training: it must cover every numeric summary key.
-    from dflash.config_checks import is_summary_metric
+    from dflash.run.checks import is_summary_metric
 
     numeric = [k for k, v in summary.items() if isinstance(v, (int, float)) and not isinstance(v, bool)]
     assert numeric and [k for k in numeric if not is_summary_metric(k)] == []

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 import torch
 
-from dflash.blocks import block_attention_mask
 from dflash.config.schema import SchedulerConfig, SchedulerKind
 from dflash.data.collate import collate
 from dflash.data.dataset import TokenDataset
 from dflash.data.schedule import BatchPlanner
-from dflash.loss import tau_from_accuracy
-from dflash.step import BlockSettings, make_blocks
+from dflash.step.blocks import block_attention_mask
+from dflash.step.loss import tau_from_accuracy
+from dflash.step.step import BlockSettings, make_blocks
 from dflash.train import train
 from dflash.trainer.validation import Validation, held_out_ids
 from tests.test_dflash_rules import blocks_for, tiny_drafter, tiny_target

@@ -7,7 +7,7 @@ the accepted prefix and moves the committed length. Nothing is copied back or cr
 round writes over the rejected positions (dflash.decoding.static_target). A hybrid target's
 DeltaNet layers then keep the state after the accepted tokens (`commit`, one more small graph).
 
-Exactness is the algorithm's (dflash.spec_decode): every committed token is the target's own
+Exactness is the algorithm's (dflash.decoding.reference): every committed token is the target's own
 choice given the committed prefix, so greedy output equals plain greedy output.
 """
 
@@ -19,11 +19,11 @@ import logging
 import torch
 
 from dflash.decoding.graphs import GraphedFunction, graphs_enabled
+from dflash.decoding.reference import DecodeResult, TokenChooser, settle_round
 from dflash.decoding.static_drafter import StaticCacheDrafter
 from dflash.decoding.static_target import StaticCacheTarget, static_decoding_refusal
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import FrozenTarget
-from dflash.spec_decode import DecodeResult, TokenChooser, settle_round
 
 log = logging.getLogger(__name__)
 

@@ -15,11 +15,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash.blocks import layer_masks
 from dflash.decoding.kv_cache import StaticKV
 from dflash.models.compile import compile_shared
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import FrozenTarget
+from dflash.step.blocks import layer_masks
 
 
 class StaticCacheDrafter(nn.Module):

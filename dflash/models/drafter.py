@@ -165,7 +165,7 @@ class DFlashAttention(nn.Module):
         attn_mask: torch.Tensor | BlockMask,
     ) -> torch.Tensor:
         """attn_mask: a dense bool [B, 1, Q, S + Q] mask (True = visible) or the same rule as a
-        flex_attention BlockMask (dflash.block_mask)."""
+        flex_attention BlockMask (dflash.step.block_mask)."""
         bsz, q_len, _ = block_BQH.shape
         q = self.q_norm(self._heads(self.q_proj(block_BQH), self.num_heads)).transpose(1, 2)
         k_blk = self.k_norm(self._heads(self.k_proj(block_BQH), self.num_kv_heads)).transpose(1, 2)
@@ -268,7 +268,7 @@ class DFlashDrafter(nn.Module):
             if self.windows != (None,):
                 raise ValueError(
                     f"this drafter has sliding layers (windows {self.windows}): pass one attention "
-                    "mask per window (dflash.blocks.layer_masks with drafter.windows)"
+                    "mask per window (dflash.step.blocks.layer_masks with drafter.windows)"
                 )
             masks = {None: masks}
         missing = [window for window in self.windows if window not in masks]

@@ -25,7 +25,7 @@ from dflash.monitor.telemetry import GpuTelemetry, cuda_allocator_stats
 from dflash.monitor.train_metrics import NonFiniteTraining, train_metrics
 from dflash.pipeline.counters import drafter_totals
 from dflash.pipeline.roles import window_role_summary
-from dflash.step_metrics import MetricWindow
+from dflash.step.metrics import MetricWindow
 
 log = logging.getLogger(__name__)
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import itertools
 
-from dflash.loss import objective_figures
-from dflash.step_metrics import MetricWindow
+from dflash.step.loss import objective_figures
+from dflash.step.metrics import MetricWindow
 
 
 class NonFiniteTraining(ValueError):

@@ -39,7 +39,7 @@ from dflash.data.conversations import (
     read_conversations,
 )
 from dflash.regen.backends import RegenBackend, Reply
-from dflash.run_lock import FileLock
+from dflash.run.lock import FileLock
 
 log = logging.getLogger(__name__)
 

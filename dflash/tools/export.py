@@ -30,10 +30,11 @@ from typing import Any
 
 import yaml
 
-from dflash.checkpoint import RUN_CONFIG_FILE, export_drafter, export_speculators, load_drafter
 from dflash.errors import USER_ERROR_EXIT, exit_for_user_error
 from dflash.export.contract import check_export
+from dflash.export.zlab import export_drafter, export_speculators, load_drafter
 from dflash.models.families import IMAGE_TEXT_TYPES
+from dflash.trainer.checkpoint import RUN_CONFIG_FILE
 
 TOOL = "dflash-export"
 

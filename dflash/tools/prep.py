@@ -20,7 +20,7 @@ register_configs()
 
 def prep(cfg: DictConfig) -> dict:
     from dflash.config.typed import typed_config
-    from dflash.run_inputs import load_training_data
+    from dflash.run.inputs import load_training_data
 
     config = typed_config(cfg)
     dataset, stats = load_training_data(config)

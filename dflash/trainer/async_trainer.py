@@ -29,8 +29,8 @@ from dflash.pipeline.drafter_loop import DrafterLoop, ReplicaGradSync
 from dflash.pipeline.prefetch import BatchPrefetcher
 from dflash.pipeline.queues import HiddenStateQueue, QueueClosed
 from dflash.pipeline.target_worker import TargetWorker
-from dflash.step import DrafterStep
-from dflash.step_metrics import MetricWindow
+from dflash.step.metrics import MetricWindow
+from dflash.step.step import DrafterStep
 from dflash.trainer.lifecycle import Trainer
 from dflash.trainer.signals import StopSignal
 from dflash.trainer.state import CheckpointSettings, DataPosition

@@ -22,7 +22,6 @@ from collections.abc import Callable
 
 import torch
 
-from dflash.cadence import Cadence
 from dflash.data.dataset import TokenDataset
 from dflash.data.schedule import BatchPlanner
 from dflash.distributed import ProcessGroupInfo
@@ -31,8 +30,9 @@ from dflash.monitor.monitor import Monitor
 from dflash.pipeline.counters import WorkCounters
 from dflash.pipeline.replicas import check_replicas_identical
 from dflash.pipeline.roles import role_summary
-from dflash.step import DrafterStep
+from dflash.step.step import DrafterStep
 from dflash.trainer import state
+from dflash.trainer.cadence import Cadence
 from dflash.trainer.periodic_eval import PeriodicEval
 from dflash.trainer.signals import StopRequested, StopSignal, stop_on_signals
 from dflash.trainer.state import CheckpointSettings, DataPosition

@@ -22,8 +22,8 @@ from collections.abc import Callable
 import torch
 
 from dflash.config.schema import EvalConfig
-from dflash.eval_prompts import PromptSet
-from dflash.evaluate import Decoders, evaluate
+from dflash.eval.evaluate import Decoders, evaluate
+from dflash.eval.prompts import PromptSet
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import FrozenTarget
 from dflash.monitor.monitor import Monitor

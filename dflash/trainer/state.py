@@ -9,8 +9,8 @@ from typing import Any
 
 import torch
 
-from dflash.checkpoint import load_trainer_state, save_checkpoint
-from dflash.step import DrafterStep
+from dflash.step.step import DrafterStep
+from dflash.trainer.checkpoint import load_trainer_state, save_checkpoint
 
 log = logging.getLogger(__name__)
 

@@ -19,8 +19,8 @@ from dflash.data.schedule import BatchPlanner
 from dflash.models.target import FrozenTarget
 from dflash.pipeline.counters import DeviceSpan, WorkCounters
 from dflash.pipeline.prefetch import BatchStats
-from dflash.step import DrafterStep
-from dflash.step_metrics import MetricWindow
+from dflash.step.metrics import MetricWindow
+from dflash.step.step import DrafterStep
 from dflash.trainer.lifecycle import Trainer
 from dflash.trainer.signals import StopSignal
 from dflash.trainer.state import CheckpointSettings, DataPosition

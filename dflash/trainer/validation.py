@@ -20,16 +20,16 @@ import logging
 import numpy as np
 import torch
 
-from dflash.block_mask import tiles_by_window
 from dflash.data.collate import collate
 from dflash.data.dataset import TokenDataset
 from dflash.data.schedule import BlockBudget, PlannedBatch, pack_bucket
-from dflash.loss import objective_figures
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import FrozenTarget
 from dflash.models.target_head import TargetHead
-from dflash.step import BlockSettings, drafter_forward_loss, make_blocks
-from dflash.step_metrics import StepMetrics
+from dflash.step.block_mask import tiles_by_window
+from dflash.step.loss import objective_figures
+from dflash.step.metrics import StepMetrics
+from dflash.step.step import BlockSettings, drafter_forward_loss, make_blocks
 
 log = logging.getLogger(__name__)
 VAL_FIGURES = ("loss", "acc", "tau_sim", "tau_block", "tau_decode")

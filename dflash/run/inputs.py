@@ -13,15 +13,15 @@ from pathlib import Path
 import torch
 
 from dflash.config.schema import Config, DataKind, TargetConfig
-from dflash.config_checks import resolve_layer_ids, validate_drafter
 from dflash.data.chat import ChatRenderer, load_chat_renderer
 from dflash.data.dataset import TokenDataset
 from dflash.data.prepare import PrepStats, load_or_prepare
 from dflash.data.synthetic import load_or_generate
 from dflash.errors import exit_for_user_error
-from dflash.eval_prompts import PromptSet, load_prompt_sets
+from dflash.eval.prompts import PromptSet, load_prompt_sets
 from dflash.models.gguf import local_target
 from dflash.models.target import FrozenTarget, load_target_config, resolve_dtype
+from dflash.run.checks import resolve_layer_ids, validate_drafter
 
 log = logging.getLogger(__name__)
 

@@ -59,7 +59,7 @@ def main(argv: list[str] | None = None) -> None:
 
     from dflash.config.schema import SchedulerConfig, SchedulerKind
     from dflash.data.schedule import BatchPlanner, block_budget_for
-    from dflash.run_inputs import load_training_data
+    from dflash.run.inputs import load_training_data
     from dflash.tools.compose import compose_typed
 
     cfg = compose_typed(overrides)

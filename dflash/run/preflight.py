@@ -14,12 +14,10 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
-from dflash.checkpoint import check_resume_matches
 from dflash.config.devices import ProcessSlot, resolve_device_split
 from dflash.config.keys import refuse_unknown_keys
 from dflash.config.schema import Config, TargetConfig
 from dflash.config.typed import typed_config
-from dflash.config_checks import resolve_layer_ids, validate
 from dflash.distributed import (
     ProcessGroupInfo,
     export_submitit_environment,
@@ -27,11 +25,13 @@ from dflash.distributed import (
     require_same_layout,
     visible_cuda_devices,
 )
-from dflash.eval_prompts import PromptSet
+from dflash.eval.prompts import PromptSet
 from dflash.models.drafter import drafter_config
 from dflash.models.identity import target_identity
 from dflash.models.target import load_target_config
-from dflash.run_inputs import eval_prompt_sets, local_target_config
+from dflash.run.checks import resolve_layer_ids, validate
+from dflash.run.inputs import eval_prompt_sets, local_target_config
+from dflash.run.resume import check_resume_matches
 
 
 @dataclass

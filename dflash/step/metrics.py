@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash.data.collate import Batch
-from dflash.loss import LossStats
+from dflash.step.loss import LossStats
 
 
 @dataclass(frozen=True)

@@ -14,9 +14,9 @@ import torch
 
 from dflash.config.schema import Config, DeviceKind
 from dflash.distributed import ProcessGroupInfo, visible_cuda_devices
-from dflash.eval_prompts import PromptSet
-from dflash.eval_report import lossless_line
-from dflash.evaluate import evaluate, planned_decodings
+from dflash.eval.evaluate import evaluate, planned_decodings
+from dflash.eval.prompts import PromptSet
+from dflash.eval.report import lossless_line
 from dflash.models.compile import CompileCounter
 from dflash.monitor.callbacks import TrainingCallbacks
 from dflash.pipeline.roles import role_lines

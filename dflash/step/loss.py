@@ -17,8 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.blocks import DraftBlocks
 from dflash.models.compile import compile_shared
+from dflash.step.blocks import DraftBlocks
 
 
 @dataclass

@@ -1,7 +1,7 @@
 """One drafter optimization step: blocks -> drafter forward/backward -> clip -> AdamW -> LR.
 
 Nothing here reads a device value on the host; the step's sums go to `StepMetrics`
-(dflash/step_metrics.py), which hands them to the host without a sync.
+(dflash/step/metrics.py), which hands them to the host without a sync.
 """
 
 from __future__ import annotations
@@ -12,15 +12,15 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash.block_mask import KvTiles, flex_block_mask, tiles_by_window
-from dflash.blocks import DraftBlocks, build_blocks, layer_masks
 from dflash.data.collate import Batch
-from dflash.loss import LossStats, draft_loss
 from dflash.models.compile import compiled_calls
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.target_head import TargetHead
-from dflash.noise import NoiseSchedule
-from dflash.step_metrics import StepMetrics
+from dflash.step.block_mask import KvTiles, flex_block_mask, tiles_by_window
+from dflash.step.blocks import DraftBlocks, build_blocks, layer_masks
+from dflash.step.loss import LossStats, draft_loss
+from dflash.step.metrics import StepMetrics
+from dflash.step.noise import NoiseSchedule
 
 
 @dataclass
@@ -64,7 +64,7 @@ def drafter_forward_loss(
     compiled_loss: bool = False,
 ) -> LossStats:
     """tiles: the block-sparse tables of `blocks` per window of the drafter's layers
-    (dflash.block_mask.tiles_by_window, on the drafter's device) for flex_attention; None: SDPA
+    (dflash.step.block_mask.tiles_by_window, on the drafter's device) for flex_attention; None: SDPA
     with the dense masks."""
     with torch.no_grad():
         block_emb = head.embed_tokens(blocks.block_ids)  # frozen: no gradient to the embeddings

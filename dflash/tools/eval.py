@@ -79,8 +79,8 @@ def target_for(
     target_overridden (`target=NAME` on the command line): the command line's target. Otherwise
     the checkpoint's run config names it, amended by `target_fields`, the keys (under `target.`)
     the command line overrides (e.g. dtype, for target.dtype=float32: an exact lossless check)."""
-    from dflash.checkpoint import RUN_CONFIG_FILE
     from dflash.models.gguf import local_target
+    from dflash.trainer.checkpoint import RUN_CONFIG_FILE
 
     run_config = ckpt / RUN_CONFIG_FILE
     if target_overridden or not run_config.is_file():
@@ -126,14 +126,14 @@ def run_eval(
 ) -> dict[str, Any]:
     import torch
 
-    from dflash.checkpoint import load_drafter, read_drafter_config
     from dflash.config.devices import resolve_device_split
     from dflash.config.keys import refuse_unknown_keys
     from dflash.config.typed import typed_config
     from dflash.distributed import visible_cuda_devices
-    from dflash.evaluate import evaluate, planned_decodings
+    from dflash.eval.evaluate import evaluate, planned_decodings
+    from dflash.export.zlab import load_drafter, read_drafter_config
     from dflash.models.target import FrozenTarget, load_target_config
-    from dflash.run_inputs import eval_prompt_sets
+    from dflash.run.inputs import eval_prompt_sets
     from dflash.trainer.signals import StopRequested, stop_on_signals
 
     refuse_unknown_keys(cfg, Config)

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 from torch.nn.attention.flex_attention import BlockMask
 
-from dflash.blocks import DraftBlocks, host_to_device
+from dflash.step.blocks import DraftBlocks, host_to_device
 
 TILE = 128  # flex_attention's sparse block size (queries and keys)
 

@@ -1,6 +1,6 @@
 """The drafter, its optimizer, LR schedule and step object, from config.
 
-Shared by the run builder (dflash/build.py) and the tools that build a step outside a run
+Shared by the run builder (dflash/run/launch.py) and the tools that build a step outside a run
 (scripts/bench_step.py, scripts/check_fast_path.py, scripts/bench_decode.py).
 """
 
@@ -21,8 +21,8 @@ from dflash.config.schema import (
 )
 from dflash.models.drafter import DFlashDrafter, drafter_config
 from dflash.models.target_head import TargetHead
-from dflash.noise import NoiseSchedule
-from dflash.step import BlockSettings, DrafterStep
+from dflash.step.noise import NoiseSchedule
+from dflash.step.step import BlockSettings, DrafterStep
 
 
 def build_drafter(cfg: DrafterConfig, target_config: Any, layer_ids: list[int], device: str) -> DFlashDrafter:

@@ -30,9 +30,9 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
-from dflash.blocks import layer_masks
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import FrozenTarget
+from dflash.step.blocks import layer_masks
 
 # Layer types whose KV cache can be cut back to a prefix after a rejected draft.
 _CROPPABLE_LAYERS = {"full_attention"}

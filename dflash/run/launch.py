@@ -12,13 +12,13 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from dflash.checkpoint import load_drafter_weights
 from dflash.config.schema import (
     Config,
     PipelineKind,
 )
 from dflash.data.dataset import TokenDataset
 from dflash.data.schedule import BatchPlanner, BlockBudget, block_budget_for
+from dflash.export.zlab import load_drafter_weights
 from dflash.models.compile import CompileCounter
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.feature_check import check_target_features
@@ -27,11 +27,11 @@ from dflash.models.target_head import heads_for
 from dflash.monitor.callbacks import TrainingCallbacks, build_callbacks
 from dflash.monitor.monitor import Monitor
 from dflash.monitor.sinks import build_sinks
-from dflash.preflight import Checked, check_before_loading
-from dflash.run import Run
-from dflash.run_inputs import load_training_data
-from dflash.step import BlockSettings, DrafterStep
-from dflash.step_build import build_drafter, build_step_fn, uses_compile
+from dflash.run.inputs import load_training_data
+from dflash.run.preflight import Checked, check_before_loading
+from dflash.run.runner import Run
+from dflash.step.build import build_drafter, build_step_fn, uses_compile
+from dflash.step.step import BlockSettings, DrafterStep
 from dflash.trainer.async_trainer import AsyncTrainer, FaultInjection
 from dflash.trainer.lifecycle import Trainer
 from dflash.trainer.periodic_eval import PeriodicEval

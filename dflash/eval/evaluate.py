@@ -1,5 +1,5 @@
-"""Speculative-decoding evaluation: decode each prompt set (dflash.eval_prompts) with DFlash
-and plainly, and measure (reported by dflash.eval_report).
+"""Speculative-decoding evaluation: decode each prompt set (dflash.eval.prompts) with DFlash
+and plainly, and measure (reported by dflash.eval.report).
 
 Per benchmark and temperature: mean tau (tokens produced per target verification), the
 acceptance-length histogram, and at temperature 0 the fraction of prompts whose DFlash output
@@ -22,11 +22,11 @@ import torch
 
 from dflash.config.schema import EvalConfig
 from dflash.decoding.engine import StaticDecoder
-from dflash.eval_prompts import PromptSet
-from dflash.eval_report import BenchmarkResult, EvalReport
+from dflash.decoding.reference import DecodeResult, plain_generate, speculative_generate
+from dflash.eval.prompts import PromptSet
+from dflash.eval.report import BenchmarkResult, EvalReport
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import FrozenTarget
-from dflash.spec_decode import DecodeResult, plain_generate, speculative_generate
 from dflash.stopwatch import Stopwatch
 
 # on_prompt(benchmark, temperature, prompts done, prompts in the set), after each prompt.

@@ -1,0 +1,151 @@
+"""The drafter directory in the z-lab layout (what the z-lab reference, SGLang and vLLM load):
+writing it, reading it back, and whether one fits a run (resume, drafter.init_from).
+
+A training checkpoint (dflash.trainer.checkpoint) is such a directory plus what resuming needs:
+
+    step_000200/
+      config.json         HF config: model_type qwen3, architectures [DFlashDraftModel],
+                          block_size, num_target_layers, dflash_config{mask_token_id, target_layer_ids}
+      model.safetensors   layers.*, fc.weight, hidden_norm.weight, norm.weight (fp32 master weights)
+      trainer_state.pt    optimizer, LR schedule, RNG, data position: tensors and plain
+                          containers only, loaded with weights_only=True (never arbitrary pickles)
+      config.yaml         the resolved run config
+
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from transformers import Qwen3Config
+
+from dflash.export import speculators
+from dflash.models.drafter import DFlashDrafter
+
+CONFIG_FILE = "config.json"
+WEIGHTS_FILE = "model.safetensors"
+EXPORTED_PREFIXES = ("layers.", "fc.", "hidden_norm.", "norm.")
+
+
+def readable_by_every_transformers(config: dict[str, Any]) -> dict[str, Any]:
+    """config.json fields as transformers 5 writes them, plus the forms transformers 4.x reads
+    (the z-lab reference pins 4.57.1). transformers 5 keeps the rotary base and scaling only in
+    `rope_parameters` and the dtype in `dtype`; 4.57 reads neither: it takes `rope_theta`
+    (else 10000: a drafter trained at theta 1e6 would rotate at 1e4 there, and be accepted
+    less, without an error), `rope_scaling` and `torch_dtype`. transformers 5 reads the legacy
+    keys back into the same `rope_parameters` (tests/test_export.py reads an export with both)."""
+    config = dict(config)
+    rope = dict(config.get("rope_parameters") or {})
+    if "rope_theta" in rope:
+        config["rope_theta"] = rope["rope_theta"]
+        scaling = {k: v for k, v in rope.items() if k != "rope_theta"}
+        config["rope_scaling"] = scaling if scaling.get("rope_type", "default") != "default" else None
+    if "dtype" in config:
+        config["torch_dtype"] = config["dtype"]
+    return config
+
+
+def _exported_config(drafter: DFlashDrafter) -> dict[str, Any]:
+    config = drafter.config.to_dict()
+    config["dtype"] = str(next(drafter.parameters()).dtype).removeprefix("torch.")
+    return readable_by_every_transformers(config)
+
+
+def _write(directory: Path, config: dict[str, Any], state: dict[str, torch.Tensor]) -> None:
+    directory.mkdir(parents=True, exist_ok=True)
+    (directory / CONFIG_FILE).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    weights = directory / WEIGHTS_FILE
+    save_file(state, str(weights), metadata={"format": "pt"})
+    # safetensors creates the file owner-only (0600); give it the mode config.json got from the
+    # umask, so whoever may read the checkpoint (a serving job, a colleague) can read its weights.
+    os.chmod(weights, (directory / CONFIG_FILE).stat().st_mode & 0o777)
+
+
+def _drafter_tensors(drafter: DFlashDrafter) -> dict[str, torch.Tensor]:
+    return {
+        name: tensor.detach().contiguous().cpu()
+        for name, tensor in drafter.state_dict().items()
+        if name.startswith(EXPORTED_PREFIXES)
+    }
+
+
+def export_drafter(drafter: DFlashDrafter, directory: Path) -> None:
+    """Write config.json + model.safetensors in the layout inference engines load."""
+    _write(Path(directory), _exported_config(drafter), _drafter_tensors(drafter))
+
+
+def export_speculators(
+    drafter: DFlashDrafter, directory: Path, *, verifier: dict[str, Any], target_dir: Path | None = None
+) -> None:
+    """The same drafter in the speculators layout (dflash/export/speculators.py); with the
+    target's checkpoint directory, self-contained: its embedding and LM head bundled, in the
+    drafter's dtype."""
+    state = _drafter_tensors(drafter)
+    if target_dir is not None:
+        dtype = next(iter(state.values())).dtype
+        tables = speculators.target_tables(Path(target_dir))
+        hidden, vocab = drafter.config.hidden_size, drafter.config.vocab_size
+        for name, table in tables.items():
+            if tuple(table.shape) != (vocab, hidden):
+                raise ValueError(
+                    f"{target_dir}: its {name} is {list(table.shape)}, the drafter needs [{vocab}, {hidden}]: "
+                    "another target than the drafter was trained for"
+                )
+            state[name] = table.to(dtype).contiguous()
+    config = speculators.to_speculators(_exported_config(drafter), verifier=verifier)
+    _write(Path(directory), config, state)
+
+
+def _raw_config(directory: Path) -> dict[str, Any]:
+    path = Path(directory) / CONFIG_FILE
+    try:
+        return json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"{path}: not a readable drafter config ({exc})") from exc
+
+
+def read_drafter_config(directory: Path) -> Qwen3Config:
+    """The drafter config of a directory in the z-lab layout (ours) or the speculators one."""
+    path = Path(directory) / CONFIG_FILE
+    raw = _raw_config(directory)
+    if speculators.is_speculators(raw):
+        problems = speculators.speculators_problems(raw)
+        if problems:
+            raise ValueError(f"{path}: a speculators config dflash cannot read ({'; '.join(problems)})")
+        raw = speculators.from_speculators(raw)
+    missing = [key for key in ("block_size", "dflash_config") if key not in raw]
+    if missing or "mask_token_id" not in raw.get("dflash_config", {}):
+        raise ValueError(
+            f"{path}: not a DFlash drafter config (missing {missing or ['dflash_config.mask_token_id']})"
+        )
+    return Qwen3Config.from_dict(raw)
+
+
+# Drafter config fields a resumed run must share with its checkpoint, and the key that sets each.
+def load_drafter_weights(drafter: DFlashDrafter, directory: Path) -> None:
+    """model.safetensors of `directory` into `drafter`; every key must match both ways."""
+    path = Path(directory) / WEIGHTS_FILE
+    raw = _raw_config(directory)
+    try:
+        state = (
+            speculators.drafter_state(path, raw) if speculators.is_speculators(raw) else load_file(str(path))
+        )
+    except (OSError, SafetensorError) as exc:
+        raise ValueError(f"{path}: unreadable drafter weights ({exc})") from exc
+    try:
+        drafter.load_state_dict(state, strict=True)
+    except RuntimeError as exc:
+        raise ValueError(f"{path}: weights do not fit the drafter ({exc})") from exc
+
+
+def load_drafter(directory: Path, device: torch.device | str = "cpu") -> DFlashDrafter:
+    """A drafter defined only by config.json + model.safetensors (ours or any z-lab-layout export)."""
+    drafter = DFlashDrafter(read_drafter_config(Path(directory)))
+    load_drafter_weights(drafter, directory)
+    return drafter.to(device)

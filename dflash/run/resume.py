@@ -1,0 +1,92 @@
+"""Whether a drafter directory fits this run: a checkpoint to resume, or a drafter to start
+from (drafter.init_from). Weights of the same shapes trained on other layer ids, another mask id
+or another target would load and train a drafter that inference then misuses, so every field
+that decides what a drafter means is compared, naming both values."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import yaml
+from transformers import Qwen3Config
+
+from dflash.export.zlab import read_drafter_config
+from dflash.models.identity import identity_differences, read_identity
+from dflash.trainer.checkpoint import RUN_CONFIG_FILE
+
+RESUME_FIELDS = {
+    "block_size": "drafter.block_size",
+    "num_hidden_layers": "drafter.num_layers",
+    "intermediate_size": "drafter.intermediate_size",
+    "num_attention_heads": "drafter.num_attention_heads",
+    "num_key_value_heads": "drafter.num_key_value_heads",
+    "head_dim": "drafter.head_dim",
+    "layer_types": "drafter.layer_types",
+    "sliding_window": "drafter.sliding_window",
+    "hidden_size": "target hidden size",
+    "vocab_size": "target vocab size",
+    "num_target_layers": "target layer count",
+}
+RESUME_TARGET_FIELDS = ("name", "path", "model_type", "init_seed", "arch")
+
+
+def _target_differences(
+    directory: Path, run_target: dict[str, Any], run_identity: dict[str, Any] | None
+) -> list[tuple[str, Any, Any]]:
+    """Which target a checkpoint was trained on, against this run's: by content where the
+    checkpoint records it (dflash/models/identity.py), else by the run config's target fields
+    (a path compared as the directory it names)."""
+    saved_identity = read_identity(directory)
+    # A random-init target is its config fields, compared below key by key (names the key).
+    by_content = saved_identity is not None and run_identity is not None and "random" not in saved_identity
+    if by_content:
+        return [("target", difference, "this run's target") for difference in identity_differences(saved_identity, run_identity)]  # fmt: skip
+    run_yaml = Path(directory) / RUN_CONFIG_FILE
+    if not run_yaml.is_file():
+        return []
+    saved_target = (yaml.safe_load(run_yaml.read_text()) or {}).get("target", {})
+    differences = []
+    for name in RESUME_TARGET_FIELDS:
+        old, new = saved_target.get(name), run_target.get(name)
+        if name == "path" and old and new and Path(old).resolve() == Path(new).resolve():
+            continue
+        if old != new:
+            differences.append((f"target.{name}", old, new))
+    return differences
+
+
+def check_resume_matches(
+    directory: Path,
+    run_config: Qwen3Config,
+    run_target: dict[str, Any],
+    key: str = "resume",
+    run_identity: dict[str, Any] | None = None,
+) -> None:
+    """Refuse to resume (or, key="drafter.init_from", start) from a drafter trained for another
+    drafter or target, naming both values. run_identity: this run's target by content
+    (`target_identity`), compared with the checkpoint's target.json.
+
+    Loading weights of the same shapes trained on other layer ids, another mask id or another
+    target would run, and train a drafter that inference then misuses.
+    """
+    saved = read_drafter_config(directory)
+    # The speculators layout records no target depth (its layer ids are checked against the
+    # target's depth with every run's).
+    unrecorded = {"num_target_layers"} if getattr(saved, "num_target_layers", None) is None else set()
+    differences = [
+        (key, getattr(saved, name, None), getattr(run_config, name, None))
+        for name, key in RESUME_FIELDS.items()
+        if name not in unrecorded and getattr(saved, name, None) != getattr(run_config, name, None)
+    ]
+    for name in ("target_layer_ids", "mask_token_id"):
+        if saved.dflash_config.get(name) != run_config.dflash_config[name]:
+            differences.append(
+                (f"drafter.{name}", saved.dflash_config.get(name), run_config.dflash_config[name])
+            )
+    differences += _target_differences(Path(directory), run_target, run_identity)
+    if differences:
+        described = "; ".join(
+            f"{field}: checkpoint {old!r}, this run {new!r}" for field, old, new in differences
+        )
+        raise ValueError(f"{key}={directory} was trained for another drafter or target ({described})")
