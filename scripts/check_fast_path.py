@@ -36,8 +36,8 @@ from dflash.data.dataset import TokenDataset  # noqa: E402
 from dflash.models.target import FrozenTarget  # noqa: E402
 from dflash.models.target_head import TargetHead  # noqa: E402
 from dflash.run.inputs import load_training_data, script_target  # noqa: E402
-from dflash.run.launch import plan_batches  # noqa: E402
-from dflash.step.build import build_drafter, build_step_fn, uses_compile  # noqa: E402
+from dflash.run.launch import plan_batches, step_fn_for  # noqa: E402
+from dflash.step.build import build_drafter, uses_compile  # noqa: E402
 from dflash.step.loss import objective_figures  # noqa: E402
 from dflash.step.variants import STEP_VARIANTS  # noqa: E402
 from dflash.tools.compose import compose_typed  # noqa: E402
@@ -63,7 +63,7 @@ class Setup:
             cfg, device, "check_fast_path"
         )  # a GGUF target.path: converted once
         dataset, _ = load_training_data(cfg, target)
-        planner, _, _ = plan_batches(cfg, dataset)  # the run's own plan, held-out split left out
+        planner, _ = plan_batches(cfg, dataset)  # the run's own plan, held-out split left out
         plans = [planner.at(i) for i in range(steps)]
         return cls(base, target, TargetHead.of(target), layer_ids, dataset, plans)
 
@@ -75,7 +75,7 @@ class Setup:
         drafter = build_drafter(cfg.drafter, self.target.config, self.layer_ids, str(device))
         if uses_compile(cfg.drafter.compile, device):
             drafter.compile_training(dynamic=cfg.drafter.compile_dynamic)
-        return build_step_fn(
+        return step_fn_for(
             cfg,
             head=self.head,
             drafter=drafter,

@@ -35,8 +35,8 @@ from dflash.data.schedule import BatchPlanner, PlannedBatch  # noqa: E402
 from dflash.models.compile import CompileCounter  # noqa: E402
 from dflash.models.target_head import TargetHead  # noqa: E402
 from dflash.run.inputs import script_target  # noqa: E402
-from dflash.run.launch import plan_batches  # noqa: E402
-from dflash.step.build import build_drafter, build_step_fn  # noqa: E402
+from dflash.run.launch import plan_batches, step_fn_for  # noqa: E402
+from dflash.step.build import build_drafter  # noqa: E402
 from dflash.tools.compose import compose_typed  # noqa: E402
 
 
@@ -99,7 +99,7 @@ def replay(
     )
     drafter = build_drafter(cfg.drafter, target.config, layer_ids, str(device))
     drafter.compile_training(counters["drafter"], dynamic=cfg.drafter.compile_dynamic)
-    step_fn = build_step_fn(
+    step_fn = step_fn_for(
         cfg,
         head=TargetHead.of(target),
         drafter=drafter,
@@ -141,7 +141,7 @@ def main() -> None:
     cfg = compose_typed(["gpu=single"] + overrides)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     dataset = TokenDataset.load(args.dataset)
-    planner, _, _ = plan_batches(cfg, dataset)
+    planner, _ = plan_batches(cfg, dataset)
     batches = parse_batches(planner, args.batches) if args.batches else unusual_batches(planner, args.epochs)
     print("| batch | samples x length | target graphs | drafter graphs | seconds |")
     print("|---|---|---|---|---|")

@@ -31,8 +31,7 @@ from dflash.config.devices import resolve_device_split  # noqa: E402
 from dflash.distributed import visible_cuda_devices  # noqa: E402
 from dflash.export.zlab import load_drafter  # noqa: E402
 from dflash.run.inputs import load_training_data, script_target  # noqa: E402
-from dflash.run.launch import plan_batches  # noqa: E402
-from dflash.step.build import block_settings_for  # noqa: E402
+from dflash.run.launch import block_settings_of, plan_batches  # noqa: E402
 from dflash.tools.compose import compose_typed  # noqa: E402
 from dflash.trainer.validation import VAL_FIGURES, Validation, held_out_ids  # noqa: E402
 
@@ -62,7 +61,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         torch.set_num_threads(cfg.gpu.cpu_threads)
     target, _ = script_target(cfg, device, "val_figures")
     dataset, _ = load_training_data(cfg, target)
-    _, budget, val_ids = plan_batches(cfg, dataset)
+    planner, val_ids = plan_batches(cfg, dataset)
     if val_ids is None:
         raise SystemExit("data.val_samples=0: the run has no held-out split (set the run's data.val_samples)")
     split = f"{len(val_ids)} held-out samples of {len(dataset)}"
@@ -79,13 +78,13 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         if len(val_ids) == 0:
             raise SystemExit(f"{split}: nothing left to measure")
     drafter = load_drafter(args.ckpt, device)
-    settings = block_settings_for(cfg, device)  # the run's own: flex_attention and compiled loss on a GPU
+    settings = block_settings_of(cfg, device)  # the run's own: flex_attention and compiled loss on a GPU
     validation = Validation(
         dataset,
         val_ids,
         settings=settings,
         tokens_per_batch=cfg.scheduler.tokens_per_batch,
-        block_budget=budget,
+        block_budget=planner.block_budget,
     )
     figures = validation.run(target, drafter)
     print(f"{args.ckpt}: {split}")

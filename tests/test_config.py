@@ -155,7 +155,8 @@ def test_default_is_the_tiny_cpu_run():
         ("optimizer.lrr=1", "optimizer.lrr"),  # unknown key
         ("optimizer.lr=fast", "optimizer.lr"),  # wrong type
         ("optimizer.betas=[0.9,high]", "optimizer.betas"),
-        ("noise.kind=gaussian", "noise.kind"),  # unknown enum value
+        ("noise.std=0.1", "noise.std"),  # a key of another option: noise=none has no std
+        ("gpu.device=tpu", "gpu.device"),  # unknown enum value
         ("scheduler=fifo", "scheduler"),  # unknown group option
     ],
 )
@@ -212,6 +213,14 @@ def test_gpu_split_from_config():
         (["noise=mask_ramp", "noise.warmup_steps=0"], "noise.warmup_steps"),
         (["noise=feature", "noise.std=0"], "noise.std"),
         (["optimizer.betas=[0.9]"], "optimizer.betas"),
+        (["optimizer.fused=false"], "optimizer.fused=false"),
+        # A component whose class cannot be imported, or does not take its node's arguments.
+        (
+            ["scheduler._target_=no_such_module.Planner"],
+            "scheduler._target_='no_such_module.Planner' cannot be imported",
+        ),
+        (["noise._target_=math.sqrt"], "noise: math.sqrt does not take the arguments"),
+        (["+logger.sinks.mine._target_=json.dumps"], "logger.sinks.mine: json.dumps does not take"),
         (["scheduler.bucket_edges=[48,40,128]"], "scheduler.bucket_edges"),
         (["data.max_length=256"], "data.max_length"),
         (["gpu.target=2"], "gpu.target=2"),

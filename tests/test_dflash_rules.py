@@ -73,7 +73,7 @@ def blocks_for(ids, loss_mask, *, block_size=4, num_anchors=8, gamma=4.0, epoch=
         block_size=block_size,
         num_anchors=num_anchors,
         mask_token_id=MASK_ID,
-        gamma=gamma,
+        weights=position_weights(block_size, gamma),
         keep_fraction=keep,
     )
 
@@ -451,23 +451,23 @@ def test_apply_is_clip_grad_norm_then_adamw_on_the_weight_normalised_gradients(d
     """DrafterStep.apply passes the loss-weight normalisation and the clip to the fused AdamW
     kernel (its `grad_scale` input) instead of rescaling the gradients: the update must be the
     textbook one — gradients / total weight, clip_grad_norm_, then AdamW."""
-    from dflash.config.schema import OptimizerConfig
+    from dflash.config.schema import AdamWConfig
     from dflash.step.build import build_optimizer
-    from dflash.step.noise import NoiseSchedule
+    from dflash.step.loss import BlockLoss
+    from dflash.step.noise import NoNoise
     from dflash.step.step import BlockSettings, DrafterStep
-    from dflash.tools.compose import compose_typed
 
     drafter = tiny_drafter(tiny_target()).to(device)
     reference = copy.deepcopy(drafter)
-    cfg = OptimizerConfig(lr=1e-3, grad_clip=0.5 if clipped else 1e6)
+    cfg = AdamWConfig(lr=1e-3, grad_clip=0.5 if clipped else 1e6)
     optimizer = build_optimizer(cfg, drafter.parameters())
     step = DrafterStep(
         head=None,
         drafter=drafter,
         optimizer=optimizer,
         lr_scheduler=torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0),
-        noise=NoiseSchedule.from_config(compose_typed([]).noise),
-        block_settings=BlockSettings(seed=0, num_anchors=8, gamma=4.0),
+        noise=NoNoise(),
+        block_settings=BlockSettings(seed=0, num_anchors=8, loss=BlockLoss(gamma=4.0)),
         grad_clip=cfg.grad_clip,
         num_buckets=1,
     )

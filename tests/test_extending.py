@@ -1,6 +1,7 @@
-"""User code plugged in by config alone: the callback example of docs/extending.md, written into a
-module outside the package, receives every hook in a normal run; a callback that cannot be
-built is refused before anything loads."""
+"""User code plugged in by config alone: the examples of docs/extending.md, written into modules
+outside the package, run: a callback receives every hook in a normal run; a batch order, a noise
+schedule and a metric sink replace or join the built-ins by overrides alone; a component or
+callback that cannot be built is refused before anything loads."""
 
 from __future__ import annotations
 
@@ -19,13 +20,83 @@ from tests.conftest import FAST, SLOW_MACHINE_TIMEOUT_S
 DOC = Path(__file__).resolve().parent.parent / "docs" / "extending.md"
 
 
-def doc_example() -> str:
-    """The first python block of docs/extending.md."""
-    return re.search(r"```python\n(.*?)```", DOC.read_text(), re.DOTALL).group(1)
+def doc_example(defines: str) -> str:
+    """The python block of docs/extending.md that defines `defines`."""
+    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.DOTALL)
+    return next(block for block in blocks if f"class {defines}" in block)
+
+
+def test_the_documented_batch_order_noise_and_sink_run_from_overrides_alone(tmp_path, make_cfg, monkeypatch):
+    """`scheduler._target_`, `noise._target_` on noise=mask_ramp's keys, and a new
+    `logger.sinks` entry: the run plans, masks and logs with the user's classes."""
+    from dflash.run.runner import Run
+
+    (tmp_path / "my_plugins.py").write_text(doc_example("LongestFirst"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    losses = tmp_path / "losses.csv"
+    cfg = make_cfg(
+        [
+            "scheduler._target_=my_plugins.LongestFirst",
+            "noise=mask_ramp",
+            "noise._target_=my_plugins.CosineMaskRamp",
+            "noise.warmup_steps=500",
+            "+logger.sinks.csv._target_=my_plugins.CsvSink",
+            f"+logger.sinks.csv.path={losses}",
+            "train.total_steps=6",
+            "logger.every_steps=2",
+        ]
+    )
+    run: Run = build_run(cfg)
+    planner = run.trainer.planner
+    buckets = [batch.bucket for batch in planner.epoch(0)]
+    assert type(planner).__name__ == "LongestFirst" and len(set(buckets)) > 1
+    assert buckets == sorted(buckets, reverse=True)  # the built-in interleave would alternate them
+    noise = run.trainer.step_fn.noise
+    assert type(noise).__name__ == "CosineMaskRamp"
+    # noise=mask_ramp's start (0.5) on a cosine: half way at step 250, as the linear ramp is too,
+    # but above it before (the linear ramp: 0.375 at step 125).
+    assert noise.keep_fraction(0) == 0.5 and abs(noise.keep_fraction(250) - 0.25) < 1e-9
+    assert noise.keep_fraction(125) > 0.42 and noise.keep_fraction(500) < 1e-12
+    summary = run.execute()
+    rows = losses.read_text().splitlines()
+    assert rows[0] == "step,loss,tau_sim" and [row.split(",")[0] for row in rows[1:]] == ["2", "4", "6"]
+    assert float(rows[-1].split(",")[1]) == summary["train/loss"]
+    assert (Path(cfg.paths.output_dir) / "metrics.jsonl").is_file()  # the built-in sinks still log
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["scheduler._target_=my_missing.Order"], "scheduler._target_='my_missing.Order' cannot be imported"),
+        (
+            ["noise._target_=collections.Counter.most_common"],
+            "noise: collections.Counter.most_common does not take",
+        ),
+        (
+            ["+logger.sinks.csv._target_=json.JSONDecoder"],
+            "logger.sinks.csv: json.JSONDecoder does not take",
+        ),
+        (
+            ["pipeline._target_=dflash.step.noise.NoNoise"],
+            "pipeline: dflash.step.noise.NoNoise does not take",
+        ),
+    ],
+)
+def test_a_component_that_cannot_be_built_is_refused_before_any_model_loads(
+    overrides, message, make_cfg, monkeypatch
+):
+    from dflash.models.target import FrozenTarget
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded before the components were checked")
+
+    monkeypatch.setattr(FrozenTarget, "from_config", no_load)
+    with pytest.raises(ValueError, match=message):
+        build_run(make_cfg(overrides))
 
 
 def test_the_documented_callback_receives_every_hook_of_a_run(tmp_path, data_cache):
-    (tmp_path / "my_callbacks.py").write_text(doc_example())
+    (tmp_path / "my_callbacks.py").write_text(doc_example("RecordingCallback"))
     hooks = tmp_path / "hooks.jsonl"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
     result = subprocess.run(

@@ -13,8 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.config.schema import WandbConfig
-from dflash.monitor.sinks import EVAL_STEP, BackgroundSink, WandbSink
+from dflash.monitor.sinks import EVAL_STEP, BackgroundSink, SinkContext, WandbSink
 from dflash.monitor.telemetry import GpuTelemetry
 from dflash.run.launch import build_run
 
@@ -83,7 +82,7 @@ def test_an_evaluation_logged_after_later_steps_still_reaches_wandb(tmp_path, mo
     """W&B ignores a row whose step is below its current one; a periodic evaluation of step 3
     finishes after step 6 was logged. Its row goes in at W&B's current step instead, carrying the
     snapshot's step, the x-axis eval/ and val/ figures plot against (a real offline run)."""
-    sink = WandbSink(WandbConfig(mode="offline"), tmp_path, {})
+    sink = WandbSink(context=SinkContext(run_dir=tmp_path, config={}, total_steps=10), mode="offline")
     calls: list[tuple[dict, int | None]] = []
     real_log = sink.run.log
     monkeypatch.setattr(
@@ -245,7 +244,6 @@ def test_steady_throughput_leaves_out_start_up_and_the_tail(monkeypatch):
     runs faster than the steady state (the target is done: its drafter no longer shares the
     GPU), so a short run must not count it; a run with no periodic tick after its first
     window's is measured to the final tick."""
-    from dflash.config.schema import MonitorConfig
     from dflash.monitor import monitor as monitor_module
 
     now = [0.0]
@@ -256,7 +254,7 @@ def test_steady_throughput_leaves_out_start_up_and_the_tail(monkeypatch):
         probe = ScriptedProbe()
         now[0] = 0.0  # the run starts
         monitor = monitor_module.Monitor(
-            MonitorConfig(interval_s=5.0, telemetry=False, cuda_stats=False), [], probe, total_steps=40
+            sinks=[], probe=probe, total_steps=40, interval_s=5.0, telemetry=False, cuda_stats=False
         )
         for at, samples, final in ticks:
             now[0] = at
@@ -279,7 +277,6 @@ def test_run_summary_role_times_leave_out_the_compiling_first_steps(monkeypatch)
     samples/s): a first drafter step whose device span holds 75 s of compilation would otherwise
     double a 40-step run's drafter time per batch (the paper_b16 run on 2 H200s: 1036 ms whole-
     run against ~515 ms steady) and skew the split advice built on it."""
-    from dflash.config.schema import MonitorConfig
     from dflash.monitor import monitor as monitor_module
     from dflash.pipeline.roles import role_times
 
@@ -288,7 +285,7 @@ def test_run_summary_role_times_leave_out_the_compiling_first_steps(monkeypatch)
     monkeypatch.setattr(monitor_module, "train_metrics", lambda groups: {})
     probe = ScriptedProbe()
     monitor = monitor_module.Monitor(
-        MonitorConfig(interval_s=5.0, telemetry=False, cuda_stats=False), [], probe, total_steps=40
+        sinks=[], probe=probe, total_steps=40, interval_s=5.0, telemetry=False, cuda_stats=False
     )
     # First window: 10 steps, the first of them compiling (75 s inside the drafter's span).
     now[0] = 85.0
@@ -310,7 +307,7 @@ def test_run_summary_role_times_leave_out_the_compiling_first_steps(monkeypatch)
     # No steady window (the run ended within its first window): nothing, and the summary keeps
     # the whole-run figures.
     short = monitor_module.Monitor(
-        MonitorConfig(interval_s=5.0, telemetry=False, cuda_stats=False), [], ScriptedProbe(), total_steps=10
+        sinks=[], probe=ScriptedProbe(), total_steps=10, interval_s=5.0, telemetry=False, cuda_stats=False
     )
     assert short.steady_roles() == {}
 

@@ -6,13 +6,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from dflash.config.schema import NoiseConfig, NoiseKind
+from dflash.config.schema import COMPONENT_OPTIONS
+from dflash.step.build import build_noise
 from dflash.step.noise import NoiseSchedule
 from tests.test_dflash_rules import MASK_ID, blocks_for, tiny_drafter, tiny_target
 
 
 def schedule(kind: str, **kw) -> NoiseSchedule:
-    return NoiseSchedule.from_config(NoiseConfig(kind=NoiseKind(kind), **kw))
+    """noise=<kind>'s schedule, built from its option schema as a run builds it."""
+    return build_noise(COMPONENT_OPTIONS["noise"][kind](**kw))
 
 
 def test_none_changes_nothing():

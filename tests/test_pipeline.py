@@ -18,9 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from dflash.config.schema import SchedulerConfig, SchedulerKind
 from dflash.data.dataset import TokenDataset
-from dflash.data.schedule import BatchPlanner
+from dflash.data.schedule import InterleavePlanner
 from dflash.pipeline.prefetch import BatchPrefetcher
 from dflash.pipeline.queues import HiddenStateQueue, OrderedQueue, QueueClosed
 from dflash.run.launch import build_run
@@ -98,8 +97,8 @@ def toy_dataset(n: int = 60, seed: int = 0) -> TokenDataset:
 
 def test_round_robin_gives_each_device_exactly_k_per_window_and_keeps_order():
     dataset = toy_dataset()
-    planner = BatchPlanner(
-        dataset.lengths, SchedulerConfig(SchedulerKind.interleave, [48, 80, 128], 512), seed=0
+    planner = InterleavePlanner(
+        lengths=dataset.lengths, bucket_edges=[48, 80, 128], tokens_per_batch=512, seed=0
     )
     devices = [torch.device("cpu")] * 3
     total = planner.batches_per_epoch(0)

@@ -30,7 +30,7 @@ def test_a_lone_sample_batch_compiles_new_graphs_and_known_shapes_do_not(tmp_pat
         ]
     )
     dataset, _ = load_training_data(cfg)
-    planner, _, _ = plan_batches(cfg, dataset)
+    planner, _ = plan_batches(cfg, dataset)
     shapes = [(0, 1, 2), (3, 4), (5,), (6, 7, 8)]  # the third: a remainder batch of one sample
     batches = [PlannedBatch(epoch=0, index=i, bucket=0, sample_ids=ids) for i, ids in enumerate(shapes)]
     rows = list(

@@ -8,13 +8,22 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from dflash.config.schema import SchedulerConfig, SchedulerKind
-from dflash.data.schedule import BatchPlanner, BlockBudget, bucket_of, pack_bucket
+from dflash.data.schedule import (
+    BatchPlanner,
+    BlockBudget,
+    InterleavePlanner,
+    ShufflePlanner,
+    bucket_of,
+    pack_bucket,
+)
+
+PLANNERS = {"shuffle": ShufflePlanner, "interleave": InterleavePlanner}
 
 
 def planner(kind: str, lengths, edges=(48, 80, 128), budget=512, seed=0) -> BatchPlanner:
-    cfg = SchedulerConfig(kind=SchedulerKind(kind), bucket_edges=list(edges), tokens_per_batch=budget)
-    return BatchPlanner(np.asarray(lengths), cfg, seed=seed)
+    return PLANNERS[kind](
+        lengths=np.asarray(lengths), bucket_edges=list(edges), tokens_per_batch=budget, seed=seed
+    )
 
 
 def longest_run(buckets: list[int]) -> int:

@@ -88,19 +88,20 @@ def test_diff_reports_choices_changed_added_removed_and_ignores_paths(tmp_path, 
     base = {
         "optimizer": {"lr": 6e-4, "betas": [0.9, 0.999]},
         "paths": {"output_dir": "/a"},
-        "noise": {"kind": "none"},
+        "noise": {"_target_": "dflash.step.noise.NoNoise"},
     }
     other = {
         "optimizer": {"lr": 6e-4, "betas": [0.9, 0.95]},
         "paths": {"output_dir": "/b"},
-        "noise": {"kind": "mask_ramp", "start": 0.5},
+        "noise": {"_target_": "dflash.step.noise.MaskRampNoise", "start": 0.5},
         "extra": 1,
     }
     a = write_run(tmp_path / "a", base, {"noise": "none", "gpu": "cpu"}, {"eval/tau": 1.3})
     b = write_run(tmp_path / "b", other, {"noise": "mask_ramp", "gpu": "cpu"}, {"eval/tau": 1.4})
     diff.main([str(a), str(b)])
     text = capsys.readouterr().out
-    assert "noise: none -> mask_ramp" in text and "noise.kind: none -> mask_ramp" in text
+    assert "noise: none -> mask_ramp" in text
+    assert "noise._target_: dflash.step.noise.NoNoise -> dflash.step.noise.MaskRampNoise" in text
     assert "noise.start: added (0.5)" in text and "extra: added (1)" in text
     assert "optimizer.betas: [0.9, 0.999] -> [0.9, 0.95]" in text
     assert "paths.output_dir" not in text and "gpu" not in text and "optimizer.lr" not in text
@@ -121,7 +122,11 @@ def test_diff_against_defaults_and_a_checkpoint_dir(tmp_path, capsys):
     (checkpoint / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
     diff.main([str(checkpoint), "--defaults"])
     text = capsys.readouterr().out
-    assert "loss.gamma: 4 -> 5" in text and "scheduler.kind: interleave -> shuffle" in text
+    assert "loss.gamma: 4 -> 5" in text
+    assert (
+        "scheduler._target_: dflash.data.schedule.InterleavePlanner -> dflash.data.schedule.ShufflePlanner"
+        in text
+    )
 
 
 @pytest.mark.slow

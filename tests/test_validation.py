@@ -10,12 +10,11 @@ import numpy as np
 import pytest
 import torch
 
-from dflash.config.schema import SchedulerConfig, SchedulerKind
 from dflash.data.collate import collate
 from dflash.data.dataset import TokenDataset
-from dflash.data.schedule import BatchPlanner
+from dflash.data.schedule import InterleavePlanner
 from dflash.step.blocks import block_attention_mask
-from dflash.step.loss import tau_from_accuracy
+from dflash.step.loss import BlockLoss, tau_from_accuracy
 from dflash.step.step import BlockSettings, make_blocks
 from dflash.train import train
 from dflash.trainer.validation import Validation, held_out_ids
@@ -28,8 +27,9 @@ def test_held_out_samples_are_never_planned_and_the_rest_once_per_epoch():
     assert len(set(held_out.tolist())) == 40
     assert np.array_equal(held_out, held_out_ids(300, 40, seed=7))
     assert not np.array_equal(held_out, held_out_ids(300, 40, seed=8))
-    cfg = SchedulerConfig(kind=SchedulerKind.interleave, bucket_edges=[48, 80, 128], tokens_per_batch=512)
-    planner = BatchPlanner(lengths, cfg, seed=0, held_out=held_out)
+    planner = InterleavePlanner(
+        lengths=lengths, bucket_edges=[48, 80, 128], tokens_per_batch=512, seed=0, held_out=held_out
+    )
     for epoch in range(3):
         planned = [i for batch in planner.epoch(epoch) for i in batch.sample_ids]
         assert sorted(planned) == sorted(set(range(300)) - set(held_out.tolist()))
@@ -48,7 +48,7 @@ def test_validation_metrics_are_the_training_definitions_on_the_held_out_blocks(
     rng = np.random.default_rng(0)
     samples = [(rng.integers(0, 500, size=n).tolist(), [0] * 6 + [1] * (n - 6)) for n in (30, 22, 40)]
     dataset = TokenDataset.from_samples(samples)
-    settings = BlockSettings(seed=3, num_anchors=8, gamma=4.0)
+    settings = BlockSettings(seed=3, num_anchors=8, loss=BlockLoss(gamma=4.0))
     validation = Validation(
         dataset, np.array([0, 2]), settings=settings, tokens_per_batch=40, block_budget=None
     )

@@ -21,29 +21,9 @@ from typing import Any, Optional
 from omegaconf import MISSING
 
 
-class SchedulerKind(str, Enum):
-    shuffle = "shuffle"
-    interleave = "interleave"
-
-
 class CompileScope(str, Enum):
     stack = "stack"  # the target's whole feature stack as one graph
     layers = "layers"  # each decoder layer apart: one graph per layer kind (regional)
-
-
-class LrScheduleKind(str, Enum):
-    cosine = "cosine"
-    constant = "constant"
-
-
-class NoiseKind(str, Enum):
-    none = "none"
-    mask_ramp = "mask_ramp"
-    feature = "feature"
-
-
-# Functional form: `async` is a Python keyword, and OmegaConf matches enum members by name.
-PipelineKind = Enum("PipelineKind", {"sync": "sync", "async": "async"}, type=str)
 
 
 class DeviceKind(str, Enum):
@@ -77,13 +57,6 @@ class DataKind(str, Enum):
 class RegenBackend(str, Enum):
     transformers = "transformers"
     http = "http"
-
-
-class SinkKind(str, Enum):
-    jsonl = "jsonl"
-    progress = "progress"  # a progress bar only (when stderr is a terminal)
-    console = "console"  # the progress bar and a line per log window
-    wandb = "wandb"
 
 
 @dataclass
@@ -190,9 +163,23 @@ class DataConfig:
     continuation: SyntheticText = SyntheticText.greedy
 
 
+# ---- Components ------------------------------------------------------------------------------
+# One structured config per option, naming the class or function it builds (`_target_`): the
+# launcher builds each with hydra.utils.instantiate (dflash/run/launch.py); a `_partial_` one gets
+# its runtime objects (the samples' lengths, the drafter's parameters, the trainer...) when it is
+# built. A user's own class is named the same way, by YAML or an override, and receives the
+# option's fields (docs/extending.md); no switch over the built-ins exists anywhere. Each option
+# file (conf/<group>/<option>.yaml) starts from its schema (`defaults: [<option>_schema]`), so a
+# key of another option is refused at compose time (noise=none has no `std`).
+
+
 @dataclass
 class SchedulerConfig:
-    kind: SchedulerKind = SchedulerKind.interleave
+    """Length buckets, batch packing under token budgets, and the batch order: `_target_` is a
+    BatchPlanner class (dflash/data/schedule.py), whose `order` sorts an epoch's batches."""
+
+    _target_: str = MISSING
+    _partial_: bool = True
     # Upper bounds (exclusive, the last inclusive) of the length buckets.
     bucket_edges: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048, 3296, 8192])
     # Padded tokens (batch_size * longest sample) a batch may hold.
@@ -200,6 +187,16 @@ class SchedulerConfig:
     # Block tokens (batch_size * anchors of its widest sample * block_size) a batch may hold:
     # what the drafter computes and keeps for backward. null: no limit beyond tokens_per_batch.
     block_tokens_per_batch: Optional[int] = None
+
+
+@dataclass
+class InterleaveSchedulerConfig(SchedulerConfig):
+    _target_: str = "dflash.data.schedule.InterleavePlanner"
+
+
+@dataclass
+class ShuffleSchedulerConfig(SchedulerConfig):
+    _target_: str = "dflash.data.schedule.ShufflePlanner"
 
 
 @dataclass
@@ -218,22 +215,51 @@ class GpuConfig:
 
 @dataclass
 class OptimizerConfig:
-    name: str = "adamw"
+    """`_target_`: a torch optimizer class, built over the drafter's parameters. The step divides
+    the gradients by the loss weight and clips them through the fused kernel's `grad_scale`
+    input (no pass over the gradients), so the optimizer must be a fused one."""
+
+    _target_: str = MISSING
+    _partial_: bool = True
     lr: float = 6e-4
-    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
-    weight_decay: float = 0.0
-    eps: float = 1e-8
+    fused: bool = True
+    # The step's gradient-norm clip, applied inside the fused update (not an optimizer argument).
     grad_clip: float = 1.0
 
 
 @dataclass
+class AdamWConfig(OptimizerConfig):
+    _target_: str = "torch.optim.AdamW"
+    betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
+    weight_decay: float = 0.0
+    eps: float = 1e-8
+
+
+@dataclass
 class LrScheduleConfig:
-    kind: LrScheduleKind = LrScheduleKind.cosine
+    """`_target_`: a function (optimizer, *, total_steps, warmup_ratio) -> an LR scheduler."""
+
+    _target_: str = MISSING
+    _partial_: bool = True
     warmup_ratio: float = 0.04
 
 
 @dataclass
+class CosineLrScheduleConfig(LrScheduleConfig):
+    _target_: str = "dflash.step.lr_schedule.cosine_with_warmup"
+
+
+@dataclass
+class ConstantLrScheduleConfig(LrScheduleConfig):
+    _target_: str = "dflash.step.lr_schedule.constant_with_warmup"
+    warmup_ratio: float = 0.0
+
+
+@dataclass
 class LossConfig:
+    """`_target_`: the block loss (dflash/step/loss.py): its position weights and chunking."""
+
+    _target_: str = "dflash.step.loss.BlockLoss"
     # Position weight w_k = exp(-(k-1)/gamma); paper: 7 for B=16, 5 for B=10, 4 for B=8.
     gamma: float = 7.0
     # Block positions per sample sent through the LM head at once, recomputed in backward;
@@ -243,33 +269,79 @@ class LossConfig:
 
 @dataclass
 class NoiseConfig:
-    kind: NoiseKind = NoiseKind.none
-    # mask_ramp: share of non-anchor block positions that keep their true token at step 0.
-    start: float = 0.0
-    # feature: std of the Gaussian added to the fused context feature after warmup.
-    std: float = 0.0
-    warmup_steps: int = 0
+    """`_target_`: a noise schedule (dflash/step/noise.py): per optimizer step, the share of
+    block positions that keep their true token and the std of the feature noise."""
+
+    _target_: str = MISSING
+
+
+@dataclass
+class NoNoiseConfig(NoiseConfig):
+    _target_: str = "dflash.step.noise.NoNoise"
+
+
+@dataclass
+class MaskRampNoiseConfig(NoiseConfig):
+    _target_: str = "dflash.step.noise.MaskRampNoise"
+    # Share of non-anchor block positions that keep their true token at step 0 (ramps to 0).
+    start: float = 0.5
+    warmup_steps: int = 2000
+
+
+@dataclass
+class FeatureNoiseConfig(NoiseConfig):
+    _target_: str = "dflash.step.noise.FeatureNoise"
+    # Std of the Gaussian added to the fused context feature after warmup (ramps from 0).
+    std: float = 0.05
+    warmup_steps: int = 2000
 
 
 @dataclass
 class PipelineConfig:
-    kind: PipelineKind = PipelineKind["sync"]
-    # async: packets of target features waiting for a drafter (producers block beyond it).
+    """`_target_`: the trainer (dflash/trainer/), built with the run's targets, step objects,
+    dataset and planner."""
+
+    _target_: str = MISSING
+    _partial_: bool = True
+
+
+@dataclass
+class SyncPipelineConfig(PipelineConfig):
+    _target_: str = "dflash.trainer.sync.SyncTrainer"
+
+
+@dataclass
+class AsyncPipelineConfig(PipelineConfig):
+    _target_: str = "dflash.trainer.async_trainer.AsyncTrainer"
+    # Packets of target features waiting for a drafter (producers block beyond it).
     hs_queue_size: int = 8
-    # async: collated batches waiting per target device.
+    # Collated batches waiting per target device.
     prefetch_depth: int = 4
-    # async: collate/pad/pin worker threads.
+    # Collate/pad/pin worker threads.
     num_workers: int = 2
-    # async: run every bucket's largest shape through the target before the clock starts.
+    # Run every bucket's largest shape through the target before the clock starts.
     warmup: bool = True
-    # async: how often the main thread collects metric windows and checks thread health.
+    # How often the main thread collects metric windows and checks thread health.
     poll_interval_s: float = 0.05
-    # async: how long threads get to stop after a failure or a stop request.
+    # How long threads get to stop after a failure or a stop request.
     shutdown_timeout_s: float = 10.0
+
+
+def pipeline_name(node: PipelineConfig) -> str:
+    """The `pipeline` option a node is (sync, async), or its `_target_` for a user's trainer."""
+    if isinstance(node, SyncPipelineConfig):
+        return "sync"
+    if isinstance(node, AsyncPipelineConfig):
+        return "async"
+    return node._target_
 
 
 @dataclass
 class MonitorConfig:
+    """`_target_`: the monitor (dflash/monitor/monitor.py), built with the sinks and the trainer."""
+
+    _target_: str = "dflash.monitor.monitor.Monitor"
+    _partial_: bool = True
     # Seconds between ticks (one flat dict of floats to every sink); 0: one tick per log window.
     interval_s: float = 10.0
     # NVML telemetry (gpu/): off is the escape hatch when the driver misbehaves.
@@ -279,25 +351,13 @@ class MonitorConfig:
 
 
 @dataclass
-class WandbConfig:
-    project: str = "dflash"
-    entity: Optional[str] = None
-    # null: WANDB_MODE if set, else online with an API key and offline without one.
-    mode: Optional[str] = None
-    group: Optional[str] = None
-    name: Optional[str] = None
-    tags: list[str] = field(default_factory=list)
-    finish_timeout_s: float = 30.0
-    # Ticks waiting for the W&B thread; when full the oldest is dropped (and counted), so a
-    # stalled W&B never holds up the monitor or training.
-    queue_size: int = 100
-
-
-@dataclass
 class LoggerConfig:
-    sinks: list[SinkKind] = field(default_factory=lambda: [SinkKind.jsonl])
+    # Metric sinks, name -> {_target_: a sink class or factory, its keyword arguments}; each is
+    # built with `context=` (the run dir, the resolved config, the step count, the start step:
+    # dflash/monitor/sinks.py). The logger options fill it (jsonl, console, wandb); a user adds
+    # one with +logger.sinks.mine._target_=my_module.MySink, drops one with ~logger.sinks.NAME.
+    sinks: dict[str, Any] = field(default_factory=dict)
     every_steps: int = 10
-    wandb: WandbConfig = field(default_factory=WandbConfig)
 
 
 @dataclass
@@ -446,15 +506,32 @@ class RegenConfig:
     limit: Optional[int] = None
 
 
+# The component schemas each option file of conf/<group>/ starts from (`defaults: [<option>_schema]`).
+COMPONENT_OPTIONS: dict[str, dict[str, type]] = {
+    "scheduler": {"interleave": InterleaveSchedulerConfig, "shuffle": ShuffleSchedulerConfig},
+    "optimizer": {"adamw": AdamWConfig},
+    "lr_schedule": {"cosine": CosineLrScheduleConfig, "constant": ConstantLrScheduleConfig},
+    "loss": {"default": LossConfig},
+    "noise": {"none": NoNoiseConfig, "mask_ramp": MaskRampNoiseConfig, "feature": FeatureNoiseConfig},
+    "pipeline": {"sync": SyncPipelineConfig, "async": AsyncPipelineConfig},
+    "monitor": {"default": MonitorConfig},
+}
+
+
 def register_configs() -> None:
     """Register the root schemas; idempotent (Hydra's ConfigStore replaces same-name entries)."""
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
     schema = OmegaConf.structured(Config)
-    # A name -> file map the user fills: `eval.benchmarks={gsm8k: g.jsonl}` must work without
-    # Hydra's `+` (the flag keeps Hydra's struct mode from refusing the new names).
-    OmegaConf.set_struct(schema.eval.benchmarks, False)
-    OmegaConf.set_struct(schema.callbacks, False)
-    ConfigStore.instance().store(name="dflash_schema", node=schema)
-    ConfigStore.instance().store(name="dflash_regen_schema", node=RegenConfig)
+    # Name -> entry maps the user fills: `eval.benchmarks={gsm8k: g.jsonl}` and a new sink or
+    # callback must work without Hydra's `+` (the flag keeps Hydra's struct mode from refusing
+    # the new names).
+    for free_form in (schema.eval.benchmarks, schema.callbacks, schema.logger.sinks):
+        OmegaConf.set_struct(free_form, False)
+    store = ConfigStore.instance()
+    store.store(name="dflash_schema", node=schema)
+    store.store(name="dflash_regen_schema", node=RegenConfig)
+    for group, options in COMPONENT_OPTIONS.items():
+        for option, node in options.items():
+            store.store(group=group, name=f"{option}_schema", node=node)

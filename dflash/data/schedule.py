@@ -1,25 +1,32 @@
-"""Length buckets and the batch order (config group `scheduler`).
+"""Length buckets and the batch order (config group `scheduler`, `_target_`: a planner class).
 
 Samples fall into length buckets; batches are packed inside a bucket up to a padded-token
 budget, so long buckets give small batches. The order of batches in an epoch is a pure
 function of (seed, epoch): a run resumed at batch k of epoch e sees exactly what it would have.
+`BatchPlanner` buckets and packs; a subclass's `order` sorts the epoch's batches:
 
-- shuffle: flat shuffle of all batches (the baseline; it produces runs of long batches).
-- interleave: diversity-first smooth weighted round-robin. Each bucket keeps its overall share
-  of the epoch, and the next pick prefers a bucket other than the last one while that bucket
-  is not behind its share.
+- ShufflePlanner (scheduler=shuffle): flat shuffle of all batches (the baseline; it produces
+  runs of long batches).
+- InterleavePlanner (scheduler=interleave): diversity-first smooth weighted round-robin. Each
+  bucket keeps its overall share of the epoch, and the next pick prefers a bucket other than
+  the last one while that bucket is not behind its share.
+
+A user's order is a subclass defining `order` (docs/extending.md), named by
+`scheduler._target_=my_module.MyPlanner`.
 """
 
 from __future__ import annotations
 
 import bisect
 import math
+from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
-from dflash.config.schema import SchedulerConfig, SchedulerKind
+from dflash.config.components import build
 
 
 def bucket_of(length: int, edges: list[int]) -> int:
@@ -48,12 +55,6 @@ class BlockBudget:
 
     def block_tokens(self, batch_size: int, longest: int) -> int:
         return batch_size * min(self.num_anchors, longest) * self.block_size
-
-
-def block_budget_for(cfg: SchedulerConfig, *, num_anchors: int, block_size: int) -> BlockBudget | None:
-    if cfg.block_tokens_per_batch is None:
-        return None
-    return BlockBudget(cfg.block_tokens_per_batch, num_anchors, block_size)
 
 
 def pack_bucket(
@@ -142,31 +143,45 @@ def interleave_order(bucket_of_batch: list[int]) -> list[int]:
     return order
 
 
-class BatchPlanner:
-    """Plans every epoch's batches for a dataset; plans are cached and deterministic."""
+class BatchPlanner(ABC):
+    """Plans every epoch's batches for a dataset; plans are cached and deterministic. Subclasses
+    define `order`: the epoch's batch order, a pure function of the batches' buckets, the seed
+    and the epoch."""
 
     def __init__(
         self,
-        lengths: np.ndarray,
-        cfg: SchedulerConfig,
         *,
+        lengths: np.ndarray,
+        bucket_edges: list[int],
+        tokens_per_batch: int,
+        block_tokens_per_batch: int | None = None,
+        num_anchors: int = 1,
+        block_size: int = 1,
         seed: int,
-        block_budget: BlockBudget | None = None,
         held_out: np.ndarray | None = None,
     ):
-        """block_budget: None, or the drafter's blocks per batch limit (see `block_budget_for`).
+        """block_tokens_per_batch: None, or the drafter's block tokens per batch limit, a batch's
+        cost counted from its samples' anchors (`num_anchors`) x `block_size` (BlockBudget).
         held_out: sample ids never planned (the validation split); the others keep their ids."""
         self.lengths = np.asarray(lengths)
         self.trainable = np.ones(len(self.lengths), dtype=bool)
         if held_out is not None:
             self.trainable[held_out] = False
-        self.edges = list(cfg.bucket_edges)
-        self.tokens_per_batch = cfg.tokens_per_batch
-        self.block_budget = block_budget
-        self.kind = cfg.kind
+        self.edges = list(bucket_edges)
+        self.tokens_per_batch = tokens_per_batch
+        self.block_budget = (
+            None
+            if block_tokens_per_batch is None
+            else BlockBudget(block_tokens_per_batch, num_anchors, block_size)
+        )
         self.seed = seed
         self._plans: dict[int, tuple[PlannedBatch, ...]] = {}
         self.sample_bucket = np.array([bucket_of(int(n), self.edges) for n in self.lengths], dtype=np.int64)
+
+    @abstractmethod
+    def order(self, buckets: list[int], epoch: int) -> list[int]:
+        """The epoch's batch order: positions into `buckets` (each batch's bucket, bucket by
+        bucket as packed), every position once."""
 
     @property
     def num_buckets(self) -> int:
@@ -186,10 +201,12 @@ class BatchPlanner:
                 (bucket, ids)
                 for ids in pack_bucket(members, self.lengths, self.tokens_per_batch, self.block_budget)
             ]
-        if self.kind is SchedulerKind.shuffle:
-            order = np.random.default_rng([self.seed, epoch]).permutation(len(batches)).tolist()
-        else:
-            order = interleave_order([bucket for bucket, _ in batches])
+        order = [int(i) for i in self.order([bucket for bucket, _ in batches], epoch)]
+        if sorted(order) != list(range(len(batches))):
+            raise ValueError(
+                f"{type(self).__name__}.order must return each of the {len(batches)} batch positions "
+                f"once, got {len(order)} positions ({len(set(order))} distinct)"
+            )
         return tuple(
             PlannedBatch(epoch=epoch, index=i, bucket=batches[j][0], sample_ids=tuple(batches[j][1]))
             for i, j in enumerate(order)
@@ -217,3 +234,39 @@ class BatchPlanner:
             seq -= self.batches_per_epoch(epoch)
             epoch += 1
         return self.epoch(epoch)[seq]
+
+
+class ShufflePlanner(BatchPlanner):
+    """scheduler=shuffle: a flat shuffle of the epoch's batches, seeded by (seed, epoch)."""
+
+    def order(self, buckets: list[int], epoch: int) -> list[int]:
+        return np.random.default_rng([self.seed, epoch]).permutation(len(buckets)).tolist()
+
+
+class InterleavePlanner(BatchPlanner):
+    """scheduler=interleave: buckets interleaved by smooth weighted round-robin (`interleave_order`)."""
+
+    def order(self, buckets: list[int], epoch: int) -> list[int]:
+        return interleave_order(buckets)
+
+
+def build_planner(
+    node: Any,
+    *,
+    lengths: np.ndarray,
+    seed: int,
+    num_anchors: int,
+    block_size: int,
+    held_out: np.ndarray | None = None,
+) -> BatchPlanner:
+    """The `scheduler` node's planner over samples of `lengths` (its block budget counted with
+    the drafter's anchors and block size); training, its tools and its tests build it so."""
+    return build(
+        node,
+        "scheduler",
+        lengths=lengths,
+        seed=seed,
+        num_anchors=num_anchors,
+        block_size=block_size,
+        held_out=held_out,
+    )

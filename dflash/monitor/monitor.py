@@ -19,7 +19,6 @@ from typing import Protocol
 
 import torch
 
-from dflash.config.schema import MonitorConfig
 from dflash.monitor.sinks import MetricSink
 from dflash.monitor.telemetry import GpuTelemetry, cuda_allocator_stats
 from dflash.monitor.train_metrics import NonFiniteTraining, train_metrics
@@ -51,12 +50,18 @@ class _Mark:
         return drafter_totals(self.counters, name)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Monitor:
-    cfg: MonitorConfig
+    """The config group `monitor`'s component, built with the run's sinks and the trainer (the
+    probe): `interval_s` between ticks (0: one per log window), NVML `telemetry`, allocator
+    `cuda_stats` (their meanings: MonitorConfig)."""
+
     sinks: list[MetricSink]
     probe: PipelineProbe
     total_steps: int
+    interval_s: float = 10.0
+    telemetry: bool = True
+    cuda_stats: bool = True
     # Every tick that carried train metrics, as logged.
     history: list[dict[str, float]] = field(default_factory=list)
     # train/ metrics of each log window (every logger.every_steps steps), whatever the tick
@@ -65,7 +70,7 @@ class Monitor:
 
     def __post_init__(self) -> None:
         roles = self.probe.role_devices()
-        self.telemetry = GpuTelemetry(roles, enabled=self.cfg.telemetry)
+        self.gpu = GpuTelemetry(roles, enabled=self.telemetry)
         self.cuda_devices = [d for devices in roles.values() for d in devices if d.type == "cuda"]
         self._last_tick = time.perf_counter()
         self._last_counters: dict[str, float] = {}
@@ -81,10 +86,10 @@ class Monitor:
         """Tick if the interval has passed; cheap to call often. `final`: the run's last tick,
         taken whatever the interval (it closes the tail that `steady_throughput` leaves out)."""
         now = time.perf_counter()
-        if not final and self.cfg.interval_s > 0 and now - self._last_tick < self.cfg.interval_s:
+        if not final and self.interval_s > 0 and now - self._last_tick < self.interval_s:
             return
         groups = self.probe.completed_windows(wait)
-        if groups or final or self.cfg.interval_s > 0:
+        if groups or final or self.interval_s > 0:
             self._tick(groups, final=final)
 
     def _tick(self, groups: list[list[MetricWindow]], final: bool = False) -> None:
@@ -108,8 +113,8 @@ class Monitor:
                 self._final_mark = mark
             else:
                 self._last_mark = mark
-        telemetry.update(self.telemetry.read())
-        if self.cfg.cuda_stats and self.cuda_devices:
+        telemetry.update(self.gpu.read())
+        if self.cuda_stats and self.cuda_devices:
             telemetry.update(cuda_allocator_stats(self.cuda_devices))
         for sink in self.sinks:
             telemetry.update(getattr(sink, "health", dict)())
@@ -214,6 +219,6 @@ class Monitor:
             sink.log(metrics, step)
 
     def close(self, ok: bool) -> None:
-        self.telemetry.close()
+        self.gpu.close()
         for sink in self.sinks:
             sink.close(ok)

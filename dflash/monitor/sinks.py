@@ -1,7 +1,11 @@
-"""Metric sinks (config group `logger`): metrics.jsonl, console lines, W&B.
+"""Metric sinks (config group `logger`, `logger.sinks`): metrics.jsonl, console lines, W&B.
 
 A sink receives one flat dict of floats per log step. `close(ok)` always runs, also when the job
 fails, so a W&B run is always finished (with a failing exit code when the job failed).
+
+Each entry of `logger.sinks` names a class or factory (`_target_`) built with the run's
+`context=` (SinkContext) and the entry's other keys; a user's sink is one class with `log` and
+`close` (docs/extending.md): +logger.sinks.mine._target_=my_module.MySink.
 """
 
 from __future__ import annotations
@@ -12,10 +16,11 @@ import math
 import os
 import threading
 from collections import deque
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
-from dflash.config.schema import LoggerConfig, SinkKind, WandbConfig
+from dflash.config.components import build, check_buildable
 
 log = logging.getLogger(__name__)
 
@@ -26,10 +31,22 @@ class MetricSink(Protocol):
     def close(self, ok: bool) -> None: ...
 
 
+@dataclass(frozen=True)
+class SinkContext:
+    """What every sink is built with: the run dir, the resolved config (a dict), the run's step
+    count and the step a resumed run starts from."""
+
+    run_dir: Path
+    config: dict[str, Any]
+    total_steps: int
+    start_step: int = 0
+
+
 class JsonlSink:
     """<run_dir>/metrics.jsonl: one JSON object per log step, flushed so readers see it at once."""
 
-    def __init__(self, path: Path):
+    def __init__(self, *, context: SinkContext):
+        path = context.run_dir / "metrics.jsonl"
         path.parent.mkdir(parents=True, exist_ok=True)
         self.path = path
         self._file = path.open("a", encoding="utf-8")
@@ -48,12 +65,17 @@ class ProgressSink:
     """A progress bar for the whole run (tqdm, on stderr, only when it is a terminal), starting at
     the step a resumed run continues from."""
 
-    def __init__(self, total_steps: int, start_step: int = 0):
+    def __init__(self, *, context: SinkContext):
         from tqdm import tqdm
 
         # disable=None: no bar when stderr is not a terminal (CI logs, redirected output).
         self.bar = tqdm(
-            total=total_steps, initial=start_step, unit="step", dynamic_ncols=True, leave=True, disable=None
+            total=context.total_steps,
+            initial=context.start_step,
+            unit="step",
+            dynamic_ncols=True,
+            leave=True,
+            disable=None,
         )
 
     def log(self, metrics: dict[str, float], step: int) -> None:
@@ -142,10 +164,10 @@ class BackgroundSink:
         self.sink.close(ok)
 
 
-def wandb_mode(cfg: WandbConfig) -> str:
+def wandb_mode(mode: str | None) -> str:
     """Explicit config wins, then WANDB_MODE; without an API key there is no network use: offline."""
-    if cfg.mode:
-        return cfg.mode
+    if mode:
+        return mode
     if os.environ.get("WANDB_MODE"):
         return os.environ["WANDB_MODE"]
     return "online" if os.environ.get("WANDB_API_KEY") else "offline"
@@ -166,20 +188,35 @@ EVAL_STEP = "snapshot_step"
 
 
 class WandbSink:
-    def __init__(self, cfg: WandbConfig, run_dir: Path, resolved_config: dict[str, Any]):
+    """A W&B run (logger=wandb: its keys are logger.sinks.wandb's; mode null: WANDB_MODE if set,
+    else online with an API key and offline without one). Runs of one sweep share a group named
+    after the sweep dir and are named by the overrides that differ."""
+
+    def __init__(
+        self,
+        *,
+        context: SinkContext,
+        project: str = "dflash",
+        entity: str | None = None,
+        mode: str | None = None,
+        group: str | None = None,
+        name: str | None = None,
+        tags: list[str] | None = None,
+        finish_timeout_s: float = 30.0,
+    ):
         import wandb
 
-        self.timeout_s = cfg.finish_timeout_s
+        self.timeout_s = finish_timeout_s
         sweep_group, job_name = sweep_naming()
         self.run = wandb.init(
-            project=cfg.project,
-            entity=cfg.entity,
-            group=cfg.group or sweep_group,  # runs of one sweep share a group
-            name=cfg.name or job_name,  # ... and are named by the overrides that differ
-            tags=list(cfg.tags),
-            config=resolved_config,
-            dir=str(run_dir),
-            mode=wandb_mode(cfg),
+            project=project,
+            entity=entity,
+            group=group or sweep_group,  # runs of one sweep share a group
+            name=name or job_name,  # ... and are named by the overrides that differ
+            tags=list(tags or []),
+            config=context.config,
+            dir=str(context.run_dir),
+            mode=wandb_mode(mode),
             reinit="finish_previous",
         )
 
@@ -217,28 +254,25 @@ class WandbSink:
             log.warning("wandb: finish() did not return within %.0f s; continuing", self.timeout_s)
 
 
-def build_sinks(
-    cfg: LoggerConfig, run_dir: Path, resolved_config: dict[str, Any], total_steps: int, start_step: int = 0
-) -> list[MetricSink]:
-    sinks: list[MetricSink] = []
-    kinds = list(dict.fromkeys(cfg.sinks))
-    if SinkKind.console in kinds and SinkKind.progress in kinds:
-        kinds.remove(SinkKind.progress)  # the console sink draws the bar itself
-    for kind in kinds:
-        if kind is SinkKind.jsonl:
-            sinks.append(JsonlSink(run_dir / "metrics.jsonl"))
-        elif kind is SinkKind.progress:
-            sinks.append(ProgressSink(total_steps, start_step))
-        elif kind is SinkKind.console:
-            sinks.append(ConsoleSink(total_steps, start_step))
-        elif kind is SinkKind.wandb:
-            wandb_sink = WandbSink(cfg.wandb, run_dir, resolved_config)
-            sinks.append(
-                BackgroundSink(
-                    "wandb",
-                    wandb_sink,
-                    queue_size=cfg.wandb.queue_size,
-                    close_timeout_s=cfg.wandb.finish_timeout_s,
-                )
-            )
-    return sinks
+def wandb_sink(
+    *, context: SinkContext, queue_size: int = 100, finish_timeout_s: float = 30.0, **settings: Any
+):
+    """logger.sinks.wandb: a WandbSink on its own thread (BackgroundSink), `queue_size` ticks deep
+    (the oldest dropped, and counted, when W&B stalls), given `finish_timeout_s` to finish."""
+    sink = WandbSink(context=context, finish_timeout_s=finish_timeout_s, **settings)
+    return BackgroundSink("wandb", sink, queue_size=queue_size, close_timeout_s=finish_timeout_s)
+
+
+def build_sinks(nodes: dict[str, Any], context: SinkContext) -> list[MetricSink]:
+    """`logger.sinks`, each built with `context` (a ConsoleSink draws the progress bar itself:
+    a plain ProgressSink beside one is left out)."""
+    classes = {
+        name: check_buildable(node, f"logger.sinks.{name}", runtime=("context",))
+        for name, node in nodes.items()
+    }
+    console = any(isinstance(c, type) and issubclass(c, ConsoleSink) for c in classes.values())
+    return [
+        build(node, f"logger.sinks.{name}", context=context)
+        for name, node in nodes.items()
+        if not (console and classes[name] is ProgressSink)
+    ]

@@ -1,6 +1,11 @@
-"""Turns a composed config into a runnable job, in phases: checks (everything that can fail on a
-bad config, before any weights load), models, schedule, step objects, trainer, observers. Each
-component receives its own config node (a typed dataclass) plus runtime objects.
+"""The launcher: a composed config -> checks -> components -> a runnable job.
+
+`build_run` reads top to bottom: `check_before_loading` (every refusal a bad config can earn,
+before any weights load; the callbacks and every component's `_target_` are resolved there),
+the models, the schedule (`scheduler`), the step objects (`optimizer`, `lr_schedule`, `noise`,
+`loss`), the trainer (`pipeline`), the observers (`logger.sinks`, `monitor`, `callbacks`). Each
+component is built with hydra.utils.instantiate from its own config node plus runtime objects
+(dflash/config/components.py); this module is the one place that reads the whole config.
 """
 
 from __future__ import annotations
@@ -12,31 +17,27 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
-from dflash.config.schema import (
-    Config,
-    PipelineKind,
-)
+from dflash.config.components import build
+from dflash.config.schema import Config, pipeline_name
 from dflash.data.dataset import TokenDataset
-from dflash.data.schedule import BatchPlanner, BlockBudget, block_budget_for
+from dflash.data.schedule import BatchPlanner, build_planner
 from dflash.export.zlab import load_drafter_weights
 from dflash.models.compile import CompileCounter
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.feature_check import check_target_features
 from dflash.models.target import FrozenTarget
-from dflash.models.target_head import heads_for
+from dflash.models.target_head import TargetHead, heads_for
 from dflash.monitor.callbacks import TrainingCallbacks, build_callbacks
-from dflash.monitor.monitor import Monitor
-from dflash.monitor.sinks import build_sinks
+from dflash.monitor.sinks import SinkContext, build_sinks
 from dflash.run.inputs import load_training_data
 from dflash.run.preflight import Checked, check_before_loading
 from dflash.run.runner import Run
-from dflash.step.build import build_drafter, build_step_fn, uses_compile
+from dflash.step.build import block_settings_for, build_drafter, build_step_fn, uses_compile
 from dflash.step.step import BlockSettings, DrafterStep
-from dflash.trainer.async_trainer import AsyncTrainer, FaultInjection
+from dflash.trainer.async_trainer import FaultInjection
 from dflash.trainer.lifecycle import Trainer
 from dflash.trainer.periodic_eval import PeriodicEval
 from dflash.trainer.state import CheckpointSettings
-from dflash.trainer.sync import SyncTrainer
 from dflash.trainer.validation import Validation, held_out_ids
 
 log = logging.getLogger(__name__)
@@ -61,7 +62,6 @@ class Models:
 class Schedule:
     dataset: TokenDataset
     planner: BatchPlanner
-    budget: BlockBudget | None
     val_ids: np.ndarray | None  # data.val_samples: held out, never planned
     total_steps: int
 
@@ -103,20 +103,42 @@ def build_models(checked: Checked) -> Models:
     return Models(targets, drafters, compiled)
 
 
-def plan_batches(
-    cfg: Config, dataset: TokenDataset
-) -> tuple[BatchPlanner, BlockBudget | None, np.ndarray | None]:
-    """The planner of every epoch's batches, the drafter's block budget it packs under, and the
-    held-out sample ids it never plans (data.val_samples; None without a split). Tools that
-    replay a run's batches (scripts/check_fast_path.py) take them from here."""
-    budget = block_budget_for(
-        cfg.scheduler, num_anchors=cfg.drafter.num_anchors, block_size=cfg.drafter.block_size
-    )
+def plan_batches(cfg: Config, dataset: TokenDataset) -> tuple[BatchPlanner, np.ndarray | None]:
+    """The `scheduler` node's planner of every epoch's batches (packed under the drafter's block
+    budget) and the held-out sample ids it never plans (data.val_samples; None without a split).
+    Tools that replay a run's batches (scripts/check_fast_path.py) take them from here."""
     val_ids = held_out_ids(len(dataset), cfg.data.val_samples, cfg.seed) if cfg.data.val_samples else None
-    planner = BatchPlanner(
-        dataset.lengths, cfg.scheduler, seed=cfg.seed, block_budget=budget, held_out=val_ids
+    planner = build_planner(
+        cfg.scheduler,
+        lengths=dataset.lengths,
+        seed=cfg.seed,
+        num_anchors=cfg.drafter.num_anchors,
+        block_size=cfg.drafter.block_size,
+        held_out=val_ids,
     )
-    return planner, budget, val_ids
+    return planner, val_ids
+
+
+def block_settings_of(cfg: Config, device: torch.device) -> BlockSettings:
+    """How the run builds and scores blocks on a drafter device (seed, anchors, the `loss` node,
+    the drafter's kernels): its step, its validation, tools that measure its checkpoints."""
+    return block_settings_for(seed=cfg.seed, drafter=cfg.drafter, loss=cfg.loss, device=device)
+
+
+def step_fn_for(
+    cfg: Config, *, head: TargetHead, drafter: DFlashDrafter, total_steps: int, num_buckets: int
+) -> DrafterStep:
+    """One replica's step object from the `optimizer`, `lr_schedule` and `noise` nodes."""
+    return build_step_fn(
+        optimizer=cfg.optimizer,
+        lr_schedule=cfg.lr_schedule,
+        noise=cfg.noise,
+        block_settings=block_settings_of(cfg, next(drafter.parameters()).device),
+        head=head,
+        drafter=drafter,
+        total_steps=total_steps,
+        num_buckets=num_buckets,
+    )
 
 
 def build_schedule(checked: Checked, models: Models) -> Schedule:
@@ -125,9 +147,9 @@ def build_schedule(checked: Checked, models: Models) -> Schedule:
     dataset, prep_stats = load_training_data(cfg, models.targets[0])
     if prep_stats is not None:
         log.info("data: %s", "; ".join(line.strip() for line in prep_stats.lines()))
-    planner, budget, val_ids = plan_batches(cfg, dataset)
+    planner, val_ids = plan_batches(cfg, dataset)
     replicas = len(models.drafters) * checked.process_group.world_size
-    return Schedule(dataset, planner, budget, val_ids, total_steps_for(cfg, planner, replicas))
+    return Schedule(dataset, planner, val_ids, total_steps_for(cfg, planner, replicas))
 
 
 def check_features(checked: Checked, models: Models, dataset: TokenDataset) -> None:
@@ -153,7 +175,7 @@ def build_step_fns(*, checked: Checked, models: Models, schedule: Schedule) -> l
     """One step object per drafter replica; each embeds and scores its blocks with the target's
     tables on its own device (a frozen copy where no target lives)."""
     return [
-        build_step_fn(
+        step_fn_for(
             checked.config,
             head=head,
             drafter=drafter,
@@ -181,24 +203,19 @@ def build_trainer(
         run_config_yaml=checked.run_config_yaml,
         target_identity=checked.target_identity,
     )
-    common = dict(
+    runtime = dict(
+        targets=models.targets,
+        step_fns=step_fns,
         dataset=schedule.dataset,
         planner=schedule.planner,
         stop_after=stop_after,
         log_every=cfg.logger.every_steps,
         checkpoints=checkpoints,
+        process_group=checked.process_group,  # multi-node: rank 0 alone logs and checkpoints
     )
-    if cfg.pipeline.kind is PipelineKind.sync:
-        return SyncTrainer(target=models.targets[0], step_fn=step_fns[0], **common)
-    # Multi-node: rank 0 alone logs and checkpoints (see AsyncTrainer.save).
-    return AsyncTrainer(
-        targets=models.targets,
-        step_fns=step_fns,
-        cfg=cfg.pipeline,
-        faults=faults,
-        process_group=checked.process_group,
-        **common,
-    )
+    if faults is not None:  # tests: a target worker or drafter that raises on cue
+        runtime["faults"] = faults
+    return build(cfg.pipeline, "pipeline", **runtime)
 
 
 def attach_observers(
@@ -215,20 +232,16 @@ def attach_observers(
     sink does, and the trainer's checkpoints."""
     cfg, is_main = checked.config, checked.process_group.is_main
     # After the restore: a resumed run's progress bar starts where the run left off.
-    sinks = (
-        build_sinks(
-            cfg.logger,
-            checked.run_dir,
-            checked.resolved,
-            trainer.stop_after,
-            start_step=trainer.position.step,
-        )
-        if is_main
-        else []
+    context = SinkContext(
+        run_dir=checked.run_dir,
+        config=checked.resolved,
+        total_steps=trainer.stop_after,
+        start_step=trainer.position.step,
     )
+    sinks = build_sinks(cfg.logger.sinks, context) if is_main else []
     if callbacks:
         sinks.append(callbacks)
-    monitor = Monitor(cfg.monitor, sinks, trainer, trainer.stop_after)
+    monitor = build(cfg.monitor, "monitor", sinks=sinks, probe=trainer, total_steps=trainer.stop_after)
     validation = None
     if schedule.val_ids is not None and is_main:
         validation = Validation(
@@ -236,7 +249,7 @@ def attach_observers(
             schedule.val_ids,
             settings=block_settings,
             tokens_per_batch=cfg.scheduler.tokens_per_batch,
-            block_budget=schedule.budget,
+            block_budget=schedule.planner.block_budget,
         )
     periodic_eval = None
     if checked.periodic_prompts is not None and is_main:
@@ -286,7 +299,7 @@ def build_run(composed: DictConfig, faults: FaultInjection | None = None) -> Run
         checked.layer_ids,
         checked.target_devices,
         checked.drafter_devices,
-        cfg.pipeline.kind.value,
+        pipeline_name(cfg.pipeline),
     )
     return Run(
         cfg=cfg,

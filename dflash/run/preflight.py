@@ -14,6 +14,7 @@ from typing import Any
 import torch
 from omegaconf import DictConfig, OmegaConf
 
+from dflash.config.components import check_buildable
 from dflash.config.devices import ProcessSlot, resolve_device_split
 from dflash.config.keys import refuse_unknown_keys
 from dflash.config.schema import Config, TargetConfig
@@ -54,6 +55,38 @@ class Checked:
     run_dir: Path
     run_config_yaml: str
     target_identity: dict  # dflash/models/identity.py
+
+
+# The runtime keyword arguments the launcher builds each component with (dflash/run/launch.py),
+# besides its node's own keys: a `_target_` whose signature cannot take them is refused here.
+COMPONENT_RUNTIME: dict[str, tuple[str, ...]] = {
+    "scheduler": ("lengths", "seed", "num_anchors", "block_size", "held_out"),
+    "optimizer": ("params",),
+    "lr_schedule": ("optimizer", "total_steps"),
+    "loss": (),
+    "noise": (),
+    "pipeline": (
+        "targets",
+        "step_fns",
+        "dataset",
+        "planner",
+        "stop_after",
+        "log_every",
+        "checkpoints",
+        "process_group",
+    ),
+    "monitor": ("sinks", "probe", "total_steps"),
+}
+
+
+def check_components(cfg: Config) -> None:
+    """Every component's `_target_` imports and takes its node's keys plus its runtime arguments
+    (a user's class too), before any weights load; the metric sinks likewise."""
+    for key, runtime in COMPONENT_RUNTIME.items():
+        exclude = ("grad_clip",) if key == "optimizer" else ()  # the step's, not the optimizer's
+        check_buildable(getattr(cfg, key), key, runtime=runtime, exclude=exclude)
+    for name, node in cfg.logger.sinks.items():
+        check_buildable(node, f"logger.sinks.{name}", runtime=("context",))
 
 
 def prompt_sets(cfg: Config, target_cfg: TargetConfig, target_config):
@@ -121,6 +154,7 @@ def check_before_loading(composed: DictConfig) -> Checked:
         visible_cuda_devices=visible_cuda_devices(),
         slot=slot,
     )
+    check_components(cfg)
     layer_ids = resolve_layer_ids(cfg, target_config.num_hidden_layers)
     target_devices, drafter_devices = resolve_device_split(cfg, visible_cuda_devices(), slot)
     if "cpu" in target_devices + drafter_devices:

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from dflash.config.schema import Config, DeviceKind
+from dflash.config.schema import Config, DeviceKind, pipeline_name
 from dflash.distributed import ProcessGroupInfo, visible_cuda_devices
 from dflash.eval.evaluate import evaluate, planned_decodings
 from dflash.eval.prompts import PromptSet
@@ -90,7 +90,7 @@ class Run:
         return {
             "run_dir": str(self.run_dir),
             "checkpoint": str(self.trainer.checkpoints.directory / "last"),
-            "pipeline": str(self.cfg.pipeline.kind.value),
+            "pipeline": pipeline_name(self.cfg.pipeline),
             "steps": self.trainer.position.step,
             "wall_s": round(wall_s, 1),
             "train/acc_first_window": first["train/acc"],

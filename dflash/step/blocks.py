@@ -88,10 +88,11 @@ def build_blocks(
     block_size: int,
     num_anchors: int,
     mask_token_id: int,
-    gamma: float,
+    weights: torch.Tensor,
     keep_fraction: float = 0.0,
 ) -> DraftBlocks:
-    """Draw anchors per sample and lay out their blocks, labels and weights (host tensors).
+    """Draw anchors per sample and lay out their blocks, labels and weights (host tensors);
+    `weights` [block_size]: each block position's loss weight (`position_weights`).
 
     keep_fraction (noise=mask_ramp): each non-anchor block position keeps its true token instead
     of MASK with this probability; such positions carry no loss and no accuracy.
@@ -132,7 +133,7 @@ def build_blocks(
     block_ids = np.where(keep, true_ids, mask_token_id)
     block_ids[:, :, 0] = true_ids[:, :, 0]
     labels = np.where(valid, true_ids, 0)
-    weights = position_weights(block_size, gamma).numpy()[None, None, :] * valid
+    weights = weights.numpy()[None, None, :] * valid
 
     flat = (batch, num_blocks * block_size)
     return DraftBlocks(

@@ -1,7 +1,9 @@
-"""The drafter, its optimizer, LR schedule and step object, from config.
+"""The drafter, its optimizer, LR schedule, noise, loss and step object, each from its own
+config node plus the runtime objects it needs (the components are built with
+hydra.utils.instantiate: dflash/config/components.py).
 
-Shared by the run builder (dflash/run/launch.py) and the tools that build a step outside a run
-(scripts/bench_step.py, scripts/check_fast_path.py, scripts/bench_decode.py).
+The launcher (dflash/run/launch.py) and the tools that build a step outside a run
+(scripts/bench_step.py, scripts/check_fast_path.py) call these through `launch.step_fn_for`.
 """
 
 from __future__ import annotations
@@ -9,18 +11,19 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from transformers import get_constant_schedule_with_warmup, get_cosine_schedule_with_warmup
 
+from dflash.config.components import build
 from dflash.config.schema import (
     AttentionKind,
-    Config,
     DrafterConfig,
+    LossConfig,
     LrScheduleConfig,
-    LrScheduleKind,
+    NoiseConfig,
     OptimizerConfig,
 )
 from dflash.models.drafter import DFlashDrafter, drafter_config
 from dflash.models.target_head import TargetHead
+from dflash.step.loss import BlockLoss
 from dflash.step.noise import NoiseSchedule
 from dflash.step.step import BlockSettings, DrafterStep
 
@@ -45,50 +48,65 @@ def uses_compile(setting: bool | None, device: torch.device) -> bool:
     return setting if setting is not None else device.type == "cuda"
 
 
-def build_optimizer(cfg: OptimizerConfig, params) -> torch.optim.Optimizer:
-    # Fused (CPU and CUDA): one kernel for the whole update, and the `found_inf` input through
-    # which a non-finite step is skipped on the device (DrafterStep.apply).
-    return torch.optim.AdamW(
-        params,
-        lr=cfg.lr,
-        betas=(cfg.betas[0], cfg.betas[1]),
-        weight_decay=cfg.weight_decay,
-        eps=cfg.eps,
-        fused=True,
-    )
+def build_optimizer(node: OptimizerConfig, params) -> torch.optim.Optimizer:
+    """The `optimizer` node's class over `params` (grad_clip is the step's, not an argument).
+    It must be fused: DrafterStep.apply divides and clips the gradients through the fused
+    kernel's `grad_scale` input and skips a non-finite step through `found_inf`; an unfused
+    optimizer ignores both and would train on unnormalised, unclipped gradients."""
+    optimizer = build(node, "optimizer", exclude=("grad_clip",), params=params)
+    if not optimizer.defaults.get("fused"):
+        raise ValueError(
+            f"optimizer: {node._target_} is not fused (optimizer.fused=true); the step scales and "
+            "clips gradients through a fused optimizer's grad_scale input"
+        )
+    return optimizer
 
 
-def build_lr_scheduler(cfg: LrScheduleConfig, optimizer, total_steps: int):
-    warmup = int(round(cfg.warmup_ratio * total_steps))
-    if cfg.kind is LrScheduleKind.cosine:
-        return get_cosine_schedule_with_warmup(optimizer, warmup, total_steps)
-    return get_constant_schedule_with_warmup(optimizer, warmup)
+def build_lr_scheduler(node: LrScheduleConfig, optimizer: torch.optim.Optimizer, total_steps: int):
+    return build(node, "lr_schedule", optimizer=optimizer, total_steps=total_steps)
 
 
-def block_settings_for(cfg: Config, drafter_device: torch.device) -> BlockSettings:
-    """How a run builds and scores its blocks on `drafter_device`: training's step and its
-    validation, and tools that measure a checkpoint the way its run did."""
+def build_noise(node: NoiseConfig) -> NoiseSchedule:
+    return build(node, "noise")
+
+
+def build_loss(node: LossConfig) -> BlockLoss:
+    return build(node, "loss")
+
+
+def block_settings_for(
+    *, seed: int, drafter: DrafterConfig, loss: LossConfig, device: torch.device
+) -> BlockSettings:
+    """How a run builds and scores its blocks on `device`: training's step and its validation,
+    and tools that measure a checkpoint the way its run did."""
     return BlockSettings(
-        seed=cfg.seed,
-        num_anchors=cfg.drafter.num_anchors,
-        gamma=cfg.loss.gamma,
-        logits_chunk=cfg.loss.logits_chunk,
-        flex_attention=uses_flex_attention(cfg.drafter, drafter_device),
-        compiled_loss=uses_compile(cfg.drafter.compile, drafter_device),
+        seed=seed,
+        num_anchors=drafter.num_anchors,
+        loss=build_loss(loss),
+        flex_attention=uses_flex_attention(drafter, device),
+        compiled_loss=uses_compile(drafter.compile, device),
     )
 
 
 def build_step_fn(
-    cfg: Config, *, head: TargetHead, drafter: DFlashDrafter, total_steps: int, num_buckets: int
+    *,
+    optimizer: OptimizerConfig,
+    lr_schedule: LrScheduleConfig,
+    noise: NoiseConfig,
+    block_settings: BlockSettings,
+    head: TargetHead,
+    drafter: DFlashDrafter,
+    total_steps: int,
+    num_buckets: int,
 ) -> DrafterStep:
-    optimizer = build_optimizer(cfg.optimizer, drafter.parameters())
+    built = build_optimizer(optimizer, drafter.parameters())
     return DrafterStep(
         head=head,
         drafter=drafter,
-        optimizer=optimizer,
-        lr_scheduler=build_lr_scheduler(cfg.lr_schedule, optimizer, total_steps),
-        noise=NoiseSchedule.from_config(cfg.noise),
-        block_settings=block_settings_for(cfg, next(drafter.parameters()).device),
-        grad_clip=cfg.optimizer.grad_clip,
+        optimizer=built,
+        lr_scheduler=build_lr_scheduler(lr_schedule, built, total_steps),
+        noise=build_noise(noise),
+        block_settings=block_settings,
+        grad_clip=optimizer.grad_clip,
         num_buckets=num_buckets,
     )

@@ -1,5 +1,9 @@
 """DFlash loss: gamma-weighted cross-entropy, unweighted per-position accuracy, tau_sim.
 
+`BlockLoss` is the config group `loss`'s component: the position weights blocks are scored with
+and how the fused LM-head loss is chunked. A subclass may weigh positions otherwise (an
+ablation); position 0, the given anchor, never carries loss whatever it returns.
+
 The loss is reduced as (sum of w * CE, sum of w) and divided once by whoever owns the whole
 step: with several replicas or accumulation, a replica that drew short or empty batches must
 not weigh as much as one that drew full ones (docs/ARCHITECTURE.md §1).
@@ -18,7 +22,21 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash.models.compile import compile_shared
-from dflash.step.blocks import DraftBlocks
+from dflash.step.blocks import DraftBlocks, position_weights
+
+
+@dataclass(frozen=True)
+class BlockLoss:
+    """loss.gamma: w_k = exp(-(k - 1) / gamma) for block position k >= 1 (paper: 7 for B=16, 5
+    for B=10, 4 for B=8). loss.logits_chunk: labelled block positions per chunk of the fused
+    LM-head loss (0: the reference, all logits through autograd)."""
+
+    gamma: float
+    logits_chunk: int = 0
+
+    def position_weights(self, block_size: int) -> torch.Tensor:
+        """[block_size] weights; position 0 (the anchor) is never scored."""
+        return position_weights(block_size, self.gamma)
 
 
 @dataclass

@@ -1,35 +1,50 @@
-"""Training-noise schedules (config group `noise`).
+"""Training-noise schedules (config group `noise`, `_target_`: a NoiseSchedule class).
 
 Each schedule is a pure function of the optimizer step, so a resumed run applies exactly the
 noise an uninterrupted one would, and tests can check the effect at a step inside the warmup.
+A user's schedule subclasses NoiseSchedule and overrides either method (docs/extending.md).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from dflash.config.schema import NoiseConfig, NoiseKind
+
+class NoiseSchedule:
+    """No noise unless a subclass says otherwise."""
+
+    def keep_fraction(self, step: int) -> float:
+        """Share of non-anchor block positions that keep their true token at `step` (they carry
+        no loss): 0 trains every position, as inference sees them."""
+        return 0.0
+
+    def feature_std(self, step: int) -> float:
+        """Std of the Gaussian added to the fused context feature at `step`."""
+        return 0.0
+
+
+class NoNoise(NoiseSchedule):
+    """noise=none, the paper's default: every non-anchor block position is MASK."""
 
 
 @dataclass(frozen=True)
-class NoiseSchedule:
-    kind: NoiseKind
+class MaskRampNoise(NoiseSchedule):
+    """noise=mask_ramp: the share of kept true tokens ramps from `start` to 0 over `warmup_steps`,
+    so training ends fully masked as at inference."""
+
     start: float
+    warmup_steps: int
+
+    def keep_fraction(self, step: int) -> float:
+        return self.start * max(0.0, 1.0 - step / self.warmup_steps)
+
+
+@dataclass(frozen=True)
+class FeatureNoise(NoiseSchedule):
+    """noise=feature: the feature noise's std ramps from 0 to `std` over `warmup_steps`."""
+
     std: float
     warmup_steps: int
 
-    @classmethod
-    def from_config(cls, cfg: NoiseConfig) -> NoiseSchedule:
-        return cls(cfg.kind, cfg.start, cfg.std, cfg.warmup_steps)
-
-    def keep_fraction(self, step: int) -> float:
-        """mask_ramp: share of non-anchor block positions that keep their true token (start -> 0)."""
-        if self.kind is not NoiseKind.mask_ramp:
-            return 0.0
-        return self.start * max(0.0, 1.0 - step / self.warmup_steps)
-
     def feature_std(self, step: int) -> float:
-        """feature: std of the Gaussian added to the fused context feature (0 -> std)."""
-        if self.kind is not NoiseKind.feature:
-            return 0.0
         return self.std * min(1.0, step / self.warmup_steps)

@@ -18,7 +18,7 @@ from dflash.models.drafter import DFlashDrafter
 from dflash.models.target_head import TargetHead
 from dflash.step.block_mask import KvTiles, flex_block_mask, tiles_by_window
 from dflash.step.blocks import DraftBlocks, build_blocks, layer_masks
-from dflash.step.loss import LossStats, draft_loss
+from dflash.step.loss import BlockLoss, LossStats, draft_loss
 from dflash.step.metrics import StepMetrics
 from dflash.step.noise import NoiseSchedule
 
@@ -27,8 +27,7 @@ from dflash.step.noise import NoiseSchedule
 class BlockSettings:
     seed: int
     num_anchors: int
-    gamma: float
-    logits_chunk: int = 0  # block positions per LM-head chunk of the fused loss (0: the reference)
+    loss: BlockLoss  # position weights and the fused loss's chunking (config group `loss`)
     flex_attention: bool = False  # block-sparse flex_attention (else SDPA with the dense mask)
     compiled_loss: bool = False  # the fused loss's per-chunk work through torch.compile
 
@@ -46,7 +45,7 @@ def make_blocks(
         block_size=drafter.block_size,
         num_anchors=settings.num_anchors,
         mask_token_id=drafter.mask_token_id,
-        gamma=settings.gamma,
+        weights=settings.loss.position_weights(drafter.block_size),
         keep_fraction=keep_fraction,
     )
 
@@ -136,7 +135,7 @@ class DrafterStep:
             blocks,
             feature_noise_std=self.noise.feature_std(step),
             noise_generator=self.noise_generator,
-            logits_chunk=settings.logits_chunk,
+            logits_chunk=settings.loss.logits_chunk,
             tiles=tiles,
             compiled_loss=settings.compiled_loss,
         )

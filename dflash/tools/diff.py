@@ -28,9 +28,9 @@ from dflash.errors import exit_for_user_error
 DEFAULT_IGNORE = (
     "paths.*",
     "hydra.*",
-    "logger.wandb.name",
-    "logger.wandb.group",
-    "logger.wandb.tags",
+    "logger.sinks.wandb.name",
+    "logger.sinks.wandb.group",
+    "logger.sinks.wandb.tags",
     "resume",
 )
 METRICS = (

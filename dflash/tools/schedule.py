@@ -57,26 +57,32 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--epoch", type=int, default=0)
     args, overrides = parser.parse_known_args(argv)
 
-    from dflash.config.schema import SchedulerConfig, SchedulerKind
-    from dflash.data.schedule import BatchPlanner, block_budget_for
+    from dflash.config.schema import InterleaveSchedulerConfig, ShuffleSchedulerConfig
+    from dflash.data.schedule import build_planner
     from dflash.run.inputs import load_training_data
     from dflash.tools.compose import compose_typed
 
     cfg = compose_typed(overrides)
     dataset, _ = load_training_data(cfg)
+    budgets = {
+        "bucket_edges": list(cfg.scheduler.bucket_edges),
+        "tokens_per_batch": cfg.scheduler.tokens_per_batch,
+        "block_tokens_per_batch": cfg.scheduler.block_tokens_per_batch,
+    }
+    # The two built-in orders over the run's buckets and budgets, and the run's own if it is another.
+    nodes = {"shuffle": ShuffleSchedulerConfig(**budgets), "interleave": InterleaveSchedulerConfig(**budgets)}
+    if cfg.scheduler._target_ not in {node._target_ for node in nodes.values()}:
+        nodes[cfg.scheduler._target_] = cfg.scheduler
     orders = {}
-    for kind in (SchedulerKind.shuffle, SchedulerKind.interleave):
-        sched = SchedulerConfig(
-            kind,
-            list(cfg.scheduler.bucket_edges),
-            cfg.scheduler.tokens_per_batch,
-            cfg.scheduler.block_tokens_per_batch,
+    for name, node in nodes.items():
+        planner = build_planner(
+            node,
+            lengths=dataset.lengths,
+            seed=cfg.seed,
+            num_anchors=cfg.drafter.num_anchors,
+            block_size=cfg.drafter.block_size,
         )
-        budget = block_budget_for(
-            sched, num_anchors=cfg.drafter.num_anchors, block_size=cfg.drafter.block_size
-        )
-        planner = BatchPlanner(dataset.lengths, sched, seed=cfg.seed, block_budget=budget)
-        orders[kind.value] = [b.bucket for b in planner.epoch(args.epoch)]
+        orders[name] = [b.bucket for b in planner.epoch(args.epoch)]
     edges = list(cfg.scheduler.bucket_edges)
     print(
         f"{len(dataset)} samples; buckets (upper edges) {edges}; {cfg.scheduler.tokens_per_batch} tokens per batch"

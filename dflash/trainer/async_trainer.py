@@ -19,7 +19,6 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash.config.schema import PipelineConfig
 from dflash.data.dataset import TokenDataset
 from dflash.data.schedule import BatchPlanner
 from dflash.distributed import ProcessGroupInfo
@@ -77,10 +76,17 @@ class AsyncTrainer(Trainer):
         stop_after: int,
         log_every: int,
         checkpoints: CheckpointSettings,
-        cfg: PipelineConfig,
+        hs_queue_size: int = 8,
+        prefetch_depth: int = 4,
+        num_workers: int = 2,
+        warmup: bool = True,
+        poll_interval_s: float = 0.05,
+        shutdown_timeout_s: float = 10.0,
         faults: FaultInjection | None = None,
         process_group: ProcessGroupInfo | None = None,
     ):
+        """The stages' settings are pipeline=async's (conf/pipeline/async.yaml, documented in
+        its schema, AsyncPipelineConfig)."""
         super().__init__(
             step_fns=step_fns,
             dataset=dataset,
@@ -92,7 +98,12 @@ class AsyncTrainer(Trainer):
         )
         self.targets = targets
         self.target = targets[0]
-        self.cfg = cfg
+        self.hs_queue_size, self.prefetch_depth, self.num_workers = hs_queue_size, prefetch_depth, num_workers
+        self.warmup, self.poll_interval_s, self.shutdown_timeout_s = (
+            warmup,
+            poll_interval_s,
+            shutdown_timeout_s,
+        )
         self.faults = faults or FaultInjection()
         self._pending: dict[int, dict[int, MetricWindow]] = defaultdict(dict)
         self._failure: tuple[str, BaseException] | None = None
@@ -110,15 +121,15 @@ class AsyncTrainer(Trainer):
             dataset=self.dataset,
             planner=self.planner,
             target_devices=[t.device for t in self.targets],
-            num_workers=self.cfg.num_workers,
-            depth_per_device=self.cfg.prefetch_depth,
+            num_workers=self.num_workers,
+            depth_per_device=self.prefetch_depth,
             start_seq=start.next_seq,
             end_seq=start.next_seq + needed + len(start.done_beyond),
             skip_seqs=set(start.done_beyond),
             rank=self.process_group.rank,
             world_size=self.process_group.world_size,
         )
-        self.hs_queue = HiddenStateQueue(self.cfg.hs_queue_size, self.planner.num_buckets)
+        self.hs_queue = HiddenStateQueue(self.hs_queue_size, self.planner.num_buckets)
         self.workers = [
             TargetWorker(
                 index=i,
@@ -191,14 +202,12 @@ class AsyncTrainer(Trainer):
             loop.stop_requested.set()
 
     def _join_all(self) -> None:
-        deadline = time.perf_counter() + self.cfg.shutdown_timeout_s
+        deadline = time.perf_counter() + self.shutdown_timeout_s
         for thread in self.threads:
             thread.join(max(0.0, deadline - time.perf_counter()))
         alive = [t.name for t in self.threads if t.is_alive()]
         if alive:
-            raise RuntimeError(
-                f"pipeline threads did not stop within {self.cfg.shutdown_timeout_s} s: {alive}"
-            )
+            raise RuntimeError(f"pipeline threads did not stop within {self.shutdown_timeout_s} s: {alive}")
 
     def _after_step(self, step: int) -> None:
         # Drafter thread 0, between steps: the periodic evaluation's snapshot is a device copy,
@@ -248,13 +257,13 @@ class AsyncTrainer(Trainer):
         """Build the pipeline and warm the target up (once; run() calls it if nobody did)."""
         if self.prefetcher is None:
             self._build()
-            if self.cfg.warmup:
+            if self.warmup:
                 self._warm_up()
 
     def _train(self, stop: StopSignal) -> int | None:
         stop_signum = None
         self._spawn("feed", self.prefetcher.feed)
-        for i in range(self.cfg.num_workers):
+        for i in range(self.num_workers):
             self._spawn(f"collate{i}", self.prefetcher.work)
         for worker in self.workers:
             self._spawn(f"target{worker.index}", worker.run)
@@ -269,13 +278,13 @@ class AsyncTrainer(Trainer):
                     log.warning("stop requested: finishing the current step, then a checkpoint")
                     for loop in self.loops:
                         loop.stop_requested.set()
-                time.sleep(self.cfg.poll_interval_s)
+                time.sleep(self.poll_interval_s)
                 self._observe(stop)
         finally:
             if stop_signum is not None:
                 # Let drafters finish the step they are in, then unblock whoever waits.
                 for thread in drafters:
-                    thread.join(self.cfg.shutdown_timeout_s)
+                    thread.join(self.shutdown_timeout_s)
             self._close_everything()
             self._join_all()
         if self._failure is not None:

@@ -16,6 +16,7 @@ import torch
 from dflash.data.collate import collate
 from dflash.data.dataset import TokenDataset
 from dflash.data.schedule import BatchPlanner
+from dflash.distributed import ProcessGroupInfo
 from dflash.models.target import FrozenTarget
 from dflash.pipeline.counters import DeviceSpan, WorkCounters
 from dflash.pipeline.prefetch import BatchStats
@@ -32,14 +33,20 @@ class SyncTrainer(Trainer):
     def __init__(
         self,
         *,
-        target: FrozenTarget,
-        step_fn: DrafterStep,
+        targets: list[FrozenTarget],
+        step_fns: list[DrafterStep],
         dataset: TokenDataset,
         planner: BatchPlanner,
         stop_after: int,
         log_every: int,
         checkpoints: CheckpointSettings,
+        process_group: ProcessGroupInfo | None = None,
     ):
+        if len(targets) != 1 or len(step_fns) != 1:
+            raise ValueError(
+                f"pipeline=sync runs one target and one drafter, got {len(targets)} and {len(step_fns)}"
+            )
+        (target,), (step_fn,) = targets, step_fns
         super().__init__(
             step_fns=[step_fn],
             dataset=dataset,
@@ -47,6 +54,7 @@ class SyncTrainer(Trainer):
             stop_after=stop_after,
             log_every=log_every,
             checkpoints=checkpoints,
+            process_group=process_group,
         )
         self.drafter_device = step_fn.device
         self.target = target

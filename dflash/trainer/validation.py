@@ -90,7 +90,7 @@ class Validation:
                 drafter,
                 target.features(batch.input_ids.to(device)),
                 blocks.to(device),
-                logits_chunk=self.settings.logits_chunk,
+                logits_chunk=self.settings.loss.logits_chunk,
                 tiles=tiles,
             )
             sums.add(stats, no_grad_norm, batch, anchors=0)
