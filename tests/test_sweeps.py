@@ -69,6 +69,34 @@ def test_two_by_two_sweep_is_isolated_recorded_and_diffable(tmp_path, data_cache
 
 
 @pytest.mark.slow
+def test_an_optuna_search_over_gamma_and_lr_records_every_trial_and_the_best(tmp_path, data_cache):
+    """experiment=search_gamma_lr (hydra/sweeper=optuna, the `sweep` extra) on the tiny default:
+    each trial draws gamma and lr from the search space, trains, and returns the objective; its
+    run.json is in its job dir as for a grid, and the best trial is the one with the best
+    objective."""
+    import yaml
+
+    result = sweep(tmp_path, data_cache, "experiment=search_gamma_lr", "hydra.sweeper.n_trials=3")
+    assert result.returncode == 0, result.stderr[-3000:]
+    records = [json.loads((tmp_path / str(i) / "run.json").read_text()) for i in range(3)]
+    drawn = []
+    for record in records:
+        assert record["status"] == "COMPLETED" and record["choices"]["hydra/sweeper"] == "optuna"
+        gamma, lr = record["config"]["loss"]["gamma"], record["config"]["optimizer"]["lr"]
+        assert 3 <= gamma <= 10 and 1e-4 <= lr <= 3e-3
+        drawn.append((gamma, lr))
+    assert len(set(drawn)) == 3  # a search: three different points, none of them the default
+    best = yaml.safe_load((tmp_path / "optimization_results.yaml").read_text())
+    taus = [record["metrics"]["eval/tau"] for record in records]
+    assert best["best_value"] == max(taus)
+    winner = records[taus.index(max(taus))]["config"]
+    assert best["best_params"] == {
+        "loss.gamma": winner["loss"]["gamma"],
+        "optimizer.lr": winner["optimizer"]["lr"],
+    }
+
+
+@pytest.mark.slow
 def test_a_failing_job_is_recorded_and_the_sweep_goes_on(tmp_path, data_cache):
     result = sweep(tmp_path, data_cache, "gpu.target=2,1")  # job 0 asks for an impossible split
     assert result.returncode != 0  # Hydra reports the failure once every job has run
