@@ -1,0 +1,75 @@
+#!/usr/bin/env bash
+# The benchmarks of benchmarks/RESULTS.md on a GPU host (after scripts/gpu_install.sh), on random-
+# weight targets at published shapes (nothing to download). Each named benchmark writes
+# OUT_DIR/<name>.log (what it printed: tables, the machine, the exact overrides) and prints its
+# tables; with no name, all that fit one GPU run one after another.
+#   bash scripts/gpu_benchmarks.sh OUT_DIR [step|target|decode|decode_hybrid|pipeline|train|layouts ...]
+# step           the paper-shape drafter step (Qwen3-8B shape, 5-layer b16 drafter, 512 anchors,
+#                3072 tokens): reference vs fast paths, phases, memory (scripts/bench_step.py)
+# target         a MoE hybrid target's feature forward (Qwen3-Next-80B-A3B shape, 12 of 48 layers):
+#                samples per forward, eager vs regional compile, time per layer part (bench_target.py)
+# decode         a DFlash round against a plain step at 8B, static caches + CUDA graphs (bench_decode.py)
+# decode_hybrid  the same on a hybrid target (Qwen3.5-9B shape), compiled per layer kind
+# pipeline       pipeline=sync vs async on a small target (scripts/bench_pipeline.py)
+# train          dflash-train at the paper shape on one GPU: the reference paths vs the fast ones
+#                vs experiment=qwen3_8b, compared by scripts/compare_runs.py (runs in OUT_DIR/runs)
+# layouts        every gpu= layout on 2 or more GPUs (a Qwen3-4B shape, scripts/bench_pipeline.py)
+set -uo pipefail
+OUT_DIR=$(realpath -m "$1"); shift
+mkdir -p "$OUT_DIR"
+PY=${PYTHON:-python3}
+export PYTHONUNBUFFERED=1 NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
+CACHE="paths.cache_dir=$OUT_DIR/cache"
+tables() { grep "^|\|^NVIDIA\|^H[0-9]\|Error\|error:" "$1" || true; }
+SMALL_TARGET=(gpu=single drafter=b16 drafter.mask_token_id=31999 drafter.num_anchors=64
+  target.arch.vocab_size=32000 target.arch.hidden_size=1024 target.arch.intermediate_size=3072
+  target.arch.num_hidden_layers=16 target.arch.num_attention_heads=16 target.arch.num_key_value_heads=8
+  target.arch.head_dim=64 data.num_samples=512 data.gen_len_max=300 data.max_length=384
+  'scheduler.bucket_edges=[128,256,384]' scheduler.tokens_per_batch=8192 "$CACHE")
+for name in ${@:-step target decode decode_hybrid pipeline train}; do
+  log="$OUT_DIR/$name.log"
+  case "$name" in
+  step)
+    $PY scripts/bench_step.py --profile "$OUT_DIR/profile_step" > "$log" 2>&1; tables "$log" ;;
+  target)
+    $PY scripts/bench_target.py --samples 1,4,16 --experts grouped_mm --compile eager,layers > "$log" 2>&1
+    tables "$log" ;;
+  decode)
+    $PY scripts/bench_decode.py --reps 30 --context 1024 --skip-dynamic --compile target=qwen3_8b_random \
+      drafter=b16 drafter.mask_token_id=151669 gpu=single "$CACHE" > "$log" 2>&1
+    grep -v "INFO\|Loading weights\|Warning" "$log" | tail -14 ;;
+  decode_hybrid)
+    $PY scripts/bench_decode.py --reps 20 --compile target=qwen3_5_9b_random drafter=b16 \
+      drafter.mask_token_id=248070 gpu=single "$CACHE" > "$log" 2>&1
+    grep -v "INFO\|Loading weights\|Warning" "$log" | tail -14 ;;
+  pipeline)
+    for compare in pipeline monitor; do
+      $PY scripts/bench_pipeline.py --compare $compare --steps 150 --warmup-steps 20 "${SMALL_TARGET[@]}" \
+        > "$OUT_DIR/$name-$compare.log" 2>&1
+      tables "$OUT_DIR/$name-$compare.log"
+    done ;;
+  train)
+    PAPER=(experiment=qwen3_8b target=qwen3_8b_random data=random_3072 gpu=single pipeline=async logger=jsonl
+      monitor.cuda_stats=true monitor.interval_s=5 checkpoint.every_steps=100000 "$CACHE")
+    ONE=(scheduler.block_tokens_per_batch=8192 train.total_steps=200 logger.every_steps=1)
+    $PY -m dflash.train "${PAPER[@]}" "${ONE[@]}" debug.max_steps=50 drafter.attention=sdpa target.compile=false \
+      drafter.compile=false loss.logits_chunk=0 paths.output_dir="$OUT_DIR/runs/reference" > "$OUT_DIR/train_reference.log" 2>&1
+    $PY -m dflash.train "${PAPER[@]}" "${ONE[@]}" target.compile=true target.compile_dynamic=null \
+      drafter.compile_dynamic=null paths.output_dir="$OUT_DIR/runs/fast" > "$OUT_DIR/train_fast.log" 2>&1
+    $PY -m dflash.train "${PAPER[@]}" train.total_steps=40 target.compile=true target.compile_dynamic=null \
+      drafter.compile_dynamic=null paths.output_dir="$OUT_DIR/runs/preset" > "$OUT_DIR/train_preset.log" 2>&1
+    $PY scripts/compare_runs.py "$OUT_DIR/runs/reference" "$OUT_DIR/runs/fast" "$OUT_DIR/runs/preset" | tee "$log" ;;
+  layouts)
+    QWEN3_4B=(target.arch.vocab_size=151936 target.arch.hidden_size=2560 target.arch.intermediate_size=9728
+      target.arch.num_hidden_layers=36 target.arch.num_attention_heads=32 target.arch.num_key_value_heads=8
+      target.arch.head_dim=128 target.arch.max_position_embeddings=4096 target.arch.tie_word_embeddings=true
+      drafter=b16 drafter.mask_token_id=151669 drafter.num_anchors=128 data.num_samples=256
+      data.prompt_len_min=1024 data.prompt_len_max=1760 data.gen_len_min=256 data.gen_len_max=288
+      data.max_length=2048 'scheduler.bucket_edges=[2048]' scheduler.tokens_per_batch=8192 logger=jsonl "$CACHE")
+    $PY scripts/bench_pipeline.py --compare layout --steps 30 --warmup-steps 4 "${QWEN3_4B[@]}" > "$log" 2>&1
+    tables "$log" ;;
+  *)
+    echo "gpu_benchmarks: no benchmark named '$name' (step target decode decode_hybrid pipeline train layouts)" >&2
+    exit 2 ;;
+  esac
+done
