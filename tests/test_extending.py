@@ -80,15 +80,18 @@ def test_the_documented_batch_order_noise_and_sink_run_from_overrides_alone(tmp_
             ["pipeline._target_=dflash.step.noise.NoNoise"],
             "pipeline: dflash.step.noise.NoNoise does not take",
         ),
+        (["+callbacks.bad.path=/tmp/x"], "callbacks.bad needs a _target_"),
+        (["+callbacks.bad._target_=no_such_module.Nope"], "callbacks.bad: cannot build no_such_module.Nope"),
+        (["+callbacks.bad._target_=pathlib.Path"], r"callbacks.bad: pathlib.Path defines none of the hooks"),
     ],
 )
-def test_a_component_that_cannot_be_built_is_refused_before_any_model_loads(
+def test_a_component_or_callback_that_cannot_serve_is_refused_before_any_model_loads(
     overrides, message, make_cfg, monkeypatch
 ):
     from dflash.models.target import FrozenTarget
 
     def no_load(*args, **kwargs):
-        raise AssertionError("a model was loaded before the components were checked")
+        raise AssertionError("a model was loaded before the components and callbacks were checked")
 
     monkeypatch.setattr(FrozenTarget, "from_config", no_load)
     with pytest.raises(ValueError, match=message):
@@ -122,24 +125,3 @@ def test_the_documented_callback_receives_every_hook_of_a_run(tmp_path, data_cac
     assert evaluation["tau"] >= 1.0 and calls[-1]["steps"] == 6
     record = json.loads((tmp_path / "run" / "run.json").read_text())
     assert record["config"]["callbacks"]["rec"]["_target_"] == "my_callbacks.RecordingCallback"
-
-
-@pytest.mark.parametrize(
-    "overrides,message",
-    [
-        (["+callbacks.bad.path=/tmp/x"], "callbacks.bad needs a _target_"),
-        (["+callbacks.bad._target_=no_such_module.Nope"], "callbacks.bad: cannot build no_such_module.Nope"),
-        (["+callbacks.bad._target_=pathlib.Path"], r"callbacks.bad: pathlib.Path defines none of the hooks"),
-    ],
-)
-def test_a_callback_that_cannot_serve_is_refused_before_any_model_loads(
-    overrides, message, make_cfg, monkeypatch
-):
-    from dflash.models.target import FrozenTarget
-
-    def no_load(*args, **kwargs):
-        raise AssertionError("a model was loaded before the callbacks were built")
-
-    monkeypatch.setattr(FrozenTarget, "from_config", no_load)
-    with pytest.raises(ValueError, match=message):
-        build_run(make_cfg(overrides))

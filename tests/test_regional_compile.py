@@ -1,5 +1,6 @@
-"""target.compile_scope=layers: each decoder layer compiled apart, one graph per layer kind
-whatever the depth, the same features as the eager stack, decoding left eager."""
+"""target.compile_scope=layers: each decoder layer compiled apart (a Gated DeltaNet layer's MLP,
+its mixer left to flash-linear-attention), one graph per region kind whatever the depth and no
+graph break, the same features as the eager stack, decoding left eager."""
 
 from __future__ import annotations
 
