@@ -33,16 +33,24 @@ def schema_keys(schema: type, prefix: str = "") -> tuple[set[str], set[str]]:
     return known, free_form
 
 
-def _unknown(node: Any, prefix: str, known: set[str], free_form: set[str]) -> list[str]:
-    """Dotted paths under `node` that the schema lacks (an unknown subtree counts once). A
-    component node is checked against its option's schema (MaskRampNoiseConfig's `start`, not
-    the group's base NoiseConfig)."""
+def _option_schema_keys(node: Any, prefix: str, known: set[str], free_form: set[str]) -> None:
+    """Adds the keys of each component node's own option schema (MaskRampNoiseConfig's `start`,
+    beside the group's base NoiseConfig fields) to `known` and `free_form`, in place."""
     if not isinstance(node, DictConfig) or prefix.rstrip(".") in free_form:
-        return []
+        return
     node_type = OmegaConf.get_type(node)
     if prefix and dataclasses.is_dataclass(node_type):
         own_known, own_free = schema_keys(node_type, prefix)
-        known, free_form = known | own_known, free_form | own_free
+        known |= own_known
+        free_form |= own_free
+    for key in node.keys():
+        _option_schema_keys(node._get_node(key), f"{prefix}{key}.", known, free_form)
+
+
+def _unknown(node: Any, prefix: str, known: set[str], free_form: set[str]) -> list[str]:
+    """Dotted paths under `node` that the schema lacks (an unknown subtree counts once)."""
+    if not isinstance(node, DictConfig) or prefix.rstrip(".") in free_form:
+        return []
     unknown = []
     for key in node.keys():
         path = f"{prefix}{key}"
@@ -65,22 +73,11 @@ def _suggestions(path: str, known: set[str]) -> list[str]:
 def refuse_unknown_keys(cfg: DictConfig, schema: type, ignore: tuple[str, ...] = ("hydra",)) -> None:
     """ValueError naming the first key the schema does not have, with the nearest known keys."""
     known, free_form = schema_keys(schema)
+    _option_schema_keys(cfg, "", known, free_form)
     unknown = [p for p in _unknown(cfg, "", known, free_form) if p.split(".")[0] not in ignore]
     if unknown:
         key = unknown[0]
-        close = _suggestions(key, known | _option_keys(cfg, key))
+        close = _suggestions(key, known)
         hint = f"; did you mean {' or '.join(close)}?" if close else ""
         others = f" (and {', '.join(unknown[1:4])})" if len(unknown) > 1 else ""
         raise ValueError(f"unknown config key {key!r}{others}: no dflash setting reads it{hint}")
-
-
-def _option_keys(cfg: DictConfig, key: str) -> set[str]:
-    """The keys of the option schema of the component node holding `key`, for suggestions."""
-    parent = key.rpartition(".")[0]
-    node = cfg
-    for part in parent.split(".") if parent else []:
-        node = node._get_node(part) if isinstance(node, DictConfig) and part in node else None
-    node_type = OmegaConf.get_type(node) if isinstance(node, DictConfig) else None
-    return (
-        schema_keys(node_type, f"{parent}.")[0] if parent and dataclasses.is_dataclass(node_type) else set()
-    )

@@ -84,10 +84,6 @@ def finish(mixer: nn.Module, core_NQHD: torch.Tensor, z_NQHD: torch.Tensor) -> t
     return mixer.out_proj(normed.reshape(n, q_len, -1))
 
 
-def conv_weight(mixer: nn.Module) -> torch.Tensor:
-    return mixer.conv1d.weight  # [C, 1, K]: depthwise
-
-
 def gated_delta_steps(
     query: torch.Tensor,
     key: torch.Tensor,
@@ -177,7 +173,7 @@ def deltanet_step(
     q_len, width = mixed.shape[1], conv.shape[-1]
     inputs = torch.cat([conv, mixed.transpose(1, 2)], dim=-1)  # [S, C, K - 1 + Q]
     window[:, :, : width + q_len] = inputs
-    weight = conv_weight(mixer)
+    weight = mixer.conv1d.weight  # [C, 1, K]: depthwise
     mixed = F.conv1d(inputs.to(weight.dtype), weight, mixer.conv1d.bias, groups=inputs.shape[1])
     mixed = F.silu(mixed).to(x_SQH.dtype).transpose(1, 2)
     query, key, value = split_heads(mixer, mixed)
@@ -205,7 +201,7 @@ def deltanet_prefill(
     # are padded[last + 1 : last + K].
     tail = (last_R[:, None] + 1 + torch.arange(width, device=mixed.device))[:, None, :]
     conv[rows_R] = padded.gather(2, tail.expand(prompts, channels, width)).to(conv.dtype)
-    weight = conv_weight(mixer)
+    weight = mixer.conv1d.weight  # [C, 1, K]: depthwise
     mixed = F.conv1d(padded.to(weight.dtype), weight, mixer.conv1d.bias, groups=channels)
     mixed = F.silu(mixed).to(x_RPH.dtype).transpose(1, 2)
     query, key, value = split_heads(mixer, mixed)

@@ -33,6 +33,7 @@ from dflash.models.target import load_target_config
 from dflash.run.checks import resolve_layer_ids, validate
 from dflash.run.inputs import eval_prompt_sets, local_target_config
 from dflash.run.resume import check_resume_matches
+from dflash.step.build import STEP_KEYS
 
 
 @dataclass
@@ -83,7 +84,7 @@ def check_components(cfg: Config) -> None:
     """Every component's `_target_` imports and takes its node's keys plus its runtime arguments
     (a user's class too), before any weights load; the metric sinks likewise."""
     for key, runtime in COMPONENT_RUNTIME.items():
-        exclude = ("grad_clip",) if key == "optimizer" else ()  # the step's, not the optimizer's
+        exclude = STEP_KEYS if key == "optimizer" else ()
         check_buildable(getattr(cfg, key), key, runtime=runtime, exclude=exclude)
     for name, node in cfg.logger.sinks.items():
         check_buildable(node, f"logger.sinks.{name}", runtime=("context",))

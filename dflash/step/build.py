@@ -48,12 +48,16 @@ def uses_compile(setting: bool | None, device: torch.device) -> bool:
     return setting if setting is not None else device.type == "cuda"
 
 
+# Keys of the `optimizer` node that are the step's, not the optimizer class's arguments.
+STEP_KEYS = ("grad_clip",)
+
+
 def build_optimizer(node: OptimizerConfig, params) -> torch.optim.Optimizer:
     """The `optimizer` node's class over `params` (grad_clip is the step's, not an argument).
     It must be fused: DrafterStep.apply divides and clips the gradients through the fused
     kernel's `grad_scale` input and skips a non-finite step through `found_inf`; an unfused
     optimizer ignores both and would train on unnormalised, unclipped gradients."""
-    optimizer = build(node, "optimizer", exclude=("grad_clip",), params=params)
+    optimizer = build(node, "optimizer", exclude=STEP_KEYS, params=params)
     if not optimizer.defaults.get("fused"):
         raise ValueError(
             f"optimizer: {node._target_} is not fused (optimizer.fused=true); the step scales and "
