@@ -226,6 +226,8 @@ def test_gpu_split_from_config():
         (["gpu.target=2"], "gpu.target=2"),
         # Hydra's own hint for a typo is the `+` form; a key no code reads must not be ignored.
         (["+loss.gamm=5"], "unknown config key 'loss.gamm'.*did you mean loss.gamma?"),
+        # A key of another option of the group: noise=mask_ramp has `start`, not `std`.
+        (["noise=mask_ramp", "+noise.std=0.1"], "unknown config key 'noise.std'.*did you mean noise.start?"),
         (["+foo.bar=1"], "unknown config key 'foo'"),
         (["debug.max_steps=0"], "debug.max_steps must be >= 1"),
         (["eval.temperatures=[]"], "eval.temperatures must be a non-empty list"),

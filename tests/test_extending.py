@@ -125,3 +125,32 @@ def test_the_documented_callback_receives_every_hook_of_a_run(tmp_path, data_cac
     assert evaluation["tau"] >= 1.0 and calls[-1]["steps"] == 6
     record = json.loads((tmp_path / "run" / "run.json").read_text())
     assert record["config"]["callbacks"]["rec"]["_target_"] == "my_callbacks.RecordingCallback"
+
+
+@pytest.mark.parametrize("pipeline", ["sync", "async"])
+def test_preflight_checks_each_component_with_the_arguments_the_launcher_builds_it_with(
+    pipeline, make_cfg, monkeypatch
+):
+    """A user class's signature is matched before any weights load against
+    preflight.COMPONENT_RUNTIME; the launcher's builds must pass exactly those runtime arguments
+    (and `context` to every sink), or a class admitted early would fail after the load, or a
+    good one be refused."""
+    from dflash.config import components
+    from dflash.run.preflight import COMPONENT_RUNTIME
+
+    built_with: dict[str, set[str]] = {}
+    check = components.check_buildable
+
+    def recording(node, key, *, runtime=(), exclude=()):
+        built_with[key] = set(runtime)
+        return check(node, key, runtime=runtime, exclude=exclude)
+
+    # build() looks check_buildable up at call time; preflight's own checks hold the original.
+    monkeypatch.setattr(components, "check_buildable", recording)
+    run = build_run(make_cfg([f"pipeline={pipeline}", "train.total_steps=2"]))
+    run.trainer.monitor.close(True)
+    assert {key: built_with[key] for key in COMPONENT_RUNTIME} == {
+        key: set(names) for key, names in COMPONENT_RUNTIME.items()
+    }
+    sinks = {key: names for key, names in built_with.items() if key.startswith("logger.sinks.")}
+    assert sinks and all(names == {"context"} for names in sinks.values())
