@@ -1,7 +1,8 @@
 """The export contract: what a drafter directory must hold for every reader users serve it
-with (the z-lab reference under its pinned transformers 4.57.1, SGLang, vLLM) to read it the
-same way. docs/EXPORT.md says, reader by reader, why each rule exists; `dflash-export check DIR`
-runs `check_export`.
+with (the z-lab reference under its pinned transformers 4.57.1, SGLang, vLLM; for a DSpark
+drafter DeepSpec, SGLang, vLLM and llama.cpp's converter) to read it the same way.
+docs/EXPORT.md says, reader by reader, why each rule exists; `dflash-export check DIR` runs
+`check_export` (and prints `reader_limits`: readers that refuse a well-formed drafter).
 
 Every rule here guards a failure that is silent in at least one reader: SGLang skips weight
 names it does not know, so a renamed tensor is a drafter left at its initial weights; transformers
@@ -17,7 +18,7 @@ from typing import Any
 
 from safetensors import SafetensorError, safe_open
 
-from dflash.export import speculators
+from dflash.export import deepspec, speculators
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -35,7 +36,8 @@ FLOAT_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 def expected_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape of a drafter of this config: Qwen3 layers (per-head q/k norms, no
     biases), the context projection `fc` over the fused target features, its `hidden_norm`, and
-    the final `norm`. No embedding and no LM head: every reader takes the target's."""
+    the final `norm`; a DSpark drafter's heads (dflash/export/deepspec.py). No embedding and no
+    LM head: every engine takes the target's."""
     hidden = config["hidden_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or hidden // heads
@@ -63,6 +65,8 @@ def expected_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
                 f"{layer}.mlp.down_proj.weight": (hidden, inner),
             }
         )
+    if deepspec.is_dspark(config):
+        shapes.update(deepspec.head_tensors(config))
     return shapes
 
 
@@ -77,10 +81,14 @@ def config_problems(
     """The config rules; `target` (the target's text config as a dict, or None) adds the pairing
     rules: depth, hidden size and vocabulary. layout="speculators" (converted to z-lab fields):
     it records no num_target_layers (only a target can check its layer ids), and its readers
-    (speculators, vLLM) run transformers 5, so the 4.57 rotary fields are not needed."""
-    records_depth = layout == "zlab"
+    (speculators, vLLM) run transformers 5, so the 4.57 rotary fields are not needed.
+    layout="deepspec" (converted to z-lab fields): its own rules (architecture, top-level keys,
+    heads) are `deepspec.deepspec_problems`, checked on the file as written; its readers run
+    transformers 5 (DeepSpec pins 5.10.2) or read `rope_parameters` themselves: DeepSpec's
+    released checkpoints carry no `rope_theta`, and every engine serves them."""
+    records_depth = layout != "speculators"
     problems = []
-    if config.get("architectures") != ["DFlashDraftModel"]:
+    if layout == "zlab" and config.get("architectures") != ["DFlashDraftModel"]:
         problems.append(
             f"architectures is {config.get('architectures')!r}, not ['DFlashDraftModel'] "
             "(SGLang and vLLM pick the drafter class by it)"
@@ -254,8 +262,16 @@ def check_export(directory: Path, *, target: dict[str, Any] | None = None) -> li
         if layout_problems:
             return [f"{config_path}: {p}" for p in layout_problems]
         config, layout = speculators.from_speculators(config), "speculators"
+        bundled = speculators.BUNDLED_TENSORS
+    elif deepspec.is_deepspec(config) or deepspec.is_dspark(config):
+        layout_problems = deepspec.deepspec_problems(config)
+        if layout_problems:
+            return [f"{config_path}: {p}" for p in layout_problems]
+        config, layout = deepspec.from_deepspec(config), "deepspec"
+        bundled = deepspec.BUNDLED_TENSORS
+    if layout != "zlab" and _describes_tensors(config) and isinstance(config.get("vocab_size"), int):
         table = (config["vocab_size"], config["hidden_size"])
-        optional = {name: table for name in speculators.BUNDLED_TENSORS}
+        optional = {name: table for name in bundled}
     problems = [f"{config_path}: {p}" for p in config_problems(config, target=target, layout=layout)]
     if not weights_path.is_file():
         return problems + [f"{weights_path}: missing"]
@@ -266,6 +282,24 @@ def check_export(directory: Path, *, target: dict[str, Any] | None = None) -> li
 
 def _describes_tensors(config: dict[str, Any]) -> bool:
     layer_ids = (config.get("dflash_config") or {}).get("target_layer_ids")
-    return all(isinstance(config.get(k), int) and config[k] > 0 for k in SIZE_FIELDS) and isinstance(
+    # The heads' shapes and a bundled table's are vocabulary-wide.
+    sizes = SIZE_FIELDS + (("vocab_size",) if deepspec.is_dspark(config) else ())
+    return all(isinstance(config.get(k), int) and config[k] > 0 for k in sizes) and isinstance(
         layer_ids, list
     )
+
+
+def reader_limits(directory: Path) -> list[str]:
+    """Readers that refuse a drafter directory that keeps the contract (a DSpark drafter whose
+    heads some engine does not build), one line each; [] for every DFlash drafter."""
+    try:
+        config = json.loads((Path(directory) / CONFIG_FILE).read_text())
+    except (OSError, json.JSONDecodeError):
+        return []
+    if speculators.is_speculators(config):
+        if config.get("speculators_model_type") != speculators.DSPARK_TYPE:
+            return []
+        return ["the speculators layout of a DSpark drafter: SGLang refuses it (it reads DeepSpec's)"] + (
+            deepspec.reader_limits({**speculators.DSPARK_DEFAULTS, **config})
+        )
+    return deepspec.reader_limits(config) if deepspec.is_dspark(config) else []

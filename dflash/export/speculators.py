@@ -12,6 +12,12 @@ What differs from the z-lab layout (docs/EXPORT.md, "The speculators layout"):
 - the weights may bundle the target's `embed_tokens.weight` and `lm_head.weight` (a
   self-contained drafter); a reduced draft vocabulary (`d2t` / `t2d` maps) is refused: a dflash
   drafter scores with the target's whole LM head.
+
+A DSpark drafter (`speculators_model_type: dspark`, speculators/models/dspark/config.py) is the
+same config plus `sample_from_anchor` (true: every block slot predicts, block_size proposals),
+the heads' fields (`markov_rank`, `markov_head_type`, `enable_confidence_head`,
+`confidence_head_with_markov`) and their tensors under DeepSpec's names
+(dflash/export/deepspec.py).
 """
 
 from __future__ import annotations
@@ -23,12 +29,26 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from dflash.export.deepspec import HEAD_FIELDS, head_problems, is_dspark
+
 SPECULATORS_TYPE = "dflash"
 SPECULATORS_ARCHITECTURE = "DFlashDraftModel"  # the class speculators saves a DFlash drafter as
+DSPARK_TYPE = "dspark"
+DSPARK_ARCHITECTURE = "DSparkDraftModel"  # the class speculators saves a DSpark drafter as
+# DSparkSpeculatorConfig's defaults (speculators/models/dspark/config.py): a field it left out
+# of config.json reads as these.
+DSPARK_DEFAULTS = {
+    "sample_from_anchor": True,
+    "markov_rank": 256,
+    "markov_head_type": "vanilla",
+    "enable_confidence_head": True,
+    "confidence_head_with_markov": True,
+}
 BUNDLED_TENSORS = ("embed_tokens.weight", "lm_head.weight")  # the target's, [vocab, hidden]
 VOCAB_MAPS = ("d2t", "t2d")
 # z-lab top-level fields that speculators keeps outside transformer_layer_config.
-DFLASH_FIELDS = ("architectures", "block_size", "num_target_layers", "dflash_config")
+DFLASH_FIELDS = ("architectures", "block_size", "num_target_layers", "dflash_config", "num_anchors")
+DSPARK_FIELDS = DFLASH_FIELDS + HEAD_FIELDS + ("mask_token_id", "target_layer_ids")
 
 
 def is_speculators(config: dict[str, Any]) -> bool:
@@ -38,10 +58,11 @@ def is_speculators(config: dict[str, Any]) -> bool:
 def speculators_problems(config: dict[str, Any]) -> list[str]:
     """What keeps a speculators config from being a DFlash drafter dflash can read."""
     problems = []
-    if config.get("speculators_model_type") != SPECULATORS_TYPE:
-        problems.append(
-            f"speculators_model_type {config.get('speculators_model_type')!r} is not {SPECULATORS_TYPE!r}"
-        )
+    kind = config.get("speculators_model_type")
+    if kind not in (SPECULATORS_TYPE, DSPARK_TYPE):
+        problems.append(f"speculators_model_type {kind!r} is not {SPECULATORS_TYPE!r} or {DSPARK_TYPE!r}")
+    elif kind == DSPARK_TYPE:
+        problems += head_problems({**DSPARK_DEFAULTS, **config})
     layer = config.get("transformer_layer_config")
     if not isinstance(layer, dict):
         return problems + ["no transformer_layer_config (the draft layers' Qwen3 config)"]
@@ -87,17 +108,26 @@ def from_speculators(config: dict[str, Any]) -> dict[str, Any]:
         zlab["is_causal"] = False
     # The speculators layout records no target depth; pairing with a target checks the ids.
     zlab.pop("num_target_layers", None)
+    if config.get("speculators_model_type") == DSPARK_TYPE:
+        with_defaults = {**DSPARK_DEFAULTS, **config}
+        zlab.update({key: with_defaults[key] for key in HEAD_FIELDS})
     return zlab
 
 
 def to_speculators(zlab: dict[str, Any], *, verifier: dict[str, Any]) -> dict[str, Any]:
     """The speculators config.json of a z-lab DFlash config; verifier: {name_or_path, architectures}."""
-    layer = {key: value for key, value in zlab.items() if key not in DFLASH_FIELDS}
+    dspark = is_dspark(zlab)
+    layer = {
+        key: value for key, value in zlab.items() if key not in (DSPARK_FIELDS if dspark else DFLASH_FIELDS)
+    }
     dflash = zlab["dflash_config"]
     sliding = "sliding_attention" in (zlab.get("layer_types") or [])
-    return {
-        "speculators_model_type": SPECULATORS_TYPE,
-        "architectures": [SPECULATORS_ARCHITECTURE],
+    algorithm = DSPARK_TYPE if dspark else SPECULATORS_TYPE
+    # DSpark: every block slot predicts (the anchor's too), so a block proposes block_size tokens.
+    proposals = zlab["block_size"] if dspark else zlab["block_size"] - 1
+    config = {
+        "speculators_model_type": algorithm,
+        "architectures": [DSPARK_ARCHITECTURE if dspark else SPECULATORS_ARCHITECTURE],
         "transformer_layer_config": layer,
         "block_size": zlab["block_size"],
         "mask_token_id": dflash["mask_token_id"],
@@ -108,12 +138,16 @@ def to_speculators(zlab: dict[str, Any], *, verifier: dict[str, Any]) -> dict[st
         # layer is causal.
         "sliding_window_non_causal": sliding or zlab.get("is_causal") is False,
         "speculators_config": {
-            "algorithm": SPECULATORS_TYPE,
+            "algorithm": algorithm,
             "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": zlab["block_size"] - 1}],
+            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": proposals}],
             "verifier": verifier,
         },
     }
+    if dspark:
+        config["sample_from_anchor"] = True
+        config.update({key: zlab[key] for key in HEAD_FIELDS})
+    return config
 
 
 def drafter_state(path: Path, config: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -11,6 +11,8 @@ A training checkpoint (dflash.trainer.checkpoint) is such a directory plus what 
                           containers only, loaded with weights_only=True (never arbitrary pickles)
       config.yaml         the resolved run config
 
+A DSpark drafter's directory is written in DeepSpec's layout instead (dflash/export/deepspec.py:
+`architectures: [Qwen3DSparkModel]`, the heads' fields and tensors), the one its readers load.
 """
 
 from __future__ import annotations
@@ -25,12 +27,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
-from dflash.export import speculators
+from dflash.export import deepspec, speculators
 from dflash.models.drafter import DFlashDrafter
+from dflash.models.dspark import DSparkDrafter, drafter_from_config
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 EXPORTED_PREFIXES = ("layers.", "fc.", "hidden_norm.", "norm.")
+DSPARK_PREFIXES = EXPORTED_PREFIXES + ("markov_head.", "confidence_head.")
 
 
 def readable_by_every_transformers(config: dict[str, Any]) -> dict[str, Any]:
@@ -52,6 +56,7 @@ def readable_by_every_transformers(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def _exported_config(drafter: DFlashDrafter) -> dict[str, Any]:
+    """The drafter's config.json in memory form (z-lab fields, plus a DSpark drafter's heads)."""
     config = drafter.config.to_dict()
     config["dtype"] = str(next(drafter.parameters()).dtype).removeprefix("torch.")
     return readable_by_every_transformers(config)
@@ -68,16 +73,43 @@ def _write(directory: Path, config: dict[str, Any], state: dict[str, torch.Tenso
 
 
 def _drafter_tensors(drafter: DFlashDrafter) -> dict[str, torch.Tensor]:
+    prefixes = DSPARK_PREFIXES if isinstance(drafter, DSparkDrafter) else EXPORTED_PREFIXES
     return {
         name: tensor.detach().contiguous().cpu()
         for name, tensor in drafter.state_dict().items()
-        if name.startswith(EXPORTED_PREFIXES)
+        if name.startswith(prefixes)
     }
 
 
 def export_drafter(drafter: DFlashDrafter, directory: Path) -> None:
-    """Write config.json + model.safetensors in the layout inference engines load."""
-    _write(Path(directory), _exported_config(drafter), _drafter_tensors(drafter))
+    """Write config.json + model.safetensors in the layout inference engines load: z-lab for a
+    DFlash drafter, DeepSpec's for a DSpark one."""
+    config = _exported_config(drafter)
+    if isinstance(drafter, DSparkDrafter):
+        config = deepspec.to_deepspec(config)
+    _write(Path(directory), config, _drafter_tensors(drafter))
+
+
+def export_deepspec(drafter: DSparkDrafter, directory: Path, *, target_dir: Path) -> None:
+    """A DSpark drafter in DeepSpec's layout with the target's embedding and LM head bundled (in
+    the drafter's dtype): what DeepSpec's own loader needs (it takes both from the drafter
+    directory; the engines take the target's)."""
+    state = _drafter_tensors(drafter)
+    state.update(_target_tables(drafter, Path(target_dir), next(iter(state.values())).dtype))
+    _write(Path(directory), deepspec.to_deepspec(_exported_config(drafter)), state)
+
+
+def _target_tables(drafter: DFlashDrafter, target_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """The target's embedding and LM head, checked against the drafter's [vocab, hidden]."""
+    tables = speculators.target_tables(target_dir)
+    hidden, vocab = drafter.config.hidden_size, drafter.config.vocab_size
+    for name, table in tables.items():
+        if tuple(table.shape) != (vocab, hidden):
+            raise ValueError(
+                f"{target_dir}: its {name} is {list(table.shape)}, the drafter needs [{vocab}, {hidden}]: "
+                "another target than the drafter was trained for"
+            )
+    return {name: table.to(dtype).contiguous() for name, table in tables.items()}
 
 
 def export_speculators(
@@ -88,16 +120,7 @@ def export_speculators(
     drafter's dtype."""
     state = _drafter_tensors(drafter)
     if target_dir is not None:
-        dtype = next(iter(state.values())).dtype
-        tables = speculators.target_tables(Path(target_dir))
-        hidden, vocab = drafter.config.hidden_size, drafter.config.vocab_size
-        for name, table in tables.items():
-            if tuple(table.shape) != (vocab, hidden):
-                raise ValueError(
-                    f"{target_dir}: its {name} is {list(table.shape)}, the drafter needs [{vocab}, {hidden}]: "
-                    "another target than the drafter was trained for"
-                )
-            state[name] = table.to(dtype).contiguous()
+        state.update(_target_tables(drafter, Path(target_dir), next(iter(state.values())).dtype))
     config = speculators.to_speculators(_exported_config(drafter), verifier=verifier)
     _write(Path(directory), config, state)
 
@@ -111,7 +134,8 @@ def _raw_config(directory: Path) -> dict[str, Any]:
 
 
 def read_drafter_config(directory: Path) -> Qwen3Config:
-    """The drafter config of a directory in the z-lab layout (ours) or the speculators one."""
+    """The drafter config of a directory in the z-lab layout (a DFlash drafter of ours), DeepSpec's
+    (a DSpark one: ours, or DeepSpec's released checkpoints) or the speculators one (either)."""
     path = Path(directory) / CONFIG_FILE
     raw = _raw_config(directory)
     if speculators.is_speculators(raw):
@@ -119,6 +143,11 @@ def read_drafter_config(directory: Path) -> Qwen3Config:
         if problems:
             raise ValueError(f"{path}: a speculators config dflash cannot read ({'; '.join(problems)})")
         raw = speculators.from_speculators(raw)
+    elif deepspec.is_deepspec(raw):
+        problems = deepspec.deepspec_problems(raw)
+        if problems:
+            raise ValueError(f"{path}: a DSpark config dflash cannot read ({'; '.join(problems)})")
+        raw = deepspec.from_deepspec(raw)
     missing = [key for key in ("block_size", "dflash_config") if key not in raw]
     if missing or "mask_token_id" not in raw.get("dflash_config", {}):
         raise ValueError(
@@ -133,9 +162,13 @@ def load_drafter_weights(drafter: DFlashDrafter, directory: Path) -> None:
     path = Path(directory) / WEIGHTS_FILE
     raw = _raw_config(directory)
     try:
-        state = (
-            speculators.drafter_state(path, raw) if speculators.is_speculators(raw) else load_file(str(path))
-        )
+        if speculators.is_speculators(raw):
+            state = speculators.drafter_state(path, raw)
+        else:
+            state = load_file(str(path))
+            if deepspec.is_deepspec(raw):
+                # DeepSpec bundles the target's tables; the run's target provides them.
+                state = {name: t for name, t in state.items() if name not in deepspec.BUNDLED_TENSORS}
     except (OSError, SafetensorError) as exc:
         raise ValueError(f"{path}: unreadable drafter weights ({exc})") from exc
     try:
@@ -145,7 +178,8 @@ def load_drafter_weights(drafter: DFlashDrafter, directory: Path) -> None:
 
 
 def load_drafter(directory: Path, device: torch.device | str = "cpu") -> DFlashDrafter:
-    """A drafter defined only by config.json + model.safetensors (ours or any z-lab-layout export)."""
-    drafter = DFlashDrafter(read_drafter_config(Path(directory)))
+    """A drafter defined only by config.json + model.safetensors (ours, a z-lab-layout export, a
+    DeepSpec or speculators checkpoint): a DSparkDrafter when the config has the heads' fields."""
+    drafter = drafter_from_config(read_drafter_config(Path(directory)))
     load_drafter_weights(drafter, directory)
     return drafter.to(device)

@@ -9,11 +9,18 @@ writes) and speculators.
 `--target`: the target's checkpoint directory (its config.json; for an image-text checkpoint its
 `text_config`): the drafter's num_target_layers, hidden size and mask id are checked against it.
 
-`dflash-export convert SRC DST --layout speculators|zlab [--target TARGET_DIR] [--verifier NAME]`:
-the drafter of SRC (either layout) written to DST in the other one, checked before it is
-reported done. speculators: with `--target`, self-contained (the target's embedding and LM head
-bundled); `--verifier` (default: --target, else the run's target.path) names the target in
-`speculators_config.verifier`.
+A DSpark drafter (DeepSpec's layout, or speculators' `dspark`) is checked the same way; the
+readers that refuse a well-formed one (a head type some engine does not build) are printed as
+`note:` lines, exit 0.
+
+`dflash-export convert SRC DST --layout speculators|zlab|deepspec [--target TARGET_DIR]
+[--verifier NAME] [--num-anchors N]`: the drafter of SRC (any layout) written to DST in the one
+named, checked before it is reported done. zlab holds DFlash drafters, deepspec DSpark ones,
+speculators either. speculators and deepspec: with `--target`, self-contained (the target's
+embedding and LM head bundled: DeepSpec's own loader reads them from the drafter directory);
+`--verifier` (default: --target, else the run's target.path) names the target in
+`speculators_config.verifier`; `--num-anchors` gives a DSpark drafter read from the speculators
+layout (which does not record it) the `num_anchors` DeepSpec's loader asserts.
 
     dflash-export convert outputs/run/checkpoints/last drafter-speculators --layout speculators \
         --target /models/Qwen3-8B
@@ -31,8 +38,9 @@ from typing import Any
 import yaml
 
 from dflash.errors import USER_ERROR_EXIT, exit_for_user_error
-from dflash.export.contract import check_export
-from dflash.export.zlab import export_drafter, export_speculators, load_drafter
+from dflash.export.contract import check_export, reader_limits
+from dflash.export.zlab import export_deepspec, export_drafter, export_speculators, load_drafter
+from dflash.models.dspark import DSparkDrafter
 from dflash.models.families import IMAGE_TEXT_TYPES
 from dflash.trainer.checkpoint import RUN_CONFIG_FILE
 
@@ -77,6 +85,8 @@ def report(directory: Path, target: dict[str, Any] | None) -> None:
     if problems:
         raise SystemExit(USER_ERROR_EXIT)
     print(f"ok: {directory} keeps the export contract (docs/EXPORT.md)")
+    for limit in reader_limits(directory):
+        print(f"note: {limit}")
 
 
 def convert(args: argparse.Namespace, target: dict[str, Any] | None) -> None:
@@ -84,7 +94,14 @@ def convert(args: argparse.Namespace, target: dict[str, Any] | None) -> None:
         exit_for_user_error(TOOL, f"{args.destination}: not empty; convert writes a new directory")
     try:
         drafter = load_drafter(args.source)
-        if args.layout == "zlab":
+        dspark = isinstance(drafter, DSparkDrafter)
+        if dspark and args.layout == "zlab":
+            exit_for_user_error(
+                TOOL, f"{args.source}: a DSpark drafter; the z-lab layout has no heads: --layout deepspec"
+            )
+        if not dspark and args.layout == "deepspec":
+            exit_for_user_error(TOOL, f"{args.source}: a DFlash drafter (no Markov head): --layout zlab")
+        if args.layout in ("zlab", "deepspec"):
             if getattr(drafter.config, "num_target_layers", None) is None:
                 # The speculators layout records no target depth; SGLang resolves layer ids by it.
                 if target is None:
@@ -92,7 +109,18 @@ def convert(args: argparse.Namespace, target: dict[str, Any] | None) -> None:
                         TOOL, f"{args.source} records no target depth (num_target_layers): give --target DIR"
                     )
                 drafter.config.num_target_layers = target["num_hidden_layers"]
-            export_drafter(drafter, args.destination)
+            if dspark and getattr(drafter.config, "num_anchors", None) is None:
+                if args.num_anchors is None:
+                    exit_for_user_error(
+                        TOOL,
+                        f"{args.source} records no num_anchors, which DeepSpec's loader asserts: give "
+                        "--num-anchors N (the anchors per sample it was trained with)",
+                    )
+                drafter.config.num_anchors = args.num_anchors
+            if dspark and args.target is not None:
+                export_deepspec(drafter, args.destination, target_dir=args.target)
+            else:
+                export_drafter(drafter, args.destination)
         else:
             verifier = verifier_of(args.source, args.target, args.verifier)
             export_speculators(drafter, args.destination, verifier=verifier, target_dir=args.target)
@@ -110,13 +138,16 @@ def main(argv: list[str] | None = None) -> None:
     check.add_argument("directory", type=Path)
     check.add_argument("--target", type=Path, help="the target's checkpoint directory, for the pairing rules")
     conversion = commands.add_parser(
-        "convert", help="write a drafter in the other layout (z-lab / speculators)"
+        "convert", help="write a drafter in another layout (z-lab / deepspec / speculators)"
     )
     conversion.add_argument("source", type=Path)
     conversion.add_argument("destination", type=Path)
-    conversion.add_argument("--layout", choices=("speculators", "zlab"), required=True)
+    conversion.add_argument("--layout", choices=("speculators", "zlab", "deepspec"), required=True)
     conversion.add_argument("--target", type=Path, help="the target's checkpoint directory")
     conversion.add_argument("--verifier", help="the target's name in speculators_config (default: --target)")
+    conversion.add_argument(
+        "--num-anchors", type=int, help="deepspec: num_anchors of a DSpark drafter that does not record it"
+    )
     args = parser.parse_args(argv)
     source = args.directory if args.command == "check" else args.source
     if not source.is_dir():
