@@ -9,6 +9,11 @@ DeltaNet layers then keep the state after the accepted tokens (`commit`, one mor
 
 Exactness is the algorithm's (dflash.decoding.reference): every committed token is the target's own
 choice given the committed prefix, so greedy output equals plain greedy output.
+
+A DSpark round is the same graph with the DSpark draft (B drafts left to right with the Markov
+bias, dflash.decoding.static_drafter) and a verification of B + 1 tokens; its sampled drafts read
+Gumbel noise the host draws into an input buffer before the replay (a graph cannot draw it). The
+confidence head's survival probabilities stay on the device until the decode ends.
 """
 
 from __future__ import annotations
@@ -19,10 +24,18 @@ import logging
 import torch
 
 from dflash.decoding.graphs import GraphedFunction, graphs_enabled
-from dflash.decoding.reference import DecodeResult, TokenChooser, settle_round
+from dflash.decoding.reference import (
+    DRAFT_NOISE_SEED_OFFSET,
+    DecodeResult,
+    TokenChooser,
+    gumbel_noise,
+    samples_drafts,
+    settle_round,
+)
 from dflash.decoding.static_drafter import StaticCacheDrafter
 from dflash.decoding.static_target import StaticCacheTarget, static_decoding_refusal
 from dflash.models.drafter import DFlashDrafter
+from dflash.models.dspark import DSparkDrafter
 from dflash.models.target import FrozenTarget
 
 log = logging.getLogger(__name__)
@@ -47,7 +60,10 @@ class StaticDecoder:
     ):
         self.target = target
         self.block_size = drafter.block_size if drafter is not None else 1
-        capacity = max_len + self.block_size  # a round verifies a whole block past the output
+        self.dspark = isinstance(drafter, DSparkDrafter)
+        # Tokens a round verifies ([anchor, drafts]): a DFlash block, or a DSpark block + 1.
+        self.verify_len = self.block_size + 1 if self.dspark else self.block_size
+        capacity = max_len + self.verify_len  # a round verifies past the output
         backend = "inductor" if compile else None
         self.target_cache = StaticCacheTarget(
             target,
@@ -55,7 +71,7 @@ class StaticDecoder:
             max_len=capacity,
             kv_bucket=kv_bucket,
             features=drafter is not None,
-            max_step=self.block_size,
+            max_step=self.verify_len,
             compile_backend=backend,
         )
         self.drafter_cache = None
@@ -68,12 +84,17 @@ class StaticDecoder:
         enabled = graphs_enabled(graphs, target.device)
         pool = torch.cuda.graph_pool_handle() if enabled else None
         self._plain_step = GraphedFunction(self._plain_fn, enabled=enabled, pool=pool)
-        self._round = GraphedFunction(self._round_fn, enabled=enabled, pool=pool)
+        round_fn = self._dspark_round_fn if isinstance(drafter, DSparkDrafter) else self._round_fn
+        self._round = GraphedFunction(round_fn, enabled=enabled, pool=pool)
         self._commit = GraphedFunction(self.target_cache.commit, enabled=enabled, pool=pool)
         device = target.device
         self._ids = torch.zeros((1, 1), dtype=torch.long, device=device)
         self._pos = torch.zeros((1, 1), dtype=torch.long, device=device)
         self._taken = torch.zeros(1, dtype=torch.long, device=device)
+        self._noise = None
+        if self.dspark:  # sampled DSpark drafts: one Gumbel row per block position
+            vocab = target.lm_head.weight.shape[0]
+            self._noise = torch.zeros((self.block_size, vocab), dtype=torch.float32, device=device)
 
     @classmethod
     def for_target(
@@ -110,13 +131,14 @@ class StaticDecoder:
         return self._plain_step.captures + self._round.captures + self._commit.captures
 
     @torch.no_grad()
-    def capture_every_shape(self) -> int:
+    def capture_every_shape(self, sampled_temperatures: tuple[float, ...] = ()) -> int:
         """Capture the plain step and the round at every attended-length bucket now, so decoding
         never captures (a serving engine captures its graphs at start-up, too): a capture runs the
         step eagerly a few times, and inside a timed decode it would be charged to the prompt
         that first reached the bucket. Run before any prompt: the dummy tokens it writes at
-        positions 0..block-1 are overwritten by the next prefill. Returns the number of graphs
-        captured (0 with graphs off)."""
+        positions 0..block-1 are overwritten by the next prefill. `sampled_temperatures`: a
+        DSpark drafter's sampled rounds at these temperatures too (one graph each). Returns the
+        number of graphs captured (0 with graphs off)."""
         if not self.graphs_on:
             return 0
         self._set(0, 0)
@@ -126,6 +148,8 @@ class StaticDecoder:
             self._plain_step(self._ids, self._pos, kv_len=kv_len)
             if self.drafter_cache is not None:
                 self._round(self._ids, self._pos, kv_len=kv_len)
+            for temperature in sampled_temperatures if self.dspark else ():
+                self._round(self._ids, self._pos, self._noise, kv_len=kv_len, temperature=temperature)
         if self.target_cache.recurrent:
             self.keep(0)  # the commit's graph (one shape); 0 keeps every state as it is
         return self.captures
@@ -142,6 +166,24 @@ class StaticDecoder:
         logits, features = self.target_cache.step(ids, positions, kv_len=kv_len)
         self.drafter_cache.write(features, positions)
         return drafts, logits[0]
+
+    def _dspark_round_fn(
+        self,
+        anchor_11: torch.Tensor,
+        pos_11: torch.Tensor,
+        noise_BV: torch.Tensor | None = None,
+        *,
+        kv_len: int,
+        temperature: float = 0.0,
+    ):
+        drafts, survival = self.drafter_cache.draft_dspark(
+            anchor_11[0], pos_11[0], noise_BV, kv_len=kv_len, temperature=temperature
+        )
+        ids = torch.cat([anchor_11[0], drafts]).view(1, -1)
+        positions = pos_11 + self.drafter_cache.verify_offsets
+        logits, features = self.target_cache.step(ids, positions, kv_len=kv_len)
+        self.drafter_cache.write(features, positions)
+        return drafts, logits[0], survival
 
     # -- host side -------------------------------------------------------------------------------
     def _set(self, token: int, position: int) -> None:
@@ -169,7 +211,7 @@ class StaticDecoder:
         self._prefill(prompt)
 
     def _check_room(self, prompt: list[int], max_new_tokens: int) -> None:
-        need = len(prompt) + max_new_tokens + self.block_size
+        need = len(prompt) + max_new_tokens + self.verify_len
         if need > self.target_cache.max_len:
             raise ValueError(
                 f"a prompt of {len(prompt)} tokens + {max_new_tokens} new does not fit the decoder's "
@@ -206,31 +248,52 @@ class StaticDecoder:
         temperature: float = 0.0,
         seed: int = 0,
         stop_ids: frozenset[int] = frozenset(),
+        sampled_drafts: bool = False,
     ) -> DecodeResult:
+        """`sampled_drafts`: a DSpark drafter samples its drafts at `temperature` (> 0) instead of
+        taking their argmax (dflash.decoding.reference.speculative_generate)."""
         if self.drafter_cache is None:
             raise ValueError("StaticDecoder built without a drafter cannot decode speculatively")
         self._check_room(prompt, max_new_tokens)
         choose = TokenChooser(temperature, self.target.device, seed)
+        noise = None
+        if samples_drafts(self.drafter_cache.drafter, temperature, sampled_drafts):
+            noise = torch.Generator(device=self.target.device)
+            noise.manual_seed(seed + DRAFT_NOISE_SEED_OFFSET)
         logits, features = self._prefill(prompt)
         positions = torch.arange(len(prompt), device=self.target.device).unsqueeze(0)
         self.drafter_cache.write(features, positions)
         output = choose(logits)  # the first anchor comes from the target
         committed = len(prompt)  # positions with valid keys in both caches; the anchor goes next
-        acceptance: list[int] = []
+        result = DecodeResult(output_ids=output)
+        survival: list[torch.Tensor] = []  # per round, on the device (read once, at the end)
         while len(output) < max_new_tokens and output[-1] not in stop_ids:
             self._set(output[-1], committed)
-            kv_len = self.target_cache.kv_len_for(committed + self.block_size)
-            drafts, logits = self._round(self._ids, self._pos, kv_len=kv_len)
+            kv_len = self.target_cache.kv_len_for(committed + self.verify_len)
+            if not self.dspark:
+                drafts, logits = self._round(self._ids, self._pos, kv_len=kv_len)
+            elif noise is None:
+                drafts, logits, confidence = self._round(self._ids, self._pos, kv_len=kv_len)
+            else:
+                self._noise.copy_(gumbel_noise(noise, tuple(self._noise.shape), self.target.device))
+                drafts, logits, confidence = self._round(
+                    self._ids, self._pos, self._noise, kv_len=kv_len, temperature=temperature
+                )
+            if self.dspark and confidence is not None:
+                survival.append(confidence.clone())  # the graph's output buffer is reused
             draft, choices = self._read(drafts, logits, choose)
             room = max_new_tokens - len(output)
             produced, accepted, stopped = settle_round(draft, choices, room, stop_ids)
             output += produced
-            acceptance.append(len(produced))
+            result.acceptance_lengths.append(len(produced))
+            result.accepted_drafts.append(accepted)
             if stopped:
                 break
             committed += accepted + 1
             self.keep(accepted + 1)
-        return DecodeResult(output_ids=output, acceptance_lengths=acceptance)
+        if survival:
+            result.confidence = torch.stack(survival).tolist()
+        return result
 
     @staticmethod
     def _read(

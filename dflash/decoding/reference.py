@@ -21,6 +21,17 @@ runs on dflash.decoding's static caches, which roll such layers back exactly.
 
 The drafter is called through the same mask builder as in training (one valid anchor, full
 context before it), so a train/inference mismatch in the mask cannot hide here.
+
+A DSpark drafter (dflash.models.dspark) drafts B tokens per block instead of B-1 (every block
+slot predicts, the anchor's too: slot k proposes the token at anchor + k + 1) and drafts them
+left to right: slot k's logits are the base logits (the target's LM head on the slot's hidden
+state) plus the Markov head's bias from the token actually drafted before it (the anchor for
+slot 0). Each token is the argmax of those logits, or with `sampled_drafts` at a temperature > 0
+a Gumbel-max sample from them (noise drawn per round from a generator of its own, so the
+target's choices draw the same stream as without it). Verification is the same: a round
+verifies [anchor, B drafts] and produces up to B + 1 tokens. With a confidence head, each draft
+also gets the head's probability that it is accepted given that every draft before it was
+(`DecodeResult.confidence`), to set beside the acceptance measured (`accepted_drafts`).
 """
 
 from __future__ import annotations
@@ -31,6 +42,7 @@ import torch
 from transformers import DynamicCache
 
 from dflash.models.drafter import DFlashDrafter
+from dflash.models.dspark import DSparkDrafter
 from dflash.models.target import FrozenTarget
 from dflash.step.blocks import layer_masks
 
@@ -38,11 +50,71 @@ from dflash.step.blocks import layer_masks
 _CROPPABLE_LAYERS = {"full_attention"}
 
 
+# The draft noise's generator is seeded apart from the target's (seed + this), so sampling
+# drafts leaves the target's own stream of choices as it is.
+DRAFT_NOISE_SEED_OFFSET = 1_000_003
+
+
 @dataclass
 class DecodeResult:
     output_ids: list[int]  # generated tokens only
     # Speculative decoding: tokens produced per target verification after the prefill.
     acceptance_lengths: list[int] = field(default_factory=list)
+    # Per round: drafts accepted (before the bonus; not cut by max_new_tokens or a stop token).
+    accepted_drafts: list[int] = field(default_factory=list)
+    # DSpark with a confidence head, per round: each draft's predicted probability of acceptance
+    # given that every draft before it was accepted (sigmoid of the head's logit).
+    confidence: list[list[float]] = field(default_factory=list)
+
+
+def drafts_per_round(drafter: DFlashDrafter) -> int:
+    """Tokens a drafter proposes per block: DSpark's every slot (B), DFlash's all but the anchor."""
+    return drafter.block_size if isinstance(drafter, DSparkDrafter) else drafter.block_size - 1
+
+
+def gumbel_noise(generator: torch.Generator, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    """-log(-log(U)), U uniform: argmax(logits / T + noise) is a sample from softmax(logits / T)
+    (the Gumbel-max trick, as vLLM's DSpark drafter samples). Drawn outside the drafting, so a
+    CUDA graph can replay it as an input."""
+    uniform = torch.rand(shape, generator=generator, device=device).clamp_(min=1e-20)
+    return -torch.log(-torch.log(uniform))
+
+
+class DraftChooser:
+    """Each draft position's token from its logits [N, V]: the argmax, or with `noise_KV` (one
+    row per block position, `gumbel_noise`) a sample at `temperature`. Called once per position,
+    left to right (dflash.models.dspark.DSparkDrafter.sample_block)."""
+
+    def __init__(self, temperature: float = 0.0, noise_KV: torch.Tensor | None = None):
+        if noise_KV is not None and temperature <= 0:
+            raise ValueError("sampled drafts need a temperature > 0")
+        self.temperature, self.noise, self.position = temperature, noise_KV, 0
+
+    def __call__(self, logits_NV: torch.Tensor) -> torch.Tensor:
+        if self.noise is None:
+            return logits_NV.argmax(-1)
+        noise = self.noise[self.position]
+        self.position += 1
+        return (logits_NV.float() / self.temperature + noise).argmax(-1)
+
+
+def dspark_block(
+    drafter: DSparkDrafter,
+    target: FrozenTarget,
+    hidden_1BH: torch.Tensor,
+    anchor_1: torch.Tensor,
+    choose: DraftChooser,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A DSpark block's drafts [B] from its hidden states, left to right with the Markov bias,
+    and each draft's survival probability [B] from the confidence head (None without one).
+    Device tensors in and out, no host reads: both decoders run it, the static one in a graph."""
+    # The drafter may run in fp32 (master weights) in front of a bf16 target head.
+    base_1BV = target.lm_head(hidden_1BH.to(target.lm_head.weight.dtype))
+    tokens_1B, _ = drafter.sample_block(base_1BV, hidden_1BH, anchor_1.view(1), choose)
+    if drafter.confidence_head is None:
+        return tokens_1B[0], None
+    previous = torch.cat([anchor_1.view(1), tokens_1B[0, :-1]])  # the token before each draft
+    return tokens_1B[0], torch.sigmoid(drafter.confidence_logits(hidden_1BH[0], previous))
 
 
 class TokenChooser:
@@ -103,6 +175,10 @@ class DrafterContext:
         self.drafter = drafter
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.length = 0
+        # DSpark: how the next draft picks its tokens (None: argmax), set per round.
+        self.choose: DraftChooser | None = None
+        # DSpark with a confidence head: the last draft's survival probabilities (else None).
+        self.confidence: list[float] | None = None
 
     def extend(self, features_1NF: torch.Tensor) -> None:
         count = features_1NF.shape[1]
@@ -119,7 +195,8 @@ class DrafterContext:
 
     @torch.no_grad()
     def draft(self, target: FrozenTarget, anchor_token: int) -> list[int]:
-        """The drafter's B-1 argmax guesses for the tokens after the anchor at position `length`."""
+        """The drafter's guesses for the tokens after the anchor at position `length`: a DFlash
+        drafter's B-1 argmaxes, a DSpark drafter's B tokens left to right (picked by `choose`)."""
         device = target.device
         anchor_pos, block_size = self.length, self.drafter.block_size
         block_ids = torch.full((1, block_size), self.drafter.mask_token_id, device=device)
@@ -133,6 +210,12 @@ class DrafterContext:
             windows=self.drafter.windows,
         )
         hidden = self.drafter.draft(self.kv, target.embed_tokens(block_ids), positions, mask)
+        if isinstance(self.drafter, DSparkDrafter):
+            tokens, survival = dspark_block(
+                self.drafter, target, hidden, block_ids[0, :1], self.choose or DraftChooser()
+            )
+            self.confidence = None if survival is None else survival.tolist()
+            return tokens.tolist()
         # fp32 drafter (master weights) in front of a bf16 target head on GPU.
         return target.lm_head(hidden.to(target.lm_head.weight.dtype))[0, 1:].argmax(-1).tolist()
 
@@ -186,6 +269,12 @@ def plain_generate(
     return DecodeResult(output_ids=output)
 
 
+def samples_drafts(drafter: DFlashDrafter, temperature: float, sampled_drafts: bool) -> bool:
+    """Whether the drafts of a round are sampled: a DSpark drafter asked to, at a temperature > 0.
+    A DFlash drafter proposes its argmax at every temperature."""
+    return sampled_drafts and temperature > 0 and isinstance(drafter, DSparkDrafter)
+
+
 @torch.no_grad()
 def speculative_generate(
     target: FrozenTarget,
@@ -196,29 +285,40 @@ def speculative_generate(
     seed: int = 0,
     cached: bool | None = None,
     stop_ids: frozenset[int] = frozenset(),
+    sampled_drafts: bool = False,
 ) -> DecodeResult:
     session = TargetSession(target, cached)
     context = DrafterContext(drafter)
     choose = TokenChooser(temperature, target.device, seed)
+    noise = None
+    if samples_drafts(drafter, temperature, sampled_drafts):
+        noise = torch.Generator(device=target.device)
+        noise.manual_seed(seed + DRAFT_NOISE_SEED_OFFSET)
     logits, features = session.run(list(prompt_ids))
     context.extend(features)
     output = choose(logits[-1:])  # the first anchor comes from the target
-    acceptance: list[int] = []
+    result = DecodeResult(output_ids=output)
     while len(output) < max_new_tokens and output[-1] not in stop_ids:
         committed = len(prompt_ids) + len(output) - 1  # the anchor is not committed yet
+        if noise is not None:
+            shape = (drafter.block_size, target.lm_head.weight.shape[0])
+            context.choose = DraftChooser(temperature, gumbel_noise(noise, shape, target.device))
         draft = drafter_guess(context, target, output[-1])
         logits, features = session.run([output[-1], *draft])
         produced, accepted, stopped = settle_round(
             draft, choose(logits), max_new_tokens - len(output), stop_ids
         )
         output += produced
-        acceptance.append(len(produced))
+        result.acceptance_lengths.append(len(produced))
+        result.accepted_drafts.append(accepted)
+        if context.confidence is not None:
+            result.confidence.append(context.confidence)
         if stopped:
             break
         # The anchor and the accepted drafts are committed; their features came from this forward.
         session.commit(committed + accepted + 1)
         context.extend(features[:, : accepted + 1])
-    return DecodeResult(output_ids=output, acceptance_lengths=acceptance)
+    return result
 
 
 def drafter_guess(context: DrafterContext, target: FrozenTarget, anchor_token: int) -> list[int]:

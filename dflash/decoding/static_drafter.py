@@ -6,6 +6,10 @@ that commits p), at their absolute positions. A draft reads the cache up to a bu
 `kv_len` through the training mask builder (`layer_masks`: context strictly before the
 anchor, the whole block bidirectionally), so entries at or after the anchor — features of
 rejected drafts, or stale ones from an earlier sequence — are never seen.
+
+A DSpark drafter drafts its B tokens left to right with the Markov bias inside the same
+capturable function (dflash.decoding.reference.dspark_block, the reference decoder's code), and
+returns the confidence head's survival probabilities beside them.
 """
 
 from __future__ import annotations
@@ -16,6 +20,7 @@ import torch
 from torch import nn
 
 from dflash.decoding.kv_cache import StaticKV
+from dflash.decoding.reference import DraftChooser, drafts_per_round, dspark_block
 from dflash.models.compile import compile_shared
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import FrozenTarget
@@ -46,10 +51,16 @@ class StaticCacheDrafter(nn.Module):
         mask_row = torch.full((1, self.block_size), drafter.mask_token_id, device=device)
         self.register_buffer("mask_row", mask_row, persistent=False)
         self.register_buffer("offsets", torch.arange(self.block_size, device=device), persistent=False)
-        self._write, self._draft = self._write_eager, self._draft_eager
+        # A round verifies [anchor, drafts]: B positions after a DFlash block, B + 1 after DSpark's.
+        self.drafts = drafts_per_round(drafter)
+        self.register_buffer("verify_offsets", torch.arange(self.drafts + 1, device=device), persistent=False)
+        self._write, self._draft, self._hidden = self._write_eager, self._draft_eager, self._hidden_eager
         if compile_backend is not None:
             self._write = compile_shared(self._write_eager, backend=compile_backend, dynamic=True)
             self._draft = compile_shared(self._draft_eager, backend=compile_backend, dynamic=True)
+            # DSpark: the layers compiled; the B-step Markov loop after them stays eager (a graph
+            # captures it all the same).
+            self._hidden = compile_shared(self._hidden_eager, backend=compile_backend, dynamic=True)
 
     @torch.no_grad()
     def write(self, features_1QF: torch.Tensor, positions_1Q: torch.Tensor) -> None:
@@ -62,6 +73,23 @@ class StaticCacheDrafter(nn.Module):
         the context before it. Capturable: device tensors in, no host reads."""
         return self._draft(anchor_1, anchor_pos_1, kv_len=kv_len)
 
+    @torch.no_grad()
+    def draft_dspark(
+        self,
+        anchor_1: torch.Tensor,
+        anchor_pos_1: torch.Tensor,
+        noise_BV: torch.Tensor | None = None,
+        *,
+        kv_len: int,
+        temperature: float = 0.0,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A DSpark drafter's B drafts [B], left to right with the Markov bias (argmax, or with
+        `noise_BV` Gumbel-max samples at `temperature`), and their survival probabilities [B]
+        (None without a confidence head). Capturable."""
+        hidden = self._hidden(anchor_1, anchor_pos_1, kv_len=kv_len)
+        choose = DraftChooser() if noise_BV is None else DraftChooser(temperature, noise_BV)
+        return dspark_block(self.drafter, self.target, hidden, anchor_1, choose)
+
     def _write_eager(self, features_1QF: torch.Tensor, positions_1Q: torch.Tensor) -> None:
         for index, (k, v) in enumerate(self.drafter.context_kv(features_1QF, positions_1Q)):
             self.kv.write(index, positions_1Q, k, v)
@@ -69,6 +97,13 @@ class StaticCacheDrafter(nn.Module):
     def _draft_eager(
         self, anchor_1: torch.Tensor, anchor_pos_1: torch.Tensor, *, kv_len: int
     ) -> torch.Tensor:
+        hidden = self._hidden_eager(anchor_1, anchor_pos_1, kv_len=kv_len)
+        return self.target.lm_head(hidden.to(self.target.lm_head.weight.dtype))[0, 1:].argmax(-1)
+
+    def _hidden_eager(
+        self, anchor_1: torch.Tensor, anchor_pos_1: torch.Tensor, *, kv_len: int
+    ) -> torch.Tensor:
+        """The block's hidden states [1, B, H] (after the drafter's final norm)."""
         block_ids = torch.cat([anchor_1.view(1, 1), self.mask_row[:, 1:]], dim=1)
         positions = anchor_pos_1.view(1, 1) + self.offsets
         mask = layer_masks(
@@ -79,5 +114,4 @@ class StaticCacheDrafter(nn.Module):
             windows=self.drafter.windows,
         )
         context = [self.kv.prefix(index, kv_len) for index in range(len(self.kv.keys))]
-        hidden = self.drafter.draft(context, self.target.embed_tokens(block_ids), positions, mask)
-        return self.target.lm_head(hidden.to(self.target.lm_head.weight.dtype))[0, 1:].argmax(-1)
+        return self.drafter.draft(context, self.target.embed_tokens(block_ids), positions, mask)

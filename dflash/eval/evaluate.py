@@ -3,7 +3,9 @@ and plainly, and measure (reported by dflash.eval.report).
 
 Per benchmark and temperature: mean tau (tokens produced per target verification), the
 acceptance-length histogram, and at temperature 0 the fraction of prompts whose DFlash output
-equals plain greedy output. With timing on: time per output token of plain (KV-cached, one
+equals plain greedy output. A DSpark drafter with a confidence head adds, per block position, the
+head's predicted probability that the draft there is accepted (the product of its survival
+probabilities up to it) beside the share of rounds that accepted it. With timing on: time per output token of plain (KV-cached, one
 token per forward) over DFlash decoding, timed with CUDA events on GPU, after warm-up runs.
 
 Both decoders run on the same engine (dflash.decoding: static caches, CUDA graphs on GPU) so
@@ -22,7 +24,7 @@ import torch
 
 from dflash.config.schema import EvalConfig
 from dflash.decoding.engine import StaticDecoder
-from dflash.decoding.reference import DecodeResult, plain_generate, speculative_generate
+from dflash.decoding.reference import DecodeResult, drafts_per_round, plain_generate, speculative_generate
 from dflash.eval.prompts import PromptSet
 from dflash.eval.report import BenchmarkResult, EvalReport
 from dflash.models.drafter import DFlashDrafter
@@ -61,16 +63,25 @@ class Decoders:
         max_len: int,
         graphs: bool | None,
         compile: bool = False,
+        sampled_drafts: bool = False,
+        temperatures: tuple[float, ...] = (),
     ) -> Decoders:
+        """`sampled_drafts`: a DSpark drafter samples its drafts at the decoding temperature (the
+        static decoder captures those rounds for `temperatures` up front)."""
         static = StaticDecoder.for_target(target, drafter, max_len=max_len, graphs=graphs, compile=compile)
         if static is not None:
-            static.capture_every_shape()  # outside every timed decode
-            return cls(static.speculative, static.plain, static.load_drafter_weights, static.prefill_only)
+            sampled = tuple(t for t in temperatures if t > 0) if sampled_drafts else ()
+            static.capture_every_shape(sampled)  # outside every timed decode
+
+            def static_speculative(prompt, max_new, temperature, seed, stop_ids):
+                return static.speculative(prompt, max_new, temperature, seed, stop_ids, sampled_drafts)
+
+            return cls(static_speculative, static.plain, static.load_drafter_weights, static.prefill_only)
         current = {"drafter": drafter}
 
         def speculative(prompt, max_new, temperature, seed, stop_ids):
             return speculative_generate(
-                target, current["drafter"], prompt, max_new, temperature, seed, None, stop_ids
+                target, current["drafter"], prompt, max_new, temperature, seed, None, stop_ids, sampled_drafts
             )
 
         def plain(prompt, max_new, temperature, seed, stop_ids):
@@ -90,6 +101,8 @@ class Decoders:
             max_len=longest + cfg.max_new_tokens,
             graphs=cfg.cuda_graphs,
             compile=cfg.compile_decoding,
+            sampled_drafts=cfg.sampled_drafts,
+            temperatures=tuple(cfg.temperatures),
         )
 
 
@@ -106,10 +119,13 @@ def evaluate_set(
     warmup_prompts: int = 0,
     should_stop: Callable[[], bool] | None = None,
     on_prompt: PromptDone | None = None,
+    drafts: int | None = None,
 ) -> BenchmarkResult:
     """Decode every prompt of the set with DFlash (and plainly when a reference or timing needs
     it); `should_stop` is asked before each prompt, and the result covers the prompts done;
-    `on_prompt` hears of each prompt as it finishes."""
+    `on_prompt` hears of each prompt as it finishes. `drafts`: tokens the drafter proposes per
+    round (a round produces up to drafts + 1); None: block_size - 1, a DFlash drafter's."""
+    drafts = block_size - 1 if drafts is None else drafts
     greedy = temperature <= 0
     need_plain = greedy or timing
     stop = prompt_set.stop_ids | target_eos_ids(target)
@@ -118,6 +134,7 @@ def evaluate_set(
         decoders.plain(prompt, max_new_tokens, temperature, seed, stop)
     stopwatch = Stopwatch(target.device)
     lengths: list[int] = []
+    confidence = ConfidenceTally(drafts)
     # Each path's time is divided by its own output: in bf16 a greedy DFlash output may differ
     # from the plain one (near-ties) and stop at another length.
     identical, output_tokens, plain_tokens, plain_s, dflash_s, prefill_s = 0, 0, 0, 0.0, 0.0, 0.0
@@ -133,6 +150,7 @@ def evaluate_set(
         )
         dflash_s += seconds
         lengths += result.acceptance_lengths
+        confidence.add(result)
         output_tokens += len(result.output_ids)
         if need_plain:
             reference, seconds = stopwatch(
@@ -148,7 +166,7 @@ def evaluate_set(
             prefill_s += stopwatch(decoders.prefill, prompt)[1]
         if on_prompt is not None:
             on_prompt(prompt_set.name, temperature, evaluated, len(prompt_set.prompts))
-    histogram = np.bincount(lengths, minlength=block_size + 1) / max(1, len(lengths))
+    histogram = np.bincount(lengths, minlength=drafts + 2) / max(1, len(lengths))
     report = BenchmarkResult(
         benchmark=prompt_set.name,
         temperature=temperature,
@@ -159,6 +177,7 @@ def evaluate_set(
         acceptance_histogram=[round(float(h), 4) for h in histogram],
         lossless_frac=identical / evaluated if greedy and evaluated else None,
         divergences=divergences,
+        **confidence.fields(),
     )
     if timing and output_tokens and plain_tokens:
         report.plain_ms_per_token = 1000.0 * plain_s / plain_tokens
@@ -173,6 +192,41 @@ def evaluate_set(
         report.round_cost = ((dflash_s - prefill_s) / max(1, len(lengths))) / ((plain_s - prefill_s) / steps)
         report.timing_device = str(target.device)
     return report
+
+
+class ConfidenceTally:
+    """A DSpark confidence head's predictions against the acceptance measured, over rounds: per
+    block position k, the predicted probability that draft k is accepted (the product of the
+    head's survival probabilities c_0..c_k, DeepSpec's reading of it) and the share of rounds that
+    accepted at least k + 1 drafts."""
+
+    def __init__(self, drafts: int):
+        self.predicted = np.zeros(drafts)
+        self.accepted = np.zeros(drafts)
+        self.rounds = 0
+
+    def add(self, result: DecodeResult) -> None:
+        if not result.confidence:
+            return
+        survival = np.cumprod(np.asarray(result.confidence, dtype=np.float64), axis=1)
+        self.predicted += survival.sum(axis=0)
+        drafted = np.arange(len(self.accepted))
+        self.accepted += (np.asarray(result.accepted_drafts)[: len(survival), None] > drafted).sum(axis=0)
+        self.rounds += len(survival)
+
+    def fields(self) -> dict:
+        """BenchmarkResult's confidence fields ({} without a confidence head)."""
+        if not self.rounds:
+            return {}
+        predicted, accepted = self.predicted / self.rounds, self.accepted / self.rounds
+        return {
+            "confidence_by_position": [round(float(p), 4) for p in predicted],
+            "accepted_by_position": [round(float(a), 4) for a in accepted],
+            # 1 + expected accepted drafts, as predicted and as measured (rounds uncut by the
+            # output's end, so beside each other rather than beside tau).
+            "confidence_tau": float(1 + predicted.sum()),
+            "accepted_tau": float(1 + accepted.sum()),
+        }
 
 
 def planned_decodings(prompt_sets: list[PromptSet], cfg: EvalConfig) -> int:
@@ -223,6 +277,7 @@ def evaluate(
                     decoders,
                     prompt_set,
                     block_size=drafter.block_size,
+                    drafts=drafts_per_round(drafter),
                     max_new_tokens=cfg.max_new_tokens,
                     temperature=temperature,
                     seed=cfg.seed,

@@ -31,6 +31,13 @@ class BenchmarkResult:
     round_cost: float | None = None  # a DFlash round's time in plain decoding steps (no prefill)
     prefill_ms: float | None = None  # the target's prefill of a prompt, the mean, timed apart
     timing_device: str | None = None
+    # A DSpark drafter with a confidence head (dflash.eval.evaluate.ConfidenceTally), per block
+    # position k: the head's predicted probability that draft k is accepted, and the share of
+    # rounds that accepted it; and 1 + the expected accepted drafts by each.
+    confidence_by_position: list[float] | None = None
+    accepted_by_position: list[float] | None = None
+    confidence_tau: float | None = None
+    accepted_tau: float | None = None
 
 
 def lossless_line(metrics: dict[str, float]) -> str:
@@ -86,6 +93,9 @@ class EvalReport:
                 out[f"eval/{r.benchmark}/round_cost{suffix}"] = r.round_cost
             if r.prefill_ms is not None:
                 out[f"eval/{r.benchmark}/prefill_ms{suffix}"] = r.prefill_ms
+            if r.confidence_tau is not None:
+                out[f"eval/{r.benchmark}/confidence_tau{suffix}"] = r.confidence_tau
+                out[f"eval/{r.benchmark}/accepted_tau{suffix}"] = r.accepted_tau
         counts = sum(np.array(r.acceptance_histogram) * r.verifications for r in greedy)
         pooled = counts / max(1, sum(r.verifications for r in greedy))
         for k in range(1, len(pooled)):
@@ -123,6 +133,19 @@ class EvalReport:
         for r in self.results:
             cells = " ".join(f"{k}:{h:.2f}" for k, h in enumerate(r.acceptance_histogram) if k >= 1)
             rows.append(f"  {r.benchmark} t={r.temperature:g}  {cells}")
+        confident = [r for r in self.results if r.confidence_by_position is not None]
+        if confident:
+            rows.append("")
+            rows.append("confidence head: draft k accepted, predicted / measured (share of rounds):")
+            for r in confident:
+                cells = " ".join(
+                    f"{k}:{p:.2f}/{a:.2f}"
+                    for k, (p, a) in enumerate(zip(r.confidence_by_position, r.accepted_by_position))
+                )
+                rows.append(
+                    f"  {r.benchmark} t={r.temperature:g}  {cells}  "
+                    f"tau {r.confidence_tau:.3f}/{r.accepted_tau:.3f}"
+                )
         return "\n".join(rows)
 
     def lossless_line(self) -> str | None:

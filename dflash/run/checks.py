@@ -32,7 +32,7 @@ OBJECTIVE_PATTERNS = (
     r"val/(loss|acc|tau_sim|tau_block|tau_decode)|val_samples",
     r"eval/(tau|num_prompts|lossless_frac|divergence_max_logit_gap)",
     r"eval/accept_len_\d+_frac",
-    r"eval/[^/]+/(tau|speedup|round_cost|prefill_ms)(_t[0-9.e+-]+)?",
+    r"eval/[^/]+/(tau|speedup|round_cost|prefill_ms|confidence_tau|accepted_tau)(_t[0-9.e+-]+)?",
     r"roles/(target|drafter)_(busy_frac|s_per_batch)|roles/data_wait_frac",
 )
 
