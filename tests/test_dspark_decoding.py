@@ -289,3 +289,29 @@ def test_the_evaluation_reports_the_confidence_head_beside_the_acceptance():
     assert {"eval/random/confidence_tau", "eval/random/accepted_tau"} <= set(metrics)
     assert all(is_summary_metric(key) for key in metrics)
     assert "confidence head: draft k accepted, predicted / measured" in report.table()
+
+
+def test_dflash_eval_of_a_deepspec_checkpoint_reports_its_confidence_head(tmp_path, tiny_chat_dir):
+    """`dflash-eval ckpt=DIR` on a checkpoint in DeepSpec's published layout (bf16, the target's
+    tables bundled): lossless, up to B + 1 tokens a round, the head's predictions beside the
+    acceptance."""
+    from dflash.config.schema import TargetConfig
+    from dflash.models.target import FrozenTarget
+    from dflash.tools.eval import run_eval
+    from tests.test_dspark_export import write_as_deepspec_does
+    from tests.test_eval import eval_cfg, write_prompts
+
+    target = FrozenTarget.from_config(
+        TargetConfig(name="t", path=str(tiny_chat_dir)), [1, 3], torch.device("cpu")
+    )
+    directory = write_as_deepspec_does(tmp_path / "deepspec", loud_markov(tiny_dspark(target)), target)
+    prompts = {
+        "math": write_prompts(tmp_path / "math.jsonl", [{"prompt": "What is two and three?"}]),
+        "chat": write_prompts(tmp_path / "chat.jsonl", [{"turns": ["Tell me about the water."]}]),
+    }
+    report = run_eval(eval_cfg(tmp_path, tiny_chat_dir, directory, prompts, ["eval.timing=false"]))
+    assert report["metrics"]["eval/lossless_frac"] == 1.0
+    for result in report["results"]:
+        assert len(result["acceptance_histogram"]) == 4 + 2
+        assert len(result["confidence_by_position"]) == len(result["accepted_by_position"]) == 4
+    assert {"eval/math/confidence_tau", "eval/chat/accepted_tau"} <= set(report["metrics"])
