@@ -411,3 +411,19 @@ def test_drafter_from_config_picks_the_class_by_its_config(tmp_path):
     plain = drafter_config(cfg, target.config, [1, 3])
     assert type(drafter_from_config(plain)).__name__ == "DFlashDrafter"
     assert isinstance(drafter_from_config(tiny_dspark(target).config), DSparkDrafter)
+
+
+@pytest.mark.slow
+def test_a_variant_sweep_runs_both_and_diff_shows_the_choice(tmp_path, data_cache, capsys):
+    """`dflash-train -m variant=dflash,dspark`, then `dflash-diff` of the two jobs."""
+    from dflash.tools import diff
+    from tests.test_sweeps import sweep
+
+    result = sweep(tmp_path, data_cache, "variant=dflash,dspark", "debug=fast")
+    assert result.returncode == 0, result.stderr[-3000:]
+    diff.main([str(tmp_path / "0"), str(tmp_path / "1")])
+    text = capsys.readouterr().out
+    assert "variant: dflash -> dspark" in text.split("choices:")[1].split("config:")[0]
+    assert "variant.markov_rank: added (256)" in text
+    metrics = text.split("metrics:")[1]
+    assert "train/tau_prob" in metrics and "train/l1" in metrics
