@@ -49,7 +49,7 @@ from dflash.models.target import FrozenTarget  # noqa: E402
 from dflash.models.target_head import TargetHead  # noqa: E402
 from dflash.run.inputs import script_target  # noqa: E402
 from dflash.run.launch import step_fn_for  # noqa: E402
-from dflash.step.build import build_drafter  # noqa: E402
+from dflash.step.build import build_drafter, build_variant  # noqa: E402
 from dflash.step.variants import STEP_VARIANTS  # noqa: E402
 from dflash.tools.compose import compose_typed  # noqa: E402
 from dflash.tools.kernel_profile import write_kernel_table  # noqa: E402
@@ -213,7 +213,9 @@ def main() -> None:
     reference_loss = None
     for variant in [v for v in args.drafter_variants.split(",") if v]:
         variant_cfg = compose_typed(base + STEP_VARIANTS[variant])
-        drafter = build_drafter(variant_cfg.drafter, target.config, layer_ids, str(device))
+        drafter = build_drafter(
+            variant_cfg.drafter, target.config, layer_ids, str(device), build_variant(variant_cfg.variant)
+        )
         counter = CompileCounter(f"drafter ({variant})")
         if variant_cfg.drafter.compile:
             torch._dynamo.reset()  # each variant compiles its own graphs

@@ -37,7 +37,7 @@ from dflash.models.target import FrozenTarget  # noqa: E402
 from dflash.models.target_head import TargetHead  # noqa: E402
 from dflash.run.inputs import load_training_data, script_target  # noqa: E402
 from dflash.run.launch import plan_batches, step_fn_for  # noqa: E402
-from dflash.step.build import build_drafter, uses_compile  # noqa: E402
+from dflash.step.build import build_drafter, build_variant, uses_compile  # noqa: E402
 from dflash.step.loss import objective_figures  # noqa: E402
 from dflash.step.variants import STEP_VARIANTS  # noqa: E402
 from dflash.tools.compose import compose_typed  # noqa: E402
@@ -72,7 +72,9 @@ class Setup:
         and its optimizer, under the variant's overrides."""
         cfg = compose_typed(self.base + extra)
         device = self.target.device
-        drafter = build_drafter(cfg.drafter, self.target.config, self.layer_ids, str(device))
+        drafter = build_drafter(
+            cfg.drafter, self.target.config, self.layer_ids, str(device), build_variant(cfg.variant)
+        )
         if uses_compile(cfg.drafter.compile, device):
             drafter.compile_training(dynamic=cfg.drafter.compile_dynamic)
         return step_fn_for(

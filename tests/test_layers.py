@@ -22,6 +22,7 @@ LAYERS: list[list[str]] = [
         "dflash.step.blocks",
         "dflash.step.block_mask",
         "dflash.step.loss",
+        "dflash.step.dspark_loss",
         "dflash.step.noise",
         "dflash.export",
         "dflash.distributed",

@@ -267,6 +267,54 @@ class LossConfig:
     logits_chunk: int = 2048
 
 
+class MarkovHeadType(str, Enum):
+    """DSpark's sequential head (deepseek-ai/DeepSpec `markov_head_type`; dflash/models/dspark.py)."""
+
+    vanilla = "vanilla"  # bias W2(W1[x_{k-1}]): rank-r transition from the previous token
+    gated = "gated"  # W1[x_{k-1}] scaled by a gate read from [h_k; W1[x_{k-1}]]
+    rnn = "rnn"  # a gated recurrent state over the block
+
+
+@dataclass
+class VariantConfig:
+    """`_target_`: the drafter variant (dflash/step/variant.py): which drafter is built, which
+    block position predicts which token, the loss over them, and what the target must hand over.
+    Orthogonal to `drafter` (depth, block size, windows) and `loss` (position weights, chunking)."""
+
+    _target_: str = MISSING
+
+
+@dataclass
+class DFlashVariantConfig(VariantConfig):
+    """Plain DFlash: block position k >= 1 predicts token a + k, hard-label CE."""
+
+    _target_: str = "dflash.step.variant.DFlashVariant"
+
+
+@dataclass
+class DSparkVariantConfig(VariantConfig):
+    """DSpark (deepseek-ai/DeepSpec): every block position k predicts token a + k + 1, a Markov
+    head biases each position by the token before it, a confidence head predicts acceptance; the
+    loss is ce_weight CE + tv_weight |p_draft - p_target|_1 + confidence_weight BCE, each weighted
+    by the position decay (docs/ARCHITECTURE.md §1, DSpark). Defaults: the reference's."""
+
+    _target_: str = "dflash.step.variant.DSparkVariant"
+    # Rank r of the Markov head's factorised transition (0: no Markov head).
+    markov_rank: int = 256
+    markov_head_type: MarkovHeadType = MarkovHeadType.vanilla
+    # Import path of a head class of your own (dflash.models.dspark.MarkovHead's interface, built
+    # with vocab_size=, markov_rank=, hidden_size=); overrides markov_head_type. null: the built-in.
+    markov_head_class: Optional[str] = None
+    confidence_head: bool = True
+    # The confidence head also reads the previous token's Markov embedding [h_k; W1[x_{k-1}]].
+    confidence_with_markov: bool = True
+    # Loss weights: CE against the data token, L1 distance |p_draft - p_target|_1 (twice the total
+    # variation), BCE of the confidence head against 1 - TV (the soft acceptance).
+    ce_weight: float = 0.1
+    tv_weight: float = 0.9
+    confidence_weight: float = 1.0
+
+
 @dataclass
 class NoiseConfig:
     """`_target_`: a noise schedule (dflash/step/noise.py): per optimizer step, the share of
@@ -440,6 +488,7 @@ class Config:
     optimizer: OptimizerConfig = field(default_factory=OptimizerConfig)
     lr_schedule: LrScheduleConfig = field(default_factory=LrScheduleConfig)
     loss: LossConfig = field(default_factory=LossConfig)
+    variant: VariantConfig = field(default_factory=VariantConfig)
     noise: NoiseConfig = field(default_factory=NoiseConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     logger: LoggerConfig = field(default_factory=LoggerConfig)
@@ -517,6 +566,7 @@ COMPONENT_OPTIONS: dict[str, dict[str, type]] = {
     "optimizer": {"adamw": AdamWConfig},
     "lr_schedule": {"cosine": CosineLrScheduleConfig, "constant": ConstantLrScheduleConfig},
     "loss": {"default": LossConfig},
+    "variant": {"dflash": DFlashVariantConfig, "dspark": DSparkVariantConfig},
     "noise": {"none": NoNoiseConfig, "mask_ramp": MaskRampNoiseConfig, "feature": FeatureNoiseConfig},
     "pipeline": {"sync": SyncPipelineConfig, "async": AsyncPipelineConfig},
     "monitor": {"default": MonitorConfig},

@@ -33,8 +33,9 @@ from dflash.models.dspark import DSparkDrafter, drafter_from_config
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-EXPORTED_PREFIXES = ("layers.", "fc.", "hidden_norm.", "norm.")
-DSPARK_PREFIXES = EXPORTED_PREFIXES + ("markov_head.", "confidence_head.")
+# DSpark's heads (dflash/models/dspark.py) under the names DeepSpec's checkpoints use.
+DSPARK_HEAD_PREFIXES = ("markov_head.", "confidence_head.")
+EXPORTED_PREFIXES = ("layers.", "fc.", "hidden_norm.", "norm.", *DSPARK_HEAD_PREFIXES)
 
 
 def readable_by_every_transformers(config: dict[str, Any]) -> dict[str, Any]:
@@ -73,11 +74,10 @@ def _write(directory: Path, config: dict[str, Any], state: dict[str, torch.Tenso
 
 
 def _drafter_tensors(drafter: DFlashDrafter) -> dict[str, torch.Tensor]:
-    prefixes = DSPARK_PREFIXES if isinstance(drafter, DSparkDrafter) else EXPORTED_PREFIXES
     return {
         name: tensor.detach().contiguous().cpu()
         for name, tensor in drafter.state_dict().items()
-        if name.startswith(prefixes)
+        if name.startswith(EXPORTED_PREFIXES)
     }
 
 
@@ -157,8 +157,10 @@ def read_drafter_config(directory: Path) -> Qwen3Config:
 
 
 # Drafter config fields a resumed run must share with its checkpoint, and the key that sets each.
-def load_drafter_weights(drafter: DFlashDrafter, directory: Path) -> None:
-    """model.safetensors of `directory` into `drafter`; every key must match both ways."""
+def load_drafter_weights(drafter: DFlashDrafter, directory: Path, *, new_heads: bool = False) -> None:
+    """model.safetensors of `directory` into `drafter`; every key must match both ways, except,
+    with `new_heads` (a DFlash drafter warm-starting a DSpark one), the DSpark heads the
+    directory lacks: they keep their fresh init."""
     path = Path(directory) / WEIGHTS_FILE
     raw = _raw_config(directory)
     try:
@@ -172,9 +174,16 @@ def load_drafter_weights(drafter: DFlashDrafter, directory: Path) -> None:
     except (OSError, SafetensorError) as exc:
         raise ValueError(f"{path}: unreadable drafter weights ({exc})") from exc
     try:
-        drafter.load_state_dict(state, strict=True)
+        missing, unexpected = drafter.load_state_dict(state, strict=False)
     except RuntimeError as exc:
         raise ValueError(f"{path}: weights do not fit the drafter ({exc})") from exc
+    if new_heads:
+        missing = [name for name in missing if not name.startswith(DSPARK_HEAD_PREFIXES)]
+    if missing or unexpected:
+        raise ValueError(
+            f"{path}: weights do not fit the drafter (missing: {missing or 'none'}; "
+            f"unexpected: {unexpected or 'none'})"
+        )
 
 
 def load_drafter(directory: Path, device: torch.device | str = "cpu") -> DFlashDrafter:

@@ -170,17 +170,24 @@ def with_own_layers(stack: nn.Module) -> nn.Module:
 class FrozenTarget(nn.Module):
     """Wraps an AutoModelForCausalLM; every parameter is frozen and the model stays in eval mode."""
 
-    def __init__(self, model: nn.Module, layer_ids: list[int]):
+    def __init__(self, model: nn.Module, layer_ids: list[int], *, final_state: bool = False):
+        """final_state (variant=dspark, whose loss compares the draft distribution with the
+        target's): `features` runs the whole stack, final norm included, and appends the final
+        hidden state [B, S, H] as the last H columns of its tensor: the same forward, and one
+        tensor through the pipeline's queues and device copies; never vocabulary-sized logits."""
         super().__init__()
         self.model = model.eval().requires_grad_(False)
         self.layer_ids = list(layer_ids)
+        self.final_state = final_state
         self._masked_attention = model.config._attn_implementation
         # transformers 5 renamed the forward's `past_key_values` argument to `cache`.
         params = inspect.signature(model.forward).parameters
         self._cache_argument = "cache" if "cache" in params else "past_key_values"
         model.config._attn_implementation = CAUSAL_ATTENTION
         # In a tuple, not a module attribute: that would register the shared layers twice.
-        self._feature_model = (feature_model(model.base_model, deepest=max(self.layer_ids)),)
+        # The stack's own depth: `feature_model` then keeps every layer and the final norm.
+        deepest = model.base_model.config.num_hidden_layers - 1 if final_state else max(self.layer_ids)
+        self._feature_model = (feature_model(model.base_model, deepest=deepest),)
         self._feature_stack: Callable[..., Any] = self._feature_model[0].forward
 
     @property
@@ -246,7 +253,9 @@ class FrozenTarget(nn.Module):
         return out[:, longest:].cpu().tolist()
 
     @classmethod
-    def from_config(cls, cfg: TargetConfig, layer_ids: list[int], device: torch.device) -> FrozenTarget:
+    def from_config(
+        cls, cfg: TargetConfig, layer_ids: list[int], device: torch.device, *, final_state: bool = False
+    ) -> FrozenTarget:
         dtype = resolve_dtype(cfg.dtype, device)
         if cfg.path is None:
             config = load_target_config(cfg)
@@ -260,7 +269,7 @@ class FrozenTarget(nn.Module):
         else:
             load_target_config(cfg)  # refuses a wrong architecture before reading weights
             model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=dtype)
-        return cls(model.to(device), layer_ids)
+        return cls(model.to(device), layer_ids, final_state=final_state)
 
     @property
     def config(self) -> PretrainedConfig:
@@ -293,6 +302,10 @@ class FrozenTarget(nn.Module):
         batch, and leave the fast causal kernels.
         """
         out = self._feature_stack(input_ids=input_ids, output_hidden_states=True, use_cache=False)
+        if self.final_state:
+            # One concatenation, as `_fuse` does alone: no copy beyond it.
+            layers = [out.hidden_states[i + 1] for i in self.layer_ids]
+            return torch.cat([*layers, out.last_hidden_state], dim=-1)
         return self._fuse(out.hidden_states)
 
     @torch.no_grad()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import itertools
 
 from dflash.step.loss import objective_figures
-from dflash.step.metrics import MetricWindow
+from dflash.step.metrics import MetricLayout, MetricWindow
 
 
 class NonFiniteTraining(ValueError):
@@ -23,7 +23,7 @@ def train_metrics(groups: list[list[MetricWindow]]) -> dict[str, float]:
     replica or a window with few supervised positions weighs what it holds and no more.
     """
     first = groups[0][0]
-    block, num_buckets = first.block_size, first.num_buckets
+    num_buckets = first.num_buckets
     total = {
         "weighted_ce": 0.0,
         "weight": 0.0,
@@ -32,7 +32,9 @@ def train_metrics(groups: list[list[MetricWindow]]) -> dict[str, float]:
         "blocks": 0.0,
         "rounds": 0.0,
     }
-    correct, counted = [0.0] * block, [0.0] * block
+    positions = len(first.sums()["correct"])  # block_size, + 1 for DSpark (metrics.MetricLayout)
+    correct, counted = [0.0] * positions, [0.0] * positions
+    extra: dict[str, object] = {}  # a DSpark run's sums (MetricLayout.DSPARK_*), summed alike
     bucket_ce, bucket_w = [0.0] * num_buckets, [0.0] * num_buckets
     per_replica: dict[int, dict[str, float]] = {}
     steps = run_max = 0
@@ -44,6 +46,13 @@ def train_metrics(groups: list[list[MetricWindow]]) -> dict[str, float]:
             sums = window.sums()
             for key in total:
                 total[key] += sums[key]
+            for name in MetricLayout.DSPARK_SCALARS + MetricLayout.DSPARK_PER_POSITION:
+                if name in sums:
+                    value = sums[name]
+                    if isinstance(value, list):
+                        extra[name] = [a + b for a, b in zip(extra.get(name, [0.0] * len(value)), value)]
+                    else:
+                        extra[name] = extra.get(name, 0.0) + value
             correct = [a + b for a, b in zip(correct, sums["correct"])]
             counted = [a + b for a, b in zip(counted, sums["counted"])]
             bucket_ce = [a + b for a, b in zip(bucket_ce, sums["bucket_weighted_ce"])]
@@ -55,7 +64,7 @@ def train_metrics(groups: list[list[MetricWindow]]) -> dict[str, float]:
             run_max = max(run_max, longest_run(window.buckets))
             steps += window.steps if replica == 0 else 0
     last = groups[-1][0]
-    figures = objective_figures({**total, "correct": correct, "counted": counted})
+    figures = objective_figures({**total, **extra, "correct": correct, "counted": counted})
     metrics = {
         **{f"train/{name}": value for name, value in figures.items()},
         "train/grad_norm": total["grad_norm"] / max(1, steps * len(groups[0])),

@@ -15,12 +15,14 @@ from dflash.config.schema import (
     AttentionKind,
     DataKind,
     DeviceKind,
+    DSparkVariantConfig,
     FeatureNoiseConfig,
     LayerType,
     MaskRampNoiseConfig,
     pipeline_name,
 )
 from dflash.data.conversations import expand_files
+from dflash.models.dspark import markov_head_class
 from dflash.models.layer_ids import default_target_layer_ids
 
 # The numeric keys of summary.json (the run summary, the evaluation report's metrics, the role
@@ -30,6 +32,7 @@ OBJECTIVE_PATTERNS = (
     r"perf/(samples|tokens)_per_s",
     r"train/(loss|acc)(_first_window)?|train/tau_(sim|block|decode)",
     r"val/(loss|acc|tau_sim|tau_block|tau_decode)|val_samples",
+    r"(train|val)/(ce|l1|confidence_loss|confidence_abs_error|confidence_bias|tau_prob)",
     r"eval/(tau|num_prompts|lossless_frac|divergence_max_logit_gap)",
     r"eval/accept_len_\d+_frac",
     r"eval/[^/]+/(tau|speedup|round_cost|prefill_ms|confidence_tau|accepted_tau)(_t[0-9.e+-]+)?",
@@ -65,6 +68,7 @@ def validate(
     _validate_data_and_scheduler(cfg)
     _validate_optimization(cfg)
     _validate_noise(cfg)
+    _validate_variant(cfg)
     slot = slot or ProcessSlot()
     targets, drafters = resolve_device_split(cfg, visible_cuda_devices, slot)
     sync = pipeline_name(cfg.pipeline) == "sync"
@@ -230,3 +234,31 @@ def validate_drafter(cfg: Any, *, num_target_layers: int, target_vocab_size: int
         if getattr(drafter, key) < 1:
             raise ValueError(f"drafter.{key} must be >= 1, got {getattr(drafter, key)}")
     _validate_layer_types(drafter)
+
+
+def _validate_variant(cfg: Any) -> None:
+    """variant=dspark's settings (a user's own variant class checks its own)."""
+    variant = cfg.variant
+    if not isinstance(variant, DSparkVariantConfig):
+        return
+    if variant.markov_rank < 0:
+        raise ValueError(f"variant.markov_rank={variant.markov_rank}: must be >= 0 (0: no Markov head)")
+    if variant.confidence_head and variant.confidence_with_markov and variant.markov_rank == 0:
+        raise ValueError(
+            "variant.confidence_with_markov=true needs a Markov head (variant.markov_rank > 0); "
+            "set variant.confidence_with_markov=false"
+        )
+    for key in ("ce_weight", "tv_weight", "confidence_weight"):
+        if getattr(variant, key) < 0:
+            raise ValueError(f"variant.{key}={getattr(variant, key)}: must be >= 0")
+    if variant.confidence_weight > 0 and not variant.confidence_head:
+        raise ValueError("variant.confidence_weight > 0 needs variant.confidence_head=true (or set it to 0)")
+    if variant.markov_head_class:
+        try:
+            markov_head_class(variant.markov_head_class)
+        except ValueError as exc:
+            raise ValueError(f"variant.markov_head_class: {exc}") from exc
+    if isinstance(cfg.noise, MaskRampNoiseConfig):
+        # A kept position shows its true token, which is the label of the position before it in
+        # a DSpark block (every position predicts the token after it): that label would leak.
+        raise ValueError("noise=mask_ramp is DFlash's: with variant=dspark use noise=none or noise=feature")

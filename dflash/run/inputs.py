@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from dflash.config.components import check_buildable
 from dflash.config.schema import Config, DataKind, TargetConfig
 from dflash.data.chat import ChatRenderer, load_chat_renderer
 from dflash.data.dataset import TokenDataset
@@ -44,7 +45,15 @@ def frozen_target(cfg: Config, device: torch.device | str) -> tuple[FrozenTarget
     validate_drafter(cfg, num_target_layers=config.num_hidden_layers, target_vocab_size=config.vocab_size)
     refuse_what_cannot_fit(target_cfg, config, device)
     layer_ids = resolve_layer_ids(cfg, config.num_hidden_layers)
-    return FrozenTarget.from_config(target_cfg, layer_ids, device), layer_ids
+    return FrozenTarget.from_config(
+        target_cfg, layer_ids, device, final_state=needs_final_state(cfg)
+    ), layer_ids
+
+
+def needs_final_state(cfg: Config) -> bool:
+    """Whether the run's drafter variant reads the target's final hidden state (variant=dspark):
+    its `_target_` class says (dflash/step/variant.py)."""
+    return bool(getattr(check_buildable(cfg.variant, "variant"), "needs_final_state", False))
 
 
 def script_target(cfg: Config, device: torch.device | str, script: str) -> tuple[FrozenTarget, list[int]]:

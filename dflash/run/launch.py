@@ -21,7 +21,7 @@ from dflash.config.components import build
 from dflash.config.schema import Config, pipeline_name
 from dflash.data.dataset import TokenDataset
 from dflash.data.schedule import BatchPlanner, build_planner
-from dflash.export.zlab import load_drafter_weights
+from dflash.export.zlab import load_drafter_weights, read_drafter_config
 from dflash.models.compile import CompileCounter
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.feature_check import check_target_features
@@ -31,8 +31,9 @@ from dflash.monitor.callbacks import TrainingCallbacks, build_callbacks
 from dflash.monitor.sinks import SinkContext, build_sinks
 from dflash.run.inputs import load_training_data
 from dflash.run.preflight import Checked, check_before_loading
+from dflash.run.resume import warm_starts_heads
 from dflash.run.runner import Run
-from dflash.step.build import block_settings_for, build_drafter, build_step_fn, uses_compile
+from dflash.step.build import block_settings_for, build_drafter, build_step_fn, build_variant, uses_compile
 from dflash.step.step import BlockSettings, DrafterStep
 from dflash.trainer.async_trainer import FaultInjection
 from dflash.trainer.lifecycle import Trainer
@@ -70,8 +71,11 @@ def build_models(checked: Checked) -> Models:
     """One frozen target per target device, one drafter replica per drafter device (identical
     init, so replicas start, and stay, identical); resumed or drafter.init_from weights; compiled
     graphs."""
+    variant = build_variant(checked.config.variant)
     targets = [
-        FrozenTarget.from_config(checked.target_cfg, checked.layer_ids, torch.device(d))
+        FrozenTarget.from_config(
+            checked.target_cfg, checked.layer_ids, torch.device(d), final_state=variant.needs_final_state
+        )
         for d in checked.target_devices
     ]
     compiled: dict[str, CompileCounter] = {}
@@ -84,16 +88,17 @@ def build_models(checked: Checked) -> Models:
                 scope=checked.target_cfg.compile_scope.value,
             )
     drafters = [
-        build_drafter(checked.config.drafter, checked.target_config, checked.layer_ids, d)
+        build_drafter(checked.config.drafter, checked.target_config, checked.layer_ids, d, variant)
         for d in checked.drafter_devices
     ]
     for key, directory in (("resume", checked.resume_dir), ("drafter.init_from", checked.init_dir)):
         if directory is None:
             continue
         log.info("drafter weights from %s=%s", key, directory)
+        new_heads = warm_starts_heads(read_drafter_config(directory), drafters[0].config, key)
         for drafter in drafters:
             try:
-                load_drafter_weights(drafter, directory)
+                load_drafter_weights(drafter, directory, new_heads=new_heads)
             except ValueError as exc:
                 raise ValueError(f"{key}={directory}: {exc}") from exc
     if uses_compile(checked.config.drafter.compile, torch.device(checked.drafter_devices[0])):
@@ -122,7 +127,9 @@ def plan_batches(cfg: Config, dataset: TokenDataset) -> tuple[BatchPlanner, np.n
 def block_settings_of(cfg: Config, device: torch.device) -> BlockSettings:
     """How the run builds and scores blocks on a drafter device (seed, anchors, the `loss` node,
     the drafter's kernels): its step, its validation, tools that measure its checkpoints."""
-    return block_settings_for(seed=cfg.seed, drafter=cfg.drafter, loss=cfg.loss, device=device)
+    return block_settings_for(
+        seed=cfg.seed, drafter=cfg.drafter, loss=cfg.loss, device=device, variant=cfg.variant
+    )
 
 
 def step_fn_for(

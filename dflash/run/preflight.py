@@ -27,13 +27,12 @@ from dflash.distributed import (
     visible_cuda_devices,
 )
 from dflash.eval.prompts import PromptSet
-from dflash.models.drafter import drafter_config
 from dflash.models.identity import target_identity
 from dflash.models.target import load_target_config
 from dflash.run.checks import resolve_layer_ids, validate
 from dflash.run.inputs import eval_prompt_sets, local_target_config
 from dflash.run.resume import check_resume_matches
-from dflash.step.build import STEP_KEYS
+from dflash.step.build import STEP_KEYS, build_variant, run_drafter_config
 
 
 @dataclass
@@ -65,6 +64,7 @@ COMPONENT_RUNTIME: dict[str, tuple[str, ...]] = {
     "optimizer": ("params",),
     "lr_schedule": ("optimizer", "total_steps"),
     "loss": (),
+    "variant": (),
     "noise": (),
     "pipeline": (
         "targets",
@@ -161,13 +161,13 @@ def check_before_loading(composed: DictConfig) -> Checked:
     if "cpu" in target_devices + drafter_devices:
         torch.set_num_threads(cfg.gpu.cpu_threads)
     eval_prompts, periodic_prompts = prompt_sets(cfg, target_cfg, target_config)
-    run_drafter_config = drafter_config(cfg.drafter, target_config, layer_ids)
+    run_drafter = run_drafter_config(cfg.drafter, target_config, layer_ids, build_variant(cfg.variant))
     identity = target_identity(target_cfg)
-    resume_dir = checked_drafter_dir(cfg.resume, run_drafter_config, resolved["target"], "resume", identity)
+    resume_dir = checked_drafter_dir(cfg.resume, run_drafter, resolved["target"], "resume", identity)
     init_dir = None
     if resume_dir is None:  # a resumed run continues from its checkpoint's weights
         init_dir = checked_drafter_dir(
-            cfg.drafter.init_from, run_drafter_config, resolved["target"], "drafter.init_from", identity
+            cfg.drafter.init_from, run_drafter, resolved["target"], "drafter.init_from", identity
         )
     process_group = init_from_env(drafter_devices[0])
     require_same_layout(process_group, target_devices, drafter_devices)

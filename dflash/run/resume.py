@@ -12,6 +12,7 @@ import yaml
 from transformers import Qwen3Config
 
 from dflash.export.zlab import read_drafter_config
+from dflash.models.dspark import is_dspark_config
 from dflash.models.identity import identity_differences, read_identity
 from dflash.trainer.checkpoint import RUN_CONFIG_FILE
 
@@ -29,6 +30,19 @@ RESUME_FIELDS = {
     "num_target_layers": "target layer count",
 }
 RESUME_TARGET_FIELDS = ("name", "path", "model_type", "init_seed", "arch")
+# DSpark's heads (variant=dspark). A plain DFlash drafter may start a DSpark run
+# (drafter.init_from: its backbone loads, the heads start fresh); otherwise they must agree.
+DSPARK_FIELDS = {
+    "markov_rank": "variant.markov_rank",
+    "markov_head_type": "variant.markov_head_type",
+    "enable_confidence_head": "variant.confidence_head",
+    "confidence_head_with_markov": "variant.confidence_with_markov",
+}
+
+
+def warm_starts_heads(saved: Qwen3Config, run_config: Qwen3Config, key: str) -> bool:
+    """A DFlash drafter starting a DSpark run (drafter.init_from): the heads start fresh."""
+    return key == "drafter.init_from" and not is_dspark_config(saved) and is_dspark_config(run_config)
 
 
 def _target_differences(
@@ -79,6 +93,12 @@ def check_resume_matches(
         for name, key in RESUME_FIELDS.items()
         if name not in unrecorded and getattr(saved, name, None) != getattr(run_config, name, None)
     ]
+    if not warm_starts_heads(saved, run_config, key):
+        differences += [
+            (field, getattr(saved, name, None), getattr(run_config, name, None))
+            for name, field in DSPARK_FIELDS.items()
+            if getattr(saved, name, None) != getattr(run_config, name, None)
+        ]
     for name in ("target_layer_ids", "mask_token_id"):
         if saved.dflash_config.get(name) != run_config.dflash_config[name]:
             differences.append(

@@ -22,7 +22,7 @@ from dflash.monitor.callbacks import TrainingCallbacks
 from dflash.pipeline.roles import role_lines
 from dflash.trainer.lifecycle import Trainer
 from dflash.trainer.signals import StopRequested, stop_on_signals
-from dflash.trainer.validation import Validation
+from dflash.trainer.validation import DSPARK_VAL_FIGURES, Validation
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +100,12 @@ class Run:
             "train/tau_sim": last["train/tau_sim"],
             "train/tau_block": last["train/tau_block"],
             "train/tau_decode": last["train/tau_decode"],
+            # variant=dspark: its loss terms and the figures from the target's probabilities
+            **{
+                f"train/{name}": last[f"train/{name}"]
+                for name in DSPARK_VAL_FIGURES
+                if f"train/{name}" in last
+            },
             **({"val_samples": self.validation.num_samples} if self.validation is not None else {}),
             "replicas": len(self.trainer.role_devices()["drafter"]) * self.process_group.world_size,
             "replica_digest": self.trainer.replica_digest,
@@ -127,6 +133,16 @@ def format_summary(summary: dict[str, Any]) -> str:
             f" {summary['val/tau_decode']:.3f}) on {summary['val_samples']} held-out samples"
             if "val/tau_sim" in summary
             else ""
+        ),
+        *(
+            [
+                f"dspark            ce {summary['train/ce']:.3f}, l1 {summary['train/l1']:.3f}, confidence "
+                f"{summary['train/confidence_loss']:.3f} (|error| {summary['train/confidence_abs_error']:.3f}); "
+                f"tau from the target's probabilities {summary['train/tau_prob']:.3f}"
+                + (f" ({summary['val/tau_prob']:.3f} held out)" if "val/tau_prob" in summary else "")
+            ]
+            if "train/tau_prob" in summary
+            else []
         ),
         *(
             [

@@ -20,11 +20,13 @@ def host_to_device(tensor: torch.Tensor, device: torch.device, non_blocking: boo
     return tensor.to(device, non_blocking=non_blocking)
 
 
-def position_weights(block_size: int, gamma: float) -> torch.Tensor:
-    """w_0 = 0 (the anchor is given), w_k = exp(-(k-1)/gamma) for k >= 1."""
-    k = torch.arange(block_size, dtype=torch.float32)
-    weights = torch.exp(-(k - 1) / gamma)
-    weights[0] = 0.0
+def position_weights(block_size: int, gamma: float, label_offset: int = 0) -> torch.Tensor:
+    """The weight of block position k, which predicts the j-th token after the anchor,
+    j = k + label_offset: exp(-(j - 1) / gamma), 0 where j < 1. DFlash (offset 0): w_0 = 0 (the
+    anchor is given), w_k = exp(-(k-1)/gamma); DSpark (offset 1): w_k = exp(-k/gamma)."""
+    j = torch.arange(block_size, dtype=torch.float32) + label_offset
+    weights = torch.exp(-(j - 1) / gamma)
+    weights[j < 1] = 0.0
     return weights
 
 
@@ -61,6 +63,13 @@ class DraftBlocks:
     # so the fused loss runs the LM head on those rows only (no device value read to find them)
     loss_rows: torch.Tensor
     block_size: int
+    # Blocks whose positions predict the token after them (label_offset=1, DSpark) also carry:
+    # [B, Q] each position's true token ids[a + k], the previous token of the one it predicts
+    # (the Markov head's teacher-forced input; the anchor for k = 0), 0 past a sample's end;
+    prev_ids: torch.Tensor | None = None
+    # [n] the flat index (into B * S) of each `loss_rows` row's own position a + k, where the
+    # target's final hidden state gives its distribution for token a + k + 1.
+    final_rows: torch.Tensor | None = None
 
     def to(self, device: torch.device, non_blocking: bool = False) -> DraftBlocks:
         names = (
@@ -72,8 +81,15 @@ class DraftBlocks:
             "anchors",
             "anchor_valid",
             "loss_rows",
+            "prev_ids",
+            "final_rows",
         )
-        moved = {name: host_to_device(getattr(self, name), device, non_blocking) for name in names}
+        moved = {
+            name: None
+            if getattr(self, name) is None
+            else host_to_device(getattr(self, name), device, non_blocking)
+            for name in names
+        }
         return DraftBlocks(**moved, block_size=self.block_size)
 
 
@@ -90,9 +106,16 @@ def build_blocks(
     mask_token_id: int,
     weights: torch.Tensor,
     keep_fraction: float = 0.0,
+    label_offset: int = 0,
 ) -> DraftBlocks:
     """Draw anchors per sample and lay out their blocks, labels and weights (host tensors);
     `weights` [block_size]: each block position's loss weight (`position_weights`).
+
+    label_offset: position k predicts token a + k + label_offset. 0 (DFlash): position 0 is the
+    anchor and predicts nothing. 1 (DSpark, deepseek-ai/DeepSpec `build_eval_mask`): every
+    position predicts the token after it, and supervision stops at a block's first unsupervised
+    label (a contiguous prefix, as drafts are accepted); the blocks then carry `prev_ids` and
+    `final_rows`.
 
     keep_fraction (noise=mask_ramp): each non-anchor block position keeps its true token instead
     of MASK with this probability; such positions carry no loss and no accuracy.
@@ -122,20 +145,38 @@ def build_blocks(
     offsets = np.arange(block_size)
     positions = anchors[:, :, None] + offsets  # [B, A, Bs]
     seq_len = ids_np.shape[1]
-    in_range = positions < lengths.numpy()[:, None, None]
+    sample_lengths = lengths.numpy()[:, None, None]
+    in_range = positions < sample_lengths
     gather_pos = np.minimum(positions, seq_len - 1)
     true_ids = np.take_along_axis(ids_np, gather_pos.reshape(batch, -1), axis=1).reshape(positions.shape)
-    supervised = np.take_along_axis(mask_np, gather_pos.reshape(batch, -1), axis=1).reshape(positions.shape)
     keep &= in_range
-
-    valid = in_range & supervised.astype(bool) & anchor_valid[:, :, None] & ~keep
-    valid[:, :, 0] = False  # position 0 is the anchor itself: nothing to predict
     block_ids = np.where(keep, true_ids, mask_token_id)
     block_ids[:, :, 0] = true_ids[:, :, 0]
-    labels = np.where(valid, true_ids, 0)
+
+    if label_offset == 0:
+        label_ids, label_in_range, label_pos = true_ids, in_range, gather_pos
+    else:
+        label_pos = np.minimum(positions + label_offset, seq_len - 1)
+        label_in_range = positions + label_offset < sample_lengths
+        label_ids = np.take_along_axis(ids_np, label_pos.reshape(batch, -1), axis=1).reshape(positions.shape)
+    supervised = np.take_along_axis(mask_np, label_pos.reshape(batch, -1), axis=1).reshape(positions.shape)
+    valid = label_in_range & supervised.astype(bool) & anchor_valid[:, :, None] & ~keep
+    if label_offset == 0:
+        valid[:, :, 0] = False  # position 0 is the anchor itself: nothing to predict
+    else:
+        valid = np.cumprod(valid, axis=2).astype(bool)  # a contiguous supervised prefix
+    labels = np.where(valid, label_ids, 0)
     weights = weights.numpy()[None, None, :] * valid
 
     flat = (batch, num_blocks * block_size)
+    loss_rows = np.flatnonzero(valid.reshape(-1))
+    extra = {}
+    if label_offset != 0:
+        sample_start = (np.arange(batch) * seq_len)[:, None, None]
+        extra = {
+            "prev_ids": torch.from_numpy(np.where(in_range, true_ids, 0).reshape(flat)),
+            "final_rows": torch.from_numpy((sample_start + gather_pos).reshape(-1)[loss_rows]),
+        }
     return DraftBlocks(
         block_ids=torch.from_numpy(block_ids.reshape(flat)),
         positions=torch.from_numpy(positions.reshape(flat)),
@@ -144,8 +185,9 @@ def build_blocks(
         valid=torch.from_numpy(valid.reshape(flat)),
         anchors=torch.from_numpy(anchors),
         anchor_valid=torch.from_numpy(anchor_valid),
-        loss_rows=torch.from_numpy(np.flatnonzero(valid.reshape(-1))),
+        loss_rows=torch.from_numpy(loss_rows),
         block_size=block_size,
+        **extra,
     )
 
 

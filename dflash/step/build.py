@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from transformers import Qwen3Config
 
 from dflash.config.components import build
 from dflash.config.schema import (
@@ -20,18 +21,44 @@ from dflash.config.schema import (
     LrScheduleConfig,
     NoiseConfig,
     OptimizerConfig,
+    VariantConfig,
 )
 from dflash.models.drafter import DFlashDrafter, drafter_config
+from dflash.models.dspark import is_dspark_config
 from dflash.models.target_head import TargetHead
 from dflash.step.loss import BlockLoss
 from dflash.step.noise import NoiseSchedule
 from dflash.step.step import BlockSettings, DrafterStep
+from dflash.step.variant import DFlashVariant
 
 
-def build_drafter(cfg: DrafterConfig, target_config: Any, layer_ids: list[int], device: str) -> DFlashDrafter:
+def build_variant(node: VariantConfig | None) -> DFlashVariant:
+    """The `variant` node's component (None: plain DFlash)."""
+    return DFlashVariant() if node is None else build(node, "variant")
+
+
+def run_drafter_config(
+    cfg: DrafterConfig, target_config: Any, layer_ids: list[int], variant: DFlashVariant
+) -> Qwen3Config:
+    """The config of the drafter a run trains: the backbone's fields and the variant's."""
+    config = variant.drafter_config(drafter_config(cfg, target_config, layer_ids))
+    if is_dspark_config(config):
+        # DeepSpec's loader asserts it in config.json (dflash/export/deepspec.py).
+        config.num_anchors = cfg.num_anchors
+    return config
+
+
+def build_drafter(
+    cfg: DrafterConfig,
+    target_config: Any,
+    layer_ids: list[int],
+    device: str,
+    variant: DFlashVariant | None = None,
+) -> DFlashDrafter:
+    variant = variant or DFlashVariant()
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.init_seed)
-        drafter = DFlashDrafter(drafter_config(cfg, target_config, layer_ids))
+        drafter = variant.drafter(run_drafter_config(cfg, target_config, layer_ids, variant))
     return drafter.to(device)
 
 
@@ -79,16 +106,22 @@ def build_loss(node: LossConfig) -> BlockLoss:
 
 
 def block_settings_for(
-    *, seed: int, drafter: DrafterConfig, loss: LossConfig, device: torch.device
+    *,
+    seed: int,
+    drafter: DrafterConfig,
+    loss: LossConfig,
+    device: torch.device,
+    variant: VariantConfig | None = None,
 ) -> BlockSettings:
     """How a run builds and scores its blocks on `device`: training's step and its validation,
-    and tools that measure a checkpoint the way its run did."""
+    and tools that measure a checkpoint the way its run did (variant None: plain DFlash)."""
     return BlockSettings(
         seed=seed,
         num_anchors=drafter.num_anchors,
         loss=build_loss(loss),
         flex_attention=uses_flex_attention(drafter, device),
         compiled_loss=uses_compile(drafter.compile, device),
+        variant=build_variant(variant),
     )
 
 

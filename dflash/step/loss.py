@@ -34,9 +34,10 @@ class BlockLoss:
     gamma: float
     logits_chunk: int = 0
 
-    def position_weights(self, block_size: int) -> torch.Tensor:
-        """[block_size] weights; position 0 (the anchor) is never scored."""
-        return position_weights(block_size, self.gamma)
+    def position_weights(self, block_size: int, label_offset: int = 0) -> torch.Tensor:
+        """[block_size] weights; a position that predicts no token (DFlash's position 0, the
+        anchor) is never scored. label_offset: the variant's (dflash/step/variant.py)."""
+        return position_weights(block_size, self.gamma, label_offset)
 
 
 @dataclass
@@ -211,7 +212,7 @@ def draft_loss(
 
 
 def block_acceptance(
-    hit_BAK: torch.Tensor, valid_BAK: torch.Tensor
+    hit_BAK: torch.Tensor, valid_BAK: torch.Tensor, first: int = 1
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(sum over blocks of the leading run of correct predictions, number of blocks, sum over
     blocks of 1 / (1 + run)), for blocks whose first prediction is supervised. Greedy
@@ -223,9 +224,12 @@ def block_acceptance(
 
     The third sum is for `tau_from_rounds`: anchors sit at positions drawn uniformly, but a
     decoder anchors each round where the last one ended, so it crosses an easy stretch (long
-    runs) in few rounds and spends most of its rounds in hard stretches."""
-    run = hit_BAK[:, :, 1:].to(torch.int32).cumprod(dim=2).sum(dim=2)  # position 0 is the anchor
-    counted = valid_BAK[:, :, 1].float()
+    runs) in few rounds and spends most of its rounds in hard stretches.
+
+    `first`: the first block position that predicts (DFlash: 1, position 0 is the anchor;
+    DSpark: 0, dflash/step/variant.py)."""
+    run = hit_BAK[:, :, first:].to(torch.int32).cumprod(dim=2).sum(dim=2)
+    counted = valid_BAK[:, :, first].float()
     return (run * counted).sum().float(), counted.sum(), (counted / (1 + run)).sum()
 
 
@@ -261,11 +265,50 @@ def objective_figures(sums: Mapping[str, Any]) -> dict[str, float]:
     (train/, per log window) and the held-out split (val/) both report these."""
     correct, counted = sums["correct"], sums["counted"]
     acc = [c / n if n > 0 else float("nan") for c, n in zip(correct, counted)]
-    return {
+    figures = {
         "loss": sums["weighted_ce"] / sums["weight"] if sums["weight"] > 0 else 0.0,
         "acc": sum(correct[1:]) / max(1.0, sum(counted[1:])),
         "tau_sim": tau_from_accuracy(acc),
         "tau_block": tau_from_runs(sums["accepted"], sums["blocks"]),
         "tau_decode": tau_from_rounds(sums["blocks"], sums["rounds"]),
         **{f"acc_pos_{k}": acc[k] for k in range(1, len(acc))},
+    }
+    if "l1" in sums:  # a DSpark run's sums (dflash/step/dspark_loss.py)
+        figures.update(dspark_figures(sums))
+    return figures
+
+
+def dspark_figures(sums: Mapping[str, Any]) -> dict[str, float]:
+    """DSpark's terms and the figures computed from the target's probabilities (DeepSpec's
+    training metrics), each divided once over the whole sum: `ce`, `l1` (the loss's distance term,
+    2 TV) and `confidence_loss` per unit of position weight (`loss` is their weighted sum);
+    `accept_pos_j`, the mean soft acceptance 1 - TV of the j-th draft; `tau_prob`, 1 + the
+    expected accepted drafts per block under those acceptances; the confidence head's
+    calibration: weighted mean |sigmoid(c) - acceptance| and its signed bias, the same for the
+    prefix products, and `confidence_pos_j`, its mean prediction per position (beside accept_pos_j)."""
+    weight, counted = sums["weight"], sums["counted"]
+
+    def per_weight(name: str) -> float:
+        return sums[name] / weight if weight > 0 else float("nan")
+
+    def per_position(name: str, label: str) -> dict[str, float]:
+        return {
+            f"{label}_pos_{j}": value / n if n > 0 else float("nan")
+            for j, (value, n) in enumerate(zip(sums[name], counted))
+            if j >= 1
+        }
+
+    names = (
+        "ce",
+        "l1",
+        "confidence_loss",
+        "confidence_abs_error",
+        "confidence_bias",
+        "confidence_cumprod_bias",
+    )
+    return {
+        **{name: per_weight(name) for name in names},
+        "tau_prob": 1.0 + sums["prob_accepted"] / sums["blocks"] if sums["blocks"] > 0 else float("nan"),
+        **per_position("soft_accepted", "accept"),
+        **per_position("confidence_predicted", "confidence"),
     }

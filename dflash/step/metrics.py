@@ -24,6 +24,10 @@ class MetricLayout:
 
     block_size: int
     num_buckets: int
+    # The drafter variant's name (dflash/step/variant.py): `dspark` predicts from every block
+    # position (per-position sums are indexed by the predicted token's offset after the anchor,
+    # 1..block_size; index 0 stays empty) and adds its loss terms and target-probability sums.
+    variant: str = "dflash"
     weighted_ce: int = 0
     weight: int = 1
     grad_norm: int = 2  # sum over steps
@@ -33,12 +37,22 @@ class MetricLayout:
     rounds: int = 6  # sum over those blocks of 1 / (1 + leading run) (loss.tau_from_rounds)
 
     @property
-    def correct(self) -> slice:  # per block position
-        return slice(7, 7 + self.block_size)
+    def dspark(self) -> bool:
+        return self.variant == "dspark"
 
     @property
-    def counted(self) -> slice:  # per block position
-        return slice(self.correct.stop, self.correct.stop + self.block_size)
+    def positions(self) -> int:
+        """Entries of a per-position sum: index j = the j-th token after the anchor (DFlash:
+        block position j, 0 the anchor; DSpark: block position j - 1)."""
+        return self.block_size + (1 if self.dspark else 0)
+
+    @property
+    def correct(self) -> slice:  # per predicted position
+        return slice(7, 7 + self.positions)
+
+    @property
+    def counted(self) -> slice:  # per predicted position
+        return slice(self.correct.stop, self.correct.stop + self.positions)
 
     @property
     def bucket_weighted_ce(self) -> slice:
@@ -48,9 +62,32 @@ class MetricLayout:
     def bucket_weight(self) -> slice:
         return slice(self.bucket_weighted_ce.stop, self.bucket_weighted_ce.stop + self.num_buckets)
 
+    # DSpark's sums (dflash/step/dspark_loss.py: DSparkLossStats), after the buckets: scalars,
+    # then per predicted position the soft acceptance and the confidence head's prediction.
+    DSPARK_SCALARS = (
+        "ce",
+        "l1",
+        "confidence_loss",
+        "prob_accepted",
+        "confidence_abs_error",
+        "confidence_bias",
+        "confidence_cumprod_bias",
+    )
+    DSPARK_PER_POSITION = ("soft_accepted", "confidence_predicted")
+
+    def dspark_scalar(self, name: str) -> int:
+        return self.bucket_weight.stop + self.DSPARK_SCALARS.index(name)
+
+    def dspark_per_position(self, name: str) -> slice:
+        start = self.bucket_weight.stop + len(self.DSPARK_SCALARS)
+        start += self.DSPARK_PER_POSITION.index(name) * self.positions
+        return slice(start, start + self.positions)
+
     @property
     def size(self) -> int:
-        return self.bucket_weight.stop
+        if not self.dspark:
+            return self.bucket_weight.stop
+        return self.dspark_per_position(self.DSPARK_PER_POSITION[-1]).stop
 
 
 @dataclass(kw_only=True)
@@ -68,13 +105,18 @@ class MetricWindow:
     num_buckets: int
     values: torch.Tensor
     ready: torch.cuda.Event | None = None  # set while the device->host copy may be in flight
+    variant: str = "dflash"
 
     def is_ready(self) -> bool:
         return self.ready is None or self.ready.query()
 
     def sums(self) -> dict[str, object]:
         v = self.values.tolist()  # a host tensor: no device sync
-        at = MetricLayout(self.block_size, self.num_buckets)
+        at = MetricLayout(self.block_size, self.num_buckets, self.variant)
+        dspark = {}
+        if at.dspark:
+            dspark = {name: v[at.dspark_scalar(name)] for name in at.DSPARK_SCALARS}
+            dspark.update({name: v[at.dspark_per_position(name)] for name in at.DSPARK_PER_POSITION})
         return {
             "weighted_ce": v[at.weighted_ce],
             "weight": v[at.weight],
@@ -87,6 +129,7 @@ class MetricWindow:
             "counted": v[at.counted],
             "bucket_weighted_ce": v[at.bucket_weighted_ce],
             "bucket_weight": v[at.bucket_weight],
+            **dspark,
         }
 
 
@@ -97,9 +140,10 @@ class StepMetrics:
     buffer plus a CUDA event the reader polls. Only `MetricWindow` values ever reach the host.
     """
 
-    def __init__(self, block_size: int, num_buckets: int, device: torch.device):
+    def __init__(self, block_size: int, num_buckets: int, device: torch.device, variant: str = "dflash"):
         self.block_size, self.num_buckets, self.device = block_size, num_buckets, device
-        self.layout = MetricLayout(block_size, num_buckets)
+        self.variant = variant
+        self.layout = MetricLayout(block_size, num_buckets, variant)
         self._sums = torch.zeros(self.layout.size, device=device)
         self._reset_host()
 
@@ -122,8 +166,16 @@ class StepMetrics:
         sums[at.accepted] += stats.accepted * keep
         sums[at.blocks] += stats.blocks * keep
         sums[at.rounds] += stats.rounds * keep
-        sums[at.correct] += stats.correct * keep
-        sums[at.counted] += stats.counted * keep
+        # Per-position sums sit at the predicted token's offset (DSpark's position k at k + 1).
+        shift = at.positions - self.block_size
+        sums[at.correct.start + shift : at.correct.stop] += stats.correct * keep
+        sums[at.counted.start + shift : at.counted.stop] += stats.counted * keep
+        if at.dspark:
+            for name in at.DSPARK_SCALARS:
+                sums[at.dspark_scalar(name)] += getattr(stats, name) * keep
+            for name in at.DSPARK_PER_POSITION:
+                per_position = at.dspark_per_position(name)
+                sums[per_position.start + shift : per_position.stop] += getattr(stats, name) * keep
         sums[at.bucket_weighted_ce.start + bucket] += weighted_ce
         sums[at.bucket_weight.start + bucket] += stats.weight * keep
         self.steps += 1
@@ -161,6 +213,7 @@ class StepMetrics:
             num_buckets=self.num_buckets,
             values=host,
             ready=ready,
+            variant=self.variant,
         )
         self._sums.zero_()  # same stream as the copy: ordered after it
         self._reset_host()

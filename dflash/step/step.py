@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,9 +18,10 @@ from dflash.models.drafter import DFlashDrafter
 from dflash.models.target_head import TargetHead
 from dflash.step.block_mask import KvTiles, flex_block_mask, tiles_by_window
 from dflash.step.blocks import DraftBlocks, build_blocks, layer_masks
-from dflash.step.loss import BlockLoss, LossStats, draft_loss
+from dflash.step.loss import BlockLoss, LossStats
 from dflash.step.metrics import StepMetrics
 from dflash.step.noise import NoiseSchedule
+from dflash.step.variant import DFlashVariant
 
 
 @dataclass
@@ -30,6 +31,8 @@ class BlockSettings:
     loss: BlockLoss  # position weights and the fused loss's chunking (config group `loss`)
     flex_attention: bool = False  # block-sparse flex_attention (else SDPA with the dense mask)
     compiled_loss: bool = False  # the fused loss's per-chunk work through torch.compile
+    # What each block position predicts and how it is scored (config group `variant`).
+    variant: DFlashVariant = field(default_factory=DFlashVariant)
 
 
 def make_blocks(
@@ -45,9 +48,16 @@ def make_blocks(
         block_size=drafter.block_size,
         num_anchors=settings.num_anchors,
         mask_token_id=drafter.mask_token_id,
-        weights=settings.loss.position_weights(drafter.block_size),
+        weights=settings.loss.position_weights(drafter.block_size, settings.variant.label_offset),
         keep_fraction=keep_fraction,
+        label_offset=settings.variant.label_offset,
     )
+
+
+def split_final_state(features_BSF: torch.Tensor, hidden_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A target's `features` with `final_state` on (dflash/models/target.py): the fused feature
+    layers and, in its last `hidden_size` columns, the final hidden state (views, no copy)."""
+    return features_BSF[..., :-hidden_size], features_BSF[..., -hidden_size:]
 
 
 def drafter_forward_loss(
@@ -61,10 +71,16 @@ def drafter_forward_loss(
     logits_chunk: int = 0,
     tiles: dict[int | None, KvTiles] | None = None,
     compiled_loss: bool = False,
+    variant: DFlashVariant | None = None,
 ) -> LossStats:
     """tiles: the block-sparse tables of `blocks` per window of the drafter's layers
     (dflash.step.block_mask.tiles_by_window, on the drafter's device) for flex_attention; None: SDPA
-    with the dense masks."""
+    with the dense masks. variant (None: DFlash): the loss; one that `needs_final_state` reads
+    the target's final hidden state from the last columns of `features_BSF`."""
+    variant = variant or DFlashVariant()
+    final_BSH = None
+    if variant.needs_final_state:
+        features_BSF, final_BSH = split_final_state(features_BSF, drafter.config.hidden_size)
     with torch.no_grad():
         block_emb = head.embed_tokens(blocks.block_ids)  # frozen: no gradient to the embeddings
     ctx_len = features_BSF.shape[1]
@@ -81,7 +97,15 @@ def drafter_forward_loss(
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device_type == "cuda" else nullcontext()
     with autocast:
         hidden = drafter(features_BSF, block_emb, blocks.positions, mask, feature_noise_std, noise_generator)
-        return draft_loss(hidden, head.lm_head, blocks, logits_chunk, compiled=compiled_loss)
+        return variant.block_loss(
+            hidden,
+            lm_head=head.lm_head,
+            drafter=drafter,
+            blocks=blocks,
+            final_BSH=final_BSH,
+            logits_chunk=logits_chunk,
+            compiled=compiled_loss,
+        )
 
 
 class DrafterStep:
@@ -104,7 +128,9 @@ class DrafterStep:
         self.noise, self.block_settings, self.grad_clip = noise, block_settings, grad_clip
         self.device = next(drafter.parameters()).device
         self.noise_generator = torch.Generator(device=self.device)
-        self.metrics = StepMetrics(drafter.block_size, num_buckets, self.device)
+        self.metrics = StepMetrics(
+            drafter.block_size, num_buckets, self.device, variant=block_settings.variant.name
+        )
 
     def forward_backward(self, batch: Batch, features_BSF: torch.Tensor, step: int) -> tuple[LossStats, int]:
         """Backward of the weighted-CE *numerator*; `apply` divides by the step's total weight.
@@ -138,6 +164,7 @@ class DrafterStep:
             logits_chunk=settings.loss.logits_chunk,
             tiles=tiles,
             compiled_loss=settings.compiled_loss,
+            variant=settings.variant,
         )
         with compiled_calls():  # the first backward through a compiled graph compiles it
             stats.weighted_ce.backward()

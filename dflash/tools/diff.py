@@ -40,9 +40,12 @@ METRICS = (
     "train/tau_sim",
     "train/tau_block",
     "train/tau_decode",
+    "train/tau_prob",  # variant=dspark: from the target's probabilities
+    "train/l1",
     "val/tau_sim",
     "val/tau_block",
     "val/tau_decode",
+    "val/tau_prob",
     "eval/tau",
     "eval/lossless_frac",
     "wall_s",

@@ -33,6 +33,8 @@ from dflash.step.step import BlockSettings, drafter_forward_loss, make_blocks
 
 log = logging.getLogger(__name__)
 VAL_FIGURES = ("loss", "acc", "tau_sim", "tau_block", "tau_decode")
+# variant=dspark: its terms and the figures from the target's probabilities (loss.dspark_figures).
+DSPARK_VAL_FIGURES = ("ce", "l1", "confidence_loss", "confidence_abs_error", "confidence_bias", "tau_prob")
 
 
 def held_out_ids(num_samples: int, count: int, seed: int) -> np.ndarray:
@@ -72,7 +74,8 @@ class Validation:
             drafter = copy.deepcopy(drafter).to(device)
         head = TargetHead.of(target)
         # The training step's own accumulator: the same sums, read back once.
-        sums = StepMetrics(block_size=drafter.block_size, num_buckets=1, device=device)
+        variant = self.settings.variant
+        sums = StepMetrics(block_size=drafter.block_size, num_buckets=1, device=device, variant=variant.name)
         no_grad_norm = torch.zeros((), device=device)
         for plan in self.batches:
             batch = collate(self.dataset, plan)
@@ -92,6 +95,7 @@ class Validation:
                 blocks.to(device),
                 logits_chunk=self.settings.loss.logits_chunk,
                 tiles=tiles,
+                variant=variant,
             )
             sums.add(stats, no_grad_norm, batch, anchors=0)
         window = sums.publish(end_step=0, lr=0.0)
@@ -105,4 +109,5 @@ class Validation:
                 totals["nonfinite_steps"],
             )
         figures = objective_figures(totals)
-        return {f"val/{name}": figures[name] for name in VAL_FIGURES}
+        names = VAL_FIGURES + (DSPARK_VAL_FIGURES if variant.name == "dspark" else ())
+        return {f"val/{name}": figures[name] for name in names}

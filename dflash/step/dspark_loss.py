@@ -1,0 +1,326 @@
+"""DSpark loss: CE + distance to the target's distribution + the confidence head's BCE.
+
+Per supervised block position k (it predicts token a + k + 1; dflash/step/variant.py), with
+w_k its position weight, z_k the draft logits (the target's frozen LM head on the drafter's
+hidden state, plus the Markov bias of the true previous token), t_k the target's logits for the
+same token (its LM head on its own final hidden state at position a + k), p = softmax(z_k),
+q = softmax(t_k), c_k the confidence head's logit:
+    CE_k   = -log p[label_k]
+    L1_k   = sum_v |p_v - q_v|                      (twice the total variation distance)
+    acc_k  = clamp(1 - L1_k / 2, 0, 1)              (the soft acceptance: 1 - TV)
+    BCE_k  = BCE_with_logits(c_k, stop_gradient(acc_k))
+    numerator = sum_k w_k (ce_weight CE_k + tv_weight L1_k + confidence_weight BCE_k)
+as deepseek-ai/DeepSpec `deepspec/modeling/dspark/loss.py` computes it (its three terms share
+one denominator, sum_k w_k, so the weighted sum of its per-term means is this numerator over it).
+The numerator is reduced like DFlash's (sum of numerators, sum of weights, one division per
+optimizer step: docs/ARCHITECTURE.md §1). Softmax and every term in fp32; no temperature.
+
+Two paths, as for DFlash's CE: the reference (`logits_chunk=0`: every logit through autograd)
+and the fused one (labelled rows only, chunk by chunk, each chunk's gradients computed in the
+forward; the [rows, vocab] logits of draft and target never exist at once).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash.models.compile import compile_shared
+from dflash.models.dspark import DSparkDrafter
+from dflash.step.blocks import DraftBlocks
+from dflash.step.loss import LossStats, block_acceptance
+
+
+@dataclass(frozen=True)
+class DSparkWeights:
+    """The three terms' weights (reference defaults 0.1, 0.9, 1.0)."""
+
+    ce: float = 0.1
+    tv: float = 0.9
+    confidence: float = 1.0
+
+
+@dataclass
+class DSparkLossStats(LossStats):
+    """LossStats (`weighted_ce` holds the whole DSpark numerator, the tensor to differentiate)
+    plus each term and the target-probability figures; device tensors, no host sync.
+    Per-position vectors are [block_size], position k predicting token a + k + 1."""
+
+    ce: torch.Tensor  # sum_k w_k CE_k
+    l1: torch.Tensor  # sum_k w_k L1_k
+    confidence_loss: torch.Tensor  # sum_k w_k BCE_k (0 without a confidence head)
+    soft_accepted: torch.Tensor  # [block_size] sum of acc_k over supervised positions
+    prob_accepted: torch.Tensor  # sum over blocks of sum_k prod_{j<=k} acc_j (expected accepted drafts)
+    confidence_abs_error: torch.Tensor  # sum_k w_k |sigmoid(c_k) - acc_k|
+    confidence_bias: torch.Tensor  # sum_k w_k (sigmoid(c_k) - acc_k)
+    confidence_cumprod_bias: torch.Tensor  # sum_k w_k (prod_{j<=k} sigmoid(c_j) - prod_{j<=k} acc_j)
+    confidence_predicted: torch.Tensor  # [block_size] sum of sigmoid(c_k) over supervised positions
+
+
+def _terms(
+    draft_logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Per row: CE, L1, soft acceptance and argmax hit from [n, V] logits (fp32 inside)."""
+    z, t = draft_logits.float(), target_logits.float()
+    ce = F.cross_entropy(z, labels, reduction="none")
+    l1 = (torch.softmax(z, dim=-1) - torch.softmax(t, dim=-1)).abs().sum(dim=-1)
+    acc = (1.0 - 0.5 * l1).clamp(0.0, 1.0)
+    return ce, l1, acc, z.argmax(dim=-1) == labels
+
+
+def _markov_bias(drafter: DSparkDrafter, latent: torch.Tensor | None) -> torch.Tensor | int:
+    if latent is None:
+        return 0
+    return drafter.markov_head.bias(latent)
+
+
+def _reference_rows(
+    hidden_BQH: torch.Tensor,
+    *,
+    lm_head: nn.Module,
+    drafter: DSparkDrafter,
+    blocks: DraftBlocks,
+    final_BSH: torch.Tensor,
+    latent_BQR: torch.Tensor | None,
+) -> tuple[torch.Tensor, ...]:
+    """The reference: every position's draft and target logits through autograd."""
+    draft_logits = lm_head(hidden_BQH) + _markov_bias(drafter, latent_BQR)
+    bsz, seq_len, _ = final_BSH.shape
+    gather = blocks.positions.clamp(max=seq_len - 1)  # positions past a sample's end carry no weight
+    target_BQH = torch.gather(final_BSH, 1, gather[:, :, None].expand(-1, -1, final_BSH.shape[-1]))
+    with torch.no_grad():
+        target_logits = lm_head(target_BQH.to(lm_head.weight.dtype))
+    ce, l1, acc, hit = _terms(
+        draft_logits.flatten(0, 1), target_logits.flatten(0, 1), blocks.labels.flatten()
+    )
+    return ce, l1, acc, hit & blocks.valid.flatten()
+
+
+def _chunk_terms_and_grads(
+    draft_logits: torch.Tensor,
+    target_logits: torch.Tensor,
+    labels: torch.Tensor,
+    weights: torch.Tensor,
+    ce_weight: float,
+    tv_weight: float,
+) -> tuple[torch.Tensor, ...]:
+    """One chunk of rows: (CE, L1, acc, hit) per row and d(sum w (ce_weight CE + tv_weight L1))/dz
+    in the logits' dtype. With s = sign(p - q): dL1/dz_j = p_j (s_j - sum_v s_v p_v);
+    dCE/dz = p - onehot. fp32 throughout, as the reference's `.float()`."""
+    z, t = draft_logits.float(), target_logits.float()
+    lse = torch.logsumexp(z, dim=-1, keepdim=True)
+    p = torch.exp(z - lse)
+    q = torch.softmax(t, dim=-1)
+    diff = p - q
+    l1 = diff.abs().sum(dim=-1)
+    ce = lse.squeeze(-1) - z.gather(1, labels[:, None]).squeeze(-1)
+    sign = torch.sign(diff)
+    onehot = torch.arange(z.shape[1], device=z.device)[None, :] == labels[:, None]
+    w = weights[:, None]
+    grad = w * (ce_weight * (p - onehot.float()) + tv_weight * p * (sign - (sign * p).sum(-1, keepdim=True)))
+    acc = (1.0 - 0.5 * l1).clamp(0.0, 1.0)
+    return ce, l1, acc, z.argmax(dim=-1) == labels, grad.to(draft_logits.dtype)
+
+
+@functools.cache
+def _compiled_chunk_terms_and_grads():
+    return compile_shared(_chunk_terms_and_grads, dynamic=True)
+
+
+class _FusedDSparkHead(torch.autograd.Function):
+    """sum_n w_n (ce_weight CE_n + tv_weight L1_n) over labelled rows, chunk by chunk, with the
+    gradients of the draft hidden states, the Markov latents and `markov_w2` computed in the
+    forward (as dflash/step/loss.py's `_FusedHeadCE` does for CE): the draft logits are
+    hidden @ W^T + latent @ W2^T, the target's t @ W^T; W (the target's LM head) is frozen.
+    Also returns per row (no gradient): CE, L1, the soft acceptance and the argmax hit."""
+
+    @staticmethod
+    def forward(ctx, hidden_NH, latent_NR, w2_VR, target_NH, weight_VH, labels_N, weights_N, settings):
+        chunk, compute_dtype, compiled, ce_weight, tv_weight = settings
+        weight = weight_VH.to(compute_dtype)
+        w2 = None if w2_VR is None else w2_VR.to(compute_dtype)
+        per_chunk = _compiled_chunk_terms_and_grads() if compiled else _chunk_terms_and_grads
+        rows = hidden_NH.shape[0]
+        grad_hidden = torch.empty_like(hidden_NH)
+        grad_latent = None if latent_NR is None else torch.empty_like(latent_NR)
+        grad_w2 = None if w2_VR is None else torch.zeros_like(w2_VR, dtype=torch.float32)
+        objective = hidden_NH.new_zeros((), dtype=torch.float32)
+        ce, l1, acc = (hidden_NH.new_empty(rows, dtype=torch.float32) for _ in range(3))
+        hit = torch.empty_like(labels_N, dtype=torch.bool)
+        for start in range(0, rows, chunk):
+            at = slice(start, start + chunk)
+            logits = hidden_NH[at].to(compute_dtype) @ weight.T
+            if w2 is not None:
+                logits = logits + latent_NR[at].to(compute_dtype) @ w2.T
+            target_logits = target_NH[at].to(compute_dtype) @ weight.T
+            ce[at], l1[at], acc[at], hit[at], grad_logits = per_chunk(
+                logits, target_logits, labels_N[at], weights_N[at], ce_weight, tv_weight
+            )
+            del logits, target_logits
+            objective += (weights_N[at] * (ce_weight * ce[at] + tv_weight * l1[at])).sum()
+            grad_hidden[at] = grad_logits @ weight
+            if w2 is not None:
+                grad_latent[at] = grad_logits @ w2
+                grad_w2 += grad_logits.float().T @ latent_NR[at].float()
+        ctx.save_for_backward(grad_hidden, grad_latent, grad_w2)
+        ctx.w2_dtype = None if w2_VR is None else w2_VR.dtype
+        ctx.mark_non_differentiable(ce, l1, acc, hit)
+        return objective, ce, l1, acc, hit
+
+    @staticmethod
+    def backward(ctx, grad_objective, *_unused):
+        grad_hidden, grad_latent, grad_w2 = ctx.saved_tensors
+        grad_hidden, grad_latent, grad_w2 = (
+            None if g is None else g * grad_objective for g in (grad_hidden, grad_latent, grad_w2)
+        )
+        if grad_w2 is not None:
+            grad_w2 = grad_w2.to(ctx.w2_dtype)  # accumulated in fp32 over the chunks
+        return grad_hidden, grad_latent, grad_w2, None, None, None, None, None
+
+
+def _fused_rows(
+    hidden_BQH: torch.Tensor,
+    *,
+    lm_head: nn.Module,
+    drafter: DSparkDrafter,
+    blocks: DraftBlocks,
+    final_BSH: torch.Tensor,
+    latent_BQR: torch.Tensor | None,
+    weights: DSparkWeights,
+    chunk: int,
+    compiled: bool,
+) -> tuple[torch.Tensor, ...]:
+    """The fused path over `blocks.loss_rows` only; returns (numerator of the CE and L1 terms,
+    then CE, L1, acc, hit per labelled row)."""
+    if getattr(lm_head, "bias", None) is not None or lm_head.weight.requires_grad:
+        raise ValueError("the fused LM-head loss needs a frozen, bias-free LM head (set loss.logits_chunk=0)")
+    device_type = hidden_BQH.device.type
+    compute_dtype = (
+        torch.get_autocast_dtype(device_type)
+        if torch.is_autocast_enabled(device_type)
+        else torch.promote_types(hidden_BQH.dtype, lm_head.weight.dtype)
+    )
+    rows = blocks.loss_rows
+
+    def labelled(per_position: torch.Tensor) -> torch.Tensor:
+        return per_position.flatten(0, 1).index_select(0, rows)
+
+    # The target's final state at each labelled row's own position (found on the host with the
+    # blocks): only those rows cross the LM head.
+    target_NH = final_BSH.flatten(0, 1).index_select(0, blocks.final_rows)
+    w2 = None if latent_BQR is None else drafter.markov_head.markov_w2.weight
+    with torch.autocast(device_type, enabled=False):
+        return _FusedDSparkHead.apply(
+            labelled(hidden_BQH),
+            None if latent_BQR is None else labelled(latent_BQR),
+            w2,
+            target_NH,
+            lm_head.weight,
+            labelled(blocks.labels),
+            labelled(blocks.weights),
+            (chunk, compute_dtype, compiled, weights.ce, weights.tv),
+        )
+
+
+def _scatter_rows(values_N: torch.Tensor, blocks: DraftBlocks, fill: float | bool) -> torch.Tensor:
+    """Labelled rows back to [B, Q] (`fill` elsewhere)."""
+    full = torch.full(blocks.valid.shape, fill, dtype=values_N.dtype, device=values_N.device).flatten()
+    return full.index_put_((blocks.loss_rows,), values_N).view_as(blocks.valid)
+
+
+def dspark_loss(
+    hidden_BQH: torch.Tensor,
+    *,
+    lm_head: nn.Module,
+    drafter: DSparkDrafter,
+    blocks: DraftBlocks,
+    final_BSH: torch.Tensor,
+    weights: DSparkWeights,
+    logits_chunk: int = 0,
+    compiled: bool = False,
+) -> DSparkLossStats:
+    """The DSpark loss statistics of one batch of blocks. `final_BSH`: the target's final hidden
+    states (after its final norm) [B, S, H] on the drafter's device; `blocks` built with
+    label_offset=1 (they carry `prev_ids` and `final_rows`)."""
+    if blocks.prev_ids is None or blocks.final_rows is None:
+        raise ValueError("DSpark blocks need prev_ids and final_rows (build_blocks with label_offset=1)")
+    latent_BQR = drafter.block_latents(blocks.prev_ids, hidden_BQH)
+    w = blocks.weights
+    if logits_chunk > 0:
+        objective, ce_n, l1_n, acc_n, hit_n = _fused_rows(
+            hidden_BQH,
+            lm_head=lm_head,
+            drafter=drafter,
+            blocks=blocks,
+            final_BSH=final_BSH,
+            latent_BQR=latent_BQR,
+            weights=weights,
+            chunk=logits_chunk,
+            compiled=compiled,
+        )
+        acc = _scatter_rows(acc_n, blocks, 0.0)
+        hit = _scatter_rows(hit_n, blocks, False)
+        ce_sum = (ce_n * w.flatten().index_select(0, blocks.loss_rows)).sum()
+        l1_sum = (l1_n * w.flatten().index_select(0, blocks.loss_rows)).sum()
+    else:
+        ce, l1, acc_flat, hit_flat = _reference_rows(
+            hidden_BQH,
+            lm_head=lm_head,
+            drafter=drafter,
+            blocks=blocks,
+            final_BSH=final_BSH,
+            latent_BQR=latent_BQR,
+        )
+        ce_sum, l1_sum = (ce * w.flatten()).sum(), (l1 * w.flatten()).sum()
+        objective = weights.ce * ce_sum + weights.tv * l1_sum
+        acc, hit = acc_flat.view_as(w).detach(), hit_flat.view_as(w)
+    valid = blocks.valid.float()
+    zero = w.new_zeros(())
+    confidence_loss = abs_error = bias = cumprod_bias = zero
+    predicted = valid.new_zeros(valid.shape)
+    confidence = drafter.confidence_logits(hidden_BQH, blocks.prev_ids)
+    if confidence is not None:
+        # The target is the soft acceptance, detached: the BCE trains the head (and, through its
+        # input, the backbone) to predict it, never the draft to move it.
+        bce = F.binary_cross_entropy_with_logits(confidence, acc.detach(), reduction="none")
+        confidence_loss = (bce * w).sum()
+        objective = objective + weights.confidence * confidence_loss
+        with torch.no_grad():
+            prob = torch.sigmoid(confidence)
+            abs_error = ((prob - acc).abs() * w).sum()
+            bias = ((prob - acc) * w).sum()
+            per_block = (-1, drafter.block_size)
+            cum_prob = (prob * valid).view(per_block).cumprod(-1).view_as(w)
+            cum_acc = (acc * valid).view(per_block).cumprod(-1).view_as(w)
+            cumprod_bias = ((cum_prob - cum_acc) * w).sum()
+            predicted = prob * valid
+    with torch.no_grad():
+        per_position = (blocks.labels.shape[0], -1, blocks.block_size)
+        accepted, counted_blocks, rounds = block_acceptance(
+            hit.view(per_position), blocks.valid.view(per_position), first=0
+        )
+        soft = (acc.detach() * valid).view(per_position)
+        prob_accepted = (soft.cumprod(dim=-1).sum(dim=-1) * valid.view(per_position)[:, :, 0]).sum()
+        stats = DSparkLossStats(
+            weighted_ce=objective,
+            weight=w.sum(),
+            correct=hit.view(per_position).sum(dim=(0, 1)).float(),
+            counted=valid.view(per_position).sum(dim=(0, 1)),
+            accepted=accepted,
+            blocks=counted_blocks,
+            rounds=rounds,
+            ce=ce_sum.detach(),
+            l1=l1_sum.detach(),
+            confidence_loss=confidence_loss.detach(),
+            soft_accepted=soft.sum(dim=(0, 1)),
+            prob_accepted=prob_accepted,
+            confidence_abs_error=abs_error,
+            confidence_bias=bias,
+            confidence_cumprod_bias=cumprod_bias,
+            confidence_predicted=predicted.view(per_position).sum(dim=(0, 1)),
+        )
+    return stats

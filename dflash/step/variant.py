@@ -1,0 +1,136 @@
+"""The drafter variant (config group `variant`): which drafter a run trains and how it is scored.
+
+Not `dflash/step/variants.py` (the step's reference and fast paths by name). A variant says:
+- which drafter class is built and which fields its config carries (`drafter_config`, `drafter`);
+- which token each block position predicts: position k of anchor a predicts token
+  a + k + `label_offset` (DFlash: 0, so position 0, the anchor itself, predicts nothing;
+  DSpark: 1, every position predicts the token after it);
+- whether the target must hand over its final hidden state (`needs_final_state`: DSpark's loss
+  compares the draft distribution with the target's);
+- the loss over the block positions (`block_loss`).
+
+Position weights follow the token predicted, w = exp(-(j - 1) / gamma) for the j-th token after
+the anchor, in both variants (DFlash: j = k; DSpark: j = k + 1; dflash/step/blocks.py:
+position_weights): `loss.gamma` keeps its meaning. The settings are checked where every
+cross-field rule is (dflash/run/checks.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import ClassVar
+
+import torch
+from torch import nn
+from transformers import Qwen3Config
+
+from dflash.config.schema import MarkovHeadType
+from dflash.models.drafter import DFlashDrafter
+from dflash.models.dspark import DSparkDrafter, add_dspark_fields
+from dflash.step.blocks import DraftBlocks
+from dflash.step.dspark_loss import DSparkWeights, dspark_loss
+from dflash.step.loss import LossStats, draft_loss
+
+
+@dataclass(frozen=True)
+class DFlashVariant:
+    """Plain DFlash (z-lab): position k >= 1 predicts token a + k; hard-label CE."""
+
+    name: ClassVar[str] = "dflash"
+    label_offset: ClassVar[int] = 0
+    needs_final_state: ClassVar[bool] = False
+
+    def drafter_config(self, config: Qwen3Config) -> Qwen3Config:
+        """The variant's fields added to a backbone config (in place)."""
+        return config
+
+    def drafter(self, config: Qwen3Config) -> DFlashDrafter:
+        return DFlashDrafter(config)
+
+    def block_loss(
+        self,
+        hidden_BQH: torch.Tensor,
+        *,
+        lm_head: nn.Module,
+        drafter: DFlashDrafter,
+        blocks: DraftBlocks,
+        final_BSH: torch.Tensor | None,
+        logits_chunk: int,
+        compiled: bool,
+    ) -> LossStats:
+        return draft_loss(hidden_BQH, lm_head, blocks, logits_chunk, compiled=compiled)
+
+
+@dataclass(frozen=True)
+class DSparkVariant(DFlashVariant):
+    """DSpark (deepseek-ai/DeepSpec): the DFlash backbone with a Markov head and a confidence
+    head; every position predicts the token after it; loss ce_weight CE + tv_weight L1 +
+    confidence_weight BCE against the target's own distribution (dflash/step/dspark_loss.py)."""
+
+    name: ClassVar[str] = "dspark"
+    label_offset: ClassVar[int] = 1
+    needs_final_state: ClassVar[bool] = True
+
+    markov_rank: int = 256
+    markov_head_type: MarkovHeadType | str = MarkovHeadType.vanilla
+    markov_head_class: str | None = None
+    confidence_head: bool = True
+    confidence_with_markov: bool = True
+    ce_weight: float = 0.1
+    tv_weight: float = 0.9
+    confidence_weight: float = 1.0
+
+    @property
+    def head_type(self) -> str:
+        """What config.json records as `markov_head_type`: the built-in's name or the class path."""
+        if self.markov_head_class:
+            return self.markov_head_class
+        return MarkovHeadType(self.markov_head_type).value
+
+    def drafter_config(self, config: Qwen3Config) -> Qwen3Config:
+        return add_dspark_fields(
+            config,
+            markov_rank=self.markov_rank,
+            markov_head_type=self.head_type,
+            confidence_head=self.confidence_head,
+            confidence_with_markov=self.confidence_with_markov,
+        )
+
+    def drafter(self, config: Qwen3Config) -> DSparkDrafter:
+        return DSparkDrafter(config)
+
+    @property
+    def weights(self) -> DSparkWeights:
+        return DSparkWeights(ce=self.ce_weight, tv=self.tv_weight, confidence=self.confidence_weight)
+
+    def block_loss(self, hidden_BQH, *, lm_head, drafter, blocks, final_BSH, logits_chunk, compiled):
+        if final_BSH is None:
+            raise ValueError("variant=dspark needs the target's final hidden states (none were passed)")
+        return dspark_loss(
+            hidden_BQH,
+            lm_head=lm_head,
+            drafter=drafter,
+            blocks=blocks,
+            final_BSH=final_BSH,
+            weights=self.weights,
+            logits_chunk=logits_chunk,
+            compiled=compiled,
+        )
+
+
+def variant_of_drafter(drafter: DFlashDrafter) -> DFlashVariant:
+    """The variant a built drafter belongs to (a loaded checkpoint's, for tools): its heads as
+    its config describes them; the loss weights are the reference's defaults."""
+    if not isinstance(drafter, DSparkDrafter):
+        return DFlashVariant()
+    config = drafter.config
+    head_type = config.markov_head_type
+    built_in = head_type in {kind.value for kind in MarkovHeadType}
+    return DSparkVariant(
+        markov_rank=drafter.markov_rank,
+        markov_head_type=head_type if built_in else MarkovHeadType.vanilla,
+        markov_head_class=None if built_in else head_type,
+        confidence_head=drafter.confidence_head is not None,
+        confidence_with_markov=drafter.confidence_with_markov,
+        confidence_weight=1.0 if drafter.confidence_head is not None else 0.0,
+    )

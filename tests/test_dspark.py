@@ -1,0 +1,429 @@
+"""variant=dspark (docs/ARCHITECTURE.md §1, DSpark): every block position predicts the token after
+it, the Markov and confidence heads under the reference checkpoint's names, each loss term
+against its formula written out by hand, the fused chunked loss against the reference path, the
+target's final hidden state from the same forward, training end to end (tiny and a hybrid
+target), warm start from a DFlash checkpoint and resume, and the config's refusals."""
+
+from __future__ import annotations
+
+import json
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from hydra.errors import ConfigCompositionException
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from dflash.config.schema import DrafterConfig
+from dflash.export.zlab import load_drafter
+from dflash.models.drafter import drafter_config
+from dflash.models.dspark import DSparkDrafter, add_dspark_fields, drafter_from_config
+from dflash.models.target import FrozenTarget
+from dflash.step.blocks import build_blocks, position_weights
+from dflash.step.dspark_loss import DSparkWeights, dspark_loss
+from dflash.train import train
+from tests.conftest import TINY_ARCH
+
+MASK_ID = 511
+HEAD_TYPES = ["vanilla", "gated", "rnn"]
+
+
+def tiny_target(final_state: bool = True) -> FrozenTarget:
+    config = AutoConfig.for_model("qwen3", **TINY_ARCH)
+    torch.manual_seed(0)
+    return FrozenTarget(AutoModelForCausalLM.from_config(config), [1, 3], final_state=final_state)
+
+
+def tiny_dspark(target: FrozenTarget, head_type: str = "vanilla", *, rank: int = 8, with_markov=True):
+    cfg = DrafterConfig(name="t", num_layers=2, block_size=4, mask_token_id=MASK_ID, num_anchors=8)
+    config = add_dspark_fields(
+        drafter_config(cfg, target.config, target.layer_ids),
+        markov_rank=rank,
+        markov_head_type=head_type,
+        confidence_head=True,
+        confidence_with_markov=with_markov,
+    )
+    torch.manual_seed(1)
+    drafter = DSparkDrafter(config)
+    # The init leaves the heads near zero; larger weights make every term and gradient count.
+    with torch.no_grad():
+        for name, param in drafter.named_parameters():
+            if name.startswith(("markov_head.", "confidence_head.")):
+                param.normal_(0.0, 0.3)
+    return drafter
+
+
+def dspark_blocks(ids, loss_mask, *, block_size=4, num_anchors=8, gamma=4.0):
+    ids = torch.as_tensor(ids)
+    loss_mask = torch.as_tensor(loss_mask, dtype=torch.uint8)
+    if ids.dim() == 1:
+        ids, loss_mask = ids[None], loss_mask[None]
+    return build_blocks(
+        ids,
+        loss_mask,
+        torch.full((ids.shape[0],), ids.shape[1]),
+        list(range(ids.shape[0])),
+        epoch=0,
+        seed=0,
+        block_size=block_size,
+        num_anchors=num_anchors,
+        mask_token_id=MASK_ID,
+        weights=position_weights(block_size, gamma, label_offset=1),
+        label_offset=1,
+    )
+
+
+# -- blocks ----------------------------------------------------------------------------------
+
+
+def test_every_position_predicts_the_next_token_with_decay_from_position_zero():
+    """Slot k of anchor a: label ids[a + k + 1], Markov input ids[a + k] (the anchor for k = 0),
+    weight exp(-k / gamma), the target's distribution read at a + k (DeepSpec: label_indices =
+    anchor + 1..B, target_pred_indices = label - 1)."""
+    ids = torch.arange(100, 120)
+    blocks = dspark_blocks(ids, torch.ones(20), num_anchors=3)
+    anchors = blocks.anchors[0].tolist()
+    for j, a in enumerate(anchors):
+        rows = slice(4 * j, 4 * j + 4)
+        assert blocks.block_ids[0, rows].tolist() == [100 + a, MASK_ID, MASK_ID, MASK_ID]
+        assert blocks.positions[0, rows].tolist() == [a, a + 1, a + 2, a + 3]
+        assert blocks.labels[0, rows].tolist() == [100 + a + k + 1 for k in range(4)]
+        assert blocks.prev_ids[0, rows].tolist() == [100 + a + k for k in range(4)]
+        expected = [math.exp(-k / 4.0) for k in range(4)]
+        torch.testing.assert_close(blocks.weights[0, rows], torch.tensor(expected))
+    assert blocks.final_rows.tolist() == blocks.positions.flatten()[blocks.loss_rows].tolist()
+
+
+def test_supervision_is_a_contiguous_prefix_ending_at_the_first_unsupervised_label():
+    """A hole in the loss mask ends the block's supervision there, as DeepSpec's cumprod eval
+    mask does; so does the sample's end."""
+    mask = torch.ones(12)
+    mask[6] = 0
+    blocks = dspark_blocks(torch.arange(12), mask, num_anchors=20)
+    valid = blocks.valid.view(-1, 4)
+    for a, row in zip(blocks.anchors[0].tolist(), valid.tolist()):
+        labels = [a + k + 1 for k in range(4)]
+        expected, open_ = [], True
+        for label in labels:
+            open_ = open_ and label < 12 and label != 6
+            expected.append(open_)
+        assert row == expected, (a, row)
+
+
+def test_dflash_blocks_are_unchanged_by_the_label_offset_argument():
+    ids, mask = torch.arange(30)[None], torch.ones(1, 30, dtype=torch.uint8)
+    common = dict(epoch=0, seed=0, block_size=4, num_anchors=5, mask_token_id=MASK_ID)
+    plain = build_blocks(ids, mask, torch.tensor([30]), [0], weights=position_weights(4, 4.0), **common)
+    assert plain.prev_ids is None and plain.final_rows is None
+    assert plain.labels.view(-1, 4)[:, 0].eq(0).all()  # the anchor predicts nothing
+    torch.testing.assert_close(
+        position_weights(4, 4.0), torch.tensor([0.0, 1.0, math.exp(-0.25), math.exp(-0.5)])
+    )
+
+
+# -- heads ------------------------------------------------------------------------------------
+
+
+def test_head_parameters_carry_the_reference_checkpoint_names_and_shapes():
+    target = tiny_target()
+    expected = {
+        "vanilla": {},
+        "gated": {"markov_head.gate_proj.weight": (8, 64 + 8), "markov_head.gate_proj.bias": (8,)},
+        "rnn": {"markov_head.joint_proj.weight": (24, 2 * 8 + 64), "markov_head.joint_proj.bias": (24,)},
+    }
+    for head_type, extra in expected.items():
+        state = tiny_dspark(target, head_type).state_dict()
+        heads = {
+            k: tuple(v.shape) for k, v in state.items() if k.startswith(("markov_head.", "confidence_head."))
+        }
+        assert heads == {
+            "markov_head.markov_w1.weight": (512, 8),
+            "markov_head.markov_w2.weight": (512, 8),
+            "confidence_head.proj.weight": (1, 64 + 8),
+            "confidence_head.proj.bias": (1,),
+            **extra,
+        }
+    plain = tiny_dspark(target, rank=0, with_markov=False).state_dict()
+    assert not any(k.startswith("markov_head.") for k in plain)
+    assert tuple(plain["confidence_head.proj.weight"].shape) == (1, 64)
+
+
+@pytest.mark.parametrize("head_type", HEAD_TYPES)
+def test_markov_latents_follow_the_papers_formulas_position_by_position(head_type):
+    """vanilla: W1[x]; gated: sigmoid(gate([h; W1[x]])) * W1[x]; rnn (paper eq. 6):
+    z = [s; W1[x]; h], s' = sg s + (1 - sg) tanh(c), latent = tanh(o), s_0 = 0."""
+    head = tiny_dspark(tiny_target(), head_type).markov_head
+    prev, hidden = torch.randint(0, 512, (3, 4)), torch.randn(3, 4, 64)
+    got = head.block_latents(prev, hidden)
+    w1 = head.markov_w1.weight
+    state = torch.zeros(3, 8)
+    for k in range(4):
+        e = w1[prev[:, k]]
+        if head_type == "vanilla":
+            want = e
+        elif head_type == "gated":
+            gate = torch.sigmoid(
+                torch.cat([hidden[:, k], e], -1) @ head.gate_proj.weight.T + head.gate_proj.bias
+            )
+            want = gate * e
+        else:
+            z = torch.cat([state, e, hidden[:, k]], -1) @ head.joint_proj.weight.T + head.joint_proj.bias
+            g, c, o = z[:, :8], z[:, 8:16], z[:, 16:]
+            state = torch.sigmoid(g) * state + (1 - torch.sigmoid(g)) * torch.tanh(c)
+            want = torch.tanh(o)
+        torch.testing.assert_close(got[:, k], want)
+    torch.testing.assert_close(head.bias(got), got @ head.markov_w2.weight.T)
+
+
+@pytest.mark.parametrize("head_type", HEAD_TYPES)
+def test_sample_block_biases_each_position_by_the_token_drafted_before_it(head_type):
+    drafter = tiny_dspark(tiny_target(), head_type)
+    base, hidden = torch.randn(2, 4, 512), torch.randn(2, 4, 64)
+    anchor = torch.tensor([7, 9])
+    tokens, logits = drafter.sample_block(base, hidden, anchor, lambda step: step.argmax(-1))
+    # Teacher forcing with the drafted tokens as the previous ones gives the same logits.
+    prev = torch.cat([anchor[:, None], tokens[:, :-1]], dim=1)
+    latents = drafter.markov_head.block_latents(prev, hidden)
+    torch.testing.assert_close(logits, base + drafter.markov_head.bias(latents))
+    assert torch.equal(tokens, logits.argmax(-1))
+
+
+# -- loss ---------------------------------------------------------------------------------------
+
+
+def loss_inputs(head_type="vanilla", *, with_markov=True, rank=8):
+    target = tiny_target()
+    drafter = tiny_dspark(target, head_type, rank=rank, with_markov=with_markov)
+    torch.manual_seed(2)
+    ids = torch.randint(0, 500, (2, 14))
+    mask = torch.ones(2, 14, dtype=torch.uint8)
+    mask[1, 9] = 0
+    blocks = dspark_blocks(ids, mask, num_anchors=3)
+    hidden = torch.randn(2, blocks.labels.shape[1], 64, requires_grad=True)
+    final = target.features(ids)[..., -64:]
+    return target, drafter, blocks, hidden, final
+
+
+WEIGHTS = DSparkWeights(ce=0.3, tv=0.9, confidence=0.7)
+
+
+@pytest.mark.parametrize("with_markov", [True, False])
+def test_each_loss_term_equals_its_formula_written_out(with_markov):
+    """CE = -log p[label], L1 = sum |p - q| (twice TV), acc = 1 - L1 / 2, BCE against acc;
+    each summed with the position weights; the numerator their weighted sum."""
+    target, drafter, blocks, hidden, final = loss_inputs(
+        with_markov=with_markov, rank=8 if with_markov else 0
+    )
+    stats = dspark_loss(
+        hidden, lm_head=target.lm_head, drafter=drafter, blocks=blocks, final_BSH=final, weights=WEIGHTS
+    )
+    W = target.lm_head.weight.double()
+    params = {name: p.detach().double() for name, p in drafter.named_parameters()}
+    ce = l1 = bce = weight = 0.0
+    soft = [0.0] * 4
+    for b in range(2):
+        for q in range(blocks.labels.shape[1]):
+            w = float(blocks.weights[b, q])
+            if w == 0.0:
+                continue
+            prev = int(blocks.prev_ids[b, q])
+            h = hidden[b, q].detach().double()
+            z = W @ h
+            if drafter.markov_head is not None:
+                markov = params["markov_head.markov_w1.weight"][prev]
+                z = z + params["markov_head.markov_w2.weight"] @ markov
+            t = W @ final[b, int(blocks.positions[b, q])].double()
+            p, pt = torch.softmax(z, 0), torch.softmax(t, 0)
+            ce_k = -math.log(p[int(blocks.labels[b, q])])
+            l1_k = float((p - pt).abs().sum())
+            acc = min(1.0, max(0.0, 1.0 - l1_k / 2))
+            features = h if drafter.markov_head is None else torch.cat([h, markov])
+            c = float(
+                params["confidence_head.proj.weight"][0] @ features + params["confidence_head.proj.bias"]
+            )
+            sig = 1 / (1 + math.exp(-c))
+            bce_k = -(acc * math.log(sig) + (1 - acc) * math.log(1 - sig))
+            ce, l1, bce, weight = ce + w * ce_k, l1 + w * l1_k, bce + w * bce_k, weight + w
+            soft[q % 4] += acc
+    assert float(stats.weight) == pytest.approx(weight)
+    assert float(stats.ce) == pytest.approx(ce, rel=1e-5)
+    assert float(stats.l1) == pytest.approx(l1, rel=1e-5)
+    assert float(stats.confidence_loss) == pytest.approx(bce, rel=1e-5)
+    assert float(stats.weighted_ce.detach()) == pytest.approx(0.3 * ce + 0.9 * l1 + 0.7 * bce, rel=1e-5)
+    assert stats.soft_accepted.tolist() == pytest.approx(soft, rel=1e-5)
+
+
+def test_the_confidence_target_is_detached_and_its_gradient_reaches_the_head():
+    """BCE trains the head against a stop-gradient acceptance: with only the confidence term on,
+    the Markov projection W2 (which moves the draft distribution) gets no gradient."""
+    target, drafter, blocks, hidden, final = loss_inputs()
+    stats = dspark_loss(
+        hidden, lm_head=target.lm_head, drafter=drafter, blocks=blocks, final_BSH=final,
+        weights=DSparkWeights(ce=0.0, tv=0.0, confidence=1.0),
+    )  # fmt: skip
+    stats.weighted_ce.backward()
+    assert (
+        drafter.markov_head.markov_w2.weight.grad is None
+        or not drafter.markov_head.markov_w2.weight.grad.any()
+    )
+    assert drafter.confidence_head.proj.weight.grad.abs().sum() > 0
+
+
+@pytest.mark.parametrize("head_type", HEAD_TYPES)
+@pytest.mark.parametrize("chunk", [3, 1000])
+def test_fused_chunked_loss_equals_the_reference_path(head_type, chunk):
+    """The same numerator, terms, acceptance, hits and gradients (hidden states and every head
+    parameter) as every logit through autograd; chunks smaller than the rows included."""
+    results = []
+    for logits_chunk in (0, chunk):
+        target, drafter, blocks, hidden, final = loss_inputs(head_type)
+        stats = dspark_loss(
+            hidden, lm_head=target.lm_head, drafter=drafter, blocks=blocks, final_BSH=final,
+            weights=WEIGHTS, logits_chunk=logits_chunk,
+        )  # fmt: skip
+        stats.weighted_ce.backward()
+        grads = {"hidden": hidden.grad.clone()}
+        grads.update({n: p.grad.clone() for n, p in drafter.named_parameters() if p.grad is not None})
+        results.append((stats, grads))
+    (ref, ref_grads), (fused, fused_grads) = results
+    for name in ("weighted_ce", "ce", "l1", "confidence_loss", "soft_accepted", "prob_accepted", "correct"):
+        torch.testing.assert_close(getattr(fused, name), getattr(ref, name), rtol=1e-5, atol=1e-6)
+    assert ref_grads.keys() == fused_grads.keys() and any(
+        k.startswith("markov_head.markov_w2") for k in ref_grads
+    )
+    for name in ref_grads:
+        torch.testing.assert_close(fused_grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
+
+
+# -- the target's final state -------------------------------------------------------------------
+
+
+def test_final_state_comes_from_the_same_forward_after_the_final_norm():
+    target = tiny_target(final_state=True)
+    ids = torch.randint(0, 500, (2, 10))
+    out = target.model(ids, output_hidden_states=True)
+    features = target.features(ids)
+    expected = torch.cat([out.hidden_states[2], out.hidden_states[4], out.hidden_states[-1]], dim=-1)
+    torch.testing.assert_close(features, expected)
+    # hidden_states[-1] is the normed final state: the LM head on it gives the model's logits.
+    torch.testing.assert_close(target.lm_head(features[..., -64:]), out.logits)
+    assert tiny_target(final_state=False).features(ids).shape[-1] == 2 * 64
+
+
+# -- training -----------------------------------------------------------------------------------
+
+DSPARK = ["variant=dspark", "variant.markov_rank=16"]
+DSPARK_FIGURES = ("ce", "l1", "confidence_loss", "confidence_abs_error", "tau_prob")
+
+
+def test_variant_dspark_trains_end_to_end_and_reports_its_figures(make_cfg):
+    cfg = make_cfg(DSPARK + ["train.total_steps=4", "logger.every_steps=2", "data.val_samples=16"])
+    summary = train(cfg)
+    assert summary["steps"] == 4 and summary["eval/lossless_frac"] == 1.0
+    for name in DSPARK_FIGURES:
+        assert math.isfinite(summary[f"train/{name}"]) and math.isfinite(summary[f"val/{name}"]), name
+    assert 1.0 <= summary["train/tau_prob"] <= 1.0 + 4
+    rows = [
+        json.loads(line) for line in (Path(cfg.paths.output_dir) / "metrics.jsonl").read_text().splitlines()
+    ]
+    train_row = next(row for row in rows if "train/loss" in row)
+    assert {f"train/accept_pos_{j}" for j in (1, 2, 3, 4)} <= train_row.keys()
+    assert {f"train/confidence_pos_{j}" for j in (1, 2, 3, 4)} <= train_row.keys()
+    assert "train/acc_pos_4" in train_row  # the anchor slot predicts: four drafts from a block of four
+    loss = 0.1 * train_row["train/ce"] + 0.9 * train_row["train/l1"] + train_row["train/confidence_loss"]
+    assert train_row["train/loss"] == pytest.approx(loss, rel=1e-5)
+    checkpoint = load_drafter(Path(summary["checkpoint"]))
+    assert isinstance(checkpoint, DSparkDrafter) and checkpoint.config.markov_rank == 16
+    assert checkpoint.config.markov_head_type == "vanilla" and checkpoint.config.confidence_head_with_markov
+
+
+@pytest.mark.slow
+def test_variant_dspark_trains_on_a_hybrid_target(make_cfg, tiny_qwen3_next_dir):
+    """Qwen3-Next (Gated DeltaNet + MoE): the final state runs the whole hybrid stack."""
+    cfg = make_cfg(DSPARK + ["target=hf", f"target.path={tiny_qwen3_next_dir}", "train.total_steps=2"])
+    summary = train(cfg)
+    assert (
+        summary["steps"] == 2 and math.isfinite(summary["train/l1"]) and summary["eval/lossless_frac"] == 1.0
+    )
+
+
+def test_a_dflash_checkpoint_warm_starts_dspark_and_a_dspark_checkpoint_resumes(make_cfg, tmp_path):
+    plain = train(make_cfg(["train.total_steps=2"], output_dir=tmp_path / "dflash"))
+    init = make_cfg(
+        DSPARK + ["train.total_steps=2", f"drafter.init_from={plain['checkpoint']}"], tmp_path / "warm"
+    )
+    from dflash.run.launch import build_models
+    from dflash.run.preflight import check_before_loading
+
+    models = build_models(check_before_loading(init))
+    warm, source = models.drafters[0].state_dict(), load_drafter(Path(plain["checkpoint"])).state_dict()
+    assert all(torch.equal(warm[name], tensor) for name, tensor in source.items())  # backbone loaded
+    assert {k for k in warm if k not in source} == {
+        "markov_head.markov_w1.weight",
+        "markov_head.markov_w2.weight",
+        "confidence_head.proj.weight",
+        "confidence_head.proj.bias",
+    }
+    first = train(make_cfg(DSPARK + ["train.total_steps=4", "debug.max_steps=2"], tmp_path / "dspark"))
+    step_2 = Path(first["checkpoint"]).resolve()  # `last` moves on with the resumed run
+    resumed = train(make_cfg(DSPARK + ["train.total_steps=4", f"resume={step_2}"], tmp_path / "dspark"))
+    assert resumed["steps"] == 4
+    saved, trained_on = load_drafter(step_2), load_drafter(Path(resumed["checkpoint"]))
+    assert not torch.equal(trained_on.markov_head.markov_w1.weight, saved.markov_head.markov_w1.weight)
+
+
+def test_a_dspark_checkpoint_does_not_start_a_run_with_other_heads(make_cfg, tmp_path):
+    trained = train(make_cfg(DSPARK + ["train.total_steps=1"], tmp_path / "a"))
+    for overrides, key in (
+        (["variant=dflash"], "variant.markov_rank"),
+        (DSPARK + ["variant.markov_head_type=gated"], "variant.markov_head_type"),
+    ):
+        cfg = make_cfg(
+            overrides + ["train.total_steps=1", f"drafter.init_from={trained['checkpoint']}"], tmp_path / key
+        )
+        with pytest.raises(ValueError, match=key):
+            train(cfg)
+
+
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (["variant.markov_rank=0"], "variant.confidence_with_markov=true needs a Markov head"),
+        (["noise=mask_ramp"], "noise=mask_ramp is DFlash's"),
+        (["variant.confidence_head=false"], "variant.confidence_weight > 0 needs"),
+        (["variant.markov_head_class=nowhere.Head"], "variant.markov_head_class"),
+    ],
+)
+def test_bad_dspark_settings_are_refused_naming_the_key(make_cfg, overrides, message):
+    with pytest.raises(ValueError, match=message):
+        train(make_cfg(["variant=dspark", *overrides]))
+
+
+def test_a_head_type_outside_the_three_is_refused_at_composition(make_cfg):
+    with pytest.raises(ConfigCompositionException, match="markov_head_type"):
+        make_cfg(["variant=dspark", "variant.markov_head_type=lstm"])
+
+
+def test_drafter_from_config_picks_the_class_by_its_config(tmp_path):
+    target = tiny_target()
+    cfg = DrafterConfig(name="t", num_layers=1, block_size=4, mask_token_id=MASK_ID)
+    plain = drafter_config(cfg, target.config, [1, 3])
+    assert type(drafter_from_config(plain)).__name__ == "DFlashDrafter"
+    assert isinstance(drafter_from_config(tiny_dspark(target).config), DSparkDrafter)
+
+
+@pytest.mark.slow
+def test_a_variant_sweep_runs_both_and_diff_shows_the_choice(tmp_path, data_cache, capsys):
+    """`dflash-train -m variant=dflash,dspark`, then `dflash-diff` of the two jobs."""
+    from dflash.tools import diff
+    from tests.test_sweeps import sweep
+
+    result = sweep(tmp_path, data_cache, "variant=dflash,dspark", "debug=fast")
+    assert result.returncode == 0, result.stderr[-3000:]
+    diff.main([str(tmp_path / "0"), str(tmp_path / "1")])
+    text = capsys.readouterr().out
+    assert "variant: dflash -> dspark" in text.split("choices:")[1].split("config:")[0]
+    assert "variant.markov_rank: added (256)" in text
+    metrics = text.split("metrics:")[1]
+    assert "train/tau_prob" in metrics and "train/l1" in metrics
