@@ -324,3 +324,28 @@ def test_readers_that_refuse_a_head_are_noted_and_the_check_still_passes(tmp_pat
     assert out.startswith("ok:")
     assert "note: markov_head_type gated: vLLM and llama.cpp build the vanilla head only" in out
     assert "note: a confidence head without the Markov embedding: llama.cpp" in out
+
+
+def test_a_dspark_runs_checkpoints_keep_the_contract_and_deepspecs_own_starts_a_run(make_cfg, tmp_path):
+    """variant=dspark: every checkpoint the run writes is DeepSpec's layout and passes the check;
+    a checkpoint as DeepSpec publishes one (bf16, the target's tables bundled) starts a run
+    through drafter.init_from with its weights."""
+    from dflash.run.launch import build_models
+    from dflash.run.preflight import check_before_loading
+    from dflash.train import train
+
+    dspark = ["variant=dspark", "variant.markov_rank=16", "variant.markov_head_type=rnn"]
+    cfg = make_cfg([*dspark, "train.total_steps=2"], tmp_path / "run")
+    checkpoint = Path(train(cfg)["checkpoint"])
+    config = json.loads((checkpoint / "config.json").read_text())
+    assert (
+        config["architectures"] == ["Qwen3DSparkModel"] and config["num_anchors"] == cfg.drafter.num_anchors
+    )
+    assert check_export(checkpoint, target=TINY_TARGET) == []
+    trained = load_drafter(checkpoint)
+    published = write_as_deepspec_does(tmp_path / "deepspec", trained, tiny_target())
+    fine_tune = make_cfg([*dspark, "train.total_steps=1", f"drafter.init_from={published}"], tmp_path / "ft")
+    started = build_models(check_before_loading(fine_tune)).drafters[0].state_dict()
+    assert started.keys() == trained.state_dict().keys()
+    for name, tensor in trained.state_dict().items():
+        assert torch.equal(started[name], tensor.to(torch.bfloat16).float()), name
