@@ -173,3 +173,34 @@ def test_hybrid_continuous_batching_with_graphs_equals_one_by_one_greedy(tiny_qw
         kv_bucket=32,
     )
     assert batcher.commit_fn.captures == 1
+
+
+def test_graphed_dspark_rounds_equal_eager_ones_greedy_and_sampled():
+    """A DSpark round (B drafts left to right with the Markov bias inside the graph, B + 1
+    verified, the sampled drafts' noise fed in before each replay) replays what the eager
+    static path computes; greedy output equals plain greedy."""
+    from tests.test_dspark_decoding import loud_markov
+    from tests.test_dspark_export import tiny_dspark
+
+    target = tiny_target()
+    target.model.to("cuda")
+    drafter = loud_markov(tiny_dspark(target, head_type="rnn")).to("cuda")
+    graphed = StaticDecoder(target, drafter, max_len=96, graphs=True, kv_bucket=32)
+    eager = StaticDecoder(target, drafter, max_len=96, graphs=False, kv_bucket=32)
+    # Buckets 32, 64, 96 (96 + a verification of B + 1 = 101 -> 128 too): the plain step, the
+    # greedy round and the round sampled at 1.0, each.
+    assert graphed.capture_every_shape((1.0,)) == 12
+    torch.manual_seed(3)
+    prompt = torch.randint(0, 500, (20,)).tolist()
+    greedy = graphed.speculative(prompt, 40)
+    assert greedy.output_ids == plain_generate(target, prompt, 40).output_ids
+    assert greedy.acceptance_lengths == eager.speculative(prompt, 40).acceptance_lengths
+    torch.testing.assert_close(
+        torch.tensor(greedy.confidence), torch.tensor(eager.speculative(prompt, 40).confidence)
+    )
+    sampled = graphed.speculative(prompt, 40, temperature=1.0, seed=2, sampled_drafts=True)
+    assert (
+        sampled.output_ids
+        == eager.speculative(prompt, 40, temperature=1.0, seed=2, sampled_drafts=True).output_ids
+    )
+    assert graphed.captures == 12
