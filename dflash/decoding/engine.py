@@ -270,6 +270,7 @@ class StaticDecoder:
         while len(output) < max_new_tokens and output[-1] not in stop_ids:
             self._set(output[-1], committed)
             kv_len = self.target_cache.kv_len_for(committed + self.verify_len)
+            confidence = None  # a DSpark drafter's confidence head: survival probabilities [B]
             if not self.dspark:
                 drafts, logits = self._round(self._ids, self._pos, kv_len=kv_len)
             elif noise is None:
@@ -279,7 +280,7 @@ class StaticDecoder:
                 drafts, logits, confidence = self._round(
                     self._ids, self._pos, self._noise, kv_len=kv_len, temperature=temperature
                 )
-            if self.dspark and confidence is not None:
+            if confidence is not None:
                 survival.append(confidence.clone())  # the graph's output buffer is reused
             draft, choices = self._read(drafts, logits, choose)
             room = max_new_tokens - len(output)

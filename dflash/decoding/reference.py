@@ -74,8 +74,9 @@ def drafts_per_round(drafter: DFlashDrafter) -> int:
 
 def gumbel_noise(generator: torch.Generator, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """-log(-log(U)), U uniform: argmax(logits / T + noise) is a sample from softmax(logits / T)
-    (the Gumbel-max trick, as vLLM's DSpark drafter samples). Drawn outside the drafting, so a
-    CUDA graph can replay it as an input."""
+    (the Gumbel-max trick, as vLLM's DSpark drafter samples: `gumbel_sample` in
+    vllm/v1/worker/gpu/spec_decode/dspark/speculator.py). Drawn outside the drafting, so a CUDA
+    graph can replay it as an input."""
     uniform = torch.rand(shape, generator=generator, device=device).clamp_(min=1e-20)
     return -torch.log(-torch.log(uniform))
 
@@ -101,6 +102,7 @@ class DraftChooser:
 def dspark_block(
     drafter: DSparkDrafter,
     target: FrozenTarget,
+    *,
     hidden_1BH: torch.Tensor,
     anchor_1: torch.Tensor,
     choose: DraftChooser,
@@ -212,7 +214,11 @@ class DrafterContext:
         hidden = self.drafter.draft(self.kv, target.embed_tokens(block_ids), positions, mask)
         if isinstance(self.drafter, DSparkDrafter):
             tokens, survival = dspark_block(
-                self.drafter, target, hidden, block_ids[0, :1], self.choose or DraftChooser()
+                self.drafter,
+                target,
+                hidden_1BH=hidden,
+                anchor_1=block_ids[0, :1],
+                choose=self.choose or DraftChooser(),
             )
             self.confidence = None if survival is None else survival.tolist()
             return tokens.tolist()

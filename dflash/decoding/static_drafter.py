@@ -88,7 +88,7 @@ class StaticCacheDrafter(nn.Module):
         (None without a confidence head). Capturable."""
         hidden = self._hidden(anchor_1, anchor_pos_1, kv_len=kv_len)
         choose = DraftChooser() if noise_BV is None else DraftChooser(temperature, noise_BV)
-        return dspark_block(self.drafter, self.target, hidden, anchor_1, choose)
+        return dspark_block(self.drafter, self.target, hidden_1BH=hidden, anchor_1=anchor_1, choose=choose)
 
     def _write_eager(self, features_1QF: torch.Tensor, positions_1Q: torch.Tensor) -> None:
         for index, (k, v) in enumerate(self.drafter.context_kv(features_1QF, positions_1Q)):

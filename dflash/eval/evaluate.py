@@ -74,14 +74,24 @@ class Decoders:
             static.capture_every_shape(sampled)  # outside every timed decode
 
             def static_speculative(prompt, max_new, temperature, seed, stop_ids):
-                return static.speculative(prompt, max_new, temperature, seed, stop_ids, sampled_drafts)
+                return static.speculative(
+                    prompt, max_new, temperature, seed, stop_ids, sampled_drafts=sampled_drafts
+                )
 
             return cls(static_speculative, static.plain, static.load_drafter_weights, static.prefill_only)
         current = {"drafter": drafter}
 
         def speculative(prompt, max_new, temperature, seed, stop_ids):
             return speculative_generate(
-                target, current["drafter"], prompt, max_new, temperature, seed, None, stop_ids, sampled_drafts
+                target,
+                current["drafter"],
+                prompt,
+                max_new,
+                temperature,
+                seed,
+                None,
+                stop_ids,
+                sampled_drafts=sampled_drafts,
             )
 
         def plain(prompt, max_new, temperature, seed, stop_ids):
