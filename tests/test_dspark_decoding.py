@@ -236,9 +236,15 @@ def test_sampled_dspark_decoding_commits_exactly_the_targets_samples(monkeypatch
 
 
 @pytest.mark.parametrize("arch", HYBRIDS[:1])
-def test_dspark_on_a_hybrid_target_equals_plain_greedy(arch, request):
+def test_dspark_on_a_hybrid_target_equals_plain_greedy_and_exports(arch, request, tmp_path):
+    from dflash.export.contract import check_export
+    from dflash.export.zlab import export_drafter
+
     target = family_target(arch, request)
     drafter = loud_markov(tiny_dspark(target))
+    export_drafter(drafter, tmp_path)
+    shape = {key: getattr(target.config, key) for key in ("num_hidden_layers", "hidden_size", "vocab_size")}
+    assert check_export(tmp_path, target=shape) == []
     decoder = StaticDecoder(target, drafter, max_len=64, graphs=False, kv_bucket=16)
     prompt = torch.randint(0, 500, (7,), generator=torch.Generator().manual_seed(1)).tolist()
     plain = plain_generate(target, prompt, 20).output_ids

@@ -142,8 +142,8 @@ def reader_limits(config: dict[str, Any]) -> list[str]:
     rank, head_type = config.get("markov_rank", 0), config.get("markov_head_type")
     if rank == 0:
         limits.append(
-            "markov_rank 0: SGLang and llama.cpp refuse a DSpark drafter without a Markov head, vLLM "
-            "builds one and finds no weights; serve it as the DFlash it is, or train with a head"
+            "markov_rank 0: SGLang and llama.cpp refuse a DSpark drafter without a Markov head (vLLM "
+            "builds its head from markov_rank whatever it is; a rank of 0 there is untried)"
         )
     elif head_type != "vanilla":
         limits.append(
