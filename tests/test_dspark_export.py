@@ -328,8 +328,8 @@ def test_readers_that_refuse_a_head_are_noted_and_the_check_still_passes(tmp_pat
 
 def test_a_dspark_runs_checkpoints_keep_the_contract_and_deepspecs_own_starts_a_run(make_cfg, tmp_path):
     """variant=dspark: every checkpoint the run writes is DeepSpec's layout and passes the check;
-    a checkpoint as DeepSpec publishes one (bf16, the target's tables bundled) starts a run
-    through drafter.init_from with its weights."""
+    a checkpoint as DeepSpec publishes one (bf16, the target's tables bundled), or as
+    speculators does, starts a run through drafter.init_from with its weights."""
     from dflash.run.launch import build_models
     from dflash.run.preflight import check_before_loading
     from dflash.train import train
@@ -343,9 +343,15 @@ def test_a_dspark_runs_checkpoints_keep_the_contract_and_deepspecs_own_starts_a_
     )
     assert check_export(checkpoint, target=TINY_TARGET) == []
     trained = load_drafter(checkpoint)
-    published = write_as_deepspec_does(tmp_path / "deepspec", trained, tiny_target())
-    fine_tune = make_cfg([*dspark, "train.total_steps=1", f"drafter.init_from={published}"], tmp_path / "ft")
-    started = build_models(check_before_loading(fine_tune)).drafters[0].state_dict()
-    assert started.keys() == trained.state_dict().keys()
-    for name, tensor in trained.state_dict().items():
-        assert torch.equal(started[name], tensor.to(torch.bfloat16).float()), name
+    for layout, write, dtype in (
+        ("deepspec", write_as_deepspec_does, torch.bfloat16),
+        ("speculators", write_as_speculators_does, torch.float32),
+    ):
+        published = write(tmp_path / layout, trained, tiny_target())
+        fine_tune = make_cfg(
+            [*dspark, "train.total_steps=1", f"drafter.init_from={published}"], tmp_path / f"ft-{layout}"
+        )
+        started = build_models(check_before_loading(fine_tune)).drafters[0].state_dict()
+        assert started.keys() == trained.state_dict().keys()
+        for name, tensor in trained.state_dict().items():
+            assert torch.equal(started[name], tensor.to(dtype).float()), (layout, name)
