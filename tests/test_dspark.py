@@ -427,3 +427,18 @@ def test_a_variant_sweep_runs_both_and_diff_shows_the_choice(tmp_path, data_cach
     assert "variant.markov_rank: added (256)" in text
     metrics = text.split("metrics:")[1]
     assert "train/tau_prob" in metrics and "train/l1" in metrics
+
+
+def test_the_documented_markov_head_of_ones_own_trains_and_reloads(make_cfg, tmp_path, monkeypatch):
+    """docs/extending.md's ScaledMarkovHead by `variant.markov_head_class` alone: trained (its
+    gain moves), written into config.json and rebuilt from the checkpoint."""
+    from tests.test_extending import doc_example
+
+    (tmp_path / "my_heads.py").write_text(doc_example("ScaledMarkovHead"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = make_cfg(DSPARK + ["variant.markov_head_class=my_heads.ScaledMarkovHead", "train.total_steps=2"])
+    summary = train(cfg)
+    drafter = load_drafter(Path(summary["checkpoint"]))
+    assert type(drafter.markov_head).__name__ == "ScaledMarkovHead"
+    assert drafter.config.markov_head_type == "my_heads.ScaledMarkovHead"
+    assert drafter.markov_head.gain.abs().sum() > 0  # trained from zeros
