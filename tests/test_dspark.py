@@ -442,3 +442,23 @@ def test_the_documented_markov_head_of_ones_own_trains_and_reloads(make_cfg, tmp
     assert type(drafter.markov_head).__name__ == "ScaledMarkovHead"
     assert drafter.config.markov_head_type == "my_heads.ScaledMarkovHead"
     assert drafter.markov_head.gain.abs().sum() > 0  # trained from zeros
+
+
+@pytest.mark.slow
+def test_the_asynchronous_pipeline_carries_the_final_state_as_the_sync_reference_does(make_cfg, tmp_path):
+    """The target worker's features (final state included) cross the hidden-state queue and the
+    drafter loop's copy: the same DSpark losses as the one-thread reference."""
+    rows = {}
+    for pipeline in ("sync", "async"):
+        cfg = make_cfg(
+            DSPARK + [f"pipeline={pipeline}", "train.total_steps=4", "logger.every_steps=2"],
+            tmp_path / pipeline,
+        )
+        train(cfg)
+        lines = (Path(cfg.paths.output_dir) / "metrics.jsonl").read_text().splitlines()
+        rows[pipeline] = [
+            {k: row[k] for k in ("train/loss", "train/l1", "train/confidence_loss", "train/tau_prob")}
+            for row in map(json.loads, lines)
+            if "train/loss" in row
+        ]
+    assert rows["sync"] and rows["sync"] == rows["async"]
