@@ -296,6 +296,20 @@ def test_fused_chunked_loss_equals_the_reference_path(head_type, chunk):
         torch.testing.assert_close(fused_grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.parametrize("logits_chunk", [0, 3])
+def test_a_batch_without_supervised_positions_gives_zero_loss_and_zero_gradients(logits_chunk):
+    target, drafter, _, _, final = loss_inputs()
+    blocks = dspark_blocks(torch.randint(0, 500, (2, 14)), torch.zeros(2, 14), num_anchors=3)
+    hidden = torch.randn(2, blocks.labels.shape[1], 64, requires_grad=True)
+    stats = dspark_loss(
+        hidden, lm_head=target.lm_head, drafter=drafter, blocks=blocks, final_BSH=final,
+        weights=WEIGHTS, logits_chunk=logits_chunk,
+    )  # fmt: skip
+    stats.weighted_ce.backward()
+    assert float(stats.weighted_ce.detach()) == 0.0 and float(stats.weight) == 0.0 and float(stats.blocks) == 0.0
+    assert torch.equal(hidden.grad, torch.zeros_like(hidden))
+
+
 # -- the target's final state -------------------------------------------------------------------
 
 
@@ -365,12 +379,21 @@ def test_a_dflash_checkpoint_warm_starts_dspark_and_a_dspark_checkpoint_resumes(
         "confidence_head.proj.weight",
         "confidence_head.proj.bias",
     }
-    first = train(make_cfg(DSPARK + ["train.total_steps=4", "debug.max_steps=2"], tmp_path / "dspark"))
-    step_2 = Path(first["checkpoint"]).resolve()  # `last` moves on with the resumed run
-    resumed = train(make_cfg(DSPARK + ["train.total_steps=4", f"resume={step_2}"], tmp_path / "dspark"))
-    assert resumed["steps"] == 4
-    saved, trained_on = load_drafter(step_2), load_drafter(Path(resumed["checkpoint"]))
-    assert not torch.equal(trained_on.markov_head.markov_w1.weight, saved.markov_head.markov_w1.weight)
+    # Resumed mid-run (heads and their optimizer state included), the losses are the
+    # uninterrupted run's, bitwise on CPU.
+    every = ["train.total_steps=4", "logger.every_steps=1", "checkpoint.every_steps=2"]
+    full = make_cfg(DSPARK + every, tmp_path / "full")
+    train(full)
+    step_2 = Path(full.paths.output_dir) / "checkpoints" / "step_0000002"
+    resumed = make_cfg(DSPARK + every + [f"resume={step_2}"], tmp_path / "resumed")
+    train(resumed)
+
+    def losses(run_dir: Path) -> dict[int, float]:
+        rows = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+        return {row["step"]: row["train/loss"] for row in rows if "train/loss" in row}
+
+    expected, got = losses(Path(full.paths.output_dir)), losses(tmp_path / "resumed")
+    assert sorted(got) == [3, 4] and all(got[step] == expected[step] for step in got), (got, expected)
 
 
 def test_a_dspark_checkpoint_does_not_start_a_run_with_other_heads(make_cfg, tmp_path):
