@@ -306,7 +306,9 @@ def test_a_batch_without_supervised_positions_gives_zero_loss_and_zero_gradients
         weights=WEIGHTS, logits_chunk=logits_chunk,
     )  # fmt: skip
     stats.weighted_ce.backward()
-    assert float(stats.weighted_ce.detach()) == 0.0 and float(stats.weight) == 0.0 and float(stats.blocks) == 0.0
+    assert (
+        float(stats.weighted_ce.detach()) == 0.0 and float(stats.weight) == 0.0 and float(stats.blocks) == 0.0
+    )
     assert torch.equal(hidden.grad, torch.zeros_like(hidden))
 
 

@@ -116,4 +116,3 @@ class DSparkVariant(DFlashVariant):
             logits_chunk=logits_chunk,
             compiled=compiled,
         )
-
