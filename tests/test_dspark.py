@@ -416,7 +416,11 @@ def test_a_dspark_checkpoint_does_not_start_a_run_with_other_heads(make_cfg, tmp
     [
         (["variant.markov_rank=0"], "variant.confidence_with_markov=true needs a Markov head"),
         (["noise=mask_ramp"], "noise=mask_ramp is DFlash's"),
-        (["variant.confidence_head=false"], "variant.confidence_weight > 0 needs"),
+        (
+            ["variant.confidence_head=false"],
+            "variant.confidence_head=false needs variant.confidence_weight = 0",
+        ),
+        (["variant.confidence_weight=0"], "variant.confidence_head=true needs variant.confidence_weight > 0"),
         (["variant.markov_head_class=nowhere.Head"], "variant.markov_head_class"),
     ],
 )
