@@ -296,6 +296,23 @@ def test_fused_chunked_loss_equals_the_reference_path(head_type, chunk):
         torch.testing.assert_close(fused_grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow
+def test_the_compiled_chunk_gives_the_eager_chunks_loss_and_gradients():
+    """drafter.compile's per-chunk kernel (torch.compile of the chunk's softmax, terms and
+    gradient: the CUDA default) against the eager chunk it replaces."""
+    results = []
+    for compiled in (False, True):
+        target, drafter, blocks, hidden, final = loss_inputs("gated")
+        stats = dspark_loss(
+            hidden, lm_head=target.lm_head, drafter=drafter, blocks=blocks, final_BSH=final,
+            weights=WEIGHTS, logits_chunk=3, compiled=compiled,
+        )  # fmt: skip
+        stats.weighted_ce.backward()
+        results.append((stats.weighted_ce.detach(), hidden.grad, drafter.markov_head.markov_w2.weight.grad))
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("logits_chunk", [0, 3])
 def test_a_batch_without_supervised_positions_gives_zero_loss_and_zero_gradients(logits_chunk):
     target, drafter, _, _, final = loss_inputs()
