@@ -296,6 +296,39 @@ def test_fused_chunked_loss_equals_the_reference_path(head_type, chunk):
         torch.testing.assert_close(fused_grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.slow
+def test_the_compiled_chunk_gives_the_eager_chunks_loss_and_gradients():
+    """drafter.compile's per-chunk kernel (torch.compile of the chunk's softmax, terms and
+    gradient: the CUDA default) against the eager chunk it replaces."""
+    results = []
+    for compiled in (False, True):
+        target, drafter, blocks, hidden, final = loss_inputs("gated")
+        stats = dspark_loss(
+            hidden, lm_head=target.lm_head, drafter=drafter, blocks=blocks, final_BSH=final,
+            weights=WEIGHTS, logits_chunk=3, compiled=compiled,
+        )  # fmt: skip
+        stats.weighted_ce.backward()
+        results.append((stats.weighted_ce.detach(), hidden.grad, drafter.markov_head.markov_w2.weight.grad))
+    for eager, compiled in zip(*results):
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("logits_chunk", [0, 3])
+def test_a_batch_without_supervised_positions_gives_zero_loss_and_zero_gradients(logits_chunk):
+    target, drafter, _, _, final = loss_inputs()
+    blocks = dspark_blocks(torch.randint(0, 500, (2, 14)), torch.zeros(2, 14), num_anchors=3)
+    hidden = torch.randn(2, blocks.labels.shape[1], 64, requires_grad=True)
+    stats = dspark_loss(
+        hidden, lm_head=target.lm_head, drafter=drafter, blocks=blocks, final_BSH=final,
+        weights=WEIGHTS, logits_chunk=logits_chunk,
+    )  # fmt: skip
+    stats.weighted_ce.backward()
+    assert (
+        float(stats.weighted_ce.detach()) == 0.0 and float(stats.weight) == 0.0 and float(stats.blocks) == 0.0
+    )
+    assert torch.equal(hidden.grad, torch.zeros_like(hidden))
+
+
 # -- the target's final state -------------------------------------------------------------------
 
 
@@ -365,12 +398,21 @@ def test_a_dflash_checkpoint_warm_starts_dspark_and_a_dspark_checkpoint_resumes(
         "confidence_head.proj.weight",
         "confidence_head.proj.bias",
     }
-    first = train(make_cfg(DSPARK + ["train.total_steps=4", "debug.max_steps=2"], tmp_path / "dspark"))
-    step_2 = Path(first["checkpoint"]).resolve()  # `last` moves on with the resumed run
-    resumed = train(make_cfg(DSPARK + ["train.total_steps=4", f"resume={step_2}"], tmp_path / "dspark"))
-    assert resumed["steps"] == 4
-    saved, trained_on = load_drafter(step_2), load_drafter(Path(resumed["checkpoint"]))
-    assert not torch.equal(trained_on.markov_head.markov_w1.weight, saved.markov_head.markov_w1.weight)
+    # Resumed mid-run (heads and their optimizer state included), the losses are the
+    # uninterrupted run's, bitwise on CPU.
+    every = ["train.total_steps=4", "logger.every_steps=1", "checkpoint.every_steps=2"]
+    full = make_cfg(DSPARK + every, tmp_path / "full")
+    train(full)
+    step_2 = Path(full.paths.output_dir) / "checkpoints" / "step_0000002"
+    resumed = make_cfg(DSPARK + every + [f"resume={step_2}"], tmp_path / "resumed")
+    train(resumed)
+
+    def losses(run_dir: Path) -> dict[int, float]:
+        rows = map(json.loads, (run_dir / "metrics.jsonl").read_text().splitlines())
+        return {row["step"]: row["train/loss"] for row in rows if "train/loss" in row}
+
+    expected, got = losses(Path(full.paths.output_dir)), losses(tmp_path / "resumed")
+    assert sorted(got) == [3, 4] and all(got[step] == expected[step] for step in got), (got, expected)
 
 
 def test_a_dspark_checkpoint_does_not_start_a_run_with_other_heads(make_cfg, tmp_path):
@@ -391,7 +433,11 @@ def test_a_dspark_checkpoint_does_not_start_a_run_with_other_heads(make_cfg, tmp
     [
         (["variant.markov_rank=0"], "variant.confidence_with_markov=true needs a Markov head"),
         (["noise=mask_ramp"], "noise=mask_ramp is DFlash's"),
-        (["variant.confidence_head=false"], "variant.confidence_weight > 0 needs"),
+        (
+            ["variant.confidence_head=false"],
+            "variant.confidence_head=false needs variant.confidence_weight = 0",
+        ),
+        (["variant.confidence_weight=0"], "variant.confidence_head=true needs variant.confidence_weight > 0"),
         (["variant.markov_head_class=nowhere.Head"], "variant.markov_head_class"),
     ],
 )
@@ -427,3 +473,38 @@ def test_a_variant_sweep_runs_both_and_diff_shows_the_choice(tmp_path, data_cach
     assert "variant.markov_rank: added (256)" in text
     metrics = text.split("metrics:")[1]
     assert "train/tau_prob" in metrics and "train/l1" in metrics
+
+
+def test_the_documented_markov_head_of_ones_own_trains_and_reloads(make_cfg, tmp_path, monkeypatch):
+    """docs/extending.md's ScaledMarkovHead by `variant.markov_head_class` alone: trained (its
+    gain moves), written into config.json and rebuilt from the checkpoint."""
+    from tests.test_extending import doc_example
+
+    (tmp_path / "my_heads.py").write_text(doc_example("ScaledMarkovHead"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    cfg = make_cfg(DSPARK + ["variant.markov_head_class=my_heads.ScaledMarkovHead", "train.total_steps=2"])
+    summary = train(cfg)
+    drafter = load_drafter(Path(summary["checkpoint"]))
+    assert type(drafter.markov_head).__name__ == "ScaledMarkovHead"
+    assert drafter.config.markov_head_type == "my_heads.ScaledMarkovHead"
+    assert drafter.markov_head.gain.abs().sum() > 0  # trained from zeros
+
+
+@pytest.mark.slow
+def test_the_asynchronous_pipeline_carries_the_final_state_as_the_sync_reference_does(make_cfg, tmp_path):
+    """The target worker's features (final state included) cross the hidden-state queue and the
+    drafter loop's copy: the same DSpark losses as the one-thread reference."""
+    rows = {}
+    for pipeline in ("sync", "async"):
+        cfg = make_cfg(
+            DSPARK + [f"pipeline={pipeline}", "train.total_steps=4", "logger.every_steps=2"],
+            tmp_path / pipeline,
+        )
+        train(cfg)
+        lines = (Path(cfg.paths.output_dir) / "metrics.jsonl").read_text().splitlines()
+        rows[pipeline] = [
+            {k: row[k] for k in ("train/loss", "train/l1", "train/confidence_loss", "train/tau_prob")}
+            for row in map(json.loads, lines)
+            if "train/loss" in row
+        ]
+    assert rows["sync"] and rows["sync"] == rows["async"]

@@ -355,3 +355,15 @@ def test_a_dspark_runs_checkpoints_keep_the_contract_and_deepspecs_own_starts_a_
         assert started.keys() == trained.state_dict().keys()
         for name, tensor in trained.state_dict().items():
             assert torch.equal(started[name], tensor.to(dtype).float()), (layout, name)
+
+
+def test_a_head_class_of_ones_own_passes_the_check_and_is_noted_as_dflash_only(tmp_path):
+    problems = edited_export(
+        tmp_path,
+        config_edit=lambda c: c.update(markov_head_type="my_heads.ScaledMarkovHead"),
+        weights_edit=lambda w: {**w, "markov_head.scale": torch.ones(1)},  # its own tensors
+    )
+    assert problems == []
+    assert any(
+        "a head class of your own; dflash reads it, no engine builds it" in n for n in reader_limits(tmp_path)
+    )

@@ -191,13 +191,13 @@ def test_a_nan_loss_skips_its_update_and_stops_the_run_with_good_checkpoints(mak
 
     from dflash.monitor.train_metrics import NonFiniteTraining
     from dflash.run.launch import build_run
-    from dflash.step import step as step_module
+    from dflash.step import variant as variant_module  # DFlashVariant.block_loss calls draft_loss
 
     cfg = make_cfg(
         [f"pipeline={pipeline}", "train.total_steps=40", "checkpoint.every_steps=4", "logger.every_steps=1"]
     )
     run = build_run(cfg)
-    real_loss, calls = step_module.draft_loss, []
+    real_loss, calls = variant_module.draft_loss, []
 
     def nan_at_sixth_step(*args, **kwargs):
         stats = real_loss(*args, **kwargs)
@@ -206,7 +206,7 @@ def test_a_nan_loss_skips_its_update_and_stops_the_run_with_good_checkpoints(mak
             stats.weighted_ce = stats.weighted_ce * float("nan")
         return stats
 
-    monkeypatch.setattr(step_module, "draft_loss", nan_at_sixth_step)
+    monkeypatch.setattr(variant_module, "draft_loss", nan_at_sixth_step)
     with pytest.raises(NonFiniteTraining, match="1 step\\(s\\) of the log window ending at step 6"):
         run.execute()
     drafter, optimizer = run.trainer.drafter, run.trainer.step_fn.optimizer

@@ -305,6 +305,7 @@ class DSparkVariantConfig(VariantConfig):
     # Import path of a head class of your own (dflash.models.dspark.MarkovHead's interface, built
     # with vocab_size=, markov_rank=, hidden_size=); overrides markov_head_type. null: the built-in.
     markov_head_class: Optional[str] = None
+    # The confidence head (built iff confidence_weight > 0, as the reference does).
     confidence_head: bool = True
     # The confidence head also reads the previous token's Markov embedding [h_k; W1[x_{k-1}]].
     confidence_with_markov: bool = True

@@ -216,7 +216,8 @@ def weight_problems(
     path: Path, config: dict[str, Any], optional: dict[str, tuple[int, ...]] | None = None
 ) -> list[str]:
     """Names, shapes and dtypes of model.safetensors against the config; `optional`: tensors a
-    layout may also hold (the speculators layout's bundled embedding and LM head)."""
+    layout may also hold (the speculators layout's bundled embedding and LM head). A DSpark
+    drafter's head of the user's own: its `markov_head.*` tensors are its own (dtype rules only)."""
     try:
         with safe_open(str(path), "pt") as handle:
             found = {name: handle.get_slice(name) for name in handle.keys()}
@@ -227,6 +228,8 @@ def weight_problems(
     required = expected_tensors(config)
     problems = [f"{path}: tensor {name} is missing" for name in required if name not in shapes]
     expected = {**required, **{name: shape for name, shape in (optional or {}).items() if name in shapes}}
+    if deepspec.is_dspark(config) and deepspec.own_head(config):
+        expected.update({name: shape for name, shape in shapes.items() if name.startswith("markov_head.")})
     for name in sorted(set(shapes) - set(expected)):
         problems.append(
             f"{path}: unexpected tensor {name} (SGLang would skip it silently, vLLM would refuse it)"

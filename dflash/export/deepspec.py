@@ -48,10 +48,10 @@ def head_problems(config: dict[str, Any]) -> list[str]:
     if not isinstance(rank, int) or isinstance(rank, bool) or rank < 0:
         return [f"markov_rank is {rank!r}: an integer >= 0 is needed"]
     head_type = config.get("markov_head_type")
-    if rank > 0 and head_type not in MARKOV_HEAD_TYPES:
+    if rank > 0 and (not isinstance(head_type, str) or not head_type):
         problems.append(
-            f"markov_head_type is {head_type!r}: the readers build {', '.join(MARKOV_HEAD_TYPES)} "
-            "(SGLang refuses a Markov head without it)"
+            f"markov_head_type is {head_type!r}: {', '.join(MARKOV_HEAD_TYPES)} (or the import path of a "
+            "head class of your own) is needed; SGLang refuses a Markov head without it"
         )
     enabled = config.get("enable_confidence_head")
     if not isinstance(enabled, bool):
@@ -113,13 +113,20 @@ def to_deepspec(zlab: dict[str, Any]) -> dict[str, Any]:
     return config
 
 
+def own_head(config: dict[str, Any]) -> bool:
+    """A Markov head class of the user's own (`markov_head_type` an import path): dflash builds
+    it, no engine does, and which tensors it holds is its own business."""
+    return config.get("markov_rank", 0) > 0 and config.get("markov_head_type") not in MARKOV_HEAD_TYPES
+
+
 def head_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape of the heads a DSpark config describes (the reference's modules:
     markov_w1 = Embedding(V, r), markov_w2 = Linear(r, V, bias=False), gate_proj = Linear(H + r, r),
-    joint_proj = Linear(2r + H, 3r), confidence proj = Linear(H (+ r), 1))."""
+    joint_proj = Linear(2r + H, 3r), confidence proj = Linear(H (+ r), 1)); a head of the user's
+    own is left out (`own_head`)."""
     vocab, hidden, rank = config["vocab_size"], config["hidden_size"], config["markov_rank"]
     shapes: dict[str, tuple[int, ...]] = {}
-    if rank > 0:
+    if rank > 0 and not own_head(config):
         shapes["markov_head.markov_w1.weight"] = (vocab, rank)
         shapes["markov_head.markov_w2.weight"] = (vocab, rank)
         if config.get("markov_head_type") == "gated":
@@ -144,6 +151,10 @@ def reader_limits(config: dict[str, Any]) -> list[str]:
         limits.append(
             "markov_rank 0: SGLang and llama.cpp refuse a DSpark drafter without a Markov head (vLLM "
             "builds its head from markov_rank whatever it is; a rank of 0 there is untried)"
+        )
+    elif own_head(config):
+        limits.append(
+            f"markov_head_type {head_type}: a head class of your own; dflash reads it, no engine builds it"
         )
     elif head_type != "vanilla":
         limits.append(

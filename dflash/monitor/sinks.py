@@ -94,6 +94,9 @@ class ConsoleSink(ProgressSink):
         "train/acc",
         "train/tau_sim",
         "train/tau_decode",
+        "train/tau_prob",  # variant=dspark (absent otherwise, so not printed)
+        "train/l1",
+        "train/confidence_abs_error",
         "train/grad_norm",
         "train/lr",
         "perf/tokens_per_s",

@@ -251,8 +251,14 @@ def _validate_variant(cfg: Any) -> None:
     for key in ("ce_weight", "tv_weight", "confidence_weight"):
         if getattr(variant, key) < 0:
             raise ValueError(f"variant.{key}={getattr(variant, key)}: must be >= 0")
-    if variant.confidence_weight > 0 and not variant.confidence_head:
-        raise ValueError("variant.confidence_weight > 0 needs variant.confidence_head=true (or set it to 0)")
+    if variant.confidence_head != (variant.confidence_weight > 0):
+        # The reference builds the head exactly when its loss weight is positive: a head with no
+        # loss would be exported untrained, a weight without a head would train nothing.
+        raise ValueError(
+            f"variant.confidence_head={str(variant.confidence_head).lower()} needs "
+            f"variant.confidence_weight {'> 0' if variant.confidence_head else '= 0'} "
+            f"(got {variant.confidence_weight})"
+        )
     if variant.markov_head_class:
         try:
             markov_head_class(variant.markov_head_class)

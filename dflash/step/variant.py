@@ -116,21 +116,3 @@ class DSparkVariant(DFlashVariant):
             logits_chunk=logits_chunk,
             compiled=compiled,
         )
-
-
-def variant_of_drafter(drafter: DFlashDrafter) -> DFlashVariant:
-    """The variant a built drafter belongs to (a loaded checkpoint's, for tools): its heads as
-    its config describes them; the loss weights are the reference's defaults."""
-    if not isinstance(drafter, DSparkDrafter):
-        return DFlashVariant()
-    config = drafter.config
-    head_type = config.markov_head_type
-    built_in = head_type in {kind.value for kind in MarkovHeadType}
-    return DSparkVariant(
-        markov_rank=drafter.markov_rank,
-        markov_head_type=head_type if built_in else MarkovHeadType.vanilla,
-        markov_head_class=None if built_in else head_type,
-        confidence_head=drafter.confidence_head is not None,
-        confidence_with_markov=drafter.confidence_with_markov,
-        confidence_weight=1.0 if drafter.confidence_head is not None else 0.0,
-    )
