@@ -322,3 +322,41 @@ def test_a_run_record_that_cannot_be_written_goes_to_stderr_and_leaves_no_tempor
         and "Traceback" in err
     )
     assert list(tmp_path.iterdir()) == []
+
+
+def finished_run(run_dir: Path) -> dict[str, str]:
+    """A finished run's files as they lie on disk: its record, its Hydra config, its metrics."""
+    files = {
+        "run.json": json.dumps({"status": "COMPLETED"}),
+        ".hydra/config.yaml": "seed: 0\n",
+        ".hydra/overrides.yaml": "- seed=0\n",
+        "train.log": "first run\n",
+        "metrics.jsonl": '{"step": 1}\n',
+        "summary.json": '{"steps": 1}',
+    }
+    for name, text in files.items():
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_text(text)
+    return files
+
+
+def test_a_refused_run_leaves_the_finished_run_it_refused_untouched(tmp_path):
+    """Refused before Hydra writes `.hydra/` or train.log, and before any record: run.json stays
+    the first run's COMPLETED one (a resume of that run is still offered)."""
+    run_dir = tmp_path / "run"
+    files = finished_run(run_dir)
+    second = run_tool([sys.executable, "-m", "dflash.train", "seed=5", f"hydra.run.dir={run_dir}"])
+    assert second.returncode == 2 and second.stderr.count("\n") == 1, second.stderr
+    assert f"hydra.run.dir={run_dir} holds an earlier run (summary.json, metrics.jsonl)" in second.stderr
+    assert {name: (run_dir / name).read_text() for name in files} == files
+    assert not (run_dir / "config_resolved.yaml").exists()
+
+
+def test_a_sweep_into_a_finished_sweeps_dir_is_refused_before_it_writes(tmp_path):
+    (tmp_path / "multirun.yaml").write_text("first sweep\n")
+    job = tmp_path / "0"
+    files = finished_run(job)
+    sweep = run_tool([sys.executable, "-m", "dflash.train", "-m", "seed=1,2", f"hydra.sweep.dir={tmp_path}"])
+    assert sweep.returncode == 2 and f"hydra.sweep.dir={tmp_path} holds an earlier sweep" in sweep.stderr
+    assert (tmp_path / "multirun.yaml").read_text() == "first sweep\n"
+    assert {name: (job / name).read_text() for name in files} == files

@@ -32,6 +32,7 @@ from dflash.models.identity import target_identity
 from dflash.models.target import load_target_config
 from dflash.run.checks import resolve_layer_ids, validate
 from dflash.run.inputs import eval_prompt_sets, local_target_config
+from dflash.run.ownership import refuse_earlier_run
 from dflash.run.resume import check_resume_matches
 from dflash.step.build import STEP_KEYS
 
@@ -117,26 +118,6 @@ def checked_drafter_dir(
     return directory
 
 
-# What a run leaves in paths.output_dir once it has trained a step.
-EARLIER_RUN_FILES = ("summary.json", "metrics.jsonl")
-
-
-def refuse_earlier_run(run_dir: Path) -> None:
-    """A fresh run into a directory that holds another run's results would append its rows to
-    that run's metrics (the same steps twice) and replace its summary: refused, saying how to
-    continue that run or start elsewhere."""
-    found = [
-        name for name in EARLIER_RUN_FILES if (run_dir / name).is_file() and (run_dir / name).stat().st_size
-    ]
-    if found:
-        last = run_dir / "checkpoints" / "last"
-        resume = f"resume={last}" if last.exists() else "resume=<one of its checkpoints>"
-        raise ValueError(
-            f"paths.output_dir={run_dir} holds an earlier run ({', '.join(found)}): {resume} continues "
-            "that run; to start a new one, give it another directory (paths.output_dir or hydra.run.dir)"
-        )
-
-
 def check_before_loading(composed: DictConfig) -> Checked:
     """Phase 1: everything checkable without weights; writes config_resolved.yaml. The composed
     config is converted to its typed form here, once; every later phase reads `Checked.config`."""
@@ -172,8 +153,7 @@ def check_before_loading(composed: DictConfig) -> Checked:
     process_group = init_from_env(drafter_devices[0])
     require_same_layout(process_group, target_devices, drafter_devices)
     run_dir = Path(cfg.paths.output_dir)
-    if resume_dir is None:
-        refuse_earlier_run(run_dir)
+    refuse_earlier_run(run_dir, resume=cfg.resume)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config_resolved.yaml").write_text(run_config_yaml)
     return Checked(

@@ -34,6 +34,7 @@ from omegaconf import DictConfig, OmegaConf
 from dflash.errors import exit_for_user_error, full_errors_requested
 from dflash.models.feature_check import REPORT_FILE as FEATURE_CHECK_FILE
 from dflash.run.lock import RunDirInUse, RunDirLock, holds_run_dir_lock, launch_rank
+from dflash.run.ownership import refuse_earlier_run, refuse_earlier_sweep
 from dflash.trainer.signals import StopRequested
 
 LIBRARIES = ("dflash", "torch", "transformers", "hydra-core", "omegaconf", "safetensors", "wandb", "numpy")
@@ -141,19 +142,34 @@ class RunRecordCallback(Callback):
                 f"cannot write the run dir {directory} ({exc.strerror}); set hydra.run.dir to a writable place",
             )
 
+    def _refuse_owned_dir(self, check) -> None:
+        """A directory that holds another run (or sweep) is refused before Hydra writes its
+        `.hydra/` and train.log there, and before any record: the refusal leaves it untouched."""
+        if not holds_run_dir_lock():
+            return
+        try:
+            check()
+        except ValueError as exc:
+            self._unlock()
+            exit_for_user_error(tool_name(), str(exc))
+
     def _unlock(self) -> None:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        self._lock_dir(config.hydra.run.dir)
+        run_dir = config.hydra.run.dir
+        self._lock_dir(run_dir)
+        resume = OmegaConf.select(config, "resume", default=None)
+        self._refuse_owned_dir(lambda: refuse_earlier_run(Path(run_dir), resume=resume, key="hydra.run.dir"))
 
     def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
         self._unlock()
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         self._lock_dir(config.hydra.sweep.dir)
+        self._refuse_owned_dir(lambda: refuse_earlier_sweep(Path(config.hydra.sweep.dir)))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
         self._unlock()
