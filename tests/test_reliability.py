@@ -360,3 +360,54 @@ def test_a_sweep_into_a_finished_sweeps_dir_is_refused_before_it_writes(tmp_path
     assert sweep.returncode == 2 and f"hydra.sweep.dir={tmp_path} holds an earlier sweep" in sweep.stderr
     assert (tmp_path / "multirun.yaml").read_text() == "first sweep\n"
     assert {name: (job / name).read_text() for name in files} == files
+
+
+@pytest.mark.parametrize("fault", ["sigterm", "full_disk"])
+def test_an_interrupted_or_failed_convert_leaves_no_destination(tmp_path, capsys, monkeypatch, fault):
+    """convert writes beside the destination and renames: SIGTERM or a full disk between the
+    config and the weights leaves neither a half directory nor a temporary (a rerun is not
+    refused as "not empty")."""
+    import errno
+
+    from dflash.export import zlab
+    from tests.test_speculators import export_cli, tiny_drafter
+
+    zlab.export_drafter(tiny_drafter(), tmp_path / "source")
+    real_save = zlab.save_file
+
+    def fail_after_the_config(state, filename, **kwargs):
+        assert Path(filename).with_name("config.json").is_file()
+        if fault == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)
+        real_save(state, filename, **kwargs)  # a part of the weights lands first
+        raise OSError(errno.ENOSPC, "No space left on device", filename)
+
+    monkeypatch.setattr(zlab, "save_file", fail_after_the_config)
+    code, err = export_cli(
+        capsys, "convert", str(tmp_path / "source"), str(tmp_path / "dst"), "--layout", "zlab"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]
+    if fault == "sigterm":
+        assert code == 128 + signal.SIGTERM
+    else:
+        assert code == 2 and err == (
+            f"dflash-export: error: {tmp_path / 'dst'}: writing model.safetensors failed "
+            "(No space left on device); nothing was left there\n"
+        )
+    monkeypatch.setattr(zlab, "save_file", real_save)
+    code, err = export_cli(
+        capsys, "convert", str(tmp_path / "source"), str(tmp_path / "dst"), "--layout", "zlab"
+    )
+    assert code == 0, err
+
+
+def test_convert_into_an_unwritable_place_is_one_line_naming_it(tmp_path, capsys):
+    from dflash.export.zlab import export_drafter
+    from tests.test_speculators import export_cli, tiny_drafter
+
+    export_drafter(tiny_drafter(), tmp_path / "source")
+    code, err = export_cli(
+        capsys, "convert", str(tmp_path / "source"), "/proc/dflash-test/dst", "--layout", "zlab"
+    )
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith("dflash-export: error: /proc/dflash-test/dst: cannot write there (")

@@ -24,11 +24,18 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import signal
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import yaml
+from safetensors import SafetensorError
 
 from dflash.errors import USER_ERROR_EXIT, exit_for_user_error
 from dflash.export.contract import check_export
@@ -71,34 +78,78 @@ def verifier_of(source: Path, target: Path | None, name: str | None) -> dict[str
 
 
 def report(directory: Path, target: dict[str, Any] | None) -> None:
-    problems = check_export(directory, target=target)
-    for problem in problems:
-        print(f"{TOOL}: {problem}", file=sys.stderr)
-    if problems:
-        raise SystemExit(USER_ERROR_EXIT)
+    fail_on_problems(check_export(directory, target=target))
     print(f"ok: {directory} keeps the export contract (docs/EXPORT.md)")
 
 
+def fail_on_problems(problems: list[str], shown_as: tuple[Path, Path] | None = None) -> None:
+    """Each problem on its own line (a staged directory named by its destination), exit 2."""
+    for problem in problems:
+        if shown_as is not None:
+            problem = problem.replace(str(shown_as[0]), str(shown_as[1]))
+        print(f"{TOOL}: {problem}", file=sys.stderr)
+    if problems:
+        raise SystemExit(USER_ERROR_EXIT)
+
+
+@contextmanager
+def staged(destination: Path) -> Iterator[Path]:
+    """A temporary directory beside `destination`, renamed onto it once the body succeeds: a
+    convert interrupted (SIGTERM, Ctrl-C, a full disk) leaves no destination, never a config
+    without weights. SIGTERM is turned into SystemExit here so the temporary is removed too."""
+    try:
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{destination.name}.tmp-", dir=destination.parent))
+    except OSError as exc:
+        exit_for_user_error(TOOL, f"{destination}: cannot write there ({exc.strerror or exc})")
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield tmp
+        if destination.exists():
+            destination.rmdir()  # empty (checked before the write)
+        os.replace(tmp, destination)
+    except (OSError, SafetensorError) as exc:
+        filename = getattr(exc, "filename", None)
+        exit_for_user_error(
+            TOOL,
+            f"{destination}: writing {Path(filename).name if filename else 'it'} failed "
+            f"({getattr(exc, 'strerror', None) or exc}); nothing was left there",
+        )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        signal.signal(signal.SIGTERM, previous)
+
+
 def convert(args: argparse.Namespace, target: dict[str, Any] | None) -> None:
-    if args.destination.exists() and any(args.destination.iterdir()):
+    if args.destination.exists() and (not args.destination.is_dir() or any(args.destination.iterdir())):
         exit_for_user_error(TOOL, f"{args.destination}: not empty; convert writes a new directory")
     try:
         drafter = load_drafter(args.source)
-        if args.layout == "zlab":
-            if getattr(drafter.config, "num_target_layers", None) is None:
-                # The speculators layout records no target depth; SGLang resolves layer ids by it.
-                if target is None:
-                    exit_for_user_error(
-                        TOOL, f"{args.source} records no target depth (num_target_layers): give --target DIR"
-                    )
-                drafter.config.num_target_layers = target["num_hidden_layers"]
-            export_drafter(drafter, args.destination)
-        else:
-            verifier = verifier_of(args.source, args.target, args.verifier)
-            export_speculators(drafter, args.destination, verifier=verifier, target_dir=args.target)
     except ValueError as exc:
         exit_for_user_error(TOOL, str(exc))
-    report(args.destination, target)
+    if args.layout == "zlab" and getattr(drafter.config, "num_target_layers", None) is None:
+        # The speculators layout records no target depth; SGLang resolves layer ids by it.
+        if target is None:
+            exit_for_user_error(
+                TOOL, f"{args.source} records no target depth (num_target_layers): give --target DIR"
+            )
+        drafter.config.num_target_layers = target["num_hidden_layers"]
+    verifier = verifier_of(args.source, args.target, args.verifier) if args.layout == "speculators" else None
+    with staged(args.destination) as tmp:
+        try:
+            if args.layout == "zlab":
+                export_drafter(drafter, tmp)
+            else:
+                export_speculators(drafter, tmp, verifier=verifier, target_dir=args.target)
+        except ValueError as exc:
+            exit_for_user_error(TOOL, str(exc))
+        # Checked before it is renamed into place: a destination that exists keeps the contract.
+        fail_on_problems(check_export(tmp, target=target), shown_as=(tmp, args.destination))
+    print(f"ok: {args.destination} keeps the export contract (docs/EXPORT.md)")
 
 
 def main(argv: list[str] | None = None) -> None:
