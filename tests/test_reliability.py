@@ -411,3 +411,25 @@ def test_convert_into_an_unwritable_place_is_one_line_naming_it(tmp_path, capsys
     )
     assert code == 2 and err.count("\n") == 1
     assert err.startswith("dflash-export: error: /proc/dflash-test/dst: cannot write there (")
+
+
+def test_signals_in_quick_succession_never_break_off_the_checkpoint_or_the_record(tmp_path, data_cache):
+    """Ctrl-C, then Ctrl-C and SIGTERM every 50 ms until it exits (an impatient user, a
+    scheduler): the first stops the run; the others land in the checkpoint or the record
+    writing and are only noted. The run exits 128 + the first signal with its record written."""
+    run_dir = tmp_path / "run"
+    args = FAST + [f"paths.cache_dir={data_cache}", f"hydra.run.dir={run_dir}", "train.total_steps=400"]
+    proc = cli(args + ["logger.every_steps=1"])
+    wait_for_lines(run_dir / "metrics.jsonl", 3, proc)
+    proc.send_signal(signal.SIGINT)
+    for repeat in range(200):  # until it has exited: every stage of the wind-down gets some
+        time.sleep(0.05)
+        if proc.poll() is not None:
+            break
+        proc.send_signal(signal.SIGTERM if repeat % 2 else signal.SIGINT)
+    _, error = proc.communicate(timeout=CLI_TIMEOUT_S)
+    assert proc.returncode == 128 + signal.SIGINT, error[-3000:]
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "INTERRUPTED" and record["signal"] == "SIGINT"
+    state = torch.load(run_dir / "checkpoints" / "last" / "trainer_state.pt", weights_only=True)
+    assert 3 <= state["position"]["step"] < 400

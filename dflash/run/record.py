@@ -35,7 +35,14 @@ from dflash.errors import exit_for_user_error, full_errors_requested
 from dflash.models.feature_check import REPORT_FILE as FEATURE_CHECK_FILE
 from dflash.run.lock import RunDirInUse, RunDirLock, holds_run_dir_lock, launch_rank
 from dflash.run.ownership import refuse_earlier_run, refuse_earlier_sweep
-from dflash.trainer.signals import StopRequested
+from dflash.trainer.signals import (
+    StopRequested,
+    begin_shutdown,
+    ignore_signals_until_exit,
+    install_job_signals,
+    late_signal,
+    restore_job_signals,
+)
 
 LIBRARIES = ("dflash", "torch", "transformers", "hydra-core", "omegaconf", "safetensors", "wandb", "numpy")
 
@@ -125,6 +132,7 @@ class RunRecordCallback(Callback):
         self._threads_at_start: dict[str, list[str]] = {}
         self._lock: RunDirLock | None = None
         self._output_locks: dict[str, RunDirLock] = {}  # job dir -> the lock on its paths.output_dir
+        self._signal_handlers: dict = {}  # the SIGINT / SIGTERM handlers before the job
 
     # The lock is taken before Hydra writes .hydra/ into the dir, and held until the run or
     # sweep ends (or the process dies). Hydra turns a callback's exception into a warning and
@@ -203,8 +211,10 @@ class RunRecordCallback(Callback):
         self._lock_output_dir(str(Path(output_dir)), config)
         self._started[output_dir] = time.time()
         self._threads_at_start[output_dir] = dflash_threads()
+        self._signal_handlers = install_job_signals()
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        begin_shutdown()  # a Ctrl-C now is noted, not raised: the record is written whole
         hydra_cfg = HydraConfig.get()
         output_dir = Path(hydra_cfg.runtime.output_dir)
         failed = job_return.status == JobStatus.FAILED
@@ -233,11 +243,14 @@ class RunRecordCallback(Callback):
         filename = self.filename if rank == 0 else self.filename.replace(".json", f".rank{rank}.json")
         write_record(output_dir / filename, record)
         self._release_output_dir(str(output_dir))
-        if stopped:
+        signum = error.signum if stopped else late_signal()
+        if signum is not None:
             # A signalled job ends the process (a sweep too) with 128 + signal, as schedulers
             # expect; raised here, after the record, since Hydra would report it as a failure.
             self._unlock()
-            raise SystemExit(128 + error.signum)
+            ignore_signals_until_exit()
+            raise SystemExit(128 + signum)
+        restore_job_signals(self._signal_handlers)
         if failed and is_user_error(error) and hydra_cfg.mode == RunMode.RUN:
             # One line instead of Hydra's traceback; the traceback stays in the record. (A sweep
             # records the failed job and goes on.) HYDRA_FULL_ERROR=1 adds the traceback to
