@@ -433,3 +433,34 @@ def test_signals_in_quick_succession_never_break_off_the_checkpoint_or_the_recor
     assert record["status"] == "INTERRUPTED" and record["signal"] == "SIGINT"
     state = torch.load(run_dir / "checkpoints" / "last" / "trainer_state.pt", weights_only=True)
     assert 3 <= state["position"]["step"] < 400
+
+
+def copy_with_config(source: Path, destination: Path, **changes) -> Path:
+    """`source`'s checkpoint with its config.json edited (None removes a key); weights linked."""
+    destination.mkdir()
+    for file in source.iterdir():
+        if file.name != "config.json":
+            (destination / file.name).symlink_to(file)
+    config = json.loads((source / "config.json").read_text())
+    config.update(changes)
+    (destination / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    return destination
+
+
+def test_an_image_text_config_without_text_config_is_refused_before_loading(tmp_path, tiny_qwen3_5_dir):
+    """transformers would build its default 9B language model (22 GB) and be killed for memory."""
+    from dflash.config.schema import TargetConfig
+    from dflash.models.target import load_target_config
+
+    directory = copy_with_config(tiny_qwen3_5_dir, tmp_path / "no_text_config", text_config=None)
+    with pytest.raises(ValueError, match=r"config.json \(model_type 'qwen3_5'\) has no text_config"):
+        load_target_config(TargetConfig(name="hf", path=str(directory)))
+
+
+def test_a_config_describing_more_than_the_weights_hold_is_refused_before_loading(tmp_path, tiny_qwen3_dir):
+    from dflash.config.schema import TargetConfig
+    from dflash.models.target import FrozenTarget
+
+    directory = copy_with_config(tiny_qwen3_dir, tmp_path / "wider", intermediate_size=8192)
+    with pytest.raises(ValueError, match=r"describes a language model of [\d.]+M parameters, but its weight"):
+        FrozenTarget.from_config(TargetConfig(name="hf", path=str(directory)), [1, 3], torch.device("cpu"))

@@ -22,6 +22,7 @@ except ImportError:
 from dflash.config.schema import TargetConfig
 from dflash.models.compile import compile_shared
 from dflash.models.families import IMAGE_TEXT_TYPES, model_types_of, refuse_unsupported, text_config
+from dflash.models.size import refuse_missing_text_config, refuse_size_mismatch
 
 
 def causal_attention(module, query, key, value, attention_mask, **kwargs):
@@ -66,6 +67,7 @@ def load_target_config(cfg: TargetConfig) -> PretrainedConfig:
         raise ValueError(
             f"target.path={cfg.path!r}: cannot read a transformers config there ({exc})"
         ) from exc
+    refuse_missing_text_config(cfg.path)
     refuse_unsupported(config.model_type, f"target.path={cfg.path!r}")
     if cfg.model_type is not None and cfg.model_type not in model_types_of(config):
         raise ValueError(
@@ -258,7 +260,8 @@ class FrozenTarget(nn.Module):
                 torch.manual_seed(cfg.init_seed)
                 model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         else:
-            load_target_config(cfg)  # refuses a wrong architecture before reading weights
+            # refuses a wrong architecture, or a config larger than the weights, before reading them
+            refuse_size_mismatch(cfg.path, load_target_config(cfg))
             model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=dtype)
         return cls(model.to(device), layer_ids)
 
