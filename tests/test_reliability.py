@@ -464,3 +464,65 @@ def test_a_config_describing_more_than_the_weights_hold_is_refused_before_loadin
     directory = copy_with_config(tiny_qwen3_dir, tmp_path / "wider", intermediate_size=8192)
     with pytest.raises(ValueError, match=r"describes a language model of [\d.]+M parameters, but its weight"):
         FrozenTarget.from_config(TargetConfig(name="hf", path=str(directory)), [1, 3], torch.device("cpu"))
+
+
+def test_a_resume_says_what_changed_in_its_data_and_refuses_unless_accepted_by_name(
+    make_cfg, tmp_path, tiny_chat_dir, tiny_conversations
+):
+    """A checkpoint records what it trained on (data.json); a resume onto appended, edited or
+    re-templated data would continue its schedule position on another sample set: refused,
+    saying what changed. Appended data gets the documented route (drafter.init_from); a moved
+    file with the same content is the same data; resume_changed_data=true accepts."""
+    from dflash.run.launch import build_run
+    from dflash.train import train
+    from tests.conftest import conversation_overrides
+
+    lines = tiny_conversations.read_text().splitlines(keepends=True)
+    original = tmp_path / "chat.jsonl"
+    original.write_text("".join(lines))
+    first = make_cfg(
+        conversation_overrides(tiny_chat_dir, [original]) + ["train.total_steps=4"], tmp_path / "a"
+    )
+    train(first)
+    checkpoint = tmp_path / "a" / "checkpoints" / "step_0000004"
+    recorded = json.loads((checkpoint / "data.json").read_text())
+    assert recorded["files"] == [{"path": str(original), "sha256": recorded["files"][0]["sha256"]}]
+    assert recorded["samples"] > 0 and recorded["template"]
+
+    def resume(files: list[Path], *extra: str):
+        overrides = conversation_overrides(tiny_chat_dir, files) + [
+            "train.total_steps=8",
+            f"resume={checkpoint}",
+        ]
+        return build_run(
+            make_cfg(overrides + list(extra), tmp_path / f"resumed{len(list(tmp_path.iterdir()))}")
+        )
+
+    grown = tmp_path / "grown.jsonl"
+    grown.write_text("".join(lines + lines[:6]))
+    with pytest.raises(ValueError, match=r"data grew by appending: \d+ -> \d+ samples.*drafter.init_from="):
+        resume([grown])
+    edited = tmp_path / "edited.jsonl"
+    edited.write_text("".join(lines[1:]))
+    with pytest.raises(
+        ValueError, match=rf"{edited} is new or changed; data.files: {original} \(as trained on\)"
+    ):
+        resume([edited])
+    moved = tmp_path / "moved.jsonl"
+    moved.write_text(original.read_text())
+    for accepted in (resume([moved]), resume([grown], "resume_changed_data=true")):
+        assert accepted.trainer.position.step == 4
+        accepted.trainer.monitor.close(True)
+
+
+def test_a_resume_past_the_runs_end_is_refused_in_one_line(make_cfg, tmp_path):
+    from dflash.run.launch import build_run
+    from dflash.train import train
+
+    train(make_cfg(["train.total_steps=8", "checkpoint.every_steps=8"], tmp_path / "a"))
+    checkpoint = tmp_path / "a" / "checkpoints" / "step_0000008"
+    for name, shorter in (("total", "train.total_steps=4"), ("max", "debug.max_steps=6")):
+        with pytest.raises(
+            ValueError, match=r"is at step 8, and this run ends at step [46] .*: nothing left to train"
+        ):
+            build_run(make_cfg([f"resume={checkpoint}", shorter], tmp_path / name))

@@ -447,6 +447,9 @@ class Config:
     seed: int = 0
     # A checkpoint directory to continue from (same batches, same losses).
     resume: Optional[str] = None
+    # resume= onto training data other than the checkpoint's (other files or contents, another
+    # template, appended samples) is refused, naming what changed; true continues on it anyway.
+    resume_changed_data: bool = False
     # dflash-eval: the drafter to evaluate, a dflash checkpoint directory (whose run config then
     # supplies the target, unless target is overridden) or any z-lab-layout export.
     ckpt: Optional[str] = None

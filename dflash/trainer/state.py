@@ -39,6 +39,7 @@ class CheckpointSettings:
     keep_last: int
     run_config_yaml: str
     target_identity: dict[str, Any] | None = None  # dflash/models/identity.py: kept as target.json
+    data_identity: dict[str, Any] | None = None  # dflash/data/identity.py: kept as data.json
 
 
 def trainer_state(step_fn: DrafterStep, position: DataPosition) -> dict[str, Any]:
@@ -62,6 +63,7 @@ def save(settings: CheckpointSettings, step_fn: DrafterStep, position: DataPosit
         settings.run_config_yaml,
         settings.keep_last,
         target_identity=settings.target_identity,
+        data_identity=settings.data_identity,
     )
     log.info("checkpoint: %s", path)
     return path
