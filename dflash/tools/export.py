@@ -37,10 +37,12 @@ from typing import Any
 import yaml
 from safetensors import SafetensorError
 
+from dflash.config.schema import TargetConfig
 from dflash.errors import USER_ERROR_EXIT, exit_for_user_error
 from dflash.export.contract import check_export
 from dflash.export.zlab import export_drafter, export_speculators, load_drafter
 from dflash.models.families import IMAGE_TEXT_TYPES
+from dflash.models.identity import pairing_differences
 from dflash.trainer.checkpoint import RUN_CONFIG_FILE
 
 TOOL = "dflash-export"
@@ -58,6 +60,20 @@ def target_text_config(directory: Path) -> dict[str, Any]:
     if missing:
         exit_for_user_error(TOOL, f"--target {path}: no {', '.join(missing)} in the (text) config")
     return config
+
+
+def refuse_another_target(drafter_dir: Path, target_dir: Path) -> None:
+    """The pairing rule dflash-eval and resume apply (dflash/models/identity.py): a drafter that
+    records its target (target.json, or a speculators verifier directory) is paired with that
+    target only; a same-shape target with other weights or another tokenizer passes every shape
+    rule and accepts about nothing."""
+    differences = pairing_differences(drafter_dir, TargetConfig(name="export", path=str(target_dir)))
+    if differences:
+        exit_for_user_error(
+            TOOL,
+            f"{drafter_dir} was made for another target than --target {target_dir} "
+            f"({', '.join(differences)}); pair it with the target it was trained on",
+        )
 
 
 def verifier_of(source: Path, target: Path | None, name: str | None) -> dict[str, Any]:
@@ -172,7 +188,10 @@ def main(argv: list[str] | None = None) -> None:
     source = args.directory if args.command == "check" else args.source
     if not source.is_dir():
         exit_for_user_error(TOOL, f"{source}: no such directory")
-    target = target_text_config(args.target) if args.target is not None else None
+    target = None
+    if args.target is not None:
+        target = target_text_config(args.target)
+        refuse_another_target(source, args.target)
     if args.command == "check":
         report(args.directory, target)
     else:
