@@ -7,6 +7,7 @@ that tests call with a composed config.
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -14,6 +15,7 @@ import hydra
 from omegaconf import DictConfig
 
 from dflash.config.schema import register_configs
+from dflash.errors import refuse_unquoted_home
 
 register_configs()
 
@@ -42,8 +44,14 @@ def release_devices() -> None:
             torch.cuda.reset_peak_memory_stats(index)
 
 
+def main() -> None:
+    """`dflash-train`: the Hydra app, after the checks Hydra's own parser cannot explain."""
+    refuse_unquoted_home("dflash-train", sys.argv[1:])
+    hydra_main()
+
+
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
-def main(cfg: DictConfig) -> float:
+def hydra_main(cfg: DictConfig) -> float:
     # A signal ends train() with StopRequested after a checkpoint; the run-record callback
     # records the job as interrupted and exits with 128 + signal.
     summary = train(cfg)

@@ -526,3 +526,42 @@ def test_a_resume_past_the_runs_end_is_refused_in_one_line(make_cfg, tmp_path):
             ValueError, match=r"is at step 8, and this run ends at step [46] .*: nothing left to train"
         ):
             build_run(make_cfg([f"resume={checkpoint}", shorter], tmp_path / name))
+
+
+def test_home_is_read_only_when_nothing_else_names_the_cache(monkeypatch, tmp_path):
+    from dflash.tools.compose import compose_typed
+
+    monkeypatch.delenv("HOME", raising=False)
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path / "cache"))
+    assert compose_typed([]).paths.cache_dir == str(tmp_path / "cache")
+    monkeypatch.delenv("DFLASH_CACHE_DIR")
+    with pytest.raises(ValueError, match=r"^paths.cache_dir: neither DFLASH_CACHE_DIR nor HOME is set"):
+        compose_typed([])
+    assert compose_typed([f"paths.cache_dir={tmp_path}"]).paths.cache_dir == str(tmp_path)
+
+
+def test_a_path_starting_with_tilde_is_the_home_directory_wherever_it_is_read(monkeypatch, tmp_path):
+    """`~` in paths.output_dir, resume, ... (quoted for Hydra) and in hydra.run.dir means the home
+    directory, never a directory named `~`; unquoted, Hydra's lexer error becomes one line."""
+    from dflash.tools.compose import compose_typed
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    cfg = compose_typed(["paths.output_dir='~/out'", "resume='~/runs/last'", "paths.cache_dir='~'"])
+    assert (cfg.paths.output_dir, cfg.resume, cfg.paths.cache_dir) == (
+        f"{home}/out",
+        f"{home}/runs/last",
+        str(home),
+    )
+    files = finished_run(home / "old")
+    refused = run_tool(
+        [sys.executable, "-m", "dflash.train", "hydra.run.dir='~/old'"], env={"HOME": str(home)}
+    )
+    assert refused.returncode == 2 and f"hydra.run.dir={home}/old holds an earlier run" in refused.stderr
+    assert {name: (home / "old" / name).read_text() for name in files} == files
+    unquoted = run_tool(
+        [sys.executable, "-m", "dflash.train", "hydra.run.dir=~/new"], env={"HOME": str(home)}
+    )
+    assert unquoted.returncode == 2 and unquoted.stderr.count("\n") == 1
+    assert "hydra.run.dir=~/new: Hydra's override grammar reserves '~'; quote the value" in unquoted.stderr
+    assert not list(Path.cwd().glob("~*")) and not (home / "new").exists()

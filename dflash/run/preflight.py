@@ -18,7 +18,7 @@ from dflash.config.components import check_buildable
 from dflash.config.devices import ProcessSlot, resolve_device_split
 from dflash.config.keys import refuse_unknown_keys
 from dflash.config.schema import Config, TargetConfig
-from dflash.config.typed import typed_config
+from dflash.config.typed import expand_home, typed_config
 from dflash.distributed import (
     ProcessGroupInfo,
     export_submitit_environment,
@@ -122,6 +122,7 @@ def check_before_loading(composed: DictConfig) -> Checked:
     """Phase 1: everything checkable without weights; writes config_resolved.yaml. The composed
     config is converted to its typed form here, once; every later phase reads `Checked.config`."""
     refuse_unknown_keys(composed, Config)
+    expand_home(composed)
     resolved = OmegaConf.to_container(composed, resolve=True, enum_to_str=True)
     run_config_yaml = OmegaConf.to_yaml(composed, resolve=True)
     cfg = typed_config(composed)

@@ -29,7 +29,7 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from dflash.errors import exit_for_user_error, full_errors_requested
 from dflash.models.feature_check import REPORT_FILE as FEATURE_CHECK_FILE
@@ -167,7 +167,7 @@ class RunRecordCallback(Callback):
             self._lock = None
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        run_dir = config.hydra.run.dir
+        run_dir = expand_home_dir(config, "run")
         self._lock_dir(run_dir)
         resume = OmegaConf.select(config, "resume", default=None)
         self._refuse_owned_dir(lambda: refuse_earlier_run(Path(run_dir), resume=resume, key="hydra.run.dir"))
@@ -176,6 +176,7 @@ class RunRecordCallback(Callback):
         self._unlock()
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        expand_home_dir(config, "sweep")
         self._lock_dir(config.hydra.sweep.dir)
         self._refuse_owned_dir(lambda: refuse_earlier_sweep(Path(config.hydra.sweep.dir)))
 
@@ -188,6 +189,7 @@ class RunRecordCallback(Callback):
         output_dir = OmegaConf.select(config, "paths.output_dir", default=None)
         if not output_dir or not holds_run_dir_lock():
             return
+        output_dir = os.path.expanduser(output_dir)  # as the run will (dflash/config/typed.py)
         if Path(output_dir).resolve() == Path(job_dir).resolve():
             return
         try:
@@ -259,6 +261,16 @@ class RunRecordCallback(Callback):
             if full_errors_requested():
                 traceback.print_exception(error, file=sys.stderr)
             exit_for_user_error(tool_name(), f"{error}  [traceback: {output_dir / filename}]")
+
+
+def expand_home_dir(config: DictConfig, mode: str) -> str:
+    """hydra.run.dir / hydra.sweep.dir with a leading `~` expanded before Hydra creates it (it
+    would make a directory named `~` under the working directory)."""
+    directory = str(config.hydra[mode].dir)
+    if directory.startswith("~"):
+        with open_dict(config.hydra), read_write(config.hydra):
+            config.hydra[mode].dir = os.path.expanduser(directory)
+    return str(config.hydra[mode].dir)
 
 
 def write_record(path: Path, record: dict[str, Any]) -> None:
