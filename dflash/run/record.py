@@ -35,6 +35,7 @@ from dflash.errors import exit_for_user_error, full_errors_requested
 from dflash.models.feature_check import REPORT_FILE as FEATURE_CHECK_FILE
 from dflash.run.lock import RunDirInUse, RunDirLock, holds_run_dir_lock, launch_rank
 from dflash.run.ownership import refuse_earlier_run, refuse_earlier_sweep
+from dflash.run.sweep_results import SweepResults
 from dflash.trainer.signals import (
     StopRequested,
     begin_shutdown,
@@ -126,8 +127,11 @@ def dflash_threads() -> list[str]:
 
 
 class RunRecordCallback(Callback):
-    def __init__(self, filename: str = "run.json") -> None:
+    def __init__(self, filename: str = "run.json", max_failed_jobs: int | None = None) -> None:
         self.filename = filename
+        # A search (Optuna) stops after this many failed trials (None: never stops for failures).
+        self.max_failed_jobs = max_failed_jobs
+        self._sweep: SweepResults | None = None  # a search's results file, written per trial
         self._started: dict[str, float] = {}
         self._threads_at_start: dict[str, list[str]] = {}
         self._lock: RunDirLock | None = None
@@ -161,6 +165,28 @@ class RunRecordCallback(Callback):
             self._unlock()
             exit_for_user_error(tool_name(), str(exc))
 
+    def _record_trial(self, hydra_cfg: Any, record: dict[str, Any], job_return: JobReturn) -> None:
+        """Into the search's results file; past `max_failed_jobs` failures the search stops (in
+        one line, the file written)."""
+        self._sweep.add(
+            number=int(hydra_cfg.job.get("num") or 0),
+            overrides=list(record["overrides"]),
+            status=record["status"],
+            value=_objective_value(job_return),
+            error=record["error"],
+        )
+        if self.max_failed_jobs is not None and self._sweep.failed > self.max_failed_jobs:
+            self._unlock()
+            print(
+                f"{tool_name()}: error: {self._sweep.failed} trials failed, more than "
+                f"hydra.callbacks.run_record.max_failed_jobs={self.max_failed_jobs}: search stopped; "
+                f"trials and the best so far in {self._sweep.path}",
+                file=sys.stderr,
+                flush=True,
+            )
+            ignore_signals_until_exit()
+            raise SystemExit(1)
+
     def _unlock(self) -> None:
         if self._lock is not None:
             self._lock.release()
@@ -178,9 +204,21 @@ class RunRecordCallback(Callback):
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
         expand_home_dir(config, "sweep")
         self._lock_dir(config.hydra.sweep.dir)
+        sweeper = config.hydra.sweeper
+        if "optuna" in str(sweeper.get("_target_", "")).lower() and holds_run_dir_lock():
+            direction = sweeper.get("direction", "minimize")
+            self._sweep = SweepResults(
+                Path(config.hydra.sweep.dir),
+                params=searched_keys(sweeper.get("params") or {}, list(config.hydra.overrides.task)),
+                direction=str(direction) if isinstance(direction, str) else "multi",
+            )
         self._refuse_owned_dir(lambda: refuse_earlier_sweep(Path(config.hydra.sweep.dir)))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if self._sweep is not None and self._sweep.path.is_file():
+            # The sweeper has written its own best (it may hold more, e.g. a Pareto front): kept,
+            # with the trials beside it.
+            self._sweep.write(yaml.safe_load(self._sweep.path.read_text()) or {})
         self._unlock()
 
     def _lock_output_dir(self, job_dir: str, config: DictConfig) -> None:
@@ -245,6 +283,8 @@ class RunRecordCallback(Callback):
         filename = self.filename if rank == 0 else self.filename.replace(".json", f".rank{rank}.json")
         write_record(output_dir / filename, record)
         self._release_output_dir(str(output_dir))
+        if self._sweep is not None and hydra_cfg.mode == RunMode.MULTIRUN:
+            self._record_trial(hydra_cfg, record, job_return)
         signum = error.signum if stopped else late_signal()
         if signum is not None:
             # A signalled job ends the process (a sweep too) with 128 + signal, as schedulers
@@ -261,6 +301,24 @@ class RunRecordCallback(Callback):
             if full_errors_requested():
                 traceback.print_exception(error, file=sys.stderr)
             exit_for_user_error(tool_name(), f"{error}  [traceback: {output_dir / filename}]")
+
+
+def searched_keys(params: Any, overrides: list[str]) -> list[str]:
+    """The keys a search varies: its config's `params` and the command line's sweeps
+    (`key=choice(...)`, `interval(...)`, `range(...)`, `a,b`)."""
+    keys = list(params.keys())
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if re.match(r"^(choice|range|interval|tag)\(|^[^'\"\[{(]*,", value) and key not in keys:
+            keys.append(key)
+    return keys
+
+
+def _objective_value(job_return: JobReturn) -> float | None:
+    try:
+        return float(job_return._return_value) if job_return.status == JobStatus.COMPLETED else None
+    except (TypeError, ValueError):
+        return None
 
 
 def expand_home_dir(config: DictConfig, mode: str) -> str:
