@@ -565,3 +565,25 @@ def test_a_path_starting_with_tilde_is_the_home_directory_wherever_it_is_read(mo
     assert unquoted.returncode == 2 and unquoted.stderr.count("\n") == 1
     assert "hydra.run.dir=~/new: Hydra's override grammar reserves '~'; quote the value" in unquoted.stderr
     assert not list(Path.cwd().glob("~*")) and not (home / "new").exists()
+
+
+def test_a_chat_template_that_does_not_parse_is_refused_at_start_naming_the_file(
+    tmp_path, make_cfg, tiny_chat_dir, tiny_conversations, monkeypatch
+):
+    import shutil
+
+    from dflash.models.target import FrozenTarget
+    from dflash.run.launch import build_run
+    from tests.conftest import conversation_overrides
+
+    broken = shutil.copytree(tiny_chat_dir, tmp_path / "broken_template")
+    (broken / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m.content }}\n{% if %}{% endfor %}"
+    )
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded before the chat template was checked")
+
+    monkeypatch.setattr(FrozenTarget, "from_config", no_load)
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(broken / 'chat_template.jinja'))}: the chat template does not parse \(line 2: "):  # fmt: skip
+        build_run(make_cfg(conversation_overrides(broken, [tiny_conversations])))

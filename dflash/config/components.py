@@ -69,9 +69,8 @@ def build(node: Any, key: str, *, exclude: Iterable[str] = (), **runtime: Any) -
     and dicts), then a call with the `runtime` keyword arguments. Runtime objects never pass
     through instantiate itself: it would copy them into a config (a resolved run config holds
     `_target_` keys of its own, which it would then try to build)."""
-    from hydra.utils import instantiate
-
     from hydra.errors import InstantiationException
+    from hydra.utils import instantiate
 
     check_buildable(node, key, runtime=runtime, exclude=exclude)
     spec = {k: v for k, v in node_items(node).items() if k not in set(exclude)}

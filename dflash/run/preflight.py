@@ -17,8 +17,9 @@ from omegaconf import DictConfig, OmegaConf
 from dflash.config.components import check_buildable
 from dflash.config.devices import ProcessSlot, resolve_device_split
 from dflash.config.keys import refuse_unknown_keys
-from dflash.config.schema import Config, TargetConfig
+from dflash.config.schema import Config, DataKind, TargetConfig
 from dflash.config.typed import expand_home, typed_config
+from dflash.data.chat import load_chat_renderer
 from dflash.distributed import (
     ProcessGroupInfo,
     export_submitit_environment,
@@ -143,6 +144,8 @@ def check_before_loading(composed: DictConfig) -> Checked:
     if "cpu" in target_devices + drafter_devices:
         torch.set_num_threads(cfg.gpu.cpu_threads)
     eval_prompts, periodic_prompts = prompt_sets(cfg, target_cfg, target_config)
+    if cfg.data.kind is DataKind.conversations:  # the chat template parses (the file named)
+        load_chat_renderer(target_cfg, "data.kind=conversations")
     run_drafter_config = drafter_config(cfg.drafter, target_config, layer_ids)
     identity = target_identity(target_cfg)
     resume_dir = checked_drafter_dir(cfg.resume, run_drafter_config, resolved["target"], "resume", identity)
