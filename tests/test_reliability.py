@@ -1,5 +1,7 @@
-"""Nothing lost, nothing silently accepted: run-dir ownership, run records however a job ends,
-one-line user errors, one metrics row per log window, the non-finite guard."""
+"""Nothing lost, nothing silently accepted: run-dir ownership (a refusal never touches the run it
+refuses), run records however a job ends (repeated signals too), atomic exports, a resume that
+says what changed in its data, size checks before loading, `~` and HOME in paths, one-line user
+errors, one metrics row per log window, the non-finite guard."""
 
 from __future__ import annotations
 
