@@ -1,7 +1,6 @@
 """A target is compared by content: resume, drafter.init_from, dflash-eval and dflash-export
-check/convert --target refuse a checkpoint
-trained on a same-shape target with other weights or another tokenizer, and accept the same
-target named another way (a trailing slash, a link)."""
+check/convert --target refuse a checkpoint trained on a same-shape target with other weights or
+another tokenizer, and accept the same target named another way (a trailing slash, a link)."""
 
 from __future__ import annotations
 
