@@ -589,3 +589,22 @@ def test_a_chat_template_that_does_not_parse_is_refused_at_start_naming_the_file
     monkeypatch.setattr(FrozenTarget, "from_config", no_load)
     with pytest.raises(ValueError, match=rf"^{re.escape(str(broken / 'chat_template.jinja'))}: the chat template does not parse \(line 2: "):  # fmt: skip
         build_run(make_cfg(conversation_overrides(broken, [tiny_conversations])))
+
+
+def test_a_run_into_a_live_sweeps_job_dir_is_refused_and_changes_nothing(tmp_path, data_cache):
+    sweep_dir = tmp_path / "sweep"
+    common = FAST + [f"paths.cache_dir={data_cache}", "logger.every_steps=1"]
+    sweep = cli(["-m", *common, "train.total_steps=400", "seed=0", f"hydra.sweep.dir={sweep_dir}"])
+    job = sweep_dir / "0"
+    try:
+        wait_for_lines(job / "metrics.jsonl", 2, sweep)
+        hydra_config = (job / ".hydra" / "config.yaml").read_text()
+        second = run_tool([sys.executable, "-m", "dflash.train", *common, f"hydra.run.dir={job}"])
+        assert second.returncode == 2 and "belongs to a run still alive" in second.stderr, second.stderr[
+            -2000:
+        ]
+        assert (job / ".hydra" / "config.yaml").read_text() == hydra_config
+    finally:
+        sweep.send_signal(signal.SIGTERM)
+        sweep.communicate(timeout=CLI_TIMEOUT_S)
+    assert json.loads((job / "run.json").read_text())["status"] == "INTERRUPTED"

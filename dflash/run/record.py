@@ -222,13 +222,16 @@ class RunRecordCallback(Callback):
         self._unlock()
 
     def _lock_output_dir(self, job_dir: str, config: DictConfig) -> None:
-        """paths.output_dir, where it is not the job dir (which is locked already): two live
-        runs writing one would interleave their metrics and overwrite their checkpoints."""
+        """paths.output_dir, unless it is the run dir this process locked already: two live
+        runs writing one would interleave their metrics and overwrite their checkpoints. A
+        sweep's job dirs are locked here too (the sweep dir's lock does not cover them: a run
+        started into one while its job lives would rewrite its .hydra/ and record)."""
         output_dir = OmegaConf.select(config, "paths.output_dir", default=None)
         if not output_dir or not holds_run_dir_lock():
             return
         output_dir = os.path.expanduser(output_dir)  # as the run will (dflash/config/typed.py)
-        if Path(output_dir).resolve() == Path(job_dir).resolve():
+        locked = Path(self._lock.directory).resolve() if self._lock is not None else None
+        if Path(output_dir).resolve() == Path(job_dir).resolve() == locked:
             return
         try:
             self._output_locks[job_dir] = RunDirLock(output_dir).acquire()
