@@ -342,12 +342,16 @@ def finished_run(run_dir: Path) -> dict[str, str]:
     return files
 
 
-def test_a_refused_run_leaves_the_finished_run_it_refused_untouched(tmp_path):
+@pytest.mark.parametrize(
+    "tool", ["dflash.train", "dflash.tools.eval", "dflash.tools.regen", "dflash.tools.prep"]
+)
+def test_a_refused_run_leaves_the_finished_run_it_refused_untouched(tmp_path, tool):
     """Refused before Hydra writes `.hydra/` or train.log, and before any record: run.json stays
-    the first run's COMPLETED one (a resume of that run is still offered)."""
+    the first run's COMPLETED one (a resume of that run is still offered). Every tool that
+    writes a run record into its Hydra dir refuses a training run's directory the same way."""
     run_dir = tmp_path / "run"
     files = finished_run(run_dir)
-    second = run_tool([sys.executable, "-m", "dflash.train", "seed=5", f"hydra.run.dir={run_dir}"])
+    second = run_tool([sys.executable, "-m", tool, f"hydra.run.dir={run_dir}"])
     assert second.returncode == 2 and second.stderr.count("\n") == 1, second.stderr
     assert f"hydra.run.dir={run_dir} holds an earlier run (summary.json, metrics.jsonl)" in second.stderr
     assert {name: (run_dir / name).read_text() for name in files} == files
