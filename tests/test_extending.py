@@ -1,7 +1,8 @@
 """User code plugged in by config alone: the examples of docs/extending.md, written into modules
 outside the package, run: a callback receives every hook in a normal run; a batch order, a noise
-schedule and a metric sink replace or join the built-ins by overrides alone; a component or
-callback that cannot be built is refused before anything loads."""
+schedule and a metric sink replace or join the built-ins by overrides alone; a training metric
+added to `FIELDS` reaches every sink; a component or callback that cannot be built is refused
+before anything loads."""
 
 from __future__ import annotations
 
@@ -21,9 +22,9 @@ DOC = Path(__file__).resolve().parent.parent / "docs" / "extending.md"
 
 
 def doc_example(defines: str) -> str:
-    """The python block of docs/extending.md that defines `defines`."""
+    """The python block of docs/extending.md that defines `defines` (a class or a name)."""
     blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.DOTALL)
-    return next(block for block in blocks if f"class {defines}" in block)
+    return next(block for block in blocks if f"class {defines}" in block or f"\n{defines} = " in block)
 
 
 def test_the_documented_batch_order_noise_and_sink_run_from_overrides_alone(tmp_path, make_cfg, monkeypatch):
@@ -62,6 +63,70 @@ def test_the_documented_batch_order_noise_and_sink_run_from_overrides_alone(tmp_
     assert rows[0] == "step,loss,tau_sim" and [row.split(",")[0] for row in rows[1:]] == ["2", "4", "6"]
     assert float(rows[-1].split(",")[1]) == summary["train/loss"]
     assert (Path(cfg.paths.output_dir) / "metrics.jsonl").is_file()  # the built-in sinks still log
+
+
+def test_the_documented_training_metric_reaches_every_sink(make_cfg, monkeypatch, capsys):
+    """One `Field` appended to `FIELDS` (docs/extending.md): its window sums are pooled as it
+    says, and `train/<name>` reaches metrics.jsonl, the W&B run and the console line."""
+    import torch
+
+    from dflash.data.collate import Batch
+    from dflash.data.schedule import PlannedBatch
+    from dflash.monitor.sinks import EVAL_STEP, BackgroundSink
+    from dflash.monitor.train_metrics import train_metrics
+    from dflash.step import metrics
+    from dflash.step.loss import LossStats
+
+    namespace: dict = {}
+    exec(doc_example("WEIGHT_PER_BLOCK"), namespace)
+    monkeypatch.setattr(metrics, "FIELDS", metrics.FIELDS + (namespace["WEIGHT_PER_BLOCK"],))
+
+    # Pooled over two replicas' windows: the sum of weights over the sum of blocks.
+    batch = Batch(
+        torch.zeros(1, 8, dtype=torch.int64),
+        torch.ones(1, 8, dtype=torch.uint8),
+        torch.tensor([8]),
+        PlannedBatch(epoch=0, index=0, bucket=0, sample_ids=(0,)),
+    )
+    windows = []
+    for weight, blocks in ((3.0, 2.0), (1.0, 2.0)):
+        sums = metrics.StepMetrics(block_size=4, num_buckets=1, device=torch.device("cpu"))
+        one = torch.tensor(1.0)
+        stats = LossStats(
+            weighted_ce=one,
+            weight=torch.tensor(weight),
+            correct=torch.ones(4),
+            counted=torch.ones(4),
+            accepted=one,
+            blocks=torch.tensor(blocks),
+            rounds=one,
+        )
+        sums.add(stats, torch.tensor(1.0), batch, anchors=1)
+        windows.append(sums.publish(end_step=1, lr=1e-3))
+    assert train_metrics([windows])["train/weight_per_block"] == pytest.approx(4.0 / 4.0)
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = make_cfg(["logger=wandb", "train.total_steps=4", "logger.every_steps=2"])
+    run = build_run(cfg)
+    wandb_run = next(s for s in run.trainer.monitor.sinks if isinstance(s, BackgroundSink)).sink.run
+    sent: list[dict] = []
+    real_log = wandb_run.log
+    monkeypatch.setattr(
+        wandb_run, "log", lambda data, step=None: (sent.append(dict(data)), real_log(data, step=step))
+    )
+    run.execute()
+    rows = [
+        json.loads(line) for line in (Path(cfg.paths.output_dir) / "metrics.jsonl").read_text().splitlines()
+    ]
+    ticks = [row for row in rows if "train/loss" in row]
+    assert [row["step"] for row in ticks] == [2, 4]
+    assert all(row["train/weight_per_block"] > 0 for row in ticks)
+    sent_ticks = [row for row in sent if "train/loss" in row and EVAL_STEP not in row]
+    assert [row["train/weight_per_block"] for row in sent_ticks] == [
+        row["train/weight_per_block"] for row in ticks
+    ]
+    console = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert len(console) == 2 and all("weight_per_block=" in line for line in console)
 
 
 @pytest.mark.parametrize(
