@@ -219,3 +219,23 @@ def test_preflight_checks_each_component_with_the_arguments_the_launcher_builds_
     }
     sinks = {key: names for key, names in built_with.items() if key.startswith("logger.sinks.")}
     assert sinks and all(names == {"context"} for names in sinks.values())
+
+
+def test_the_documented_trainer_inputs_are_the_ones_a_trainer_receives():
+    """docs/extending.md's `pipeline` row names `TrainerInputs` and lists exactly its fields, in
+    order; every built-in trainer takes them as `inputs` and nothing else a run does not set."""
+    import dataclasses
+    import inspect
+
+    from dflash.trainer.async_trainer import AsyncTrainer
+    from dflash.trainer.lifecycle import TRAINER_INPUTS, TrainerInputs
+    from dflash.trainer.sync import SyncTrainer
+
+    (row,) = [line for line in DOC.read_text().splitlines() if line.startswith("| `pipeline` |")]
+    documented = re.search(r"TrainerInputs` \(`([^`]*)`\)", row).group(1).split(", ")
+    assert documented == [field.name for field in dataclasses.fields(TrainerInputs)]
+    for trainer in (SyncTrainer, AsyncTrainer):
+        parameters = inspect.signature(trainer).parameters
+        assert parameters[TRAINER_INPUTS].annotation in (TrainerInputs, "TrainerInputs")
+        required = [name for name, p in parameters.items() if p.default is inspect.Parameter.empty]
+        assert required == [TRAINER_INPUTS]

@@ -35,7 +35,7 @@ from dflash.run.runner import Run
 from dflash.step.build import block_settings_for, build_drafter, build_step_fn, uses_compile
 from dflash.step.step import BlockSettings, DrafterStep
 from dflash.trainer.async_trainer import FaultInjection
-from dflash.trainer.lifecycle import Trainer
+from dflash.trainer.lifecycle import TRAINER_INPUTS, Trainer, TrainerInputs
 from dflash.trainer.periodic_eval import PeriodicEval
 from dflash.trainer.state import CheckpointSettings
 from dflash.trainer.validation import Validation, held_out_ids
@@ -203,7 +203,7 @@ def build_trainer(
         run_config_yaml=checked.run_config_yaml,
         target_identity=checked.target_identity,
     )
-    runtime = dict(
+    inputs = TrainerInputs(
         targets=models.targets,
         step_fns=step_fns,
         dataset=schedule.dataset,
@@ -211,8 +211,9 @@ def build_trainer(
         stop_after=stop_after,
         log_every=cfg.logger.every_steps,
         checkpoints=checkpoints,
-        process_group=checked.process_group,  # multi-node: rank 0 alone logs and checkpoints
+        process_group=checked.process_group,
     )
+    runtime: dict = {TRAINER_INPUTS: inputs}
     if faults is not None:  # tests: a target worker or drafter that raises on cue
         runtime["faults"] = faults
     return build(cfg.pipeline, "pipeline", **runtime)

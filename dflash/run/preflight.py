@@ -34,6 +34,7 @@ from dflash.run.checks import resolve_layer_ids, validate
 from dflash.run.inputs import eval_prompt_sets, local_target_config
 from dflash.run.resume import check_resume_matches
 from dflash.step.build import STEP_KEYS
+from dflash.trainer.lifecycle import TRAINER_INPUTS
 
 
 @dataclass
@@ -66,16 +67,7 @@ COMPONENT_RUNTIME: dict[str, tuple[str, ...]] = {
     "lr_schedule": ("optimizer", "total_steps"),
     "loss": (),
     "noise": (),
-    "pipeline": (
-        "targets",
-        "step_fns",
-        "dataset",
-        "planner",
-        "stop_after",
-        "log_every",
-        "checkpoints",
-        "process_group",
-    ),
+    "pipeline": (TRAINER_INPUTS,),
     "monitor": ("sinks", "probe", "total_steps"),
 }
 
