@@ -64,8 +64,8 @@ def option_overrides(group: str, option: str, request) -> list[str]:
         ],
         ("data", "random_3072"): lambda: [
             "data.num_samples=8",
-            "scheduler.bucket_edges=[3072]",
-            "scheduler.tokens_per_batch=8192",
+            "data.bucket_edges=[3072]",
+            "data.tokens_per_batch=8192",
         ],
         ("data", "conversations"): lambda: conversation_overrides(
             request.getfixturevalue("tiny_chat_dir"), [request.getfixturevalue("tiny_conversations")]
@@ -221,7 +221,7 @@ def test_gpu_split_from_config():
         ),
         (["noise._target_=math.sqrt"], "noise: math.sqrt does not take the arguments"),
         (["+logger.sinks.mine._target_=json.dumps"], "logger.sinks.mine: json.dumps does not take"),
-        (["scheduler.bucket_edges=[48,40,128]"], "scheduler.bucket_edges"),
+        (["data.bucket_edges=[48,40,128]"], "data.bucket_edges"),
         (["data.max_length=256"], "data.max_length"),
         (["gpu.target=2"], "gpu.target=2"),
         # Hydra's own hint for a typo is the `+` form; a key no code reads must not be ignored.

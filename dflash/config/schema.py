@@ -161,6 +161,19 @@ class DataConfig:
     # synthetic: how the supervised part is written (random: for speed runs of large targets,
     # whose greedy text takes hours to write; nothing there can be learned).
     continuation: SyntheticText = SyntheticText.greedy
+    # How the samples are packed into batches, set by each data option beside its max_length
+    # (the batch order is the `scheduler` group's). Upper bounds (exclusive, the last inclusive)
+    # of the length buckets:
+    bucket_edges: list[int] = MISSING
+    # Padded tokens (batch_size * longest sample) a batch may hold.
+    tokens_per_batch: int = MISSING
+    # Block tokens (batch_size * anchors of its widest sample * block_size) a batch may hold:
+    # what the drafter computes and keeps for backward. null: no limit beyond tokens_per_batch.
+    block_tokens_per_batch: Optional[int] = None
+
+
+# The data keys that say how samples are packed, not which samples exist (a data cache ignores them).
+PACKING_KEYS = ("bucket_edges", "tokens_per_batch", "block_tokens_per_batch")
 
 
 # ---- Components ------------------------------------------------------------------------------
@@ -175,18 +188,12 @@ class DataConfig:
 
 @dataclass
 class SchedulerConfig:
-    """Length buckets, batch packing under token budgets, and the batch order: `_target_` is a
-    BatchPlanner class (dflash/data/schedule.py), whose `order` sorts an epoch's batches."""
+    """The batch order: `_target_` is a BatchPlanner class (dflash/data/schedule.py), whose
+    `order` sorts an epoch's batches; the batches' sizes are the data's (data.bucket_edges,
+    data.tokens_per_batch, data.block_tokens_per_batch)."""
 
     _target_: str = MISSING
     _partial_: bool = True
-    # Upper bounds (exclusive, the last inclusive) of the length buckets.
-    bucket_edges: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048, 3296, 8192])
-    # Padded tokens (batch_size * longest sample) a batch may hold.
-    tokens_per_batch: int = 16384
-    # Block tokens (batch_size * anchors of its widest sample * block_size) a batch may hold:
-    # what the drafter computes and keeps for backward. null: no limit beyond tokens_per_batch.
-    block_tokens_per_batch: Optional[int] = None
 
 
 @dataclass

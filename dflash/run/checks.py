@@ -62,7 +62,7 @@ def validate(
     if cfg.loss.logits_chunk < 0:
         raise ValueError(f"loss.logits_chunk must be >= 0 (0: no chunking), got {cfg.loss.logits_chunk}")
 
-    _validate_data_and_scheduler(cfg)
+    _validate_data(cfg)
     _validate_optimization(cfg)
     _validate_noise(cfg)
     slot = slot or ProcessSlot()
@@ -99,8 +99,8 @@ def validate(
         raise ValueError("checkpoint.every_steps and checkpoint.keep_last must be >= 1")
 
 
-def _validate_data_and_scheduler(cfg: Any) -> None:
-    data, sched = cfg.data, cfg.scheduler
+def _validate_data(cfg: Any) -> None:
+    data = cfg.data
     if data.kind is DataKind.conversations:
         files = list(data.files)  # "???" raises here, naming data.files
         if not files:
@@ -113,24 +113,24 @@ def _validate_data_and_scheduler(cfg: Any) -> None:
                 f"data.min_supervised_tokens must be >= 2 (an anchor needs a supervised next token), "
                 f"got {data.min_supervised_tokens}"
             )
-    edges = list(sched.bucket_edges)
+    edges = list(data.bucket_edges)
     if not edges or any(b <= a for a, b in zip(edges, edges[1:])) or edges[0] < 1:
-        raise ValueError(f"scheduler.bucket_edges must be positive and strictly increasing, got {edges}")
+        raise ValueError(f"data.bucket_edges must be positive and strictly increasing, got {edges}")
     if edges[-1] < data.max_length:
         raise ValueError(
-            f"scheduler.bucket_edges ends at {edges[-1]} < data.max_length={data.max_length}: "
+            f"data.bucket_edges ends at {edges[-1]} < data.max_length={data.max_length}: "
             "the longest samples would have no bucket"
         )
     one_sample = min(cfg.drafter.num_anchors, data.max_length) * cfg.drafter.block_size
-    if sched.block_tokens_per_batch is not None and sched.block_tokens_per_batch < one_sample:
+    if data.block_tokens_per_batch is not None and data.block_tokens_per_batch < one_sample:
         raise ValueError(
-            f"scheduler.block_tokens_per_batch={sched.block_tokens_per_batch} is below one sample's blocks at "
+            f"data.block_tokens_per_batch={data.block_tokens_per_batch} is below one sample's blocks at "
             f"data.max_length: min(drafter.num_anchors={cfg.drafter.num_anchors}, {data.max_length}) x "
             f"drafter.block_size={cfg.drafter.block_size} = {one_sample}"
         )
-    if sched.tokens_per_batch < data.max_length:
+    if data.tokens_per_batch < data.max_length:
         raise ValueError(
-            f"scheduler.tokens_per_batch={sched.tokens_per_batch} < data.max_length={data.max_length}: "
+            f"data.tokens_per_batch={data.tokens_per_batch} < data.max_length={data.max_length}: "
             "a longest sample would not fit in a batch"
         )
     if not 1 <= data.prompt_len_min <= data.prompt_len_max:

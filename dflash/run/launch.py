@@ -20,7 +20,7 @@ from omegaconf import DictConfig
 from dflash.config.components import build
 from dflash.config.schema import Config, pipeline_name
 from dflash.data.dataset import TokenDataset
-from dflash.data.schedule import BatchPlanner, build_planner
+from dflash.data.schedule import BatchPlanner, build_planner, held_out_ids
 from dflash.export.zlab import load_drafter_weights
 from dflash.models.compile import CompileCounter
 from dflash.models.drafter import DFlashDrafter
@@ -38,7 +38,7 @@ from dflash.trainer.async_trainer import FaultInjection
 from dflash.trainer.lifecycle import TRAINER_INPUTS, Trainer, TrainerInputs
 from dflash.trainer.periodic_eval import PeriodicEval
 from dflash.trainer.state import CheckpointSettings
-from dflash.trainer.validation import Validation, held_out_ids
+from dflash.trainer.validation import Validation
 
 log = logging.getLogger(__name__)
 
@@ -110,6 +110,7 @@ def plan_batches(cfg: Config, dataset: TokenDataset) -> tuple[BatchPlanner, np.n
     val_ids = held_out_ids(len(dataset), cfg.data.val_samples, cfg.seed) if cfg.data.val_samples else None
     planner = build_planner(
         cfg.scheduler,
+        data=cfg.data,
         lengths=dataset.lengths,
         seed=cfg.seed,
         num_anchors=cfg.drafter.num_anchors,
@@ -249,7 +250,7 @@ def attach_observers(
             schedule.dataset,
             schedule.val_ids,
             settings=block_settings,
-            tokens_per_batch=cfg.scheduler.tokens_per_batch,
+            tokens_per_batch=cfg.data.tokens_per_batch,
             block_budget=schedule.planner.block_budget,
         )
     periodic_eval = None

@@ -62,7 +62,16 @@ class Checked:
 # The runtime keyword arguments the launcher builds each component with (dflash/run/launch.py),
 # besides its node's own keys: a `_target_` whose signature cannot take them is refused here.
 COMPONENT_RUNTIME: dict[str, tuple[str, ...]] = {
-    "scheduler": ("lengths", "seed", "num_anchors", "block_size", "held_out"),
+    "scheduler": (
+        "lengths",
+        "bucket_edges",
+        "tokens_per_batch",
+        "block_tokens_per_batch",
+        "seed",
+        "num_anchors",
+        "block_size",
+        "held_out",
+    ),
     "optimizer": ("params",),
     "lr_schedule": ("optimizer", "total_steps"),
     "loss": (),
