@@ -33,12 +33,12 @@ from dflash.distributed import ProcessGroupInfo
 from dflash.models.target import FrozenTarget
 from dflash.monitor.callbacks import TrainingCallbacks
 from dflash.monitor.monitor import Monitor
+from dflash.pipeline.cadence import Cadence
 from dflash.pipeline.counters import WorkCounters
 from dflash.pipeline.replicas import check_replicas_identical
 from dflash.pipeline.roles import role_summary
 from dflash.step.step import DrafterStep
 from dflash.trainer import state
-from dflash.trainer.cadence import Cadence
 from dflash.trainer.periodic_eval import PeriodicEval
 from dflash.trainer.signals import StopRequested, StopSignal, stop_on_signals
 from dflash.trainer.state import CheckpointSettings, DataPosition
