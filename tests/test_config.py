@@ -103,9 +103,40 @@ def test_every_option_composes_and_builds(group, option, make_cfg, request, monk
 
 
 @pytest.mark.parametrize("experiment", sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml")))
-def test_every_experiment_composes(experiment):
-    cfg = compose_config([f"experiment={experiment}"])
-    OmegaConf.to_container(cfg.drafter)  # the schema accepted every key
+def test_every_experiment_composes(experiment, tmp_path):
+    """Every key the experiment's file sets reaches the run's config with the file's value, and
+    the result passes the checks a run makes before any weights load (given a target of 36
+    layers and a vocabulary that holds every experiment's mask id, as the real targets do)."""
+    import yaml
+
+    from dflash.config.typed import typed_config
+    from dflash.run.checks import validate
+
+    spec = yaml.safe_load((CONF_DIR / "experiment" / f"{experiment}.yaml").read_text())
+    conversations = tmp_path / "conversations.jsonl"
+    conversations.write_text("")
+    output = [f"paths.output_dir={tmp_path / 'run'}"]
+    # What an experiment may leave to the command line (its usage line names them), nothing else.
+    composed = compose_config([f"experiment={experiment}", *output])
+    missing = OmegaConf.missing_keys(composed)
+    assert missing <= {"drafter.mask_token_id"}, missing
+    from_user = [f"{key}=151669" for key in missing]
+    if composed.data.kind == "conversations":
+        from_user.append(f"data.files=[{conversations}]")
+    cfg = compose_config([f"experiment={experiment}", *output, *from_user])
+
+    def leaves(node, prefix=""):
+        for key, value in node.items():
+            if isinstance(value, dict):
+                yield from leaves(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}", value
+
+    set_by_file = dict(leaves({k: v for k, v in spec.items() if k not in ("defaults", "hydra")}))
+    assert set_by_file or "hydra" in spec  # a search experiment sets only its sweeper
+    for key, value in set_by_file.items():
+        assert OmegaConf.to_container(OmegaConf.create({"v": OmegaConf.select(cfg, key)}))["v"] == value, key
+    validate(typed_config(cfg), num_target_layers=36, target_vocab_size=262144, visible_cuda_devices=8)
 
 
 def flat_keys(cfg) -> list[str]:
