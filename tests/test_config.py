@@ -340,3 +340,21 @@ def test_regen_refuses_an_unknown_key(tmp_path):
         )
     with pytest.raises(ValueError, match="did you mean sampling.temperature"):
         regen(cfg)
+
+
+@pytest.mark.parametrize(
+    "build,message",
+    [
+        (lambda s: s.LossConfig(gamma=0.0), "loss.gamma must be > 0"),
+        (lambda s: s.AdamWConfig(betas=[0.9, 1.0]), r"optimizer.betas must be two numbers in \[0, 1\)"),
+        (lambda s: s.MaskRampNoiseConfig(warmup_steps=0), "noise=mask_ramp needs noise.warmup_steps >= 1"),
+        (lambda s: s.TrainConfig(epochs=0), "train.epochs must be >= 1"),
+    ],
+)
+def test_a_single_field_rule_sits_beside_its_field(build, message):
+    """A rule on one field is its dataclass's own: it holds wherever the config is built (a tool,
+    a test, the typed conversion of a run's config), not only on the launcher's path."""
+    from dflash.config import schema
+
+    with pytest.raises(ValueError, match=message):
+        build(schema)
