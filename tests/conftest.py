@@ -214,3 +214,29 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def one_sample_batch():
+    """A batch of one 8-token sample in bucket 0 (for metric sums that need only its plan)."""
+    from dflash.data.collate import Batch
+    from dflash.data.schedule import PlannedBatch
+
+    return Batch(
+        torch.zeros(1, 8, dtype=torch.int64),
+        torch.ones(1, 8, dtype=torch.uint8),
+        torch.tensor([8]),
+        PlannedBatch(epoch=0, index=0, bucket=0, sample_ids=(0,)),
+    )
+
+
+def record_wandb_rows(run, monkeypatch) -> list[dict]:
+    """Every row a built run's (offline) W&B sink sends, recorded as it is passed on to W&B."""
+    from dflash.monitor.sinks import BackgroundSink
+
+    wandb_run = next(s for s in run.trainer.monitor.sinks if isinstance(s, BackgroundSink)).sink.run
+    sent: list[dict] = []
+    real_log = wandb_run.log
+    monkeypatch.setattr(
+        wandb_run, "log", lambda data, step=None: (sent.append(dict(data)), real_log(data, step=step))
+    )
+    return sent

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from dflash.run.launch import build_run
-from tests.conftest import FAST, SLOW_MACHINE_TIMEOUT_S
+from tests.conftest import FAST, SLOW_MACHINE_TIMEOUT_S, one_sample_batch, record_wandb_rows
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "extending.md"
 
@@ -70,9 +70,7 @@ def test_the_documented_training_metric_reaches_every_sink(make_cfg, monkeypatch
     says, and `train/<name>` reaches metrics.jsonl, the W&B run and the console line."""
     import torch
 
-    from dflash.data.collate import Batch
-    from dflash.data.schedule import PlannedBatch
-    from dflash.monitor.sinks import EVAL_STEP, BackgroundSink
+    from dflash.monitor.sinks import EVAL_STEP
     from dflash.monitor.train_metrics import train_metrics
     from dflash.step import metrics
     from dflash.step.loss import LossStats
@@ -82,12 +80,7 @@ def test_the_documented_training_metric_reaches_every_sink(make_cfg, monkeypatch
     monkeypatch.setattr(metrics, "FIELDS", metrics.FIELDS + (namespace["WEIGHT_PER_BLOCK"],))
 
     # Pooled over two replicas' windows: the sum of weights over the sum of blocks.
-    batch = Batch(
-        torch.zeros(1, 8, dtype=torch.int64),
-        torch.ones(1, 8, dtype=torch.uint8),
-        torch.tensor([8]),
-        PlannedBatch(epoch=0, index=0, bucket=0, sample_ids=(0,)),
-    )
+    batch = one_sample_batch()
     windows = []
     for weight, blocks in ((3.0, 2.0), (1.0, 2.0)):
         sums = metrics.StepMetrics(block_size=4, num_buckets=1, device=torch.device("cpu"))
@@ -108,12 +101,7 @@ def test_the_documented_training_metric_reaches_every_sink(make_cfg, monkeypatch
     monkeypatch.setenv("WANDB_MODE", "offline")
     cfg = make_cfg(["logger=wandb", "train.total_steps=4", "logger.every_steps=2"])
     run = build_run(cfg)
-    wandb_run = next(s for s in run.trainer.monitor.sinks if isinstance(s, BackgroundSink)).sink.run
-    sent: list[dict] = []
-    real_log = wandb_run.log
-    monkeypatch.setattr(
-        wandb_run, "log", lambda data, step=None: (sent.append(dict(data)), real_log(data, step=step))
-    )
+    sent = record_wandb_rows(run, monkeypatch)
     run.execute()
     rows = [
         json.loads(line) for line in (Path(cfg.paths.output_dir) / "metrics.jsonl").read_text().splitlines()
