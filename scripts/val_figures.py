@@ -28,12 +28,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dflash.config.devices import resolve_device_split  # noqa: E402
+from dflash.data.schedule import held_out_ids  # noqa: E402
 from dflash.distributed import visible_cuda_devices  # noqa: E402
 from dflash.export.zlab import load_drafter  # noqa: E402
 from dflash.run.inputs import load_training_data, script_target  # noqa: E402
 from dflash.run.launch import block_settings_of, plan_batches  # noqa: E402
 from dflash.tools.compose import compose_typed  # noqa: E402
-from dflash.trainer.validation import VAL_FIGURES, Validation, held_out_ids  # noqa: E402
+from dflash.trainer.validation import VAL_FIGURES, Validation  # noqa: E402
 
 
 def unseen_by_init(val_ids: np.ndarray, *, trained_on: int, count: int, seed: int) -> np.ndarray:
@@ -83,7 +84,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         dataset,
         val_ids,
         settings=settings,
-        tokens_per_batch=cfg.scheduler.tokens_per_batch,
+        tokens_per_batch=cfg.data.tokens_per_batch,
         block_budget=planner.block_budget,
     )
     figures = validation.run(target, drafter)
