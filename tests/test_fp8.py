@@ -249,7 +249,10 @@ def test_a_random_fp8_target_builds_layer_by_layer_in_fp8(make_cfg):
     FP8 as built (the full-precision model never exists), the weight bytes are those of an FP8
     model, the same seed builds the same weights, and the features are those of its own
     dequantized weights."""
+    from transformers import AutoModelForCausalLM
+
     from dflash.config.typed import typed_config
+    from dflash.models.fp8 import weight_bytes
     from dflash.run.inputs import frozen_target
 
     overrides = ["target=qwen3_next_80b_fp8_random", *(f"target.arch.{k}={v}" for k, v in QWEN3_NEXT.items())]
@@ -260,8 +263,12 @@ def test_a_random_fp8_target_builds_layer_by_layer_in_fp8(make_cfg):
     assert BlockFP8Linear in kinds and BlockFP8Experts in kinds and nn.Linear in kinds  # routers, lm_head
     for (name, a), (_, b) in zip(target.model.named_parameters(), again.model.named_parameters()):
         assert a.dtype == b.dtype and torch.equal(a.float(), b.float()), name
-    fp8_bytes = sum(p.numel() for p in target.model.parameters() if p.dtype == FP8_DTYPE)
-    assert fp8_bytes > 0.5 * sum(p.numel() for p in target.model.parameters())
+    # The bytes the memory check counts before loading (dflash/run/inputs.py) are those held.
+    with torch.device("meta"):
+        unquantized = AutoModelForCausalLM.from_config(target.config, attn_implementation="sdpa")
+    held = sum(p.numel() * p.element_size() for p in target.model.parameters())
+    assert held == pytest.approx(weight_bytes(unquantized, itemsize=4, fp8=True), rel=0.02)
+    assert held < 0.5 * weight_bytes(unquantized, itemsize=4, fp8=False)
     plain = copy.deepcopy(target.model)
     for name, module in list(plain.named_modules()):
         if isinstance(module, BlockFP8Linear):
@@ -332,5 +339,72 @@ def test_a_checkpoint_transformers_would_misread_on_the_cpu_is_refused(tmp_path)
     cfg = OmegaConf.merge(
         OmegaConf.structured(TargetConfig), {"name": "hf", "path": str(directory), "model_type": None}
     )
-    with pytest.raises(ValueError, match=r"layers.0.self_attn.(q|o)_proj.weight \[(192, 128|128, 192)\] .* partial \(128, 128\) block"):
+    with pytest.raises(
+        ValueError,
+        match=r"layers.0.self_attn.(q|o)_proj.weight \[(192, 128|128, 192)\] .* partial \(128, 128\) block",
+    ):
         FrozenTarget.from_config(cfg, [0], torch.device("cpu"))
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize(
+    "model_type, arch", [("qwen3", {**QWEN3, "head_dim": 48}), ("qwen3_next", QWEN3_NEXT)]
+)
+def test_on_cuda_an_fp8_checkpoint_stays_fp8_and_matches_the_bf16_forward_of_its_dequantized_weights(
+    tmp_path, model_type, arch
+):
+    """On CUDA the checkpoint's FP8 tensors stay FP8 in memory (transformers' fine-grained
+    loader, then dflash's modules over the same tensors, unless transformers' own FP8 kernel is
+    installed) and run dequantized module by module. Tolerance: the features of the bf16 model
+    holding the same dequantized weights within bf16 rounding (rtol 1.6e-2, atol 1e-2; the same
+    weights and kernels, so in practice equal). Shapes with a partial block beside full ones
+    (q_proj 192 rows), refused on the CPU, load here. The regional compile gives the same
+    features."""
+    from omegaconf import OmegaConf
+
+    from dflash.config.schema import TargetConfig
+    from dflash.models.target import FrozenTarget
+
+    device = torch.device("cuda")
+    model = tiny_model(model_type, arch)
+    directory = write_fp8_checkpoint(model, tmp_path / "fp8")
+    cfg = OmegaConf.merge(
+        OmegaConf.structured(TargetConfig), {"name": "hf", "path": str(directory), "model_type": None}
+    )
+    layer_ids = [0, arch["num_hidden_layers"] - 1]
+    target = FrozenTarget.from_config(cfg, layer_ids, device)
+    fp8 = [p for p in target.model.parameters() if p.dtype == FP8_DTYPE]
+    assert fp8 and all(p.device.type == "cuda" for p in fp8)
+    reference = dequantized_copy(model).to(device=device, dtype=torch.bfloat16)
+    ids = torch.randint(0, arch["vocab_size"], (2, 64), device=device)
+    want = features_of(reference, ids, layer_ids)
+    torch.testing.assert_close(target.features(ids), want, rtol=1.6e-2, atol=1e-2)
+    target.compile_features(scope="layers")
+    torch.testing.assert_close(target.features(ids), want, rtol=1.6e-2, atol=1e-2)
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_random_fp8_target_holds_fp8_weights(make_cfg):
+    """target.fp8 on CUDA: the weights are built and kept in FP8 on the GPU: the bytes allocated
+    are the FP8 model's (projections and experts one byte an element, plus scales), about half
+    the bf16 model's (within 10% and 256 KiB of allocator rounding)."""
+    from transformers import AutoModelForCausalLM
+
+    from dflash.config.typed import typed_config
+    from dflash.models.fp8 import weight_bytes
+    from dflash.run.inputs import frozen_target
+
+    overrides = ["target=qwen3_next_80b_fp8_random", *(f"target.arch.{k}={v}" for k, v in QWEN3_NEXT.items())]
+    overrides += ["target.arch.num_hidden_layers=8", "drafter=tiny", "drafter.mask_token_id=255"]
+    overrides += ["drafter.target_layer_ids=[0,7]", "gpu=single"]
+    torch.cuda.empty_cache()
+    before = torch.cuda.memory_allocated()
+    target, _ = frozen_target(typed_config(make_cfg(overrides)), "cuda")
+    held = torch.cuda.memory_allocated() - before
+    with torch.device("meta"):
+        unquantized = AutoModelForCausalLM.from_config(target.config, attn_implementation="sdpa")
+    expected = weight_bytes(unquantized, itemsize=2, fp8=True)  # what the memory check counts
+    assert expected < 0.6 * weight_bytes(unquantized, itemsize=2, fp8=False)
+    assert held <= 1.1 * expected + (256 << 10), (held, expected)
+    ids = torch.randint(0, QWEN3_NEXT["vocab_size"], (2, 64), device="cuda")
+    assert torch.isfinite(target.features(ids)).all()

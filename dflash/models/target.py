@@ -61,6 +61,11 @@ def load_target_config(cfg: TargetConfig) -> PretrainedConfig:
         # A random image-text target is its language model alone: `arch` holds text fields.
         model_type = f"{cfg.model_type}_text" if cfg.model_type in IMAGE_TEXT_TYPES else cfg.model_type
         return AutoConfig.for_model(model_type, **dict(cfg.arch))
+    if cfg.fp8:
+        raise ValueError(
+            f"target.fp8=true quantizes a random-weight target, but target.path={cfg.path!r} is set: a "
+            "checkpoint loads as published (an FP8 one is recognised by its quantization_config)"
+        )
     try:
         config = AutoConfig.from_pretrained(cfg.path)
     except (OSError, ValueError) as exc:
