@@ -408,3 +408,25 @@ def test_on_cuda_a_random_fp8_target_holds_fp8_weights(make_cfg):
     assert held <= 1.1 * expected + (256 << 10), (held, expected)
     ids = torch.randint(0, QWEN3_NEXT["vocab_size"], (2, 64), device="cuda")
     assert torch.isfinite(target.features(ids)).all()
+
+
+def test_fp8_kept_layers_compile_by_layer_without_graph_breaks(make_cfg):
+    """target.compile_scope=layers over FP8-kept layers: the dequantization traces into each
+    layer's graph (no graph break) and the compiled features equal the eager stack's."""
+    from torch._dynamo.utils import counters
+
+    from dflash.config.typed import typed_config
+    from dflash.models.compile import CompileCounter
+    from dflash.run.inputs import frozen_target
+
+    overrides = ["target=qwen3_next_80b_fp8_random", *(f"target.arch.{k}={v}" for k, v in QWEN3_NEXT.items())]
+    overrides += ["drafter=tiny", "drafter.mask_token_id=255", "drafter.target_layer_ids=[0,3]"]
+    target, _ = frozen_target(typed_config(make_cfg(overrides)), "cpu")
+    torch._dynamo.reset()
+    counters.clear()
+    target.compile_features(
+        CompileCounter("target", backend=lambda graph, inputs: graph.forward), scope="layers"
+    )
+    ids = torch.randint(0, QWEN3_NEXT["vocab_size"], (2, 17))
+    torch.testing.assert_close(target.features(ids), target.reference_features(ids), rtol=0, atol=0)
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
