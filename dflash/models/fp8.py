@@ -83,8 +83,15 @@ def dequantize_blockwise(
 ) -> torch.Tensor:
     """`fp8 * scale_inv` per block, computed in float32 and rounded once to `dtype`."""
     rows, cols = fp8.shape[-2:]
+    weight = fp8.float()
+    if rows % block[0] == 0 and cols % block[1] == 0:
+        # Whole blocks: scale a blocked view in place (no expanded scale tensor: a MoE layer's
+        # experts are ~0.8G elements at Qwen3-Next's shape).
+        tiles = weight.unflatten(-1, (cols // block[1], block[1])).unflatten(-3, (rows // block[0], block[0]))
+        tiles.mul_(scale_inv.float()[..., :, None, :, None])
+        return weight.to(dtype)
     scale = scale_inv.float().repeat_interleave(block[0], dim=-2).repeat_interleave(block[1], dim=-1)
-    return (fp8.float() * scale[..., :rows, :cols]).to(dtype)
+    return weight.mul_(scale[..., :rows, :cols]).to(dtype)
 
 
 def _frozen(tensor: torch.Tensor) -> nn.Parameter:
