@@ -326,7 +326,8 @@ def load_fp8_checkpoint(path: str, *, dtype: torch.dtype, device: torch.device) 
         return AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, quantization_config=FineGrainedFP8Config(dequantize=True)
         )
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map={"": device})
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, device_map={"": index})
     if not _transformers_fp8_kernel_loads():
         from_transformers_fp8(model)
     return model
