@@ -192,8 +192,12 @@ class BlockFP8Experts(nn.Module):
         return experts_forward(view, hidden_states, top_k_index, top_k_weights)
 
 
-def _unquantized(name: str) -> bool:
-    return any(name == suffix or name.endswith("." + suffix) for suffix in UNQUANTIZED)
+def _quantizable(name: str, module: nn.Module) -> bool:
+    """Whether a decoder layer's module `name` is one the published FP8 checkpoints quantize:
+    a plain Linear projection or fused routed experts, not one of `UNQUANTIZED`."""
+    if any(name == suffix or name.endswith("." + suffix) for suffix in UNQUANTIZED):
+        return False
+    return type(module) is nn.Linear or isinstance(getattr(module, "gate_up_proj", None), nn.Parameter)
 
 
 def quantize_layer(layer: nn.Module, *, block: tuple[int, int] = BLOCK) -> nn.Module:
@@ -202,9 +206,7 @@ def quantize_layer(layer: nn.Module, *, block: tuple[int, int] = BLOCK) -> nn.Mo
     routers and gates of `UNQUANTIZED`) and fused routed experts. Each bf16 weight is dropped
     as its FP8 copy replaces it."""
     for name, module in list(layer.named_modules()):
-        if not name or _unquantized(name):
-            continue
-        if type(module) is nn.Linear or isinstance(getattr(module, "gate_up_proj", None), nn.Parameter):
+        if name and _quantizable(name, module):
             layer.set_submodule(name, _quantized(module, block))
     return layer
 
@@ -261,9 +263,7 @@ def quantized_module_names(model: nn.Module) -> list[str]:
     return [
         name
         for name, module in model.named_modules()
-        if ".layers." in f".{name}"
-        and not _unquantized(name)
-        and (type(module) is nn.Linear or isinstance(getattr(module, "gate_up_proj", None), nn.Parameter))
+        if ".layers." in f".{name}" and _quantizable(name, module)
     ]
 
 
