@@ -2,8 +2,9 @@
 reader, a tiny checkpoint written here in the published layout (Qwen3 dense, Qwen3-Next hybrid
 MoE) loading with `target.path` to the features of the dequantized weights, the FP8-kept path
 (random `target.fp8` targets; transformers' FP8 modules converted) equal to the forward of its
-own dequantized weights, and `dflash-train` on the checkpoint; `target.experts` options agree
-with the eager experts in fp32."""
+own dequantized weights and compiled by layer, `dflash-train` on the checkpoint and on an
+FP8-kept target (lossless decoding); `target.experts` options agree with the eager experts in
+fp32. GPU tests: FP8 kept on CUDA against the bf16 forward of the dequantized weights."""
 
 from __future__ import annotations
 
@@ -294,6 +295,20 @@ def test_dflash_train_trains_on_an_fp8_checkpoint(tmp_path, make_cfg):
         + ["train.total_steps=4", "logger.every_steps=2", "gpu=cpu", "debug=fast"]
     )
     summary = train(cfg)
+    assert summary["steps"] == 4 and summary["eval/lossless_frac"] == 1.0
+
+
+def test_a_random_fp8_target_trains_and_decodes_losslessly(make_cfg):
+    """target.fp8 with its weights kept in FP8 on the CPU: a run trains and its closing
+    decoding check (speculative against plain greedy, both through the FP8 modules) is
+    lossless."""
+    from dflash.train import train
+    from tests.conftest import TINY_ARCH
+
+    arch = [f"target.arch.{k}={v}" for k, v in TINY_ARCH.items()]
+    summary = train(
+        make_cfg(["target=qwen3_8b_fp8_random", *arch, "train.total_steps=4", "logger.every_steps=2"])
+    )
     assert summary["steps"] == 4 and summary["eval/lossless_frac"] == 1.0
 
 
