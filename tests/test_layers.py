@@ -38,6 +38,7 @@ LAYERS: list[list[str]] = [
     ["dflash.run.runner"],
     ["dflash.run"],
     ["dflash.train", "dflash.tools", "dflash"],
+    ["dflash.cli", "dflash.__main__"],
 ]
 
 

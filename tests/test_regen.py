@@ -143,27 +143,22 @@ def test_http_backend_against_a_loopback_server_with_retries(tmp_path, backend):
 
 
 def test_regen_cli_composes_and_runs(tmp_path, tiny_chat_dir, capsys):
-    from hydra import compose, initialize_config_dir
-
-    from dflash.config.schema import register_configs
-    from dflash.tools.compose import CONF_DIR
+    from dflash.tools.compose import compose_config
     from dflash.tools.regen import build_backend, regen
 
-    register_configs()
     source = write_conversations(tmp_path / "in.jsonl", 3, seed=6)
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(
-            config_name="regen",
-            overrides=[
-                f"target.path={tiny_chat_dir}",
-                f"input=[{source}]",
-                f"output={tmp_path / 'out.jsonl'}",
-                "sampling.temperature=0.8",
-                "sampling.max_new_tokens=8",
-                f"paths.output_dir={tmp_path}",
-                f"paths.cache_dir={tmp_path}",
-            ],
-        )
+    cfg = compose_config(
+        config_name="regen",
+        overrides=[
+            f"target.path={tiny_chat_dir}",
+            f"input=[{source}]",
+            f"output={tmp_path / 'out.jsonl'}",
+            "sampling.temperature=0.8",
+            "sampling.max_new_tokens=8",
+            f"paths.output_dir={tmp_path}",
+            f"paths.cache_dir={tmp_path}",
+        ],
+    )
     stats = regen(cfg)
     assert stats.written == 3
     assert "written              3 conversations" in capsys.readouterr().out

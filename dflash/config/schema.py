@@ -506,7 +506,9 @@ class RegenConfig:
     limit: Optional[int] = None
 
 
-# The component schemas each option file of conf/<group>/ starts from (`defaults: [<option>_schema]`).
+# The component schemas each option file of conf/<group>/ starts from (`defaults:
+# [/schema/<group>/<option>@_here_]`): stored apart from the options, so they are neither listed nor
+# selectable as options of the group.
 COMPONENT_OPTIONS: dict[str, dict[str, type]] = {
     "scheduler": {"interleave": InterleaveSchedulerConfig, "shuffle": ShuffleSchedulerConfig},
     "optimizer": {"adamw": AdamWConfig},
@@ -534,4 +536,4 @@ def register_configs() -> None:
     store.store(name="dflash_regen_schema", node=RegenConfig)
     for group, options in COMPONENT_OPTIONS.items():
         for option, node in options.items():
-            store.store(group=group, name=f"{option}_schema", node=node)
+            store.store(group=f"schema/{group}", name=option, node=node)

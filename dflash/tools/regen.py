@@ -13,7 +13,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from dflash.config.schema import RegenBackend, RegenConfig, register_configs
-from dflash.train import CONF_DIR
+from dflash.tools.compose import CONF_PATH
+from dflash.tools.hydra_app import run_hydra_app
 from dflash.trainer.signals import StopRequested, on_signals
 
 register_configs()
@@ -123,9 +124,25 @@ def regen(cfg: DictConfig):
     return stats
 
 
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="regen")
-def main(cfg: DictConfig) -> None:
+@hydra.main(version_base="1.3", config_path=CONF_PATH, config_name="regen")
+def hydra_main(cfg: DictConfig) -> None:
     regen(cfg)
+
+
+def main() -> None:
+    """`dflash regen` / `dflash-regen`."""
+    run_hydra_app(
+        hydra_main,
+        tool="dflash regen",
+        summary="The target writes the assistant replies of a conversation set, turn by turn "
+        "(training data in the\ntarget's own words). Resumable: rerun the same command after an interruption.",
+        config_name="regen",
+        overrides=(
+            "target=hf target.path=/models/MyModel input=[chat.jsonl] output=regen.jsonl",
+            "backend=http url=http://localhost:8000/v1 model=NAME   a running vLLM / SGLang server",
+            "batch_size=64 sampling.max_new_tokens=1024 limit=N",
+        ),
+    )
 
 
 if __name__ == "__main__":
