@@ -169,8 +169,9 @@ class DataConfig:
 # its runtime objects (the samples' lengths, the drafter's parameters, the trainer...) when it is
 # built. A user's own class is named the same way, by YAML or an override, and receives the
 # option's fields (docs/extending.md); no switch over the built-ins exists anywhere. Each option
-# file (conf/<group>/<option>.yaml) starts from its schema (`defaults: [<option>_schema]`), so a
-# key of another option is refused at compose time (noise=none has no `std`).
+# file (conf/<group>/<option>.yaml) starts from its schema (`defaults:
+# [/schema/<group>/<option>@_here_]`), so a key of another option is refused at compose time
+# (noise=none has no `std`).
 
 
 @dataclass
