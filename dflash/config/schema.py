@@ -132,14 +132,29 @@ class DrafterConfig:
 
 
 @dataclass
+class ConversationLayoutConfig:
+    """Where conversation records keep their turns (data.layout, regen's layout). null: auto —
+    `messages` with role/content turns (OpenAI), else `conversations` with from/value (ShareGPT)."""
+
+    # The record field (a file's key, a Parquet or datasets column) holding the list of turns.
+    field: Optional[str] = None
+    # Each turn's role key (its values: system, user/human, assistant/gpt/model) and text key;
+    # null: role/content when a turn has `role`, else from/value.
+    role: Optional[str] = None
+    content: Optional[str] = None
+
+
+@dataclass
 class DataConfig:
     name: str = MISSING
     kind: DataKind = DataKind.synthetic
     # Samples longer than this are truncated (both kinds).
     max_length: int = 3072
-    # conversations: local .jsonl / .json / .parquet files of OpenAI `messages` (role/content)
-    # or ShareGPT `conversations` (from/value) records, rendered with the target's chat template.
+    # conversations: local .jsonl / .json / .parquet files, or directories `datasets`' save_to_disk
+    # wrote, of OpenAI `messages` (role/content) or ShareGPT `conversations` (from/value) records
+    # (other names: `layout`), rendered with the target's chat template.
     files: list[str] = field(default_factory=list)
+    layout: ConversationLayoutConfig = field(default_factory=ConversationLayoutConfig)
     # conversations: samples with fewer supervised (assistant) tokens are dropped and counted.
     min_supervised_tokens: int = 16
     # conversations: tokenizer processes (datasets.map num_proc); null: in this process.
@@ -475,8 +490,10 @@ class RegenConfig:
 
     target: TargetConfig = field(default_factory=TargetConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
-    # Conversation files (.jsonl / .json / .parquet; OpenAI or ShareGPT records).
+    # Conversation files (.jsonl / .json / .parquet, or save_to_disk directories; OpenAI or ShareGPT
+    # records, other names: `layout`).
     input: list[str] = MISSING
+    layout: ConversationLayoutConfig = field(default_factory=ConversationLayoutConfig)
     # JSONL of regenerated conversations (OpenAI `messages`); appended to, so a rerun resumes.
     output: str = MISSING
     backend: RegenBackend = RegenBackend.transformers

@@ -13,6 +13,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from dflash.config.schema import RegenBackend, RegenConfig, register_configs
+from dflash.data.conversations import record_layout
 from dflash.tools.compose import CONF_PATH
 from dflash.tools.hydra_app import run_hydra_app
 from dflash.trainer.signals import StopRequested, on_signals
@@ -109,7 +110,13 @@ def regen(cfg: DictConfig):
         with stop_by_raising():
             backend = build_backend(typed)
             regenerate(
-                backend, list(typed.input), Path(typed.output), typed.batch_size, typed.limit, stats=stats
+                backend,
+                list(typed.input),
+                Path(typed.output),
+                typed.batch_size,
+                typed.limit,
+                stats=stats,
+                layout=record_layout(typed.layout),
             )
     finally:  # the counts reach the run record however regen ends
         write_summary(stats)
