@@ -1,4 +1,5 @@
-"""Metric sinks (config group `logger`, `logger.sinks`): metrics.jsonl, console lines, W&B.
+"""Metric sinks (config group `logger`, `logger.sinks`): metrics.jsonl, console lines, W&B,
+TensorBoard event files.
 
 A sink receives one flat dict of floats per log step. `close(ok)` always runs, also when the job
 fails, so a W&B run is always finished (with a failing exit code when the job failed).
@@ -261,6 +262,32 @@ def wandb_sink(
     (the oldest dropped, and counted, when W&B stalls), given `finish_timeout_s` to finish."""
     sink = WandbSink(context=context, finish_timeout_s=finish_timeout_s, **settings)
     return BackgroundSink("wandb", sink, queue_size=queue_size, close_timeout_s=finish_timeout_s)
+
+
+class TensorBoardSink:
+    """logger=tensorboard: every row as TensorBoard scalars, event files in <run_dir>/tensorboard
+    (`tensorboard --logdir outputs` shows every run; needs the `tensorboard` extra). Evaluation
+    rows arrive at their snapshot's step, after rows of later steps: TensorBoard plots by step
+    whatever the order. NaN/inf are left out, as metrics.jsonl writes them as null."""
+
+    def __init__(self, *, context: SinkContext, subdir: str = "tensorboard", flush_secs: float = 30.0):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:  # torch's writer needs the tensorboard package
+            raise ValueError(
+                "logger=tensorboard needs the tensorboard package: pip install 'dflash[tensorboard]'"
+            ) from exc
+        self.log_dir = context.run_dir / subdir
+        self.writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=flush_secs)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        for key, value in metrics.items():
+            if math.isfinite(value):
+                self.writer.add_scalar(key, value, global_step=step)
+
+    def close(self, ok: bool) -> None:
+        self.writer.flush()
+        self.writer.close()
 
 
 def build_sinks(nodes: dict[str, Any], context: SinkContext) -> list[MetricSink]:
