@@ -1,5 +1,6 @@
 """Trackers as metric sinks, with the real libraries, offline: TensorBoard's event files read back
-with TensorBoard's own reader hold every row metrics.jsonl holds, at the same steps."""
+with TensorBoard's own reader hold every row metrics.jsonl holds, at the same steps; a resumed
+checkpoint continues its W&B run, and checkpoints are logged as W&B artifacts."""
 
 from __future__ import annotations
 
@@ -46,3 +47,38 @@ def test_a_missing_tensorboard_is_one_line_naming_the_extra(make_cfg, monkeypatc
     monkeypatch.setattr(builtins, "__import__", without_tensorboard)
     with pytest.raises(ValueError, match=r"pip install 'dflash\[tensorboard\]'"):
         TensorBoardSink(context=SinkContext(run_dir=Path("unused"), config={}, total_steps=1))
+
+
+def test_wandb_resumes_the_run_its_checkpoint_names_and_logs_checkpoints_as_artifacts(
+    make_cfg, tmp_path, monkeypatch
+):
+    import wandb
+
+    from dflash.monitor.sinks import WANDB_RUN_FILE
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    logged: list[tuple[str, list[str]]] = []
+    real_log_artifact = wandb.sdk.wandb_run.Run.log_artifact
+
+    def log_artifact(run, artifact, *args, aliases=None, **kwargs):
+        logged.append((artifact.type, sorted(aliases or []), sorted(artifact.manifest.entries)))
+        return real_log_artifact(run, artifact, *args, aliases=aliases, **kwargs)
+
+    monkeypatch.setattr(wandb.sdk.wandb_run.Run, "log_artifact", log_artifact)
+    common = ["logger=wandb", "train.total_steps=4", "checkpoint.every_steps=2", "checkpoint.keep_last=3"]
+    first = make_cfg([*common, "logger.sinks.wandb.log_checkpoints=true"], tmp_path / "first")
+    train(first)
+    checkpoints = tmp_path / "first" / "checkpoints"
+    run_id = json.loads((checkpoints / "step_0000002" / WANDB_RUN_FILE).read_text())["id"]
+    assert json.loads((checkpoints / "last" / WANDB_RUN_FILE).read_text())["id"] == run_id
+    assert [(kind, aliases) for kind, aliases, _ in logged] == [
+        ("model", ["latest", "step-2"]),
+        ("model", ["latest", "step-4"]),
+    ]
+    assert {"config.json", "model.safetensors", "README.md"} <= set(logged[0][2])
+
+    resumed = make_cfg([*common, f"resume={checkpoints / 'step_0000002'}"], tmp_path / "second")
+    train(resumed)  # a new run dir; the same W&B run
+    again = json.loads((tmp_path / "second" / "checkpoints" / "last" / WANDB_RUN_FILE).read_text())
+    assert again["id"] == run_id
+    assert len(logged) == 2  # log_checkpoints is off in the resumed run

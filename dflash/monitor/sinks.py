@@ -41,6 +41,7 @@ class SinkContext:
     config: dict[str, Any]
     total_steps: int
     start_step: int = 0
+    resume_dir: Path | None = None  # the checkpoint a resumed run continues (resume=)
 
 
 class JsonlSink:
@@ -132,6 +133,12 @@ class BackgroundSink:
     def health(self) -> dict[str, float]:
         return {f"monitor/{self.name}_dropped": float(self.dropped)}
 
+    def on_checkpoint(self, step: int, path: Path) -> None:
+        """The wrapped sink's checkpoint hook, where it has one (on the checkpoint's thread)."""
+        hook = getattr(self.sink, "on_checkpoint", None)
+        if hook is not None:
+            hook(step, path)
+
     def log(self, metrics: dict[str, float], step: int) -> None:
         with self._cond:
             if len(self._items) >= self._queue_size:
@@ -167,6 +174,7 @@ class BackgroundSink:
 
 def wandb_mode(mode: str | None) -> str:
     """Explicit config wins, then WANDB_MODE; without an API key there is no network use: offline."""
+
     if mode:
         return mode
     if os.environ.get("WANDB_MODE"):
@@ -186,12 +194,16 @@ def sweep_naming() -> tuple[str | None, str | None]:
 
 
 EVAL_STEP = "snapshot_step"
+# Kept in every checkpoint: the W&B run a `resume=` of that checkpoint continues.
+WANDB_RUN_FILE = "wandb_run.json"
 
 
 class WandbSink:
     """A W&B run (logger=wandb: its keys are logger.sinks.wandb's; mode null: WANDB_MODE if set,
     else online with an API key and offline without one). Runs of one sweep share a group named
-    after the sweep dir and are named by the overrides that differ."""
+    after the sweep dir and are named by the overrides that differ. Each checkpoint keeps the
+    run's id (wandb_run.json), so `resume=` of it continues the same W&B run; with
+    `log_checkpoints`, each checkpoint is also logged as a `model` artifact of the run."""
 
     def __init__(
         self,
@@ -204,12 +216,17 @@ class WandbSink:
         name: str | None = None,
         tags: list[str] | None = None,
         finish_timeout_s: float = 30.0,
+        log_checkpoints: bool = False,
     ):
         import wandb
 
         self.timeout_s = finish_timeout_s
+        self.log_checkpoints = log_checkpoints
         sweep_group, job_name = sweep_naming()
+        resumed = resumed_wandb_run(context.resume_dir)
         self.run = wandb.init(
+            id=resumed,
+            resume="allow" if resumed else None,
             project=project,
             entity=entity,
             group=group or sweep_group,  # runs of one sweep share a group
@@ -229,6 +246,16 @@ class WandbSink:
         for family in ("eval", "val"):
             self.run.define_metric(f"{family}/*", step_metric=EVAL_STEP)
         self._step = -1
+
+    def on_checkpoint(self, step: int, path: Path) -> None:
+        record = {"id": self.run.id, "project": self.run.project, "entity": self.run.entity}
+        (Path(path) / WANDB_RUN_FILE).write_text(json.dumps(record) + "\n")
+        if self.log_checkpoints:
+            import wandb
+
+            artifact = wandb.Artifact(f"drafter-{self.run.id}", type="model", metadata={"step": step})
+            artifact.add_dir(str(path))
+            self.run.log_artifact(artifact, aliases=[f"step-{step}", "latest"])
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         # Each drafter gets its own x-axis (its optimizer step), so step skew between drafters shows.
@@ -253,6 +280,17 @@ class WandbSink:
         finisher.join(self.timeout_s)
         if finisher.is_alive():
             log.warning("wandb: finish() did not return within %.0f s; continuing", self.timeout_s)
+
+
+def resumed_wandb_run(resume_dir: Path | None) -> str | None:
+    """The W&B run id a resumed checkpoint keeps (None: a fresh run, or a checkpoint written
+    without W&B)."""
+    if resume_dir is None or not (Path(resume_dir) / WANDB_RUN_FILE).is_file():
+        return None
+    try:
+        return json.loads((Path(resume_dir) / WANDB_RUN_FILE).read_text())["id"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ValueError(f"resume={resume_dir}: {WANDB_RUN_FILE} names no W&B run ({exc})") from exc
 
 
 def wandb_sink(

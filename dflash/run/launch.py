@@ -257,8 +257,20 @@ def attach_observers(
         config=checked.resolved,
         total_steps=trainer.stop_after,
         start_step=trainer.position.step,
+        resume_dir=checked.resume_dir,
     )
     sinks = build_sinks(cfg.logger.sinks, context) if is_main else []
+    # Sinks with a checkpoint hook (W&B: the run id, artifacts) hear of each checkpoint.
+    callbacks = TrainingCallbacks(
+        {
+            **callbacks.callbacks,
+            **{
+                f"logger.sinks.{i}": s
+                for i, s in enumerate(sinks)
+                if callable(getattr(s, "on_checkpoint", None))
+            },
+        }
+    )
     if callbacks:
         sinks.append(callbacks)
     monitor = build(cfg.monitor, "monitor", sinks=sinks, probe=trainer, total_steps=trainer.stop_after)
