@@ -25,7 +25,7 @@ SMALL_TARGET=(gpu=single drafter=b16 drafter.mask_token_id=31999 drafter.num_anc
   target.arch.vocab_size=32000 target.arch.hidden_size=1024 target.arch.intermediate_size=3072
   target.arch.num_hidden_layers=16 target.arch.num_attention_heads=16 target.arch.num_key_value_heads=8
   target.arch.head_dim=64 data.num_samples=512 data.gen_len_max=300 data.max_length=384
-  'scheduler.bucket_edges=[128,256,384]' scheduler.tokens_per_batch=8192 "$CACHE")
+  'data.bucket_edges=[128,256,384]' data.tokens_per_batch=8192 "$CACHE")
 for name in ${@:-step target decode decode_hybrid pipeline train}; do
   log="$OUT_DIR/$name.log"
   case "$name" in
@@ -51,7 +51,7 @@ for name in ${@:-step target decode decode_hybrid pipeline train}; do
   train)
     PAPER=(experiment=qwen3_8b target=qwen3_8b_random data=random_3072 gpu=single pipeline=async logger=jsonl
       monitor.cuda_stats=true monitor.interval_s=5 checkpoint.every_steps=100000 "$CACHE")
-    ONE=(scheduler.block_tokens_per_batch=8192 train.total_steps=200 logger.every_steps=1)
+    ONE=(data.block_tokens_per_batch=8192 train.total_steps=200 logger.every_steps=1)
     $PY -m dflash.train "${PAPER[@]}" "${ONE[@]}" debug.max_steps=50 drafter.attention=sdpa target.compile=false \
       drafter.compile=false loss.logits_chunk=0 paths.output_dir="$OUT_DIR/runs/reference" > "$OUT_DIR/train_reference.log" 2>&1
     $PY -m dflash.train "${PAPER[@]}" "${ONE[@]}" target.compile=true target.compile_dynamic=null \
@@ -65,7 +65,7 @@ for name in ${@:-step target decode decode_hybrid pipeline train}; do
       target.arch.head_dim=128 target.arch.max_position_embeddings=4096 target.arch.tie_word_embeddings=true
       drafter=b16 drafter.mask_token_id=151669 drafter.num_anchors=128 data.num_samples=256
       data.prompt_len_min=1024 data.prompt_len_max=1760 data.gen_len_min=256 data.gen_len_max=288
-      data.max_length=2048 'scheduler.bucket_edges=[2048]' scheduler.tokens_per_batch=8192 logger=jsonl "$CACHE")
+      data.max_length=2048 'data.bucket_edges=[2048]' data.tokens_per_batch=8192 logger=jsonl "$CACHE")
     $PY scripts/bench_pipeline.py --compare layout --steps 30 --warmup-steps 4 "${QWEN3_4B[@]}" > "$log" 2>&1
     tables "$log" ;;
   *)

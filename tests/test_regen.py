@@ -325,7 +325,7 @@ def test_an_output_the_inputs_include_is_refused_before_any_request(tmp_path, mo
 
 
 def test_a_second_regen_on_the_same_output_is_refused_while_the_first_lives(tmp_path, backend):
-    from dflash.run.lock import FileLock
+    from dflash.lock import FileLock
 
     source = write_conversations(tmp_path / "in.jsonl", 3)
     out = tmp_path / "out.jsonl"

@@ -290,7 +290,7 @@ def test_debug_fast_shortens_training_and_the_evaluation(tmp_path, data_cache):
 def test_a_live_runs_paths_output_dir_is_refused_to_a_second_run(tmp_path, data_cache):
     """Two runs with their own Hydra dirs but one paths.output_dir: the second is refused (it
     would interleave metrics and overwrite checkpoints), naming the key and the holder."""
-    from dflash.run.lock import RunDirLock
+    from dflash.lock import RunDirLock
 
     shared = tmp_path / "shared"
     with RunDirLock(shared):  # a live run holding it (this process)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from dflash.data.schedule import held_out_ids
 from dflash.tools import val
 from dflash.train import train
-from dflash.trainer.validation import held_out_ids
 from tests.conftest import FAST, compose_config
 
 

@@ -176,6 +176,19 @@ class DataConfig:
     # synthetic: how the supervised part is written (random: for speed runs of large targets,
     # whose greedy text takes hours to write; nothing there can be learned).
     continuation: SyntheticText = SyntheticText.greedy
+    # How the samples are packed into batches, set by each data option beside its max_length
+    # (the batch order is the `scheduler` group's). Upper bounds (exclusive, the last inclusive)
+    # of the length buckets:
+    bucket_edges: list[int] = MISSING
+    # Padded tokens (batch_size * longest sample) a batch may hold.
+    tokens_per_batch: int = MISSING
+    # Block tokens (batch_size * anchors of its widest sample * block_size) a batch may hold:
+    # what the drafter computes and keeps for backward. null: no limit beyond tokens_per_batch.
+    block_tokens_per_batch: Optional[int] = None
+
+
+# The data keys that say how samples are packed, not which samples exist (a data cache ignores them).
+PACKING_KEYS = ("bucket_edges", "tokens_per_batch", "block_tokens_per_batch")
 
 
 # ---- Components ------------------------------------------------------------------------------
@@ -191,18 +204,12 @@ class DataConfig:
 
 @dataclass
 class SchedulerConfig:
-    """Length buckets, batch packing under token budgets, and the batch order: `_target_` is a
-    BatchPlanner class (dflash/data/schedule.py), whose `order` sorts an epoch's batches."""
+    """The batch order: `_target_` is a BatchPlanner class (dflash/data/schedule.py), whose
+    `order` sorts an epoch's batches; the batches' sizes are the data's (data.bucket_edges,
+    data.tokens_per_batch, data.block_tokens_per_batch)."""
 
     _target_: str = MISSING
     _partial_: bool = True
-    # Upper bounds (exclusive, the last inclusive) of the length buckets.
-    bucket_edges: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048, 3296, 8192])
-    # Padded tokens (batch_size * longest sample) a batch may hold.
-    tokens_per_batch: int = 16384
-    # Block tokens (batch_size * anchors of its widest sample * block_size) a batch may hold:
-    # what the drafter computes and keeps for backward. null: no limit beyond tokens_per_batch.
-    block_tokens_per_batch: Optional[int] = None
 
 
 @dataclass
@@ -228,6 +235,10 @@ class GpuConfig:
     # with torch's default threads and 0.35 s with one, on a shared 2-core box).
     cpu_threads: int = 1
 
+    def __post_init__(self) -> None:
+        if self.cpu_threads < 1:
+            raise ValueError(f"gpu.cpu_threads must be >= 1, got {self.cpu_threads}")
+
 
 @dataclass
 class OptimizerConfig:
@@ -242,6 +253,17 @@ class OptimizerConfig:
     # The step's gradient-norm clip, applied inside the fused update (not an optimizer argument).
     grad_clip: float = 1.0
 
+    def __post_init__(self) -> None:
+        if not self.fused:
+            raise ValueError(
+                "optimizer.fused=false: the step divides and clips the gradients through a fused "
+                "optimizer's grad_scale input, which an unfused one ignores"
+            )
+        if not self.lr > 0:
+            raise ValueError(f"optimizer.lr must be > 0, got {self.lr}")
+        if not self.grad_clip > 0:
+            raise ValueError(f"optimizer.grad_clip must be > 0, got {self.grad_clip}")
+
 
 @dataclass
 class AdamWConfig(OptimizerConfig):
@@ -249,6 +271,11 @@ class AdamWConfig(OptimizerConfig):
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     weight_decay: float = 0.0
     eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"optimizer.betas must be two numbers in [0, 1), got {list(self.betas)}")
+        super().__post_init__()
 
 
 @dataclass
@@ -258,6 +285,10 @@ class LrScheduleConfig:
     _target_: str = MISSING
     _partial_: bool = True
     warmup_ratio: float = 0.04
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ValueError(f"lr_schedule.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
 
 
 @dataclass
@@ -282,6 +313,12 @@ class LossConfig:
     # bounds the logits memory to chunk x vocab floats per sample. 0: all positions at once.
     logits_chunk: int = 2048
 
+    def __post_init__(self) -> None:
+        if not self.gamma > 0:
+            raise ValueError(f"loss.gamma must be > 0, got {self.gamma}")
+        if self.logits_chunk < 0:
+            raise ValueError(f"loss.logits_chunk must be >= 0 (0: no chunking), got {self.logits_chunk}")
+
 
 @dataclass
 class NoiseConfig:
@@ -303,6 +340,13 @@ class MaskRampNoiseConfig(NoiseConfig):
     start: float = 0.5
     warmup_steps: int = 2000
 
+    # A schedule that silently does nothing is the bug this group exists to avoid.
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 1:
+            raise ValueError(f"noise=mask_ramp needs noise.warmup_steps >= 1, got {self.warmup_steps}")
+        if not 0.0 < self.start <= 1.0:
+            raise ValueError(f"noise=mask_ramp needs noise.start in (0, 1], got {self.start}")
+
 
 @dataclass
 class FeatureNoiseConfig(NoiseConfig):
@@ -310,6 +354,12 @@ class FeatureNoiseConfig(NoiseConfig):
     # Std of the Gaussian added to the fused context feature after warmup (ramps from 0).
     std: float = 0.05
     warmup_steps: int = 2000
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 1:
+            raise ValueError(f"noise=feature needs noise.warmup_steps >= 1, got {self.warmup_steps}")
+        if not self.std > 0.0:
+            raise ValueError(f"noise=feature needs noise.std > 0, got {self.std}")
 
 
 @dataclass
@@ -375,11 +425,19 @@ class LoggerConfig:
     sinks: dict[str, Any] = field(default_factory=dict)
     every_steps: int = 10
 
+    def __post_init__(self) -> None:
+        if self.every_steps < 1:
+            raise ValueError(f"logger.every_steps must be >= 1, got {self.every_steps}")
+
 
 @dataclass
 class CheckpointConfig:
     every_steps: int = 1000
     keep_last: int = 3
+
+    def __post_init__(self) -> None:
+        if self.every_steps < 1 or self.keep_last < 1:
+            raise ValueError("checkpoint.every_steps and checkpoint.keep_last must be >= 1")
 
 
 @dataclass
@@ -427,6 +485,10 @@ class DebugConfig:
     max_steps: Optional[int] = None
     detect_anomaly: bool = False
 
+    def __post_init__(self) -> None:
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"debug.max_steps must be >= 1 (or null: no limit), got {self.max_steps}")
+
 
 @dataclass
 class PathsConfig:
@@ -439,6 +501,12 @@ class TrainConfig:
     epochs: int = 6
     # Overrides epochs: total optimizer steps (the LR schedule spans exactly these).
     total_steps: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1:
+            raise ValueError(f"train.epochs must be >= 1, got {self.epochs}")
+        if self.total_steps is not None and self.total_steps < 1:
+            raise ValueError(f"train.total_steps must be >= 1 or null, got {self.total_steps}")
 
 
 @dataclass

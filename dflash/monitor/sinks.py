@@ -22,6 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from dflash.config.components import build, check_buildable
+from dflash.step.metrics import metric_fields
 
 log = logging.getLogger(__name__)
 
@@ -91,24 +92,20 @@ class ConsoleSink(ProgressSink):
     """The progress bar plus one readable line per log window, printed above the bar (tqdm.write:
     lines never tear it)."""
 
-    KEYS = (
-        "train/loss",
-        "train/acc",
-        "train/tau_sim",
-        "train/tau_decode",
-        "train/grad_norm",
-        "train/lr",
-        "perf/tokens_per_s",
-        "perf/data_wait_frac",
-        "queue/hs_fill",
-        "gpu/drafter/util_pct",
-    )
+    FIGURES = ("train/loss", "train/acc", "train/tau_sim", "train/tau_decode")
+    AFTER = ("train/lr", "perf/tokens_per_s", "perf/data_wait_frac", "queue/hs_fill", "gpu/drafter/util_pct")
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        """The line's keys: the objective's figures, each metric field marked `console`, the rest."""
+        fields = tuple(f"train/{field.name}" for field in metric_fields() if field.console)
+        return cls.FIGURES + fields + cls.AFTER
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         if "train/loss" not in metrics:
             return  # telemetry-only rows, and evaluation rows (printed in the run summary)
         super().log(metrics, step)
-        parts = [f"{k.split('/', 1)[-1]}={metrics[k]:.4g}" for k in self.KEYS if k in metrics]
+        parts = [f"{k.split('/', 1)[-1]}={metrics[k]:.4g}" for k in self.keys() if k in metrics]
         self.bar.write(f"step {step:>6}  " + "  ".join(parts))
 
 

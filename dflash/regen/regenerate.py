@@ -40,8 +40,8 @@ from dflash.data.conversations import (
     entry_reads,
     read_conversations,
 )
+from dflash.lock import FileLock
 from dflash.regen.backends import RegenBackend, Reply
-from dflash.run.lock import FileLock
 
 log = logging.getLogger(__name__)
 

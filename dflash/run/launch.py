@@ -21,7 +21,7 @@ from dflash import __version__
 from dflash.config.components import build
 from dflash.config.schema import Config, pipeline_name
 from dflash.data.dataset import TokenDataset
-from dflash.data.schedule import BatchPlanner, build_planner
+from dflash.data.schedule import BatchPlanner, build_planner, held_out_ids
 from dflash.export.card import TrainingFacts
 from dflash.export.zlab import load_drafter_weights
 from dflash.models.compile import CompileCounter
@@ -37,10 +37,10 @@ from dflash.run.runner import Run
 from dflash.step.build import block_settings_for, build_drafter, build_step_fn, uses_compile
 from dflash.step.step import BlockSettings, DrafterStep
 from dflash.trainer.async_trainer import FaultInjection
-from dflash.trainer.lifecycle import Trainer
+from dflash.trainer.lifecycle import TRAINER_INPUTS, Trainer, TrainerInputs
 from dflash.trainer.periodic_eval import PeriodicEval
 from dflash.trainer.state import CheckpointSettings
-from dflash.trainer.validation import Validation, held_out_ids
+from dflash.trainer.validation import Validation
 
 log = logging.getLogger(__name__)
 
@@ -112,6 +112,7 @@ def plan_batches(cfg: Config, dataset: TokenDataset) -> tuple[BatchPlanner, np.n
     val_ids = held_out_ids(len(dataset), cfg.data.val_samples, cfg.seed) if cfg.data.val_samples else None
     planner = build_planner(
         cfg.scheduler,
+        data=cfg.data,
         lengths=dataset.lengths,
         seed=cfg.seed,
         num_anchors=cfg.drafter.num_anchors,
@@ -223,7 +224,7 @@ def build_trainer(
         target_identity=checked.target_identity,
         card=training_facts(checked, schedule),
     )
-    runtime = dict(
+    inputs = TrainerInputs(
         targets=models.targets,
         step_fns=step_fns,
         dataset=schedule.dataset,
@@ -231,8 +232,9 @@ def build_trainer(
         stop_after=stop_after,
         log_every=cfg.logger.every_steps,
         checkpoints=checkpoints,
-        process_group=checked.process_group,  # multi-node: rank 0 alone logs and checkpoints
+        process_group=checked.process_group,
     )
+    runtime: dict = {TRAINER_INPUTS: inputs}
     if faults is not None:  # tests: a target worker or drafter that raises on cue
         runtime["faults"] = faults
     return build(cfg.pipeline, "pipeline", **runtime)
@@ -280,7 +282,7 @@ def attach_observers(
             schedule.dataset,
             schedule.val_ids,
             settings=block_settings,
-            tokens_per_batch=cfg.scheduler.tokens_per_batch,
+            tokens_per_batch=cfg.data.tokens_per_batch,
             block_budget=schedule.planner.block_budget,
         )
     periodic_eval = None

@@ -34,6 +34,7 @@ from dflash.run.checks import resolve_layer_ids, validate
 from dflash.run.inputs import eval_prompt_sets, local_target_config
 from dflash.run.resume import check_resume_matches
 from dflash.step.build import STEP_KEYS
+from dflash.trainer.lifecycle import TRAINER_INPUTS
 
 
 @dataclass
@@ -61,21 +62,21 @@ class Checked:
 # The runtime keyword arguments the launcher builds each component with (dflash/run/launch.py),
 # besides its node's own keys: a `_target_` whose signature cannot take them is refused here.
 COMPONENT_RUNTIME: dict[str, tuple[str, ...]] = {
-    "scheduler": ("lengths", "seed", "num_anchors", "block_size", "held_out"),
+    "scheduler": (
+        "lengths",
+        "bucket_edges",
+        "tokens_per_batch",
+        "block_tokens_per_batch",
+        "seed",
+        "num_anchors",
+        "block_size",
+        "held_out",
+    ),
     "optimizer": ("params",),
     "lr_schedule": ("optimizer", "total_steps"),
     "loss": (),
     "noise": (),
-    "pipeline": (
-        "targets",
-        "step_fns",
-        "dataset",
-        "planner",
-        "stop_after",
-        "log_every",
-        "checkpoints",
-        "process_group",
-    ),
+    "pipeline": (TRAINER_INPUTS,),
     "monitor": ("sinks", "probe", "total_steps"),
 }
 

@@ -32,8 +32,8 @@ from hydra.types import RunMode
 from omegaconf import DictConfig, OmegaConf
 
 from dflash.errors import exit_for_user_error, full_errors_requested
+from dflash.lock import RunDirInUse, RunDirLock, holds_run_dir_lock, launch_rank
 from dflash.models.feature_check import REPORT_FILE as FEATURE_CHECK_FILE
-from dflash.run.lock import RunDirInUse, RunDirLock, holds_run_dir_lock, launch_rank
 from dflash.trainer.signals import StopRequested
 
 LIBRARIES = ("dflash", "torch", "transformers", "hydra-core", "omegaconf", "safetensors", "wandb", "numpy")

@@ -1,56 +1,98 @@
 """A drafter step's metrics accumulated on the device and handed to the host without a sync.
 
 `StepMetrics.add` sums each step's loss, accuracy counts and gradient norm into one device
-vector (laid out by `MetricLayout`); `publish()` copies it into a pinned host buffer with a
-non-blocking copy and returns a `MetricWindow`, which the logger reads once its event completed.
+vector (laid out by `MetricLayout` from `FIELDS`); `publish()` copies it into a pinned host buffer
+with a non-blocking copy and returns a `MetricWindow`, which the logger reads once its event
+completed. A new training metric is one `Field` in `FIELDS` (docs/extending.md, "Add a training
+metric"): its place in the vector, its window sum and its `train/` key all follow from it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from dflash.data.collate import Batch
 from dflash.step.loss import LossStats
 
+Width = Literal["one", "position", "bucket"]
+
+
+@dataclass(frozen=True)
+class Field:
+    """One sum of the metric vector.
+
+    name: its key in `MetricWindow.sums()`. source: the per-step value it sums (default: `name`):
+    a `LossStats` field, `grad_norm`, or `nonfinite_steps` (1 for a skipped step). A step whose
+    loss or gradient was not finite adds only to `nonfinite_steps` (its update was skipped).
+    width: "one" number, one per block "position" (`block_size`), or one per length "bucket"
+    (the step's value lands in its batch's bucket).
+    per: report the window's sum as `train/<name>`, divided by the steps of a replica ("step")
+    or by the sum of another field (its name); None: the sum only feeds other figures.
+    same_everywhere: equal on every process (left out of the sum over processes).
+    console: also printed on the console line.
+    """
+
+    name: str
+    source: str = ""
+    width: Width = "one"
+    per: str | None = None
+    same_everywhere: bool = False
+    console: bool = False
+
+    @property
+    def value(self) -> str:
+        return self.source or self.name
+
+
+# The metric vector, in order. One vector: one device->host copy and one collective per window.
+FIELDS: tuple[Field, ...] = (
+    Field("weighted_ce"),  # sum_k w_k * CE_k
+    Field("weight"),  # sum of loss weights
+    Field("grad_norm", per="step", same_everywhere=True, console=True),
+    Field("nonfinite_steps", same_everywhere=True),  # steps skipped
+    Field("accepted"),  # blocks' leading runs of correct predictions (loss.block_acceptance)
+    Field("blocks"),  # blocks whose first prediction is supervised
+    Field("rounds"),  # sum over those blocks of 1 / (1 + leading run) (loss.tau_from_rounds)
+    Field("correct", width="position"),
+    Field("counted", width="position"),
+    Field("bucket_weighted_ce", source="weighted_ce", width="bucket"),
+    Field("bucket_weight", source="weight", width="bucket"),
+)
+
+
+def metric_fields() -> tuple[Field, ...]:
+    """`FIELDS` as it is now (read at call time, so an extended tuple reaches every reader)."""
+    return FIELDS
+
 
 @dataclass(frozen=True)
 class MetricLayout:
-    """Where each sum sits in a window's flat vector (one vector: one device->host copy, one
-    collective across processes). A step whose loss or gradient was not finite adds only to
-    `nonfinite` (its update was skipped)."""
+    """Where each field's sums sit in a window's flat vector: the fields in order, each as wide
+    as its `width` says."""
 
     block_size: int
     num_buckets: int
-    weighted_ce: int = 0
-    weight: int = 1
-    grad_norm: int = 2  # sum over steps
-    nonfinite: int = 3  # steps skipped
-    accepted: int = 4  # blocks' leading runs of correct predictions (loss.block_acceptance)
-    blocks: int = 5  # blocks whose first prediction is supervised
-    rounds: int = 6  # sum over those blocks of 1 / (1 + leading run) (loss.tau_from_rounds)
+    fields: tuple[Field, ...] = dataclasses.field(default_factory=metric_fields)
 
-    @property
-    def correct(self) -> slice:  # per block position
-        return slice(7, 7 + self.block_size)
+    slices: dict[str, slice] = dataclasses.field(init=False, repr=False, compare=False)
+    size: int = dataclasses.field(init=False, compare=False)
 
-    @property
-    def counted(self) -> slice:  # per block position
-        return slice(self.correct.stop, self.correct.stop + self.block_size)
+    def __post_init__(self) -> None:
+        widths = {"one": 1, "position": self.block_size, "bucket": self.num_buckets}
+        slices, start = {}, 0
+        for field in self.fields:
+            slices[field.name] = slice(start, start + widths[field.width])
+            start += widths[field.width]
+        object.__setattr__(self, "slices", slices)
+        object.__setattr__(self, "size", start)
 
-    @property
-    def bucket_weighted_ce(self) -> slice:
-        return slice(self.counted.stop, self.counted.stop + self.num_buckets)
-
-    @property
-    def bucket_weight(self) -> slice:
-        return slice(self.bucket_weighted_ce.stop, self.bucket_weighted_ce.stop + self.num_buckets)
-
-    @property
-    def size(self) -> int:
-        return self.bucket_weight.stop
+    def __getitem__(self, name: str) -> slice:
+        return self.slices[name]
 
 
 @dataclass(kw_only=True)
@@ -73,20 +115,12 @@ class MetricWindow:
         return self.ready is None or self.ready.query()
 
     def sums(self) -> dict[str, object]:
+        """Each field's sum by name: a float for a "one" field, a list of floats otherwise."""
         v = self.values.tolist()  # a host tensor: no device sync
         at = MetricLayout(self.block_size, self.num_buckets)
         return {
-            "weighted_ce": v[at.weighted_ce],
-            "weight": v[at.weight],
-            "grad_norm": v[at.grad_norm],
-            "nonfinite_steps": v[at.nonfinite],
-            "accepted": v[at.accepted],
-            "blocks": v[at.blocks],
-            "rounds": v[at.rounds],
-            "correct": v[at.correct],
-            "counted": v[at.counted],
-            "bucket_weighted_ce": v[at.bucket_weighted_ce],
-            "bucket_weight": v[at.bucket_weight],
+            field.name: v[at[field.name]] if field.width != "one" else v[at[field.name].start]
+            for field in at.fields
         }
 
 
@@ -113,19 +147,15 @@ class StepMetrics:
         # On the device, no sync: a non-finite step (its update skipped) is counted and adds
         # nothing else, so one bad step does not turn the whole window's loss into NaN.
         finite = torch.isfinite(grad_norm.detach()) & torch.isfinite(stats.weighted_ce.detach())
-        keep = finite.to(sums.dtype)
-        weighted_ce = torch.where(finite, stats.weighted_ce.detach(), 0.0)
-        sums[at.weighted_ce] += weighted_ce
-        sums[at.weight] += stats.weight * keep
-        sums[at.grad_norm] += torch.where(finite, grad_norm.detach(), 0.0)
-        sums[at.nonfinite] += 1.0 - keep
-        sums[at.accepted] += stats.accepted * keep
-        sums[at.blocks] += stats.blocks * keep
-        sums[at.rounds] += stats.rounds * keep
-        sums[at.correct] += stats.correct * keep
-        sums[at.counted] += stats.counted * keep
-        sums[at.bucket_weighted_ce.start + bucket] += weighted_ce
-        sums[at.bucket_weight.start + bucket] += stats.weight * keep
+        step = {f.name: getattr(stats, f.name).detach() for f in dataclasses.fields(stats)}
+        kept = {name: torch.where(finite, value, 0.0) for name, value in step.items()}
+        kept["grad_norm"] = torch.where(finite, grad_norm.detach(), 0.0)
+        kept["nonfinite_steps"] = 1.0 - finite.to(sums.dtype)
+        for field in at.fields:
+            where = at[field.name]
+            if field.width == "bucket":
+                where = where.start + bucket
+            sums[where] += kept[field.value]
         self.steps += 1
         self.samples += len(batch.plan.sample_ids)
         self.real_tokens += batch.real_tokens
@@ -140,8 +170,9 @@ class StepMetrics:
         sums = self._sums
         if reduce is not None:
             sums = reduce(self._sums.clone())
-            for same_everywhere in (self.layout.grad_norm, self.layout.nonfinite):
-                sums[same_everywhere] = self._sums[same_everywhere]
+            for field in self.layout.fields:
+                if field.same_everywhere:
+                    sums[self.layout[field.name]] = self._sums[self.layout[field.name]]
         if self.device.type == "cuda":
             host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
             host.copy_(sums, non_blocking=True)

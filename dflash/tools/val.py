@@ -24,12 +24,13 @@ import numpy as np
 import torch
 
 from dflash.config.devices import resolve_device_split
+from dflash.data.schedule import held_out_ids
 from dflash.distributed import visible_cuda_devices
 from dflash.export.zlab import load_drafter
 from dflash.run.inputs import load_training_data, script_target
 from dflash.run.launch import block_settings_of, plan_batches
 from dflash.tools.compose import compose_typed
-from dflash.trainer.validation import VAL_FIGURES, Validation, held_out_ids
+from dflash.trainer.validation import VAL_FIGURES, Validation
 
 
 def unseen_by_init(val_ids: np.ndarray, *, trained_on: int, count: int, seed: int) -> np.ndarray:
@@ -79,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         dataset,
         val_ids,
         settings=settings,
-        tokens_per_batch=cfg.scheduler.tokens_per_batch,
+        tokens_per_batch=cfg.data.tokens_per_batch,
         block_budget=planner.block_budget,
     )
     figures = validation.run(target, drafter)
