@@ -185,7 +185,7 @@ def test_one_row_per_log_window_whatever_the_tick_cadence(make_cfg, tmp_path):
 
 
 def test_cadence_folds_the_steps_after_the_last_full_window_into_it():
-    from dflash.trainer.cadence import Cadence
+    from dflash.pipeline.cadence import Cadence
 
     def closes(stop_after: int, log_every: int) -> list[int]:
         cadence = Cadence(stop_after=stop_after, log_every=log_every, checkpoint_every=1000)
