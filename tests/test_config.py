@@ -56,6 +56,10 @@ def option_overrides(group: str, option: str, request) -> list[str]:
         # The published hybrid shapes' own keys, at the tiny sizes.
         ("target", "qwen3_5_35b_a3b_random"): lambda: tiny_hybrid_arch() + ["drafter.intermediate_size=128"],
         ("target", "qwen3_next_80b_random"): lambda: tiny_hybrid_arch(),
+        ("target", "qwen3_next_80b_fp8_random"): lambda: tiny_hybrid_arch(),
+        ("target", "qwen3_8b_fp8_random"): lambda: [
+            f"target.arch.{key}={value}" for key, value in TINY_ARCH.items()
+        ],
         ("target", "qwen3_5_9b_random"): lambda: tiny_hybrid_arch(moe=False),
         # A real model (converted once per session into the shared cache): its own mask id.
         ("target", "smollm2_135m"): lambda: ["drafter.mask_token_id=16", "data.num_samples=8"],
@@ -268,6 +272,10 @@ def test_gpu_split_from_config():
             "eval.max_new_tokens=1000000000 .* exceeds the target's 4096 positions .* at most 4080",
         ),
         (["objective=foo"], "objective='foo' is not a summary metric"),
+        (
+            ["target.path=/models/Qwen3-8B", "target.fp8=true"],
+            "target.fp8=true quantizes a random-weight target",
+        ),
     ],
 )
 def test_cross_field_errors_name_the_key_before_any_model_loads(overrides, message, make_cfg, monkeypatch):

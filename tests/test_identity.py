@@ -81,3 +81,5 @@ def test_a_random_target_is_its_architecture_and_seed():
     one = target_identity(TargetConfig(name="r", arch={"hidden_size": 64}, init_seed=0))
     assert one == target_identity(TargetConfig(name="r", arch={"hidden_size": 64}, init_seed=0))
     assert one != target_identity(TargetConfig(name="r", arch={"hidden_size": 64}, init_seed=1))
+    # The same random target quantized to FP8 (target.fp8) computes other features.
+    assert one != target_identity(TargetConfig(name="r", arch={"hidden_size": 64}, init_seed=0, fp8=True))

@@ -332,3 +332,7 @@ def test_bench_decode_times_a_hybrid_target_on_the_static_decoder(tiny_qwen3_5_d
     for row in ("plain step [static]", "verify (B=4) [static]", "round [static]", "round [dynamic]"):
         assert row in out, out
     assert "static: DFlash is faster than plain decoding once tau >" in out
+    # Each variant in its own plain steps: the dynamic plain step is 1.00 of itself, not a
+    # multiple of the static one (a ratio across two engines).
+    ratios = {line.split()[-2] for line in out.splitlines() if line.startswith("plain step [")}
+    assert ratios == {"1.00"}, out

@@ -26,6 +26,14 @@ class CompileScope(str, Enum):
     layers = "layers"  # each decoder layer apart: one graph per layer kind (regional)
 
 
+class ExpertsKind(str, Enum):
+    """transformers' implementations of a MoE target's routed experts (transformers >= 5)."""
+
+    eager = "eager"  # a Python loop over the experts a batch routes to (host sync per layer)
+    grouped_mm = "grouped_mm"  # tokens sorted by expert, one grouped GEMM per projection
+    batched_mm = "batched_mm"  # each token's top-k expert weights gathered, batched GEMMs
+
+
 class DeviceKind(str, Enum):
     cpu = "cpu"
     cuda = "cuda"
@@ -92,6 +100,14 @@ class TargetConfig:
     # in one graph); `layers`, each decoder layer apart, sharing one graph per layer kind (hybrid
     # and MoE stacks, whose whole-stack compile of many unrolled layers takes minutes).
     compile_scope: CompileScope = CompileScope.stack
+    # A MoE target's routed-experts implementation; null: transformers' default (grouped_mm
+    # where it can dispatch, else eager). Ignored by dense targets.
+    experts: Optional[ExpertsKind] = None
+    # Random-weight targets only: quantize the random weights block-wise to FP8 (e4m3, one scale
+    # per 128 x 128 block, the layout of the published FP8 checkpoints) as each layer is built,
+    # and keep them in FP8 (dflash/models/fp8.py): speed and memory runs at the FP8 size. An
+    # FP8 checkpoint at target.path is recognised by its quantization_config, no key needed.
+    fp8: bool = False
 
 
 @dataclass

@@ -10,7 +10,7 @@ checkpoint records digests of what the target is made of (`target.json`), and re
   and offset) and three 64 KiB samples of its bytes (start, middle, end): another checkpoint of
   the same shape differs there, and reading them costs milliseconds whatever the model's size;
 - tokenizer: the vocabulary files of the tokenizer directory (target.tokenizer, else the path).
-A random-weight target (no path) is its architecture and seed.
+A random-weight target (no path) is its architecture and seed (and `target.fp8`, when set).
 """
 
 from __future__ import annotations
@@ -73,13 +73,14 @@ def _tokenizer_digest(directory: Path) -> str | None:
 def target_identity(target: TargetConfig) -> dict[str, Any]:
     """The digests of `target` (a local directory: GGUF targets after their conversion)."""
     if target.path is None:
-        return {
-            "random": {
-                "model_type": target.model_type,
-                "arch": dict(target.arch or {}),
-                "init_seed": target.init_seed,
-            }
+        random = {
+            "model_type": target.model_type,
+            "arch": dict(target.arch or {}),
+            "init_seed": target.init_seed,
         }
+        if target.fp8:  # other weights (quantized); named only when set, so earlier identities still match
+            random["fp8"] = True
+        return {"random": random}
     directory = Path(target.path)
     tokenizer_dir = Path(target.tokenizer) if target.tokenizer else directory
     return {

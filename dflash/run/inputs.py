@@ -65,11 +65,21 @@ def available_bytes(device: torch.device) -> int:
 def refuse_what_cannot_fit(target_cfg: TargetConfig, config, device: torch.device) -> None:
     """The target's weights (counted on the meta device, in the dtype it loads in) must fit in
     the device's free memory."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dflash.models.fp8 import is_fp8_checkpoint, weight_bytes
 
     with torch.device("meta"):
-        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
-    needed = params * resolve_dtype(target_cfg.dtype, device).itemsize
+        model = AutoModelForCausalLM.from_config(config)
+    params = sum(p.numel() for p in model.parameters())
+    # FP8 weights stay FP8 where they run: a random target.fp8 target anywhere, an FP8
+    # checkpoint on CUDA (elsewhere transformers dequantizes it at load).
+    fp8 = target_cfg.fp8 or (
+        device.type == "cuda"
+        and target_cfg.path is not None
+        and is_fp8_checkpoint(AutoConfig.from_pretrained(target_cfg.path))
+    )
+    needed = weight_bytes(model, itemsize=resolve_dtype(target_cfg.dtype, device).itemsize, fp8=fp8)
     free = available_bytes(device)
     if needed > free:
         raise ValueError(
