@@ -14,6 +14,7 @@ from omegaconf import DictConfig
 
 from dflash.models.families import TARGET_FAMILIES
 from dflash.tools.compose import compose_config as compose_dflash_config
+from dflash.tools.demo import TINY_ARCH  # the tiny target's architecture, written once (tests import it here)
 
 # Limits for subprocesses and waits in tests: generous, since `make test` must pass on a 2-core
 # machine that something else is loading too. They stop a hang; they time nothing.
@@ -53,20 +54,6 @@ def make_cfg(tmp_path, data_cache):
         return compose_config(FAST + list(overrides or []), output_dir or tmp_path / "run", data_cache)
 
     return _make
-
-
-# The tiny target's architecture (conf/target/tiny.yaml uses the same numbers).
-TINY_ARCH = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=6,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    tie_word_embeddings=False,
-    max_position_embeddings=512,
-)
 
 
 # Hybrid stacks (Qwen3-Next, Qwen3.5): Gated DeltaNet (linear attention) layers with a full

@@ -186,6 +186,37 @@ def test_one_row_per_log_window_whatever_the_tick_cadence(make_cfg, tmp_path):
     assert rows["sync"] == rows["async"]  # bitwise on CPU
 
 
+def test_cadence_folds_the_steps_after_the_last_full_window_into_it():
+    from dflash.pipeline.cadence import Cadence
+
+    def closes(stop_after: int, log_every: int) -> list[int]:
+        cadence = Cadence(stop_after=stop_after, log_every=log_every, checkpoint_every=1000)
+        return [step for step in range(1, stop_after + 1) if cadence.logs_at(step)]
+
+    assert closes(774, 10)[-3:] == [750, 760, 774]  # 761-774: 14 steps, never a 4-step window
+    assert closes(20, 5) == [5, 10, 15, 20]
+    assert closes(3, 5) == [3]  # a run shorter than the interval is one window
+
+
+@pytest.mark.parametrize("pipeline", ["sync", "async"])
+def test_no_row_and_no_final_figure_comes_from_a_window_shorter_than_the_interval(
+    make_cfg, tmp_path, pipeline
+):
+    from dflash.run.runner import format_summary
+    from dflash.train import train
+
+    summary = train(make_cfg([f"pipeline={pipeline}", "train.total_steps=14", "logger.every_steps=4"]))
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    windows = [r for r in map(json.loads, lines) if "train/loss" in r]
+    assert [(r["step"], r["train/window_steps"]) for r in windows] == [(4, 4.0), (8, 4.0), (14, 6.0)]
+    last = windows[-1]
+    for key in ("train/loss", "train/acc", "train/tau_sim", "train/tau_block", "train/tau_decode"):
+        assert summary[key] == last[key], key
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["train/acc"] == last["train/acc"]
+    text = format_summary(summary)
+    assert f"-> {last['train/acc']:.3f}" in text and f"tau (simulated)   {last['train/tau_sim']:.3f}" in text
+
+
 @pytest.mark.parametrize("pipeline", ["sync", "async"])
 def test_a_nan_loss_skips_its_update_and_stops_the_run_with_good_checkpoints(make_cfg, monkeypatch, pipeline):
     import torch

@@ -1,7 +1,7 @@
 """Every target family of the table (dflash/models/families.py), from its checkpoint directory as
 published: causal LMs and the image-text Qwen3.5 / Qwen3.5-MoE (Qwen3.6) layout, whose language
-model alone is loaded. Anything else is refused before any weights load. The README's supported
-list and the target presets agree with the table."""
+model alone is loaded. Anything else is refused before any weights load. The supported list of
+docs/configuration.md and the target presets agree with the table."""
 
 from __future__ import annotations
 
@@ -143,9 +143,10 @@ def test_random_image_text_targets_build_their_language_model(make_cfg):
     assert model.config.layer_types == ["linear_attention", "full_attention"] * 3
 
 
-def test_the_readme_lists_exactly_the_supported_families():
-    """The README's "Supported families:" are the table's names, in its order."""
-    readme = (ROOT / "README.md").read_text()
+def test_the_configuration_guide_lists_exactly_the_supported_families():
+    """docs/configuration.md's "Supported families:" (the README links it) are the table's
+    names, in its order."""
+    readme = (ROOT / "docs" / "configuration.md").read_text()
     listed = readme.split("Supported families: ", 1)[1].split(" (", 1)[0]
     assert listed.split(", ") == [family.name for family in TARGET_FAMILIES]
 

@@ -148,14 +148,29 @@ class DrafterConfig:
 
 
 @dataclass
+class ConversationLayoutConfig:
+    """Where conversation records keep their turns (data.layout, regen's layout). null: auto —
+    `messages` with role/content turns (OpenAI), else `conversations` with from/value (ShareGPT)."""
+
+    # The record field (a file's key, a Parquet or datasets column) holding the list of turns.
+    field: Optional[str] = None
+    # Each turn's role key (its values: system, user/human, assistant/gpt/model) and text key;
+    # null: role/content when a turn has `role`, else from/value.
+    role: Optional[str] = None
+    content: Optional[str] = None
+
+
+@dataclass
 class DataConfig:
     name: str = MISSING
     kind: DataKind = DataKind.synthetic
     # Samples longer than this are truncated (both kinds).
     max_length: int = 3072
-    # conversations: local .jsonl / .json / .parquet files of OpenAI `messages` (role/content)
-    # or ShareGPT `conversations` (from/value) records, rendered with the target's chat template.
+    # conversations: local .jsonl / .json / .parquet files, or directories `datasets`' save_to_disk
+    # wrote, of OpenAI `messages` (role/content) or ShareGPT `conversations` (from/value) records
+    # (other names: `layout`), rendered with the target's chat template.
     files: list[str] = field(default_factory=list)
+    layout: ConversationLayoutConfig = field(default_factory=ConversationLayoutConfig)
     # conversations: samples with fewer supervised (assistant) tokens are dropped and counted.
     min_supervised_tokens: int = 16
     # conversations: tokenizer processes (datasets.map num_proc); null: in this process.
@@ -198,8 +213,9 @@ PACKING_KEYS = ("bucket_edges", "tokens_per_batch", "block_tokens_per_batch")
 # its runtime objects (the samples' lengths, the drafter's parameters, the trainer...) when it is
 # built. A user's own class is named the same way, by YAML or an override, and receives the
 # option's fields (docs/extending.md); no switch over the built-ins exists anywhere. Each option
-# file (conf/<group>/<option>.yaml) starts from its schema (`defaults: [<option>_schema]`), so a
-# key of another option is refused at compose time (noise=none has no `std`).
+# file (conf/<group>/<option>.yaml) starts from its schema (`defaults:
+# [/schema/<group>/<option>@_here_]`), so a key of another option is refused at compose time
+# (noise=none has no `std`).
 
 
 @dataclass
@@ -561,8 +577,10 @@ class RegenConfig:
 
     target: TargetConfig = field(default_factory=TargetConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
-    # Conversation files (.jsonl / .json / .parquet; OpenAI or ShareGPT records).
+    # Conversation files (.jsonl / .json / .parquet, or save_to_disk directories; OpenAI or ShareGPT
+    # records, other names: `layout`).
     input: list[str] = MISSING
+    layout: ConversationLayoutConfig = field(default_factory=ConversationLayoutConfig)
     # JSONL of regenerated conversations (OpenAI `messages`); appended to, so a rerun resumes.
     output: str = MISSING
     backend: RegenBackend = RegenBackend.transformers
@@ -593,7 +611,9 @@ class RegenConfig:
     limit: Optional[int] = None
 
 
-# The component schemas each option file of conf/<group>/ starts from (`defaults: [<option>_schema]`).
+# The component schemas each option file of conf/<group>/ starts from (`defaults:
+# [/schema/<group>/<option>@_here_]`): stored apart from the options, so they are neither listed nor
+# selectable as options of the group.
 COMPONENT_OPTIONS: dict[str, dict[str, type]] = {
     "scheduler": {"interleave": InterleaveSchedulerConfig, "shuffle": ShuffleSchedulerConfig},
     "optimizer": {"adamw": AdamWConfig},
@@ -636,4 +656,4 @@ def register_configs() -> None:
     store.store(name="dflash_regen_schema", node=RegenConfig)
     for group, options in COMPONENT_OPTIONS.items():
         for option, node in options.items():
-            store.store(group=group, name=f"{option}_schema", node=node)
+            store.store(group=f"schema/{group}", name=option, node=node)

@@ -60,6 +60,9 @@ def train_metrics(groups: list[list[MetricWindow]]) -> dict[str, float]:
     metrics |= {
         "train/lr": last.lr,
         "train/opt_step": float(last.end_step),
+        # How many optimizer steps the row's figures cover (logger.every_steps, more for a run's
+        # last window: docs/observability.md "Windows").
+        "train/window_steps": float(steps),
         "batch/same_bucket_run_max": float(run_max),
         "train/nonfinite_steps": nonfinite,
     }

@@ -31,7 +31,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash.data.conversations import (
+    AUTO_LAYOUT,
     Conversation,
+    RecordLayout,
     SkipReport,
     chunked,
     conversation_digest,
@@ -258,6 +260,7 @@ def regenerate(
     batch_size: int,
     limit: int | None = None,
     stats: RegenStats | None = None,
+    layout: RecordLayout = AUTO_LAYOUT,
 ) -> RegenStats:
     """Answers every unfinished conversation of `inputs` into `output`; one process per output
     (a second one is refused while the first lives: both would write every conversation).
@@ -271,7 +274,7 @@ def regenerate(
         ),
     )
     with lock:
-        return _regenerate(backend, inputs, output, batch_size, limit, stats or RegenStats())
+        return _regenerate(backend, inputs, output, batch_size, limit, stats or RegenStats(), layout)
 
 
 def _regenerate(
@@ -281,10 +284,11 @@ def _regenerate(
     batch_size: int,
     limit: int | None,
     stats: RegenStats,
+    layout: RecordLayout,
 ) -> RegenStats:
     done = finished_sources(output)
     stats.already_done = len(done)
-    todo = _unfinished(read_conversations(inputs, stats.skipped, "regen.input"), done, stats.skipped)
+    todo = _unfinished(read_conversations(inputs, stats.skipped, "regen.input", layout), done, stats.skipped)
     if limit is not None:
         todo = itertools.islice(todo, max(0, limit - len(done)))
     with output.open("a", encoding="utf-8") as handle:

@@ -21,6 +21,7 @@ from dflash.config.schema import (
     pipeline_name,
 )
 from dflash.data.conversations import expand_files
+from dflash.data.files import is_saved_dataset
 from dflash.models.layer_ids import default_target_layer_ids
 
 # The numeric keys of summary.json (the run summary, the evaluation report's metrics, the role
@@ -91,7 +92,7 @@ def _validate_data(cfg: Any) -> None:
         if not files:
             raise ValueError("data=conversations needs data.files=[...] (.jsonl / .json / .parquet files)")
         for path in expand_files(files, "data.files"):  # globs and directories expand here
-            if not path.is_file():
+            if not (path.is_file() or is_saved_dataset(path)):
                 raise ValueError(f"data.files: no such file {str(path)!r}")
         if data.min_supervised_tokens < 2:
             raise ValueError(

@@ -17,10 +17,12 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
+from dflash import __version__
 from dflash.config.components import build
 from dflash.config.schema import Config, pipeline_name
 from dflash.data.dataset import TokenDataset
 from dflash.data.schedule import BatchPlanner, build_planner, held_out_ids
+from dflash.export.card import TrainingFacts
 from dflash.export.zlab import load_drafter_weights
 from dflash.models.compile import CompileCounter
 from dflash.models.drafter import DFlashDrafter
@@ -192,6 +194,23 @@ def build_step_fns(*, checked: Checked, models: Models, schedule: Schedule) -> l
     ]
 
 
+def training_facts(checked: Checked, schedule: Schedule) -> TrainingFacts:
+    """What the model card of each checkpoint says about this run (steps: each checkpoint's)."""
+    cfg = checked.config
+    held_out = 0 if schedule.val_ids is None else len(schedule.val_ids)
+    files = ", ".join(cfg.data.files)
+    return TrainingFacts(
+        target=cfg.target.path or f"{cfg.target.name} (random-init)",
+        target_path=cfg.target.path,
+        target_model_type=getattr(checked.target_config, "model_type", None),
+        data=f"data={cfg.data.name}" + (f": {files}" if files else ""),
+        samples=len(schedule.dataset) - held_out,
+        steps=0,
+        seed=cfg.seed,
+        dflash_version=__version__,
+    )
+
+
 def build_trainer(
     *,
     checked: Checked,
@@ -209,6 +228,7 @@ def build_trainer(
         run_config_yaml=checked.run_config_yaml,
         target_identity=checked.target_identity,
         data_identity=schedule.data_identity,
+        card=training_facts(checked, schedule),
     )
     inputs = TrainerInputs(
         targets=models.targets,
@@ -245,8 +265,20 @@ def attach_observers(
         config=checked.resolved,
         total_steps=trainer.stop_after,
         start_step=trainer.position.step,
+        resume_dir=checked.resume_dir,
     )
     sinks = build_sinks(cfg.logger.sinks, context) if is_main else []
+    # Sinks with a checkpoint hook (W&B: the run id, artifacts) hear of each checkpoint.
+    callbacks = TrainingCallbacks(
+        {
+            **callbacks.callbacks,
+            **{
+                f"logger.sinks.{i}": s
+                for i, s in enumerate(sinks)
+                if callable(getattr(s, "on_checkpoint", None))
+            },
+        }
+    )
     if callbacks:
         sinks.append(callbacks)
     monitor = build(cfg.monitor, "monitor", sinks=sinks, probe=trainer, total_steps=trainer.stop_after)

@@ -359,8 +359,8 @@ def is_user_error(error: BaseException) -> bool:
 
 
 def tool_name() -> str:
-    name = Path(sys.argv[0]).name
-    return name if name.startswith("dflash-") else "dflash"
+    name = Path(sys.argv[0]).name  # `dflash train` (dflash/cli.py names it so) or `dflash-train`
+    return name if name.startswith(("dflash-", "dflash ")) else "dflash"
 
 
 def _resolved(config: DictConfig) -> dict[str, Any]:

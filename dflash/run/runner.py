@@ -3,6 +3,7 @@ print the summary; the monitor and the process group are closed however it ends.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -17,6 +18,7 @@ from dflash.distributed import ProcessGroupInfo, visible_cuda_devices
 from dflash.eval.evaluate import evaluate, planned_decodings
 from dflash.eval.prompts import PromptSet
 from dflash.eval.report import lossless_line
+from dflash.export.card import write_model_card
 from dflash.models.compile import CompileCounter
 from dflash.monitor.callbacks import TrainingCallbacks
 from dflash.pipeline.roles import role_lines
@@ -66,6 +68,7 @@ class Run:
                 )
                 eval_metrics = report.metrics()
                 self.trainer.monitor.log(eval_metrics, self.trainer.position.step)
+                self._card_with_evaluation(eval_metrics)
                 self.callbacks.on_eval(self.trainer.position.step, eval_metrics)
                 summary = self._summary({**val_metrics, **eval_metrics}, time.perf_counter() - started)
                 summary["eval/interrupted"] = report.interrupted
@@ -85,6 +88,15 @@ class Run:
         finally:
             self.trainer.monitor.close(ok)
             self.process_group.close()
+
+    def _card_with_evaluation(self, eval_metrics: dict[str, float]) -> None:
+        """The last checkpoint's model card, rewritten with the final evaluation's figures."""
+        settings = self.trainer.checkpoints
+        last = settings.directory / "last"
+        if settings.card is None or not last.is_dir():
+            return
+        facts = dataclasses.replace(settings.card, steps=self.trainer.position.step, evaluation=eval_metrics)
+        write_model_card(last, facts, served_from=str(last.resolve()))
 
     def _summary(self, eval_metrics: dict[str, float], wall_s: float) -> dict[str, Any]:
         history = self.trainer.monitor.window_history

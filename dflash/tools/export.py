@@ -39,11 +39,12 @@ from safetensors import SafetensorError
 
 from dflash.config.schema import TargetConfig
 from dflash.errors import USER_ERROR_EXIT, exit_for_user_error
+from dflash.export.card import TrainingFacts, write_model_card
 from dflash.export.contract import check_export
 from dflash.export.zlab import export_drafter, export_speculators, load_drafter
 from dflash.models.families import IMAGE_TEXT_TYPES
 from dflash.models.identity import pairing_differences
-from dflash.trainer.checkpoint import RUN_CONFIG_FILE
+from dflash.trainer.checkpoint import RUN_CONFIG_FILE, STATE_FILE, load_trainer_state
 
 TOOL = "dflash-export"
 
@@ -91,6 +92,29 @@ def verifier_of(source: Path, target: Path | None, name: str | None) -> dict[str
             TOOL, f"{source}: name the target the drafter serves with --target DIR or --verifier NAME"
         )
     return {"name_or_path": name, "architectures": architectures}
+
+
+def source_facts(source: Path, target: Path | None) -> TrainingFacts | None:
+    """The training facts of a dflash checkpoint (its run's config.yaml and trainer state), for
+    the converted directory's model card; None for a drafter trained elsewhere."""
+    run_yaml = source / RUN_CONFIG_FILE
+    if not run_yaml.is_file():
+        return None
+    run = yaml.safe_load(run_yaml.read_text()) or {}
+    step = None
+    if (source / STATE_FILE).is_file():
+        step = load_trainer_state(source).get("position", {}).get("step")
+    data = run.get("data") or {}
+    files = ", ".join(data.get("files") or [])
+    target_path = str(target) if target is not None else (run.get("target") or {}).get("path")
+    return TrainingFacts(
+        target=target_path or "its target",
+        target_path=target_path,
+        data=f"data={data.get('name')}" + (f": {files}" if files else ""),
+        samples=None,  # not kept with a checkpoint; the source's README.md says it
+        steps=step if step is not None else 0,
+        seed=run.get("seed"),
+    )
 
 
 def report(directory: Path, target: dict[str, Any] | None) -> None:
@@ -161,6 +185,7 @@ def convert(args: argparse.Namespace, target: dict[str, Any] | None) -> None:
                 export_drafter(drafter, tmp)
             else:
                 export_speculators(drafter, tmp, verifier=verifier, target_dir=args.target)
+            write_model_card(tmp, source_facts(args.source, args.target), served_from=str(args.destination))
         except ValueError as exc:
             exit_for_user_error(TOOL, str(exc))
         # Checked before it is renamed into place: a destination that exists keeps the contract.
