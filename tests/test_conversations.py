@@ -145,6 +145,15 @@ def test_parquet_and_json_array_files(tmp_path, renderer):
     assert sources[1] == f"{tmp_path / 'a.parquet'}:row 1"
 
 
+def test_a_truncated_parquet_file_is_named(tmp_path):
+    truncated = tmp_path / "cut.parquet"
+    truncated.write_bytes(b"PAR1x")  # 5 bytes: what an interrupted download leaves
+    with pytest.raises(
+        ValueError, match=rf"^{truncated}: not a readable Parquet file \(ArrowInvalid: .*5 bytes"
+    ):
+        list(read_conversations([str(truncated)], SkipReport(), "data.files"))
+
+
 def test_a_missing_file_names_the_config_key(tmp_path, renderer):
     with pytest.raises(ValueError, match=r"data.files: .*nope.jsonl is not a file"):
         prepare(renderer, data_cfg([tmp_path / "nope.jsonl"]))

@@ -133,6 +133,8 @@ def test_the_documented_training_metric_reaches_every_sink(make_cfg, monkeypatch
             ["pipeline._target_=dflash.step.noise.NoNoise"],
             "pipeline: dflash.step.noise.NoNoise does not take",
         ),
+        (["scheduler._target_=os"], "scheduler._target_='os' is a module, not a class or function"),
+        (["+logger.sinks.x._target_=math.pi"], "logger.sinks.x._target_='math.pi' is a float, not a class"),
         (["+callbacks.bad.path=/tmp/x"], "callbacks.bad needs a _target_"),
         (["+callbacks.bad._target_=no_such_module.Nope"], "callbacks.bad: cannot build no_such_module.Nope"),
         (["+callbacks.bad._target_=pathlib.Path"], r"callbacks.bad: pathlib.Path defines none of the hooks"),
@@ -227,3 +229,16 @@ def test_the_documented_trainer_inputs_are_the_ones_a_trainer_receives():
         assert parameters[TRAINER_INPUTS].annotation in (TrainerInputs, "TrainerInputs")
         required = [name for name, p in parameters.items() if p.default is inspect.Parameter.empty]
         assert required == [TRAINER_INPUTS]
+
+
+@pytest.mark.parametrize("key", ["scheduler", "logger.sinks.bad"])
+def test_a_component_whose_constructor_raises_is_one_line_naming_the_key(
+    key, tmp_path, make_cfg, monkeypatch
+):
+    (tmp_path / "broken_plugin.py").write_text(
+        "class Broken:\n    def __init__(self, **kwargs):\n        raise RuntimeError('no licence server')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    prefix = "+" if key.startswith("logger") else ""
+    with pytest.raises(ValueError, match=rf"^{re.escape(key)}: building broken_plugin.Broken failed \(RuntimeError: no licence server\)"):  # fmt: skip
+        build_run(make_cfg([f"{prefix}{key}._target_=broken_plugin.Broken"]))

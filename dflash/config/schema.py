@@ -547,6 +547,9 @@ class Config:
     seed: int = 0
     # A checkpoint directory to continue from (same batches, same losses).
     resume: Optional[str] = None
+    # resume= onto training data other than the checkpoint's (other files or contents, another
+    # template, appended samples) is refused, naming what changed; true continues on it anyway.
+    resume_changed_data: bool = False
     # dflash-eval: the drafter to evaluate, a dflash checkpoint directory (whose run config then
     # supplies the target, unless target is overridden) or any z-lab-layout export.
     ckpt: Optional[str] = None
@@ -622,11 +625,26 @@ COMPONENT_OPTIONS: dict[str, dict[str, type]] = {
 }
 
 
+def default_cache_dir() -> str:
+    """paths.cache_dir's default: $DFLASH_CACHE_DIR, else ~/.cache/dflash. (OmegaConf resolves an
+    `oc.env` default even when the variable is set, so HOME would be required by every run.)"""
+    import os
+
+    if os.environ.get("DFLASH_CACHE_DIR"):
+        return os.path.expanduser(os.environ["DFLASH_CACHE_DIR"])
+    if not os.environ.get("HOME"):
+        raise ValueError(
+            "paths.cache_dir: neither DFLASH_CACHE_DIR nor HOME is set; set one, or paths.cache_dir=DIR"
+        )
+    return os.path.join(os.environ["HOME"], ".cache", "dflash")
+
+
 def register_configs() -> None:
     """Register the root schemas; idempotent (Hydra's ConfigStore replaces same-name entries)."""
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
+    OmegaConf.register_new_resolver("dflash_cache_dir", default_cache_dir, replace=True)
     schema = OmegaConf.structured(Config)
     # Name -> entry maps the user fills: `eval.benchmarks={gsm8k: g.jsonl}` and a new sink or
     # callback must work without Hydra's `+` (the flag keeps Hydra's struct mode from refusing

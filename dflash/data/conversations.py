@@ -201,7 +201,10 @@ def _json_records(record: RecordFile) -> Iterator[tuple[str, Any]]:
 def _parquet_records(path: Path) -> Iterator[tuple[str, Any]]:
     import datasets
 
-    table = datasets.Dataset.from_parquet(str(path), keep_in_memory=True)
+    try:
+        table = datasets.Dataset.from_parquet(str(path), keep_in_memory=True)
+    except Exception as exc:  # pyarrow's errors (a truncated file, not Parquet) name no path
+        raise ValueError(f"{path}: not a readable Parquet file ({type(exc).__name__}: {exc})") from exc
     for index, record in enumerate(table):
         yield f"{path}:row {index}", record
 

@@ -23,6 +23,7 @@ from dflash.config.schema import TargetConfig
 from dflash.models.compile import compile_shared
 from dflash.models.families import IMAGE_TEXT_TYPES, model_types_of, refuse_unsupported, text_config
 from dflash.models.fp8 import build_random_fp8, is_fp8_checkpoint, load_fp8_checkpoint
+from dflash.models.size import refuse_missing_text_config, refuse_size_mismatch
 
 
 def causal_attention(module, query, key, value, attention_mask, **kwargs):
@@ -72,6 +73,7 @@ def load_target_config(cfg: TargetConfig) -> PretrainedConfig:
         raise ValueError(
             f"target.path={cfg.path!r}: cannot read a transformers config there ({exc})"
         ) from exc
+    refuse_missing_text_config(cfg.path)
     refuse_unsupported(config.model_type, f"target.path={cfg.path!r}")
     if cfg.model_type is not None and cfg.model_type not in model_types_of(config):
         raise ValueError(
@@ -271,7 +273,8 @@ class FrozenTarget(nn.Module):
                 else:
                     model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         else:
-            load_target_config(cfg)  # refuses a wrong architecture before reading weights
+            # refuses a wrong architecture, or a config larger than the weights, before reading them
+            refuse_size_mismatch(cfg.path, load_target_config(cfg))
             if is_fp8_checkpoint(AutoConfig.from_pretrained(cfg.path)):
                 model = load_fp8_checkpoint(cfg.path, dtype=dtype, device=device)
             else:

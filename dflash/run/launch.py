@@ -31,8 +31,9 @@ from dflash.models.target import FrozenTarget
 from dflash.models.target_head import TargetHead, heads_for
 from dflash.monitor.callbacks import TrainingCallbacks, build_callbacks
 from dflash.monitor.sinks import SinkContext, build_sinks
-from dflash.run.inputs import load_training_data
+from dflash.run.inputs import load_training_data, training_data_identity
 from dflash.run.preflight import Checked, check_before_loading
+from dflash.run.resume import check_resume_data, refuse_resume_past_end
 from dflash.run.runner import Run
 from dflash.step.build import block_settings_for, build_drafter, build_step_fn, uses_compile
 from dflash.step.step import BlockSettings, DrafterStep
@@ -66,6 +67,7 @@ class Schedule:
     planner: BatchPlanner
     val_ids: np.ndarray | None  # data.val_samples: held out, never planned
     total_steps: int
+    data_identity: dict  # what the samples are (dflash/data/identity.py): data.json
 
 
 def build_models(checked: Checked) -> Models:
@@ -152,7 +154,10 @@ def build_schedule(checked: Checked, models: Models) -> Schedule:
         log.info("data: %s", "; ".join(line.strip() for line in prep_stats.lines()))
     planner, val_ids = plan_batches(cfg, dataset)
     replicas = len(models.drafters) * checked.process_group.world_size
-    return Schedule(dataset, planner, val_ids, total_steps_for(cfg, planner, replicas))
+    identity = training_data_identity(cfg, dataset)
+    if checked.resume_dir is not None:
+        check_resume_data(checked.resume_dir, identity, dataset, accept_changes=cfg.resume_changed_data)
+    return Schedule(dataset, planner, val_ids, total_steps_for(cfg, planner, replicas), identity)
 
 
 def check_features(checked: Checked, models: Models, dataset: TokenDataset) -> None:
@@ -222,6 +227,7 @@ def build_trainer(
         keep_last=cfg.checkpoint.keep_last,
         run_config_yaml=checked.run_config_yaml,
         target_identity=checked.target_identity,
+        data_identity=schedule.data_identity,
         card=training_facts(checked, schedule),
     )
     inputs = TrainerInputs(
@@ -315,6 +321,7 @@ def build_run(composed: DictConfig, faults: FaultInjection | None = None) -> Run
     )
     if checked.resume_dir is not None:
         trainer.restore(checked.resume_dir)
+        refuse_resume_past_end(checked.resume_dir, trainer.position.step, trainer.stop_after)
     for counter in models.compiled.values():  # later graphs are compiled mid-run: warned about
         trainer.at_first_step(counter.settle)
     validation = attach_observers(

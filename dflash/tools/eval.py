@@ -54,12 +54,9 @@ def check_pairing(drafter_config: Any, target_config: Any, drafter_dir: Path, ta
 def check_same_target(drafter_dir: Path, target_cfg: TargetConfig, target_key: str) -> None:
     """A checkpoint that records its target by content (target.json) is evaluated against that
     target only: a same-shape target with other weights decodes, and accepts about nothing."""
-    from dflash.models.identity import identity_differences, read_identity, target_identity
+    from dflash.models.identity import pairing_differences
 
-    saved = read_identity(drafter_dir)
-    if saved is None:
-        return
-    differences = identity_differences(saved, target_identity(target_cfg))
+    differences = pairing_differences(drafter_dir, target_cfg)
     if differences:
         raise ValueError(
             f"ckpt={drafter_dir} was trained on another target than {target_key} ({', '.join(differences)}); "

@@ -24,17 +24,26 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import signal
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import yaml
+from safetensors import SafetensorError
 
+from dflash.config.schema import TargetConfig
 from dflash.errors import USER_ERROR_EXIT, exit_for_user_error
 from dflash.export.card import TrainingFacts, write_model_card
 from dflash.export.contract import check_export
 from dflash.export.zlab import export_drafter, export_speculators, load_drafter
 from dflash.models.families import IMAGE_TEXT_TYPES
+from dflash.models.identity import pairing_differences
 from dflash.trainer.checkpoint import RUN_CONFIG_FILE, STATE_FILE, load_trainer_state
 
 TOOL = "dflash-export"
@@ -52,6 +61,20 @@ def target_text_config(directory: Path) -> dict[str, Any]:
     if missing:
         exit_for_user_error(TOOL, f"--target {path}: no {', '.join(missing)} in the (text) config")
     return config
+
+
+def refuse_another_target(drafter_dir: Path, target_dir: Path) -> None:
+    """The pairing rule dflash-eval and resume apply (dflash/models/identity.py): a drafter that
+    records its target (target.json, or a speculators verifier directory) is paired with that
+    target only; a same-shape target with other weights or another tokenizer passes every shape
+    rule and accepts about nothing."""
+    differences = pairing_differences(drafter_dir, TargetConfig(name="export", path=str(target_dir)))
+    if differences:
+        exit_for_user_error(
+            TOOL,
+            f"{drafter_dir} was made for another target than --target {target_dir} "
+            f"({', '.join(differences)}); pair it with the target it was trained on",
+        )
 
 
 def verifier_of(source: Path, target: Path | None, name: str | None) -> dict[str, Any]:
@@ -95,35 +118,79 @@ def source_facts(source: Path, target: Path | None) -> TrainingFacts | None:
 
 
 def report(directory: Path, target: dict[str, Any] | None) -> None:
-    problems = check_export(directory, target=target)
-    for problem in problems:
-        print(f"{TOOL}: {problem}", file=sys.stderr)
-    if problems:
-        raise SystemExit(USER_ERROR_EXIT)
+    fail_on_problems(check_export(directory, target=target))
     print(f"ok: {directory} keeps the export contract (docs/EXPORT.md)")
 
 
+def fail_on_problems(problems: list[str], shown_as: tuple[Path, Path] | None = None) -> None:
+    """Each problem on its own line (a staged directory named by its destination), exit 2."""
+    for problem in problems:
+        if shown_as is not None:
+            problem = problem.replace(str(shown_as[0]), str(shown_as[1]))
+        print(f"{TOOL}: {problem}", file=sys.stderr)
+    if problems:
+        raise SystemExit(USER_ERROR_EXIT)
+
+
+@contextmanager
+def staged(destination: Path) -> Iterator[Path]:
+    """A temporary directory beside `destination`, renamed onto it once the body succeeds: a
+    convert interrupted (SIGTERM, Ctrl-C, a full disk) leaves no destination, never a config
+    without weights. SIGTERM is turned into SystemExit here so the temporary is removed too."""
+    try:
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{destination.name}.tmp-", dir=destination.parent))
+    except OSError as exc:
+        exit_for_user_error(TOOL, f"{destination}: cannot write there ({exc.strerror or exc})")
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield tmp
+        if destination.exists():
+            destination.rmdir()  # empty (checked before the write)
+        os.replace(tmp, destination)
+    except (OSError, SafetensorError) as exc:
+        filename = getattr(exc, "filename", None)
+        exit_for_user_error(
+            TOOL,
+            f"{destination}: writing {Path(filename).name if filename else 'it'} failed "
+            f"({getattr(exc, 'strerror', None) or exc}); nothing was left there",
+        )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        signal.signal(signal.SIGTERM, previous)
+
+
 def convert(args: argparse.Namespace, target: dict[str, Any] | None) -> None:
-    if args.destination.exists() and any(args.destination.iterdir()):
+    if args.destination.exists() and (not args.destination.is_dir() or any(args.destination.iterdir())):
         exit_for_user_error(TOOL, f"{args.destination}: not empty; convert writes a new directory")
     try:
         drafter = load_drafter(args.source)
-        if args.layout == "zlab":
-            if getattr(drafter.config, "num_target_layers", None) is None:
-                # The speculators layout records no target depth; SGLang resolves layer ids by it.
-                if target is None:
-                    exit_for_user_error(
-                        TOOL, f"{args.source} records no target depth (num_target_layers): give --target DIR"
-                    )
-                drafter.config.num_target_layers = target["num_hidden_layers"]
-            export_drafter(drafter, args.destination)
-        else:
-            verifier = verifier_of(args.source, args.target, args.verifier)
-            export_speculators(drafter, args.destination, verifier=verifier, target_dir=args.target)
-        write_model_card(args.destination, source_facts(args.source, args.target))
     except ValueError as exc:
         exit_for_user_error(TOOL, str(exc))
-    report(args.destination, target)
+    if args.layout == "zlab" and getattr(drafter.config, "num_target_layers", None) is None:
+        # The speculators layout records no target depth; SGLang resolves layer ids by it.
+        if target is None:
+            exit_for_user_error(
+                TOOL, f"{args.source} records no target depth (num_target_layers): give --target DIR"
+            )
+        drafter.config.num_target_layers = target["num_hidden_layers"]
+    verifier = verifier_of(args.source, args.target, args.verifier) if args.layout == "speculators" else None
+    with staged(args.destination) as tmp:
+        try:
+            if args.layout == "zlab":
+                export_drafter(drafter, tmp)
+            else:
+                export_speculators(drafter, tmp, verifier=verifier, target_dir=args.target)
+            write_model_card(tmp, source_facts(args.source, args.target), served_from=str(args.destination))
+        except ValueError as exc:
+            exit_for_user_error(TOOL, str(exc))
+        # Checked before it is renamed into place: a destination that exists keeps the contract.
+        fail_on_problems(check_export(tmp, target=target), shown_as=(tmp, args.destination))
+    print(f"ok: {args.destination} keeps the export contract (docs/EXPORT.md)")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -146,7 +213,10 @@ def main(argv: list[str] | None = None) -> None:
     source = args.directory if args.command == "check" else args.source
     if not source.is_dir():
         exit_for_user_error(TOOL, f"{source}: no such directory")
-    target = target_text_config(args.target) if args.target is not None else None
+    target = None
+    if args.target is not None:
+        target = target_text_config(args.target)
+        refuse_another_target(source, args.target)
     if args.command == "check":
         report(args.directory, target)
     else:

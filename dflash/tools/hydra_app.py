@@ -19,7 +19,7 @@ from importlib import resources
 from typing import Any
 
 from dflash import __version__
-from dflash.errors import exit_for_user_error, full_errors_requested
+from dflash.errors import exit_for_user_error, full_errors_requested, refuse_unquoted_home
 from dflash.tools.compose import CONF_MODULE
 
 # Guides, in the source repository's docs/ (README.md links them all).
@@ -105,6 +105,7 @@ def run_hydra_app(
     if "--version" in args:
         print(f"dflash {__version__}")
         raise SystemExit(0)
+    refuse_unquoted_home(tool, args)  # Hydra's lexer error for `key=~/path` names no fix
     from hydra._internal import utils as hydra_utils
 
     hydra_report = hydra_utils.run_and_report

@@ -8,6 +8,7 @@ previous checkpoint intact; `last` is a symlink swapped atomically after the ren
                           containers only, loaded with weights_only=True (never arbitrary pickles)
       config.yaml         the resolved run config
       target.json         the target's identity by content (dflash.models.identity)
+      data.json           what it trained on: files, digests, template, sizes (dflash.data.identity)
       README.md           the model card (dflash.export.card): target, shape, training, serving
 """
 
@@ -22,6 +23,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 
+from dflash.data.identity import DATA_FILE
 from dflash.export.card import TrainingFacts, write_model_card
 from dflash.export.zlab import export_drafter
 from dflash.models.drafter import DFlashDrafter
@@ -39,6 +41,7 @@ def save_checkpoint(
     run_config_yaml: str,
     keep_last: int,
     target_identity: dict[str, Any] | None = None,
+    data_identity: dict[str, Any] | None = None,
     card: TrainingFacts | None = None,
 ) -> Path:
     """target_identity: what the target is by content, kept as target.json for resume,
@@ -53,6 +56,8 @@ def save_checkpoint(
         (tmp / RUN_CONFIG_FILE).write_text(run_config_yaml)
         if target_identity is not None:
             (tmp / IDENTITY_FILE).write_text(json.dumps(target_identity, indent=2, sort_keys=True) + "\n")
+        if data_identity is not None:
+            (tmp / DATA_FILE).write_text(json.dumps(data_identity, indent=2, sort_keys=True) + "\n")
         write_model_card(tmp, card, served_from=str(final))
     except (OSError, SafetensorError, RuntimeError) as exc:
         # A full disk, a quota, a vanished mount (torch.save reports a failed write as a

@@ -152,15 +152,22 @@ class Trainer(ABC):
     def run(self) -> None:
         self.prepare()
         started = time.perf_counter()
+        # Held through the final checkpoint: a signal during the wind-down (a second Ctrl-C)
+        # must not break off the checkpoint the first one asked for.
         with stop_on_signals() as stop:
             stopped_by = self._train(stop)
-        self.train_wall_s = time.perf_counter() - started
-        self.monitor.maybe_tick(wait=True, final=True)
-        if self.periodic_eval is not None and stopped_by is None:
-            self.periodic_eval.run_pending()  # the snapshot of the last steps, if still waiting
-        self.position = self._final_position()
-        self.replica_digest = check_replicas_identical([s.drafter for s in self.step_fns], self.process_group)
-        self.save()
+            self.train_wall_s = time.perf_counter() - started
+            self.monitor.maybe_tick(wait=True, final=True)
+            if self.periodic_eval is not None and stopped_by is None:
+                # the snapshot of the last steps, if still waiting
+                self.periodic_eval.run_pending(should_stop=stop.is_set)
+            self.position = self._final_position()
+            self.replica_digest = check_replicas_identical(
+                [s.drafter for s in self.step_fns], self.process_group
+            )
+            self.save()
+        if stopped_by is None:
+            stopped_by = stop.signum
         if stopped_by is not None:
             raise StopRequested(stopped_by)
 

@@ -41,6 +41,7 @@ class CheckpointSettings:
     keep_last: int
     run_config_yaml: str
     target_identity: dict[str, Any] | None = None  # dflash/models/identity.py: kept as target.json
+    data_identity: dict[str, Any] | None = None  # dflash/data/identity.py: kept as data.json
     card: TrainingFacts | None = None  # the model card's facts; its steps are each checkpoint's own
 
 
@@ -65,6 +66,7 @@ def save(settings: CheckpointSettings, step_fn: DrafterStep, position: DataPosit
         settings.run_config_yaml,
         settings.keep_last,
         target_identity=settings.target_identity,
+        data_identity=settings.data_identity,
         card=dataclasses.replace(settings.card, steps=position.step) if settings.card is not None else None,
     )
     log.info("checkpoint: %s", path)
