@@ -20,3 +20,16 @@ def exit_for_user_error(tool: str, message: str) -> None:
 
 def full_errors_requested() -> bool:
     return os.environ.get("HYDRA_FULL_ERROR") == "1"
+
+
+def refuse_unquoted_home(tool: str, overrides: list[str]) -> None:
+    """`key=~/path`: Hydra's override grammar reads `~` as an operator and fails with a lexer
+    error that names neither the key nor the fix; say it in one line instead."""
+    for override in overrides:
+        key, equals, value = override.partition("=")
+        if equals and value.startswith("~") and not key.startswith("-"):
+            exit_for_user_error(
+                tool,
+                f"{override}: Hydra's override grammar reserves '~'; quote the value for Hydra "
+                f"(\"{key}='{value}'\", expanded to your home directory) or write the full path",
+            )

@@ -22,17 +22,11 @@ from pathlib import Path
 
 
 def compose_regen(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
-    from hydra.core.global_hydra import GlobalHydra
     from omegaconf import OmegaConf
 
-    from dflash.config.schema import register_configs
-    from dflash.tools.compose import CONF_DIR
+    from dflash.tools.compose import compose_config
 
-    register_configs()
-    GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return OmegaConf.to_object(compose(config_name="regen", overrides=overrides))
+    return OmegaConf.to_object(compose_config(overrides, config_name="regen"))
 
 
 def replies(path: Path) -> dict[str, list[str]]:

@@ -82,7 +82,7 @@ class Setup:
             head=self.head,
             drafter=drafter,
             total_steps=len(self.plans),
-            num_buckets=len(cfg.scheduler.bucket_edges),
+            num_buckets=len(cfg.data.bucket_edges),
         )
 
     def batch(self, index: int):

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The whole chain on a real instruct model, with the commands a user runs:
-#   training prompts from text installed here (scripts/make_training_prompts.py; its chat
+#   training prompts from text installed here (dflash prompts; its chat
 #   sources need `apt-get install wordnet-base fortunes`, or pass PROMPTS_FILE made elsewhere)
 #   -> dflash-regen (SmolLM2-135M-Instruct answers every training prompt, greedy)
 #   -> dflash-prep -> dflash-train experiment=smollm2_b16 (held-out val split)
@@ -56,7 +56,7 @@ if [[ $STAGES == *" prompts "* ]]; then
   if [[ -n ${PROMPTS_FILE:-} ]]; then
     if [[ $PROMPTS_FILE == *.gz ]]; then gzip -dc "$PROMPTS_FILE" > "$W/all_prompts.jsonl"; else cp "$PROMPTS_FILE" "$W/all_prompts.jsonl"; fi
   else
-    stage $PY scripts/make_training_prompts.py "$W/all_prompts.jsonl" --limit $((PROMPTS + HELDOUT))
+    stage $PY -m dflash prompts "$W/all_prompts.jsonl" --limit $((PROMPTS + HELDOUT))
   fi
   available=$(wc -l < "$W/all_prompts.jsonl")
   if (( available < PROMPTS + HELDOUT )); then

@@ -12,7 +12,9 @@ import pytest
 import torch
 from omegaconf import DictConfig
 
+from dflash.models.families import TARGET_FAMILIES
 from dflash.tools.compose import compose_config as compose_dflash_config
+from dflash.tools.demo import TINY_ARCH  # the tiny target's architecture, written once (tests import it here)
 
 # Limits for subprocesses and waits in tests: generous, since `make test` must pass on a 2-core
 # machine that something else is loading too. They stop a hang; they time nothing.
@@ -54,20 +56,6 @@ def make_cfg(tmp_path, data_cache):
     return _make
 
 
-# The tiny target's architecture (conf/target/tiny.yaml uses the same numbers).
-TINY_ARCH = dict(
-    vocab_size=512,
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=6,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=16,
-    tie_word_embeddings=False,
-    max_position_embeddings=512,
-)
-
-
 # Hybrid stacks (Qwen3-Next, Qwen3.5): Gated DeltaNet (linear attention) layers with a full
 # attention layer every second one here; MoE blocks with a shared expert.
 TINY_LINEAR_ATTENTION = dict(
@@ -95,7 +83,8 @@ def tiny_hybrid_arch(moe: bool = True) -> list[str]:
     return [f"target.arch.{key}={value}" for key, value in shape.items()]
 
 
-FAMILIES = ["llama", "qwen3", "qwen3_moe", "qwen3_next", "qwen3_5", "qwen3_5_moe"]
+# Every family of the table (dflash/models/families.py), each with a tiny checkpoint below.
+FAMILIES = [family.model_type for family in TARGET_FAMILIES]
 
 
 def tiny_config(model_type: str, **arch: int):
@@ -109,6 +98,10 @@ def tiny_config(model_type: str, **arch: int):
         return AutoConfig.for_model("qwen3", **{**TINY_ARCH, **arch})
     if model_type == "llama":  # tied embeddings, as SmolLM2 and Llama-3.2 1B/3B have
         return AutoConfig.for_model("llama", **{**TINY_ARCH, "tie_word_embeddings": True, **arch})
+    if model_type == "mistral":  # no sliding window, as Mistral-7B v0.3 and later publish
+        return AutoConfig.for_model("mistral", **{**TINY_ARCH, "sliding_window": None, **arch})
+    if model_type == "qwen2":
+        return AutoConfig.for_model("qwen2", **{**TINY_ARCH, **arch})
     if model_type == "qwen3_moe":
         return AutoConfig.for_model("qwen3_moe", **{**TINY_ARCH, **TINY_MOE, **arch})
     if model_type == "qwen3_next":
@@ -154,12 +147,9 @@ def tiny_checkpoint_fixture(family: str):
     return checkpoint
 
 
-tiny_llama_dir = tiny_checkpoint_fixture("llama")
-tiny_qwen3_dir = tiny_checkpoint_fixture("qwen3")
-tiny_qwen3_moe_dir = tiny_checkpoint_fixture("qwen3_moe")
-tiny_qwen3_next_dir = tiny_checkpoint_fixture("qwen3_next")
-tiny_qwen3_5_dir = tiny_checkpoint_fixture("qwen3_5")
-tiny_qwen3_5_moe_dir = tiny_checkpoint_fixture("qwen3_5_moe")
+# tiny_<model_type>_dir for every family (pytest finds fixtures among the module's names).
+for _family in FAMILIES:
+    globals()[f"tiny_{_family}_dir"] = tiny_checkpoint_fixture(_family)
 
 
 @pytest.fixture(scope="session")
@@ -211,3 +201,29 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)
+
+
+def one_sample_batch():
+    """A batch of one 8-token sample in bucket 0 (for metric sums that need only its plan)."""
+    from dflash.data.collate import Batch
+    from dflash.data.schedule import PlannedBatch
+
+    return Batch(
+        torch.zeros(1, 8, dtype=torch.int64),
+        torch.ones(1, 8, dtype=torch.uint8),
+        torch.tensor([8]),
+        PlannedBatch(epoch=0, index=0, bucket=0, sample_ids=(0,)),
+    )
+
+
+def record_wandb_rows(run, monkeypatch) -> list[dict]:
+    """Every row a built run's (offline) W&B sink sends, recorded as it is passed on to W&B."""
+    from dflash.monitor.sinks import BackgroundSink
+
+    wandb_run = next(s for s in run.trainer.monitor.sinks if isinstance(s, BackgroundSink)).sink.run
+    sent: list[dict] = []
+    real_log = wandb_run.log
+    monkeypatch.setattr(
+        wandb_run, "log", lambda data, step=None: (sent.append(dict(data)), real_log(data, step=step))
+    )
+    return sent

@@ -56,6 +56,10 @@ def option_overrides(group: str, option: str, request) -> list[str]:
         # The published hybrid shapes' own keys, at the tiny sizes.
         ("target", "qwen3_5_35b_a3b_random"): lambda: tiny_hybrid_arch() + ["drafter.intermediate_size=128"],
         ("target", "qwen3_next_80b_random"): lambda: tiny_hybrid_arch(),
+        ("target", "qwen3_next_80b_fp8_random"): lambda: tiny_hybrid_arch(),
+        ("target", "qwen3_8b_fp8_random"): lambda: [
+            f"target.arch.{key}={value}" for key, value in TINY_ARCH.items()
+        ],
         ("target", "qwen3_5_9b_random"): lambda: tiny_hybrid_arch(moe=False),
         # A real model (converted once per session into the shared cache): its own mask id.
         ("target", "smollm2_135m"): lambda: ["drafter.mask_token_id=16", "data.num_samples=8"],
@@ -64,8 +68,8 @@ def option_overrides(group: str, option: str, request) -> list[str]:
         ],
         ("data", "random_3072"): lambda: [
             "data.num_samples=8",
-            "scheduler.bucket_edges=[3072]",
-            "scheduler.tokens_per_batch=8192",
+            "data.bucket_edges=[3072]",
+            "data.tokens_per_batch=8192",
         ],
         ("data", "conversations"): lambda: conversation_overrides(
             request.getfixturevalue("tiny_chat_dir"), [request.getfixturevalue("tiny_conversations")]
@@ -103,9 +107,40 @@ def test_every_option_composes_and_builds(group, option, make_cfg, request, monk
 
 
 @pytest.mark.parametrize("experiment", sorted(p.stem for p in (CONF_DIR / "experiment").glob("*.yaml")))
-def test_every_experiment_composes(experiment):
-    cfg = compose_config([f"experiment={experiment}"])
-    OmegaConf.to_container(cfg.drafter)  # the schema accepted every key
+def test_every_experiment_composes(experiment, tmp_path):
+    """Every key the experiment's file sets reaches the run's config with the file's value, and
+    the result passes the checks a run makes before any weights load (given a target of 36
+    layers and a vocabulary that holds every experiment's mask id, as the real targets do)."""
+    import yaml
+
+    from dflash.config.typed import typed_config
+    from dflash.run.checks import validate
+
+    spec = yaml.safe_load((CONF_DIR / "experiment" / f"{experiment}.yaml").read_text())
+    conversations = tmp_path / "conversations.jsonl"
+    conversations.write_text("")
+    output = [f"paths.output_dir={tmp_path / 'run'}"]
+    # What an experiment may leave to the command line (its usage line names them), nothing else.
+    composed = compose_config([f"experiment={experiment}", *output])
+    missing = OmegaConf.missing_keys(composed)
+    assert missing <= {"drafter.mask_token_id"}, missing
+    from_user = [f"{key}=151669" for key in missing]
+    if composed.data.kind == "conversations":
+        from_user.append(f"data.files=[{conversations}]")
+    cfg = compose_config([f"experiment={experiment}", *output, *from_user])
+
+    def leaves(node, prefix=""):
+        for key, value in node.items():
+            if isinstance(value, dict):
+                yield from leaves(value, f"{prefix}{key}.")
+            else:
+                yield f"{prefix}{key}", value
+
+    set_by_file = dict(leaves({k: v for k, v in spec.items() if k not in ("defaults", "hydra")}))
+    assert set_by_file or "hydra" in spec  # a search experiment sets only its sweeper
+    for key, value in set_by_file.items():
+        assert OmegaConf.to_container(OmegaConf.create({"v": OmegaConf.select(cfg, key)}))["v"] == value, key
+    validate(typed_config(cfg), num_target_layers=36, target_vocab_size=262144, visible_cuda_devices=8)
 
 
 def flat_keys(cfg) -> list[str]:
@@ -221,7 +256,7 @@ def test_gpu_split_from_config():
         ),
         (["noise._target_=math.sqrt"], "noise: math.sqrt does not take the arguments"),
         (["+logger.sinks.mine._target_=json.dumps"], "logger.sinks.mine: json.dumps does not take"),
-        (["scheduler.bucket_edges=[48,40,128]"], "scheduler.bucket_edges"),
+        (["data.bucket_edges=[48,40,128]"], "data.bucket_edges"),
         (["data.max_length=256"], "data.max_length"),
         (["gpu.target=2"], "gpu.target=2"),
         # Hydra's own hint for a typo is the `+` form; a key no code reads must not be ignored.
@@ -237,6 +272,10 @@ def test_gpu_split_from_config():
             "eval.max_new_tokens=1000000000 .* exceeds the target's 4096 positions .* at most 4080",
         ),
         (["objective=foo"], "objective='foo' is not a summary metric"),
+        (
+            ["target.path=/models/Qwen3-8B", "target.fp8=true"],
+            "target.fp8=true quantizes a random-weight target",
+        ),
     ],
 )
 def test_cross_field_errors_name_the_key_before_any_model_loads(overrides, message, make_cfg, monkeypatch):
@@ -309,3 +348,21 @@ def test_regen_refuses_an_unknown_key(tmp_path):
         )
     with pytest.raises(ValueError, match="did you mean sampling.temperature"):
         regen(cfg)
+
+
+@pytest.mark.parametrize(
+    "build,message",
+    [
+        (lambda s: s.LossConfig(gamma=0.0), "loss.gamma must be > 0"),
+        (lambda s: s.AdamWConfig(betas=[0.9, 1.0]), r"optimizer.betas must be two numbers in \[0, 1\)"),
+        (lambda s: s.MaskRampNoiseConfig(warmup_steps=0), "noise=mask_ramp needs noise.warmup_steps >= 1"),
+        (lambda s: s.TrainConfig(epochs=0), "train.epochs must be >= 1"),
+    ],
+)
+def test_a_single_field_rule_sits_beside_its_field(build, message):
+    """A rule on one field is its dataclass's own: it holds wherever the config is built (a tool,
+    a test, the typed conversion of a run's config), not only on the launcher's path."""
+    from dflash.config import schema
+
+    with pytest.raises(ValueError, match=message):
+        build(schema)

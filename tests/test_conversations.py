@@ -145,6 +145,15 @@ def test_parquet_and_json_array_files(tmp_path, renderer):
     assert sources[1] == f"{tmp_path / 'a.parquet'}:row 1"
 
 
+def test_a_truncated_parquet_file_is_named(tmp_path):
+    truncated = tmp_path / "cut.parquet"
+    truncated.write_bytes(b"PAR1x")  # 5 bytes: what an interrupted download leaves
+    with pytest.raises(
+        ValueError, match=rf"^{truncated}: not a readable Parquet file \(ArrowInvalid: .*5 bytes"
+    ):
+        list(read_conversations([str(truncated)], SkipReport(), "data.files"))
+
+
 def test_a_missing_file_names_the_config_key(tmp_path, renderer):
     with pytest.raises(ValueError, match=r"data.files: .*nope.jsonl is not a file"):
         prepare(renderer, data_cfg([tmp_path / "nope.jsonl"]))
@@ -466,3 +475,67 @@ def test_a_reply_the_template_rewrites_is_refused_not_guessed(tiny_chat_dir):
     assert renderer.tokenize(TRICKY)[1].count(1) > 0
     with pytest.raises(MalformedRecord, match=r"messages\[1\]: the chat template rewrites"):
         renderer.tokenize(reasoning)
+
+
+def test_a_saved_datasets_directory_reads_like_its_files_and_names_split_and_row(tmp_path, renderer):
+    """`data.files` (and regen's input) takes what `save_to_disk` wrote: a Dataset, or a
+    DatasetDict whose splits are read in name order; a bad row is located by split and row."""
+    import datasets
+
+    jsonl = write_conversations(tmp_path / "a.jsonl", 6, "sharegpt", seed=5)
+    records = [json.loads(line) for line in jsonl.read_text().splitlines()]
+    datasets.Dataset.from_list(records).save_to_disk(str(tmp_path / "saved"))
+    reference, _ = prepare(renderer, data_cfg([jsonl]))
+    saved, stats = prepare(renderer, data_cfg([tmp_path / "saved"]))
+    assert saved.input_ids.tolist() == reference.input_ids.tolist()
+    assert stats.files == [str(tmp_path / "saved")]
+
+    broken = [*records[3:], {"conversations": [{"from": "wizard", "value": "hi"}], "id": 99}]
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(records[:3]), "validation": datasets.Dataset.from_list(broken)}
+    ).save_to_disk(str(tmp_path / "tree" / "dict"))
+    skipped = SkipReport()
+    # Found inside a directory, read once (its splits are saved Datasets of their own).
+    read = list(read_conversations([str(tmp_path / "tree")], skipped, "data.files"))
+    assert [c.messages for c in read] == [normalize(r)[0] for r in records]
+    assert read[3].source == f"{tmp_path / 'tree' / 'dict'}:validation row 0"
+    assert skipped.examples == [
+        f"{tmp_path / 'tree' / 'dict'}:validation row 3: conversations[0]: unknown role 'wizard'"
+    ]
+
+
+def test_turns_under_other_names_are_read_with_a_named_layout(tmp_path, renderer):
+    from dflash.data.conversations import RecordLayout
+
+    renamed = [
+        {"chat": [{"speaker": r["role"], "text": r["content"]} for r in CONVERSATION], "id": 1},
+        {"chat": [{"speaker": "user", "words": "no text key"}], "id": 2},
+    ]
+    path = tmp_path / "renamed.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in renamed) + "\n")
+    layout = RecordLayout(field="chat", role="speaker", content="text")
+    messages, extra = normalize(renamed[0], layout=layout)
+    assert messages == CONVERSATION and extra == {"id": 1}
+    skipped = SkipReport()
+    assert len(list(read_conversations([str(path)], skipped, "data.files", layout))) == 1
+    assert skipped.examples == [f"{path}:2: chat[0] needs 'speaker' and 'text'"]
+    with pytest.raises(
+        MalformedRecord, match=r"no 'messages' \(OpenAI\) or 'conversations' \(ShareGPT\) field"
+    ):
+        normalize(renamed[0])  # the auto layout does not guess other names
+
+    # Named fields holding either standard turn shape, as a datasets column.
+    sharegpt_column = {"dialogue": [{"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hi."}]}
+    assert normalize(sharegpt_column, layout=RecordLayout(field="dialogue"))[0] == [
+        {"role": "user", "content": "Hi?"},
+        {"role": "assistant", "content": "Hi."},
+    ]
+
+    # The config node reaches the tokenized data and its cache key.
+    cfg = data_cfg([path], min_supervised_tokens=1)
+    cfg.layout.field, cfg.layout.role, cfg.layout.content = "chat", "speaker", "text"
+    dataset, stats = prepare(renderer, cfg)
+    assert len(dataset) == 1 and stats.skipped == {"malformed": 1}
+    from dflash.data.prepare import cache_key
+
+    assert cache_key(renderer, cfg) != cache_key(renderer, data_cfg([path]))

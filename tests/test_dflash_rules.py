@@ -22,7 +22,7 @@ from dflash.step.blocks import (
     sample_rng,
 )
 from dflash.step.loss import block_acceptance, draft_loss, tau_from_accuracy, tau_from_rounds, tau_from_runs
-from tests.conftest import FAMILIES
+from tests.conftest import FAMILIES, one_sample_batch
 
 MASK_ID = 511
 
@@ -395,8 +395,6 @@ def test_tau_decode_is_tokens_per_round_of_a_decoder_walking_the_text():
 def test_train_tau_block_pools_the_runs_of_every_step_and_replica():
     """train/tau_block (and tau_decode) divides the summed runs (rounds) by the summed blocks once,
     like the loss, so a step or replica with few blocks weighs what it holds."""
-    from dflash.data.collate import Batch
-    from dflash.data.schedule import PlannedBatch
     from dflash.monitor.train_metrics import train_metrics
     from dflash.step.loss import LossStats
     from dflash.step.metrics import StepMetrics
@@ -413,12 +411,7 @@ def test_train_tau_block_pools_the_runs_of_every_step_and_replica():
             rounds=torch.tensor(rounds),
         )
 
-    batch = Batch(
-        torch.zeros(1, 8, dtype=torch.int64),
-        torch.ones(1, 8, dtype=torch.uint8),
-        torch.tensor([8]),
-        PlannedBatch(epoch=0, index=0, bucket=0, sample_ids=(0,)),
-    )
+    batch = one_sample_batch()
     windows = []
     # (accepted, blocks, sum of 1 / (1 + run)) per step; replica 0: two steps; replica 1: one.
     for runs in ([(6.0, 2.0, 0.5), (0.0, 1.0, 1.0)], [(1.0, 1.0, 0.5)]):

@@ -1,7 +1,8 @@
 """User code plugged in by config alone: the examples of docs/extending.md, written into modules
 outside the package, run: a callback receives every hook in a normal run; a batch order, a noise
-schedule and a metric sink replace or join the built-ins by overrides alone; a component or
-callback that cannot be built is refused before anything loads."""
+schedule and a metric sink replace or join the built-ins by overrides alone; a training metric
+added to `FIELDS` reaches every sink; a component or callback that cannot be built is refused
+before anything loads."""
 
 from __future__ import annotations
 
@@ -15,15 +16,15 @@ from pathlib import Path
 import pytest
 
 from dflash.run.launch import build_run
-from tests.conftest import FAST, SLOW_MACHINE_TIMEOUT_S
+from tests.conftest import FAST, SLOW_MACHINE_TIMEOUT_S, one_sample_batch, record_wandb_rows
 
 DOC = Path(__file__).resolve().parent.parent / "docs" / "extending.md"
 
 
 def doc_example(defines: str) -> str:
-    """The python block of docs/extending.md that defines `defines`."""
+    """The python block of docs/extending.md that defines `defines` (a class or a name)."""
     blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.DOTALL)
-    return next(block for block in blocks if f"class {defines}" in block)
+    return next(block for block in blocks if f"class {defines}" in block or f"\n{defines} = " in block)
 
 
 def test_the_documented_batch_order_noise_and_sink_run_from_overrides_alone(tmp_path, make_cfg, monkeypatch):
@@ -64,6 +65,58 @@ def test_the_documented_batch_order_noise_and_sink_run_from_overrides_alone(tmp_
     assert (Path(cfg.paths.output_dir) / "metrics.jsonl").is_file()  # the built-in sinks still log
 
 
+def test_the_documented_training_metric_reaches_every_sink(make_cfg, monkeypatch, capsys):
+    """One `Field` appended to `FIELDS` (docs/extending.md): its window sums are pooled as it
+    says, and `train/<name>` reaches metrics.jsonl, the W&B run and the console line."""
+    import torch
+
+    from dflash.monitor.sinks import EVAL_STEP
+    from dflash.monitor.train_metrics import train_metrics
+    from dflash.step import metrics
+    from dflash.step.loss import LossStats
+
+    namespace: dict = {}
+    exec(doc_example("WEIGHT_PER_BLOCK"), namespace)
+    monkeypatch.setattr(metrics, "FIELDS", metrics.FIELDS + (namespace["WEIGHT_PER_BLOCK"],))
+
+    # Pooled over two replicas' windows: the sum of weights over the sum of blocks.
+    batch = one_sample_batch()
+    windows = []
+    for weight, blocks in ((3.0, 2.0), (1.0, 2.0)):
+        sums = metrics.StepMetrics(block_size=4, num_buckets=1, device=torch.device("cpu"))
+        one = torch.tensor(1.0)
+        stats = LossStats(
+            weighted_ce=one,
+            weight=torch.tensor(weight),
+            correct=torch.ones(4),
+            counted=torch.ones(4),
+            accepted=one,
+            blocks=torch.tensor(blocks),
+            rounds=one,
+        )
+        sums.add(stats, torch.tensor(1.0), batch, anchors=1)
+        windows.append(sums.publish(end_step=1, lr=1e-3))
+    assert train_metrics([windows])["train/weight_per_block"] == pytest.approx(4.0 / 4.0)
+
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    cfg = make_cfg(["logger=wandb", "train.total_steps=4", "logger.every_steps=2"])
+    run = build_run(cfg)
+    sent = record_wandb_rows(run, monkeypatch)
+    run.execute()
+    rows = [
+        json.loads(line) for line in (Path(cfg.paths.output_dir) / "metrics.jsonl").read_text().splitlines()
+    ]
+    ticks = [row for row in rows if "train/loss" in row]
+    assert [row["step"] for row in ticks] == [2, 4]
+    assert all(row["train/weight_per_block"] > 0 for row in ticks)
+    sent_ticks = [row for row in sent if "train/loss" in row and EVAL_STEP not in row]
+    assert [row["train/weight_per_block"] for row in sent_ticks] == [
+        row["train/weight_per_block"] for row in ticks
+    ]
+    console = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
+    assert len(console) == 2 and all("weight_per_block=" in line for line in console)
+
+
 @pytest.mark.parametrize(
     "overrides,message",
     [
@@ -80,6 +133,8 @@ def test_the_documented_batch_order_noise_and_sink_run_from_overrides_alone(tmp_
             ["pipeline._target_=dflash.step.noise.NoNoise"],
             "pipeline: dflash.step.noise.NoNoise does not take",
         ),
+        (["scheduler._target_=os"], "scheduler._target_='os' is a module, not a class or function"),
+        (["+logger.sinks.x._target_=math.pi"], "logger.sinks.x._target_='math.pi' is a float, not a class"),
         (["+callbacks.bad.path=/tmp/x"], "callbacks.bad needs a _target_"),
         (["+callbacks.bad._target_=no_such_module.Nope"], "callbacks.bad: cannot build no_such_module.Nope"),
         (["+callbacks.bad._target_=pathlib.Path"], r"callbacks.bad: pathlib.Path defines none of the hooks"),
@@ -154,3 +209,36 @@ def test_preflight_checks_each_component_with_the_arguments_the_launcher_builds_
     }
     sinks = {key: names for key, names in built_with.items() if key.startswith("logger.sinks.")}
     assert sinks and all(names == {"context"} for names in sinks.values())
+
+
+def test_the_documented_trainer_inputs_are_the_ones_a_trainer_receives():
+    """docs/extending.md's `pipeline` row names `TrainerInputs` and lists exactly its fields, in
+    order; every built-in trainer takes them as `inputs` and nothing else a run does not set."""
+    import dataclasses
+    import inspect
+
+    from dflash.trainer.async_trainer import AsyncTrainer
+    from dflash.trainer.lifecycle import TRAINER_INPUTS, TrainerInputs
+    from dflash.trainer.sync import SyncTrainer
+
+    (row,) = [line for line in DOC.read_text().splitlines() if line.startswith("| `pipeline` |")]
+    documented = re.search(r"TrainerInputs` \(`([^`]*)`\)", row).group(1).split(", ")
+    assert documented == [field.name for field in dataclasses.fields(TrainerInputs)]
+    for trainer in (SyncTrainer, AsyncTrainer):
+        parameters = inspect.signature(trainer).parameters
+        assert parameters[TRAINER_INPUTS].annotation in (TrainerInputs, "TrainerInputs")
+        required = [name for name, p in parameters.items() if p.default is inspect.Parameter.empty]
+        assert required == [TRAINER_INPUTS]
+
+
+@pytest.mark.parametrize("key", ["scheduler", "logger.sinks.bad"])
+def test_a_component_whose_constructor_raises_is_one_line_naming_the_key(
+    key, tmp_path, make_cfg, monkeypatch
+):
+    (tmp_path / "broken_plugin.py").write_text(
+        "class Broken:\n    def __init__(self, **kwargs):\n        raise RuntimeError('no licence server')\n"
+    )
+    monkeypatch.syspath_prepend(str(tmp_path))
+    prefix = "+" if key.startswith("logger") else ""
+    with pytest.raises(ValueError, match=rf"^{re.escape(key)}: building broken_plugin.Broken failed \(RuntimeError: no licence server\)"):  # fmt: skip
+        build_run(make_cfg([f"{prefix}{key}._target_=broken_plugin.Broken"]))

@@ -40,7 +40,7 @@ def test_target_runs_in_bf16_and_drafter_keeps_fp32_master_weights(make_cfg):
 
 def test_async_pipeline_hot_path_has_no_host_sync(make_cfg):
     from dflash.run.launch import build_run
-    from dflash.sync_detector import SyncDetector
+    from tests.sync_detector import SyncDetector
 
     run = build_run(
         make_cfg(

@@ -1,6 +1,6 @@
-"""A target is compared by content: resume, drafter.init_from and dflash-eval refuse a checkpoint
-trained on a same-shape target with other weights or another tokenizer, and accept the same
-target named another way (a trailing slash, a link)."""
+"""A target is compared by content: resume, drafter.init_from, dflash-eval and dflash-export
+check/convert --target refuse a checkpoint trained on a same-shape target with other weights or
+another tokenizer, and accept the same target named another way (a trailing slash, a link)."""
 
 from __future__ import annotations
 
@@ -81,3 +81,38 @@ def test_a_random_target_is_its_architecture_and_seed():
     one = target_identity(TargetConfig(name="r", arch={"hidden_size": 64}, init_seed=0))
     assert one == target_identity(TargetConfig(name="r", arch={"hidden_size": 64}, init_seed=0))
     assert one != target_identity(TargetConfig(name="r", arch={"hidden_size": 64}, init_seed=1))
+    # The same random target quantized to FP8 (target.fp8) computes other features.
+    assert one != target_identity(TargetConfig(name="r", arch={"hidden_size": 64}, init_seed=0, fp8=True))
+
+
+def test_export_check_and_convert_apply_the_same_pairing_rule(tmp_path, targets, capsys):
+    """dflash-export check/convert --target refuse what dflash-eval refuses: a drafter that
+    records its target (target.json; a speculators verifier directory) with a same-shape target
+    of other weights or another tokenizer; and a target of another vocabulary by shape."""
+    from tests.test_speculators import export_cli
+
+    ckpt, _ = checkpoint_for(tmp_path, targets["same"])
+    code, err = export_cli(capsys, "check", str(ckpt), "--target", str(targets["same"]))
+    assert code == 0, err
+    spec = tmp_path / "spec"
+    code, err = export_cli(capsys, "convert", str(ckpt), str(spec), "--layout", "speculators", "--target", str(targets["same"]))  # fmt: skip
+    assert code == 0, err
+    for name, expected in (("other_weights", "weights differ"), ("other_tokenizer", "tokenizer vocabulary differ")):  # fmt: skip
+        other = str(targets[name])
+        for command in (
+            ["check", str(ckpt)],
+            ["convert", str(spec), str(tmp_path / f"zlab_{name}"), "--layout", "zlab"],
+        ):
+            code, err = export_cli(capsys, *command, "--target", other)
+            assert code == 2 and err.count("\n") == 1, err
+            assert f"was made for another target than --target {other} ({expected})" in err
+        assert not (tmp_path / f"zlab_{name}").exists()
+    wider = shutil.copytree(targets["same"], tmp_path / "wider_vocab")
+    config = json.loads((wider / "config.json").read_text())
+    (wider / "config.json").write_text(json.dumps({**config, "vocab_size": config["vocab_size"] * 2}))
+    (ckpt / "target.json").unlink()  # a drafter from elsewhere: only the shapes tell
+    code, err = export_cli(capsys, "check", str(ckpt), "--target", str(wider))
+    assert (
+        code == 2
+        and f"vocab_size {config['vocab_size']} but the target's is {config['vocab_size'] * 2}" in err
+    )

@@ -16,6 +16,7 @@ import torch
 from dflash.monitor.sinks import EVAL_STEP, BackgroundSink, SinkContext, WandbSink
 from dflash.monitor.telemetry import GpuTelemetry
 from dflash.run.launch import build_run
+from tests.conftest import record_wandb_rows
 
 FAMILIES = ("train/", "drafter0/", "drafter1/", "batch/", "queue/", "worker/", "perf/")
 
@@ -37,12 +38,7 @@ def test_async_run_logs_every_family_with_plausible_values(make_cfg, monkeypatch
         ]
     )
     run = build_run(cfg)
-    wandb_run = next(s for s in run.trainer.monitor.sinks if isinstance(s, BackgroundSink)).sink.run
-    sent: list[dict] = []
-    real_log = wandb_run.log
-    monkeypatch.setattr(
-        wandb_run, "log", lambda data, step=None: (sent.append(dict(data)), real_log(data, step=step))
-    )
+    sent = record_wandb_rows(run, monkeypatch)
     run.execute()
     run_dir = Path(cfg.paths.output_dir)
     ticks = [r for r in rows(run_dir) if "train/loss" in r]

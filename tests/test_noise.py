@@ -17,9 +17,27 @@ def schedule(kind: str, **kw) -> NoiseSchedule:
     return build_noise(COMPONENT_OPTIONS["noise"][kind](**kw))
 
 
-def test_none_changes_nothing():
+def test_none_changes_nothing_at_any_step():
+    """noise=none trains the paper's way for the whole run: at every step every non-anchor block
+    position is MASK and the drafter sees the target's features unchanged."""
     noise = schedule("none")
-    assert noise.keep_fraction(0) == 0.0 and noise.feature_std(0) == 0.0
+    target = tiny_target()
+    drafter = tiny_drafter(target)
+    ids = torch.randint(0, 500, (4, 64))
+    mask = torch.ones(4, 64)
+    features = target.features(ids)
+    clean = drafter.context(features)
+    for step in (0, 1, 250, 10_000, 10**7):
+        blocks = blocks_for(ids, mask, block_size=8, num_anchors=16, keep=noise.keep_fraction(step))
+        in_range = blocks.positions < 64
+        non_anchor = (
+            (torch.arange(blocks.block_ids.shape[1]) % 8 != 0)
+            & in_range
+            & blocks.anchor_valid.repeat_interleave(8, 1)
+        )
+        assert non_anchor.any() and (blocks.block_ids[non_anchor] == MASK_ID).all(), step
+        generator = torch.Generator().manual_seed(step)
+        assert torch.equal(drafter.context(features, noise.feature_std(step), generator), clean), step
 
 
 def test_mask_ramp_keeps_the_scheduled_share_of_true_tokens_without_loss():

@@ -65,9 +65,9 @@ def test_smollm2_regen_prep_train_eval(tmp_path, data_cache):
         "data.val_samples=2",
         "drafter.num_layers=1",
         "drafter.num_anchors=8",
-        "scheduler.bucket_edges=[128,256]",
-        "scheduler.tokens_per_batch=1024",
-        "scheduler.block_tokens_per_batch=4096",
+        "data.bucket_edges=[128,256]",
+        "data.tokens_per_batch=1024",
+        "data.block_tokens_per_batch=4096",
     ]
     out = run_tool("dflash-prep", *data, f"paths.output_dir={tmp_path / 'prep'}")
     assert "records read         10" in out

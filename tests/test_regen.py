@@ -143,27 +143,22 @@ def test_http_backend_against_a_loopback_server_with_retries(tmp_path, backend):
 
 
 def test_regen_cli_composes_and_runs(tmp_path, tiny_chat_dir, capsys):
-    from hydra import compose, initialize_config_dir
-
-    from dflash.config.schema import register_configs
-    from dflash.tools.compose import CONF_DIR
+    from dflash.tools.compose import compose_config
     from dflash.tools.regen import build_backend, regen
 
-    register_configs()
     source = write_conversations(tmp_path / "in.jsonl", 3, seed=6)
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        cfg = compose(
-            config_name="regen",
-            overrides=[
-                f"target.path={tiny_chat_dir}",
-                f"input=[{source}]",
-                f"output={tmp_path / 'out.jsonl'}",
-                "sampling.temperature=0.8",
-                "sampling.max_new_tokens=8",
-                f"paths.output_dir={tmp_path}",
-                f"paths.cache_dir={tmp_path}",
-            ],
-        )
+    cfg = compose_config(
+        config_name="regen",
+        overrides=[
+            f"target.path={tiny_chat_dir}",
+            f"input=[{source}]",
+            f"output={tmp_path / 'out.jsonl'}",
+            "sampling.temperature=0.8",
+            "sampling.max_new_tokens=8",
+            f"paths.output_dir={tmp_path}",
+            f"paths.cache_dir={tmp_path}",
+        ],
+    )
     stats = regen(cfg)
     assert stats.written == 3
     assert "written              3 conversations" in capsys.readouterr().out
@@ -171,6 +166,41 @@ def test_regen_cli_composes_and_runs(tmp_path, tiny_chat_dir, capsys):
     typed.backend = RegenBackend.http
     with pytest.raises(ValueError, match="backend=http needs url="):
         build_backend(typed)
+
+
+def test_regen_reads_a_saved_dataset_with_renamed_turns(tmp_path, tiny_chat_dir, capsys):
+    """regen's input, like data.files, takes a save_to_disk directory, and `layout` names the
+    turns' column and keys."""
+    import datasets
+
+    from dflash.tools.compose import compose_config
+    from dflash.tools.regen import regen
+
+    source = write_conversations(tmp_path / "in.jsonl", 3, seed=6)
+    rows = [json.loads(line) for line in source.read_text().splitlines()]
+    renamed = [{"dialog": [{"who": m["role"], "said": m["content"]} for m in r["messages"]]} for r in rows]
+    datasets.Dataset.from_list(renamed).save_to_disk(str(tmp_path / "saved"))
+    cfg = compose_config(
+        config_name="regen",
+        overrides=[
+            f"target.path={tiny_chat_dir}",
+            f"input=[{tmp_path / 'saved'}]",
+            f"output={tmp_path / 'out.jsonl'}",
+            "layout.field=dialog",
+            "layout.role=who",
+            "layout.content=said",
+            "sampling.max_new_tokens=4",
+            f"paths.output_dir={tmp_path}",
+            f"paths.cache_dir={tmp_path}",
+        ],
+    )
+    assert regen(cfg).written == 3
+
+    def questions(records):  # in any order: replies are written as they finish
+        return sorted(tuple(m["content"] for m in r["messages"] if m["role"] == "user") for r in records)
+
+    assert questions(read_jsonl(tmp_path / "out.jsonl")) == questions(rows)
+    capsys.readouterr()
 
 
 def test_unset_sampling_fields_take_the_targets_recommendation(tmp_path, tiny_chat_dir):
@@ -295,7 +325,7 @@ def test_an_output_the_inputs_include_is_refused_before_any_request(tmp_path, mo
 
 
 def test_a_second_regen_on_the_same_output_is_refused_while_the_first_lives(tmp_path, backend):
-    from dflash.run.lock import FileLock
+    from dflash.lock import FileLock
 
     source = write_conversations(tmp_path / "in.jsonl", 3)
     out = tmp_path / "out.jsonl"

@@ -182,3 +182,40 @@ def test_sigterm_leaves_a_run_record_and_every_written_line_whole(tmp_path, serv
     written = out.read_text().splitlines()
     assert 2 <= len(written) < 40 and record["metrics"]["written"] == len(written)
     assert all(json.loads(line)["messages"] for line in written)
+
+
+def test_a_line_regen_did_not_write_in_its_output_is_named_by_file_and_line(tmp_path):
+    from dflash.regen.regenerate import finished_sources
+
+    output = tmp_path / "out.jsonl"
+    output.write_text('{"source": "a.jsonl:1", "messages": []}\nnot json at all\n')
+    with pytest.raises(
+        ValueError, match=rf"^{output}:2: not a record dflash-regen wrote \(Expecting value\)"
+    ):
+        finished_sources(output)
+    output.write_text('{"source": "a.jsonl:1"}\n[1, 2]\n')
+    with pytest.raises(ValueError, match=rf"^{output}:2: not a record dflash-regen wrote \(no source"):
+        finished_sources(output)
+
+
+def test_a_full_disk_while_regen_writes_names_the_output(tmp_path):
+    import errno
+
+    from dflash.regen.regenerate import RegenStats, _Writer
+
+    class FullDisk:
+        name = str(tmp_path / "out.jsonl")
+
+        def write(self, text):
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        def flush(self):
+            pass
+
+        def fileno(self):
+            return os.open(self.name, os.O_WRONLY | os.O_CREAT)
+
+    writer = _Writer(FullDisk(), RegenStats())
+    with pytest.raises(OSError, match=rf"^\[Errno 28\] writing regen.output={tmp_path / 'out.jsonl'} failed \(No space left on device\)"):  # fmt: skip
+        writer([{"source": "a.jsonl:1"}])
+    writer.close()

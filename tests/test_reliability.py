@@ -1,5 +1,7 @@
-"""Nothing lost, nothing silently accepted: run-dir ownership, run records however a job ends,
-one-line user errors, one metrics row per log window, the non-finite guard."""
+"""Nothing lost, nothing silently accepted: run-dir ownership (a refusal never touches the run it
+refuses), run records however a job ends (repeated signals too), atomic exports, a resume that
+says what changed in its data, size checks before loading, `~` and HOME in paths, one-line user
+errors, one metrics row per log window, the non-finite guard."""
 
 from __future__ import annotations
 
@@ -184,6 +186,37 @@ def test_one_row_per_log_window_whatever_the_tick_cadence(make_cfg, tmp_path):
     assert rows["sync"] == rows["async"]  # bitwise on CPU
 
 
+def test_cadence_folds_the_steps_after_the_last_full_window_into_it():
+    from dflash.pipeline.cadence import Cadence
+
+    def closes(stop_after: int, log_every: int) -> list[int]:
+        cadence = Cadence(stop_after=stop_after, log_every=log_every, checkpoint_every=1000)
+        return [step for step in range(1, stop_after + 1) if cadence.logs_at(step)]
+
+    assert closes(774, 10)[-3:] == [750, 760, 774]  # 761-774: 14 steps, never a 4-step window
+    assert closes(20, 5) == [5, 10, 15, 20]
+    assert closes(3, 5) == [3]  # a run shorter than the interval is one window
+
+
+@pytest.mark.parametrize("pipeline", ["sync", "async"])
+def test_no_row_and_no_final_figure_comes_from_a_window_shorter_than_the_interval(
+    make_cfg, tmp_path, pipeline
+):
+    from dflash.run.runner import format_summary
+    from dflash.train import train
+
+    summary = train(make_cfg([f"pipeline={pipeline}", "train.total_steps=14", "logger.every_steps=4"]))
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    windows = [r for r in map(json.loads, lines) if "train/loss" in r]
+    assert [(r["step"], r["train/window_steps"]) for r in windows] == [(4, 4.0), (8, 4.0), (14, 6.0)]
+    last = windows[-1]
+    for key in ("train/loss", "train/acc", "train/tau_sim", "train/tau_block", "train/tau_decode"):
+        assert summary[key] == last[key], key
+    assert json.loads((tmp_path / "run" / "summary.json").read_text())["train/acc"] == last["train/acc"]
+    text = format_summary(summary)
+    assert f"-> {last['train/acc']:.3f}" in text and f"tau (simulated)   {last['train/tau_sim']:.3f}" in text
+
+
 @pytest.mark.parametrize("pipeline", ["sync", "async"])
 def test_a_nan_loss_skips_its_update_and_stops_the_run_with_good_checkpoints(make_cfg, monkeypatch, pipeline):
     import torch
@@ -259,7 +292,7 @@ def test_debug_fast_shortens_training_and_the_evaluation(tmp_path, data_cache):
 def test_a_live_runs_paths_output_dir_is_refused_to_a_second_run(tmp_path, data_cache):
     """Two runs with their own Hydra dirs but one paths.output_dir: the second is refused (it
     would interleave metrics and overwrite checkpoints), naming the key and the holder."""
-    from dflash.run.lock import RunDirLock
+    from dflash.lock import RunDirLock
 
     shared = tmp_path / "shared"
     with RunDirLock(shared):  # a live run holding it (this process)
@@ -322,3 +355,291 @@ def test_a_run_record_that_cannot_be_written_goes_to_stderr_and_leaves_no_tempor
         and "Traceback" in err
     )
     assert list(tmp_path.iterdir()) == []
+
+
+def finished_run(run_dir: Path) -> dict[str, str]:
+    """A finished run's files as they lie on disk: its record, its Hydra config, its metrics."""
+    files = {
+        "run.json": json.dumps({"status": "COMPLETED"}),
+        ".hydra/config.yaml": "seed: 0\n",
+        ".hydra/overrides.yaml": "- seed=0\n",
+        "train.log": "first run\n",
+        "metrics.jsonl": '{"step": 1}\n',
+        "summary.json": '{"steps": 1}',
+    }
+    for name, text in files.items():
+        (run_dir / name).parent.mkdir(parents=True, exist_ok=True)
+        (run_dir / name).write_text(text)
+    return files
+
+
+@pytest.mark.parametrize(
+    "tool", ["dflash.train", "dflash.tools.eval", "dflash.tools.regen", "dflash.tools.prep"]
+)
+def test_a_refused_run_leaves_the_finished_run_it_refused_untouched(tmp_path, tool):
+    """Refused before Hydra writes `.hydra/` or train.log, and before any record: run.json stays
+    the first run's COMPLETED one (a resume of that run is still offered). Every tool that
+    writes a run record into its Hydra dir refuses a training run's directory the same way."""
+    run_dir = tmp_path / "run"
+    files = finished_run(run_dir)
+    second = run_tool([sys.executable, "-m", tool, f"hydra.run.dir={run_dir}"])
+    assert second.returncode == 2 and second.stderr.count("\n") == 1, second.stderr
+    assert f"hydra.run.dir={run_dir} holds an earlier run (summary.json, metrics.jsonl)" in second.stderr
+    assert {name: (run_dir / name).read_text() for name in files} == files
+    assert not (run_dir / "config_resolved.yaml").exists()
+
+
+def test_a_sweep_into_a_finished_sweeps_dir_is_refused_before_it_writes(tmp_path):
+    (tmp_path / "multirun.yaml").write_text("first sweep\n")
+    job = tmp_path / "0"
+    files = finished_run(job)
+    sweep = run_tool([sys.executable, "-m", "dflash.train", "-m", "seed=1,2", f"hydra.sweep.dir={tmp_path}"])
+    assert sweep.returncode == 2 and f"hydra.sweep.dir={tmp_path} holds an earlier sweep" in sweep.stderr
+    assert (tmp_path / "multirun.yaml").read_text() == "first sweep\n"
+    assert {name: (job / name).read_text() for name in files} == files
+
+
+@pytest.mark.parametrize("fault", ["sigterm", "full_disk"])
+def test_an_interrupted_or_failed_convert_leaves_no_destination(tmp_path, capsys, monkeypatch, fault):
+    """convert writes beside the destination and renames: SIGTERM or a full disk between the
+    config and the weights leaves neither a half directory nor a temporary (a rerun is not
+    refused as "not empty")."""
+    import errno
+
+    from dflash.export import zlab
+    from tests.test_speculators import export_cli, tiny_drafter
+
+    zlab.export_drafter(tiny_drafter(), tmp_path / "source")
+    real_save = zlab.save_file
+
+    def fail_after_the_config(state, filename, **kwargs):
+        assert Path(filename).with_name("config.json").is_file()
+        if fault == "sigterm":
+            os.kill(os.getpid(), signal.SIGTERM)
+        real_save(state, filename, **kwargs)  # a part of the weights lands first
+        raise OSError(errno.ENOSPC, "No space left on device", filename)
+
+    monkeypatch.setattr(zlab, "save_file", fail_after_the_config)
+    code, err = export_cli(
+        capsys, "convert", str(tmp_path / "source"), str(tmp_path / "dst"), "--layout", "zlab"
+    )
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["source"]
+    if fault == "sigterm":
+        assert code == 128 + signal.SIGTERM
+    else:
+        assert code == 2 and err == (
+            f"dflash-export: error: {tmp_path / 'dst'}: writing model.safetensors failed "
+            "(No space left on device); nothing was left there\n"
+        )
+    monkeypatch.setattr(zlab, "save_file", real_save)
+    code, err = export_cli(
+        capsys, "convert", str(tmp_path / "source"), str(tmp_path / "dst"), "--layout", "zlab"
+    )
+    assert code == 0, err
+
+
+def test_convert_into_an_unwritable_place_is_one_line_naming_it(tmp_path, capsys):
+    from dflash.export.zlab import export_drafter
+    from tests.test_speculators import export_cli, tiny_drafter
+
+    export_drafter(tiny_drafter(), tmp_path / "source")
+    code, err = export_cli(
+        capsys, "convert", str(tmp_path / "source"), "/proc/dflash-test/dst", "--layout", "zlab"
+    )
+    assert code == 2 and err.count("\n") == 1
+    assert err.startswith("dflash-export: error: /proc/dflash-test/dst: cannot write there (")
+
+
+def test_signals_in_quick_succession_never_break_off_the_checkpoint_or_the_record(tmp_path, data_cache):
+    """Ctrl-C, then Ctrl-C and SIGTERM every 50 ms until it exits (an impatient user, a
+    scheduler): the first stops the run; the others land in the checkpoint or the record
+    writing and are only noted. The run exits 128 + the first signal with its record written."""
+    run_dir = tmp_path / "run"
+    args = FAST + [f"paths.cache_dir={data_cache}", f"hydra.run.dir={run_dir}", "train.total_steps=400"]
+    proc = cli(args + ["logger.every_steps=1"])
+    wait_for_lines(run_dir / "metrics.jsonl", 3, proc)
+    proc.send_signal(signal.SIGINT)
+    for repeat in range(200):  # until it has exited: every stage of the wind-down gets some
+        time.sleep(0.05)
+        if proc.poll() is not None:
+            break
+        proc.send_signal(signal.SIGTERM if repeat % 2 else signal.SIGINT)
+    _, error = proc.communicate(timeout=CLI_TIMEOUT_S)
+    assert proc.returncode == 128 + signal.SIGINT, error[-3000:]
+    record = json.loads((run_dir / "run.json").read_text())
+    assert record["status"] == "INTERRUPTED" and record["signal"] == "SIGINT"
+    state = torch.load(run_dir / "checkpoints" / "last" / "trainer_state.pt", weights_only=True)
+    assert 3 <= state["position"]["step"] < 400
+
+
+def copy_with_config(source: Path, destination: Path, **changes) -> Path:
+    """`source`'s checkpoint with its config.json edited (None removes a key); weights linked."""
+    destination.mkdir()
+    for file in source.iterdir():
+        if file.name != "config.json":
+            (destination / file.name).symlink_to(file)
+    config = json.loads((source / "config.json").read_text())
+    config.update(changes)
+    (destination / "config.json").write_text(json.dumps({k: v for k, v in config.items() if v is not None}))
+    return destination
+
+
+def test_an_image_text_config_without_text_config_is_refused_before_loading(tmp_path, tiny_qwen3_5_dir):
+    """transformers would build its default 9B language model (22 GB) and be killed for memory."""
+    from dflash.config.schema import TargetConfig
+    from dflash.models.target import load_target_config
+
+    directory = copy_with_config(tiny_qwen3_5_dir, tmp_path / "no_text_config", text_config=None)
+    with pytest.raises(ValueError, match=r"config.json \(model_type 'qwen3_5'\) has no text_config"):
+        load_target_config(TargetConfig(name="hf", path=str(directory)))
+
+
+def test_a_config_describing_more_than_the_weights_hold_is_refused_before_loading(tmp_path, tiny_qwen3_dir):
+    from dflash.config.schema import TargetConfig
+    from dflash.models.target import FrozenTarget
+
+    directory = copy_with_config(tiny_qwen3_dir, tmp_path / "wider", intermediate_size=8192)
+    with pytest.raises(ValueError, match=r"describes a language model of [\d.]+M parameters, but its weight"):
+        FrozenTarget.from_config(TargetConfig(name="hf", path=str(directory)), [1, 3], torch.device("cpu"))
+
+
+def test_a_resume_says_what_changed_in_its_data_and_refuses_unless_accepted_by_name(
+    make_cfg, tmp_path, tiny_chat_dir, tiny_conversations
+):
+    """A checkpoint records what it trained on (data.json); a resume onto appended, edited or
+    re-templated data would continue its schedule position on another sample set: refused,
+    saying what changed. Appended data gets the documented route (drafter.init_from); a moved
+    file with the same content is the same data; resume_changed_data=true accepts."""
+    from dflash.run.launch import build_run
+    from dflash.train import train
+    from tests.conftest import conversation_overrides
+
+    lines = tiny_conversations.read_text().splitlines(keepends=True)
+    original = tmp_path / "chat.jsonl"
+    original.write_text("".join(lines))
+    first = make_cfg(
+        conversation_overrides(tiny_chat_dir, [original]) + ["train.total_steps=4"], tmp_path / "a"
+    )
+    train(first)
+    checkpoint = tmp_path / "a" / "checkpoints" / "step_0000004"
+    recorded = json.loads((checkpoint / "data.json").read_text())
+    assert recorded["files"] == [{"path": str(original), "sha256": recorded["files"][0]["sha256"]}]
+    assert recorded["samples"] > 0 and recorded["template"]
+
+    def resume(files: list[Path], *extra: str):
+        overrides = conversation_overrides(tiny_chat_dir, files) + [
+            "train.total_steps=8",
+            f"resume={checkpoint}",
+        ]
+        return build_run(
+            make_cfg(overrides + list(extra), tmp_path / f"resumed{len(list(tmp_path.iterdir()))}")
+        )
+
+    grown = tmp_path / "grown.jsonl"
+    grown.write_text("".join(lines + lines[:6]))
+    with pytest.raises(ValueError, match=r"data grew by appending: \d+ -> \d+ samples.*drafter.init_from="):
+        resume([grown])
+    edited = tmp_path / "edited.jsonl"
+    edited.write_text("".join(lines[1:]))
+    with pytest.raises(
+        ValueError, match=rf"{edited} is new or changed; data.files: {original} \(as trained on\)"
+    ):
+        resume([edited])
+    moved = tmp_path / "moved.jsonl"
+    moved.write_text(original.read_text())
+    for accepted in (resume([moved]), resume([grown], "resume_changed_data=true")):
+        assert accepted.trainer.position.step == 4
+        accepted.trainer.monitor.close(True)
+
+
+def test_a_resume_past_the_runs_end_is_refused_in_one_line(make_cfg, tmp_path):
+    from dflash.run.launch import build_run
+    from dflash.train import train
+
+    train(make_cfg(["train.total_steps=8", "checkpoint.every_steps=8"], tmp_path / "a"))
+    checkpoint = tmp_path / "a" / "checkpoints" / "step_0000008"
+    for name, shorter in (("total", "train.total_steps=4"), ("max", "debug.max_steps=6")):
+        with pytest.raises(
+            ValueError, match=r"is at step 8, and this run ends at step [46] .*: nothing left to train"
+        ):
+            build_run(make_cfg([f"resume={checkpoint}", shorter], tmp_path / name))
+
+
+def test_home_is_read_only_when_nothing_else_names_the_cache(monkeypatch, tmp_path):
+    from dflash.tools.compose import compose_typed
+
+    monkeypatch.delenv("HOME", raising=False)
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path / "cache"))
+    assert compose_typed([]).paths.cache_dir == str(tmp_path / "cache")
+    monkeypatch.delenv("DFLASH_CACHE_DIR")
+    with pytest.raises(ValueError, match=r"^paths.cache_dir: neither DFLASH_CACHE_DIR nor HOME is set"):
+        compose_typed([])
+    assert compose_typed([f"paths.cache_dir={tmp_path}"]).paths.cache_dir == str(tmp_path)
+
+
+def test_a_path_starting_with_tilde_is_the_home_directory_wherever_it_is_read(monkeypatch, tmp_path):
+    """`~` in paths.output_dir, resume, ... (quoted for Hydra) and in hydra.run.dir means the home
+    directory, never a directory named `~`; unquoted, Hydra's lexer error becomes one line."""
+    from dflash.tools.compose import compose_typed
+
+    home = tmp_path / "home"
+    monkeypatch.setenv("HOME", str(home))
+    cfg = compose_typed(["paths.output_dir='~/out'", "resume='~/runs/last'", "paths.cache_dir='~'"])
+    assert (cfg.paths.output_dir, cfg.resume, cfg.paths.cache_dir) == (
+        f"{home}/out",
+        f"{home}/runs/last",
+        str(home),
+    )
+    files = finished_run(home / "old")
+    refused = run_tool(
+        [sys.executable, "-m", "dflash.train", "hydra.run.dir='~/old'"], env={"HOME": str(home)}
+    )
+    assert refused.returncode == 2 and f"hydra.run.dir={home}/old holds an earlier run" in refused.stderr
+    assert {name: (home / "old" / name).read_text() for name in files} == files
+    unquoted = run_tool(
+        [sys.executable, "-m", "dflash.train", "hydra.run.dir=~/new"], env={"HOME": str(home)}
+    )
+    assert unquoted.returncode == 2 and unquoted.stderr.count("\n") == 1
+    assert "hydra.run.dir=~/new: Hydra's override grammar reserves '~'; quote the value" in unquoted.stderr
+    assert not list(Path.cwd().glob("~*")) and not (home / "new").exists()
+
+
+def test_a_chat_template_that_does_not_parse_is_refused_at_start_naming_the_file(
+    tmp_path, make_cfg, tiny_chat_dir, tiny_conversations, monkeypatch
+):
+    import shutil
+
+    from dflash.models.target import FrozenTarget
+    from dflash.run.launch import build_run
+    from tests.conftest import conversation_overrides
+
+    broken = shutil.copytree(tiny_chat_dir, tmp_path / "broken_template")
+    (broken / "chat_template.jinja").write_text(
+        "{% for m in messages %}{{ m.content }}\n{% if %}{% endfor %}"
+    )
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("a model was loaded before the chat template was checked")
+
+    monkeypatch.setattr(FrozenTarget, "from_config", no_load)
+    with pytest.raises(ValueError, match=rf"^{re.escape(str(broken / 'chat_template.jinja'))}: the chat template does not parse \(line 2: "):  # fmt: skip
+        build_run(make_cfg(conversation_overrides(broken, [tiny_conversations])))
+
+
+def test_a_run_into_a_live_sweeps_job_dir_is_refused_and_changes_nothing(tmp_path, data_cache):
+    sweep_dir = tmp_path / "sweep"
+    common = FAST + [f"paths.cache_dir={data_cache}", "logger.every_steps=1"]
+    sweep = cli(["-m", *common, "train.total_steps=400", "seed=0", f"hydra.sweep.dir={sweep_dir}"])
+    job = sweep_dir / "0"
+    try:
+        wait_for_lines(job / "metrics.jsonl", 2, sweep)
+        hydra_config = (job / ".hydra" / "config.yaml").read_text()
+        second = run_tool([sys.executable, "-m", "dflash.train", *common, f"hydra.run.dir={job}"])
+        assert second.returncode == 2 and "belongs to a run still alive" in second.stderr, second.stderr[
+            -2000:
+        ]
+        assert (job / ".hydra" / "config.yaml").read_text() == hydra_config
+    finally:
+        sweep.send_signal(signal.SIGTERM)
+        sweep.communicate(timeout=CLI_TIMEOUT_S)
+    assert json.loads((job / "run.json").read_text())["status"] == "INTERRUPTED"

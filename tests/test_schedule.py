@@ -96,8 +96,8 @@ def test_block_budget_bounds_what_the_drafter_computes():
 def test_a_block_budget_below_one_sample_is_refused(make_cfg):
     from dflash.run.launch import build_run
 
-    with pytest.raises(ValueError, match=r"scheduler.block_tokens_per_batch=64 is below one sample's blocks"):
-        build_run(make_cfg(["scheduler.block_tokens_per_batch=64"]))
+    with pytest.raises(ValueError, match=r"data.block_tokens_per_batch=64 is below one sample's blocks"):
+        build_run(make_cfg(["data.block_tokens_per_batch=64"]))
 
 
 def test_warm_up_shapes_are_the_planned_batches_largest_per_used_bucket():

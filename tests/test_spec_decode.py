@@ -198,3 +198,22 @@ def test_decoding_drafts_are_what_training_scores(layer_types):
         assert context.draft(target, int(ids[0, anchor])) == trained, anchor
         drafted = static.draft(ids[0, anchor : anchor + 1], torch.tensor([anchor]), kv_len=48)
         assert drafted.tolist() == trained, anchor
+
+
+def test_a_sliding_window_target_decodes_past_its_window_with_rejected_drafts():
+    """Mistral with a sliding window: transformers' sliding cache cannot be cropped once it is
+    full ("crop was called ... sliding window size was already reached"); rejected drafts past
+    the window must still roll back, with the output the full recomputation gives."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dflash.models.target import FrozenTarget
+    from tests.conftest import TINY_ARCH
+
+    torch.manual_seed(0)
+    config = AutoConfig.for_model("mistral", **{**TINY_ARCH, "sliding_window": 8})
+    target = FrozenTarget(AutoModelForCausalLM.from_config(config).eval(), [1, 3])
+    drafter = tiny_drafter(target).eval()
+    prompt = torch.randint(0, 500, (12,)).tolist()
+    result = speculative_generate(target, drafter, prompt, 24)
+    assert result.output_ids == greedy(target, prompt, 24, cached=False)
+    assert any(n < drafter.block_size for n in result.acceptance_lengths)  # drafts were rejected

@@ -8,6 +8,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from dflash.tools import diff
 from tests.conftest import SLOW_MACHINE_TIMEOUT_S
@@ -219,3 +220,31 @@ def test_wandb_groups_sweep_jobs_and_names_them_by_their_overrides():
         assert sweep_naming() == (None, None)  # a single run keeps W&B's own naming
     finally:
         HydraConfig.instance().cfg = None
+
+
+@pytest.mark.slow
+def test_a_search_records_failed_trials_skips_them_and_always_writes_its_results(tmp_path, data_cache):
+    """Optuna (experiment=search_gamma_lr): a trial that fails (eval.num_prompts=0 is refused) is
+    recorded and told to Optuna as failed, and the search goes on; optimization_results.yaml
+    holds every trial and the best. Past max_failed_jobs failures the search stops, in one line,
+    with the file written."""
+
+    def search(sweep_dir: Path, *extra: str) -> subprocess.CompletedProcess:
+        small = [arg for arg in SMALL if not arg.startswith("eval.num_prompts=")]
+        args = ["experiment=search_gamma_lr", "hydra.sweeper.n_trials=4", "train.total_steps=2", "eval.num_prompts=choice(1,0)"]  # fmt: skip
+        command = [sys.executable, "-m", "dflash.train", "-m", *args, *small, *extra]
+        command += [f"paths.cache_dir={data_cache}", f"hydra.sweep.dir={sweep_dir}"]
+        return subprocess.run(command, capture_output=True, text=True, timeout=SLOW_MACHINE_TIMEOUT_S)
+
+    result = search(tmp_path / "search")
+    assert result.returncode == 0, result.stderr[-3000:]
+    results = yaml.safe_load((tmp_path / "search" / "optimization_results.yaml").read_text())
+    statuses = [trial["status"] for trial in results["trials"]]
+    assert len(statuses) == 4 and 1 <= results["failed"] == statuses.count("FAILED") < 4
+    failed = next(t for t in results["trials"] if t["status"] == "FAILED")
+    assert failed["params"]["eval.num_prompts"] == 0 and "eval.num_prompts must be >= 1" in failed["error"]
+    assert results["best_params"]["eval.num_prompts"] == 1 and results["best_value"] is not None
+    stopped = search(tmp_path / "stopped", "hydra.callbacks.run_record.max_failed_jobs=0")
+    assert stopped.returncode == 1 and "trials failed, more than hydra.callbacks.run_record.max_failed_jobs=0: search stopped" in stopped.stderr  # fmt: skip
+    partial = yaml.safe_load((tmp_path / "stopped" / "optimization_results.yaml").read_text())
+    assert partial["failed"] == 1 and partial["trials"][-1]["status"] == "FAILED"

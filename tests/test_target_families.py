@@ -1,6 +1,7 @@
-"""Every target family users serve, from its checkpoint directory as published: Llama, Qwen3,
-Qwen3-MoE, Qwen3-Next and the image-text Qwen3.5 / Qwen3.5-MoE (Qwen3.6) layout, whose language
-model alone is loaded. Anything else is refused before any weights load."""
+"""Every target family of the table (dflash/models/families.py), from its checkpoint directory as
+published: causal LMs and the image-text Qwen3.5 / Qwen3.5-MoE (Qwen3.6) layout, whose language
+model alone is loaded. Anything else is refused before any weights load. The supported list of
+docs/configuration.md and the target presets agree with the table."""
 
 from __future__ import annotations
 
@@ -12,12 +13,14 @@ import torch
 from safetensors import safe_open
 
 from dflash.config.schema import TargetConfig
+from dflash.models.families import TARGET_FAMILIES
 from dflash.models.target import FrozenTarget
 from dflash.run.launch import build_run
 from dflash.train import train
 from tests.conftest import FAMILIES, TINY_ARCH, conversation_overrides, tiny_hybrid_arch
 
-IMAGE_TEXT = ["qwen3_5", "qwen3_5_moe"]
+IMAGE_TEXT = [family.model_type for family in TARGET_FAMILIES if family.image_text]
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def family_dir(request, family: str) -> Path:
@@ -138,3 +141,25 @@ def test_random_image_text_targets_build_their_language_model(make_cfg):
     model = run.trainer.target.model
     assert type(model).__name__ == "Qwen3_5MoeForCausalLM"
     assert model.config.layer_types == ["linear_attention", "full_attention"] * 3
+
+
+def test_the_configuration_guide_lists_exactly_the_supported_families():
+    """docs/configuration.md's "Supported families:" (the README links it) are the table's
+    names, in its order."""
+    readme = (ROOT / "docs" / "configuration.md").read_text()
+    listed = readme.split("Supported families: ", 1)[1].split(" (", 1)[0]
+    assert listed.split(", ") == [family.name for family in TARGET_FAMILIES]
+
+
+def test_every_target_preset_belongs_to_the_family_it_names():
+    """Each conf/target preset with a model_type is one family's, and that family lists it."""
+    import yaml
+
+    presets = {
+        path.stem: yaml.safe_load(path.read_text()).get("model_type")
+        for path in sorted((ROOT / "conf" / "target").glob("*.yaml"))
+    }
+    listed = {preset: family for family in TARGET_FAMILIES for preset in family.presets}
+    assert sorted(listed) == sorted(name for name, model_type in presets.items() if model_type)
+    for preset, family in listed.items():
+        assert presets[preset] in (family.model_type, family.text_model_type), preset

@@ -13,7 +13,7 @@ from dflash.tools import schedule as schedule_tool
 from dflash.train import train
 
 
-def test_report_writes_plots_and_a_summary_and_compares_two_runs(make_cfg, tmp_path, capsys):
+def test_report_writes_plots_and_a_summary_and_compares_two_runs(make_cfg, tmp_path, capsys, monkeypatch):
     runs = []
     for name, scheduler in (("a", "interleave"), ("b", "shuffle")):
         cfg = make_cfg(
@@ -24,7 +24,18 @@ def test_report_writes_plots_and_a_summary_and_compares_two_runs(make_cfg, tmp_p
         runs.append(Path(cfg.paths.output_dir))
     with (runs[0] / "metrics.jsonl").open("a") as f:
         f.write("{not json\n")  # a torn last line must not stop the report
+    from matplotlib.figure import Figure
+
+    figures = []
+    real_savefig = Figure.savefig
+    monkeypatch.setattr(
+        Figure, "savefig", lambda fig, *a, **k: (figures.append(fig), real_savefig(fig, *a, **k))
+    )
     report.main([str(runs[0]), "--compare", str(runs[1])])
+    assert len(figures) == 7
+    for fig in figures:
+        for ax in fig.axes:
+            assert_series_distinguishable(ax)
     out = runs[0] / "report"
     images = [
         "loss_accuracy.png",
@@ -42,6 +53,35 @@ def test_report_writes_plots_and_a_summary_and_compares_two_runs(make_cfg, tmp_p
     assert all(f"]({name})" in summary for name in images)
     assert "## Device roles" in summary and "roles busy        target " in summary  # from summary.json
     assert "skipping unreadable line" in capsys.readouterr().out
+
+
+def assert_series_distinguishable(ax) -> None:
+    """Every plotted series of an axis looks different from the others (colour, marker and line
+    style each), and the legend names exactly the series drawn, each by its own look."""
+    lines = [line for line in ax.lines if not line.get_label().startswith("_")]
+    looks = [(line.get_color(), line.get_marker(), line.get_linestyle()) for line in lines]
+    for i, a in enumerate(looks):
+        for b in looks[i + 1 :]:
+            assert a[0] != b[0] and a[1] != b[1], (ax.get_title(), looks)
+    points = [c for c in ax.collections if not c.get_label().startswith("_") and c.get_offsets().size]
+    labels = [line.get_label() for line in lines] + [c.get_label() for c in points]
+    if len(labels) > 1:
+        legend = ax.get_legend()
+        assert legend is not None, ax.get_title()
+        assert sorted(t.get_text() for t in legend.get_texts()) == sorted(labels), ax.get_title()
+        drawn = {line.get_label(): line for line in lines}
+        for handle, text in zip(legend.legend_handles, legend.get_texts()):
+            if text.get_text() in drawn:  # a line's legend entry shows that line's colour and marker
+                line = drawn[text.get_text()]
+                assert (handle.get_color(), handle.get_marker()) == (line.get_color(), line.get_marker())
+
+
+def test_compared_runs_of_one_folder_name_are_told_apart_by_path(tmp_path):
+    assert report.run_labels(tmp_path / "a" / "12-00", tmp_path / "b" / "12-00") == (
+        str(tmp_path / "a" / "12-00"),
+        str(tmp_path / "b" / "12-00"),
+    )
+    assert report.run_labels(tmp_path / "x", tmp_path / "y") == ("x", "y")
 
 
 def test_bucket_mix_per_tick_is_the_delta_of_cumulative_counts():

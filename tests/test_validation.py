@@ -12,12 +12,12 @@ import torch
 
 from dflash.data.collate import collate
 from dflash.data.dataset import TokenDataset
-from dflash.data.schedule import InterleavePlanner
+from dflash.data.schedule import InterleavePlanner, held_out_ids
 from dflash.step.blocks import block_attention_mask
 from dflash.step.loss import BlockLoss, tau_from_accuracy
 from dflash.step.step import BlockSettings, make_blocks
 from dflash.train import train
-from dflash.trainer.validation import Validation, held_out_ids
+from dflash.trainer.validation import Validation
 from tests.test_dflash_rules import blocks_for, tiny_drafter, tiny_target
 
 

@@ -45,6 +45,9 @@ def check_buildable(node: Any, key: str, *, runtime: Iterable[str] = (), exclude
         built_by = get_object(target)
     except Exception as exc:  # an import error, a missing attribute, a module that fails to load
         raise ValueError(f"{key}._target_={target!r} cannot be imported ({exc})") from exc
+    if not callable(built_by):  # a module, a constant: instantiate would fail after loading
+        kind = "a module" if inspect.ismodule(built_by) else f"a {type(built_by).__name__}"
+        raise ValueError(f"{key}._target_={target!r} is {kind}, not a class or function to build")
     arguments = {k: v for k, v in node_items(node).items() if k not in _SPECIAL and k not in set(exclude)}
     arguments.update(dict.fromkeys(runtime))
     try:
@@ -66,11 +69,22 @@ def build(node: Any, key: str, *, exclude: Iterable[str] = (), **runtime: Any) -
     and dicts), then a call with the `runtime` keyword arguments. Runtime objects never pass
     through instantiate itself: it would copy them into a config (a resolved run config holds
     `_target_` keys of its own, which it would then try to build)."""
+    from hydra.errors import InstantiationException
     from hydra.utils import instantiate
 
     check_buildable(node, key, runtime=runtime, exclude=exclude)
     spec = {k: v for k, v in node_items(node).items() if k not in set(exclude)}
     if runtime:
         spec["_partial_"] = True
-    made = instantiate(spec, _convert_="all")
-    return made(**runtime) if spec.get("_partial_") else made
+    try:
+        made = instantiate(spec, _convert_="all")
+        return made(**runtime) if spec.get("_partial_") else made
+    except (ValueError, OSError):
+        raise  # a refusal of the component's own: it names what is wrong
+    except InstantiationException as exc:  # Hydra's wrapper of the constructor's error
+        cause = exc.__cause__ or exc
+        raise ValueError(
+            f"{key}: building {spec['_target_']} failed ({type(cause).__name__}: {cause})"
+        ) from exc
+    except Exception as exc:  # the constructor itself raised (a user's class): one line, the key
+        raise ValueError(f"{key}: building {spec['_target_']} failed ({type(exc).__name__}: {exc})") from exc

@@ -76,8 +76,19 @@ def refuse_unknown_keys(cfg: DictConfig, schema: type, ignore: tuple[str, ...] =
     _option_schema_keys(cfg, "", known, free_form)
     unknown = [p for p in _unknown(cfg, "", known, free_form) if p.split(".")[0] not in ignore]
     if unknown:
-        key = unknown[0]
-        close = _suggestions(key, known)
-        hint = f"; did you mean {' or '.join(close)}?" if close else ""
-        others = f" (and {', '.join(unknown[1:4])})" if len(unknown) > 1 else ""
-        raise ValueError(f"unknown config key {key!r}{others}: no dflash setting reads it{hint}")
+        raise ValueError(unknown_key_message(unknown[0], known, others=unknown[1:4]))
+
+
+def unknown_key_message(key: str, known: set[str], others: list[str] | tuple[str, ...] = ()) -> str:
+    """The refusal of an unknown key, with the nearest known keys: written once for the `+key`
+    refusal above and for Hydra's own refusal of `key=value` (dflash/tools/hydra_app.py)."""
+    if key in known:  # a field of another option of the group (noise.start under noise=none)
+        group = key.split(".")[0]
+        return (
+            f"config key {key!r} is not a setting of the chosen {group} option; pick an option "
+            f"that has it ({group}=...) or see `--cfg job` for this option's keys"
+        )
+    close = _suggestions(key, known)
+    hint = f"; did you mean {' or '.join(close)}?" if close else ""
+    also = f" (and {', '.join(others)})" if others else ""
+    return f"unknown config key {key!r}{also}: no dflash setting reads it{hint}"

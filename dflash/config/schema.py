@@ -26,6 +26,14 @@ class CompileScope(str, Enum):
     layers = "layers"  # each decoder layer apart: one graph per layer kind (regional)
 
 
+class ExpertsKind(str, Enum):
+    """transformers' implementations of a MoE target's routed experts (transformers >= 5)."""
+
+    eager = "eager"  # a Python loop over the experts a batch routes to (host sync per layer)
+    grouped_mm = "grouped_mm"  # tokens sorted by expert, one grouped GEMM per projection
+    batched_mm = "batched_mm"  # each token's top-k expert weights gathered, batched GEMMs
+
+
 class DeviceKind(str, Enum):
     cpu = "cpu"
     cuda = "cuda"
@@ -92,6 +100,14 @@ class TargetConfig:
     # in one graph); `layers`, each decoder layer apart, sharing one graph per layer kind (hybrid
     # and MoE stacks, whose whole-stack compile of many unrolled layers takes minutes).
     compile_scope: CompileScope = CompileScope.stack
+    # A MoE target's routed-experts implementation; null: transformers' default (grouped_mm
+    # where it can dispatch, else eager). Ignored by dense targets.
+    experts: Optional[ExpertsKind] = None
+    # Random-weight targets only: quantize the random weights block-wise to FP8 (e4m3, one scale
+    # per 128 x 128 block, the layout of the published FP8 checkpoints) as each layer is built,
+    # and keep them in FP8 (dflash/models/fp8.py): speed and memory runs at the FP8 size. An
+    # FP8 checkpoint at target.path is recognised by its quantization_config, no key needed.
+    fp8: bool = False
 
 
 @dataclass
@@ -132,14 +148,29 @@ class DrafterConfig:
 
 
 @dataclass
+class ConversationLayoutConfig:
+    """Where conversation records keep their turns (data.layout, regen's layout). null: auto —
+    `messages` with role/content turns (OpenAI), else `conversations` with from/value (ShareGPT)."""
+
+    # The record field (a file's key, a Parquet or datasets column) holding the list of turns.
+    field: Optional[str] = None
+    # Each turn's role key (its values: system, user/human, assistant/gpt/model) and text key;
+    # null: role/content when a turn has `role`, else from/value.
+    role: Optional[str] = None
+    content: Optional[str] = None
+
+
+@dataclass
 class DataConfig:
     name: str = MISSING
     kind: DataKind = DataKind.synthetic
     # Samples longer than this are truncated (both kinds).
     max_length: int = 3072
-    # conversations: local .jsonl / .json / .parquet files of OpenAI `messages` (role/content)
-    # or ShareGPT `conversations` (from/value) records, rendered with the target's chat template.
+    # conversations: local .jsonl / .json / .parquet files, or directories `datasets`' save_to_disk
+    # wrote, of OpenAI `messages` (role/content) or ShareGPT `conversations` (from/value) records
+    # (other names: `layout`), rendered with the target's chat template.
     files: list[str] = field(default_factory=list)
+    layout: ConversationLayoutConfig = field(default_factory=ConversationLayoutConfig)
     # conversations: samples with fewer supervised (assistant) tokens are dropped and counted.
     min_supervised_tokens: int = 16
     # conversations: tokenizer processes (datasets.map num_proc); null: in this process.
@@ -161,6 +192,19 @@ class DataConfig:
     # synthetic: how the supervised part is written (random: for speed runs of large targets,
     # whose greedy text takes hours to write; nothing there can be learned).
     continuation: SyntheticText = SyntheticText.greedy
+    # How the samples are packed into batches, set by each data option beside its max_length
+    # (the batch order is the `scheduler` group's). Upper bounds (exclusive, the last inclusive)
+    # of the length buckets:
+    bucket_edges: list[int] = MISSING
+    # Padded tokens (batch_size * longest sample) a batch may hold.
+    tokens_per_batch: int = MISSING
+    # Block tokens (batch_size * anchors of its widest sample * block_size) a batch may hold:
+    # what the drafter computes and keeps for backward. null: no limit beyond tokens_per_batch.
+    block_tokens_per_batch: Optional[int] = None
+
+
+# The data keys that say how samples are packed, not which samples exist (a data cache ignores them).
+PACKING_KEYS = ("bucket_edges", "tokens_per_batch", "block_tokens_per_batch")
 
 
 # ---- Components ------------------------------------------------------------------------------
@@ -169,24 +213,19 @@ class DataConfig:
 # its runtime objects (the samples' lengths, the drafter's parameters, the trainer...) when it is
 # built. A user's own class is named the same way, by YAML or an override, and receives the
 # option's fields (docs/extending.md); no switch over the built-ins exists anywhere. Each option
-# file (conf/<group>/<option>.yaml) starts from its schema (`defaults: [<option>_schema]`), so a
-# key of another option is refused at compose time (noise=none has no `std`).
+# file (conf/<group>/<option>.yaml) starts from its schema (`defaults:
+# [/schema/<group>/<option>@_here_]`), so a key of another option is refused at compose time
+# (noise=none has no `std`).
 
 
 @dataclass
 class SchedulerConfig:
-    """Length buckets, batch packing under token budgets, and the batch order: `_target_` is a
-    BatchPlanner class (dflash/data/schedule.py), whose `order` sorts an epoch's batches."""
+    """The batch order: `_target_` is a BatchPlanner class (dflash/data/schedule.py), whose
+    `order` sorts an epoch's batches; the batches' sizes are the data's (data.bucket_edges,
+    data.tokens_per_batch, data.block_tokens_per_batch)."""
 
     _target_: str = MISSING
     _partial_: bool = True
-    # Upper bounds (exclusive, the last inclusive) of the length buckets.
-    bucket_edges: list[int] = field(default_factory=lambda: [256, 512, 1024, 2048, 3296, 8192])
-    # Padded tokens (batch_size * longest sample) a batch may hold.
-    tokens_per_batch: int = 16384
-    # Block tokens (batch_size * anchors of its widest sample * block_size) a batch may hold:
-    # what the drafter computes and keeps for backward. null: no limit beyond tokens_per_batch.
-    block_tokens_per_batch: Optional[int] = None
 
 
 @dataclass
@@ -212,6 +251,10 @@ class GpuConfig:
     # with torch's default threads and 0.35 s with one, on a shared 2-core box).
     cpu_threads: int = 1
 
+    def __post_init__(self) -> None:
+        if self.cpu_threads < 1:
+            raise ValueError(f"gpu.cpu_threads must be >= 1, got {self.cpu_threads}")
+
 
 @dataclass
 class OptimizerConfig:
@@ -226,6 +269,17 @@ class OptimizerConfig:
     # The step's gradient-norm clip, applied inside the fused update (not an optimizer argument).
     grad_clip: float = 1.0
 
+    def __post_init__(self) -> None:
+        if not self.fused:
+            raise ValueError(
+                "optimizer.fused=false: the step divides and clips the gradients through a fused "
+                "optimizer's grad_scale input, which an unfused one ignores"
+            )
+        if not self.lr > 0:
+            raise ValueError(f"optimizer.lr must be > 0, got {self.lr}")
+        if not self.grad_clip > 0:
+            raise ValueError(f"optimizer.grad_clip must be > 0, got {self.grad_clip}")
+
 
 @dataclass
 class AdamWConfig(OptimizerConfig):
@@ -233,6 +287,11 @@ class AdamWConfig(OptimizerConfig):
     betas: list[float] = field(default_factory=lambda: [0.9, 0.999])
     weight_decay: float = 0.0
     eps: float = 1e-8
+
+    def __post_init__(self) -> None:
+        if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
+            raise ValueError(f"optimizer.betas must be two numbers in [0, 1), got {list(self.betas)}")
+        super().__post_init__()
 
 
 @dataclass
@@ -242,6 +301,10 @@ class LrScheduleConfig:
     _target_: str = MISSING
     _partial_: bool = True
     warmup_ratio: float = 0.04
+
+    def __post_init__(self) -> None:
+        if not 0.0 <= self.warmup_ratio < 1.0:
+            raise ValueError(f"lr_schedule.warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
 
 
 @dataclass
@@ -265,6 +328,12 @@ class LossConfig:
     # Block positions per sample sent through the LM head at once, recomputed in backward;
     # bounds the logits memory to chunk x vocab floats per sample. 0: all positions at once.
     logits_chunk: int = 2048
+
+    def __post_init__(self) -> None:
+        if not self.gamma > 0:
+            raise ValueError(f"loss.gamma must be > 0, got {self.gamma}")
+        if self.logits_chunk < 0:
+            raise ValueError(f"loss.logits_chunk must be >= 0 (0: no chunking), got {self.logits_chunk}")
 
 
 class MarkovHeadType(str, Enum):
@@ -336,6 +405,13 @@ class MaskRampNoiseConfig(NoiseConfig):
     start: float = 0.5
     warmup_steps: int = 2000
 
+    # A schedule that silently does nothing is the bug this group exists to avoid.
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 1:
+            raise ValueError(f"noise=mask_ramp needs noise.warmup_steps >= 1, got {self.warmup_steps}")
+        if not 0.0 < self.start <= 1.0:
+            raise ValueError(f"noise=mask_ramp needs noise.start in (0, 1], got {self.start}")
+
 
 @dataclass
 class FeatureNoiseConfig(NoiseConfig):
@@ -343,6 +419,12 @@ class FeatureNoiseConfig(NoiseConfig):
     # Std of the Gaussian added to the fused context feature after warmup (ramps from 0).
     std: float = 0.05
     warmup_steps: int = 2000
+
+    def __post_init__(self) -> None:
+        if self.warmup_steps < 1:
+            raise ValueError(f"noise=feature needs noise.warmup_steps >= 1, got {self.warmup_steps}")
+        if not self.std > 0.0:
+            raise ValueError(f"noise=feature needs noise.std > 0, got {self.std}")
 
 
 @dataclass
@@ -408,11 +490,19 @@ class LoggerConfig:
     sinks: dict[str, Any] = field(default_factory=dict)
     every_steps: int = 10
 
+    def __post_init__(self) -> None:
+        if self.every_steps < 1:
+            raise ValueError(f"logger.every_steps must be >= 1, got {self.every_steps}")
+
 
 @dataclass
 class CheckpointConfig:
     every_steps: int = 1000
     keep_last: int = 3
+
+    def __post_init__(self) -> None:
+        if self.every_steps < 1 or self.keep_last < 1:
+            raise ValueError("checkpoint.every_steps and checkpoint.keep_last must be >= 1")
 
 
 @dataclass
@@ -465,6 +555,10 @@ class DebugConfig:
     max_steps: Optional[int] = None
     detect_anomaly: bool = False
 
+    def __post_init__(self) -> None:
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError(f"debug.max_steps must be >= 1 (or null: no limit), got {self.max_steps}")
+
 
 @dataclass
 class PathsConfig:
@@ -477,6 +571,12 @@ class TrainConfig:
     epochs: int = 6
     # Overrides epochs: total optimizer steps (the LR schedule spans exactly these).
     total_steps: Optional[int] = None
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1:
+            raise ValueError(f"train.epochs must be >= 1, got {self.epochs}")
+        if self.total_steps is not None and self.total_steps < 1:
+            raise ValueError(f"train.total_steps must be >= 1 or null, got {self.total_steps}")
 
 
 @dataclass
@@ -502,6 +602,9 @@ class Config:
     seed: int = 0
     # A checkpoint directory to continue from (same batches, same losses).
     resume: Optional[str] = None
+    # resume= onto training data other than the checkpoint's (other files or contents, another
+    # template, appended samples) is refused, naming what changed; true continues on it anyway.
+    resume_changed_data: bool = False
     # dflash-eval: the drafter to evaluate, a dflash checkpoint directory (whose run config then
     # supplies the target, unless target is overridden) or any z-lab-layout export.
     ckpt: Optional[str] = None
@@ -529,8 +632,10 @@ class RegenConfig:
 
     target: TargetConfig = field(default_factory=TargetConfig)
     paths: PathsConfig = field(default_factory=PathsConfig)
-    # Conversation files (.jsonl / .json / .parquet; OpenAI or ShareGPT records).
+    # Conversation files (.jsonl / .json / .parquet, or save_to_disk directories; OpenAI or ShareGPT
+    # records, other names: `layout`).
     input: list[str] = MISSING
+    layout: ConversationLayoutConfig = field(default_factory=ConversationLayoutConfig)
     # JSONL of regenerated conversations (OpenAI `messages`); appended to, so a rerun resumes.
     output: str = MISSING
     backend: RegenBackend = RegenBackend.transformers
@@ -561,7 +666,9 @@ class RegenConfig:
     limit: Optional[int] = None
 
 
-# The component schemas each option file of conf/<group>/ starts from (`defaults: [<option>_schema]`).
+# The component schemas each option file of conf/<group>/ starts from (`defaults:
+# [/schema/<group>/<option>@_here_]`): stored apart from the options, so they are neither listed nor
+# selectable as options of the group.
 COMPONENT_OPTIONS: dict[str, dict[str, type]] = {
     "scheduler": {"interleave": InterleaveSchedulerConfig, "shuffle": ShuffleSchedulerConfig},
     "optimizer": {"adamw": AdamWConfig},
@@ -574,11 +681,26 @@ COMPONENT_OPTIONS: dict[str, dict[str, type]] = {
 }
 
 
+def default_cache_dir() -> str:
+    """paths.cache_dir's default: $DFLASH_CACHE_DIR, else ~/.cache/dflash. (OmegaConf resolves an
+    `oc.env` default even when the variable is set, so HOME would be required by every run.)"""
+    import os
+
+    if os.environ.get("DFLASH_CACHE_DIR"):
+        return os.path.expanduser(os.environ["DFLASH_CACHE_DIR"])
+    if not os.environ.get("HOME"):
+        raise ValueError(
+            "paths.cache_dir: neither DFLASH_CACHE_DIR nor HOME is set; set one, or paths.cache_dir=DIR"
+        )
+    return os.path.join(os.environ["HOME"], ".cache", "dflash")
+
+
 def register_configs() -> None:
     """Register the root schemas; idempotent (Hydra's ConfigStore replaces same-name entries)."""
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
+    OmegaConf.register_new_resolver("dflash_cache_dir", default_cache_dir, replace=True)
     schema = OmegaConf.structured(Config)
     # Name -> entry maps the user fills: `eval.benchmarks={gsm8k: g.jsonl}` and a new sink or
     # callback must work without Hydra's `+` (the flag keeps Hydra's struct mode from refusing
@@ -590,4 +712,4 @@ def register_configs() -> None:
     store.store(name="dflash_regen_schema", node=RegenConfig)
     for group, options in COMPONENT_OPTIONS.items():
         for option, node in options.items():
-            store.store(group=group, name=f"{option}_schema", node=node)
+            store.store(group=f"schema/{group}", name=option, node=node)

@@ -28,6 +28,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from pathlib import Path
 from typing import Any
 
 from dflash.config.schema import TargetConfig
@@ -40,6 +41,16 @@ _GENERATION_BLOCK = re.compile(r"{%-?\s*generation\s*-?%}")
 # Inserted into one assistant content to see where the template writes it: an invisible
 # separator (U+2063, not whitespace: `trim` keeps it), in no tokenizer's text.
 _SENTINEL = "\u2063dflash\u2063"
+
+
+def template_file(tokenizer: Any) -> str:
+    """Where the tokenizer's chat template was read from (transformers reads chat_template.jinja
+    before tokenizer_config.json's chat_template)."""
+    directory = Path(getattr(tokenizer, "name_or_path", "") or ".")
+    for name in ("chat_template.jinja", "tokenizer_config.json"):
+        if (directory / name).is_file():
+            return str(directory / name)
+    return f"the chat template of {directory}"
 
 
 class ChatRenderer:
@@ -55,9 +66,16 @@ class ChatRenderer:
         self.tokenizer = tokenizer
         self.template_kwargs = dict(template_kwargs or {})
         self.template_marks_replies = bool(_GENERATION_BLOCK.search(tokenizer.chat_template))
-        probe = self.render_text(
-            [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_ASSISTANT}]
-        )
+        from jinja2 import TemplateSyntaxError
+
+        try:
+            probe = self.render_text(
+                [{"role": "user", "content": _PROBE_USER}, {"role": "assistant", "content": _PROBE_ASSISTANT}]
+            )
+        except TemplateSyntaxError as exc:
+            raise ValueError(
+                f"{template_file(tokenizer)}: the chat template does not parse (line {exc.lineno}: {exc.message})"
+            ) from exc
         if _PROBE_ASSISTANT not in probe:
             if not self.template_marks_replies:
                 raise ValueError(

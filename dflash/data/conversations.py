@@ -3,11 +3,14 @@
 Accepted shapes, per record (auto-detected):
   OpenAI:   {"messages": [{"role": "user", "content": "..."}, ...]}
   ShareGPT: {"conversations": [{"from": "human", "value": "..."}, ...]}
-Content may also be a list of OpenAI content parts ({"type": "text", "text": ...}).
+Content may also be a list of OpenAI content parts ({"type": "text", "text": ...}). Records whose
+turns sit under other names (a `chat` column of {"speaker", "text"} turns) are read with a
+`RecordLayout` naming them (`data.layout` / regen's `layout`).
 
 Files (dflash/data/files.py): `.jsonl` (JSON Lines), `.json` (JSON Lines, or one top-level
 array as ShareGPT dumps often are), both also `.gz` / `.zst`, and `.parquet` (read with
-`datasets`), any case; entries may be glob patterns or directories (read recursively). JSON
+`datasets`), any case, and directories `datasets`' save_to_disk wrote (a Dataset, or every split of
+a DatasetDict); entries may be glob patterns or directories (read recursively). JSON
 Lines are parsed line by line on purpose: a loader that parses whole blocks (datasets' json
 builder) stops at the first broken line, and a 800k-conversation run must skip that line, count
 it and say where it was. A line that is not UTF-8 is skipped and counted the same way (decoding
@@ -25,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from dflash.data.files import RecordFile, files_under, lines, open_binary, record_file
+from dflash.data.files import RecordFile, files_under, is_saved_dataset, lines, open_binary, record_file
 
 ROLE_ALIASES = {
     "system": "system",
@@ -38,6 +41,25 @@ ROLE_ALIASES = {
 }
 # How many malformed records are quoted with their location (all are counted).
 QUOTED_PROBLEMS = 5
+
+
+@dataclass(frozen=True)
+class RecordLayout:
+    """Where a record keeps its turns: `field` (the column), and each turn's `role` and `content`
+    keys. None: auto (`messages` with role/content, else `conversations` with from/value; with
+    only `field` named, a turn's keys are role/content if it has `role`, else from/value)."""
+
+    field: str | None = None
+    role: str | None = None
+    content: str | None = None
+
+
+AUTO_LAYOUT = RecordLayout()
+
+
+def record_layout(config: Any) -> RecordLayout:
+    """The layout a `ConversationLayoutConfig` node names."""
+    return RecordLayout(field=config.field, role=config.role, content=config.content)
 
 
 class MalformedRecord(ValueError):
@@ -98,16 +120,42 @@ def _content(value: Any, where: str) -> str:
     raise MalformedRecord(f"{where}: content must be a string (or text parts), got {type(value).__name__}")
 
 
-def normalize(record: Any, need_reply: bool = True) -> tuple[list[dict[str, str]], dict[str, Any]]:
-    """(messages, other fields) of one record in either shape; MalformedRecord otherwise."""
+def _turn_keys(turns: Any, layout: RecordLayout, field_name: str) -> tuple[str, str]:
+    """(role key, content key) of a record's turns: the layout's, else the shape's."""
+    if field_name == "messages" and layout.field is None:
+        role, content = "role", "content"
+    elif field_name == "conversations" and layout.field is None:
+        role, content = "from", "value"
+    else:  # a named field: its turns tell which shape they are
+        first = turns[0] if isinstance(turns, list) and turns and isinstance(turns[0], dict) else {}
+        role, content = ("role", "content") if "role" in first else ("from", "value")
+    return layout.role or role, layout.content or content
+
+
+def normalize(
+    record: Any, need_reply: bool = True, layout: RecordLayout = AUTO_LAYOUT
+) -> tuple[list[dict[str, str]], dict[str, Any]]:
+    """(messages, other fields) of one record in either shape (or the layout's); MalformedRecord
+    otherwise."""
     if not isinstance(record, dict):
         raise MalformedRecord(f"a record must be a JSON object, got {type(record).__name__}")
-    if "messages" in record:
-        turns, role_key, content_key, field_name = record["messages"], "role", "content", "messages"
+    if layout.field is not None:
+        if layout.field not in record:
+            raise MalformedRecord(
+                f"no {layout.field!r} field (the layout's; the record has {sorted(record)})"
+            )
+        field_name = layout.field
+    elif "messages" in record:
+        field_name = "messages"
     elif "conversations" in record:
-        turns, role_key, content_key, field_name = record["conversations"], "from", "value", "conversations"
+        field_name = "conversations"
     else:
-        raise MalformedRecord("no 'messages' (OpenAI) or 'conversations' (ShareGPT) field")
+        raise MalformedRecord(
+            f"no 'messages' (OpenAI) or 'conversations' (ShareGPT) field (the record has {sorted(record)}; "
+            "name its turns' field with layout.field)"
+        )
+    turns = record[field_name]
+    role_key, content_key = _turn_keys(turns, layout, field_name)
     if not isinstance(turns, list) or not turns:
         raise MalformedRecord(f"'{field_name}' must be a non-empty list")
     messages = []
@@ -153,9 +201,25 @@ def _json_records(record: RecordFile) -> Iterator[tuple[str, Any]]:
 def _parquet_records(path: Path) -> Iterator[tuple[str, Any]]:
     import datasets
 
-    table = datasets.Dataset.from_parquet(str(path), keep_in_memory=True)
+    try:
+        table = datasets.Dataset.from_parquet(str(path), keep_in_memory=True)
+    except Exception as exc:  # pyarrow's errors (a truncated file, not Parquet) name no path
+        raise ValueError(f"{path}: not a readable Parquet file ({type(exc).__name__}: {exc})") from exc
     for index, record in enumerate(table):
         yield f"{path}:row {index}", record
+
+
+def _saved_dataset_records(path: Path) -> Iterator[tuple[str, Any]]:
+    """The rows of a save_to_disk directory: a Dataset's, or each split's of a DatasetDict (in
+    name order), located as `DIR:SPLIT row N`."""
+    import datasets
+
+    saved = datasets.load_from_disk(str(path))
+    splits = sorted(saved.items()) if isinstance(saved, datasets.DatasetDict) else [(None, saved)]
+    for split, table in splits:
+        where = f"{path}:{split} row" if split is not None else f"{path}:row"
+        for index, record in enumerate(table):
+            yield f"{where} {index}", record
 
 
 def is_glob(entry: str) -> bool:
@@ -194,6 +258,8 @@ def expand_files(entries: list[str], config_key: str) -> list[Path]:
                 p for p in Path(path.anchor or ".").glob(str(path.relative_to(path.anchor or ".")))
             )
             matched = [p for p in matches if p.is_file()]
+        elif is_saved_dataset(path):
+            matched = [path]
         elif path.is_dir():
             matched = files_under(path)
         else:
@@ -216,10 +282,15 @@ def chunked(items: Iterator[Any], size: int) -> Iterator[list[Any]]:
         yield chunk
 
 
-def read_conversations(files: list[str], skipped: SkipReport, config_key: str) -> Iterator[Conversation]:
+def read_conversations(
+    files: list[str], skipped: SkipReport, config_key: str, layout: RecordLayout = AUTO_LAYOUT
+) -> Iterator[Conversation]:
     """Every well-formed conversation of `files` (see expand_files), in order; bad records go to
     `skipped`."""
     for path in expand_files(files, config_key):
+        if is_saved_dataset(path):
+            yield from _conversations(_saved_dataset_records(path), skipped, layout)
+            continue
         if not path.is_file():
             raise ValueError(f"{config_key}: {path} is not a file")
         kind = record_file(path)
@@ -229,16 +300,22 @@ def read_conversations(files: list[str], skipped: SkipReport, config_key: str) -
                 "also as .gz or .zst)"
             )
         records = _parquet_records(path) if kind.kind == "parquet" else _json_records(kind)
-        for source, record in records:
-            if isinstance(record, UnicodeDecodeError):
-                skipped.add("invalid_utf8", source, f"not UTF-8 ({record.reason} at byte {record.start})")
-                continue
-            if isinstance(record, json.JSONDecodeError):
-                skipped.add("invalid_json", source, f"invalid JSON ({record.msg})")
-                continue
-            try:
-                messages, extra = normalize(record)
-            except MalformedRecord as exc:
-                skipped.add("malformed", source, str(exc))
-                continue
-            yield Conversation(source, messages, extra)
+        yield from _conversations(records, skipped, layout)
+
+
+def _conversations(
+    records: Iterator[tuple[str, Any]], skipped: SkipReport, layout: RecordLayout
+) -> Iterator[Conversation]:
+    for source, record in records:
+        if isinstance(record, UnicodeDecodeError):
+            skipped.add("invalid_utf8", source, f"not UTF-8 ({record.reason} at byte {record.start})")
+            continue
+        if isinstance(record, json.JSONDecodeError):
+            skipped.add("invalid_json", source, f"invalid JSON ({record.msg})")
+            continue
+        try:
+            messages, extra = normalize(record, layout=layout)
+        except MalformedRecord as exc:
+            skipped.add("malformed", source, str(exc))
+            continue
+        yield Conversation(source, messages, extra)

@@ -1,9 +1,11 @@
 """Which files hold records (conversations, prompts) and how to open them, for every reader.
 
 A record file is `.jsonl`, `.json` or `.parquet` (any case), the JSON ones also compressed as
-`.gz` or `.zst`. A directory is read recursively: every record file under it, sorted by path;
-hidden files and directories (a name starting with '.', e.g. a lock) are passed over, and any
-other file is named in a warning with its count, never read and never silently dropped.
+`.gz` or `.zst`. A directory written by `datasets`' `save_to_disk` (a Dataset or a DatasetDict)
+is one record source, read whole. Any other directory is read recursively: every record file
+and saved dataset under it, sorted by path; hidden files and directories (a name starting with
+'.', e.g. a lock) are passed over, and any other file is named in a warning with its count,
+never read and never silently dropped.
 """
 
 from __future__ import annotations
@@ -40,16 +42,46 @@ def record_file(path: Path) -> RecordFile | None:
     return RecordFile(path, kind, compression)
 
 
+def is_saved_dataset(path: Path) -> bool:
+    """A directory `datasets.Dataset.save_to_disk` or `DatasetDict.save_to_disk` wrote."""
+    path = Path(path)
+    if not path.is_dir():
+        return False
+    return (path / "dataset_dict.json").is_file() or (
+        (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
+    )
+
+
+def source_digest(path: Path) -> str:
+    """What a record source holds, by content: a file's sha256, or for a saved dataset the
+    sha256 of its files' names and digests (a cache keyed by it follows the data, not its name)."""
+    from dflash.digest import file_digest
+
+    if not is_saved_dataset(path):
+        return file_digest(path)
+    import hashlib
+
+    inner = sorted(p for p in Path(path).rglob("*") if p.is_file() and not p.name.startswith("."))
+    listing = [(str(p.relative_to(path)), file_digest(p)) for p in inner]
+    return hashlib.sha256(repr(listing).encode()).hexdigest()
+
+
 def _hidden(path: Path, root: Path) -> bool:
     return any(part.startswith(".") for part in path.relative_to(root).parts)
 
 
 def files_under(directory: Path) -> list[Path]:
-    """Every record file under `directory` (recursively, sorted); the other files are named in a
-    warning with their count."""
-    found, ignored = [], []
+    """Every record file and saved dataset under `directory` (recursively, sorted); the other
+    files are named in a warning with their count."""
+    saved = sorted(p for p in directory.rglob("*") if is_saved_dataset(p) and not _hidden(p, directory))
+    # The outermost only: a DatasetDict's splits are saved Datasets of their own, read through it.
+    datasets = [p for p in saved if not any(p != d and p.is_relative_to(d) for d in saved)]
+    found, ignored = list(datasets), []
     for path in sorted(p for p in directory.rglob("*") if p.is_file() and not _hidden(p, directory)):
+        if any(path.is_relative_to(d) for d in datasets):
+            continue  # a saved dataset's own files: read through it
         (found if record_file(path) is not None else ignored).append(path)
+    found.sort()
     if ignored:
         shown = ", ".join(str(p.relative_to(directory)) for p in ignored[:5])
         log.warning(

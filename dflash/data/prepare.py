@@ -27,6 +27,7 @@ import numpy as np
 from dflash.config.schema import DataConfig
 from dflash.data.chat import ChatRenderer
 from dflash.data.conversations import (
+    AUTO_LAYOUT,
     Conversation,
     MalformedRecord,
     SkipReport,
@@ -34,9 +35,10 @@ from dflash.data.conversations import (
     conversation_digest,
     expand_files,
     read_conversations,
+    record_layout,
 )
 from dflash.data.dataset import TokenDataset
-from dflash.digest import file_digest
+from dflash.data.files import source_digest
 
 log = logging.getLogger(__name__)
 
@@ -84,8 +86,11 @@ def cache_key(renderer: ChatRenderer, cfg: DataConfig) -> str:
         "tokenizer": renderer.fingerprint(),
         "max_length": cfg.max_length,
         "min_supervised_tokens": cfg.min_supervised_tokens,
-        "files": [file_digest(path) for path in expand_files(list(cfg.files), "data.files")],
+        "files": [source_digest(path) for path in expand_files(list(cfg.files), "data.files")],
     }
+    layout = record_layout(cfg.layout)
+    if layout != AUTO_LAYOUT:  # it changes which turns are read; the auto layout keeps the keys caches had
+        payload["layout"] = asdict(layout)
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
 
 
@@ -145,7 +150,9 @@ def prepare(renderer: ChatRenderer, cfg: DataConfig) -> tuple[TokenDataset, Prep
         PrepStats(files=[str(p) for p in expand_files(list(cfg.files), "data.files")]),
         SkipReport(),
     )
-    conversations = count_repeats(read_conversations(list(cfg.files), skipped, "data.files"), stats)
+    conversations = count_repeats(
+        read_conversations(list(cfg.files), skipped, "data.files", record_layout(cfg.layout)), stats
+    )
     samples: list[tuple[np.ndarray, np.ndarray]] = []
     read = 0
     for chunk in chunked(conversations, CHUNK):

@@ -1,7 +1,10 @@
-"""Length buckets and the batch order (config group `scheduler`, `_target_`: a planner class).
+"""Length buckets and the batch order (config group `scheduler`, `_target_`: a planner class),
+and the held-out split the planner leaves out.
 
 Samples fall into length buckets; batches are packed inside a bucket up to a padded-token
-budget, so long buckets give small batches. The order of batches in an epoch is a pure
+budget, so long buckets give small batches. The buckets and budgets are the data's
+(data.bucket_edges, data.tokens_per_batch, data.block_tokens_per_batch, set by each data option
+where its lengths are known); the planner class only orders the batches. The order of batches in an epoch is a pure
 function of (seed, epoch): a run resumed at batch k of epoch e sees exactly what it would have.
 `BatchPlanner` buckets and packs; a subclass's `order` sorts the epoch's batches:
 
@@ -27,6 +30,16 @@ from typing import Any
 import numpy as np
 
 from dflash.config.components import build
+
+
+def held_out_ids(num_samples: int, count: int, seed: int) -> np.ndarray:
+    """`count` sample ids chosen by `seed` alone (sorted): the same split on every run of the
+    same data, whatever the scheduler or replica count."""
+    if not 0 <= count < num_samples:
+        raise ValueError(
+            f"data.val_samples={count} must be >= 0 and leave samples to train on ({num_samples} in the data)"
+        )
+    return np.sort(np.random.default_rng([seed, 0x7A1]).choice(num_samples, size=count, replace=False))
 
 
 def bucket_of(length: int, edges: list[int]) -> int:
@@ -253,18 +266,23 @@ class InterleavePlanner(BatchPlanner):
 def build_planner(
     node: Any,
     *,
+    data: Any,
     lengths: np.ndarray,
     seed: int,
     num_anchors: int,
     block_size: int,
     held_out: np.ndarray | None = None,
 ) -> BatchPlanner:
-    """The `scheduler` node's planner over samples of `lengths` (its block budget counted with
-    the drafter's anchors and block size); training, its tools and its tests build it so."""
+    """The `scheduler` node's planner over samples of `lengths`, packed as the `data` node says
+    (its block budget counted with the drafter's anchors and block size); training, its tools
+    and its tests build it so."""
     return build(
         node,
         "scheduler",
         lengths=lengths,
+        bucket_edges=list(data.bucket_edges),
+        tokens_per_batch=data.tokens_per_batch,
+        block_tokens_per_batch=data.block_tokens_per_batch,
         seed=seed,
         num_anchors=num_anchors,
         block_size=block_size,

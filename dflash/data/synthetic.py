@@ -15,7 +15,7 @@ from pathlib import Path
 import numpy as np
 from omegaconf import OmegaConf
 
-from dflash.config.schema import DataConfig, SyntheticText, TargetConfig
+from dflash.config.schema import PACKING_KEYS, DataConfig, SyntheticText, TargetConfig
 from dflash.data.dataset import TokenDataset
 from dflash.models.target import FrozenTarget
 
@@ -30,6 +30,8 @@ def cache_key(target_cfg: TargetConfig, data_cfg: DataConfig, excluded_token_ids
     }
     for key in ("name",):  # renaming an option does not change the text it produces
         payload["target"].pop(key, None)
+        payload["data"].pop(key, None)
+    for key in PACKING_KEYS:  # nor does packing it into batches another way
         payload["data"].pop(key, None)
     payload["target"].pop("compile", None)  # nor does compiling the target's training forward
     return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]

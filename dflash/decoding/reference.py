@@ -149,7 +149,13 @@ class TargetSession:
         self.target = target
         self.cached = supports_cache_crop(target) if cached is None else cached
         self.ids: list[int] = []  # tokens the target has seen (committed, then maybe drafted)
-        self.cache = DynamicCache(config=target.config) if self.cached else None
+        self.cache = None
+        if self.cached:
+            # A sliding-window target gets full-length layers: transformers' sliding layers keep
+            # only the window and cannot be cropped back once it is full (a rejected draft past
+            # the window then fails); the model's sliding mask still hides keys outside it.
+            windowed = getattr(target.config, "sliding_window", None) is not None
+            self.cache = DynamicCache() if windowed else DynamicCache(config=target.config)
 
     def run(self, new_ids: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Logits [N, V] and features [1, N, F] of the N new positions."""

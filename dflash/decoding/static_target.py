@@ -37,20 +37,13 @@ from torch import nn
 from dflash.decoding.deltanet import DeltaNetStates, deltanet_prefill, deltanet_step, is_deltanet_layer
 from dflash.decoding.kv_cache import StaticKV, write_layer
 from dflash.models.compile import compile_shared
+from dflash.models.families import TARGET_FAMILIES
 from dflash.models.target import FrozenTarget
 
 # The text model's model_type (an image-text checkpoint's `text_config`): what the static
-# decoder runs. All share the decoder-layer layout (pre-norm mixer, pre-norm MLP or MoE).
-STATIC_MODEL_TYPES = {
-    "llama",
-    "mistral",
-    "qwen2",
-    "qwen3",
-    "qwen3_moe",
-    "qwen3_next",
-    "qwen3_5_text",
-    "qwen3_5_moe_text",
-}
+# decoder runs (the family table's `static_decoding`). All share the decoder-layer layout
+# (pre-norm mixer, pre-norm MLP or MoE).
+STATIC_MODEL_TYPES = {family.text_model_type for family in TARGET_FAMILIES if family.static_decoding}
 _STATIC_LAYER_TYPES = {"full_attention", "linear_attention"}
 
 

@@ -204,6 +204,10 @@ def pairing_problems(
         problems.append(f"num_target_layers {depth} but the target has {target['num_hidden_layers']} layers")
     if config["hidden_size"] != target["hidden_size"]:
         problems.append(f"hidden_size {config['hidden_size']} but the target's is {target['hidden_size']}")
+    vocab = config.get("vocab_size")
+    if isinstance(vocab, int) and vocab != target["vocab_size"]:
+        # The drafter scores with the target's LM head: another vocabulary is another target.
+        problems.append(f"vocab_size {vocab} but the target's is {target['vocab_size']}")
     mask_id = config["dflash_config"].get("mask_token_id")
     if isinstance(mask_id, int) and mask_id >= target["vocab_size"]:
         problems.append(

@@ -1,9 +1,12 @@
-"""The target families dflash trains drafters for, and how each one's checkpoint is read.
+"""The target families dflash trains drafters for (`TARGET_FAMILIES`, one record each), and how
+each one's checkpoint is read. The loader, the static decoder, the test fixtures and the README's
+supported list all follow the table: a new family is one record here (plus its tiny checkpoint in
+tests/conftest.py).
 
 A checkpoint directory is read as its publisher wrote it. Two layouts occur:
-- a causal LM (Llama 3.x, Qwen3, Qwen3-MoE, Qwen3-Next): config.json is the text model's config;
-- an image-text model (Qwen3.5, Qwen3.5-MoE; Qwen3.6 checkpoints share their model_type): the
-  text model's config sits under `text_config`, its weights under `model.language_model.*` with
+- a causal LM: config.json is the text model's config;
+- an image-text model (`image_text`; Qwen3.6 checkpoints share Qwen3.5's model_type): the text
+  model's config sits under `text_config`, its weights under `model.language_model.*` with
   `lm_head` beside them, and a vision tower under `model.visual.*`. transformers' causal-LM
   class for these model types loads the language model alone (the vision weights are skipped
   on load, so they never reach a GPU), and its config is the `text_config`.
@@ -15,30 +18,54 @@ torch: config validation uses it before any weights load.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
-# model_type (outer config.json) -> the family it belongs to. Image-text types map their text
-# model's own model_type (a config built from `text_config` alone, as the `*_random` presets do)
-# to the same family.
+
+@dataclass(frozen=True)
+class TargetFamily:
+    name: str  # as the README lists it
+    model_type: str  # config.json's model_type as published
+    image_text: bool = False  # the text model under `text_config`, a vision tower beside it
+    static_decoding: bool = True  # dflash/decoding/static_target.py runs its decoder layers
+    presets: tuple[str, ...] = ()  # the conf/target options of this family
+
+    @property
+    def text_model_type(self) -> str:
+        """The language model's own model_type (what a config built from `text_config` alone,
+        as the `*_random` presets build, and the loaded model carry)."""
+        return f"{self.model_type}_text" if self.image_text else self.model_type
+
+
+TARGET_FAMILIES: tuple[TargetFamily, ...] = (
+    TargetFamily("Llama 3.x", "llama", presets=("smollm2_135m",)),
+    TargetFamily("Mistral", "mistral"),
+    TargetFamily("Qwen2", "qwen2"),
+    TargetFamily("Qwen3", "qwen3", presets=("tiny", "qwen3_8b", "qwen3_8b_random")),
+    TargetFamily("Qwen3-MoE", "qwen3_moe"),
+    TargetFamily("Qwen3-Next", "qwen3_next", presets=("qwen3_next_80b", "qwen3_next_80b_random")),
+    TargetFamily("Qwen3.5 / Qwen3.6", "qwen3_5", image_text=True, presets=("qwen3_5", "qwen3_5_9b_random")),
+    TargetFamily(
+        "Qwen3.5-MoE / Qwen3.6-MoE",
+        "qwen3_5_moe",
+        image_text=True,
+        presets=("qwen3_5_moe", "qwen3_5_35b_a3b_random"),
+    ),
+)
+
+# model_type (outer config.json, or the text model's own) -> the family's name.
 SUPPORTED_FAMILIES: dict[str, str] = {
-    "llama": "Llama 3.x",
-    "mistral": "Mistral",
-    "qwen2": "Qwen2",
-    "qwen3": "Qwen3",
-    "qwen3_moe": "Qwen3-MoE",
-    "qwen3_next": "Qwen3-Next",
-    "qwen3_5": "Qwen3.5 / Qwen3.6",
-    "qwen3_5_text": "Qwen3.5 / Qwen3.6",
-    "qwen3_5_moe": "Qwen3.5-MoE / Qwen3.6-MoE",
-    "qwen3_5_moe_text": "Qwen3.5-MoE / Qwen3.6-MoE",
+    model_type: family.name
+    for family in TARGET_FAMILIES
+    for model_type in (family.model_type, family.text_model_type)
 }
 
 # Image-text model types whose language model is what dflash loads.
-IMAGE_TEXT_TYPES = {"qwen3_5", "qwen3_5_moe"}
+IMAGE_TEXT_TYPES = {family.model_type for family in TARGET_FAMILIES if family.image_text}
 
 
 def supported_list() -> str:
-    return ", ".join(sorted(t for t in SUPPORTED_FAMILIES if not t.endswith("_text")))
+    return ", ".join(sorted(family.model_type for family in TARGET_FAMILIES))
 
 
 def refuse_unsupported(model_type: str, where: str) -> None:

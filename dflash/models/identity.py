@@ -10,7 +10,7 @@ checkpoint records digests of what the target is made of (`target.json`), and re
   and offset) and three 64 KiB samples of its bytes (start, middle, end): another checkpoint of
   the same shape differs there, and reading them costs milliseconds whatever the model's size;
 - tokenizer: the vocabulary files of the tokenizer directory (target.tokenizer, else the path).
-A random-weight target (no path) is its architecture and seed.
+A random-weight target (no path) is its architecture and seed (and `target.fp8`, when set).
 """
 
 from __future__ import annotations
@@ -73,13 +73,14 @@ def _tokenizer_digest(directory: Path) -> str | None:
 def target_identity(target: TargetConfig) -> dict[str, Any]:
     """The digests of `target` (a local directory: GGUF targets after their conversion)."""
     if target.path is None:
-        return {
-            "random": {
-                "model_type": target.model_type,
-                "arch": dict(target.arch or {}),
-                "init_seed": target.init_seed,
-            }
+        random = {
+            "model_type": target.model_type,
+            "arch": dict(target.arch or {}),
+            "init_seed": target.init_seed,
         }
+        if target.fp8:  # other weights (quantized); named only when set, so earlier identities still match
+            random["fp8"] = True
+        return {"random": random}
     directory = Path(target.path)
     tokenizer_dir = Path(target.tokenizer) if target.tokenizer else directory
     return {
@@ -102,3 +103,30 @@ def identity_differences(saved: dict[str, Any], current: dict[str, Any]) -> list
 def read_identity(directory: Path) -> dict[str, Any] | None:
     path = Path(directory) / IDENTITY_FILE
     return json.loads(path.read_text()) if path.is_file() else None
+
+
+def recorded_target(drafter_dir: Path) -> dict[str, Any] | None:
+    """The identity of the target a drafter directory was made for, where it records one: its
+    target.json (a dflash checkpoint), else the speculators config's verifier when that names a
+    local checkpoint directory."""
+    saved = read_identity(drafter_dir)
+    if saved is not None:
+        return saved
+    try:
+        config = json.loads((Path(drafter_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    verifier = ((config.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    if isinstance(verifier, str) and verifier and Path(verifier).is_dir():
+        return target_identity(TargetConfig(name="verifier", path=verifier))
+    return None
+
+
+def pairing_differences(drafter_dir: Path, target: TargetConfig) -> list[str]:
+    """The one rule every tool that pairs a drafter with a target applies (resume,
+    drafter.init_from, dflash-eval, dflash-export check/convert --target): what differs between
+    the target the drafter records and `target`, by content; [] where nothing is recorded."""
+    saved = recorded_target(drafter_dir)
+    if saved is None:
+        return []
+    return identity_differences(saved, target_identity(target))

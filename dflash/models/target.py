@@ -22,6 +22,8 @@ except ImportError:
 from dflash.config.schema import TargetConfig
 from dflash.models.compile import compile_shared
 from dflash.models.families import IMAGE_TEXT_TYPES, model_types_of, refuse_unsupported, text_config
+from dflash.models.fp8 import build_random_fp8, is_fp8_checkpoint, load_fp8_checkpoint
+from dflash.models.size import refuse_missing_text_config, refuse_size_mismatch
 
 
 def causal_attention(module, query, key, value, attention_mask, **kwargs):
@@ -60,12 +62,18 @@ def load_target_config(cfg: TargetConfig) -> PretrainedConfig:
         # A random image-text target is its language model alone: `arch` holds text fields.
         model_type = f"{cfg.model_type}_text" if cfg.model_type in IMAGE_TEXT_TYPES else cfg.model_type
         return AutoConfig.for_model(model_type, **dict(cfg.arch))
+    if cfg.fp8:
+        raise ValueError(
+            f"target.fp8=true quantizes a random-weight target, but target.path={cfg.path!r} is set: a "
+            "checkpoint loads as published (an FP8 one is recognised by its quantization_config)"
+        )
     try:
         config = AutoConfig.from_pretrained(cfg.path)
     except (OSError, ValueError) as exc:
         raise ValueError(
             f"target.path={cfg.path!r}: cannot read a transformers config there ({exc})"
         ) from exc
+    refuse_missing_text_config(cfg.path)
     refuse_unsupported(config.model_type, f"target.path={cfg.path!r}")
     if cfg.model_type is not None and cfg.model_type not in model_types_of(config):
         raise ValueError(
@@ -73,6 +81,10 @@ def load_target_config(cfg: TargetConfig) -> PretrainedConfig:
             f"expects target.model_type={cfg.model_type!r}"
         )
     return text_config(config)
+
+
+def _enum_value(value: Any) -> str:
+    return str(getattr(value, "value", value))
 
 
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
@@ -265,10 +277,19 @@ class FrozenTarget(nn.Module):
             cuda_devices = list(range(torch.cuda.device_count())) if device.type == "cuda" else []
             with torch.random.fork_rng(devices=cuda_devices), torch.device(device):
                 torch.manual_seed(cfg.init_seed)
-                model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+                if cfg.fp8:
+                    model = build_random_fp8(config, dtype=dtype, device=device)
+                else:
+                    model = AutoModelForCausalLM.from_config(config, dtype=dtype)
         else:
-            load_target_config(cfg)  # refuses a wrong architecture before reading weights
-            model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=dtype)
+            # refuses a wrong architecture, or a config larger than the weights, before reading them
+            refuse_size_mismatch(cfg.path, load_target_config(cfg))
+            if is_fp8_checkpoint(AutoConfig.from_pretrained(cfg.path)):
+                model = load_fp8_checkpoint(cfg.path, dtype=dtype, device=device)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=dtype)
+        if cfg.experts is not None and getattr(model.config, "num_experts", None):
+            model.set_experts_implementation(_enum_value(cfg.experts))
         return cls(model.to(device), layer_ids, final_state=final_state)
 
     @property

@@ -1,4 +1,5 @@
-"""Metric sinks (config group `logger`, `logger.sinks`): metrics.jsonl, console lines, W&B.
+"""Metric sinks (config group `logger`, `logger.sinks`): metrics.jsonl, console lines, W&B,
+TensorBoard event files.
 
 A sink receives one flat dict of floats per log step. `close(ok)` always runs, also when the job
 fails, so a W&B run is always finished (with a failing exit code when the job failed).
@@ -21,6 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from dflash.config.components import build, check_buildable
+from dflash.step.metrics import metric_fields
 
 log = logging.getLogger(__name__)
 
@@ -40,6 +42,7 @@ class SinkContext:
     config: dict[str, Any]
     total_steps: int
     start_step: int = 0
+    resume_dir: Path | None = None  # the checkpoint a resumed run continues (resume=)
 
 
 class JsonlSink:
@@ -89,27 +92,22 @@ class ConsoleSink(ProgressSink):
     """The progress bar plus one readable line per log window, printed above the bar (tqdm.write:
     lines never tear it)."""
 
-    KEYS = (
-        "train/loss",
-        "train/acc",
-        "train/tau_sim",
-        "train/tau_decode",
-        "train/tau_prob",  # variant=dspark (absent otherwise, so not printed)
-        "train/l1",
-        "train/confidence_abs_error",
-        "train/grad_norm",
-        "train/lr",
-        "perf/tokens_per_s",
-        "perf/data_wait_frac",
-        "queue/hs_fill",
-        "gpu/drafter/util_pct",
-    )
+    FIGURES = ("train/loss", "train/acc", "train/tau_sim", "train/tau_decode")
+    # DSpark's figures (absent from a DFlash run's rows, so not printed there).
+    DSPARK = ("train/tau_prob", "train/l1", "train/confidence_abs_error")
+    AFTER = ("train/lr", "perf/tokens_per_s", "perf/data_wait_frac", "queue/hs_fill", "gpu/drafter/util_pct")
+
+    @classmethod
+    def keys(cls) -> tuple[str, ...]:
+        """The line's keys: the objective's figures, each metric field marked `console`, the rest."""
+        fields = tuple(f"train/{field.name}" for field in metric_fields() if field.console)
+        return cls.FIGURES + cls.DSPARK + fields + cls.AFTER
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         if "train/loss" not in metrics:
             return  # telemetry-only rows, and evaluation rows (printed in the run summary)
         super().log(metrics, step)
-        parts = [f"{k.split('/', 1)[-1]}={metrics[k]:.4g}" for k in self.KEYS if k in metrics]
+        parts = [f"{k.split('/', 1)[-1]}={metrics[k]:.4g}" for k in self.keys() if k in metrics]
         self.bar.write(f"step {step:>6}  " + "  ".join(parts))
 
 
@@ -133,6 +131,12 @@ class BackgroundSink:
 
     def health(self) -> dict[str, float]:
         return {f"monitor/{self.name}_dropped": float(self.dropped)}
+
+    def on_checkpoint(self, step: int, path: Path) -> None:
+        """The wrapped sink's checkpoint hook, where it has one (on the checkpoint's thread)."""
+        hook = getattr(self.sink, "on_checkpoint", None)
+        if hook is not None:
+            hook(step, path)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         with self._cond:
@@ -169,6 +173,7 @@ class BackgroundSink:
 
 def wandb_mode(mode: str | None) -> str:
     """Explicit config wins, then WANDB_MODE; without an API key there is no network use: offline."""
+
     if mode:
         return mode
     if os.environ.get("WANDB_MODE"):
@@ -188,12 +193,16 @@ def sweep_naming() -> tuple[str | None, str | None]:
 
 
 EVAL_STEP = "snapshot_step"
+# Kept in every checkpoint: the W&B run a `resume=` of that checkpoint continues.
+WANDB_RUN_FILE = "wandb_run.json"
 
 
 class WandbSink:
     """A W&B run (logger=wandb: its keys are logger.sinks.wandb's; mode null: WANDB_MODE if set,
     else online with an API key and offline without one). Runs of one sweep share a group named
-    after the sweep dir and are named by the overrides that differ."""
+    after the sweep dir and are named by the overrides that differ. Each checkpoint keeps the
+    run's id (wandb_run.json), so `resume=` of it continues the same W&B run; with
+    `log_checkpoints`, each checkpoint is also logged as a `model` artifact of the run."""
 
     def __init__(
         self,
@@ -206,12 +215,17 @@ class WandbSink:
         name: str | None = None,
         tags: list[str] | None = None,
         finish_timeout_s: float = 30.0,
+        log_checkpoints: bool = False,
     ):
         import wandb
 
         self.timeout_s = finish_timeout_s
+        self.log_checkpoints = log_checkpoints
         sweep_group, job_name = sweep_naming()
+        resumed = resumed_wandb_run(context.resume_dir)
         self.run = wandb.init(
+            id=resumed,
+            resume="allow" if resumed else None,
             project=project,
             entity=entity,
             group=group or sweep_group,  # runs of one sweep share a group
@@ -231,6 +245,16 @@ class WandbSink:
         for family in ("eval", "val"):
             self.run.define_metric(f"{family}/*", step_metric=EVAL_STEP)
         self._step = -1
+
+    def on_checkpoint(self, step: int, path: Path) -> None:
+        record = {"id": self.run.id, "project": self.run.project, "entity": self.run.entity}
+        (Path(path) / WANDB_RUN_FILE).write_text(json.dumps(record) + "\n")
+        if self.log_checkpoints:
+            import wandb
+
+            artifact = wandb.Artifact(f"drafter-{self.run.id}", type="model", metadata={"step": step})
+            artifact.add_dir(str(path))
+            self.run.log_artifact(artifact, aliases=[f"step-{step}", "latest"])
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         # Each drafter gets its own x-axis (its optimizer step), so step skew between drafters shows.
@@ -257,6 +281,17 @@ class WandbSink:
             log.warning("wandb: finish() did not return within %.0f s; continuing", self.timeout_s)
 
 
+def resumed_wandb_run(resume_dir: Path | None) -> str | None:
+    """The W&B run id a resumed checkpoint keeps (None: a fresh run, or a checkpoint written
+    without W&B)."""
+    if resume_dir is None or not (Path(resume_dir) / WANDB_RUN_FILE).is_file():
+        return None
+    try:
+        return json.loads((Path(resume_dir) / WANDB_RUN_FILE).read_text())["id"]
+    except (json.JSONDecodeError, KeyError, TypeError) as exc:
+        raise ValueError(f"resume={resume_dir}: {WANDB_RUN_FILE} names no W&B run ({exc})") from exc
+
+
 def wandb_sink(
     *, context: SinkContext, queue_size: int = 100, finish_timeout_s: float = 30.0, **settings: Any
 ):
@@ -264,6 +299,32 @@ def wandb_sink(
     (the oldest dropped, and counted, when W&B stalls), given `finish_timeout_s` to finish."""
     sink = WandbSink(context=context, finish_timeout_s=finish_timeout_s, **settings)
     return BackgroundSink("wandb", sink, queue_size=queue_size, close_timeout_s=finish_timeout_s)
+
+
+class TensorBoardSink:
+    """logger=tensorboard: every row as TensorBoard scalars, event files in <run_dir>/tensorboard
+    (`tensorboard --logdir outputs` shows every run; needs the `tensorboard` extra). Evaluation
+    rows arrive at their snapshot's step, after rows of later steps: TensorBoard plots by step
+    whatever the order. NaN/inf are left out, as metrics.jsonl writes them as null."""
+
+    def __init__(self, *, context: SinkContext, subdir: str = "tensorboard", flush_secs: float = 30.0):
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as exc:  # torch's writer needs the tensorboard package
+            raise ValueError(
+                "logger=tensorboard needs the tensorboard package: pip install 'dflash[tensorboard]'"
+            ) from exc
+        self.log_dir = context.run_dir / subdir
+        self.writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=flush_secs)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        for key, value in metrics.items():
+            if math.isfinite(value):
+                self.writer.add_scalar(key, value, global_step=step)
+
+    def close(self, ok: bool) -> None:
+        self.writer.flush()
+        self.writer.close()
 
 
 def build_sinks(nodes: dict[str, Any], context: SinkContext) -> list[MetricSink]:

@@ -97,12 +97,6 @@ class WorkCounters:
             self._compute_s += self._spans.popleft().seconds()
             self._computed_batches += 1
 
-    def compute_totals(self) -> tuple[float, int]:
-        """(device seconds, batches they cover) of the spans finished so far."""
-        with self._lock:
-            self._collect_spans()
-            return self._compute_s, self._computed_batches
-
     def stats(self) -> dict[str, float]:
         with self._lock:
             self._collect_spans()

@@ -18,12 +18,12 @@ from contextlib import nullcontext
 import torch
 import torch.distributed as dist
 
+from dflash.pipeline.cadence import Cadence
 from dflash.pipeline.counters import DeviceSpan, WorkCounters
 from dflash.pipeline.queues import HiddenStateQueue
 from dflash.pipeline.target_worker import HiddenStatePacket
 from dflash.step.metrics import MetricWindow
 from dflash.step.step import DrafterStep
-from dflash.trainer.cadence import Cadence
 
 
 def _ready_event(device: torch.device) -> torch.cuda.Event | None:

@@ -26,11 +26,14 @@ import os
 import time
 from collections.abc import Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from dflash.data.conversations import (
+    AUTO_LAYOUT,
     Conversation,
+    RecordLayout,
     SkipReport,
     chunked,
     conversation_digest,
@@ -38,8 +41,8 @@ from dflash.data.conversations import (
     entry_reads,
     read_conversations,
 )
+from dflash.lock import FileLock
 from dflash.regen.backends import RegenBackend, Reply
-from dflash.run.lock import FileLock
 
 log = logging.getLogger(__name__)
 
@@ -104,8 +107,20 @@ def finished_sources(output: Path) -> set[str]:
         )
         with output.open("r+b") as handle:
             handle.truncate(len(complete))
-    records = [json.loads(line) for line in complete.decode().splitlines() if line.strip()]
-    return {record.get("source_digest", record["source"]) for record in records}
+    done = set()
+    for line_no, line in enumerate(complete.decode(errors="replace").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+            done.add(record.get("source_digest", record["source"]))
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "no source or source_digest"
+            raise ValueError(
+                f"{output}:{line_no}: not a record dflash-regen wrote ({reason}); regen.output is read "
+                "to skip finished conversations: fix or remove that line, or write another output"
+            ) from exc
+    return done
 
 
 def _unfinished(
@@ -245,6 +260,7 @@ def regenerate(
     batch_size: int,
     limit: int | None = None,
     stats: RegenStats | None = None,
+    layout: RecordLayout = AUTO_LAYOUT,
 ) -> RegenStats:
     """Answers every unfinished conversation of `inputs` into `output`; one process per output
     (a second one is refused while the first lives: both would write every conversation).
@@ -258,7 +274,7 @@ def regenerate(
         ),
     )
     with lock:
-        return _regenerate(backend, inputs, output, batch_size, limit, stats or RegenStats())
+        return _regenerate(backend, inputs, output, batch_size, limit, stats or RegenStats(), layout)
 
 
 def _regenerate(
@@ -268,10 +284,11 @@ def _regenerate(
     batch_size: int,
     limit: int | None,
     stats: RegenStats,
+    layout: RecordLayout,
 ) -> RegenStats:
     done = finished_sources(output)
     stats.already_done = len(done)
-    todo = _unfinished(read_conversations(inputs, stats.skipped, "regen.input"), done, stats.skipped)
+    todo = _unfinished(read_conversations(inputs, stats.skipped, "regen.input", layout), done, stats.skipped)
     if limit is not None:
         todo = itertools.islice(todo, max(0, limit - len(done)))
     with output.open("a", encoding="utf-8") as handle:
@@ -301,6 +318,24 @@ class _Writer:
         self.progress = tqdm(desc="dflash-regen", unit="conv", initial=stats.already_done, mininterval=2.0)
 
     def __call__(self, records: list[dict | None]) -> None:
+        with self._naming_the_output():
+            self._write(records)
+
+    @contextmanager
+    def _naming_the_output(self):
+        """A full disk, a quota, a vanished mount: one line naming the output (a write error
+        carries no path); what was written before stays, and a rerun continues after it."""
+        try:
+            yield
+        except OSError as exc:
+            raise OSError(
+                exc.errno,
+                f"writing regen.output={self.handle.name} failed ({exc.strerror or exc}); the "
+                f"{self.stats.written} conversations written before stay, and rerunning the same "
+                "command continues after them",
+            ) from exc
+
+    def _write(self, records: list[dict | None]) -> None:
         for record in records:
             if record is not None:
                 self.handle.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -316,8 +351,9 @@ class _Writer:
         self.last_sync = time.monotonic()
 
     def close(self) -> None:
-        self.sync()
         self.progress.close()
+        with self._naming_the_output():
+            self.sync()
 
 
 def _stream(

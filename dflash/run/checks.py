@@ -1,8 +1,10 @@
 """Cross-field checks that run after composition and before any model weights load.
 
 Each failure is a ValueError naming the dotted config key(s) involved. The schema already
-rejects unknown keys, wrong types and unknown enum values at compose time; these are the
-rules that involve several fields, the target's architecture or the visible devices.
+rejects unknown keys, wrong types and unknown enum values at compose time, and a rule on one
+field sits beside it (`__post_init__` of its dataclass in dflash/config/schema.py, run when the
+composed config becomes typed); these are the rules that involve several fields, the target's
+architecture or the visible devices.
 """
 
 from __future__ import annotations
@@ -16,12 +18,12 @@ from dflash.config.schema import (
     DataKind,
     DeviceKind,
     DSparkVariantConfig,
-    FeatureNoiseConfig,
     LayerType,
     MaskRampNoiseConfig,
     pipeline_name,
 )
 from dflash.data.conversations import expand_files
+from dflash.data.files import is_saved_dataset
 from dflash.models.dspark import markov_head_class
 from dflash.models.layer_ids import default_target_layer_ids
 
@@ -60,14 +62,7 @@ def validate(
     slot: ProcessSlot | None = None,
 ) -> None:
     validate_drafter(cfg, num_target_layers=num_target_layers, target_vocab_size=target_vocab_size)
-    if not cfg.loss.gamma > 0:
-        raise ValueError(f"loss.gamma must be > 0, got {cfg.loss.gamma}")
-    if cfg.loss.logits_chunk < 0:
-        raise ValueError(f"loss.logits_chunk must be >= 0 (0: no chunking), got {cfg.loss.logits_chunk}")
-
-    _validate_data_and_scheduler(cfg)
-    _validate_optimization(cfg)
-    _validate_noise(cfg)
+    _validate_data(cfg)
     _validate_variant(cfg)
     slot = slot or ProcessSlot()
     targets, drafters = resolve_device_split(cfg, visible_cuda_devices, slot)
@@ -87,54 +82,46 @@ def validate(
             "drafter.attention=flex trains on CUDA only (torch's CPU flex_attention has no backward); "
             "use drafter.attention=auto or sdpa with gpu=cpu"
         )
-    if cfg.gpu.cpu_threads < 1:
-        raise ValueError(f"gpu.cpu_threads must be >= 1, got {cfg.gpu.cpu_threads}")
-    if cfg.debug.max_steps is not None and cfg.debug.max_steps < 1:
-        raise ValueError(f"debug.max_steps must be >= 1 (or null: no limit), got {cfg.debug.max_steps}")
     if not is_summary_metric(cfg.objective):
         raise ValueError(
             f"objective={cfg.objective!r} is not a summary metric; use one of train/loss, train/acc, "
             "train/tau_sim, val/tau_sim, val/tau_decode, eval/tau, eval/lossless_frac, eval/<benchmark>/tau, eval/<benchmark>/speedup, "
             "roles/drafter_busy_frac, perf/samples_per_s, ... (the numeric keys of summary.json)"
         )
-    if cfg.logger.every_steps < 1:
-        raise ValueError(f"logger.every_steps must be >= 1, got {cfg.logger.every_steps}")
-    if cfg.checkpoint.every_steps < 1 or cfg.checkpoint.keep_last < 1:
-        raise ValueError("checkpoint.every_steps and checkpoint.keep_last must be >= 1")
 
 
-def _validate_data_and_scheduler(cfg: Any) -> None:
-    data, sched = cfg.data, cfg.scheduler
+def _validate_data(cfg: Any) -> None:
+    data = cfg.data
     if data.kind is DataKind.conversations:
         files = list(data.files)  # "???" raises here, naming data.files
         if not files:
             raise ValueError("data=conversations needs data.files=[...] (.jsonl / .json / .parquet files)")
         for path in expand_files(files, "data.files"):  # globs and directories expand here
-            if not path.is_file():
+            if not (path.is_file() or is_saved_dataset(path)):
                 raise ValueError(f"data.files: no such file {str(path)!r}")
         if data.min_supervised_tokens < 2:
             raise ValueError(
                 f"data.min_supervised_tokens must be >= 2 (an anchor needs a supervised next token), "
                 f"got {data.min_supervised_tokens}"
             )
-    edges = list(sched.bucket_edges)
+    edges = list(data.bucket_edges)
     if not edges or any(b <= a for a, b in zip(edges, edges[1:])) or edges[0] < 1:
-        raise ValueError(f"scheduler.bucket_edges must be positive and strictly increasing, got {edges}")
+        raise ValueError(f"data.bucket_edges must be positive and strictly increasing, got {edges}")
     if edges[-1] < data.max_length:
         raise ValueError(
-            f"scheduler.bucket_edges ends at {edges[-1]} < data.max_length={data.max_length}: "
+            f"data.bucket_edges ends at {edges[-1]} < data.max_length={data.max_length}: "
             "the longest samples would have no bucket"
         )
     one_sample = min(cfg.drafter.num_anchors, data.max_length) * cfg.drafter.block_size
-    if sched.block_tokens_per_batch is not None and sched.block_tokens_per_batch < one_sample:
+    if data.block_tokens_per_batch is not None and data.block_tokens_per_batch < one_sample:
         raise ValueError(
-            f"scheduler.block_tokens_per_batch={sched.block_tokens_per_batch} is below one sample's blocks at "
+            f"data.block_tokens_per_batch={data.block_tokens_per_batch} is below one sample's blocks at "
             f"data.max_length: min(drafter.num_anchors={cfg.drafter.num_anchors}, {data.max_length}) x "
             f"drafter.block_size={cfg.drafter.block_size} = {one_sample}"
         )
-    if sched.tokens_per_batch < data.max_length:
+    if data.tokens_per_batch < data.max_length:
         raise ValueError(
-            f"scheduler.tokens_per_batch={sched.tokens_per_batch} < data.max_length={data.max_length}: "
+            f"data.tokens_per_batch={data.tokens_per_batch} < data.max_length={data.max_length}: "
             "a longest sample would not fit in a batch"
         )
     if not 1 <= data.prompt_len_min <= data.prompt_len_max:
@@ -143,43 +130,6 @@ def _validate_data_and_scheduler(cfg: Any) -> None:
         raise ValueError("data.gen_len_min must be in [2, data.gen_len_max] (an anchor needs a next token)")
     if data.num_samples < 1:
         raise ValueError(f"data.num_samples must be >= 1, got {data.num_samples}")
-    if cfg.train.epochs < 1:
-        raise ValueError(f"train.epochs must be >= 1, got {cfg.train.epochs}")
-    if cfg.train.total_steps is not None and cfg.train.total_steps < 1:
-        raise ValueError(f"train.total_steps must be >= 1 or null, got {cfg.train.total_steps}")
-
-
-def _validate_optimization(cfg: Any) -> None:
-    opt = cfg.optimizer
-    betas = getattr(opt, "betas", None)  # Adam-family optimizers
-    if betas is not None and (len(betas) != 2 or not all(0.0 <= b < 1.0 for b in betas)):
-        raise ValueError(f"optimizer.betas must be two numbers in [0, 1), got {list(betas)}")
-    if not opt.fused:
-        raise ValueError(
-            "optimizer.fused=false: the step divides and clips the gradients through a fused "
-            "optimizer's grad_scale input, which an unfused one ignores"
-        )
-    if not opt.lr > 0:
-        raise ValueError(f"optimizer.lr must be > 0, got {opt.lr}")
-    if not opt.grad_clip > 0:
-        raise ValueError(f"optimizer.grad_clip must be > 0, got {opt.grad_clip}")
-    if not 0.0 <= cfg.lr_schedule.warmup_ratio < 1.0:
-        raise ValueError(f"lr_schedule.warmup_ratio must be in [0, 1), got {cfg.lr_schedule.warmup_ratio}")
-
-
-def _validate_noise(cfg: Any) -> None:
-    """The built-in schedules' settings (a user's own schedule checks its own)."""
-    noise = cfg.noise
-    if not isinstance(noise, (MaskRampNoiseConfig, FeatureNoiseConfig)):
-        return
-    name = "mask_ramp" if isinstance(noise, MaskRampNoiseConfig) else "feature"
-    # A schedule that silently does nothing is the bug this group exists to avoid.
-    if noise.warmup_steps < 1:
-        raise ValueError(f"noise={name} needs noise.warmup_steps >= 1, got {noise.warmup_steps}")
-    if isinstance(noise, MaskRampNoiseConfig) and not 0.0 < noise.start <= 1.0:
-        raise ValueError(f"noise=mask_ramp needs noise.start in (0, 1], got {noise.start}")
-    if isinstance(noise, FeatureNoiseConfig) and not noise.std > 0.0:
-        raise ValueError(f"noise=feature needs noise.std > 0, got {noise.std}")
 
 
 def _validate_layer_types(drafter) -> None:

@@ -15,9 +15,12 @@ import torch
 from dflash.config.components import check_buildable
 from dflash.config.schema import Config, DataKind, TargetConfig
 from dflash.data.chat import ChatRenderer, load_chat_renderer
+from dflash.data.conversations import expand_files
 from dflash.data.dataset import TokenDataset
+from dflash.data.identity import data_identity
 from dflash.data.prepare import PrepStats, load_or_prepare
 from dflash.data.synthetic import load_or_generate
+from dflash.digest import file_digest
 from dflash.errors import exit_for_user_error
 from dflash.eval.prompts import PromptSet, load_prompt_sets
 from dflash.models.gguf import local_target
@@ -74,11 +77,21 @@ def available_bytes(device: torch.device) -> int:
 def refuse_what_cannot_fit(target_cfg: TargetConfig, config, device: torch.device) -> None:
     """The target's weights (counted on the meta device, in the dtype it loads in) must fit in
     the device's free memory."""
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dflash.models.fp8 import is_fp8_checkpoint, weight_bytes
 
     with torch.device("meta"):
-        params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())
-    needed = params * resolve_dtype(target_cfg.dtype, device).itemsize
+        model = AutoModelForCausalLM.from_config(config)
+    params = sum(p.numel() for p in model.parameters())
+    # FP8 weights stay FP8 where they run: a random target.fp8 target anywhere, an FP8
+    # checkpoint on CUDA (elsewhere transformers dequantizes it at load).
+    fp8 = target_cfg.fp8 or (
+        device.type == "cuda"
+        and target_cfg.path is not None
+        and is_fp8_checkpoint(AutoConfig.from_pretrained(target_cfg.path))
+    )
+    needed = weight_bytes(model, itemsize=resolve_dtype(target_cfg.dtype, device).itemsize, fp8=fp8)
     free = available_bytes(device)
     if needed > free:
         raise ValueError(
@@ -115,6 +128,16 @@ def load_training_data(
             f"training data (data.files={list(data_cfg.files)}); pick an id the tokenizer never produces"
         )
     return dataset, stats
+
+
+def training_data_identity(cfg: Config, dataset: TokenDataset) -> dict:
+    """What this run trains on (dflash/data/identity.py), recorded in every checkpoint."""
+    files, template = None, None
+    if cfg.data.kind is DataKind.conversations:
+        paths = expand_files(list(cfg.data.files), "data.files")
+        files = [{"path": str(path), "sha256": file_digest(path)} for path in paths]
+        template = load_chat_renderer(local_target_config(cfg), "data.kind=conversations").fingerprint()
+    return data_identity(dataset, kind=cfg.data.kind.value, files=files, template=template)
 
 
 def eval_prompt_sets(

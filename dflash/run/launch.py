@@ -17,10 +17,12 @@ import numpy as np
 import torch
 from omegaconf import DictConfig
 
+from dflash import __version__
 from dflash.config.components import build
 from dflash.config.schema import Config, pipeline_name
 from dflash.data.dataset import TokenDataset
-from dflash.data.schedule import BatchPlanner, build_planner
+from dflash.data.schedule import BatchPlanner, build_planner, held_out_ids
+from dflash.export.card import TrainingFacts
 from dflash.export.zlab import load_drafter_weights, read_drafter_config
 from dflash.models.compile import CompileCounter
 from dflash.models.drafter import DFlashDrafter
@@ -29,17 +31,17 @@ from dflash.models.target import FrozenTarget
 from dflash.models.target_head import TargetHead, heads_for
 from dflash.monitor.callbacks import TrainingCallbacks, build_callbacks
 from dflash.monitor.sinks import SinkContext, build_sinks
-from dflash.run.inputs import load_training_data
+from dflash.run.inputs import load_training_data, training_data_identity
 from dflash.run.preflight import Checked, check_before_loading
-from dflash.run.resume import warm_starts_heads
+from dflash.run.resume import check_resume_data, refuse_resume_past_end, warm_starts_heads
 from dflash.run.runner import Run
 from dflash.step.build import block_settings_for, build_drafter, build_step_fn, build_variant, uses_compile
 from dflash.step.step import BlockSettings, DrafterStep
 from dflash.trainer.async_trainer import FaultInjection
-from dflash.trainer.lifecycle import Trainer
+from dflash.trainer.lifecycle import TRAINER_INPUTS, Trainer, TrainerInputs
 from dflash.trainer.periodic_eval import PeriodicEval
 from dflash.trainer.state import CheckpointSettings
-from dflash.trainer.validation import Validation, held_out_ids
+from dflash.trainer.validation import Validation
 
 log = logging.getLogger(__name__)
 
@@ -65,6 +67,7 @@ class Schedule:
     planner: BatchPlanner
     val_ids: np.ndarray | None  # data.val_samples: held out, never planned
     total_steps: int
+    data_identity: dict  # what the samples are (dflash/data/identity.py): data.json
 
 
 def build_models(checked: Checked) -> Models:
@@ -115,6 +118,7 @@ def plan_batches(cfg: Config, dataset: TokenDataset) -> tuple[BatchPlanner, np.n
     val_ids = held_out_ids(len(dataset), cfg.data.val_samples, cfg.seed) if cfg.data.val_samples else None
     planner = build_planner(
         cfg.scheduler,
+        data=cfg.data,
         lengths=dataset.lengths,
         seed=cfg.seed,
         num_anchors=cfg.drafter.num_anchors,
@@ -156,7 +160,10 @@ def build_schedule(checked: Checked, models: Models) -> Schedule:
         log.info("data: %s", "; ".join(line.strip() for line in prep_stats.lines()))
     planner, val_ids = plan_batches(cfg, dataset)
     replicas = len(models.drafters) * checked.process_group.world_size
-    return Schedule(dataset, planner, val_ids, total_steps_for(cfg, planner, replicas))
+    identity = training_data_identity(cfg, dataset)
+    if checked.resume_dir is not None:
+        check_resume_data(checked.resume_dir, identity, dataset, accept_changes=cfg.resume_changed_data)
+    return Schedule(dataset, planner, val_ids, total_steps_for(cfg, planner, replicas), identity)
 
 
 def check_features(checked: Checked, models: Models, dataset: TokenDataset) -> None:
@@ -193,6 +200,23 @@ def build_step_fns(*, checked: Checked, models: Models, schedule: Schedule) -> l
     ]
 
 
+def training_facts(checked: Checked, schedule: Schedule) -> TrainingFacts:
+    """What the model card of each checkpoint says about this run (steps: each checkpoint's)."""
+    cfg = checked.config
+    held_out = 0 if schedule.val_ids is None else len(schedule.val_ids)
+    files = ", ".join(cfg.data.files)
+    return TrainingFacts(
+        target=cfg.target.path or f"{cfg.target.name} (random-init)",
+        target_path=cfg.target.path,
+        target_model_type=getattr(checked.target_config, "model_type", None),
+        data=f"data={cfg.data.name}" + (f": {files}" if files else ""),
+        samples=len(schedule.dataset) - held_out,
+        steps=0,
+        seed=cfg.seed,
+        dflash_version=__version__,
+    )
+
+
 def build_trainer(
     *,
     checked: Checked,
@@ -209,8 +233,10 @@ def build_trainer(
         keep_last=cfg.checkpoint.keep_last,
         run_config_yaml=checked.run_config_yaml,
         target_identity=checked.target_identity,
+        data_identity=schedule.data_identity,
+        card=training_facts(checked, schedule),
     )
-    runtime = dict(
+    inputs = TrainerInputs(
         targets=models.targets,
         step_fns=step_fns,
         dataset=schedule.dataset,
@@ -218,8 +244,9 @@ def build_trainer(
         stop_after=stop_after,
         log_every=cfg.logger.every_steps,
         checkpoints=checkpoints,
-        process_group=checked.process_group,  # multi-node: rank 0 alone logs and checkpoints
+        process_group=checked.process_group,
     )
+    runtime: dict = {TRAINER_INPUTS: inputs}
     if faults is not None:  # tests: a target worker or drafter that raises on cue
         runtime["faults"] = faults
     return build(cfg.pipeline, "pipeline", **runtime)
@@ -244,8 +271,20 @@ def attach_observers(
         config=checked.resolved,
         total_steps=trainer.stop_after,
         start_step=trainer.position.step,
+        resume_dir=checked.resume_dir,
     )
     sinks = build_sinks(cfg.logger.sinks, context) if is_main else []
+    # Sinks with a checkpoint hook (W&B: the run id, artifacts) hear of each checkpoint.
+    callbacks = TrainingCallbacks(
+        {
+            **callbacks.callbacks,
+            **{
+                f"logger.sinks.{i}": s
+                for i, s in enumerate(sinks)
+                if callable(getattr(s, "on_checkpoint", None))
+            },
+        }
+    )
     if callbacks:
         sinks.append(callbacks)
     monitor = build(cfg.monitor, "monitor", sinks=sinks, probe=trainer, total_steps=trainer.stop_after)
@@ -255,7 +294,7 @@ def attach_observers(
             schedule.dataset,
             schedule.val_ids,
             settings=block_settings,
-            tokens_per_batch=cfg.scheduler.tokens_per_batch,
+            tokens_per_batch=cfg.data.tokens_per_batch,
             block_budget=schedule.planner.block_budget,
         )
     periodic_eval = None
@@ -288,6 +327,7 @@ def build_run(composed: DictConfig, faults: FaultInjection | None = None) -> Run
     )
     if checked.resume_dir is not None:
         trainer.restore(checked.resume_dir)
+        refuse_resume_past_end(checked.resume_dir, trainer.position.step, trainer.stop_after)
     for counter in models.compiled.values():  # later graphs are compiled mid-run: warned about
         trainer.at_first_step(counter.settle)
     validation = attach_observers(

@@ -17,8 +17,9 @@ from omegaconf import DictConfig, OmegaConf
 from dflash.config.components import check_buildable
 from dflash.config.devices import ProcessSlot, resolve_device_split
 from dflash.config.keys import refuse_unknown_keys
-from dflash.config.schema import Config, TargetConfig
-from dflash.config.typed import typed_config
+from dflash.config.schema import Config, DataKind, TargetConfig
+from dflash.config.typed import expand_home, typed_config
+from dflash.data.chat import load_chat_renderer
 from dflash.distributed import (
     ProcessGroupInfo,
     export_submitit_environment,
@@ -31,8 +32,10 @@ from dflash.models.identity import target_identity
 from dflash.models.target import load_target_config
 from dflash.run.checks import resolve_layer_ids, validate
 from dflash.run.inputs import eval_prompt_sets, local_target_config
+from dflash.run.ownership import refuse_earlier_run
 from dflash.run.resume import check_resume_matches
 from dflash.step.build import STEP_KEYS, build_variant, run_drafter_config
+from dflash.trainer.lifecycle import TRAINER_INPUTS
 
 
 @dataclass
@@ -60,22 +63,22 @@ class Checked:
 # The runtime keyword arguments the launcher builds each component with (dflash/run/launch.py),
 # besides its node's own keys: a `_target_` whose signature cannot take them is refused here.
 COMPONENT_RUNTIME: dict[str, tuple[str, ...]] = {
-    "scheduler": ("lengths", "seed", "num_anchors", "block_size", "held_out"),
+    "scheduler": (
+        "lengths",
+        "bucket_edges",
+        "tokens_per_batch",
+        "block_tokens_per_batch",
+        "seed",
+        "num_anchors",
+        "block_size",
+        "held_out",
+    ),
     "optimizer": ("params",),
     "lr_schedule": ("optimizer", "total_steps"),
     "loss": (),
     "variant": (),
     "noise": (),
-    "pipeline": (
-        "targets",
-        "step_fns",
-        "dataset",
-        "planner",
-        "stop_after",
-        "log_every",
-        "checkpoints",
-        "process_group",
-    ),
+    "pipeline": (TRAINER_INPUTS,),
     "monitor": ("sinks", "probe", "total_steps"),
 }
 
@@ -117,30 +120,11 @@ def checked_drafter_dir(
     return directory
 
 
-# What a run leaves in paths.output_dir once it has trained a step.
-EARLIER_RUN_FILES = ("summary.json", "metrics.jsonl")
-
-
-def refuse_earlier_run(run_dir: Path) -> None:
-    """A fresh run into a directory that holds another run's results would append its rows to
-    that run's metrics (the same steps twice) and replace its summary: refused, saying how to
-    continue that run or start elsewhere."""
-    found = [
-        name for name in EARLIER_RUN_FILES if (run_dir / name).is_file() and (run_dir / name).stat().st_size
-    ]
-    if found:
-        last = run_dir / "checkpoints" / "last"
-        resume = f"resume={last}" if last.exists() else "resume=<one of its checkpoints>"
-        raise ValueError(
-            f"paths.output_dir={run_dir} holds an earlier run ({', '.join(found)}): {resume} continues "
-            "that run; to start a new one, give it another directory (paths.output_dir or hydra.run.dir)"
-        )
-
-
 def check_before_loading(composed: DictConfig) -> Checked:
     """Phase 1: everything checkable without weights; writes config_resolved.yaml. The composed
     config is converted to its typed form here, once; every later phase reads `Checked.config`."""
     refuse_unknown_keys(composed, Config)
+    expand_home(composed)
     resolved = OmegaConf.to_container(composed, resolve=True, enum_to_str=True)
     run_config_yaml = OmegaConf.to_yaml(composed, resolve=True)
     cfg = typed_config(composed)
@@ -161,6 +145,8 @@ def check_before_loading(composed: DictConfig) -> Checked:
     if "cpu" in target_devices + drafter_devices:
         torch.set_num_threads(cfg.gpu.cpu_threads)
     eval_prompts, periodic_prompts = prompt_sets(cfg, target_cfg, target_config)
+    if cfg.data.kind is DataKind.conversations:  # the chat template parses (the file named)
+        load_chat_renderer(target_cfg, "data.kind=conversations")
     run_drafter = run_drafter_config(cfg.drafter, target_config, layer_ids, build_variant(cfg.variant))
     identity = target_identity(target_cfg)
     resume_dir = checked_drafter_dir(cfg.resume, run_drafter, resolved["target"], "resume", identity)
@@ -172,8 +158,7 @@ def check_before_loading(composed: DictConfig) -> Checked:
     process_group = init_from_env(drafter_devices[0])
     require_same_layout(process_group, target_devices, drafter_devices)
     run_dir = Path(cfg.paths.output_dir)
-    if resume_dir is None:
-        refuse_earlier_run(run_dir)
+    refuse_earlier_run(run_dir, resume=cfg.resume)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config_resolved.yaml").write_text(run_config_yaml)
     return Checked(

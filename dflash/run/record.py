@@ -29,12 +29,21 @@ from hydra.core.hydra_config import HydraConfig
 from hydra.core.utils import JobReturn, JobStatus
 from hydra.experimental.callback import Callback
 from hydra.types import RunMode
-from omegaconf import DictConfig, OmegaConf
+from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from dflash.errors import exit_for_user_error, full_errors_requested
+from dflash.lock import RunDirInUse, RunDirLock, holds_run_dir_lock, launch_rank
 from dflash.models.feature_check import REPORT_FILE as FEATURE_CHECK_FILE
-from dflash.run.lock import RunDirInUse, RunDirLock, holds_run_dir_lock, launch_rank
-from dflash.trainer.signals import StopRequested
+from dflash.run.ownership import refuse_earlier_run, refuse_earlier_sweep
+from dflash.run.sweep_results import SweepResults
+from dflash.trainer.signals import (
+    StopRequested,
+    begin_shutdown,
+    ignore_signals_until_exit,
+    install_job_signals,
+    late_signal,
+    restore_job_signals,
+)
 
 LIBRARIES = ("dflash", "torch", "transformers", "hydra-core", "omegaconf", "safetensors", "wandb", "numpy")
 
@@ -118,12 +127,16 @@ def dflash_threads() -> list[str]:
 
 
 class RunRecordCallback(Callback):
-    def __init__(self, filename: str = "run.json") -> None:
+    def __init__(self, filename: str = "run.json", max_failed_jobs: int | None = None) -> None:
         self.filename = filename
+        # A search (Optuna) stops after this many failed trials (None: never stops for failures).
+        self.max_failed_jobs = max_failed_jobs
+        self._sweep: SweepResults | None = None  # a search's results file, written per trial
         self._started: dict[str, float] = {}
         self._threads_at_start: dict[str, list[str]] = {}
         self._lock: RunDirLock | None = None
         self._output_locks: dict[str, RunDirLock] = {}  # job dir -> the lock on its paths.output_dir
+        self._signal_handlers: dict = {}  # the SIGINT / SIGTERM handlers before the job
 
     # The lock is taken before Hydra writes .hydra/ into the dir, and held until the run or
     # sweep ends (or the process dies). Hydra turns a callback's exception into a warning and
@@ -141,30 +154,84 @@ class RunRecordCallback(Callback):
                 f"cannot write the run dir {directory} ({exc.strerror}); set hydra.run.dir to a writable place",
             )
 
+    def _refuse_owned_dir(self, check) -> None:
+        """A directory that holds another run (or sweep) is refused before Hydra writes its
+        `.hydra/` and train.log there, and before any record: the refusal leaves it untouched."""
+        if not holds_run_dir_lock():
+            return
+        try:
+            check()
+        except ValueError as exc:
+            self._unlock()
+            exit_for_user_error(tool_name(), str(exc))
+
+    def _record_trial(self, hydra_cfg: Any, record: dict[str, Any], job_return: JobReturn) -> None:
+        """Into the search's results file; past `max_failed_jobs` failures the search stops (in
+        one line, the file written)."""
+        self._sweep.add(
+            number=int(hydra_cfg.job.get("num") or 0),
+            overrides=list(record["overrides"]),
+            status=record["status"],
+            value=_objective_value(job_return),
+            error=record["error"],
+        )
+        if self.max_failed_jobs is not None and self._sweep.failed > self.max_failed_jobs:
+            self._unlock()
+            print(
+                f"{tool_name()}: error: {self._sweep.failed} trials failed, more than "
+                f"hydra.callbacks.run_record.max_failed_jobs={self.max_failed_jobs}: search stopped; "
+                f"trials and the best so far in {self._sweep.path}",
+                file=sys.stderr,
+                flush=True,
+            )
+            ignore_signals_until_exit()
+            raise SystemExit(1)
+
     def _unlock(self) -> None:
         if self._lock is not None:
             self._lock.release()
             self._lock = None
 
     def on_run_start(self, config: DictConfig, **kwargs: Any) -> None:
-        self._lock_dir(config.hydra.run.dir)
+        run_dir = expand_home_dir(config, "run")
+        self._lock_dir(run_dir)
+        resume = OmegaConf.select(config, "resume", default=None)
+        self._refuse_owned_dir(lambda: refuse_earlier_run(Path(run_dir), resume=resume, key="hydra.run.dir"))
 
     def on_run_end(self, config: DictConfig, **kwargs: Any) -> None:
         self._unlock()
 
     def on_multirun_start(self, config: DictConfig, **kwargs: Any) -> None:
+        expand_home_dir(config, "sweep")
         self._lock_dir(config.hydra.sweep.dir)
+        sweeper = config.hydra.sweeper
+        if "optuna" in str(sweeper.get("_target_", "")).lower() and holds_run_dir_lock():
+            direction = sweeper.get("direction", "minimize")
+            self._sweep = SweepResults(
+                Path(config.hydra.sweep.dir),
+                params=searched_keys(sweeper.get("params") or {}, list(config.hydra.overrides.task)),
+                direction=str(direction) if isinstance(direction, str) else "multi",
+            )
+        self._refuse_owned_dir(lambda: refuse_earlier_sweep(Path(config.hydra.sweep.dir)))
 
     def on_multirun_end(self, config: DictConfig, **kwargs: Any) -> None:
+        if self._sweep is not None and self._sweep.path.is_file():
+            # The sweeper has written its own best (it may hold more, e.g. a Pareto front): kept,
+            # with the trials beside it.
+            self._sweep.write(yaml.safe_load(self._sweep.path.read_text()) or {})
         self._unlock()
 
     def _lock_output_dir(self, job_dir: str, config: DictConfig) -> None:
-        """paths.output_dir, where it is not the job dir (which is locked already): two live
-        runs writing one would interleave their metrics and overwrite their checkpoints."""
+        """paths.output_dir, unless it is the run dir this process locked already: two live
+        runs writing one would interleave their metrics and overwrite their checkpoints. A
+        sweep's job dirs are locked here too (the sweep dir's lock does not cover them: a run
+        started into one while its job lives would rewrite its .hydra/ and record)."""
         output_dir = OmegaConf.select(config, "paths.output_dir", default=None)
         if not output_dir or not holds_run_dir_lock():
             return
-        if Path(output_dir).resolve() == Path(job_dir).resolve():
+        output_dir = os.path.expanduser(output_dir)  # as the run will (dflash/config/typed.py)
+        locked = Path(self._lock.directory).resolve() if self._lock is not None else None
+        if Path(output_dir).resolve() == Path(job_dir).resolve() == locked:
             return
         try:
             self._output_locks[job_dir] = RunDirLock(output_dir).acquire()
@@ -187,8 +254,10 @@ class RunRecordCallback(Callback):
         self._lock_output_dir(str(Path(output_dir)), config)
         self._started[output_dir] = time.time()
         self._threads_at_start[output_dir] = dflash_threads()
+        self._signal_handlers = install_job_signals()
 
     def on_job_end(self, config: DictConfig, job_return: JobReturn, **kwargs: Any) -> None:
+        begin_shutdown()  # a Ctrl-C now is noted, not raised: the record is written whole
         hydra_cfg = HydraConfig.get()
         output_dir = Path(hydra_cfg.runtime.output_dir)
         failed = job_return.status == JobStatus.FAILED
@@ -217,11 +286,16 @@ class RunRecordCallback(Callback):
         filename = self.filename if rank == 0 else self.filename.replace(".json", f".rank{rank}.json")
         write_record(output_dir / filename, record)
         self._release_output_dir(str(output_dir))
-        if stopped:
+        if self._sweep is not None and hydra_cfg.mode == RunMode.MULTIRUN:
+            self._record_trial(hydra_cfg, record, job_return)
+        signum = error.signum if stopped else late_signal()
+        if signum is not None:
             # A signalled job ends the process (a sweep too) with 128 + signal, as schedulers
             # expect; raised here, after the record, since Hydra would report it as a failure.
             self._unlock()
-            raise SystemExit(128 + error.signum)
+            ignore_signals_until_exit()
+            raise SystemExit(128 + signum)
+        restore_job_signals(self._signal_handlers)
         if failed and is_user_error(error) and hydra_cfg.mode == RunMode.RUN:
             # One line instead of Hydra's traceback; the traceback stays in the record. (A sweep
             # records the failed job and goes on.) HYDRA_FULL_ERROR=1 adds the traceback to
@@ -230,6 +304,34 @@ class RunRecordCallback(Callback):
             if full_errors_requested():
                 traceback.print_exception(error, file=sys.stderr)
             exit_for_user_error(tool_name(), f"{error}  [traceback: {output_dir / filename}]")
+
+
+def searched_keys(params: Any, overrides: list[str]) -> list[str]:
+    """The keys a search varies: its config's `params` and the command line's sweeps
+    (`key=choice(...)`, `interval(...)`, `range(...)`, `a,b`)."""
+    keys = list(params.keys())
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if re.match(r"^(choice|range|interval|tag)\(|^[^'\"\[{(]*,", value) and key not in keys:
+            keys.append(key)
+    return keys
+
+
+def _objective_value(job_return: JobReturn) -> float | None:
+    try:
+        return float(job_return._return_value) if job_return.status == JobStatus.COMPLETED else None
+    except (TypeError, ValueError):
+        return None
+
+
+def expand_home_dir(config: DictConfig, mode: str) -> str:
+    """hydra.run.dir / hydra.sweep.dir with a leading `~` expanded before Hydra creates it (it
+    would make a directory named `~` under the working directory)."""
+    directory = str(config.hydra[mode].dir)
+    if directory.startswith("~"):
+        with open_dict(config.hydra), read_write(config.hydra):
+            config.hydra[mode].dir = os.path.expanduser(directory)
+    return str(config.hydra[mode].dir)
 
 
 def write_record(path: Path, record: dict[str, Any]) -> None:
@@ -257,8 +359,8 @@ def is_user_error(error: BaseException) -> bool:
 
 
 def tool_name() -> str:
-    name = Path(sys.argv[0]).name
-    return name if name.startswith("dflash-") else "dflash"
+    name = Path(sys.argv[0]).name  # `dflash train` (dflash/cli.py names it so) or `dflash-train`
+    return name if name.startswith(("dflash-", "dflash ")) else "dflash"
 
 
 def _resolved(config: DictConfig) -> dict[str, Any]:

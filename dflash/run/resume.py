@@ -5,16 +5,21 @@ that decides what a drafter means is compared, naming both values."""
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
 import yaml
 from transformers import Qwen3Config
 
+from dflash.data.dataset import TokenDataset
+from dflash.data.identity import appended, data_changes, read_data_identity
 from dflash.export.zlab import read_drafter_config
 from dflash.models.dspark import is_dspark_config
 from dflash.models.identity import identity_differences, read_identity
 from dflash.trainer.checkpoint import RUN_CONFIG_FILE
+
+log = logging.getLogger(__name__)
 
 RESUME_FIELDS = {
     "block_size": "drafter.block_size",
@@ -110,3 +115,42 @@ def check_resume_matches(
             f"{field}: checkpoint {old!r}, this run {new!r}" for field, old, new in differences
         )
         raise ValueError(f"{key}={directory} was trained for another drafter or target ({described})")
+
+
+def check_resume_data(
+    directory: Path, current: dict[str, Any], dataset: TokenDataset, *, accept_changes: bool
+) -> None:
+    """A resume continues its checkpoint's schedule position, which indexes the samples it
+    trained on: other data (files, contents, template, appended samples) is refused naming what
+    changed, unless `resume_changed_data=true` accepts it (then it is logged). Data grown by
+    appending is trained, as the docs describe, by a new run from the drafter
+    (`drafter.init_from=`: fresh schedule and split over the grown set)."""
+    saved = read_data_identity(directory)
+    if saved is None:
+        log.warning("resume=%s records no training data (data.json): the data is not compared", directory)
+        return
+    changes = data_changes(saved, current, dataset)
+    if not changes:
+        return
+    described = "; ".join(changes)
+    if accept_changes:
+        log.warning(
+            "resume=%s continues on changed data (resume_changed_data=true): %s", directory, described
+        )
+        return
+    fresh = f"drafter.init_from={directory} trains the grown set in a new run; " if appended(changes) else ""
+    raise ValueError(
+        f"resume={directory} trained on other data than this run's ({described}): resuming would "
+        f"continue its schedule position on another sample set; {fresh}resume_changed_data=true "
+        "continues on this data deliberately"
+    )
+
+
+def refuse_resume_past_end(directory: Path, step: int, stop_after: int) -> None:
+    """A checkpoint at or past the step this run stops at leaves nothing to train."""
+    if step >= stop_after:
+        raise ValueError(
+            f"resume={directory} is at step {step}, and this run ends at step {stop_after} "
+            "(train.total_steps / train.epochs / debug.max_steps): nothing left to train; raise "
+            f"train.total_steps to continue it, or evaluate it with dflash-eval ckpt={directory}"
+        )

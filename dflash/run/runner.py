@@ -3,6 +3,7 @@ print the summary; the monitor and the process group are closed however it ends.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import time
@@ -17,6 +18,7 @@ from dflash.distributed import ProcessGroupInfo, visible_cuda_devices
 from dflash.eval.evaluate import evaluate, planned_decodings
 from dflash.eval.prompts import PromptSet
 from dflash.eval.report import lossless_line
+from dflash.export.card import write_model_card
 from dflash.models.compile import CompileCounter
 from dflash.monitor.callbacks import TrainingCallbacks
 from dflash.pipeline.roles import role_lines
@@ -49,7 +51,9 @@ class Run:
             if not self.process_group.is_main:
                 ok = True
                 return {"rank": self.process_group.rank, "steps": self.trainer.position.step}
-            with stop_on_signals() as stop:  # a signal now ends the evaluation, not the process
+            # A signal now ends the evaluation, not the process; held until summary.json is
+            # written, so a second Ctrl-C cannot break it off.
+            with stop_on_signals() as stop:
                 val_metrics = {}
                 if self.validation is not None:
                     val_metrics = self.validation.run(self.trainer.target, self.trainer.drafter)
@@ -62,12 +66,13 @@ class Run:
                     timing=False,
                     should_stop=stop.is_set,
                 )
-            eval_metrics = report.metrics()
-            self.trainer.monitor.log(eval_metrics, self.trainer.position.step)
-            self.callbacks.on_eval(self.trainer.position.step, eval_metrics)
-            summary = self._summary({**val_metrics, **eval_metrics}, time.perf_counter() - started)
-            summary["eval/interrupted"] = report.interrupted
-            (self.run_dir / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+                eval_metrics = report.metrics()
+                self.trainer.monitor.log(eval_metrics, self.trainer.position.step)
+                self._card_with_evaluation(eval_metrics)
+                self.callbacks.on_eval(self.trainer.position.step, eval_metrics)
+                summary = self._summary({**val_metrics, **eval_metrics}, time.perf_counter() - started)
+                summary["eval/interrupted"] = report.interrupted
+                write_summary(self.run_dir / "summary.json", summary)
             print(format_summary(summary), flush=True)
             if report.interrupted:
                 log.warning(
@@ -83,6 +88,15 @@ class Run:
         finally:
             self.trainer.monitor.close(ok)
             self.process_group.close()
+
+    def _card_with_evaluation(self, eval_metrics: dict[str, float]) -> None:
+        """The last checkpoint's model card, rewritten with the final evaluation's figures."""
+        settings = self.trainer.checkpoints
+        last = settings.directory / "last"
+        if settings.card is None or not last.is_dir():
+            return
+        facts = dataclasses.replace(settings.card, steps=self.trainer.position.step, evaluation=eval_metrics)
+        write_model_card(last, facts, served_from=str(last.resolve()))
 
     def _summary(self, eval_metrics: dict[str, float], wall_s: float) -> dict[str, Any]:
         history = self.trainer.monitor.window_history
@@ -115,6 +129,13 @@ class Run:
             **self.trainer.role_summary(),
             **eval_metrics,
         }
+
+
+def write_summary(path: Path, summary: dict[str, Any]) -> None:
+    """Atomically: a reader (or the run record) sees the whole summary or none."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(json.dumps(summary, indent=2) + "\n")
+    tmp.replace(path)
 
 
 def format_summary(summary: dict[str, Any]) -> str:

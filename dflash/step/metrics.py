@@ -1,93 +1,126 @@
 """A drafter step's metrics accumulated on the device and handed to the host without a sync.
 
 `StepMetrics.add` sums each step's loss, accuracy counts and gradient norm into one device
-vector (laid out by `MetricLayout`); `publish()` copies it into a pinned host buffer with a
-non-blocking copy and returns a `MetricWindow`, which the logger reads once its event completed.
+vector (laid out by `MetricLayout` from `FIELDS`); `publish()` copies it into a pinned host buffer
+with a non-blocking copy and returns a `MetricWindow`, which the logger reads once its event
+completed. A new training metric is one `Field` in `FIELDS` (docs/extending.md, "Add a training
+metric"): its place in the vector, its window sum and its `train/` key all follow from it.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from dflash.data.collate import Batch
 from dflash.step.loss import LossStats
 
+Width = Literal["one", "position", "bucket"]
+
+
+@dataclass(frozen=True)
+class Field:
+    """One sum of the metric vector.
+
+    name: its key in `MetricWindow.sums()`. source: the per-step value it sums (default: `name`):
+    a `LossStats` field, `grad_norm`, or `nonfinite_steps` (1 for a skipped step). A step whose
+    loss or gradient was not finite adds only to `nonfinite_steps` (its update was skipped).
+    width: "one" number, one per block "position" (`block_size`), or one per length "bucket"
+    (the step's value lands in its batch's bucket).
+    per: report the window's sum as `train/<name>`, divided by the steps of a replica ("step")
+    or by the sum of another field (its name); None: the sum only feeds other figures.
+    same_everywhere: equal on every process (left out of the sum over processes).
+    console: also printed on the console line.
+    """
+
+    name: str
+    source: str = ""
+    width: Width = "one"
+    per: str | None = None
+    same_everywhere: bool = False
+    console: bool = False
+
+    @property
+    def value(self) -> str:
+        return self.source or self.name
+
+
+# The metric vector, in order. One vector: one device->host copy and one collective per window.
+FIELDS: tuple[Field, ...] = (
+    Field("weighted_ce"),  # sum_k w_k * CE_k
+    Field("weight"),  # sum of loss weights
+    Field("grad_norm", per="step", same_everywhere=True, console=True),
+    Field("nonfinite_steps", same_everywhere=True),  # steps skipped
+    Field("accepted"),  # blocks' leading runs of correct predictions (loss.block_acceptance)
+    Field("blocks"),  # blocks whose first prediction is supervised
+    Field("rounds"),  # sum over those blocks of 1 / (1 + leading run) (loss.tau_from_rounds)
+    Field("correct", width="position"),
+    Field("counted", width="position"),
+    Field("bucket_weighted_ce", source="weighted_ce", width="bucket"),
+    Field("bucket_weight", source="weight", width="bucket"),
+)
+
+
+# A DSpark run's sums after DFlash's (dflash/step/dspark_loss.py: DSparkLossStats); their
+# figures (per unit of weight, per position, tau_prob) are `loss.dspark_figures`'.
+DSPARK_FIELDS: tuple[Field, ...] = (
+    Field("ce"),  # sum_k w_k CE_k
+    Field("l1"),  # sum_k w_k L1_k (2 TV)
+    Field("confidence_loss"),
+    Field("prob_accepted"),  # expected accepted drafts per block, summed over blocks
+    Field("confidence_abs_error"),
+    Field("confidence_bias"),
+    Field("confidence_cumprod_bias"),
+    Field("soft_accepted", width="position"),
+    Field("confidence_predicted", width="position"),
+)
+
+
+def metric_fields(variant: str = "dflash") -> tuple[Field, ...]:
+    """The variant's fields: `FIELDS` as it is now (read at call time, so an extended tuple
+    reaches every reader), then DSpark's own."""
+    return FIELDS + DSPARK_FIELDS if variant == "dspark" else FIELDS
+
 
 @dataclass(frozen=True)
 class MetricLayout:
-    """Where each sum sits in a window's flat vector (one vector: one device->host copy, one
-    collective across processes). A step whose loss or gradient was not finite adds only to
-    `nonfinite` (its update was skipped)."""
+    """Where each field's sums sit in a window's flat vector: the fields in order, each as wide
+    as its `width` says."""
 
     block_size: int
     num_buckets: int
     # The drafter variant's name (dflash/step/variant.py): `dspark` predicts from every block
-    # position (per-position sums are indexed by the predicted token's offset after the anchor,
-    # 1..block_size; index 0 stays empty) and adds its loss terms and target-probability sums.
+    # position, so a "position" field is indexed by the predicted token's offset after the
+    # anchor, 1..block_size (index 0 stays empty), and its own fields follow DFlash's.
     variant: str = "dflash"
-    weighted_ce: int = 0
-    weight: int = 1
-    grad_norm: int = 2  # sum over steps
-    nonfinite: int = 3  # steps skipped
-    accepted: int = 4  # blocks' leading runs of correct predictions (loss.block_acceptance)
-    blocks: int = 5  # blocks whose first prediction is supervised
-    rounds: int = 6  # sum over those blocks of 1 / (1 + leading run) (loss.tau_from_rounds)
+    fields: tuple[Field, ...] = ()  # empty: `metric_fields(variant)`
 
-    @property
-    def dspark(self) -> bool:
-        return self.variant == "dspark"
+    slices: dict[str, slice] = dataclasses.field(init=False, repr=False, compare=False)
+    size: int = dataclasses.field(init=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if not self.fields:
+            object.__setattr__(self, "fields", metric_fields(self.variant))
+        widths = {"one": 1, "position": self.positions, "bucket": self.num_buckets}
+        slices, start = {}, 0
+        for field in self.fields:
+            slices[field.name] = slice(start, start + widths[field.width])
+            start += widths[field.width]
+        object.__setattr__(self, "slices", slices)
+        object.__setattr__(self, "size", start)
 
     @property
     def positions(self) -> int:
-        """Entries of a per-position sum: index j = the j-th token after the anchor (DFlash:
-        block position j, 0 the anchor; DSpark: block position j - 1)."""
-        return self.block_size + (1 if self.dspark else 0)
+        """Entries of a "position" field: index j = the j-th token after the anchor (DFlash: block
+        position j, 0 the anchor; DSpark: block position j - 1)."""
+        return self.block_size + (1 if self.variant == "dspark" else 0)
 
-    @property
-    def correct(self) -> slice:  # per predicted position
-        return slice(7, 7 + self.positions)
-
-    @property
-    def counted(self) -> slice:  # per predicted position
-        return slice(self.correct.stop, self.correct.stop + self.positions)
-
-    @property
-    def bucket_weighted_ce(self) -> slice:
-        return slice(self.counted.stop, self.counted.stop + self.num_buckets)
-
-    @property
-    def bucket_weight(self) -> slice:
-        return slice(self.bucket_weighted_ce.stop, self.bucket_weighted_ce.stop + self.num_buckets)
-
-    # DSpark's sums (dflash/step/dspark_loss.py: DSparkLossStats), after the buckets: scalars,
-    # then per predicted position the soft acceptance and the confidence head's prediction.
-    DSPARK_SCALARS = (
-        "ce",
-        "l1",
-        "confidence_loss",
-        "prob_accepted",
-        "confidence_abs_error",
-        "confidence_bias",
-        "confidence_cumprod_bias",
-    )
-    DSPARK_PER_POSITION = ("soft_accepted", "confidence_predicted")
-
-    def dspark_scalar(self, name: str) -> int:
-        return self.bucket_weight.stop + self.DSPARK_SCALARS.index(name)
-
-    def dspark_per_position(self, name: str) -> slice:
-        start = self.bucket_weight.stop + len(self.DSPARK_SCALARS)
-        start += self.DSPARK_PER_POSITION.index(name) * self.positions
-        return slice(start, start + self.positions)
-
-    @property
-    def size(self) -> int:
-        if not self.dspark:
-            return self.bucket_weight.stop
-        return self.dspark_per_position(self.DSPARK_PER_POSITION[-1]).stop
+    def __getitem__(self, name: str) -> slice:
+        return self.slices[name]
 
 
 @dataclass(kw_only=True)
@@ -104,32 +137,19 @@ class MetricWindow:
     block_size: int
     num_buckets: int
     values: torch.Tensor
-    ready: torch.cuda.Event | None = None  # set while the device->host copy may be in flight
     variant: str = "dflash"
+    ready: torch.cuda.Event | None = None  # set while the device->host copy may be in flight
 
     def is_ready(self) -> bool:
         return self.ready is None or self.ready.query()
 
     def sums(self) -> dict[str, object]:
+        """Each field's sum by name: a float for a "one" field, a list of floats otherwise."""
         v = self.values.tolist()  # a host tensor: no device sync
         at = MetricLayout(self.block_size, self.num_buckets, self.variant)
-        dspark = {}
-        if at.dspark:
-            dspark = {name: v[at.dspark_scalar(name)] for name in at.DSPARK_SCALARS}
-            dspark.update({name: v[at.dspark_per_position(name)] for name in at.DSPARK_PER_POSITION})
         return {
-            "weighted_ce": v[at.weighted_ce],
-            "weight": v[at.weight],
-            "grad_norm": v[at.grad_norm],
-            "nonfinite_steps": v[at.nonfinite],
-            "accepted": v[at.accepted],
-            "blocks": v[at.blocks],
-            "rounds": v[at.rounds],
-            "correct": v[at.correct],
-            "counted": v[at.counted],
-            "bucket_weighted_ce": v[at.bucket_weighted_ce],
-            "bucket_weight": v[at.bucket_weight],
-            **dspark,
+            field.name: v[at[field.name]] if field.width != "one" else v[at[field.name].start]
+            for field in at.fields
         }
 
 
@@ -157,27 +177,20 @@ class StepMetrics:
         # On the device, no sync: a non-finite step (its update skipped) is counted and adds
         # nothing else, so one bad step does not turn the whole window's loss into NaN.
         finite = torch.isfinite(grad_norm.detach()) & torch.isfinite(stats.weighted_ce.detach())
-        keep = finite.to(sums.dtype)
-        weighted_ce = torch.where(finite, stats.weighted_ce.detach(), 0.0)
-        sums[at.weighted_ce] += weighted_ce
-        sums[at.weight] += stats.weight * keep
-        sums[at.grad_norm] += torch.where(finite, grad_norm.detach(), 0.0)
-        sums[at.nonfinite] += 1.0 - keep
-        sums[at.accepted] += stats.accepted * keep
-        sums[at.blocks] += stats.blocks * keep
-        sums[at.rounds] += stats.rounds * keep
-        # Per-position sums sit at the predicted token's offset (DSpark's position k at k + 1).
+        step = {f.name: getattr(stats, f.name).detach() for f in dataclasses.fields(stats)}
+        kept = {name: torch.where(finite, value, 0.0) for name, value in step.items()}
+        kept["grad_norm"] = torch.where(finite, grad_norm.detach(), 0.0)
+        kept["nonfinite_steps"] = 1.0 - finite.to(sums.dtype)
+        # A step's per-position vectors are [block_size]; they sit at the predicted token's offset
+        # (DSpark's position k at k + 1).
         shift = at.positions - self.block_size
-        sums[at.correct.start + shift : at.correct.stop] += stats.correct * keep
-        sums[at.counted.start + shift : at.counted.stop] += stats.counted * keep
-        if at.dspark:
-            for name in at.DSPARK_SCALARS:
-                sums[at.dspark_scalar(name)] += getattr(stats, name) * keep
-            for name in at.DSPARK_PER_POSITION:
-                per_position = at.dspark_per_position(name)
-                sums[per_position.start + shift : per_position.stop] += getattr(stats, name) * keep
-        sums[at.bucket_weighted_ce.start + bucket] += weighted_ce
-        sums[at.bucket_weight.start + bucket] += stats.weight * keep
+        for field in at.fields:
+            where = at[field.name]
+            if field.width == "bucket":
+                where = where.start + bucket
+            elif field.width == "position":
+                where = slice(where.start + shift, where.stop)
+            sums[where] += kept[field.value]
         self.steps += 1
         self.samples += len(batch.plan.sample_ids)
         self.real_tokens += batch.real_tokens
@@ -192,8 +205,9 @@ class StepMetrics:
         sums = self._sums
         if reduce is not None:
             sums = reduce(self._sums.clone())
-            for same_everywhere in (self.layout.grad_norm, self.layout.nonfinite):
-                sums[same_everywhere] = self._sums[same_everywhere]
+            for field in self.layout.fields:
+                if field.same_everywhere:
+                    sums[self.layout[field.name]] = self._sums[self.layout[field.name]]
         if self.device.type == "cuda":
             host = torch.empty(sums.shape, dtype=sums.dtype, pin_memory=True)
             host.copy_(sums, non_blocking=True)
@@ -212,8 +226,8 @@ class StepMetrics:
             block_size=self.block_size,
             num_buckets=self.num_buckets,
             values=host,
-            ready=ready,
             variant=self.variant,
+            ready=ready,
         )
         self._sums.zero_()  # same stream as the copy: ordered after it
         self._reset_host()

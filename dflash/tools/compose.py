@@ -11,20 +11,37 @@ from omegaconf import DictConfig
 if TYPE_CHECKING:
     from dflash.config.schema import Config
 
-CONF_DIR = Path(__file__).resolve().parent.parent.parent / "conf"
+# The YAML configs are package data: the repository's top-level conf/ is the package `dflash.conf`
+# (dflash/conf links to it; a wheel carries the files themselves), so every command finds them
+# through the installed package, in a checkout or not.
+CONF_MODULE = "dflash.conf"
+CONF_PATH = f"pkg://{CONF_MODULE}"  # what hydra.main(config_path=...) takes
 
 
-def compose_config(overrides: list[str], return_hydra_config: bool = False) -> DictConfig:
-    """The config `dflash-train <overrides>` would run; with `hydra` (choices, launcher) on request."""
-    from hydra import compose, initialize_config_dir
+def conf_dir() -> Path:
+    """The directory of the installed configs (to list a group's options)."""
+    import importlib
+
+    return Path(importlib.import_module(CONF_MODULE).__file__).parent
+
+
+CONF_DIR = conf_dir()
+
+
+def compose_config(
+    overrides: list[str], return_hydra_config: bool = False, *, config_name: str = "config"
+) -> DictConfig:
+    """The config `dflash train <overrides>` would run (`config_name="regen"`: `dflash regen`);
+    with `hydra` (choices, launcher) on request."""
+    from hydra import compose, initialize_config_module
     from hydra.core.global_hydra import GlobalHydra
 
     from dflash.config.schema import register_configs
 
     register_configs()
     GlobalHydra.instance().clear()
-    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
-        return compose(config_name="config", overrides=overrides, return_hydra_config=return_hydra_config)
+    with initialize_config_module(config_module=CONF_MODULE, version_base="1.3"):
+        return compose(config_name=config_name, overrides=overrides, return_hydra_config=return_hydra_config)
 
 
 def compose_typed(overrides: list[str]) -> Config:

@@ -27,7 +27,8 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from dflash.config.schema import Config, TargetConfig, register_configs
-from dflash.train import CONF_DIR
+from dflash.tools.compose import CONF_PATH
+from dflash.tools.hydra_app import run_hydra_app
 
 register_configs()
 log = logging.getLogger(__name__)
@@ -53,12 +54,9 @@ def check_pairing(drafter_config: Any, target_config: Any, drafter_dir: Path, ta
 def check_same_target(drafter_dir: Path, target_cfg: TargetConfig, target_key: str) -> None:
     """A checkpoint that records its target by content (target.json) is evaluated against that
     target only: a same-shape target with other weights decodes, and accepts about nothing."""
-    from dflash.models.identity import identity_differences, read_identity, target_identity
+    from dflash.models.identity import pairing_differences
 
-    saved = read_identity(drafter_dir)
-    if saved is None:
-        return
-    differences = identity_differences(saved, target_identity(target_cfg))
+    differences = pairing_differences(drafter_dir, target_cfg)
     if differences:
         raise ValueError(
             f"ckpt={drafter_dir} was trained on another target than {target_key} ({', '.join(differences)}); "
@@ -216,8 +214,25 @@ def run_eval(
     return payload
 
 
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
-def main(cfg: DictConfig) -> None:
+def main() -> None:
+    """`dflash eval` / `dflash-eval`."""
+    run_hydra_app(
+        hydra_main,
+        tool="dflash eval",
+        summary="Decode prompts with a target and an exported drafter: tau, acceptance histogram, "
+        "losslessness and\nspeedup per benchmark, as a table and a JSON report.",
+        config_name="config",
+        overrides=(
+            "ckpt=outputs/RUN/checkpoints/last                 the drafter (its run's target by default)",
+            "target=hf target.path=/models/MyModel gpu=single  a drafter exported by other tools",
+            "eval=humaneval_mtbench eval.num_prompts=64        benchmarks and how many prompts",
+            "'eval.temperatures=[0,1]'                          greedy and sampled decoding",
+        ),
+    )
+
+
+@hydra.main(version_base="1.3", config_path=CONF_PATH, config_name="config")
+def hydra_main(cfg: DictConfig) -> None:
     from hydra.core.hydra_config import HydraConfig
 
     keys = [o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task]

@@ -31,18 +31,28 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
+import signal
 import sys
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import yaml
+from safetensors import SafetensorError
 
+from dflash.config.schema import TargetConfig
 from dflash.errors import USER_ERROR_EXIT, exit_for_user_error
+from dflash.export.card import TrainingFacts, write_model_card
 from dflash.export.contract import check_export, reader_limits
 from dflash.export.zlab import export_deepspec, export_drafter, export_speculators, load_drafter
 from dflash.models.dspark import DSparkDrafter
 from dflash.models.families import IMAGE_TEXT_TYPES
-from dflash.trainer.checkpoint import RUN_CONFIG_FILE
+from dflash.models.identity import pairing_differences
+from dflash.trainer.checkpoint import RUN_CONFIG_FILE, STATE_FILE, load_trainer_state
 
 TOOL = "dflash-export"
 
@@ -59,6 +69,20 @@ def target_text_config(directory: Path) -> dict[str, Any]:
     if missing:
         exit_for_user_error(TOOL, f"--target {path}: no {', '.join(missing)} in the (text) config")
     return config
+
+
+def refuse_another_target(drafter_dir: Path, target_dir: Path) -> None:
+    """The pairing rule dflash-eval and resume apply (dflash/models/identity.py): a drafter that
+    records its target (target.json, or a speculators verifier directory) is paired with that
+    target only; a same-shape target with other weights or another tokenizer passes every shape
+    rule and accepts about nothing."""
+    differences = pairing_differences(drafter_dir, TargetConfig(name="export", path=str(target_dir)))
+    if differences:
+        exit_for_user_error(
+            TOOL,
+            f"{drafter_dir} was made for another target than --target {target_dir} "
+            f"({', '.join(differences)}); pair it with the target it was trained on",
+        )
 
 
 def verifier_of(source: Path, target: Path | None, name: str | None) -> dict[str, Any]:
@@ -78,55 +102,123 @@ def verifier_of(source: Path, target: Path | None, name: str | None) -> dict[str
     return {"name_or_path": name, "architectures": architectures}
 
 
+def source_facts(source: Path, target: Path | None) -> TrainingFacts | None:
+    """The training facts of a dflash checkpoint (its run's config.yaml and trainer state), for
+    the converted directory's model card; None for a drafter trained elsewhere."""
+    run_yaml = source / RUN_CONFIG_FILE
+    if not run_yaml.is_file():
+        return None
+    run = yaml.safe_load(run_yaml.read_text()) or {}
+    step = None
+    if (source / STATE_FILE).is_file():
+        step = load_trainer_state(source).get("position", {}).get("step")
+    data = run.get("data") or {}
+    files = ", ".join(data.get("files") or [])
+    target_path = str(target) if target is not None else (run.get("target") or {}).get("path")
+    return TrainingFacts(
+        target=target_path or "its target",
+        target_path=target_path,
+        data=f"data={data.get('name')}" + (f": {files}" if files else ""),
+        samples=None,  # not kept with a checkpoint; the source's README.md says it
+        steps=step if step is not None else 0,
+        seed=run.get("seed"),
+    )
+
+
 def report(directory: Path, target: dict[str, Any] | None) -> None:
-    problems = check_export(directory, target=target)
-    for problem in problems:
-        print(f"{TOOL}: {problem}", file=sys.stderr)
-    if problems:
-        raise SystemExit(USER_ERROR_EXIT)
+    fail_on_problems(check_export(directory, target=target))
     print(f"ok: {directory} keeps the export contract (docs/EXPORT.md)")
     for limit in reader_limits(directory):
         print(f"note: {limit}")
 
 
+def fail_on_problems(problems: list[str], shown_as: tuple[Path, Path] | None = None) -> None:
+    """Each problem on its own line (a staged directory named by its destination), exit 2."""
+    for problem in problems:
+        if shown_as is not None:
+            problem = problem.replace(str(shown_as[0]), str(shown_as[1]))
+        print(f"{TOOL}: {problem}", file=sys.stderr)
+    if problems:
+        raise SystemExit(USER_ERROR_EXIT)
+
+
+@contextmanager
+def staged(destination: Path) -> Iterator[Path]:
+    """A temporary directory beside `destination`, renamed onto it once the body succeeds: a
+    convert interrupted (SIGTERM, Ctrl-C, a full disk) leaves no destination, never a config
+    without weights. SIGTERM is turned into SystemExit here so the temporary is removed too."""
+    try:
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{destination.name}.tmp-", dir=destination.parent))
+    except OSError as exc:
+        exit_for_user_error(TOOL, f"{destination}: cannot write there ({exc.strerror or exc})")
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield tmp
+        if destination.exists():
+            destination.rmdir()  # empty (checked before the write)
+        os.replace(tmp, destination)
+    except (OSError, SafetensorError) as exc:
+        filename = getattr(exc, "filename", None)
+        exit_for_user_error(
+            TOOL,
+            f"{destination}: writing {Path(filename).name if filename else 'it'} failed "
+            f"({getattr(exc, 'strerror', None) or exc}); nothing was left there",
+        )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        signal.signal(signal.SIGTERM, previous)
+
+
 def convert(args: argparse.Namespace, target: dict[str, Any] | None) -> None:
-    if args.destination.exists() and any(args.destination.iterdir()):
+    if args.destination.exists() and (not args.destination.is_dir() or any(args.destination.iterdir())):
         exit_for_user_error(TOOL, f"{args.destination}: not empty; convert writes a new directory")
     try:
         drafter = load_drafter(args.source)
-        dspark = isinstance(drafter, DSparkDrafter)
-        if dspark and args.layout == "zlab":
-            exit_for_user_error(
-                TOOL, f"{args.source}: a DSpark drafter; the z-lab layout has no heads: --layout deepspec"
-            )
-        if not dspark and args.layout == "deepspec":
-            exit_for_user_error(TOOL, f"{args.source}: a DFlash drafter (no Markov head): --layout zlab")
-        if args.layout in ("zlab", "deepspec"):
-            if getattr(drafter.config, "num_target_layers", None) is None:
-                # The speculators layout records no target depth; SGLang resolves layer ids by it.
-                if target is None:
-                    exit_for_user_error(
-                        TOOL, f"{args.source} records no target depth (num_target_layers): give --target DIR"
-                    )
-                drafter.config.num_target_layers = target["num_hidden_layers"]
-            if dspark and getattr(drafter.config, "num_anchors", None) is None:
-                if args.num_anchors is None:
-                    exit_for_user_error(
-                        TOOL,
-                        f"{args.source} records no num_anchors, which DeepSpec's loader asserts: give "
-                        "--num-anchors N (the anchors per sample it was trained with)",
-                    )
-                drafter.config.num_anchors = args.num_anchors
-            if dspark and args.target is not None:
-                export_deepspec(drafter, args.destination, target_dir=args.target)
-            else:
-                export_drafter(drafter, args.destination)
-        else:
-            verifier = verifier_of(args.source, args.target, args.verifier)
-            export_speculators(drafter, args.destination, verifier=verifier, target_dir=args.target)
     except ValueError as exc:
         exit_for_user_error(TOOL, str(exc))
-    report(args.destination, target)
+    dspark = isinstance(drafter, DSparkDrafter)
+    if dspark and args.layout == "zlab":
+        exit_for_user_error(TOOL, f"{args.source}: a DSpark drafter; the z-lab layout has no heads: --layout deepspec")
+    if not dspark and args.layout == "deepspec":
+        exit_for_user_error(TOOL, f"{args.source}: a DFlash drafter (no Markov head): --layout zlab")
+    if args.layout in ("zlab", "deepspec"):
+        if getattr(drafter.config, "num_target_layers", None) is None:
+            # The speculators layout records no target depth; SGLang resolves layer ids by it.
+            if target is None:
+                exit_for_user_error(
+                    TOOL, f"{args.source} records no target depth (num_target_layers): give --target DIR"
+                )
+            drafter.config.num_target_layers = target["num_hidden_layers"]
+        if dspark and getattr(drafter.config, "num_anchors", None) is None:
+            if args.num_anchors is None:
+                exit_for_user_error(
+                    TOOL,
+                    f"{args.source} records no num_anchors, which DeepSpec's loader asserts: give "
+                    "--num-anchors N (the anchors per sample it was trained with)",
+                )
+            drafter.config.num_anchors = args.num_anchors
+    verifier = verifier_of(args.source, args.target, args.verifier) if args.layout == "speculators" else None
+    with staged(args.destination) as tmp:
+        try:
+            if args.layout == "speculators":
+                export_speculators(drafter, tmp, verifier=verifier, target_dir=args.target)
+            elif dspark and args.target is not None:
+                export_deepspec(drafter, tmp, target_dir=args.target)
+            else:
+                export_drafter(drafter, tmp)
+            write_model_card(tmp, source_facts(args.source, args.target), served_from=str(args.destination))
+        except ValueError as exc:
+            exit_for_user_error(TOOL, str(exc))
+        # Checked before it is renamed into place: a destination that exists keeps the contract.
+        fail_on_problems(check_export(tmp, target=target), shown_as=(tmp, args.destination))
+    print(f"ok: {args.destination} keeps the export contract (docs/EXPORT.md)")
+    for limit in reader_limits(args.destination):
+        print(f"note: {limit}")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -152,7 +244,10 @@ def main(argv: list[str] | None = None) -> None:
     source = args.directory if args.command == "check" else args.source
     if not source.is_dir():
         exit_for_user_error(TOOL, f"{source}: no such directory")
-    target = target_text_config(args.target) if args.target is not None else None
+    target = None
+    if args.target is not None:
+        target = target_text_config(args.target)
+        refuse_another_target(source, args.target)
     if args.command == "check":
         report(args.directory, target)
     else:

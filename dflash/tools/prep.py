@@ -13,7 +13,8 @@ import hydra
 from omegaconf import DictConfig
 
 from dflash.config.schema import register_configs
-from dflash.train import CONF_DIR
+from dflash.tools.compose import CONF_PATH
+from dflash.tools.hydra_app import run_hydra_app
 
 register_configs()
 
@@ -31,9 +32,25 @@ def prep(cfg: DictConfig) -> dict:
     return {"samples": len(dataset), "stats": stats}
 
 
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
-def main(cfg: DictConfig) -> None:
+@hydra.main(version_base="1.3", config_path=CONF_PATH, config_name="config")
+def hydra_main(cfg: DictConfig) -> None:
     prep(cfg)
+
+
+def main() -> None:
+    """`dflash prep` / `dflash-prep`."""
+    run_hydra_app(
+        hydra_main,
+        tool="dflash prep",
+        summary="Tokenize the training data a `dflash train` with the same overrides will read, "
+        "and say what went in\nand what was skipped.",
+        config_name="config",
+        overrides=(
+            "data=conversations data.files=[chat.jsonl]   conversation files (JSON, JSONL, Parquet, .zst)",
+            "target=hf target.path=/models/MyModel        the target whose tokenizer and template apply",
+            "data.max_len=4096                            longer samples are cut",
+        ),
+    )
 
 
 if __name__ == "__main__":

@@ -13,7 +13,9 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from dflash.config.schema import RegenBackend, RegenConfig, register_configs
-from dflash.train import CONF_DIR
+from dflash.data.conversations import record_layout
+from dflash.tools.compose import CONF_PATH
+from dflash.tools.hydra_app import run_hydra_app
 from dflash.trainer.signals import StopRequested, on_signals
 
 register_configs()
@@ -108,7 +110,13 @@ def regen(cfg: DictConfig):
         with stop_by_raising():
             backend = build_backend(typed)
             regenerate(
-                backend, list(typed.input), Path(typed.output), typed.batch_size, typed.limit, stats=stats
+                backend,
+                list(typed.input),
+                Path(typed.output),
+                typed.batch_size,
+                typed.limit,
+                stats=stats,
+                layout=record_layout(typed.layout),
             )
     finally:  # the counts reach the run record however regen ends
         write_summary(stats)
@@ -123,9 +131,25 @@ def regen(cfg: DictConfig):
     return stats
 
 
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="regen")
-def main(cfg: DictConfig) -> None:
+@hydra.main(version_base="1.3", config_path=CONF_PATH, config_name="regen")
+def hydra_main(cfg: DictConfig) -> None:
     regen(cfg)
+
+
+def main() -> None:
+    """`dflash regen` / `dflash-regen`."""
+    run_hydra_app(
+        hydra_main,
+        tool="dflash regen",
+        summary="The target writes the assistant replies of a conversation set, turn by turn "
+        "(training data in the\ntarget's own words). Resumable: rerun the same command after an interruption.",
+        config_name="regen",
+        overrides=(
+            "target=hf target.path=/models/MyModel input=[chat.jsonl] output=regen.jsonl",
+            "backend=http url=http://localhost:8000/v1 model=NAME   a running vLLM / SGLang server",
+            "batch_size=64 sampling.max_new_tokens=1024 limit=N",
+        ),
+    )
 
 
 if __name__ == "__main__":

@@ -63,6 +63,39 @@ def bucket_mix_per_tick(rows: list[dict]) -> tuple[np.ndarray, dict[str, np.ndar
     return steps, {k.split("/")[1].removesuffix("_pct"): shares[:, i] for i, k in enumerate(pct_keys)}
 
 
+# Every series of one axis gets its own colour, marker and line style, so a figure stays readable
+# in grey print and for colour-blind readers, and its legend names each series by the same look.
+_COLORS = (
+    "tab:blue",
+    "tab:orange",
+    "tab:green",
+    "tab:red",
+    "tab:purple",
+    "tab:brown",
+    "tab:pink",
+    "tab:olive",
+)
+_MARKERS = ("o", "s", "^", "D", "v", "P", "X", "*")
+_LINESTYLES = ("-", "--", "-.", ":")
+
+
+def series_style(index: int, points: int) -> dict:
+    """The look of an axis's `index`-th series: about a dozen markers along it, however long."""
+    return {
+        "color": _COLORS[index % len(_COLORS)],
+        "marker": _MARKERS[index % len(_MARKERS)],
+        "linestyle": _LINESTYLES[index % len(_LINESTYLES)],
+        "markersize": 4,
+        "markevery": max(1, points // 12),
+    }
+
+
+def plot_series(ax, steps: np.ndarray, values: np.ndarray, *, label: str) -> None:
+    """A line on `ax` in the next look of its own (series_style), labelled for the legend."""
+    if len(values):
+        ax.plot(steps, values, label=label, **series_style(len(ax.lines), len(values)))
+
+
 def plot_run(rows: list[dict], out: Path, title: str) -> list[str]:
     import matplotlib
 
@@ -79,11 +112,19 @@ def plot_run(rows: list[dict], out: Path, title: str) -> list[str]:
         written.append(f"{name}.png")
 
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(12, 4.2))
-    for key in keys_matching(rows, r"train/loss_bucket_\d+"):
+    for index, key in enumerate(keys_matching(rows, r"train/loss_bucket_\d+")):
         steps, values = series(rows, key)
-        ax_loss.scatter(steps, values, s=12, alpha=0.7, label=key.split("_", 1)[1].replace("_", " "))
-    steps, values = series(rows, "train/loss")
-    ax_loss.plot(steps, values, color="black", linewidth=1.2, label="all buckets")
+        look = series_style(index + 1, len(values))  # index 0 is the all-buckets line's look
+        ax_loss.scatter(
+            steps,
+            values,
+            s=14,
+            alpha=0.7,
+            color=look["color"],
+            marker=look["marker"],
+            label=key.split("_", 1)[1].replace("_", " "),
+        )
+    plot_series(ax_loss, *series(rows, "train/loss"), label="all buckets")
     ax_loss.set(xlabel="optimizer step", ylabel="weighted CE loss", title="loss, colored by length bucket")
     ax_loss.legend(fontsize=8)
     for key, label in (("train/acc", "accuracy (k >= 1)"), ("train/tau_sim", "tau_sim / block")):
@@ -91,7 +132,7 @@ def plot_run(rows: list[dict], out: Path, title: str) -> list[str]:
         if key == "train/tau_sim" and len(values):
             block = 1 + len(keys_matching(rows, r"train/acc_pos_\d+"))
             values = values / block
-        ax_acc.plot(steps, values, label=label)
+        plot_series(ax_acc, steps, values, label=label)
     ax_acc.set(xlabel="optimizer step", ylim=(0, 1), title="accuracy and simulated acceptance")
     ax_acc.legend(fontsize=8)
     save(fig, "loss_accuracy")
@@ -112,8 +153,7 @@ def plot_run(rows: list[dict], out: Path, title: str) -> list[str]:
     ax_grad.plot(steps, values)
     ax_grad.set(xlabel="optimizer step", ylabel="pre-clip grad norm", title="grad norm", yscale="log")
     for key in keys_matching(rows, r"queue/(hs_depth|prefetch_target\d+_depth)"):
-        steps, values = series(rows, key)
-        ax_queue.plot(steps, values, label=key.split("/")[1])
+        plot_series(ax_queue, *series(rows, key), label=key.split("/")[1])
     ax_queue.set(xlabel="optimizer step", ylabel="items", title="queue depths")
     if ax_queue.lines:
         ax_queue.legend(fontsize=8)
@@ -123,10 +163,9 @@ def plot_run(rows: list[dict], out: Path, title: str) -> list[str]:
 
     fig, (ax_dl, ax_ds) = plt.subplots(1, 2, figsize=(12, 4.2))
     for key in keys_matching(rows, r"drafter\d+/loss"):
-        steps, values = series(rows, key)
-        ax_dl.plot(steps, values, label=key.split("/")[0])
+        plot_series(ax_dl, *series(rows, key), label=key.split("/")[0])
         steps, opt = series(rows, key.replace("/loss", "/opt_step"))
-        ax_ds.plot(steps, opt - steps, label=key.split("/")[0])
+        plot_series(ax_ds, steps, opt - steps, label=key.split("/")[0])
     ax_dl.set(xlabel="optimizer step", ylabel="loss", title="loss per drafter replica")
     ax_ds.set(xlabel="optimizer step", ylabel="drafter step - logged step", title="drafter step skew")
     for ax in (ax_dl, ax_ds):
@@ -141,8 +180,8 @@ def plot_run(rows: list[dict], out: Path, title: str) -> list[str]:
     fig, (ax_util, ax_power) = plt.subplots(1, 2, figsize=(12, 4.2))
     for key in util_keys:
         device = key.split("/")[1]
-        ax_util.plot(*series(rows, key), label=device)
-        ax_power.plot(*series(rows, f"gpu/{device}/power_w"), label=device)
+        plot_series(ax_util, *series(rows, key), label=device)
+        plot_series(ax_power, *series(rows, f"gpu/{device}/power_w"), label=device)
     ax_util.set(xlabel="optimizer step", ylabel="%", title="GPU utilization", ylim=(0, 100))
     ax_power.set(xlabel="optimizer step", ylabel="W", title="GPU power")
     for ax in (ax_util, ax_power):
@@ -161,24 +200,22 @@ def plot_acceptance(rows: list[dict], save) -> None:
     import matplotlib.pyplot as plt
 
     fig, (ax_tau, ax_hist) = plt.subplots(1, 2, figsize=(12, 4.2))
-    ax_tau.plot(*series(rows, "train/tau_sim"), color="gray", label="train tau_sim")
     # Block runs (what verification accepts on training contexts) and the held-out split's
     # figures, where the run logged them: the gap between these and eval tau is new prompts'.
-    for key, style in (
-        ("train/tau_block", "-"),
-        ("train/tau_decode", "--"),
-        ("val/tau_sim", ":"),
-        ("val/tau_block", "-."),
-        ("val/tau_decode", (0, (1, 4))),
+    for key in (
+        "train/tau_sim",
+        "train/tau_block",
+        "train/tau_decode",
+        "val/tau_sim",
+        "val/tau_block",
+        "val/tau_decode",
+        "eval/tau",
     ):
-        steps, values = series(rows, key)
-        if len(values):
-            ax_tau.plot(
-                steps, values, color="gray", linestyle=style, marker="." if "val/" in key else None, label=key
-            )
-    ax_tau.plot(*series(rows, "eval/tau"), marker="o", label="eval tau (all benchmarks)")
+        plot_series(
+            ax_tau, *series(rows, key), label=key + (" (all benchmarks)" if key == "eval/tau" else "")
+        )
     for key in keys_matching(rows, r"eval/[^/]+/tau"):
-        ax_tau.plot(*series(rows, key), marker=".", linestyle="--", label=key.split("/")[1])
+        plot_series(ax_tau, *series(rows, key), label=key)
     ax_tau.set(xlabel="optimizer step", ylabel="tokens per target forward", title="acceptance length")
     ax_tau.legend(fontsize=8)
     last = next(r for r in reversed(rows) if "eval/tau" in r)
@@ -204,13 +241,21 @@ def plot_compare(rows_a: list[dict], rows_b: list[dict], name_a: str, name_b: st
     fig, axes = plt.subplots(1, len(keys), figsize=(16, 3.8))
     for ax, key in zip(axes, keys):
         for rows, name in ((rows_a, name_a), (rows_b, name_b)):
-            ax.plot(*series(rows, key), label=name)
+            plot_series(ax, *series(rows, key), label=name)
         ax.set(xlabel="optimizer step", title=key)
         ax.legend(fontsize=7)
     fig.tight_layout()
     fig.savefig(out / "compare.png", dpi=110)
     plt.close(fig)
     return "compare.png"
+
+
+def run_labels(run_a: Path, run_b: Path) -> tuple[str, str]:
+    """Legend names of two compared runs: their folder names, or their paths where the names
+    are the same (two runs started at the same time of day on different dates)."""
+    if run_a.name != run_b.name:
+        return run_a.name, run_b.name
+    return str(run_a), str(run_b)
 
 
 def final_values(rows: list[dict]) -> dict[str, float]:
@@ -242,7 +287,8 @@ def summary_markdown(
     lines = [f"# dflash run report: `{run_dir}`", ""]
     if compare:
         other = final_values(compare[1])
-        lines += [f"| metric | {run_dir.name} | {compare[0].name} |", "|---|---|---|"]
+        name_a, name_b = run_labels(run_dir, compare[0])
+        lines += [f"| metric | {name_a} | {name_b} |", "|---|---|---|"]
         lines += [
             f"| {k} | {last.get(k, float('nan')):.4g} | {other.get(k, float('nan')):.4g} |" for k in keys
         ]
@@ -280,7 +326,8 @@ def write_report(args: argparse.Namespace) -> None:
     compare = None
     if args.compare:
         compare = (args.compare, load_rows(args.compare))
-        images.append(plot_compare(rows, compare[1], args.run_dir.name, args.compare.name, out))
+        name_a, name_b = run_labels(args.run_dir, args.compare)
+        images.append(plot_compare(rows, compare[1], name_a, name_b, out))
     (out / "report.md").write_text(summary_markdown(args.run_dir, rows, images, compare))
     print(f"dflash-report: wrote {len(images)} plots and report.md to {out}")
 

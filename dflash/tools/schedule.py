@@ -64,28 +64,24 @@ def main(argv: list[str] | None = None) -> None:
 
     cfg = compose_typed(overrides)
     dataset, _ = load_training_data(cfg)
-    budgets = {
-        "bucket_edges": list(cfg.scheduler.bucket_edges),
-        "tokens_per_batch": cfg.scheduler.tokens_per_batch,
-        "block_tokens_per_batch": cfg.scheduler.block_tokens_per_batch,
-    }
     # The two built-in orders over the run's buckets and budgets, and the run's own if it is another.
-    nodes = {"shuffle": ShuffleSchedulerConfig(**budgets), "interleave": InterleaveSchedulerConfig(**budgets)}
+    nodes = {"shuffle": ShuffleSchedulerConfig(), "interleave": InterleaveSchedulerConfig()}
     if cfg.scheduler._target_ not in {node._target_ for node in nodes.values()}:
         nodes[cfg.scheduler._target_] = cfg.scheduler
     orders = {}
     for name, node in nodes.items():
         planner = build_planner(
             node,
+            data=cfg.data,
             lengths=dataset.lengths,
             seed=cfg.seed,
             num_anchors=cfg.drafter.num_anchors,
             block_size=cfg.drafter.block_size,
         )
         orders[name] = [b.bucket for b in planner.epoch(args.epoch)]
-    edges = list(cfg.scheduler.bucket_edges)
+    edges = list(cfg.data.bucket_edges)
     print(
-        f"{len(dataset)} samples; buckets (upper edges) {edges}; {cfg.scheduler.tokens_per_batch} tokens per batch"
+        f"{len(dataset)} samples; buckets (upper edges) {edges}; {cfg.data.tokens_per_batch} tokens per batch"
     )
     print(report(orders, len(edges), args.window))
 

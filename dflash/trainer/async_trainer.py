@@ -19,20 +19,15 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash.data.dataset import TokenDataset
-from dflash.data.schedule import BatchPlanner
-from dflash.distributed import ProcessGroupInfo
-from dflash.models.target import FrozenTarget
 from dflash.pipeline.counters import WorkCounters
 from dflash.pipeline.drafter_loop import DrafterLoop, ReplicaGradSync
 from dflash.pipeline.prefetch import BatchPrefetcher
 from dflash.pipeline.queues import HiddenStateQueue, QueueClosed
 from dflash.pipeline.target_worker import TargetWorker
 from dflash.step.metrics import MetricWindow
-from dflash.step.step import DrafterStep
-from dflash.trainer.lifecycle import Trainer
+from dflash.trainer.lifecycle import Trainer, TrainerInputs
 from dflash.trainer.signals import StopSignal
-from dflash.trainer.state import CheckpointSettings, DataPosition
+from dflash.trainer.state import DataPosition
 
 log = logging.getLogger(__name__)
 
@@ -69,13 +64,7 @@ class AsyncTrainer(Trainer):
     def __init__(
         self,
         *,
-        targets: list[FrozenTarget],
-        step_fns: list[DrafterStep],
-        dataset: TokenDataset,
-        planner: BatchPlanner,
-        stop_after: int,
-        log_every: int,
-        checkpoints: CheckpointSettings,
+        inputs: TrainerInputs,
         hs_queue_size: int = 8,
         prefetch_depth: int = 4,
         num_workers: int = 2,
@@ -83,21 +72,10 @@ class AsyncTrainer(Trainer):
         poll_interval_s: float = 0.05,
         shutdown_timeout_s: float = 10.0,
         faults: FaultInjection | None = None,
-        process_group: ProcessGroupInfo | None = None,
     ):
         """The stages' settings are pipeline=async's (conf/pipeline/async.yaml, documented in
         its schema, AsyncPipelineConfig)."""
-        super().__init__(
-            step_fns=step_fns,
-            dataset=dataset,
-            planner=planner,
-            stop_after=stop_after,
-            log_every=log_every,
-            checkpoints=checkpoints,
-            process_group=process_group,
-        )
-        self.targets = targets
-        self.target = targets[0]
+        super().__init__(inputs=inputs)
         self.hs_queue_size, self.prefetch_depth, self.num_workers = hs_queue_size, prefetch_depth, num_workers
         self.warmup, self.poll_interval_s, self.shutdown_timeout_s = (
             warmup,

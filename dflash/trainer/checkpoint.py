@@ -8,6 +8,8 @@ previous checkpoint intact; `last` is a symlink swapped atomically after the ren
                           containers only, loaded with weights_only=True (never arbitrary pickles)
       config.yaml         the resolved run config
       target.json         the target's identity by content (dflash.models.identity)
+      data.json           what it trained on: files, digests, template, sizes (dflash.data.identity)
+      README.md           the model card (dflash.export.card): target, shape, training, serving
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ from typing import Any
 import torch
 from safetensors import SafetensorError
 
+from dflash.data.identity import DATA_FILE
+from dflash.export.card import TrainingFacts, write_model_card
 from dflash.export.zlab import export_drafter
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.identity import IDENTITY_FILE
@@ -37,9 +41,11 @@ def save_checkpoint(
     run_config_yaml: str,
     keep_last: int,
     target_identity: dict[str, Any] | None = None,
+    data_identity: dict[str, Any] | None = None,
+    card: TrainingFacts | None = None,
 ) -> Path:
     """target_identity: what the target is by content, kept as target.json for resume,
-    drafter.init_from and dflash-eval to compare."""
+    drafter.init_from and dflash-eval to compare. card: the training facts of its model card."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step_{step:07d}"
     tmp = root / f".tmp-{final.name}"
@@ -50,6 +56,9 @@ def save_checkpoint(
         (tmp / RUN_CONFIG_FILE).write_text(run_config_yaml)
         if target_identity is not None:
             (tmp / IDENTITY_FILE).write_text(json.dumps(target_identity, indent=2, sort_keys=True) + "\n")
+        if data_identity is not None:
+            (tmp / DATA_FILE).write_text(json.dumps(data_identity, indent=2, sort_keys=True) + "\n")
+        write_model_card(tmp, card, served_from=str(final))
     except (OSError, SafetensorError, RuntimeError) as exc:
         # A full disk, a quota, a vanished mount (torch.save reports a failed write as a
         # RuntimeError): nothing half-written stays behind.

@@ -9,6 +9,10 @@ steps both pipelines call `_observe` (monitor tick, periodic evaluation). The su
 only in how a step's batches and features arrive: `SyncTrainer` runs the target and the drafter
 in turn on one thread, `AsyncTrainer` starts the pipeline threads and watches them.
 
+What every trainer is built with (besides its `pipeline` node's own keys) is one `TrainerInputs`,
+declared here once: the launcher fills it, preflight checks a trainer's signature for it, and a
+new input is one field of it.
+
 The monitor and the periodic evaluation are attached after construction (`attach`): the monitor
 probes the trainer it watches (its windows, queues and counters), so it cannot exist first.
 """
@@ -19,20 +23,22 @@ import logging
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
+from dataclasses import dataclass, field
 
 import torch
 
 from dflash.data.dataset import TokenDataset
 from dflash.data.schedule import BatchPlanner
 from dflash.distributed import ProcessGroupInfo
+from dflash.models.target import FrozenTarget
 from dflash.monitor.callbacks import TrainingCallbacks
 from dflash.monitor.monitor import Monitor
+from dflash.pipeline.cadence import Cadence
 from dflash.pipeline.counters import WorkCounters
 from dflash.pipeline.replicas import check_replicas_identical
 from dflash.pipeline.roles import role_summary
 from dflash.step.step import DrafterStep
 from dflash.trainer import state
-from dflash.trainer.cadence import Cadence
 from dflash.trainer.periodic_eval import PeriodicEval
 from dflash.trainer.signals import StopRequested, StopSignal, stop_on_signals
 from dflash.trainer.state import CheckpointSettings, DataPosition
@@ -40,27 +46,40 @@ from dflash.trainer.state import CheckpointSettings, DataPosition
 log = logging.getLogger(__name__)
 
 
+@dataclass(frozen=True, kw_only=True)
+class TrainerInputs:
+    """What the launcher builds every trainer with (its `inputs=` argument), besides the keys of
+    its `pipeline` option."""
+
+    targets: list[FrozenTarget]  # one frozen target per target device
+    step_fns: list[DrafterStep]  # one drafter replica (and its optimizer step) per drafter device
+    dataset: TokenDataset
+    planner: BatchPlanner  # the batch schedule
+    stop_after: int  # the step training ends at
+    log_every: int  # steps per log window
+    checkpoints: CheckpointSettings
+    process_group: ProcessGroupInfo = field(default_factory=ProcessGroupInfo)  # multi-node: rank 0 writes
+
+
+# The keyword a trainer receives its TrainerInputs by (the launcher passes it, preflight checks it).
+TRAINER_INPUTS = "inputs"
+
+
 class Trainer(ABC):
-    def __init__(
-        self,
-        *,
-        step_fns: list[DrafterStep],
-        dataset: TokenDataset,
-        planner: BatchPlanner,
-        stop_after: int,
-        log_every: int,
-        checkpoints: CheckpointSettings,
-        process_group: ProcessGroupInfo | None = None,
-    ):
-        self.step_fns = step_fns
-        self.step_fn = step_fns[0]  # replicas are identical: replica 0 speaks for all
+    def __init__(self, *, inputs: TrainerInputs):
+        self.inputs = inputs
+        self.targets, self.target = inputs.targets, inputs.targets[0]
+        self.step_fns = inputs.step_fns
+        self.step_fn = inputs.step_fns[0]  # replicas are identical: replica 0 speaks for all
         self.drafter = self.step_fn.drafter
-        self.dataset, self.planner = dataset, planner
-        self.stop_after, self.checkpoints = stop_after, checkpoints
+        self.dataset, self.planner = inputs.dataset, inputs.planner
+        self.stop_after, self.checkpoints = inputs.stop_after, inputs.checkpoints
         self.cadence = Cadence(
-            stop_after=stop_after, log_every=log_every, checkpoint_every=checkpoints.every_steps
+            stop_after=inputs.stop_after,
+            log_every=inputs.log_every,
+            checkpoint_every=inputs.checkpoints.every_steps,
         )
-        self.process_group = process_group or ProcessGroupInfo()
+        self.process_group = inputs.process_group
         self.position = DataPosition()
         self.monitor: Monitor | None = None
         self.periodic_eval: PeriodicEval | None = None
@@ -133,15 +152,22 @@ class Trainer(ABC):
     def run(self) -> None:
         self.prepare()
         started = time.perf_counter()
+        # Held through the final checkpoint: a signal during the wind-down (a second Ctrl-C)
+        # must not break off the checkpoint the first one asked for.
         with stop_on_signals() as stop:
             stopped_by = self._train(stop)
-        self.train_wall_s = time.perf_counter() - started
-        self.monitor.maybe_tick(wait=True, final=True)
-        if self.periodic_eval is not None and stopped_by is None:
-            self.periodic_eval.run_pending()  # the snapshot of the last steps, if still waiting
-        self.position = self._final_position()
-        self.replica_digest = check_replicas_identical([s.drafter for s in self.step_fns], self.process_group)
-        self.save()
+            self.train_wall_s = time.perf_counter() - started
+            self.monitor.maybe_tick(wait=True, final=True)
+            if self.periodic_eval is not None and stopped_by is None:
+                # the snapshot of the last steps, if still waiting
+                self.periodic_eval.run_pending(should_stop=stop.is_set)
+            self.position = self._final_position()
+            self.replica_digest = check_replicas_identical(
+                [s.drafter for s in self.step_fns], self.process_group
+            )
+            self.save()
+        if stopped_by is None:
+            stopped_by = stop.signum
         if stopped_by is not None:
             raise StopRequested(stopped_by)
 

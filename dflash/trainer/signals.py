@@ -17,14 +17,23 @@ class StopRequested(Exception):
         self.signum = signum
 
 
+# Once a stop is under way (a signal honoured by a StopSignal, or the job's record being
+# written), later signals are noted instead of raised: three Ctrl-C within a fraction of a
+# second must not break off the checkpoint, summary or run record the first one asked for.
+_stopping = threading.Event()
+_late_signals: list[int] = []
+
+
 class StopSignal:
     def __init__(self) -> None:
         self.event = threading.Event()
         self.signum: int | None = None
 
     def request(self, signum: int) -> None:
-        self.signum = signum
+        if self.signum is None:
+            self.signum = signum
         self.event.set()
+        _stopping.set()
 
     def is_set(self) -> bool:
         return self.event.is_set()
@@ -56,3 +65,51 @@ def stop_on_signals():
     stop = StopSignal()
     with on_signals(lambda signum, frame: stop.request(signum)):
         yield stop
+
+
+def _job_handler(signum, frame) -> None:
+    if _stopping.is_set():
+        _late_signals.append(signum)
+        return
+    if signum == signal.SIGINT:
+        raise KeyboardInterrupt
+    raise SystemExit(128 + signum)
+
+
+def install_job_signals() -> dict:
+    """For one job, from its start to its record (the run-record callback): before training a
+    signal ends the job as Python's defaults would (SIGTERM through SystemExit, so cleanups
+    run); once a stop is under way, later signals are only noted (`late_signal`). Returns the
+    handlers to put back (`restore_job_signals`)."""
+    _stopping.clear()
+    _late_signals.clear()
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in previous:
+        signal.signal(sig, _job_handler)
+    return previous
+
+
+def begin_shutdown() -> None:
+    """From here on signals are noted, not raised (the job's record is being written)."""
+    _stopping.set()
+
+
+def late_signal() -> int | None:
+    """The first signal noted while stopping, or None."""
+    return _late_signals[0] if _late_signals else None
+
+
+def ignore_signals_until_exit() -> None:
+    """The record is written and the process is ending: later signals are ignored (the
+    interpreter's teardown would otherwise restore the default handlers, and a signal then
+    would end the process with another status than the one it is exiting with)."""
+    if threading.current_thread() is threading.main_thread():
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, signal.SIG_IGN)
+
+
+def restore_job_signals(previous: dict) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -9,6 +10,7 @@ from typing import Any
 
 import torch
 
+from dflash.export.card import TrainingFacts
 from dflash.step.step import DrafterStep
 from dflash.trainer.checkpoint import load_trainer_state, save_checkpoint
 
@@ -39,6 +41,8 @@ class CheckpointSettings:
     keep_last: int
     run_config_yaml: str
     target_identity: dict[str, Any] | None = None  # dflash/models/identity.py: kept as target.json
+    data_identity: dict[str, Any] | None = None  # dflash/data/identity.py: kept as data.json
+    card: TrainingFacts | None = None  # the model card's facts; its steps are each checkpoint's own
 
 
 def trainer_state(step_fn: DrafterStep, position: DataPosition) -> dict[str, Any]:
@@ -62,6 +66,8 @@ def save(settings: CheckpointSettings, step_fn: DrafterStep, position: DataPosit
         settings.run_config_yaml,
         settings.keep_last,
         target_identity=settings.target_identity,
+        data_identity=settings.data_identity,
+        card=dataclasses.replace(settings.card, steps=position.step) if settings.card is not None else None,
     )
     log.info("checkpoint: %s", path)
     return path

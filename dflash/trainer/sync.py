@@ -14,51 +14,26 @@ from collections import deque
 import torch
 
 from dflash.data.collate import collate
-from dflash.data.dataset import TokenDataset
-from dflash.data.schedule import BatchPlanner
-from dflash.distributed import ProcessGroupInfo
-from dflash.models.target import FrozenTarget
 from dflash.pipeline.counters import DeviceSpan, WorkCounters
 from dflash.pipeline.prefetch import BatchStats
 from dflash.step.metrics import MetricWindow
-from dflash.step.step import DrafterStep
-from dflash.trainer.lifecycle import Trainer
+from dflash.trainer.lifecycle import Trainer, TrainerInputs
 from dflash.trainer.signals import StopSignal
-from dflash.trainer.state import CheckpointSettings, DataPosition
+from dflash.trainer.state import DataPosition
 
 log = logging.getLogger(__name__)
 
 
 class SyncTrainer(Trainer):
-    def __init__(
-        self,
-        *,
-        targets: list[FrozenTarget],
-        step_fns: list[DrafterStep],
-        dataset: TokenDataset,
-        planner: BatchPlanner,
-        stop_after: int,
-        log_every: int,
-        checkpoints: CheckpointSettings,
-        process_group: ProcessGroupInfo | None = None,
-    ):
-        if len(targets) != 1 or len(step_fns) != 1:
+    def __init__(self, *, inputs: TrainerInputs):
+        if len(inputs.targets) != 1 or len(inputs.step_fns) != 1:
             raise ValueError(
-                f"pipeline=sync runs one target and one drafter, got {len(targets)} and {len(step_fns)}"
+                "pipeline=sync runs one target and one drafter, "
+                f"got {len(inputs.targets)} and {len(inputs.step_fns)}"
             )
-        (target,), (step_fn,) = targets, step_fns
-        super().__init__(
-            step_fns=[step_fn],
-            dataset=dataset,
-            planner=planner,
-            stop_after=stop_after,
-            log_every=log_every,
-            checkpoints=checkpoints,
-            process_group=process_group,
-        )
-        self.drafter_device = step_fn.device
-        self.target = target
-        self.batch_stats = BatchStats(planner.num_buckets)
+        super().__init__(inputs=inputs)
+        self.drafter_device = self.step_fn.device
+        self.batch_stats = BatchStats(self.planner.num_buckets)
         self._windows: deque[MetricWindow] = deque()
         # The same counters as the async workers; in one thread the drafter "waits" while the
         # batch is collated and the target runs, and the target waits while the drafter steps.

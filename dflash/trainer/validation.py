@@ -37,16 +37,6 @@ VAL_FIGURES = ("loss", "acc", "tau_sim", "tau_block", "tau_decode")
 DSPARK_VAL_FIGURES = ("ce", "l1", "confidence_loss", "confidence_abs_error", "confidence_bias", "tau_prob")
 
 
-def held_out_ids(num_samples: int, count: int, seed: int) -> np.ndarray:
-    """`count` sample ids chosen by `seed` alone (sorted): the same split on every run of the
-    same data, whatever the scheduler or replica count."""
-    if not 0 <= count < num_samples:
-        raise ValueError(
-            f"data.val_samples={count} must be >= 0 and leave samples to train on ({num_samples} in the data)"
-        )
-    return np.sort(np.random.default_rng([seed, 0x7A1]).choice(num_samples, size=count, replace=False))
-
-
 class Validation:
     def __init__(
         self,

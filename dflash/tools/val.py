@@ -1,9 +1,8 @@
-#!/usr/bin/env python
 """A drafter's held-out figures on a run's validation split, without training: the val/loss,
 val/acc, val/tau_sim, val/tau_block and val/tau_decode that `data.val_samples` reports, for any
 drafter checkpoint.
 
-    python scripts/val_figures.py --ckpt DIR [--init-trained-on N] [hydra overrides of the run]
+    dflash val --ckpt DIR [--init-trained-on N] [hydra overrides of the run]
 
 The overrides are the run's own (experiment, data.files, target, data.val_samples, seed): the
 split is the one that run drew. A run started from another drafter's weights
@@ -19,21 +18,19 @@ extended by appending records).
 from __future__ import annotations
 
 import argparse
-import sys
 from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-
-from dflash.config.devices import resolve_device_split  # noqa: E402
-from dflash.distributed import visible_cuda_devices  # noqa: E402
-from dflash.export.zlab import load_drafter  # noqa: E402
-from dflash.run.inputs import load_training_data, script_target  # noqa: E402
-from dflash.run.launch import block_settings_of, plan_batches  # noqa: E402
-from dflash.tools.compose import compose_typed  # noqa: E402
-from dflash.trainer.validation import VAL_FIGURES, Validation, held_out_ids  # noqa: E402
+from dflash.config.devices import resolve_device_split
+from dflash.data.schedule import held_out_ids
+from dflash.distributed import visible_cuda_devices
+from dflash.export.zlab import load_drafter
+from dflash.run.inputs import load_training_data, script_target
+from dflash.run.launch import block_settings_of, plan_batches
+from dflash.tools.compose import compose_typed
+from dflash.trainer.validation import VAL_FIGURES, Validation
 
 
 def unseen_by_init(val_ids: np.ndarray, *, trained_on: int, count: int, seed: int) -> np.ndarray:
@@ -59,7 +56,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     device = torch.device(resolve_device_split(cfg, visible_cuda_devices())[0][0])  # the first target device
     if device.type == "cpu":
         torch.set_num_threads(cfg.gpu.cpu_threads)
-    target, _ = script_target(cfg, device, "val_figures")
+    target, _ = script_target(cfg, device, "dflash val")
     dataset, _ = load_training_data(cfg, target)
     planner, val_ids = plan_batches(cfg, dataset)
     if val_ids is None:
@@ -83,7 +80,7 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
         dataset,
         val_ids,
         settings=settings,
-        tokens_per_batch=cfg.scheduler.tokens_per_batch,
+        tokens_per_batch=cfg.data.tokens_per_batch,
         block_budget=planner.block_budget,
     )
     figures = validation.run(target, drafter)

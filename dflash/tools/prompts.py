@@ -1,7 +1,6 @@
-#!/usr/bin/env python
 """Training prompts that no one here wrote, for `dflash-regen` to have a target answer.
 
-    python scripts/make_training_prompts.py OUT.jsonl[.gz] [--seed 0] [--limit N]
+    dflash prompts OUT.jsonl[.gz] [--seed 0] [--limit N]
         [--sources A,B] [--exclude EARLIER.jsonl[.gz]]
 
 Each prompt is a fixed request wrapped around text that ships with this machine's software:
@@ -55,12 +54,10 @@ from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from dflash.data.benchmarks import PACKAGED, packaged_prompts
+from dflash.data.conversations import MalformedRecord, normalize
 
-from dflash.data.benchmarks import PACKAGED, packaged_prompts  # noqa: E402
-from dflash.data.conversations import MalformedRecord, normalize  # noqa: E402
-
-PLACEHOLDER = "(the target writes this reply: run dflash-regen on this file)"
+PLACEHOLDER = "(the target writes this reply: run dflash regen on this file)"
 # Modules with side effects on import (a browser, a GUI, printing) or that are not libraries.
 SKIPPED_MODULES = {
     "antigravity",

@@ -1,0 +1,70 @@
+"""The model card (README.md, Hugging Face format) beside every drafter dflash writes: each
+checkpoint and each converted export says its target, shape, data size and steps, its last
+evaluation's figures, and the commands that serve it."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from dflash.export.card import CARD_FILE, TrainingFacts, model_card
+from dflash.export.contract import check_export
+from dflash.tools import export as export_tool
+from dflash.train import train
+
+
+def front_matter(card: str) -> list[str]:
+    assert card.startswith("---\n"), card[:80]
+    return card.split("---\n")[1].splitlines()
+
+
+def test_every_checkpoint_has_a_card_and_the_last_one_its_final_evaluation(make_cfg, tmp_path, capsys):
+    cfg = make_cfg(["train.total_steps=4", "checkpoint.every_steps=2", "checkpoint.keep_last=3"])
+    summary = train(cfg)
+    checkpoints = Path(cfg.paths.output_dir) / "checkpoints"
+
+    periodic = (checkpoints / "step_0000002" / CARD_FILE).read_text()
+    assert "- speculative-decoding" in front_matter(periodic)
+    assert "# DFlash drafter for tiny (random-init)" in periodic
+    assert "| optimizer steps | 2 |" in periodic
+    assert "| training samples | 48 |" in periodic  # data.num_samples=48, none held out
+    assert "| data | data=tiny_synthetic |" in periodic
+    assert "Not evaluated at this step" in periodic
+
+    last = checkpoints / "last"
+    card = (last / CARD_FILE).read_text()
+    drafter = json.loads((last / "config.json").read_text())
+    block = drafter["block_size"]
+    assert f"| block_size | {block} |" in card
+    assert f"| draft layers | {drafter['num_hidden_layers']} |" in card
+    assert f"{drafter['dflash_config']['target_layer_ids']} of {drafter['num_target_layers']}" in card
+    assert "| optimizer steps | 4 |" in card
+    assert f"**tau {summary['eval/tau']:.3f}**" in card
+    assert f"over {int(summary['eval/num_prompts'])} held-out prompts" in card
+    served = str(last.resolve())
+    assert f"--speculative-draft-model-path {served}" in card
+    assert "--model-path TARGET_MODEL_DIR" in card  # a random-init target has no directory to serve
+    assert f'"model": "{served}", "num_speculative_tokens": {block - 1}' in card
+    assert check_export(last) == []  # the card is no problem for any reader
+
+    export_tool.main(
+        ["convert", str(last), str(tmp_path / "spec"), "--layout", "speculators", "--verifier", "org/target"]
+    )
+    converted = (tmp_path / "spec" / CARD_FILE).read_text()
+    assert "| optimizer steps | 4 |" in converted and f"| block_size | {block} |" in converted
+    assert str(tmp_path / "spec") in converted
+    capsys.readouterr()
+
+
+def test_a_hub_target_is_the_cards_base_model_and_a_local_path_is_not():
+    config = {"architectures": ["DFlashDraftModel"], "block_size": 16, "num_hidden_layers": 1}
+    facts = TrainingFacts(target="Qwen/Qwen3-8B", data="data=conversations", samples=10, steps=5)
+    assert "base_model: Qwen/Qwen3-8B" in front_matter(model_card(config, facts, directory="d"))
+    served = TrainingFacts(target="/m/Q", target_path="/m/Q", data="d", samples=1, steps=1)
+    assert "vllm serve /m/Q \\" in model_card(config, served, directory="d")
+    local = TrainingFacts(target="/models/Qwen3-8B", data="data=conversations", samples=10, steps=5)
+    assert not any(
+        line.startswith("base_model") for line in front_matter(model_card(config, local, directory="d"))
+    )
+    unknown = model_card(config, None, directory="d")
+    assert "Trained outside dflash" in unknown and "--speculative-num-draft-tokens 16" in unknown
