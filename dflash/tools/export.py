@@ -183,7 +183,9 @@ def convert(args: argparse.Namespace, target: dict[str, Any] | None) -> None:
         exit_for_user_error(TOOL, str(exc))
     dspark = isinstance(drafter, DSparkDrafter)
     if dspark and args.layout == "zlab":
-        exit_for_user_error(TOOL, f"{args.source}: a DSpark drafter; the z-lab layout has no heads: --layout deepspec")
+        exit_for_user_error(
+            TOOL, f"{args.source}: a DSpark drafter; the z-lab layout has no heads: --layout deepspec"
+        )
     if not dspark and args.layout == "deepspec":
         exit_for_user_error(TOOL, f"{args.source}: a DFlash drafter (no Markov head): --layout zlab")
     if args.layout in ("zlab", "deepspec"):
