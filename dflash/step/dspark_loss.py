@@ -32,7 +32,7 @@ from torch import nn
 from dflash.models.compile import compile_shared
 from dflash.models.dspark import DSparkDrafter
 from dflash.step.blocks import DraftBlocks
-from dflash.step.loss import LossStats, block_acceptance
+from dflash.step.loss import LossStats, block_acceptance, fused_head_dtype, labelled_rows
 
 
 @dataclass(frozen=True)
@@ -196,18 +196,11 @@ def _fused_rows(
 ) -> tuple[torch.Tensor, ...]:
     """The fused path over `blocks.loss_rows` only; returns (numerator of the CE and L1 terms,
     then CE, L1, acc, hit per labelled row)."""
-    if getattr(lm_head, "bias", None) is not None or lm_head.weight.requires_grad:
-        raise ValueError("the fused LM-head loss needs a frozen, bias-free LM head (set loss.logits_chunk=0)")
+    compute_dtype = fused_head_dtype(hidden_BQH, lm_head)
     device_type = hidden_BQH.device.type
-    compute_dtype = (
-        torch.get_autocast_dtype(device_type)
-        if torch.is_autocast_enabled(device_type)
-        else torch.promote_types(hidden_BQH.dtype, lm_head.weight.dtype)
-    )
-    rows = blocks.loss_rows
 
     def labelled(per_position: torch.Tensor) -> torch.Tensor:
-        return per_position.flatten(0, 1).index_select(0, rows)
+        return labelled_rows(per_position, blocks)
 
     # The target's final state at each labelled row's own position (found on the host with the
     # blocks): only those rows cross the LM head.

@@ -135,27 +135,36 @@ class _FusedHeadCE(torch.autograd.Function):
         return grad_hidden * grad_weighted_ce, None, None, None, None, None, None
 
 
-def _fused_weighted_ce_and_hits(
-    hidden_BQH: torch.Tensor, lm_head: nn.Module, blocks: DraftBlocks, chunk: int, compiled: bool
-) -> tuple[torch.Tensor, torch.Tensor]:
+def fused_head_dtype(hidden_BQH: torch.Tensor, lm_head: nn.Module) -> torch.dtype:
+    """The dtype a fused LM-head loss multiplies in (autocast's, else the promoted one), after
+    refusing a head it cannot serve: its gradient and bias are never computed."""
     if getattr(lm_head, "bias", None) is not None or lm_head.weight.requires_grad:
         raise ValueError("the fused LM-head loss needs a frozen, bias-free LM head (set loss.logits_chunk=0)")
     device_type = hidden_BQH.device.type
-    compute_dtype = (
-        torch.get_autocast_dtype(device_type)
-        if torch.is_autocast_enabled(device_type)
-        else torch.promote_types(hidden_BQH.dtype, lm_head.weight.dtype)
-    )
-    # Only positions with a label go through the LM head (`blocks.loss_rows`, found on the host):
-    # the others carry weight 0, no gradient and never a hit. That skips block position 0 (the
-    # anchor itself: 1/block_size of the loss's two vocab-wide matmuls, the largest GEMMs of a
-    # paper-scale step) and, on conversations, padding blocks and positions past a sample's
-    # end or outside its replies (15% of the rows of the SmolLM2 chain's batches).
-    rows = blocks.loss_rows
+    if torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return torch.promote_types(hidden_BQH.dtype, lm_head.weight.dtype)
+
+
+def labelled_rows(per_position: torch.Tensor, blocks: DraftBlocks) -> torch.Tensor:
+    """[B, Q, ...] -> the rows of `blocks.loss_rows`, [n, ...].
+
+    Only positions with a label go through the LM head (`loss_rows`, found on the host): the
+    others carry weight 0, no gradient and never a hit. That skips block position 0 for DFlash
+    (the anchor itself: 1/block_size of the loss's two vocab-wide matmuls, the largest GEMMs of a
+    paper-scale step) and, on conversations, padding blocks and positions past a sample's end or
+    outside its replies (15% of the rows of the SmolLM2 chain's batches)."""
+    return per_position.flatten(0, 1).index_select(0, blocks.loss_rows)
+
+
+def _fused_weighted_ce_and_hits(
+    hidden_BQH: torch.Tensor, lm_head: nn.Module, blocks: DraftBlocks, chunk: int, compiled: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    compute_dtype = fused_head_dtype(hidden_BQH, lm_head)
+    device_type, rows = hidden_BQH.device.type, blocks.loss_rows
 
     def labelled(per_position: torch.Tensor) -> torch.Tensor:
-        """[B, Q, ...] -> the rows of `loss_rows`, [n, ...]."""
-        return per_position.flatten(0, 1).index_select(0, rows)
+        return labelled_rows(per_position, blocks)
 
     with torch.autocast(device_type, enabled=False):
         weighted_ce, hit_rows = _FusedHeadCE.apply(
