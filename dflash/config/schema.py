@@ -384,6 +384,26 @@ class DSparkVariantConfig(VariantConfig):
     tv_weight: float = 0.9
     confidence_weight: float = 1.0
 
+    def __post_init__(self) -> None:
+        if self.markov_rank < 0:
+            raise ValueError(f"variant.markov_rank={self.markov_rank}: must be >= 0 (0: no Markov head)")
+        if self.confidence_head and self.confidence_with_markov and self.markov_rank == 0:
+            raise ValueError(
+                "variant.confidence_with_markov=true needs a Markov head (variant.markov_rank > 0); "
+                "set variant.confidence_with_markov=false"
+            )
+        for key in ("ce_weight", "tv_weight", "confidence_weight"):
+            if getattr(self, key) < 0:
+                raise ValueError(f"variant.{key}={getattr(self, key)}: must be >= 0")
+        if self.confidence_head != (self.confidence_weight > 0):
+            # The reference builds the head exactly when its loss weight is positive: a head with
+            # no loss would be exported untrained, a weight without a head would train nothing.
+            raise ValueError(
+                f"variant.confidence_head={str(self.confidence_head).lower()} needs "
+                f"variant.confidence_weight {'> 0' if self.confidence_head else '= 0'} "
+                f"(got {self.confidence_weight})"
+            )
+
 
 @dataclass
 class NoiseConfig:

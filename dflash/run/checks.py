@@ -187,28 +187,11 @@ def validate_drafter(cfg: Any, *, num_target_layers: int, target_vocab_size: int
 
 
 def _validate_variant(cfg: Any) -> None:
-    """variant=dspark's settings (a user's own variant class checks its own)."""
+    """variant=dspark's rules that reach outside its node (its own are in
+    DSparkVariantConfig.__post_init__; a user's own variant class checks its own)."""
     variant = cfg.variant
     if not isinstance(variant, DSparkVariantConfig):
         return
-    if variant.markov_rank < 0:
-        raise ValueError(f"variant.markov_rank={variant.markov_rank}: must be >= 0 (0: no Markov head)")
-    if variant.confidence_head and variant.confidence_with_markov and variant.markov_rank == 0:
-        raise ValueError(
-            "variant.confidence_with_markov=true needs a Markov head (variant.markov_rank > 0); "
-            "set variant.confidence_with_markov=false"
-        )
-    for key in ("ce_weight", "tv_weight", "confidence_weight"):
-        if getattr(variant, key) < 0:
-            raise ValueError(f"variant.{key}={getattr(variant, key)}: must be >= 0")
-    if variant.confidence_head != (variant.confidence_weight > 0):
-        # The reference builds the head exactly when its loss weight is positive: a head with no
-        # loss would be exported untrained, a weight without a head would train nothing.
-        raise ValueError(
-            f"variant.confidence_head={str(variant.confidence_head).lower()} needs "
-            f"variant.confidence_weight {'> 0' if variant.confidence_head else '= 0'} "
-            f"(got {variant.confidence_weight})"
-        )
     if variant.markov_head_class:
         try:
             markov_head_class(variant.markov_head_class)
