@@ -155,10 +155,15 @@ def test_every_target_preset_belongs_to_the_family_it_names():
     """Each conf/target preset with a model_type is one family's, and that family lists it."""
     import yaml
 
-    presets = {
-        path.stem: yaml.safe_load(path.read_text()).get("model_type")
-        for path in sorted((ROOT / "conf" / "target").glob("*.yaml"))
-    }
+    files = {path.stem: yaml.safe_load(path.read_text()) for path in (ROOT / "conf" / "target").glob("*.yaml")}
+
+    def model_type(name: str) -> str | None:
+        """The preset's model_type, its own or the one of the preset it starts from (defaults)."""
+        own = files[name].get("model_type")
+        parents = [d for d in files[name].get("defaults", []) if isinstance(d, str) and d in files]
+        return own or next((model_type(parent) for parent in parents), None)
+
+    presets = {name: model_type(name) for name in sorted(files)}
     listed = {preset: family for family in TARGET_FAMILIES for preset in family.presets}
     assert sorted(listed) == sorted(name for name, model_type in presets.items() if model_type)
     for preset, family in listed.items():

@@ -41,9 +41,13 @@ TARGET_FAMILIES: tuple[TargetFamily, ...] = (
     TargetFamily("Llama 3.x", "llama", presets=("smollm2_135m",)),
     TargetFamily("Mistral", "mistral"),
     TargetFamily("Qwen2", "qwen2"),
-    TargetFamily("Qwen3", "qwen3", presets=("tiny", "qwen3_8b", "qwen3_8b_random")),
+    TargetFamily("Qwen3", "qwen3", presets=("tiny", "qwen3_8b", "qwen3_8b_random", "qwen3_8b_fp8_random")),
     TargetFamily("Qwen3-MoE", "qwen3_moe"),
-    TargetFamily("Qwen3-Next", "qwen3_next", presets=("qwen3_next_80b", "qwen3_next_80b_random")),
+    TargetFamily(
+        "Qwen3-Next",
+        "qwen3_next",
+        presets=("qwen3_next_80b", "qwen3_next_80b_random", "qwen3_next_80b_fp8_random"),
+    ),
     TargetFamily("Qwen3.5 / Qwen3.6", "qwen3_5", image_text=True, presets=("qwen3_5", "qwen3_5_9b_random")),
     TargetFamily(
         "Qwen3.5-MoE / Qwen3.6-MoE",
