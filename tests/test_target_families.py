@@ -155,7 +155,9 @@ def test_every_target_preset_belongs_to_the_family_it_names():
     """Each conf/target preset with a model_type is one family's, and that family lists it."""
     import yaml
 
-    files = {path.stem: yaml.safe_load(path.read_text()) for path in (ROOT / "conf" / "target").glob("*.yaml")}
+    files = {
+        path.stem: yaml.safe_load(path.read_text()) for path in (ROOT / "conf" / "target").glob("*.yaml")
+    }
 
     def model_type(name: str) -> str | None:
         """The preset's model_type, its own or the one of the preset it starts from (defaults)."""
