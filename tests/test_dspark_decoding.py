@@ -27,6 +27,7 @@ from dflash.run.checks import is_summary_metric
 from dflash.step.blocks import layer_masks
 from tests.test_dflash_rules import MASK_ID, tiny_target
 from tests.test_dspark_export import tiny_dspark
+from tests.test_spec_decode import ContextKeyedSampler
 from tests.test_static_decoding import HYBRIDS, family_target
 
 HEADS = ["vanilla", "gated", "rnn"]
@@ -206,22 +207,6 @@ def test_sampled_dspark_drafts_are_the_same_on_both_decoders():
     assert argmax_drafts.confidence != ours.confidence
     assert set(ours.accepted_drafts) == set(argmax_drafts.accepted_drafts) == {0}
     assert argmax_drafts.output_ids == ours.output_ids
-
-
-class ContextKeyedSampler:
-    """The target's sample depends only on the distribution it is given (tests/test_spec_decode.py):
-    speculative sampling must then write plain sampling's sequence token for token."""
-
-    def __init__(self, temperature, device, seed=0):
-        self.temperature = temperature
-
-    def __call__(self, logits_NV):
-        picks = []
-        for row in logits_NV.float():
-            generator = torch.Generator().manual_seed(hash(tuple(row.topk(5).indices.tolist())) % 2**31)
-            gumbel = -torch.log(-torch.log(torch.rand(row.shape, generator=generator)))
-            picks.append(int((row / self.temperature + gumbel).argmax()))
-        return picks
 
 
 def test_sampled_dspark_decoding_commits_exactly_the_targets_samples(monkeypatch):
