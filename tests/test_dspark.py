@@ -18,7 +18,8 @@ from transformers import AutoConfig, AutoModelForCausalLM
 from dflash.config.schema import DrafterConfig
 from dflash.export.zlab import load_drafter
 from dflash.models.drafter import drafter_config
-from dflash.models.dspark import DSparkDrafter, add_dspark_fields, drafter_from_config
+from dflash.models.drafter_class import drafter_from_config
+from dflash.models.dspark import DSparkDrafter, add_dspark_fields
 from dflash.models.target import FrozenTarget
 from dflash.step.blocks import build_blocks, position_weights
 from dflash.step.dspark_loss import DSparkWeights, dspark_loss

@@ -29,7 +29,8 @@ from transformers import Qwen3Config
 
 from dflash.export import deepspec, speculators
 from dflash.models.drafter import DFlashDrafter
-from dflash.models.dspark import DSparkDrafter, drafter_from_config
+from dflash.models.drafter_class import drafter_from_config
+from dflash.models.dspark import DSparkDrafter
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

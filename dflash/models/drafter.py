@@ -189,12 +189,25 @@ class DFlashDecoderLayer(nn.Module):
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
+        # DFlash2 (dflash/models/dflash2.py) sets a block-local convolution around each sublayer.
+        self.attention_conv: nn.Module | None = None
+        self.mlp_conv: nn.Module | None = None
+
+    @staticmethod
+    def _around(conv: nn.Module | None, sublayer, x_BQH: torch.Tensor) -> torch.Tensor:
+        if conv is None:
+            return sublayer(x_BQH)
+        x_BQH, out_taps = conv.prepare(x_BQH)
+        return conv.finish(sublayer(x_BQH), out_taps)
 
     def forward(self, hidden_BQH, ctx_kv, block_rope, attn_mask):
-        hidden_BQH = hidden_BQH + self.self_attn(
-            self.input_layernorm(hidden_BQH), ctx_kv, block_rope, attn_mask
+        def attention(x_BQH):
+            return self.self_attn(x_BQH, ctx_kv, block_rope, attn_mask)
+
+        hidden_BQH = hidden_BQH + self._around(
+            self.attention_conv, attention, self.input_layernorm(hidden_BQH)
         )
-        return hidden_BQH + self.mlp(self.post_attention_layernorm(hidden_BQH))
+        return hidden_BQH + self._around(self.mlp_conv, self.mlp, self.post_attention_layernorm(hidden_BQH))
 
 
 class DFlashDrafter(nn.Module):

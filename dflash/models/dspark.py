@@ -284,7 +284,3 @@ class DSparkDrafter(DFlashDrafter):
             logits.append(step_logits)
         return torch.stack(tokens, 1), torch.stack(logits, 1)
 
-
-def drafter_from_config(config: Qwen3Config) -> DFlashDrafter:
-    """The drafter class a config describes: DSpark when it carries `markov_rank`, else DFlash."""
-    return DSparkDrafter(config) if is_dspark_config(config) else DFlashDrafter(config)
