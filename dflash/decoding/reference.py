@@ -32,6 +32,15 @@ target's choices draw the same stream as without it). Verification is the same: 
 verifies [anchor, B drafts] and produces up to B + 1 tokens. With a confidence head, each draft
 also gets the head's probability that it is accepted given that every draft before it was
 (`DecodeResult.confidence`), to set beside the acceptance measured (`accepted_drafts`).
+
+A DFlash2 drafter (dflash.models.dflash2) drafts B-1 tokens from one block forward as DFlash does,
+then its candidate selector walks the draft positions left to right: each position's top-K
+candidates under the unary logits (the target's LM head on the position's hidden state), scored
+given the token chosen before it (the anchor first), the argmax of the scores or, with
+`sampled_drafts` at a temperature > 0, a Gumbel-max sample over the K candidates (the same noise
+rows DSpark reads, one per position, taken at the candidates' ids). Verification is DFlash's.
+Each round also records where the selector's token differs from the unary argmax (what plain
+DFlash would have drafted) and how those drafts fared (`DecodeResult.selector_changed` ...).
 """
 
 from __future__ import annotations
@@ -41,6 +50,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from dflash.models.dflash2 import DFlash2Drafter
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.dspark import DSparkDrafter
 from dflash.models.target import FrozenTarget
@@ -65,10 +75,40 @@ class DecodeResult:
     # DSpark with a confidence head, per round: each draft's predicted probability of acceptance
     # given that every draft before it was accepted (sigmoid of the head's logit).
     confidence: list[list[float]] = field(default_factory=list)
+    # DFlash2, per round (`selector_outcome`): draft positions where the selector's token is not
+    # the unary argmax; how many of those drafts were accepted; at how many of them the unary
+    # token was the target's choice (a rejected change that keeping the unary token would have
+    # had accepted).
+    selector_changed: list[int] = field(default_factory=list)
+    selector_changed_accepted: list[int] = field(default_factory=list)
+    selector_changed_unary_right: list[int] = field(default_factory=list)
+
+    def add_selector_round(
+        self, *, draft: list[int], unary: list[int], choices: list[int], accepted: int
+    ) -> None:
+        changed, changed_accepted, unary_right = selector_outcome(
+            draft=draft, unary=unary, choices=choices, accepted=accepted
+        )
+        self.selector_changed.append(changed)
+        self.selector_changed_accepted.append(changed_accepted)
+        self.selector_changed_unary_right.append(unary_right)
+
+
+def selector_outcome(
+    *, draft: list[int], unary: list[int], choices: list[int], accepted: int
+) -> tuple[int, int, int]:
+    """One DFlash2 round's selector figures: (positions where the draft is not the unary argmax,
+    those among the `accepted` drafts, and those where the unary token equals the target's
+    choice). Only the first rejected position can be the last kind: before it every draft is the
+    target's choice, and after it the target chose given another prefix."""
+    changed = [d != u for d, u in zip(draft, unary)]
+    unary_right = accepted < len(draft) and unary[accepted] == choices[accepted]
+    return sum(changed), sum(changed[:accepted]), int(unary_right)
 
 
 def drafts_per_round(drafter: DFlashDrafter) -> int:
-    """Tokens a drafter proposes per block: DSpark's every slot (B), DFlash's all but the anchor."""
+    """Tokens a drafter proposes per block: DSpark's every slot (B), DFlash's (and DFlash2's) all
+    but the anchor."""
     return drafter.block_size if isinstance(drafter, DSparkDrafter) else drafter.block_size - 1
 
 
@@ -83,8 +123,9 @@ def gumbel_noise(generator: torch.Generator, shape: tuple[int, ...], device: tor
 
 class DraftChooser:
     """Each draft position's token from its logits [N, V]: the argmax, or with `noise_KV` (one
-    row per block position, `gumbel_noise`) a sample at `temperature`. Called once per position,
-    left to right (dflash.models.dspark.DSparkDrafter.sample_block)."""
+    row per draft position, `gumbel_noise`) a sample at `temperature`. Called once per position,
+    left to right (dflash.models.dspark.DSparkDrafter.sample_block); `among` is the same choice
+    over a DFlash2 selector's K candidates."""
 
     def __init__(self, temperature: float = 0.0, noise_KV: torch.Tensor | None = None):
         if noise_KV is not None and temperature <= 0:
@@ -97,6 +138,15 @@ class DraftChooser:
         noise = self.noise[self.position]
         self.position += 1
         return (logits_NV.float() / self.temperature + noise).argmax(-1)
+
+    def among(self, scores_NK: torch.Tensor, candidates_NK: torch.Tensor, position: int) -> torch.Tensor:
+        """The index [N] of draft `position`'s candidate: the best score, or a sample from
+        softmax(scores / T) over the candidates. Gumbel noise read at the candidates' distinct
+        ids is independent per candidate, so the argmax over them is an exact sample."""
+        if self.noise is None:
+            return scores_NK.argmax(-1)
+        noise = self.noise[position][candidates_NK]
+        return (scores_NK.float() / self.temperature + noise).argmax(-1)
 
 
 def dspark_block(
@@ -117,6 +167,24 @@ def dspark_block(
         return tokens_1B[0], None
     previous = torch.cat([anchor_1.view(1), tokens_1B[0, :-1]])  # the token before each draft
     return tokens_1B[0], torch.sigmoid(drafter.confidence_logits(hidden_1BH[0], previous))
+
+
+def dflash2_block(
+    drafter: DFlash2Drafter,
+    target: FrozenTarget,
+    *,
+    hidden_1BH: torch.Tensor,
+    anchor_1: torch.Tensor,
+    choose: DraftChooser,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """A DFlash2 block's drafts [B-1], walked by the candidate selector from the anchor over the
+    hidden states of block positions 1..B-1, and the unary argmax there [B-1] (plain DFlash's
+    drafts). Device tensors in and out, no host reads: both decoders run it, the static one in a
+    graph."""
+    hidden_1PH = hidden_1BH[:, 1:]
+    logits_1PV = target.lm_head(hidden_1PH.to(target.lm_head.weight.dtype))
+    tokens_1P, unary_1P = drafter.propose(logits_1PV, hidden_1PH, anchor_1.view(1), choose.among)
+    return tokens_1P[0], unary_1P[0]
 
 
 class TokenChooser:
@@ -187,6 +255,8 @@ class DrafterContext:
         self.choose: DraftChooser | None = None
         # DSpark with a confidence head: the last draft's survival probabilities (else None).
         self.confidence: list[float] | None = None
+        # DFlash2: the last draft's unary argmax tokens (else None).
+        self.unary: list[int] | None = None
 
     def extend(self, features_1NF: torch.Tensor) -> None:
         count = features_1NF.shape[1]
@@ -204,7 +274,8 @@ class DrafterContext:
     @torch.no_grad()
     def draft(self, target: FrozenTarget, anchor_token: int) -> list[int]:
         """The drafter's guesses for the tokens after the anchor at position `length`: a DFlash
-        drafter's B-1 argmaxes, a DSpark drafter's B tokens left to right (picked by `choose`)."""
+        drafter's B-1 argmaxes, a DSpark drafter's B tokens left to right (picked by `choose`), a
+        DFlash2 drafter's B-1 tokens picked among its candidates (by `choose.among`)."""
         device = target.device
         anchor_pos, block_size = self.length, self.drafter.block_size
         block_ids = torch.full((1, block_size), self.drafter.mask_token_id, device=device)
@@ -227,6 +298,16 @@ class DrafterContext:
                 choose=self.choose or DraftChooser(),
             )
             self.confidence = None if survival is None else survival.tolist()
+            return tokens.tolist()
+        if isinstance(self.drafter, DFlash2Drafter):
+            tokens, unary = dflash2_block(
+                self.drafter,
+                target,
+                hidden_1BH=hidden,
+                anchor_1=block_ids[0, :1],
+                choose=self.choose or DraftChooser(),
+            )
+            self.unary = unary.tolist()
             return tokens.tolist()
         # fp32 drafter (master weights) in front of a bf16 target head on GPU.
         return target.lm_head(hidden.to(target.lm_head.weight.dtype))[0, 1:].argmax(-1).tolist()
@@ -282,9 +363,9 @@ def plain_generate(
 
 
 def samples_drafts(drafter: DFlashDrafter, temperature: float, sampled_drafts: bool) -> bool:
-    """Whether the drafts of a round are sampled: a DSpark drafter asked to, at a temperature > 0.
-    A DFlash drafter proposes its argmax at every temperature."""
-    return sampled_drafts and temperature > 0 and isinstance(drafter, DSparkDrafter)
+    """Whether the drafts of a round are sampled: a DSpark or DFlash2 drafter asked to, at a
+    temperature > 0. A DFlash drafter proposes its argmax at every temperature."""
+    return sampled_drafts and temperature > 0 and isinstance(drafter, (DSparkDrafter, DFlash2Drafter))
 
 
 @torch.no_grad()
@@ -317,14 +398,15 @@ def speculative_generate(
             context.choose = DraftChooser(temperature, gumbel_noise(noise, shape, target.device))
         draft = drafter_guess(context, target, output[-1])
         logits, features = session.run([output[-1], *draft])
-        produced, accepted, stopped = settle_round(
-            draft, choose(logits), max_new_tokens - len(output), stop_ids
-        )
+        choices = choose(logits)
+        produced, accepted, stopped = settle_round(draft, choices, max_new_tokens - len(output), stop_ids)
         output += produced
         result.acceptance_lengths.append(len(produced))
         result.accepted_drafts.append(accepted)
         if context.confidence is not None:
             result.confidence.append(context.confidence)
+        if context.unary is not None:
+            result.add_selector_round(draft=draft, unary=context.unary, choices=choices, accepted=accepted)
         if stopped:
             break
         # The anchor and the accepted drafts are committed; their features came from this forward.
