@@ -14,6 +14,10 @@ A DSpark round is the same graph with the DSpark draft (B drafts left to right w
 bias, dflash.decoding.static_drafter) and a verification of B + 1 tokens; its sampled drafts read
 Gumbel noise the host draws into an input buffer before the replay (a graph cannot draw it). The
 confidence head's survival probabilities stay on the device until the decode ends.
+
+A DFlash2 round is a DFlash round (B tokens verified) whose drafts the candidate selector picks
+inside the graph, greedy or from the same noise buffer; the unary argmax comes back beside the
+drafts, in the round's one transfer, for the selector's figures.
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from dflash.decoding.reference import (
 )
 from dflash.decoding.static_drafter import StaticCacheDrafter
 from dflash.decoding.static_target import StaticCacheTarget, static_decoding_refusal
+from dflash.models.dflash2 import DFlash2Drafter
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.dspark import DSparkDrafter
 from dflash.models.target import FrozenTarget
@@ -61,6 +66,7 @@ class StaticDecoder:
         self.target = target
         self.block_size = drafter.block_size if drafter is not None else 1
         self.dspark = isinstance(drafter, DSparkDrafter)
+        self.dflash2 = isinstance(drafter, DFlash2Drafter)
         # Tokens a round verifies ([anchor, drafts]): a DFlash block, or a DSpark block + 1.
         self.verify_len = self.block_size + 1 if self.dspark else self.block_size
         capacity = max_len + self.verify_len  # a round verifies past the output
@@ -84,7 +90,10 @@ class StaticDecoder:
         enabled = graphs_enabled(graphs, target.device)
         pool = torch.cuda.graph_pool_handle() if enabled else None
         self._plain_step = GraphedFunction(self._plain_fn, enabled=enabled, pool=pool)
-        round_fn = self._dspark_round_fn if isinstance(drafter, DSparkDrafter) else self._round_fn
+        # DSpark and DFlash2 pick their drafts left to right (argmax or sampled from `_noise`), and
+        # their rounds return a third tensor: survival probabilities, or the unary argmax.
+        self.sequential = self.dspark or self.dflash2
+        round_fn = self._sequential_round_fn if self.sequential else self._round_fn
         self._round = GraphedFunction(round_fn, enabled=enabled, pool=pool)
         self._commit = GraphedFunction(self.target_cache.commit, enabled=enabled, pool=pool)
         device = target.device
@@ -92,7 +101,7 @@ class StaticDecoder:
         self._pos = torch.zeros((1, 1), dtype=torch.long, device=device)
         self._taken = torch.zeros(1, dtype=torch.long, device=device)
         self._noise = None
-        if self.dspark:  # sampled DSpark drafts: one Gumbel row per block position
+        if self.sequential:  # sampled drafts: one Gumbel row per block position
             vocab = target.lm_head.weight.shape[0]
             self._noise = torch.zeros((self.block_size, vocab), dtype=torch.float32, device=device)
 
@@ -137,7 +146,7 @@ class StaticDecoder:
         step eagerly a few times, and inside a timed decode it would be charged to the prompt
         that first reached the bucket. Run before any prompt: the dummy tokens it writes at
         positions 0..block-1 are overwritten by the next prefill. `sampled_temperatures`: a
-        DSpark drafter's sampled rounds at these temperatures too (one graph each). Returns the
+        DSpark or DFlash2 drafter's sampled rounds at these temperatures too (one graph each). Returns the
         number of graphs captured (0 with graphs off)."""
         if not self.graphs_on:
             return 0
@@ -148,7 +157,7 @@ class StaticDecoder:
             self._plain_step(self._ids, self._pos, kv_len=kv_len)
             if self.drafter_cache is not None:
                 self._round(self._ids, self._pos, kv_len=kv_len)
-            for temperature in sampled_temperatures if self.dspark else ():
+            for temperature in sampled_temperatures if self.sequential else ():
                 self._round(self._ids, self._pos, self._noise, kv_len=kv_len, temperature=temperature)
         if self.target_cache.recurrent:
             self.keep(0)  # the commit's graph (one shape); 0 keeps every state as it is
@@ -167,7 +176,7 @@ class StaticDecoder:
         self.drafter_cache.write(features, positions)
         return drafts, logits[0]
 
-    def _dspark_round_fn(
+    def _sequential_round_fn(
         self,
         anchor_11: torch.Tensor,
         pos_11: torch.Tensor,
@@ -176,14 +185,15 @@ class StaticDecoder:
         kv_len: int,
         temperature: float = 0.0,
     ):
-        drafts, survival = self.drafter_cache.draft_dspark(
-            anchor_11[0], pos_11[0], noise_BV, kv_len=kv_len, temperature=temperature
-        )
+        """A DSpark round (B drafts, B + 1 verified; the third output the survival probabilities
+        or None) or a DFlash2 round (B - 1 drafts, B verified; the third the unary argmax)."""
+        draft = self.drafter_cache.draft_dspark if self.dspark else self.drafter_cache.draft_dflash2
+        drafts, extra = draft(anchor_11[0], pos_11[0], noise_BV, kv_len=kv_len, temperature=temperature)
         ids = torch.cat([anchor_11[0], drafts]).view(1, -1)
         positions = pos_11 + self.drafter_cache.verify_offsets
         logits, features = self.target_cache.step(ids, positions, kv_len=kv_len)
         self.drafter_cache.write(features, positions)
-        return drafts, logits[0], survival
+        return drafts, logits[0], extra
 
     # -- host side -------------------------------------------------------------------------------
     def _set(self, token: int, position: int) -> None:
@@ -250,8 +260,8 @@ class StaticDecoder:
         stop_ids: frozenset[int] = frozenset(),
         sampled_drafts: bool = False,
     ) -> DecodeResult:
-        """`sampled_drafts`: a DSpark drafter samples its drafts at `temperature` (> 0) instead of
-        taking their argmax (dflash.decoding.reference.speculative_generate)."""
+        """`sampled_drafts`: a DSpark or DFlash2 drafter samples its drafts at `temperature` (> 0)
+        instead of taking their argmax (dflash.decoding.reference.speculative_generate)."""
         if self.drafter_cache is None:
             raise ValueError("StaticDecoder built without a drafter cannot decode speculatively")
         self._check_room(prompt, max_new_tokens)
@@ -270,24 +280,29 @@ class StaticDecoder:
         while len(output) < max_new_tokens and output[-1] not in stop_ids:
             self._set(output[-1], committed)
             kv_len = self.target_cache.kv_len_for(committed + self.verify_len)
-            confidence = None  # a DSpark drafter's confidence head: survival probabilities [B]
-            if not self.dspark:
+            # DSpark: the confidence head's survival probabilities [B] (None without one);
+            # DFlash2: the unary argmax [B-1].
+            extra = None
+            if not self.sequential:
                 drafts, logits = self._round(self._ids, self._pos, kv_len=kv_len)
             elif noise is None:
-                drafts, logits, confidence = self._round(self._ids, self._pos, kv_len=kv_len)
+                drafts, logits, extra = self._round(self._ids, self._pos, kv_len=kv_len)
             else:
                 self._noise.copy_(gumbel_noise(noise, tuple(self._noise.shape), self.target.device))
-                drafts, logits, confidence = self._round(
+                drafts, logits, extra = self._round(
                     self._ids, self._pos, self._noise, kv_len=kv_len, temperature=temperature
                 )
-            if confidence is not None:
-                survival.append(confidence.clone())  # the graph's output buffer is reused
-            draft, choices = self._read(drafts, logits, choose)
+            if self.dspark and extra is not None:
+                survival.append(extra.clone())  # the graph's output buffer is reused
+            unary = extra if self.dflash2 else None
+            draft, choices, unary_tokens = self._read(drafts, logits, choose, unary)
             room = max_new_tokens - len(output)
             produced, accepted, stopped = settle_round(draft, choices, room, stop_ids)
             output += produced
             result.acceptance_lengths.append(len(produced))
             result.accepted_drafts.append(accepted)
+            if unary_tokens is not None:
+                result.add_selector_round(draft=draft, unary=unary_tokens, choices=choices, accepted=accepted)
             if stopped:
                 break
             committed += accepted + 1
@@ -298,10 +313,15 @@ class StaticDecoder:
 
     @staticmethod
     def _read(
-        drafts: torch.Tensor, logits: torch.Tensor, choose: TokenChooser
-    ) -> tuple[list[int], list[int]]:
-        """Drafts and the target's choices on the host; greedy reads both in one transfer."""
+        drafts: torch.Tensor, logits: torch.Tensor, choose: TokenChooser, unary: torch.Tensor | None = None
+    ) -> tuple[list[int], list[int], list[int] | None]:
+        """Drafts, the target's choices and a DFlash2 round's unary argmax (None without) on the
+        host; greedy reads them all in one transfer."""
+        count = len(drafts)
+        drafted = torch.cat([drafts] if unary is None else [drafts, unary])
         if choose.temperature <= 0:
-            both = torch.cat([drafts, logits.argmax(-1)]).tolist()
-            return both[: len(drafts)], both[len(drafts) :]
-        return drafts.tolist(), choose(logits)
+            both = torch.cat([drafted, logits.argmax(-1)]).tolist()
+            choices = both[len(drafted) :]
+        else:
+            both, choices = drafted.tolist(), choose(logits)
+        return both[:count], choices, None if unary is None else both[count : 2 * count]

@@ -9,7 +9,9 @@ rejected drafts, or stale ones from an earlier sequence — are never seen.
 
 A DSpark drafter drafts its B tokens left to right with the Markov bias inside the same
 capturable function (dflash.decoding.reference.dspark_block, the reference decoder's code), and
-returns the confidence head's survival probabilities beside them.
+returns the confidence head's survival probabilities beside them. A DFlash2 drafter's selector
+walks its B-1 draft positions the same way (dflash.decoding.reference.dflash2_block), the unary
+argmax returned beside the drafts.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ import torch
 from torch import nn
 
 from dflash.decoding.kv_cache import StaticKV
-from dflash.decoding.reference import DraftChooser, drafts_per_round, dspark_block
+from dflash.decoding.reference import DraftChooser, dflash2_block, drafts_per_round, dspark_block
 from dflash.models.compile import compile_shared
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import FrozenTarget
@@ -58,8 +60,8 @@ class StaticCacheDrafter(nn.Module):
         if compile_backend is not None:
             self._write = compile_shared(self._write_eager, backend=compile_backend, dynamic=True)
             self._draft = compile_shared(self._draft_eager, backend=compile_backend, dynamic=True)
-            # DSpark: the layers compiled; the B-step Markov loop after them stays eager (a graph
-            # captures it all the same).
+            # DSpark and DFlash2: the layers compiled; the left-to-right loop after them (Markov
+            # head, candidate selector) stays eager (a graph captures it all the same).
             self._hidden = compile_shared(self._hidden_eager, backend=compile_backend, dynamic=True)
 
     @torch.no_grad()
@@ -89,6 +91,23 @@ class StaticCacheDrafter(nn.Module):
         hidden = self._hidden(anchor_1, anchor_pos_1, kv_len=kv_len)
         choose = DraftChooser() if noise_BV is None else DraftChooser(temperature, noise_BV)
         return dspark_block(self.drafter, self.target, hidden_1BH=hidden, anchor_1=anchor_1, choose=choose)
+
+    @torch.no_grad()
+    def draft_dflash2(
+        self,
+        anchor_1: torch.Tensor,
+        anchor_pos_1: torch.Tensor,
+        noise_BV: torch.Tensor | None = None,
+        *,
+        kv_len: int,
+        temperature: float = 0.0,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A DFlash2 drafter's B-1 drafts [B-1], picked by its selector among each position's
+        top-K candidates (the best score, or with `noise_BV` a Gumbel-max sample at
+        `temperature`), and the unary argmax [B-1] beside them. Capturable."""
+        hidden = self._hidden(anchor_1, anchor_pos_1, kv_len=kv_len)
+        choose = DraftChooser() if noise_BV is None else DraftChooser(temperature, noise_BV)
+        return dflash2_block(self.drafter, self.target, hidden_1BH=hidden, anchor_1=anchor_1, choose=choose)
 
     def _write_eager(self, features_1QF: torch.Tensor, positions_1Q: torch.Tensor) -> None:
         for index, (k, v) in enumerate(self.drafter.context_kv(features_1QF, positions_1Q)):
