@@ -559,9 +559,10 @@ class EvalConfig:
     # steps without, 1.10 with; experiment=qwen3_5_b16 turns it on).
     compile_decoding: bool = False
     # A DSpark drafter at a temperature > 0: sample each draft from its Markov-biased logits at
-    # that temperature (false: take their argmax, as a DFlash drafter always does). Verification
-    # is unchanged either way (a draft is kept when it equals the target's own choice), so the
-    # output stays exact.
+    # that temperature; a DFlash2 drafter: sample each draft among its selector's K candidates
+    # from the softmax of their scores (false: take the argmax, as a DFlash drafter always
+    # does). Verification is unchanged either way (a draft is kept when it equals the target's
+    # own choice), so the output stays exact.
     sampled_drafts: bool = False
     warmup_prompts: int = 2
     # dflash-eval: where the JSON report goes; null: <paths.output_dir>/eval.json.

@@ -5,8 +5,11 @@ Per benchmark and temperature: mean tau (tokens produced per target verification
 acceptance-length histogram, and at temperature 0 the fraction of prompts whose DFlash output
 equals plain greedy output. A DSpark drafter with a confidence head adds, per block position, the
 head's predicted probability that the draft there is accepted (the product of its survival
-probabilities up to it) beside the share of rounds that accepted it. With timing on: time per output token of plain (KV-cached, one
-token per forward) over DFlash decoding, timed with CUDA events on GPU, after warm-up runs.
+probabilities up to it) beside the share of rounds that accepted it. A DFlash2 drafter adds how
+often its candidate selector drafted another token than the unary argmax, and how those drafts
+fared: accepted, or rejected where the unary token was the target's choice. With timing on: time
+per output token of plain (KV-cached, one token per forward) over DFlash decoding, timed with CUDA
+events on GPU, after warm-up runs.
 
 Both decoders run on the same engine (dflash.decoding: static caches, CUDA graphs on GPU) so
 the speedup compares algorithms, not Python overheads (hybrid targets included); a target the
@@ -66,7 +69,7 @@ class Decoders:
         sampled_drafts: bool = False,
         temperatures: tuple[float, ...] = (),
     ) -> Decoders:
-        """`sampled_drafts`: a DSpark drafter samples its drafts at the decoding temperature (the
+        """`sampled_drafts`: a DSpark or DFlash2 drafter samples its drafts at the decoding temperature (the
         static decoder captures those rounds for `temperatures` up front)."""
         static = StaticDecoder.for_target(target, drafter, max_len=max_len, graphs=graphs, compile=compile)
         if static is not None:
@@ -145,6 +148,7 @@ def evaluate_set(
     stopwatch = Stopwatch(target.device)
     lengths: list[int] = []
     confidence = ConfidenceTally(drafts)
+    selector = SelectorTally(drafts)
     # Each path's time is divided by its own output: in bf16 a greedy DFlash output may differ
     # from the plain one (near-ties) and stop at another length.
     identical, output_tokens, plain_tokens, plain_s, dflash_s, prefill_s = 0, 0, 0, 0.0, 0.0, 0.0
@@ -161,6 +165,7 @@ def evaluate_set(
         dflash_s += seconds
         lengths += result.acceptance_lengths
         confidence.add(result)
+        selector.add(result)
         output_tokens += len(result.output_ids)
         if need_plain:
             reference, seconds = stopwatch(
@@ -188,6 +193,7 @@ def evaluate_set(
         lossless_frac=identical / evaluated if greedy and evaluated else None,
         divergences=divergences,
         **confidence.fields(),
+        **selector.fields(),
     )
     if timing and output_tokens and plain_tokens:
         report.plain_ms_per_token = 1000.0 * plain_s / plain_tokens
@@ -236,6 +242,34 @@ class ConfidenceTally:
             # output's end, so beside each other rather than beside tau).
             "confidence_tau": float(1 + predicted.sum()),
             "accepted_tau": float(1 + accepted.sum()),
+        }
+
+
+class SelectorTally:
+    """A DFlash2 candidate selector against the unary argmax it may override, over rounds
+    (`DecodeResult.selector_changed` ...): the share of draft positions where it drafted another
+    token; of those drafts, the share accepted and the share rejected where the unary token was
+    the target's choice (keeping it would have had that draft accepted)."""
+
+    def __init__(self, drafts: int):
+        self.drafts = drafts
+        self.rounds = self.changed = self.accepted = self.unary_right = 0
+
+    def add(self, result: DecodeResult) -> None:
+        self.rounds += len(result.selector_changed)
+        self.changed += sum(result.selector_changed)
+        self.accepted += sum(result.selector_changed_accepted)
+        self.unary_right += sum(result.selector_changed_unary_right)
+
+    def fields(self) -> dict:
+        """BenchmarkResult's selector fields ({} without a DFlash2 drafter; the two shares of
+        changes None when the selector changed nothing)."""
+        if not self.rounds:
+            return {}
+        return {
+            "selector_change_frac": round(self.changed / (self.rounds * self.drafts), 4),
+            "selector_change_accepted_frac": round(self.accepted / self.changed, 4) if self.changed else None,
+            "selector_change_unary_frac": round(self.unary_right / self.changed, 4) if self.changed else None,
         }
 
 

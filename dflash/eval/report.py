@@ -38,6 +38,20 @@ class BenchmarkResult:
     accepted_by_position: list[float] | None = None
     confidence_tau: float | None = None
     accepted_tau: float | None = None
+    # A DFlash2 drafter (dflash.eval.evaluate.SelectorTally): the share of draft positions where
+    # its candidate selector drafted another token than the unary argmax; of those drafts, the
+    # share accepted and the share rejected where the unary token was the target's choice.
+    selector_change_frac: float | None = None
+    selector_change_accepted_frac: float | None = None
+    selector_change_unary_frac: float | None = None
+
+
+# BenchmarkResult's DFlash2 selector figures, each also a per-benchmark metric of that name.
+SELECTOR_FIGURES = ("selector_change_frac", "selector_change_accepted_frac", "selector_change_unary_frac")
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
 
 
 def lossless_line(metrics: dict[str, float]) -> str:
@@ -96,6 +110,9 @@ class EvalReport:
             if r.confidence_tau is not None:
                 out[f"eval/{r.benchmark}/confidence_tau{suffix}"] = r.confidence_tau
                 out[f"eval/{r.benchmark}/accepted_tau{suffix}"] = r.accepted_tau
+            for name in SELECTOR_FIGURES:
+                if getattr(r, name) is not None:
+                    out[f"eval/{r.benchmark}/{name}{suffix}"] = getattr(r, name)
         counts = sum(np.array(r.acceptance_histogram) * r.verifications for r in greedy)
         pooled = counts / max(1, sum(r.verifications for r in greedy))
         for k in range(1, len(pooled)):
@@ -145,6 +162,19 @@ class EvalReport:
                 rows.append(
                     f"  {r.benchmark} t={r.temperature:g}  {cells}  "
                     f"tau {r.confidence_tau:.3f}/{r.accepted_tau:.3f}"
+                )
+        selecting = [r for r in self.results if r.selector_change_frac is not None]
+        if selecting:
+            rows.append("")
+            rows.append(
+                "candidate selector: drafts changed from the unary argmax (share of draft positions); "
+                "of those, accepted / rejected where the unary token was the target's:"
+            )
+            for r in selecting:
+                rows.append(
+                    f"  {r.benchmark} t={r.temperature:g}  changed {r.selector_change_frac:.1%}  "
+                    f"accepted {_share(r.selector_change_accepted_frac)}  "
+                    f"unary right {_share(r.selector_change_unary_frac)}"
                 )
         return "\n".join(rows)
 

@@ -38,6 +38,7 @@ OBJECTIVE_PATTERNS = (
     r"eval/(tau|num_prompts|lossless_frac|divergence_max_logit_gap)",
     r"eval/accept_len_\d+_frac",
     r"eval/[^/]+/(tau|speedup|round_cost|prefill_ms|confidence_tau|accepted_tau)(_t[0-9.e+-]+)?",
+    r"eval/[^/]+/selector_change(_accepted|_unary)?_frac(_t[0-9.e+-]+)?",
     r"roles/(target|drafter)_(busy_frac|s_per_batch)|roles/data_wait_frac",
 )
 
