@@ -204,3 +204,31 @@ def test_graphed_dspark_rounds_equal_eager_ones_greedy_and_sampled():
         == eager.speculative(prompt, 40, temperature=1.0, seed=2, sampled_drafts=True).output_ids
     )
     assert graphed.captures == 12
+
+
+def test_graphed_dflash2_rounds_equal_eager_ones_greedy_and_sampled():
+    """A DFlash2 round (the selector's top-K walk inside the graph, B verified, the sampled
+    drafts' noise fed in before each replay) replays what the eager static path computes, the
+    selector's figures included; greedy output equals plain greedy."""
+    from tests.test_dflash2_decoding import tiny_dflash2
+
+    target = tiny_target()
+    target.model.to("cuda")
+    drafter = tiny_dflash2(target).to("cuda")
+    graphed = StaticDecoder(target, drafter, max_len=96, graphs=True, kv_bucket=32)
+    eager = StaticDecoder(target, drafter, max_len=96, graphs=False, kv_bucket=32)
+    # Buckets 32, 64, 96 (96 + a verification of B = 100 -> 128 too): the plain step, the greedy
+    # round and the round sampled at 1.0, each.
+    assert graphed.capture_every_shape((1.0,)) == 12
+    torch.manual_seed(3)
+    prompt = torch.randint(0, 500, (20,)).tolist()
+    greedy = graphed.speculative(prompt, 40)
+    eager_greedy = eager.speculative(prompt, 40)
+    assert greedy.output_ids == plain_generate(target, prompt, 40).output_ids
+    assert greedy.acceptance_lengths == eager_greedy.acceptance_lengths
+    assert greedy.selector_changed == eager_greedy.selector_changed and sum(greedy.selector_changed) > 0
+    sampled = graphed.speculative(prompt, 40, temperature=1.0, seed=2, sampled_drafts=True)
+    eager_sampled = eager.speculative(prompt, 40, temperature=1.0, seed=2, sampled_drafts=True)
+    assert sampled.output_ids == eager_sampled.output_ids
+    assert sampled.selector_changed == eager_sampled.selector_changed
+    assert graphed.captures == 12
