@@ -36,7 +36,7 @@ CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 # DSpark's heads (dflash/models/dspark.py) under the names DeepSpec's checkpoints use.
 DSPARK_HEAD_PREFIXES = ("markov_head.", "confidence_head.")
-EXPORTED_PREFIXES = ("layers.", "fc.", "hidden_norm.", "norm.", *DSPARK_HEAD_PREFIXES)
+EXPORTED_PREFIXES = ("layers.", "fc.", "hidden_norm.", "norm.", "candidate_selector.", *DSPARK_HEAD_PREFIXES)
 
 
 def readable_by_every_transformers(config: dict[str, Any]) -> dict[str, Any]:
