@@ -64,10 +64,13 @@ class DFlash2LossStats(LossStats):
 def _chunk_top_k(logits: torch.Tensor, labels: torch.Tensor, top_k: int) -> tuple[torch.Tensor, ...]:
     """One chunk of rows [n, V]: top-K values and ids (sorted, fp32), the label's own logit and the
     softmax mass on the top-K; no gradient (the caller routes the values' gradients itself)."""
-    x = logits.float()
-    values, ids = torch.topk(x, top_k, dim=-1)
-    mass = torch.exp(values - torch.logsumexp(x, dim=-1, keepdim=True)).sum(dim=-1)
-    return values, ids, x.gather(1, labels[:, None]).squeeze(1), mass
+    # Top-K and the gather on the logits as they are (bf16 on GPU: exact in fp32 afterwards), so
+    # only the log-sum-exp reads them in fp32 (fused into its reduction when compiled).
+    values, ids = torch.topk(logits, top_k, dim=-1)
+    values = values.float()
+    lse = torch.logsumexp(logits.float(), dim=-1, keepdim=True)
+    mass = torch.exp(values - lse).sum(dim=-1)
+    return values, ids, logits.gather(1, labels[:, None]).squeeze(1).float(), mass
 
 
 @functools.cache
