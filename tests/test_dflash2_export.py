@@ -231,7 +231,17 @@ def test_logit_transforms_stay_in_the_zlab_layout(tmp_path, capsys):
         "final_logit_softcapping": 20.0,
     }
     with pytest.raises(SystemExit) as stopped:
-        export_main(["convert", str(tmp_path / "zlab"), str(tmp_path / "s"), "--layout", "speculators"] + ["--verifier", "t"])  # fmt: skip
+        export_main(
+            [
+                "convert",
+                str(tmp_path / "zlab"),
+                str(tmp_path / "s"),
+                "--layout",
+                "speculators",
+                "--verifier",
+                "t",
+            ]
+        )
     assert stopped.value.code == 2
     error = capsys.readouterr().err
     assert "output_multiplier=0.25" in error and "--layout zlab" in error
