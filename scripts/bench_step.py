@@ -101,6 +101,16 @@ def drafter_flops(
         for layer in drafter.layers
         for m in (layer.mlp, layer.self_attn.q_proj, layer.self_attn.o_proj)
     )
+    # DFlash2: each convolution's kernel projection runs at every block position; the selector's
+    # hidden projection at the labelled ones (its K x rank codebook products are left out: small).
+    per_layer_block += sum(
+        linear_params(conv.kernel_projection)
+        for layer in drafter.layers
+        for conv in (layer.attention_conv, layer.mlp_conv)
+        if conv is not None
+    )
+    selector = getattr(drafter, "candidate_selector", None)
+    selector_forward = 0 if selector is None else 2 * linear_params(selector.hidden_projection) * labelled
     kv = sum(
         linear_params(layer.self_attn.k_proj) + linear_params(layer.self_attn.v_proj)
         for layer in drafter.layers
@@ -112,7 +122,7 @@ def drafter_flops(
     )
     attention = 4 * config.num_attention_heads * config.head_dim * blocks_visible  # summed over layers
     lm_head = 2 * head.lm_head.weight.numel() * labelled
-    return 3 * forward + 3 * attention + 2 * lm_head
+    return 3 * (forward + selector_forward) + 3 * attention + 2 * lm_head
 
 
 def make_batch(samples: int, seq_len: int, context: int, vocab: int, exclude: int, index: int) -> Batch:

@@ -406,6 +406,34 @@ class DSparkVariantConfig(VariantConfig):
 
 
 @dataclass
+class DFlash2VariantConfig(VariantConfig):
+    """DFlash2 (z-lab): block position k >= 1 predicts token a + k as in DFlash; a grouped dynamic
+    depthwise causal convolution around every draft sublayer (identity at init) and a selector
+    over the unary logits' top-K; loss CE + selector_alpha x the selector's K-way CE, the gold token
+    injected when the top-K misses it (docs/ARCHITECTURE.md §1, DFlash2). Defaults: the released
+    drafters' (z-lab/Qwen3.8-27B-DFlash2) and the public trainers' alpha."""
+
+    _target_: str = "dflash.step.variant.DFlash2Variant"
+    # Taps of each convolution (tap 0: the position itself, tap t: t positions back in the block).
+    conv_kernel_size: int = 2
+    # Channels sharing one dynamic coefficient; must divide the hidden size.
+    conv_group_size: int = 16
+    # Rank r of the selector's codebooks ([vocab, r] each) and hidden projection.
+    selector_rank: int = 256
+    # Candidates per draft position: the unary logits' top-K.
+    selector_top_k: int = 16
+    # Weight of the selector's K-way CE beside the unary CE (0: the selector does not train).
+    selector_alpha: float = 1.0
+
+    def __post_init__(self) -> None:
+        for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            if getattr(self, key) < 1:
+                raise ValueError(f"variant.{key}={getattr(self, key)}: must be >= 1")
+        if self.selector_alpha < 0:
+            raise ValueError(f"variant.selector_alpha={self.selector_alpha}: must be >= 0")
+
+
+@dataclass
 class NoiseConfig:
     """`_target_`: a noise schedule (dflash/step/noise.py): per optimizer step, the share of
     block positions that keep their true token and the std of the feature noise."""
@@ -694,7 +722,11 @@ COMPONENT_OPTIONS: dict[str, dict[str, type]] = {
     "optimizer": {"adamw": AdamWConfig},
     "lr_schedule": {"cosine": CosineLrScheduleConfig, "constant": ConstantLrScheduleConfig},
     "loss": {"default": LossConfig},
-    "variant": {"dflash": DFlashVariantConfig, "dspark": DSparkVariantConfig},
+    "variant": {
+        "dflash": DFlashVariantConfig,
+        "dspark": DSparkVariantConfig,
+        "dflash2": DFlash2VariantConfig,
+    },
     "noise": {"none": NoNoiseConfig, "mask_ramp": MaskRampNoiseConfig, "feature": FeatureNoiseConfig},
     "pipeline": {"sync": SyncPipelineConfig, "async": AsyncPipelineConfig},
     "monitor": {"default": MonitorConfig},

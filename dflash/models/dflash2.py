@@ -74,26 +74,33 @@ def add_dflash2_fields(
         "selector_top_k": int(selector_top_k),
     }
     config.architectures = [DFLASH2_ARCHITECTURE]
-    check_dflash2_shape(config)
+    check_dflash2_shape(config, prefix="variant.")
     return config
 
 
-def check_dflash2_shape(config: Any) -> None:
-    """The rules every reader applies to the DFlash2 fields (one line per broken rule)."""
+def check_dflash2_shape(config: Any, prefix: str = "dflash_config.") -> None:
+    """The rules every reader applies to the DFlash2 fields; the message names the key with
+    `prefix` (a config.json's `dflash_config.`, a run's `variant.`)."""
     settings = dflash2_settings(config)
     missing = [key for key in DFLASH2_KEYS if key not in settings]
     if missing:
-        raise ValueError(f"a DFlash2 drafter config needs dflash_config.{', dflash_config.'.join(missing)}")
-    hidden, vocab = config.hidden_size, config.vocab_size
-    if settings["conv_kernel_size"] < 1:
-        raise ValueError(f"conv_kernel_size={settings['conv_kernel_size']}: must be >= 1")
+        raise ValueError(f"a DFlash2 drafter config needs {', '.join(prefix + key for key in missing)}")
+    raw = config if isinstance(config, dict) else vars(config)
+    hidden, vocab = raw["hidden_size"], raw["vocab_size"]
+    block_size = raw.get("block_size") or (raw.get("dflash_config") or {}).get("block_size")
+    kernel = settings["conv_kernel_size"]
+    if kernel < 1 or (block_size is not None and kernel > block_size):
+        # Taps past the block's start read zeros only (speculators refuses them too).
+        raise ValueError(f"{prefix}conv_kernel_size={kernel}: must be in 1..block_size ({block_size})")
     group = settings["conv_group_size"]
     if group < 1 or hidden % group:
-        raise ValueError(f"conv_group_size={group} must divide hidden_size={hidden}")
+        raise ValueError(f"{prefix}conv_group_size={group} must divide the hidden size ({hidden})")
     if settings["selector_rank"] < 1:
-        raise ValueError(f"selector_rank={settings['selector_rank']}: must be >= 1")
+        raise ValueError(f"{prefix}selector_rank={settings['selector_rank']}: must be >= 1")
     if not 1 <= settings["selector_top_k"] <= vocab:
-        raise ValueError(f"selector_top_k={settings['selector_top_k']}: must be in 1..vocab_size ({vocab})")
+        raise ValueError(
+            f"{prefix}selector_top_k={settings['selector_top_k']}: must be in 1..vocab_size ({vocab})"
+        )
 
 
 def shift_in_block(x_BQ_: torch.Tensor, offset: int, block_size: int) -> torch.Tensor:
@@ -160,8 +167,12 @@ class CandidateSelector(nn.Module):
         self.hidden_projection = nn.Linear(hidden_size, rank, bias=False)
 
     def reset_parameters(self, std: float) -> None:
-        for weight in (self.predecessor_codebook, self.successor_codebook, self.hidden_projection.weight):
-            nn.init.normal_(weight, mean=0.0, std=std)
+        """A and H ~ N(0, std), B = 0 (SpecForge's and NeMo's init): the bilinear term is exactly
+        zero, so a fresh selector picks the unary argmax and a fresh DFlash2 drafts as DFlash does;
+        B's gradient (A[p] * H h) is not zero, so the selector starts learning at once."""
+        nn.init.normal_(self.predecessor_codebook, mean=0.0, std=std)
+        nn.init.normal_(self.hidden_projection.weight, mean=0.0, std=std)
+        nn.init.zeros_(self.successor_codebook)
 
     def pair_scores(
         self, prev_ids: torch.Tensor, hidden: torch.Tensor, candidates: torch.Tensor

@@ -285,4 +285,3 @@ class DSparkDrafter(DFlashDrafter):
             tokens.append(prev)
             logits.append(step_logits)
         return torch.stack(tokens, 1), torch.stack(logits, 1)
-

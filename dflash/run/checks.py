@@ -26,6 +26,7 @@ from dflash.data.conversations import expand_files
 from dflash.data.files import is_saved_dataset
 from dflash.models.dspark import markov_head_class
 from dflash.models.layer_ids import default_target_layer_ids
+from dflash.step.loss import VARIANT_FIGURES
 
 # The numeric keys of summary.json (the run summary, the evaluation report's metrics, the role
 # figures): what `objective` may name. tests/test_train.py checks a real summary against them.
@@ -34,7 +35,8 @@ OBJECTIVE_PATTERNS = (
     r"perf/(samples|tokens)_per_s",
     r"train/(loss|acc)(_first_window)?|train/tau_(sim|block|decode)",
     r"val/(loss|acc|tau_sim|tau_block|tau_decode)|val_samples",
-    r"(train|val)/(ce|l1|confidence_loss|confidence_abs_error|confidence_bias|tau_prob)",
+    # The variants' own figures (dflash/step/loss.py: VARIANT_FIGURES).
+    r"(train|val)/(" + "|".join(sorted({name for names in VARIANT_FIGURES.values() for name in names})) + ")",
     r"eval/(tau|num_prompts|lossless_frac|divergence_max_logit_gap)",
     r"eval/accept_len_\d+_frac",
     r"eval/[^/]+/(tau|speedup|round_cost|prefill_ms|confidence_tau|accepted_tau)(_t[0-9.e+-]+)?",

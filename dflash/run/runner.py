@@ -22,9 +22,10 @@ from dflash.export.card import write_model_card
 from dflash.models.compile import CompileCounter
 from dflash.monitor.callbacks import TrainingCallbacks
 from dflash.pipeline.roles import role_lines
+from dflash.step.loss import VARIANT_FIGURES
 from dflash.trainer.lifecycle import Trainer
 from dflash.trainer.signals import StopRequested, stop_on_signals
-from dflash.trainer.validation import DSPARK_VAL_FIGURES, Validation
+from dflash.trainer.validation import Validation
 
 log = logging.getLogger(__name__)
 
@@ -114,10 +115,11 @@ class Run:
             "train/tau_sim": last["train/tau_sim"],
             "train/tau_block": last["train/tau_block"],
             "train/tau_decode": last["train/tau_decode"],
-            # variant=dspark: its loss terms and the figures from the target's probabilities
+            # The variant's own figures (dspark: its loss terms and the figures from the target's
+            # probabilities; dflash2: the selector's and the candidates')
             **{
                 f"train/{name}": last[f"train/{name}"]
-                for name in DSPARK_VAL_FIGURES
+                for name in {name for names in VARIANT_FIGURES.values() for name in names}
                 if f"train/{name}" in last
             },
             **({"val_samples": self.validation.num_samples} if self.validation is not None else {}),
@@ -163,6 +165,23 @@ def format_summary(summary: dict[str, Any]) -> str:
                 + (f" ({summary['val/tau_prob']:.3f} held out)" if "val/tau_prob" in summary else "")
             ]
             if "train/tau_prob" in summary
+            else []
+        ),
+        *(
+            [
+                f"dflash2           unary ce {summary['train/ce']:.3f}, selector ce "
+                f"{summary['train/selector_ce']:.3f}; candidates recall {summary['train/candidate_recall']:.3f}, "
+                f"mass {summary['train/candidate_mass']:.3f}; selector changed "
+                f"{summary['train/selector_changed']:.3f} of picks ({summary['train/selector_changed_correct']:.3f} "
+                f"of them right); tau_decode unary {summary['train/unary_tau_decode']:.3f}, oracle "
+                f"{summary['train/oracle_tau_decode']:.3f}"
+                + (
+                    f" ({summary['val/unary_tau_decode']:.3f}, {summary['val/oracle_tau_decode']:.3f} held out)"
+                    if "val/oracle_tau_decode" in summary
+                    else ""
+                )
+            ]
+            if "train/selector_ce" in summary
             else []
         ),
         *(

@@ -63,10 +63,12 @@ class DraftBlocks:
     # so the fused loss runs the LM head on those rows only (no device value read to find them)
     loss_rows: torch.Tensor
     block_size: int
-    # Blocks whose positions predict the token after them (label_offset=1, DSpark) also carry:
-    # [B, Q] each position's true token ids[a + k], the previous token of the one it predicts
-    # (the Markov head's teacher-forced input; the anchor for k = 0), 0 past a sample's end;
+    # [B, Q] the true token before the one each position predicts, ids[a + k + label_offset - 1]
+    # (DSpark's Markov head and DFlash2's selector read it teacher-forced: the anchor for the
+    # first predicting position), 0 where that falls outside the sample; built on request
+    # (`with_prev_ids`, always with label_offset=1).
     prev_ids: torch.Tensor | None = None
+    # Blocks whose positions predict the token after them (label_offset=1, DSpark) also carry:
     # [n] the flat index (into B * S) of each `loss_rows` row's own position a + k, where the
     # target's final hidden state gives its distribution for token a + k + 1.
     final_rows: torch.Tensor | None = None
@@ -107,6 +109,7 @@ def build_blocks(
     weights: torch.Tensor,
     keep_fraction: float = 0.0,
     label_offset: int = 0,
+    with_prev_ids: bool = False,
 ) -> DraftBlocks:
     """Draw anchors per sample and lay out their blocks, labels and weights (host tensors);
     `weights` [block_size]: each block position's loss weight (`position_weights`).
@@ -115,7 +118,7 @@ def build_blocks(
     anchor and predicts nothing. 1 (DSpark, deepseek-ai/DeepSpec `build_eval_mask`): every
     position predicts the token after it, and supervision stops at a block's first unsupervised
     label (a contiguous prefix, as drafts are accepted); the blocks then carry `prev_ids` and
-    `final_rows`.
+    `final_rows`. with_prev_ids: carry `prev_ids` at label_offset 0 too (DFlash2's selector).
 
     keep_fraction (noise=mask_ramp): each non-anchor block position keeps its true token instead
     of MASK with this probability; such positions carry no loss and no accuracy.
@@ -171,12 +174,16 @@ def build_blocks(
     flat = (batch, num_blocks * block_size)
     loss_rows = np.flatnonzero(valid.reshape(-1))
     extra = {}
+    if label_offset != 0 or with_prev_ids:
+        prev_pos = positions + label_offset - 1
+        prev_in_range = (prev_pos >= 0) & (prev_pos < sample_lengths)
+        prev_ids = np.take_along_axis(
+            ids_np, np.clip(prev_pos, 0, seq_len - 1).reshape(batch, -1), axis=1
+        ).reshape(positions.shape)
+        extra["prev_ids"] = torch.from_numpy(np.where(prev_in_range, prev_ids, 0).reshape(flat))
     if label_offset != 0:
         sample_start = (np.arange(batch) * seq_len)[:, None, None]
-        extra = {
-            "prev_ids": torch.from_numpy(np.where(in_range, true_ids, 0).reshape(flat)),
-            "final_rows": torch.from_numpy((sample_start + gather_pos).reshape(-1)[loss_rows]),
-        }
+        extra["final_rows"] = torch.from_numpy((sample_start + gather_pos).reshape(-1)[loss_rows])
     return DraftBlocks(
         block_ids=torch.from_numpy(block_ids.reshape(flat)),
         positions=torch.from_numpy(positions.reshape(flat)),

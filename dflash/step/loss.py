@@ -97,6 +97,12 @@ def _compiled_chunk_ce_and_grad():
     return compile_shared(_chunk_ce_and_grad, dynamic=True)
 
 
+def chunk_ce_and_grad(compiled: bool):
+    """The fused loss's per-chunk function (logits, labels, weights) -> (sum of w * CE, hits,
+    d/d(logits)), compiled on request: the fused losses built on DFlash's CE share it."""
+    return _compiled_chunk_ce_and_grad() if compiled else _chunk_ce_and_grad
+
+
 class _FusedHeadCE(torch.autograd.Function):
     """sum_n w_n * CE(hidden_n @ W^T, label_n), chunk by chunk, with d/d(hidden) computed in the
     forward pass: each chunk's logits live only while that chunk is processed, and the LM head
@@ -114,7 +120,7 @@ class _FusedHeadCE(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_NH, weight_VH, labels_N, weights_N, chunk, compute_dtype, compiled):
         weight = weight_VH.to(compute_dtype)
-        per_chunk = _compiled_chunk_ce_and_grad() if compiled else _chunk_ce_and_grad
+        per_chunk = chunk_ce_and_grad(compiled)
         grad_hidden = torch.empty_like(hidden_NH)
         weighted_ce = hidden_NH.new_zeros((), dtype=torch.float32)
         hit = torch.empty_like(labels_N, dtype=torch.bool)
@@ -284,7 +290,61 @@ def objective_figures(sums: Mapping[str, Any]) -> dict[str, float]:
     }
     if "l1" in sums:  # a DSpark run's sums (dflash/step/dspark_loss.py)
         figures.update(dspark_figures(sums))
+    if "selector_ce" in sums:  # a DFlash2 run's sums (dflash/step/dflash2_loss.py)
+        figures.update(dflash2_figures(sums))
     return figures
+
+
+# Each variant's own figures (besides `VAL_FIGURES`'): reported as train/ and val/ keys, in the
+# run summary, and what `objective` may name (dflash/run/checks.py).
+VARIANT_FIGURES: dict[str, tuple[str, ...]] = {
+    "dflash": (),
+    "dspark": ("ce", "l1", "confidence_loss", "confidence_abs_error", "confidence_bias", "tau_prob"),
+    "dflash2": (
+        "ce",
+        "selector_ce",
+        "candidate_recall",
+        "candidate_mass",
+        "selector_changed",
+        "selector_changed_correct",
+        "unary_acc",
+        "unary_tau_block",
+        "unary_tau_decode",
+        "oracle_tau_block",
+        "oracle_tau_decode",
+    ),
+}
+# The figures every variant reports for a held-out split.
+VAL_FIGURES = ("loss", "acc", "tau_sim", "tau_block", "tau_decode")
+
+
+def dflash2_figures(sums: Mapping[str, Any]) -> dict[str, float]:
+    """DFlash2's terms per unit of position weight (`ce`, the unary CE; `selector_ce`, the K-way
+    CE), and over supervised positions: `candidate_recall` (label in the unary top-K),
+    `candidate_mass` (the drafter's softmax mass on its top-K), `selector_changed` (share of picks
+    that are not the unary argmax) and `selector_changed_correct` (share of those that are the
+    label); `unary_acc` and `unary_tau_*` (what the unary argmax, plain DFlash's draft, would
+    reach); `oracle_tau_*` (every position of the prefix with its label among the candidates: the
+    most a selector over these candidates can reach). The standard acc and tau_* score the
+    selector's picks (dflash/step/dflash2_loss.py)."""
+    weight, supervised = sums["weight"], sum(sums["counted"][1:])
+
+    def share(value: float, total: float) -> float:
+        return value / total if total > 0 else float("nan")
+
+    return {
+        "ce": share(sums["ce"], weight),
+        "selector_ce": share(sums["selector_ce"], weight),
+        "candidate_recall": share(sums["candidate_hits"], supervised),
+        "candidate_mass": share(sums["candidate_mass"], supervised),
+        "selector_changed": share(sums["selector_changed"], supervised),
+        "selector_changed_correct": share(sums["selector_changed_correct"], sums["selector_changed"]),
+        "unary_acc": share(sum(sums["unary_correct"][1:]), supervised),
+        "unary_tau_block": tau_from_runs(sums["unary_accepted"], sums["blocks"]),
+        "unary_tau_decode": tau_from_rounds(sums["blocks"], sums["unary_rounds"]),
+        "oracle_tau_block": tau_from_runs(sums["oracle_accepted"], sums["blocks"]),
+        "oracle_tau_decode": tau_from_rounds(sums["blocks"], sums["oracle_rounds"]),
+    }
 
 
 def dspark_figures(sums: Mapping[str, Any]) -> dict[str, float]:

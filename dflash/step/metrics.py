@@ -80,10 +80,29 @@ DSPARK_FIELDS: tuple[Field, ...] = (
 )
 
 
+# A DFlash2 run's sums after DFlash's (dflash/step/dflash2_loss.py: DFlash2LossStats); their
+# figures are `loss.dflash2_figures`'.
+DFLASH2_FIELDS: tuple[Field, ...] = (
+    Field("ce"),  # sum_k w_k CE_k (the unary term)
+    Field("selector_ce"),  # sum_k w_k SEL_k
+    Field("candidate_hits"),
+    Field("candidate_mass"),
+    Field("selector_changed"),
+    Field("selector_changed_correct"),
+    Field("unary_accepted"),
+    Field("unary_rounds"),
+    Field("oracle_accepted"),
+    Field("oracle_rounds"),
+    Field("unary_correct", width="position"),
+)
+
+_VARIANT_FIELDS = {"dspark": DSPARK_FIELDS, "dflash2": DFLASH2_FIELDS}
+
+
 def metric_fields(variant: str = "dflash") -> tuple[Field, ...]:
     """The variant's fields: `FIELDS` as it is now (read at call time, so an extended tuple
-    reaches every reader), then DSpark's own."""
-    return FIELDS + DSPARK_FIELDS if variant == "dspark" else FIELDS
+    reaches every reader), then the variant's own."""
+    return FIELDS + _VARIANT_FIELDS.get(variant, ())
 
 
 @dataclass(frozen=True)

@@ -51,6 +51,7 @@ def make_blocks(
         weights=settings.loss.position_weights(drafter.block_size, settings.variant.label_offset),
         keep_fraction=keep_fraction,
         label_offset=settings.variant.label_offset,
+        with_prev_ids=settings.variant.needs_prev_ids,
     )
 
 

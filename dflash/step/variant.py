@@ -6,7 +6,8 @@ Not `dflash/step/variants.py` (the step's reference and fast paths by name). A v
   a + k + `label_offset` (DFlash: 0, so position 0, the anchor itself, predicts nothing;
   DSpark: 1, every position predicts the token after it);
 - whether the target must hand over its final hidden state (`needs_final_state`: DSpark's loss
-  compares the draft distribution with the target's);
+  compares the draft distribution with the target's), and whether the blocks carry each label's
+  true previous token (`needs_prev_ids`: DSpark's Markov head, DFlash2's selector);
 - the loss over the block positions (`block_loss`).
 
 Position weights follow the token predicted, w = exp(-(j - 1) / gamma) for the j-th token after
@@ -25,9 +26,11 @@ from torch import nn
 from transformers import Qwen3Config
 
 from dflash.config.schema import MarkovHeadType
+from dflash.models.dflash2 import DFlash2Drafter, add_dflash2_fields
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.dspark import DSparkDrafter, add_dspark_fields
 from dflash.step.blocks import DraftBlocks
+from dflash.step.dflash2_loss import dflash2_loss
 from dflash.step.dspark_loss import DSparkWeights, dspark_loss
 from dflash.step.loss import LossStats, draft_loss
 
@@ -39,6 +42,8 @@ class DFlashVariant:
     name: ClassVar[str] = "dflash"
     label_offset: ClassVar[int] = 0
     needs_final_state: ClassVar[bool] = False
+    # The blocks carry each label's true previous token (DraftBlocks.prev_ids).
+    needs_prev_ids: ClassVar[bool] = False
 
     def drafter_config(self, config: Qwen3Config) -> Qwen3Config:
         """The variant's fields added to a backbone config (in place)."""
@@ -70,6 +75,7 @@ class DSparkVariant(DFlashVariant):
     name: ClassVar[str] = "dspark"
     label_offset: ClassVar[int] = 1
     needs_final_state: ClassVar[bool] = True
+    needs_prev_ids: ClassVar[bool] = True
 
     markov_rank: int = 256
     markov_head_type: MarkovHeadType | str = MarkovHeadType.vanilla
@@ -113,6 +119,45 @@ class DSparkVariant(DFlashVariant):
             blocks=blocks,
             final_BSH=final_BSH,
             weights=self.weights,
+            logits_chunk=logits_chunk,
+            compiled=compiled,
+        )
+
+
+@dataclass(frozen=True)
+class DFlash2Variant(DFlashVariant):
+    """DFlash2 (z-lab): the DFlash backbone with block-local convolutions around every sublayer and
+    a selector over the unary top-K; positions predict as in DFlash; loss CE + selector_alpha x
+    the selector's K-way CE with gold injection (dflash/step/dflash2_loss.py)."""
+
+    name: ClassVar[str] = "dflash2"
+    needs_prev_ids: ClassVar[bool] = True
+
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
+    selector_alpha: float = 1.0
+
+    def drafter_config(self, config: Qwen3Config) -> Qwen3Config:
+        return add_dflash2_fields(
+            config,
+            conv_kernel_size=self.conv_kernel_size,
+            conv_group_size=self.conv_group_size,
+            selector_rank=self.selector_rank,
+            selector_top_k=self.selector_top_k,
+        )
+
+    def drafter(self, config: Qwen3Config) -> DFlash2Drafter:
+        return DFlash2Drafter(config)
+
+    def block_loss(self, hidden_BQH, *, lm_head, drafter, blocks, final_BSH, logits_chunk, compiled):
+        return dflash2_loss(
+            hidden_BQH,
+            lm_head=lm_head,
+            drafter=drafter,
+            blocks=blocks,
+            selector_alpha=self.selector_alpha,
             logits_chunk=logits_chunk,
             compiled=compiled,
         )

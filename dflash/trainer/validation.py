@@ -27,14 +27,11 @@ from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import FrozenTarget
 from dflash.models.target_head import TargetHead
 from dflash.step.block_mask import tiles_by_window
-from dflash.step.loss import objective_figures
+from dflash.step.loss import VAL_FIGURES, VARIANT_FIGURES, objective_figures
 from dflash.step.metrics import StepMetrics
 from dflash.step.step import BlockSettings, drafter_forward_loss, make_blocks
 
 log = logging.getLogger(__name__)
-VAL_FIGURES = ("loss", "acc", "tau_sim", "tau_block", "tau_decode")
-# variant=dspark: its terms and the figures from the target's probabilities (loss.dspark_figures).
-DSPARK_VAL_FIGURES = ("ce", "l1", "confidence_loss", "confidence_abs_error", "confidence_bias", "tau_prob")
 
 
 class Validation:
@@ -99,5 +96,5 @@ class Validation:
                 totals["nonfinite_steps"],
             )
         figures = objective_figures(totals)
-        names = VAL_FIGURES + (DSPARK_VAL_FIGURES if variant.name == "dspark" else ())
+        names = VAL_FIGURES + VARIANT_FIGURES[variant.name]
         return {f"val/{name}": figures[name] for name in names}
