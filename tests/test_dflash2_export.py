@@ -21,6 +21,7 @@ from dflash.models.drafter import DFlashDrafter, drafter_config
 from dflash.models.target import FrozenTarget
 from dflash.run.resume import check_resume_matches, warm_starts_new_parts
 from dflash.tools.export import main as export_main
+from dflash.train import train
 from dflash.trainer.checkpoint import save_checkpoint
 from tests.test_dflash_rules import MASK_ID, tiny_drafter, tiny_target
 
@@ -603,3 +604,54 @@ def test_a_dflash_drafter_warm_starts_dflash2_with_identity_convolutions(tmp_pat
     with pytest.raises(ValueError, match="variant.conv_kernel_size: checkpoint 3, this run None"):
         check_resume_matches(tmp_path / "d2", plain_config, {}, key="drafter.init_from")
     assert isinstance(load_drafter(tmp_path / "dflash"), DFlashDrafter)
+
+
+DFLASH2_RUN = ["variant=dflash2", "variant.selector_rank=16", "variant.selector_top_k=8"]
+
+
+def released_form(directory: Path, drafter: DFlash2Drafter) -> Path:
+    """`drafter` written as z-lab writes its released DFlash2 checkpoints: transformers 5's
+    config (no rope_theta, rope_scaling or torch_dtype), block_size inside dflash_config only,
+    bf16 tensors."""
+    export_drafter(drafter, directory)
+    config = json.loads((directory / "config.json").read_text())
+    for key in ("rope_theta", "rope_scaling", "torch_dtype"):
+        config.pop(key)
+    config["dflash_config"]["block_size"] = config.pop("block_size")
+    config["dtype"] = "bfloat16"
+    (directory / "config.json").write_text(json.dumps(config))
+    edit_weights(directory, lambda w: {name: t.to(torch.bfloat16) for name, t in w.items()})
+    return directory
+
+
+def test_variant_dflash2_runs_start_from_a_dflash_checkpoint_and_from_a_released_drafter(make_cfg, tmp_path):
+    """drafter.init_from through a run's own preflight and loader: a DFlash checkpoint gives the
+    backbone (convolutions at the identity, selector new); a drafter in the released layout gives
+    every weight."""
+    from dflash.run.launch import build_models
+    from dflash.run.preflight import check_before_loading
+
+    plain = train(make_cfg(["train.total_steps=2"], output_dir=tmp_path / "dflash"))
+    warm_cfg = make_cfg(DFLASH2_RUN + [f"drafter.init_from={plain['checkpoint']}"], tmp_path / "warm")
+    warm = build_models(check_before_loading(warm_cfg)).drafters[0]
+    assert isinstance(warm, DFlash2Drafter)
+    source = load_drafter(Path(plain["checkpoint"])).state_dict()
+    state = warm.state_dict()
+    assert all(torch.equal(state[name], tensor) for name, tensor in source.items())
+    added = {name for name in state if name not in source}
+    assert (
+        added == {name for name in state if "_conv." in name or name.startswith("candidate_selector.")}
+        and added
+    )
+    assert all(not layer.attention_conv.kernel_projection.weight.any() for layer in warm.layers)
+
+    with torch.no_grad():
+        for parameter in warm.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.05)
+    released = released_form(tmp_path / "released", warm)
+    assert check_export(released, target=TINY_TARGET) == []
+    run_cfg = make_cfg(DFLASH2_RUN + [f"drafter.init_from={released}"], tmp_path / "fine_tune")
+    started = build_models(check_before_loading(run_cfg)).drafters[0].state_dict()
+    tensors = load_file(str(released / "model.safetensors"))
+    assert all(torch.equal(started[name].to(torch.bfloat16), tensor) for name, tensor in tensors.items())
+    assert set(started) == set(tensors)
