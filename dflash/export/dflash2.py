@@ -49,7 +49,7 @@ _PART_OF = {
 def is_dflash2(config: dict[str, Any]) -> bool:
     """A DFlash2 drafter's config (z-lab form): its architecture, or a DFlash2 field inside
     dflash_config or at the top level (a misplaced field is a DFlash2 export to check)."""
-    nested = config.get("dflash_config") or {}
+    nested = _settings(config)
     return DFLASH2_ARCHITECTURE in (config.get("architectures") or []) or any(
         key in nested or key in config for key in DFLASH2_KEYS
     )
@@ -64,7 +64,8 @@ def _number(value: Any) -> bool:
 
 
 def _settings(config: dict[str, Any]) -> dict[str, Any]:
-    return config.get("dflash_config") or {}
+    nested = config.get("dflash_config")
+    return nested if isinstance(nested, dict) else {}
 
 
 def field_problems(config: dict[str, Any]) -> list[str]:
