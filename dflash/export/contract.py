@@ -140,8 +140,9 @@ def config_problems(
     block = _field(config, "block_size")
     if not isinstance(block, int) or block < 2:
         problems.append(f"block_size is {block!r}: an integer >= 2 is needed (SGLang would assume 16)")
-    # The released DFlash2 configs carry rope_parameters alone (transformers 5), which every
-    # DFlash2 reader reads; a rope_theta beside it must still agree.
+    # The released DFlash2 configs (written by transformers 5.15) carry the rotary base in
+    # rope_parameters alone, so a DFlash2 drafter is not asked for rope_theta; one beside it
+    # must still agree (dflash writes both).
     if layout == "zlab" and (not is_dflash2 or "rope_theta" in config):
         problems += rope_problems(config)
     problems += layer_type_problems(config)
