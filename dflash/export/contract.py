@@ -2,7 +2,8 @@
 with (the z-lab reference under its pinned transformers 4.57.1, SGLang, vLLM; for a DSpark
 drafter DeepSpec, SGLang, vLLM and llama.cpp's converter) to read it the same way.
 docs/EXPORT.md says, reader by reader, why each rule exists; `dflash-export check DIR` runs
-`check_export` (and prints `reader_limits`: readers that refuse a well-formed drafter).
+`check_export` (and prints `reader_limits`: readers that refuse a well-formed drafter). A DFlash2
+drafter's rules (both its layouts) are dflash/export/dflash2.py's.
 
 Every rule here guards a failure that is silent in at least one reader: SGLang skips weight
 names it does not know, so a renamed tensor is a drafter left at its initial weights; transformers
@@ -18,7 +19,7 @@ from typing import Any
 
 from safetensors import SafetensorError, safe_open
 
-from dflash.export import deepspec, speculators
+from dflash.export import deepspec, dflash2, speculators
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -36,8 +37,9 @@ FLOAT_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
 def expected_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape of a drafter of this config: Qwen3 layers (per-head q/k norms, no
     biases), the context projection `fc` over the fused target features, its `hidden_norm`, and
-    the final `norm`; a DSpark drafter's heads (dflash/export/deepspec.py). No embedding and no
-    LM head: every engine takes the target's."""
+    the final `norm`; a DSpark drafter's heads (dflash/export/deepspec.py), a DFlash2 drafter's
+    convolutions and selector (dflash/export/dflash2.py). No embedding and no LM head: every
+    engine takes the target's."""
     hidden = config["hidden_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
     head_dim = config.get("head_dim") or hidden // heads
@@ -67,6 +69,8 @@ def expected_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         )
     if deepspec.is_dspark(config):
         shapes.update(deepspec.head_tensors(config))
+    if dflash2.is_dflash2(config):
+        shapes.update(dflash2.tensor_shapes(config))
     return shapes
 
 
@@ -87,10 +91,12 @@ def config_problems(
     transformers 5 (DeepSpec pins 5.10.2) or read `rope_parameters` themselves: DeepSpec's
     released checkpoints carry no `rope_theta`, and every engine serves them."""
     records_depth = layout != "speculators"
+    is_dflash2 = dflash2.is_dflash2(config)
     problems = []
-    if layout == "zlab" and config.get("architectures") != ["DFlashDraftModel"]:
+    architectures = [dflash2.DFLASH2_ARCHITECTURE if is_dflash2 else "DFlashDraftModel"]
+    if layout == "zlab" and config.get("architectures") != architectures:
         problems.append(
-            f"architectures is {config.get('architectures')!r}, not ['DFlashDraftModel'] "
+            f"architectures is {config.get('architectures')!r}, not {architectures!r} "
             "(SGLang and vLLM pick the drafter class by it)"
         )
     if config.get("model_type") != "qwen3":
@@ -134,9 +140,14 @@ def config_problems(
     block = _field(config, "block_size")
     if not isinstance(block, int) or block < 2:
         problems.append(f"block_size is {block!r}: an integer >= 2 is needed (SGLang would assume 16)")
-    if layout == "zlab":
+    # The released DFlash2 configs (written by transformers 5.15) carry the rotary base in
+    # rope_parameters alone, so a DFlash2 drafter is not asked for rope_theta; one beside it
+    # must still agree (dflash writes both).
+    if layout == "zlab" and (not is_dflash2 or "rope_theta" in config):
         problems += rope_problems(config)
     problems += layer_type_problems(config)
+    if is_dflash2:
+        problems += dflash2.field_problems(config)
     if target is not None:
         problems += pairing_problems(config, target, records_depth=records_depth)
     return problems
@@ -162,9 +173,16 @@ def rope_problems(config: dict[str, Any]) -> list[str]:
 
 def layer_type_problems(config: dict[str, Any]) -> list[str]:
     layer_types = config.get("layer_types")
-    if layer_types is None:
-        return []
+    sliding = "sliding_attention" in (layer_types or [])
     problems = []
+    causal = config.get("is_causal")
+    if causal is True or (sliding and causal is not False):
+        problems.append(
+            f"is_causal is {causal!r}: false is needed (SGLang and vLLM run a sliding layer causally "
+            "inside the block unless it is false, every layer when it is true; dflash trains it bidirectional)"
+        )
+    if layer_types is None:
+        return problems
     if len(layer_types) != config["num_hidden_layers"]:
         problems.append(
             f"layer_types has {len(layer_types)} entries for {config['num_hidden_layers']} layers"
@@ -172,25 +190,20 @@ def layer_type_problems(config: dict[str, Any]) -> list[str]:
     unknown = sorted(set(layer_types) - set(LAYER_TYPES))
     if unknown:
         problems.append(f"layer_types holds {unknown}; the readers know {list(LAYER_TYPES)}")
-    if "sliding_attention" not in layer_types:
+    if not sliding:
         return problems
     window = config.get("sliding_window")
     if not isinstance(window, int) or window <= 0:
         problems.append(f"sliding layers need a positive sliding_window, got {window!r}")
-    elif isinstance(config.get("block_size"), int) and window < config["block_size"]:
+    elif isinstance(_field(config, "block_size"), int) and window < _field(config, "block_size"):
         problems.append(
-            f"sliding_window {window} is shorter than block_size {config['block_size']}: "
+            f"sliding_window {window} is shorter than block_size {_field(config, 'block_size')}: "
             "a sliding layer would not see its whole block"
         )
     if config.get("use_sliding_window") is not True:
         problems.append(
             "sliding layers need use_sliding_window: true (transformers, 4.57 and 5, sets "
             "sliding_window to null without it: the reference would run full attention)"
-        )
-    if config.get("is_causal") is not False:
-        problems.append(
-            f"sliding layers need is_causal: false, got {config.get('is_causal')!r} (SGLang and vLLM "
-            "run a sliding layer causally inside the block unless it is false; dflash trains it bidirectional)"
         )
     return problems
 
@@ -234,10 +247,10 @@ def weight_problems(
     expected = {**required, **{name: shape for name, shape in (optional or {}).items() if name in shapes}}
     if deepspec.is_dspark(config) and deepspec.own_head(config):
         expected.update({name: shape for name, shape in shapes.items() if name.startswith("markov_head.")})
+    reason = dflash2.unexpected_tensor_reason if dflash2.is_dflash2(config) else lambda name: None
     for name in sorted(set(shapes) - set(expected)):
-        problems.append(
-            f"{path}: unexpected tensor {name} (SGLang would skip it silently, vLLM would refuse it)"
-        )
+        why = reason(name) or "SGLang would skip it silently, vLLM would refuse it"
+        problems.append(f"{path}: unexpected tensor {name} ({why})")
     for name, shape in expected.items():
         if name in shapes and shapes[name] != shape:
             problems.append(
@@ -263,13 +276,16 @@ def check_export(directory: Path, *, target: dict[str, Any] | None = None) -> li
         config = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         return [f"{config_path}: not a readable config ({exc})"]
-    layout, optional = "zlab", None
+    layout, optional, serving = "zlab", None, []
     if speculators.is_speculators(config):
         layout_problems = speculators.speculators_problems(config)
         if layout_problems:
             return [f"{config_path}: {p}" for p in layout_problems]
+        if config["speculators_model_type"] == speculators.DFLASH2_TYPE:
+            serving = dflash2.speculators_serving_problems(config)
         config, layout = speculators.from_speculators(config), "speculators"
-        bundled = speculators.BUNDLED_TENSORS
+        # A DFlash2 drafter bundles nothing (dflash2.unexpected_tensor_reason).
+        bundled = () if dflash2.is_dflash2(config) else speculators.BUNDLED_TENSORS
     elif deepspec.is_deepspec(config) or deepspec.is_dspark(config):
         layout_problems = deepspec.deepspec_problems(config)
         if layout_problems:
@@ -279,7 +295,9 @@ def check_export(directory: Path, *, target: dict[str, Any] | None = None) -> li
     if layout != "zlab" and _describes_tensors(config) and isinstance(config.get("vocab_size"), int):
         table = (config["vocab_size"], config["hidden_size"])
         optional = {name: table for name in bundled}
-    problems = [f"{config_path}: {p}" for p in config_problems(config, target=target, layout=layout)]
+    problems = [
+        f"{config_path}: {p}" for p in serving + config_problems(config, target=target, layout=layout)
+    ]
     if not weights_path.is_file():
         return problems + [f"{weights_path}: missing"]
     if not _describes_tensors(config):
@@ -291,18 +309,27 @@ def _describes_tensors(config: dict[str, Any]) -> bool:
     layer_ids = (config.get("dflash_config") or {}).get("target_layer_ids")
     # The heads' shapes and a bundled table's are vocabulary-wide.
     sizes = SIZE_FIELDS + (("vocab_size",) if deepspec.is_dspark(config) else ())
-    return all(isinstance(config.get(k), int) and config[k] > 0 for k in sizes) and isinstance(
+    described = all(isinstance(config.get(k), int) and config[k] > 0 for k in sizes) and isinstance(
         layer_ids, list
     )
+    return described and (not dflash2.is_dflash2(config) or dflash2.describes_tensors(config))
 
 
 def reader_limits(directory: Path) -> list[str]:
     """Readers that refuse a drafter directory that keeps the contract (a DSpark drafter whose
-    heads some engine does not build), one line each; [] for every DFlash drafter."""
+    heads some engine does not build, a DFlash2 drafter too narrow for llama.cpp or in a layout
+    SGLang does not read), one line each; [] for every DFlash drafter."""
     try:
         config = json.loads((Path(directory) / CONFIG_FILE).read_text())
     except (OSError, json.JSONDecodeError):
         return []
+    if config.get("speculators_model_type") == speculators.DFLASH2_TYPE:
+        return [
+            "the speculators layout of a DFlash2 drafter: vLLM serves it; SGLang and llama.cpp's converter read "
+            "the z-lab layout (dflash-export convert DIR DST --layout zlab --target TARGET)"
+        ] + dflash2.reader_limits(speculators.from_speculators(config))
+    if dflash2.is_dflash2(config):
+        return dflash2.reader_limits(config)
     if speculators.is_speculators(config):
         if config.get("speculators_model_type") != speculators.DSPARK_TYPE:
             return []

@@ -18,6 +18,13 @@ same config plus `sample_from_anchor` (true: every block slot predicts, block_si
 the heads' fields (`markov_rank`, `markov_head_type`, `enable_confidence_head`,
 `confidence_head_with_markov`) and their tensors under DeepSpec's names
 (dflash/export/deepspec.py).
+
+A DFlash2 drafter (`speculators_model_type: dflash2`, speculators/models/dflash2/config.py) is
+the DFlash config plus `conv_kernel_size`, `conv_group_size`, `selector_rank`, `selector_top_k`
+at the top level (the z-lab layout keeps them in `dflash_config`), `sample_from_anchor: false`,
+`sliding_window_non_causal: true`, architectures `["DFlash2DraftModel"]`; the tensors are the
+z-lab layout's (dflash/export/dflash2.py). It has no field for the unary logits' transforms, so
+a drafter with them is not written here.
 """
 
 from __future__ import annotations
@@ -29,12 +36,21 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
+from dflash.export import dflash2
 from dflash.export.deepspec import HEAD_FIELDS, head_problems, is_dspark
 
 SPECULATORS_TYPE = "dflash"
 SPECULATORS_ARCHITECTURE = "DFlashDraftModel"  # the class speculators saves a DFlash drafter as
 DSPARK_TYPE = "dspark"
 DSPARK_ARCHITECTURE = "DSparkDraftModel"  # the class speculators saves a DSpark drafter as
+DFLASH2_TYPE = dflash2.SPECULATORS_TYPE
+# speculators_model_type -> the class speculators saves such a drafter as.
+ARCHITECTURES = {
+    SPECULATORS_TYPE: SPECULATORS_ARCHITECTURE,
+    DSPARK_TYPE: DSPARK_ARCHITECTURE,
+    DFLASH2_TYPE: dflash2.DFLASH2_ARCHITECTURE,
+}
+KNOWN_TYPES = tuple(ARCHITECTURES)
 # DSparkSpeculatorConfig's defaults (speculators/models/dspark/config.py): a field it left out
 # of config.json reads as these.
 DSPARK_DEFAULTS = {
@@ -59,10 +75,14 @@ def speculators_problems(config: dict[str, Any]) -> list[str]:
     """What keeps a speculators config from being a DFlash drafter dflash can read."""
     problems = []
     kind = config.get("speculators_model_type")
-    if kind not in (SPECULATORS_TYPE, DSPARK_TYPE):
-        problems.append(f"speculators_model_type {kind!r} is not {SPECULATORS_TYPE!r} or {DSPARK_TYPE!r}")
+    if kind not in KNOWN_TYPES:
+        known = ", ".join(map(repr, KNOWN_TYPES[:-1])) + f" or {KNOWN_TYPES[-1]!r}"
+        problems.append(f"speculators_model_type {kind!r} is not {known}")
     elif kind == DSPARK_TYPE:
         problems += head_problems({**DSPARK_DEFAULTS, **config})
+    elif kind == DFLASH2_TYPE:
+        problems += dflash2.speculators_problems(config)
+        config = {**dflash2.SPECULATORS_DEFAULTS, **config}
     layer = config.get("transformer_layer_config")
     if not isinstance(layer, dict):
         return problems + ["no transformer_layer_config (the draft layers' Qwen3 config)"]
@@ -97,13 +117,18 @@ def speculators_problems(config: dict[str, Any]) -> list[str]:
 
 def from_speculators(config: dict[str, Any]) -> dict[str, Any]:
     """The z-lab config.json of a speculators DFlash config (speculators_problems must be [])."""
+    kind = config.get("speculators_model_type")
+    if kind == DFLASH2_TYPE:
+        config = {**dflash2.SPECULATORS_DEFAULTS, **config}
     zlab = dict(config["transformer_layer_config"])
-    zlab["architectures"] = ["DFlashDraftModel"]
+    zlab["architectures"] = [dflash2.DFLASH2_ARCHITECTURE if kind == DFLASH2_TYPE else "DFlashDraftModel"]
     zlab["block_size"] = config["block_size"]
     zlab["dflash_config"] = {
         "mask_token_id": config["mask_token_id"],
         "target_layer_ids": [i - 1 for i in config["aux_hidden_state_layer_ids"]],
     }
+    if kind == DFLASH2_TYPE:
+        zlab["dflash_config"].update(dflash2.zlab_fields(config))
     if config.get("sliding_window_non_causal"):
         zlab["is_causal"] = False
     # The speculators layout records no target depth; pairing with a target checks the ids.
@@ -115,19 +140,21 @@ def from_speculators(config: dict[str, Any]) -> dict[str, Any]:
 
 
 def to_speculators(zlab: dict[str, Any], *, verifier: dict[str, Any]) -> dict[str, Any]:
-    """The speculators config.json of a z-lab DFlash config; verifier: {name_or_path, architectures}."""
+    """The speculators config.json of a z-lab DFlash config; verifier: {name_or_path, architectures}.
+    A DFlash2 drafter that transforms its unary logits is refused (ValueError): no field holds that."""
     dspark = is_dspark(zlab)
+    algorithm = DSPARK_TYPE if dspark else DFLASH2_TYPE if dflash2.is_dflash2(zlab) else SPECULATORS_TYPE
+    fields = dflash2.speculators_fields(zlab) if algorithm == DFLASH2_TYPE else {}
     layer = {
         key: value for key, value in zlab.items() if key not in (DSPARK_FIELDS if dspark else DFLASH_FIELDS)
     }
     dflash = zlab["dflash_config"]
     sliding = "sliding_attention" in (zlab.get("layer_types") or [])
-    algorithm = DSPARK_TYPE if dspark else SPECULATORS_TYPE
     # DSpark: every block slot predicts (the anchor's too), so a block proposes block_size tokens.
     proposals = zlab["block_size"] if dspark else zlab["block_size"] - 1
     config = {
         "speculators_model_type": algorithm,
-        "architectures": [DSPARK_ARCHITECTURE if dspark else SPECULATORS_ARCHITECTURE],
+        "architectures": [ARCHITECTURES[algorithm]],
         "transformer_layer_config": layer,
         "block_size": zlab["block_size"],
         "mask_token_id": dflash["mask_token_id"],
@@ -147,6 +174,7 @@ def to_speculators(zlab: dict[str, Any], *, verifier: dict[str, Any]) -> dict[st
     if dspark:
         config["sample_from_anchor"] = True
         config.update({key: zlab[key] for key in HEAD_FIELDS})
+    config.update(fields)
     return config
 
 

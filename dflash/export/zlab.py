@@ -12,7 +12,10 @@ A training checkpoint (dflash.trainer.checkpoint) is such a directory plus what 
       config.yaml         the resolved run config
 
 A DSpark drafter's directory is written in DeepSpec's layout instead (dflash/export/deepspec.py:
-`architectures: [Qwen3DSparkModel]`, the heads' fields and tensors), the one its readers load.
+`architectures: [Qwen3DSparkModel]`, the heads' fields and tensors), the one its readers load. A
+DFlash2 drafter's is the z-lab layout of the released DFlash2 checkpoints: `architectures:
+[DFlash2DraftModel]`, its four fields inside `dflash_config`, the convolution and selector
+tensors beside the backbone's (dflash/export/dflash2.py).
 """
 
 from __future__ import annotations
@@ -27,16 +30,17 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
-from dflash.export import deepspec, speculators
+from dflash.export import deepspec, dflash2, speculators
+from dflash.models.dflash2 import DFlash2Drafter
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.drafter_class import drafter_from_config
 from dflash.models.dspark import DSparkDrafter
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
-# DSpark's heads (dflash/models/dspark.py) under the names DeepSpec's checkpoints use.
-DSPARK_HEAD_PREFIXES = ("markov_head.", "confidence_head.")
-EXPORTED_PREFIXES = ("layers.", "fc.", "hidden_norm.", "norm.", "candidate_selector.", *DSPARK_HEAD_PREFIXES)
+# The backbone's tensors; a subclass's added modules (DSpark's heads, DFlash2's selector) are
+# exported too, under the names their reference checkpoints use (`added_modules`).
+BACKBONE_PREFIXES = ("layers.", "fc.", "hidden_norm.", "norm.")
 
 
 def readable_by_every_transformers(config: dict[str, Any]) -> dict[str, Any]:
@@ -75,16 +79,17 @@ def _write(directory: Path, config: dict[str, Any], state: dict[str, torch.Tenso
 
 
 def _drafter_tensors(drafter: DFlashDrafter) -> dict[str, torch.Tensor]:
+    exported = BACKBONE_PREFIXES + tuple(f"{module}." for module in drafter.added_modules)
     return {
         name: tensor.detach().contiguous().cpu()
         for name, tensor in drafter.state_dict().items()
-        if name.startswith(EXPORTED_PREFIXES)
+        if name.startswith(exported)
     }
 
 
 def export_drafter(drafter: DFlashDrafter, directory: Path) -> None:
     """Write config.json + model.safetensors in the layout inference engines load: z-lab for a
-    DFlash drafter, DeepSpec's for a DSpark one."""
+    DFlash or DFlash2 drafter, DeepSpec's for a DSpark one."""
     config = _exported_config(drafter)
     if isinstance(drafter, DSparkDrafter):
         config = deepspec.to_deepspec(config)
@@ -118,9 +123,10 @@ def export_speculators(
 ) -> None:
     """The same drafter in the speculators layout (dflash/export/speculators.py); with the
     target's checkpoint directory, self-contained: its embedding and LM head bundled, in the
-    drafter's dtype."""
+    drafter's dtype. A DFlash2 drafter never bundles them: speculators writes none for a
+    full-vocabulary DFlash2 drafter, and vLLM would take a bundled head as the drafter's own."""
     state = _drafter_tensors(drafter)
-    if target_dir is not None:
+    if target_dir is not None and not isinstance(drafter, DFlash2Drafter):
         state.update(_target_tables(drafter, Path(target_dir), next(iter(state.values())).dtype))
     config = speculators.to_speculators(_exported_config(drafter), verifier=verifier)
     _write(Path(directory), config, state)
@@ -135,8 +141,9 @@ def _raw_config(directory: Path) -> dict[str, Any]:
 
 
 def read_drafter_config(directory: Path) -> Qwen3Config:
-    """The drafter config of a directory in the z-lab layout (a DFlash drafter of ours), DeepSpec's
-    (a DSpark one: ours, or DeepSpec's released checkpoints) or the speculators one (either)."""
+    """The drafter config of a directory in the z-lab layout (a DFlash or DFlash2 drafter: ours, or
+    z-lab's released ones), DeepSpec's (a DSpark one: ours, or DeepSpec's released checkpoints) or
+    the speculators one (any of them)."""
     path = Path(directory) / CONFIG_FILE
     raw = _raw_config(directory)
     if speculators.is_speculators(raw):
@@ -149,6 +156,14 @@ def read_drafter_config(directory: Path) -> Qwen3Config:
         if problems:
             raise ValueError(f"{path}: a DSpark config dflash cannot read ({'; '.join(problems)})")
         raw = deepspec.from_deepspec(raw)
+    nested = raw.get("dflash_config") or {}
+    if "block_size" not in raw and "block_size" in nested:
+        # The released DFlash2 configs keep it there; the reference and SGLang read either place.
+        raw = {**raw, "block_size": nested["block_size"]}
+    if dflash2.is_dflash2(raw):
+        problems = dflash2.field_problems(raw)
+        if problems:
+            raise ValueError(f"{path}: a DFlash2 config dflash cannot read ({'; '.join(problems)})")
     missing = [key for key in ("block_size", "dflash_config") if key not in raw]
     if missing or "mask_token_id" not in raw.get("dflash_config", {}):
         raise ValueError(
@@ -157,11 +172,12 @@ def read_drafter_config(directory: Path) -> Qwen3Config:
     return Qwen3Config.from_dict(raw)
 
 
-# Drafter config fields a resumed run must share with its checkpoint, and the key that sets each.
-def load_drafter_weights(drafter: DFlashDrafter, directory: Path, *, new_heads: bool = False) -> None:
+def load_drafter_weights(drafter: DFlashDrafter, directory: Path, *, new_parts: bool = False) -> None:
     """model.safetensors of `directory` into `drafter`; every key must match both ways, except,
-    with `new_heads` (a DFlash drafter warm-starting a DSpark one), the DSpark heads the
-    directory lacks: they keep their fresh init."""
+    with `new_parts` (a DFlash drafter warm-starting a DSpark or DFlash2 one), the modules the
+    drafter's class adds to DFlash (`added_modules`: DSpark's heads, DFlash2's convolutions and
+    selector), which the directory lacks: they keep their fresh init (DFlash2's convolutions
+    the identity, so the warm-started drafter starts as the DFlash it was)."""
     path = Path(directory) / WEIGHTS_FILE
     raw = _raw_config(directory)
     try:
@@ -178,8 +194,9 @@ def load_drafter_weights(drafter: DFlashDrafter, directory: Path, *, new_heads: 
         missing, unexpected = drafter.load_state_dict(state, strict=False)
     except RuntimeError as exc:
         raise ValueError(f"{path}: weights do not fit the drafter ({exc})") from exc
-    if new_heads:
-        missing = [name for name in missing if not name.startswith(DSPARK_HEAD_PREFIXES)]
+    if new_parts:
+        added = set(drafter.added_modules)
+        missing = [name for name in missing if added.isdisjoint(name.split("."))]
     if missing or unexpected:
         raise ValueError(
             f"{path}: weights do not fit the drafter (missing: {missing or 'none'}; "
@@ -189,7 +206,8 @@ def load_drafter_weights(drafter: DFlashDrafter, directory: Path, *, new_heads: 
 
 def load_drafter(directory: Path, device: torch.device | str = "cpu") -> DFlashDrafter:
     """A drafter defined only by config.json + model.safetensors (ours, a z-lab-layout export, a
-    DeepSpec or speculators checkpoint): a DSparkDrafter when the config has the heads' fields."""
+    released DFlash2 one, a DeepSpec or speculators checkpoint): a DSparkDrafter when the config
+    has the heads' fields, a DFlash2Drafter when its dflash_config sets the selector."""
     drafter = drafter_from_config(read_drafter_config(Path(directory)))
     load_drafter_weights(drafter, directory)
     return drafter.to(device)

@@ -227,6 +227,8 @@ class DFlash2Drafter(DFlashDrafter):
     init) + `candidate_selector`. `forward` / `draft` / `context_kv` are the backbone's: they
     return the hidden states the selector reads; the convolutions run inside the layers."""
 
+    added_modules = ("attention_conv", "mlp_conv", "candidate_selector")
+
     def __init__(self, config: Qwen3Config):
         # The backbone first, initialised exactly as a DFlash drafter of the same seed is.
         super().__init__(config)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import functools
 from collections.abc import Mapping
-from typing import Any, Union
+from typing import Any, ClassVar, Union
 
 import torch
 import torch.nn.functional as F
@@ -211,6 +211,11 @@ class DFlashDecoderLayer(nn.Module):
 
 
 class DFlashDrafter(nn.Module):
+    # Submodules a subclass adds to the DFlash backbone, by attribute name (found anywhere in a
+    # parameter's dotted name): a DFlash drafter's weights warm-starting the subclass
+    # (drafter.init_from) hold none of them, and they keep their fresh init.
+    added_modules: ClassVar[tuple[str, ...]] = ()
+
     def __init__(self, config: Qwen3Config):
         super().__init__()
         self.config = config

@@ -201,6 +201,8 @@ class DSparkDrafter(DFlashDrafter):
     disabled). `forward` / `draft` / `context_kv` are the backbone's, unchanged: they return the
     hidden states h_k [B, Q, H] the heads read."""
 
+    added_modules = ("markov_head", "confidence_head")
+
     def __init__(self, config: Qwen3Config):
         super().__init__(config)
         if not is_dspark_config(config):

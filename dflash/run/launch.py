@@ -33,7 +33,7 @@ from dflash.monitor.callbacks import TrainingCallbacks, build_callbacks
 from dflash.monitor.sinks import SinkContext, build_sinks
 from dflash.run.inputs import load_training_data, training_data_identity
 from dflash.run.preflight import Checked, check_before_loading
-from dflash.run.resume import check_resume_data, refuse_resume_past_end, warm_starts_heads
+from dflash.run.resume import check_resume_data, refuse_resume_past_end, warm_starts_new_parts
 from dflash.run.runner import Run
 from dflash.step.build import block_settings_for, build_drafter, build_step_fn, build_variant, uses_compile
 from dflash.step.step import BlockSettings, DrafterStep
@@ -98,10 +98,10 @@ def build_models(checked: Checked) -> Models:
         if directory is None:
             continue
         log.info("drafter weights from %s=%s", key, directory)
-        new_heads = warm_starts_heads(read_drafter_config(directory), drafters[0].config, key)
+        new_parts = warm_starts_new_parts(read_drafter_config(directory), drafters[0].config, key)
         for drafter in drafters:
             try:
-                load_drafter_weights(drafter, directory, new_heads=new_heads)
+                load_drafter_weights(drafter, directory, new_parts=new_parts)
             except ValueError as exc:
                 raise ValueError(f"{key}={directory}: {exc}") from exc
     if uses_compile(checked.config.drafter.compile, torch.device(checked.drafter_devices[0])):

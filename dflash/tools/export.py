@@ -11,13 +11,18 @@ writes) and speculators.
 
 A DSpark drafter (DeepSpec's layout, or speculators' `dspark`) is checked the same way; the
 readers that refuse a well-formed one (a head type some engine does not build) are printed as
-`note:` lines, exit 0.
+`note:` lines, exit 0. So is a DFlash2 drafter (the z-lab layout of z-lab's released DFlash2
+checkpoints, or speculators' `dflash2`): its fields, convolution and selector tensors against
+SGLang's, vLLM's, speculators' and llama.cpp's rules (`note:` llama.cpp's hidden-size limit, and
+that SGLang reads the z-lab layout only).
 
 `dflash-export convert SRC DST --layout speculators|zlab|deepspec [--target TARGET_DIR]
 [--verifier NAME] [--num-anchors N]`: the drafter of SRC (any layout) written to DST in the one
-named, checked before it is reported done. zlab holds DFlash drafters, deepspec DSpark ones,
-speculators either. speculators and deepspec: with `--target`, self-contained (the target's
-embedding and LM head bundled: DeepSpec's own loader reads them from the drafter directory);
+named, checked before it is reported done. zlab holds DFlash and DFlash2 drafters, deepspec
+DSpark ones, speculators any (not a DFlash2 drafter that scales or caps its logits: that layout
+has no field for it). speculators and deepspec: with `--target`, self-contained (the target's
+embedding and LM head bundled: DeepSpec's own loader reads them from the drafter directory;
+never for a DFlash2 drafter, whose readers would take a bundled head as the drafter's own);
 `--verifier` (default: --target, else the run's target.path) names the target in
 `speculators_config.verifier`; `--num-anchors` gives a DSpark drafter read from the speculators
 layout (which does not record it) the `num_anchors` DeepSpec's loader asserts.
@@ -49,6 +54,7 @@ from dflash.errors import USER_ERROR_EXIT, exit_for_user_error
 from dflash.export.card import TrainingFacts, write_model_card
 from dflash.export.contract import check_export, reader_limits
 from dflash.export.zlab import export_deepspec, export_drafter, export_speculators, load_drafter
+from dflash.models.dflash2 import DFlash2Drafter
 from dflash.models.dspark import DSparkDrafter
 from dflash.models.families import IMAGE_TEXT_TYPES
 from dflash.models.identity import pairing_differences
@@ -187,7 +193,8 @@ def convert(args: argparse.Namespace, target: dict[str, Any] | None) -> None:
             TOOL, f"{args.source}: a DSpark drafter; the z-lab layout has no heads: --layout deepspec"
         )
     if not dspark and args.layout == "deepspec":
-        exit_for_user_error(TOOL, f"{args.source}: a DFlash drafter (no Markov head): --layout zlab")
+        kind = "DFlash2" if isinstance(drafter, DFlash2Drafter) else "DFlash"
+        exit_for_user_error(TOOL, f"{args.source}: a {kind} drafter (no Markov head): --layout zlab")
     if args.layout in ("zlab", "deepspec"):
         if getattr(drafter.config, "num_target_layers", None) is None:
             # The speculators layout records no target depth; SGLang resolves layer ids by it.

@@ -1,0 +1,266 @@
+"""The DFlash2 rules of a drafter directory (docs/EXPORT.md, "DFlash2 drafters"), in both layouts
+its readers load:
+
+- the z-lab layout of the released DFlash2 checkpoints (z-lab/Qwen3.8-27B-DFlash2), which the
+  z-lab reference, SGLang, vLLM and llama.cpp's converter read: `architectures:
+  ["DFlash2DraftModel"]`, the four DFlash2 fields INSIDE `dflash_config` (vLLM indexes them there
+  and fails without them; SGLang reads them there only and, without them, builds a drafter with
+  no convolution or no selector, silently), `is_causal: false` at the top level;
+- the speculators layout (`speculators_model_type: dflash2`, vLLM's speculators path): the same
+  fields flat beside `block_size`, and no field for the unary logits' transforms.
+
+Both hold the same tensors (dflash/models/dflash2.py): per layer `attention_conv` and `mlp_conv`
+(`base_kernel` [2, k, H]: side, tap, channel; `kernel_projection.weight` [2 k G, H]), and
+`candidate_selector.{predecessor,successor}_codebook` [V, r], stored WITHOUT `.weight` (SGLang
+skips a `.weight` codebook silently and drafts with zero codebooks), beside
+`candidate_selector.hidden_projection.weight` [r, H]. Configs here are in the z-lab form (a
+speculators config converted by dflash/export/speculators.py) unless a name says otherwise.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dflash.models.dflash2 import DFLASH2_ARCHITECTURE, DFLASH2_KEYS, UNARY_KEYS
+
+SPECULATORS_TYPE = "dflash2"
+# DFlash2SpeculatorConfig's defaults (speculators/models/dflash2/config.py): a field a
+# speculators config.json leaves out reads as these there.
+SPECULATORS_DEFAULTS = {
+    "conv_kernel_size": 2,
+    "conv_group_size": 16,
+    "selector_rank": 256,
+    "selector_top_k": 16,
+    "sliding_window_non_causal": True,
+    "sample_from_anchor": False,
+}
+CONV_MODULES = ("attention_conv", "mlp_conv")
+SELECTOR = "candidate_selector"
+CODEBOOKS = (f"{SELECTOR}.predecessor_codebook", f"{SELECTOR}.successor_codebook")
+# The parts each DFlash2 field switches on in SGLang (it builds them only when both are set).
+_PART_OF = {
+    "conv_kernel_size": "convolutions",
+    "conv_group_size": "convolutions",
+    "selector_rank": "selector",
+    "selector_top_k": "selector",
+}
+
+
+def is_dflash2(config: dict[str, Any]) -> bool:
+    """A DFlash2 drafter's config (z-lab form): its architecture, or a DFlash2 field inside
+    dflash_config or at the top level (a misplaced field is a DFlash2 export to check)."""
+    nested = _settings(config)
+    return DFLASH2_ARCHITECTURE in (config.get("architectures") or []) or any(
+        key in nested or key in config for key in DFLASH2_KEYS
+    )
+
+
+def _positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _settings(config: dict[str, Any]) -> dict[str, Any]:
+    nested = config.get("dflash_config")
+    return nested if isinstance(nested, dict) else {}
+
+
+def field_problems(config: dict[str, Any]) -> list[str]:
+    """The DFlash2 fields of a z-lab-form config: where every reader looks for them, and the
+    values any of them refuses (SGLang, vLLM, speculators: group size dividing the hidden size;
+    speculators: kernel within a block, top-K within the vocabulary)."""
+    settings = _settings(config)
+    problems = []
+    for key in DFLASH2_KEYS:
+        value = settings.get(key)
+        if value is None:
+            where = " (it is at the top level, where vLLM and SGLang do not look)" if key in config else ""
+            problems.append(
+                f"dflash_config.{key} is missing{where}: vLLM fails on it (KeyError), SGLang builds "
+                f"the drafter without its {_PART_OF[key]}, silently"
+            )
+        elif not _positive_int(value):
+            problems.append(f"dflash_config.{key} is {value!r}: a positive integer is needed")
+    if problems:
+        return problems  # the rules below read these fields
+    kernel, group = settings["conv_kernel_size"], settings["conv_group_size"]
+    top_k = settings["selector_top_k"]
+    hidden, vocab = config.get("hidden_size"), config.get("vocab_size")
+    if isinstance(hidden, int) and hidden % group:
+        problems.append(
+            f"dflash_config.conv_group_size {group} does not divide hidden_size {hidden} (SGLang, vLLM, "
+            "speculators and llama.cpp refuse it)"
+        )
+    block = config.get("block_size", settings.get("block_size"))
+    if isinstance(block, int) and kernel > block:
+        problems.append(
+            f"dflash_config.conv_kernel_size {kernel} is larger than block_size {block}: taps past "
+            "the block's start read zeros only (speculators refuses it)"
+        )
+    if isinstance(vocab, int) and top_k > vocab:
+        problems.append(
+            f"dflash_config.selector_top_k {top_k} is larger than vocab_size {vocab} (speculators "
+            "refuses it; the others fail at their first top-K)"
+        )
+    return problems + unary_problems(settings)
+
+
+def unary_problems(settings: dict[str, Any]) -> list[str]:
+    """A released drafter's transforms of its unary logits (z-lab's `compute_logits`)."""
+    problems = []
+    multiplier = settings.get("output_multiplier")
+    if multiplier is not None and (not _number(multiplier) or multiplier <= 0):
+        problems.append(
+            f"dflash_config.output_multiplier is {multiplier!r}: a positive number is needed (SGLang refuses "
+            "anything else)"
+        )
+    cap = settings.get("final_logit_softcapping")
+    if cap is not None and (not _number(cap) or cap < 0):
+        problems.append(
+            f"dflash_config.final_logit_softcapping is {cap!r}: null (or 0) for none, else a positive number"
+        )
+    return problems
+
+
+def describes_tensors(config: dict[str, Any]) -> bool:
+    """Whether the DFlash2 tensors' shapes follow from this config (field_problems gives why not)."""
+    settings = _settings(config)
+    return (
+        all(_positive_int(settings.get(key)) for key in DFLASH2_KEYS)
+        and _positive_int(config.get("vocab_size"))
+        and config["hidden_size"] % settings["conv_group_size"] == 0
+    )
+
+
+def tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of the convolutions and the selector (describes_tensors must hold):
+    `base_kernel` [2 sides, k taps, H], `kernel_projection` [2 k G, H] (its output viewed as
+    side, tap, group), the codebooks [V, r] without `.weight`, `hidden_projection` [r, H]."""
+    settings = _settings(config)
+    hidden, vocab = config["hidden_size"], config["vocab_size"]
+    kernel, rank = settings["conv_kernel_size"], settings["selector_rank"]
+    groups = hidden // settings["conv_group_size"]
+    shapes: dict[str, tuple[int, ...]] = {}
+    for i in range(config["num_hidden_layers"]):
+        for conv in CONV_MODULES:
+            shapes[f"layers.{i}.{conv}.base_kernel"] = (2, kernel, hidden)
+            shapes[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * kernel * groups, hidden)
+    shapes[f"{SELECTOR}.hidden_projection.weight"] = (rank, hidden)
+    for codebook in CODEBOOKS:
+        shapes[codebook] = (vocab, rank)
+    return shapes
+
+
+def unexpected_tensor_reason(name: str) -> str | None:
+    """Why a DFlash2 reader misreads a tensor the contract does not list, where it is known."""
+    if name.removesuffix(".weight") in CODEBOOKS:
+        return (
+            "the codebooks are stored without `.weight`: SGLang skips this name and drafts with a zero "
+            "codebook, silently; vLLM refuses it"
+        )
+    if name in ("embed_tokens.weight", "lm_head.weight"):
+        return (
+            "a DFlash2 drafter carries no embedding or LM head: vLLM would take it as the drafter's own, "
+            "and the selector's candidates come from that head"
+        )
+    return None
+
+
+def reader_limits(config: dict[str, Any]) -> list[str]:
+    """Readers that refuse a well-formed DFlash2 drafter of this config, one line each."""
+    settings = _settings(config)
+    hidden, top_k = config.get("hidden_size"), settings.get("selector_top_k")
+    if not (_positive_int(hidden) and _positive_int(top_k)) or hidden >= top_k * (top_k + 1):
+        return []
+    return [
+        f"hidden_size {hidden} < selector_top_k x (selector_top_k + 1) = {top_k * (top_k + 1)}: llama.cpp "
+        "refuses the drafter ('too small for the selector lattice'); SGLang and vLLM serve it"
+    ]
+
+
+# -- the speculators layout (raw speculators config.json) --------------------------------------
+
+
+def speculators_fields(zlab: dict[str, Any]) -> dict[str, Any]:
+    """The speculators config's DFlash2 fields of a z-lab-form DFlash2 config; refused (ValueError)
+    when the drafter transforms its unary logits: the speculators layout has no field for that."""
+    settings = _settings(zlab)
+    carried = [key for key in UNARY_KEYS if settings.get(key) is not None]
+    if carried:
+        raise ValueError(
+            f"a DFlash2 drafter with {', '.join(f'{k}={settings[k]}' for k in carried)}: the speculators layout "
+            "has no field for it (speculators would train and serve its logits untransformed); export "
+            "it in the z-lab layout (--layout zlab), which SGLang and vLLM serve with it"
+        )
+    return {
+        **{key: settings[key] for key in DFLASH2_KEYS},
+        "sample_from_anchor": False,  # position 0 is the given token, as in DFlash
+        "sliding_window_non_causal": True,  # every layer sees its block bidirectionally
+    }
+
+
+def zlab_fields(config: dict[str, Any]) -> dict[str, Any]:
+    """The dflash_config entries of a speculators DFlash2 config (speculators_problems == [])."""
+    with_defaults = {**SPECULATORS_DEFAULTS, **config}
+    return {key: with_defaults[key] for key in DFLASH2_KEYS}
+
+
+def speculators_problems(config: dict[str, Any]) -> list[str]:
+    """What keeps a speculators DFlash2 config from being a drafter dflash reads as speculators
+    trained it."""
+    with_defaults = {**SPECULATORS_DEFAULTS, **config}
+    problems = [
+        f"{key} is {with_defaults[key]!r}: a positive integer is needed"
+        for key in DFLASH2_KEYS
+        if not _positive_int(with_defaults[key])
+    ]
+    if with_defaults["sample_from_anchor"] is not False:
+        problems.append(
+            "sample_from_anchor is true: speculators refuses it for DFlash2 (block position 0 is the "
+            "given token, as in DFlash)"
+        )
+    if config.get("draft_vocab_size") is None:
+        problems.append(
+            "draft_vocab_size is missing (speculators would read 32000): DFlash2 needs the target's whole vocabulary"
+        )
+    carried = [key for key in UNARY_KEYS if config.get(key) is not None]
+    if carried:
+        problems.append(
+            f"{', '.join(carried)} in a speculators config: speculators has no such field (it trains and "
+            "serves the logits untransformed) and vLLM's reading of it is unverified; use the z-lab layout"
+        )
+    return problems
+
+
+def speculators_serving_problems(config: dict[str, Any]) -> list[str]:
+    """What vLLM's speculators path needs from a speculators DFlash2 config beyond what dflash
+    reads: its class, the algorithm it maps to `dflash`, the proposal length, and `is_causal`
+    where vLLM looks for it."""
+    problems = []
+    if config.get("architectures") != [DFLASH2_ARCHITECTURE]:
+        problems.append(
+            f"architectures is {config.get('architectures')!r}, not [{DFLASH2_ARCHITECTURE!r}] (vLLM "
+            "serves it as DFlash, without the selector, otherwise)"
+        )
+    speculators = config.get("speculators_config") or {}
+    if speculators.get("algorithm") != SPECULATORS_TYPE:
+        problems.append(
+            f"speculators_config.algorithm is {speculators.get('algorithm')!r}, not {SPECULATORS_TYPE!r}"
+        )
+    block = config.get("block_size")
+    proposed = [m.get("speculative_tokens") for m in speculators.get("proposal_methods") or []]
+    if isinstance(block, int) and proposed != [block - 1]:
+        problems.append(
+            f"speculators_config proposes {proposed} tokens; a block of {block} drafts {block - 1} "
+            "(position 0 is the given token)"
+        )
+    layer = config.get("transformer_layer_config") or {}
+    if "sliding_attention" in (layer.get("layer_types") or []) and layer.get("is_causal") is not False:
+        problems.append(
+            f"transformer_layer_config.is_causal is {layer.get('is_causal')!r}: vLLM lifts these fields "
+            "to the top level and reads is_causal first; without false it runs sliding layers causally"
+        )
+    return problems
