@@ -391,6 +391,13 @@ def test_on_cuda_an_fp8_checkpoint_stays_fp8_and_matches_the_bf16_forward_of_its
     fp8 = [p for p in target.model.parameters() if p.dtype == FP8_DTYPE]
     assert fp8 and all(p.device.type == "cuda" for p in fp8)
     reference = dequantized_copy(model).to(device=device, dtype=torch.bfloat16)
+    # Module.to casts the rotary tables (inv_freq) to bf16 as well; a checkpoint loaded in bf16
+    # keeps them in fp32. Without this the reference, not the loader, rotates less precisely.
+    fp32_buffers = dict(model.named_buffers())
+    for name, module in reference.named_modules():
+        for buffer, _ in list(module.named_buffers(recurse=False)):
+            if "inv_freq" in buffer:
+                setattr(module, buffer, fp32_buffers[f"{name}.{buffer}" if name else buffer].to(device))
     ids = torch.randint(0, arch["vocab_size"], (2, 64), device=device)
     want = features_of(reference, ids, layer_ids)
     torch.testing.assert_close(target.features(ids), want, rtol=1.6e-2, atol=1e-2)
