@@ -35,6 +35,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "val": ("dflash.tools.val", "a checkpoint's held-out figures on its run's validation split"),
     "prompts": ("dflash.tools.prompts", "training prompts from text installed on this machine, for regen"),
     "demo": ("dflash.tools.demo", "a tiny target and conversation files to try the real-data commands on"),
+    "completion": ("dflash.completion", 'shell completion: eval "$(dflash completion bash)"'),
 }
 HYDRA_COMMANDS = ("train", "eval", "regen", "prep")
 

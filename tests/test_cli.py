@@ -109,3 +109,40 @@ def test_a_regen_typo_is_refused_the_same_way():
         "dflash regen: error: unknown config key 'sampling.temprature': no dflash setting reads it; "
         "did you mean sampling.temperature?"
     )
+
+
+def complete(line: str, bin_dir: Path) -> list[str]:
+    """What `eval "$(dflash completion bash)"` offers for `line` (the cursor at its end), in bash,
+    with `dflash` on PATH as a user's install has it."""
+    script = dflash("completion", "bash")
+    assert script.returncode == 0, script.stderr
+    words = line.split(" ")
+    program = bin_dir / "dflash"
+    program.write_text(f'#!/bin/sh\nexec {sys.executable} -m dflash "$@"\n')
+    program.chmod(0o755)
+    driver = (
+        f"{script.stdout}\n"
+        f"COMP_LINE='{line}'; COMP_POINT={len(line)}; COMP_CWORD={len(words) - 1}\n"
+        f"COMP_WORDS=({' '.join(repr(w) for w in words)})\n"
+        '_dflash_complete; printf "%s\\n" "${COMPREPLY[@]}"\n'
+    )
+    env = {"PATH": f"{bin_dir}:/usr/bin:/bin", "HOME": str(bin_dir)}
+    result = subprocess.run(
+        ["bash", "-c", driver], capture_output=True, text=True, env=env, timeout=SLOW_MACHINE_TIMEOUT_S
+    )
+    assert result.returncode == 0, result.stderr
+    return result.stdout.split()
+
+
+def test_shell_completion_offers_commands_then_each_hydra_commands_groups_and_options(tmp_path):
+    """`dflash tr<TAB>` -> train; `dflash train sched<TAB>` -> the group; `scheduler=<TAB>` -> its
+    options, never a schema node; the same through another Hydra command."""
+    assert complete("dflash tr", tmp_path) == ["train"]
+    assert "scheduler=" in complete("dflash train sched", tmp_path)
+    assert complete("dflash train debug=fast scheduler=", tmp_path) == [
+        "scheduler=interleave",
+        "scheduler=shuffle",
+    ]
+    assert complete("dflash train noise=", tmp_path) == ["noise=feature", "noise=mask_ramp", "noise=none"]
+    gpus = complete("dflash eval gpu=", tmp_path)
+    assert "gpu=cpu" in gpus and not [word for word in gpus if "schema" in word]

@@ -39,7 +39,7 @@ LAYERS: list[list[str]] = [
     ["dflash.trainer"],
     ["dflash.run"],
     ["dflash.train", "dflash.tools"],
-    ["dflash.cli", "dflash.__main__"],
+    ["dflash.cli", "dflash.__main__", "dflash.completion"],
 ]
 EXCEPTIONS: list[str] = []
 

@@ -68,3 +68,16 @@ def test_a_hub_target_is_the_cards_base_model_and_a_local_path_is_not():
     )
     unknown = model_card(config, None, directory="d")
     assert "Trained outside dflash" in unknown and "--speculative-num-draft-tokens 16" in unknown
+
+
+def test_a_dflash2_drafters_card_names_it_and_shows_its_convolution_and_selector():
+    """In either layout: the z-lab one keeps the fields in dflash_config, speculators' at the top."""
+    fields = {"conv_kernel_size": 2, "conv_group_size": 16, "selector_top_k": 16, "selector_rank": 256}
+    zlab = {"architectures": ["DFlash2DraftModel"], "block_size": 8, "dflash_config": fields}
+    speculators = {"architectures": ["DFlash2DraftModel"], "block_size": 8, **fields}
+    for config in (zlab, speculators):
+        card = model_card(config, None, directory="d")
+        assert "# DFlash2 drafter for" in card and "proposes 7 tokens" in card
+        assert "| selector top-K | 16 |" in card and "| convolution taps | 2 |" in card
+        assert "| selector rank | 256 |" in card and "| convolution channels per group | 16 |" in card
+    assert "# DFlash drafter for" in model_card({"block_size": 16}, None, directory="d")

@@ -49,15 +49,26 @@ def model_card(drafter_config: dict[str, Any], facts: TrainingFacts | None, *, d
         front.append(f"base_model: {facts.target}")
     front.append("---")
     block = shape["block_size"]
+    dflash2 = "selector top-K" in shape
     lines = [
         *front,
         "",
-        f"# DFlash drafter for {target}",
+        f"# {'DFlash2' if dflash2 else 'DFlash'} drafter for {target}",
         "",
         f"A block-diffusion speculative-decoding drafter: each round it proposes {block - 1 if block else '?'} "
         f"tokens at once for {target} to verify in one forward pass, so the output stays exactly the "
         "target's (greedy or sampled), only faster. It has no embedding or LM head of its own: it "
         "uses the target's.",
+        *(
+            [
+                "",
+                "DFlash2: a convolution within the block around each draft layer's attention and MLP, "
+                "and a selector that picks each proposed token among the LM head's top candidates "
+                "given the token proposed before it.",
+            ]
+            if dflash2
+            else []
+        ),
         "",
         "## Shape",
         "",
@@ -125,6 +136,17 @@ def _shape(config: dict[str, Any]) -> dict[str, Any]:
         if sliding
         else None,
         "vocabulary": transformer.get("vocab_size"),
+        # DFlash2 (dflash_config in the z-lab layout, top level in speculators')
+        **{
+            label: dflash.get(key, config.get(key))
+            for label, key in (
+                ("convolution taps", "conv_kernel_size"),
+                ("convolution channels per group", "conv_group_size"),
+                ("selector top-K", "selector_top_k"),
+                ("selector rank", "selector_rank"),
+            )
+            if dflash.get(key, config.get(key)) is not None
+        },
     }
 
 

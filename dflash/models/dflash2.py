@@ -105,15 +105,71 @@ def check_dflash2_shape(config: Any, prefix: str = "dflash_config.") -> None:
 
 def shift_in_block(x_BQ_: torch.Tensor, offset: int, block_size: int) -> torch.Tensor:
     """x[i - offset] within each block of `block_size` consecutive positions along dim 1, zero
-    where i - offset falls before the block's start (a block never reads its neighbour: training
-    lays many anchors' blocks side by side in one row)."""
+    where i - offset falls outside the block (a block never reads its neighbour: training lays
+    many anchors' blocks side by side in one row). A negative offset reads ahead: x[i + |offset|]."""
     if offset == 0:
         return x_BQ_
     bsz, q_len = x_BQ_.shape[:2]
     blocks = x_BQ_.view(bsz, q_len // block_size, block_size, *x_BQ_.shape[2:])
     shifted = torch.zeros_like(blocks)
-    shifted[:, :, offset:] = blocks[:, :, :-offset]
+    if offset > 0:
+        shifted[:, :, offset:] = blocks[:, :, :-offset]
+    else:
+        shifted[:, :, :offset] = blocks[:, :, -offset:]
     return shifted.view_as(x_BQ_)
+
+
+def block_convolve(
+    y_BQH: torch.Tensor, dynamic_BQKG: torch.Tensor, base_KH: torch.Tensor, *, block_size: int
+) -> torch.Tensor:
+    """out[i, c] = sum_t (base[t, c] + dynamic[i, t, g(c)]) y[i - t, c] within each block: the
+    reference, through autograd (which keeps every tap's shifted input and coefficients)."""
+    bsz, q_len, hidden = y_BQH.shape
+    groups = dynamic_BQKG.shape[-1]
+    grouped = (bsz, q_len, groups, hidden // groups)
+    out = torch.zeros(grouped, dtype=y_BQH.dtype, device=y_BQH.device)
+    for tap in range(base_KH.shape[0]):
+        values = shift_in_block(y_BQH, tap, block_size).view(grouped)
+        kernel = base_KH[tap].to(y_BQH.dtype).view(groups, -1)
+        out = out + (kernel + dynamic_BQKG[:, :, tap, :, None].to(y_BQH.dtype)) * values
+    return out.view(bsz, q_len, hidden)
+
+
+class _BlockConvolve(torch.autograd.Function):
+    """`block_convolve` keeping only its inputs for the backward: autograd would keep, per tap, the
+    shifted input and the full [positions, channels] coefficient (four activations of the block's
+    size per convolution, 80 for a five-layer drafter); the backward recomputes them tap by tap.
+    Tested against `block_convolve` (tests/test_dflash2.py)."""
+
+    @staticmethod
+    def forward(ctx, y_BQH, dynamic_BQKG, base_KH, block_size):
+        ctx.save_for_backward(y_BQH, dynamic_BQKG, base_KH)
+        ctx.block_size = block_size
+        with torch.no_grad():
+            return block_convolve(y_BQH, dynamic_BQKG, base_KH, block_size=block_size)
+
+    @staticmethod
+    def backward(ctx, grad_BQH):
+        y, dynamic, base = ctx.saved_tensors
+        bsz, q_len, hidden = y.shape
+        groups = dynamic.shape[-1]
+        grouped = (bsz, q_len, groups, hidden // groups)
+        grad = grad_BQH.view(grouped)
+        grad_y = torch.zeros(grouped, dtype=grad.dtype, device=grad.device)
+        grad_dynamic = torch.empty_like(dynamic)
+        accumulate = torch.promote_types(grad.dtype, torch.float32)  # bf16 sums over positions in fp32
+        grad_base = torch.empty(base.shape, dtype=accumulate, device=base.device)
+        for tap in range(base.shape[0]):
+            values = shift_in_block(y, tap, ctx.block_size).view(grouped)
+            coefficient = base[tap].to(grad.dtype).view(groups, -1) + dynamic[:, :, tap, :, None].to(
+                grad.dtype
+            )
+            # out[i] += coefficient[i] y[i - tap]: y[j] receives coefficient[j + tap] grad[j + tap].
+            grad_y += shift_in_block(coefficient * grad, -tap, ctx.block_size)
+            products = grad * values
+            grad_dynamic[:, :, tap] = products.sum(dim=-1).to(dynamic.dtype)
+            grad_base[tap] = products.to(accumulate).sum(dim=(0, 1)).view(hidden)
+        return grad_y.view_as(y).to(y.dtype), grad_dynamic, grad_base.to(base.dtype), None
 
 
 class GroupedDynamicConv(nn.Module):
@@ -136,14 +192,9 @@ class GroupedDynamicConv(nn.Module):
             self.kernel_projection.weight.zero_()
 
     def _convolve(self, y_BQH: torch.Tensor, dynamic_BQKG: torch.Tensor, side: int) -> torch.Tensor:
-        bsz, q_len, hidden = y_BQH.shape
-        grouped = (bsz, q_len, self.groups, self.group_size)
-        out = torch.zeros(grouped, dtype=y_BQH.dtype, device=y_BQH.device)
-        for tap in range(self.kernel_size):
-            values = shift_in_block(y_BQH, tap, self.block_size).view(grouped)
-            kernel = self.base_kernel[side, tap].to(y_BQH.dtype).view(self.groups, self.group_size)
-            out = out + (kernel + dynamic_BQKG[:, :, tap, :, None].to(y_BQH.dtype)) * values
-        return out.view(bsz, q_len, hidden)
+        if torch.is_grad_enabled():
+            return _BlockConvolve.apply(y_BQH, dynamic_BQKG, self.base_kernel[side], self.block_size)
+        return block_convolve(y_BQH, dynamic_BQKG, self.base_kernel[side], block_size=self.block_size)
 
     def prepare(self, x_BQH: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(the input side applied to x, the output side's dynamic taps [B, Q, k, G]), both
