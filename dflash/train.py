@@ -47,7 +47,7 @@ COMMON_OVERRIDES = (
     "train.epochs=6 | train.total_steps=N               how long; logger.every_steps=10: how often it logs",
     "drafter=b16 optimizer.lr=6e-4 loss.gamma=7         the drafter's shape and the objective",
     "resume=outputs/RUN/checkpoints/last                continue a run where it stopped",
-    "logger=wandb                                       metrics to W&B too (metrics.jsonl always)",
+    "logger=wandb | tensorboard | mlflow                metrics to W&B, TensorBoard or MLflow too",
     "debug=fast                                         a few steps through every stage",
 )
 

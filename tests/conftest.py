@@ -181,8 +181,8 @@ def conversation_overrides(chat_dir: Path, files: list[Path]) -> list[str]:
 # The suite gives the same result whatever the caller's shell holds: variables that change how
 # the tools end or where they log are cleared for every test and the subprocesses they start (a
 # test that needs one sets it itself). HYDRA_FULL_ERROR=1 adds tracebacks to one-line errors;
-# WANDB_MODE=online would send runs to a server.
-CALLER_VARIABLES = ("HYDRA_FULL_ERROR", "WANDB_MODE")
+# WANDB_MODE=online would send runs to a server, and so would MLFLOW_TRACKING_URI=http://...
+CALLER_VARIABLES = ("HYDRA_FULL_ERROR", "WANDB_MODE", "MLFLOW_TRACKING_URI", "MLFLOW_EXPERIMENT_NAME")
 
 
 def pytest_configure(config):
@@ -192,6 +192,8 @@ def pytest_configure(config):
     # own, empty and offline (nothing here downloads).
     os.environ["HF_HOME"] = tempfile.mkdtemp(prefix="dflash-tests-hf-")
     os.environ["HF_HUB_OFFLINE"] = "1"
+    # MLflow's usage telemetry (sent to MLflow's servers) off: the suite reaches no network.
+    os.environ["MLFLOW_DISABLE_TELEMETRY"] = "true"
 
 
 def pytest_collection_modifyitems(config, items):

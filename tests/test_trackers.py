@@ -1,15 +1,22 @@
 """Trackers as metric sinks, with the real libraries, offline: TensorBoard's event files read back
-with TensorBoard's own reader hold every row metrics.jsonl holds, at the same steps; a resumed
-checkpoint continues its W&B run, and checkpoints are logged as W&B artifacts."""
+with TensorBoard's own reader hold every row metrics.jsonl holds, at the same steps; MLflow's store
+read back with MLflow's own client holds every row, the config and the summary, a resumed
+checkpoint continues its MLflow run and a crash marks the run failed; a resumed checkpoint
+continues its W&B run, and checkpoints are logged as W&B artifacts. A tracker's missing library
+is one line naming the extra, before anything loads."""
 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 from dflash.train import train
+from tests.conftest import SLOW_MACHINE_TIMEOUT_S
 
 
 def test_tensorboard_event_files_hold_the_rows_of_metrics_jsonl(make_cfg):
@@ -32,21 +39,143 @@ def test_tensorboard_event_files_hold_the_rows_of_metrics_jsonl(make_cfg):
         assert [v for _, v in logged] == pytest.approx([v for _, v in expected], rel=1e-6), key  # float32
 
 
-def test_a_missing_tensorboard_is_one_line_naming_the_extra(make_cfg, monkeypatch):
-    import builtins
+@pytest.mark.parametrize(
+    ("sink", "hidden", "extra"),
+    [("TensorBoardSink", "torch.utils.tensorboard", "tensorboard"), ("MlflowSink", "mlflow", "mlflow")],
+)
+def test_a_missing_tracker_library_is_one_line_naming_the_extra(sink, hidden, extra, tmp_path, monkeypatch):
+    from dflash.monitor import sinks
 
-    from dflash.monitor.sinks import SinkContext, TensorBoardSink
+    monkeypatch.setitem(sys.modules, hidden, None)  # what an import finds when it is not installed
+    with pytest.raises(ValueError, match=rf"pip install 'dflash\[{extra}\]'"):
+        getattr(sinks, sink)(context=sinks.SinkContext(run_dir=tmp_path, config={}, total_steps=1))
 
-    real_import = builtins.__import__
 
-    def without_tensorboard(name, *args, **kwargs):
-        if name == "torch.utils.tensorboard":
-            raise ImportError("No module named 'tensorboard'")
-        return real_import(name, *args, **kwargs)
+def test_logger_mlflow_without_mlflow_exits_2_in_one_line_before_anything_loads(tmp_path):
+    hide_mlflow = "import sys; sys.modules['mlflow'] = None; from dflash.cli import main; main()"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            hide_mlflow,
+            "train",
+            "logger=mlflow",
+            "debug=fast",
+            f"hydra.run.dir={tmp_path}",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=SLOW_MACHINE_TIMEOUT_S,
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith(
+        "dflash train: error: logger.sinks.mlflow (logger=mlflow) needs the mlflow package: "
+        "pip install 'dflash[mlflow]'"
+    ), result.stderr
+    assert not (tmp_path / "checkpoints").exists()
 
-    monkeypatch.setattr(builtins, "__import__", without_tensorboard)
-    with pytest.raises(ValueError, match=r"pip install 'dflash\[tensorboard\]'"):
-        TensorBoardSink(context=SinkContext(run_dir=Path("unused"), config={}, total_steps=1))
+
+def mlflow_store(run_dir: Path):
+    from mlflow.tracking import MlflowClient
+
+    client = MlflowClient(tracking_uri=f"sqlite:///{run_dir / 'mlflow.db'}")
+    runs = client.search_runs([e.experiment_id for e in client.search_experiments()])
+    return client, runs
+
+
+def history(client, run_id: str, key: str) -> list[tuple[int, float]]:
+    return sorted((m.step, m.value) for m in client.get_metric_history(run_id, key))
+
+
+def jsonl_rows(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_the_mlflow_store_holds_every_row_the_config_and_the_summary_and_resume_continues_the_run(
+    make_cfg, tmp_path
+):
+    pytest.importorskip("mlflow")  # the `mlflow` extra (make install brings it)
+    from dflash.monitor.sinks import MLFLOW_RUN_FILE
+
+    common = [
+        "logger=mlflow",
+        "train.total_steps=4",
+        "logger.every_steps=2",
+        "checkpoint.every_steps=2",
+        "checkpoint.keep_last=3",
+    ]
+    first_dir = tmp_path / "first"
+    train(make_cfg(common, first_dir))
+    client, runs = mlflow_store(first_dir)  # the default store: a SQLite file in the run dir
+    assert len(runs) == 1
+    run = runs[0]
+    assert run.info.status == "FINISHED"
+    assert client.get_experiment(run.info.experiment_id).name == "dflash"
+    assert run.info.run_name == "/".join(first_dir.parts[-2:])
+    # Every value of every row, at its step (float64 in metrics.jsonl and in the store: equal).
+    rows = jsonl_rows(first_dir)
+    keys = {key for row in rows for key in row if key != "step"}
+    assert {"train/loss", "eval/tau", "monitor/mlflow_dropped"} <= keys
+    assert keys == {key for key in run.data.metrics if not key.startswith("summary/")}
+    for key in keys:
+        expected = sorted((r["step"], r[key]) for r in rows if r.get(key) is not None)
+        assert history(client, run.info.run_id, key) == expected, key
+    # The config: one param per leaf, and the whole of it as an artifact.
+    params = run.data.params
+    assert params["train.total_steps"] == "4" and params["logger.every_steps"] == "2"
+    assert params["logger.sinks.mlflow._target_"] == "dflash.monitor.sinks.mlflow_sink"
+    assert params["optimizer.betas"] == "[0.9, 0.999]" and params["resume"] == "null"
+    logged_config = Path(client.download_artifacts(run.info.run_id, "config_resolved.yaml", str(tmp_path)))
+    assert yaml.safe_load(logged_config.read_text()) == yaml.safe_load(
+        (first_dir / "config_resolved.yaml").read_text()
+    )
+    # The summary: its numbers as metrics at the last step, the rest as tags.
+    summary = json.loads((first_dir / "summary.json").read_text())
+    for key in ("train/loss", "train/acc", "eval/tau", "steps"):
+        assert history(client, run.info.run_id, f"summary/{key}") == [(4, summary[key])], key
+    assert run.data.tags["summary/checkpoint"] == summary["checkpoint"]
+    checkpoints = first_dir / "checkpoints"
+    record = json.loads((checkpoints / "step_0000002" / MLFLOW_RUN_FILE).read_text())
+    assert record == json.loads((checkpoints / "last" / MLFLOW_RUN_FILE).read_text())
+    assert record["run_id"] == run.info.run_id
+
+    # resume= of step 2, in a new run dir: the same MLflow run, in the store the checkpoint names.
+    second_dir = tmp_path / "second"
+    train(make_cfg([*common, f"resume={checkpoints / 'step_0000002'}"], second_dir))
+    assert not (second_dir / "mlflow.db").exists()
+    client, runs = mlflow_store(first_dir)
+    assert [r.info.run_id for r in runs] == [record["run_id"]]
+    assert runs[0].info.status == "FINISHED"
+    resumed_rows = jsonl_rows(second_dir)
+    assert resumed_rows and all(r["step"] > 2 for r in resumed_rows)
+    for key in ("train/loss", "train/acc", "eval/tau"):
+        both = [(r["step"], r[key]) for r in rows + resumed_rows if r.get(key) is not None]
+        assert history(client, record["run_id"], key) == sorted(both), key
+    assert json.loads((second_dir / "checkpoints" / "last" / MLFLOW_RUN_FILE).read_text()) == record
+    assert runs[0].data.tags["dflash.resumed_from"].endswith("step_0000002 (step 2)")
+    assert [a.path for a in client.list_artifacts(record["run_id"], "resume_step_2")] == [
+        "resume_step_2/config_resolved.yaml"
+    ]
+
+
+class CrashAtStart:
+    """A callback that fails the run before its first step."""
+
+    def on_train_start(self, trainer) -> None:
+        raise RuntimeError("crash at start")
+
+
+def test_a_run_that_crashes_ends_its_mlflow_run_failed(make_cfg, tmp_path):
+    pytest.importorskip("mlflow")
+    cfg = make_cfg(
+        ["logger=mlflow", "train.total_steps=2", f"+callbacks.crash._target_={__name__}.CrashAtStart"],
+        tmp_path / "run",
+    )
+    with pytest.raises(RuntimeError, match="crash at start"):
+        train(cfg)
+    _, runs = mlflow_store(tmp_path / "run")
+    assert [r.info.status for r in runs] == ["FAILED"]
 
 
 def test_wandb_resumes_the_run_its_checkpoint_names_and_logs_checkpoints_as_artifacts(

@@ -15,7 +15,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 
@@ -217,6 +217,13 @@ class Monitor:
         """Rows outside the tick cadence (the final evaluation)."""
         for sink in self.sinks:
             sink.log(metrics, step)
+
+    def log_summary(self, summary: dict[str, Any]) -> None:
+        """The run summary (what summary.json holds), to each sink that takes it (`log_summary`)."""
+        for sink in self.sinks:
+            hook = getattr(sink, "log_summary", None)
+            if hook is not None:
+                hook(dict(summary))
 
     def close(self, ok: bool) -> None:
         self.gpu.close()

@@ -30,6 +30,7 @@ from dflash.distributed import (
 from dflash.eval.prompts import PromptSet
 from dflash.models.identity import target_identity
 from dflash.models.target import load_target_config
+from dflash.monitor.sinks import SINK_LIBRARIES
 from dflash.run.checks import resolve_layer_ids, validate
 from dflash.run.inputs import eval_prompt_sets, local_target_config
 from dflash.run.ownership import refuse_earlier_run
@@ -90,7 +91,10 @@ def check_components(cfg: Config) -> None:
         exclude = STEP_KEYS if key == "optimizer" else ()
         check_buildable(getattr(cfg, key), key, runtime=runtime, exclude=exclude)
     for name, node in cfg.logger.sinks.items():
-        check_buildable(node, f"logger.sinks.{name}", runtime=("context",))
+        built_by = check_buildable(node, f"logger.sinks.{name}", runtime=("context",))
+        library = SINK_LIBRARIES.get(built_by)
+        if library is not None:  # an optional extra the sink needs is installed
+            library.check(f"logger.sinks.{name}")
 
 
 def prompt_sets(cfg: Config, target_cfg: TargetConfig, target_config):

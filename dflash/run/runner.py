@@ -74,6 +74,7 @@ class Run:
                 summary = self._summary({**val_metrics, **eval_metrics}, time.perf_counter() - started)
                 summary["eval/interrupted"] = report.interrupted
                 write_summary(self.run_dir / "summary.json", summary)
+                self.trainer.monitor.log_summary(summary)
             print(format_summary(summary), flush=True)
             if report.interrupted:
                 log.warning(
