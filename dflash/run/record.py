@@ -45,7 +45,19 @@ from dflash.trainer.signals import (
     restore_job_signals,
 )
 
-LIBRARIES = ("dflash", "torch", "transformers", "hydra-core", "omegaconf", "safetensors", "wandb", "numpy")
+LIBRARIES = (
+    "dflash",
+    "torch",
+    "transformers",
+    "hydra-core",
+    "omegaconf",
+    "safetensors",
+    "numpy",
+    # the trackers' libraries (optional: "not installed" where absent)
+    "wandb",
+    "tensorboard",
+    "mlflow-skinny",
+)
 
 
 # Config keys whose values are secrets: never written in clear into a record (run.json, .hydra/).
