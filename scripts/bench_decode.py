@@ -3,7 +3,7 @@ the static-cache decoder (CUDA graphs on GPU) and on the dynamic-cache path it r
 
     python scripts/bench_decode.py [--context 256] [--reps 50] [--profile DIR] [dflash-train overrides ...]
 
-Builds the target and a drafter from the composed config (random weights: timing does not
+Builds the target and a drafter of the configured `variant` from the composed config (random weights: timing does not
 depend on them; the drafter runs in the target's dtype, as in dflash-eval), prefills
 `--context` tokens, then times with CUDA events on GPU (wall clock on CPU), median over
 `--reps` after warm-up:
@@ -13,8 +13,10 @@ depend on them; the drafter runs in the target's dtype, as in dflash-eval), pref
                     bandwidth: the least time a batch-1 decoding step can take
   plain step        one target forward of 1 token + the host read of its argmax (+ the
                     commit of its DeltaNet states, for a hybrid target)
-  verify            one target forward of the block (B tokens) + drafter-context write
-  draft             one drafter forward for a block over the cached context
+  verify            one target forward of the block (B tokens; B + 1 after a DSpark block) +
+                    drafter-context write
+  draft             one drafter forward for a block over the cached context, then the variant's
+                    greedy pick (DFlash's argmax, DSpark's Markov walk, DFlash2's selector walk)
   round             draft + verify + one host read + acceptance (+ the commit of the accepted
                     tokens' DeltaNet states), as dflash-eval runs it
 
@@ -63,10 +65,12 @@ class PreparedDecoder:
         )
         _, features = decoder._prefill(prompt)
         decoder.drafter_cache.write(features, torch.arange(committed, device=device).unsqueeze(0))
-        self.kv_len = decoder.target_cache.kv_len_for(committed + block)
+        # A round verifies [anchor, drafts]: B tokens after a DFlash or DFlash2 block, B + 1 after DSpark's.
+        verify_len = decoder.verify_len
+        self.kv_len = decoder.target_cache.kv_len_for(committed + verify_len)
         decoder._set(1, committed)
-        self.block_ids = torch.ones((1, block), dtype=torch.long, device=device)
-        self.block_pos = committed + torch.arange(block, device=device).unsqueeze(0)
+        self.block_ids = torch.ones((1, verify_len), dtype=torch.long, device=device)
+        self.block_pos = committed + torch.arange(verify_len, device=device).unsqueeze(0)
 
     def verify(self, ids, positions, *, kv_len):
         """The target's forward of a block and the drafter-context write of its features."""
@@ -90,17 +94,26 @@ def static_rows(target, drafter, prompt, measure, reps, compile):
 
     # With compile, the decoder's caches hold the compiled per-layer steps: these graphs replay them.
     verify_graph = GraphedFunction(prepared.verify, enabled=decoder.graphs_on)
-    draft_graph = GraphedFunction(decoder.drafter_cache.draft, enabled=decoder.graphs_on)
+    # The variant's own draft (greedy): DSpark's Markov walk, DFlash2's selector walk, DFlash's argmax.
+    cache = decoder.drafter_cache
+    draft_fn = (
+        cache.draft_dspark if decoder.dspark else cache.draft_dflash2 if decoder.dflash2 else cache.draft
+    )
+    draft_graph = GraphedFunction(draft_fn, enabled=decoder.graphs_on)
+
+    verified = prepared.block_ids.shape[1]
+    verify_label = f"verify (B={block})" if verified == block else f"verify (B+1={verified})"
 
     def round_():
-        drafts, logits = decoder._round(decoder._ids, decoder._pos, kv_len=kv_len)
+        drafts, logits = decoder._round(decoder._ids, decoder._pos, kv_len=kv_len)[:2]
+        count = drafts.shape[0]
         both = torch.cat([drafts, logits.argmax(-1)]).tolist()
-        accepted = accepted_prefix(both[: block - 1], both[block - 1 :])
+        accepted = accepted_prefix(both[:count], both[count:])
         decoder.keep(accepted + 1)
 
     return [
         ("plain step", measure(plain_step, reps)),
-        (f"verify (B={block})", measure(lambda: verify_graph(block_ids, block_pos, kv_len=kv_len), reps)),
+        (verify_label, measure(lambda: verify_graph(block_ids, block_pos, kv_len=kv_len), reps)),
         ("draft", measure(lambda: draft_graph(decoder._ids[0], decoder._pos[0], kv_len=kv_len), reps)),
         ("round", measure(round_, reps)),
     ]
@@ -166,7 +179,7 @@ def main() -> None:
     from dflash.config.devices import resolve_device_split
     from dflash.distributed import visible_cuda_devices
     from dflash.run.inputs import script_target
-    from dflash.step.build import build_drafter
+    from dflash.step.build import build_drafter, build_variant
     from dflash.tools.compose import compose_typed
     from dflash.tools.target_cost import token_weight_bytes
 
@@ -176,7 +189,7 @@ def main() -> None:
     device = torch.device(resolve_device_split(cfg, visible_cuda_devices())[0][0])
     target, layer_ids = script_target(cfg, device, "bench_decode")  # a GGUF target.path: converted once
     target_config = target.config
-    drafter = build_drafter(cfg.drafter, target_config, layer_ids, str(device))
+    drafter = build_drafter(cfg.drafter, target_config, layer_ids, str(device), build_variant(cfg.variant))
     drafter = drafter.to(target.lm_head.weight.dtype).eval()
     measure = timer(device)
     prompt = torch.randint(0, cfg.drafter.mask_token_id, (args.context,)).tolist()

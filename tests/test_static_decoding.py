@@ -336,3 +336,36 @@ def test_bench_decode_times_a_hybrid_target_on_the_static_decoder(tiny_qwen3_5_d
     # multiple of the static one (a ratio across two engines).
     ratios = {line.split()[-2] for line in out.splitlines() if line.startswith("plain step [")}
     assert ratios == {"1.00"}, out
+
+
+@pytest.mark.parametrize(
+    ("variant", "verify_row"), [("dspark", "verify (B+1=5)"), ("dflash2", "verify (B=4)")]
+)
+def test_bench_decode_times_the_variants_own_draft_and_round(variant, verify_row, monkeypatch, capsys):
+    """`variant=` builds that drafter; its round verifies its own length and drafts with its own
+    walk (DSpark's Markov head, DFlash2's selector), not DFlash's argmax."""
+    import runpy
+    import sys
+    from pathlib import Path
+
+    import dflash.decoding.static_drafter as static_drafter
+
+    walks = []
+    for name in ("draft_dspark", "draft_dflash2"):
+        original = getattr(static_drafter.StaticCacheDrafter, name)
+
+        def recorded(self, *args, _name=name, _original=original, **kwargs):
+            walks.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(static_drafter.StaticCacheDrafter, name, recorded)
+    script = Path(__file__).resolve().parent.parent / "scripts" / "bench_decode.py"
+    arguments = ["--reps", "2", "--context", "16", "--skip-dynamic", "target=tiny", "drafter=tiny"]
+    arguments += ["drafter.mask_token_id=511", "gpu=cpu", f"variant={variant}", "variant.markov_rank=8"]
+    if variant == "dflash2":
+        arguments[-1] = "variant.selector_rank=8"
+    monkeypatch.setattr(sys, "argv", [str(script), *arguments])
+    runpy.run_path(str(script), run_name="__main__")
+    out = capsys.readouterr().out
+    assert f"{verify_row} [static]" in out and "round [static]" in out, out
+    assert set(walks) == {f"draft_{variant}"}, walks
