@@ -211,3 +211,18 @@ def test_wandb_resumes_the_run_its_checkpoint_names_and_logs_checkpoints_as_arti
     again = json.loads((tmp_path / "second" / "checkpoints" / "last" / WANDB_RUN_FILE).read_text())
     assert again["id"] == run_id
     assert len(logged) == 2  # log_checkpoints is off in the resumed run
+
+
+def test_resuming_into_an_mlflow_store_that_is_gone_is_refused_before_anything_loads(make_cfg, tmp_path):
+    """The checkpoint names its run's store; with that store deleted, `resume=` stops in the
+    checks before the weights (the new run dir gets no config_resolved.yaml), naming the key."""
+    pytest.importorskip("mlflow")
+    common = ["logger=mlflow", "train.total_steps=2", "checkpoint.every_steps=2"]
+    first_dir = tmp_path / "first"
+    train(make_cfg(common, first_dir))
+    (first_dir / "mlflow.db").unlink()
+    second_dir = tmp_path / "second"
+    checkpoint = first_dir / "checkpoints" / "step_0000002"
+    with pytest.raises(ValueError, match=r"which does not exist; set logger.sinks.mlflow.tracking_uri"):
+        train(make_cfg([*common, f"resume={checkpoint}"], second_dir))
+    assert not (second_dir / "config_resolved.yaml").exists()

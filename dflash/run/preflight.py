@@ -30,7 +30,7 @@ from dflash.distributed import (
 from dflash.eval.prompts import PromptSet
 from dflash.models.identity import target_identity
 from dflash.models.target import load_target_config
-from dflash.monitor.sinks import SINK_LIBRARIES
+from dflash.monitor.sinks import MLFLOW_RUN_FILE, SINK_LIBRARIES, MlflowSink, mlflow_sink, resumed_mlflow_run
 from dflash.run.checks import resolve_layer_ids, validate
 from dflash.run.inputs import eval_prompt_sets, local_target_config
 from dflash.run.ownership import refuse_earlier_run
@@ -97,6 +97,27 @@ def check_components(cfg: Config) -> None:
             library.check(f"logger.sinks.{name}")
 
 
+def check_resumed_stores(cfg: Config, resume_dir: Path | None) -> None:
+    """A resumed run's MLflow sink continues the run its checkpoint names: a local store that is no
+    longer there is refused now, before any weights load, not when the sink opens it."""
+    for name, node in cfg.logger.sinks.items():
+        if check_buildable(node, f"logger.sinks.{name}", runtime=("context",)) not in (
+            MlflowSink,
+            mlflow_sink,
+        ):
+            continue
+        resumed = resumed_mlflow_run(resume_dir)
+        if resumed is None:
+            continue
+        uri = getattr(node, "tracking_uri", None) or resumed["tracking_uri"]
+        database = uri[len("sqlite:///") :] if uri.startswith("sqlite:///") else None
+        if database is not None and not Path(database).is_file():
+            raise ValueError(
+                f"resume={resume_dir}: {MLFLOW_RUN_FILE} names MLflow run {resumed['run_id']} in {uri}, "
+                f"which does not exist; set logger.sinks.{name}.tracking_uri to the store that holds it"
+            )
+
+
 def prompt_sets(cfg: Config, target_cfg: TargetConfig, target_config):
     """The final evaluation's prompt sets and, with eval.every_steps > 0, the periodic one's."""
     mask_id, vocab_size = cfg.drafter.mask_token_id, target_config.vocab_size
@@ -154,6 +175,7 @@ def check_before_loading(composed: DictConfig) -> Checked:
     run_drafter = run_drafter_config(cfg.drafter, target_config, layer_ids, build_variant(cfg.variant))
     identity = target_identity(target_cfg)
     resume_dir = checked_drafter_dir(cfg.resume, run_drafter, resolved["target"], "resume", identity)
+    check_resumed_stores(cfg, resume_dir)
     init_dir = None
     if resume_dir is None:  # a resumed run continues from its checkpoint's weights
         init_dir = checked_drafter_dir(
