@@ -184,14 +184,19 @@ def reader_limits(config: dict[str, Any]) -> list[str]:
 # -- the speculators layout (raw speculators config.json) --------------------------------------
 
 
+def _logit_scaling(fields: dict[str, Any]) -> list[str]:
+    """The unary-logit transforms (output_multiplier, final_logit_softcapping) `fields` sets."""
+    return [key for key in UNARY_KEYS if fields.get(key) is not None]
+
+
 def speculators_fields(zlab: dict[str, Any]) -> dict[str, Any]:
     """The speculators config's DFlash2 fields of a z-lab-form DFlash2 config; refused (ValueError)
     when the drafter transforms its unary logits: the speculators layout has no field for that."""
     settings = _settings(zlab)
-    carried = [key for key in UNARY_KEYS if settings.get(key) is not None]
-    if carried:
+    scaling = _logit_scaling(settings)
+    if scaling:
         raise ValueError(
-            f"a DFlash2 drafter with {', '.join(f'{k}={settings[k]}' for k in carried)}: the speculators layout "
+            f"a DFlash2 drafter with {', '.join(f'{k}={settings[k]}' for k in scaling)}: the speculators layout "
             "has no field for it (speculators would train and serve its logits untransformed); export "
             "it in the z-lab layout (--layout zlab), which SGLang and vLLM serve with it"
         )
@@ -226,10 +231,10 @@ def speculators_problems(config: dict[str, Any]) -> list[str]:
         problems.append(
             "draft_vocab_size is missing (speculators would read 32000): DFlash2 needs the target's whole vocabulary"
         )
-    carried = [key for key in UNARY_KEYS if config.get(key) is not None]
-    if carried:
+    scaling = _logit_scaling(config)
+    if scaling:
         problems.append(
-            f"{', '.join(carried)} in a speculators config: speculators has no such field (it trains and "
+            f"{', '.join(scaling)} in a speculators config: speculators has no such field (it trains and "
             "serves the logits untransformed) and vLLM's reading of it is unverified; use the z-lab layout"
         )
     return problems
