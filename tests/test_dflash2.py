@@ -18,11 +18,12 @@ from dflash.export.zlab import load_drafter
 from dflash.models.dflash2 import DFlash2Drafter, GroupedDynamicConv, add_dflash2_fields
 from dflash.models.drafter import DFlashDrafter, drafter_config
 from dflash.models.drafter_class import drafter_from_config
-from dflash.step.blocks import build_blocks, layer_masks, position_weights
+from dflash.step.blocks import layer_masks
 from dflash.step.dflash2_loss import dflash2_loss
 from dflash.step.loss import objective_figures
 from dflash.step.metrics import StepMetrics
 from dflash.train import train
+from tests.test_dflash_rules import blocks_for
 from tests.test_dspark import MASK_ID, tiny_target
 
 BLOCK = 4
@@ -54,19 +55,8 @@ def tiny_dflash2(target, *, scale: float = 0.3, **shape) -> DFlash2Drafter:
 
 
 def dflash2_blocks(ids, loss_mask, *, num_anchors=8, gamma=4.0):
-    ids, loss_mask = torch.as_tensor(ids), torch.as_tensor(loss_mask, dtype=torch.uint8)
-    return build_blocks(
-        ids,
-        loss_mask,
-        torch.full((ids.shape[0],), ids.shape[1]),
-        list(range(ids.shape[0])),
-        epoch=0,
-        seed=0,
-        block_size=BLOCK,
-        num_anchors=num_anchors,
-        mask_token_id=MASK_ID,
-        weights=position_weights(BLOCK, gamma),
-        with_prev_ids=True,
+    return blocks_for(
+        ids, loss_mask, block_size=BLOCK, num_anchors=num_anchors, gamma=gamma, with_prev_ids=True
     )
 
 

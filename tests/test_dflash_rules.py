@@ -57,7 +57,21 @@ def tiny_drafter(
     return DFlashDrafter(drafter_config(cfg, target.config, target.layer_ids))
 
 
-def blocks_for(ids, loss_mask, *, block_size=4, num_anchors=8, gamma=4.0, epoch=0, sample_ids=None, keep=0.0):
+def blocks_for(
+    ids,
+    loss_mask,
+    *,
+    block_size=4,
+    num_anchors=8,
+    gamma=4.0,
+    epoch=0,
+    sample_ids=None,
+    keep=0.0,
+    label_offset=0,
+    with_prev_ids=False,
+):
+    """`build_blocks` over a tiny batch (a 1-D sequence is one sample); `label_offset` and
+    `with_prev_ids` as a variant sets them (dflash/step/variant.py)."""
     ids = torch.as_tensor(ids)
     loss_mask = torch.as_tensor(loss_mask, dtype=torch.uint8)
     if ids.dim() == 1:
@@ -73,8 +87,10 @@ def blocks_for(ids, loss_mask, *, block_size=4, num_anchors=8, gamma=4.0, epoch=
         block_size=block_size,
         num_anchors=num_anchors,
         mask_token_id=MASK_ID,
-        weights=position_weights(block_size, gamma),
+        weights=position_weights(block_size, gamma, label_offset),
         keep_fraction=keep,
+        label_offset=label_offset,
+        with_prev_ids=with_prev_ids,
     )
 
 

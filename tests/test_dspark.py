@@ -25,6 +25,7 @@ from dflash.step.blocks import build_blocks, position_weights
 from dflash.step.dspark_loss import DSparkWeights, dspark_loss
 from dflash.train import train
 from tests.conftest import TINY_ARCH
+from tests.test_dflash_rules import blocks_for
 
 MASK_ID = 511
 HEAD_TYPES = ["vanilla", "gated", "rnn"]
@@ -56,22 +57,8 @@ def tiny_dspark(target: FrozenTarget, head_type: str = "vanilla", *, rank: int =
 
 
 def dspark_blocks(ids, loss_mask, *, block_size=4, num_anchors=8, gamma=4.0):
-    ids = torch.as_tensor(ids)
-    loss_mask = torch.as_tensor(loss_mask, dtype=torch.uint8)
-    if ids.dim() == 1:
-        ids, loss_mask = ids[None], loss_mask[None]
-    return build_blocks(
-        ids,
-        loss_mask,
-        torch.full((ids.shape[0],), ids.shape[1]),
-        list(range(ids.shape[0])),
-        epoch=0,
-        seed=0,
-        block_size=block_size,
-        num_anchors=num_anchors,
-        mask_token_id=MASK_ID,
-        weights=position_weights(block_size, gamma, label_offset=1),
-        label_offset=1,
+    return blocks_for(
+        ids, loss_mask, block_size=block_size, num_anchors=num_anchors, gamma=gamma, label_offset=1
     )
 
 

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash.models.compile import compile_shared
-from dflash.models.dflash2 import DFlash2Drafter
+from dflash.models.dflash2 import UNARY_KEYS, DFlash2Drafter
 from dflash.step.blocks import DraftBlocks
 from dflash.step.loss import LossStats, block_acceptance, chunk_ce_and_grad, fused_head_dtype, labelled_rows
 
@@ -193,7 +193,7 @@ def dflash2_loss(
     """The DFlash2 loss statistics of one batch of blocks (built with `with_prev_ids`)."""
     if blocks.prev_ids is None:
         raise ValueError("DFlash2 blocks need prev_ids (build_blocks with with_prev_ids=True)")
-    if drafter.settings.keys() & {"output_multiplier", "final_logit_softcapping"}:
+    if drafter.settings.keys() & set(UNARY_KEYS):
         raise ValueError(
             "this DFlash2 drafter scales or soft-caps its unary logits (dflash_config.output_multiplier / "
             "final_logit_softcapping); dflash trains drafters without them: decode it, or train a new one"
