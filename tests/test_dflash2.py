@@ -13,25 +13,23 @@ from pathlib import Path
 import pytest
 import torch
 
-from dflash.config.schema import DrafterConfig
 from dflash.export.zlab import load_drafter
 from dflash.models.dflash2 import DFlash2Drafter, GroupedDynamicConv, add_dflash2_fields
-from dflash.models.drafter import DFlashDrafter, drafter_config
+from dflash.models.drafter import DFlashDrafter
 from dflash.models.drafter_class import drafter_from_config
 from dflash.step.blocks import layer_masks
 from dflash.step.dflash2_loss import dflash2_loss
 from dflash.step.loss import objective_figures
 from dflash.step.metrics import StepMetrics
 from dflash.train import train
-from tests.test_dflash_rules import blocks_for
-from tests.test_dspark import MASK_ID, tiny_target
+from tests.test_dflash_rules import blocks_for, tiny_drafter_config
+from tests.test_dspark import tiny_target
 
 BLOCK = 4
 
 
 def tiny_configs(target, *, top_k: int = 4, rank: int = 8, kernel: int = 2):
-    cfg = DrafterConfig(name="t", num_layers=2, block_size=BLOCK, mask_token_id=MASK_ID, num_anchors=8)
-    base = drafter_config(cfg, target.config, target.layer_ids)
+    base = tiny_drafter_config(target, BLOCK)
     dflash2 = add_dflash2_fields(
         copy.deepcopy(base),
         conv_kernel_size=kernel,

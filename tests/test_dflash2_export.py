@@ -13,17 +13,17 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash.config.schema import DrafterConfig
 from dflash.export.contract import check_export, reader_limits
 from dflash.export.zlab import export_drafter, export_speculators, load_drafter, load_drafter_weights
 from dflash.models.dflash2 import DFlash2Drafter, GroupedDynamicConv, add_dflash2_fields
-from dflash.models.drafter import DFlashDrafter, drafter_config
+from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import FrozenTarget
 from dflash.run.resume import check_resume_matches, warm_starts_new_parts
 from dflash.tools.export import main as export_main
 from dflash.train import train
 from dflash.trainer.checkpoint import save_checkpoint
-from tests.test_dflash_rules import MASK_ID, tiny_drafter, tiny_target
+from tests.test_dflash_rules import MASK_ID, tiny_drafter, tiny_drafter_config, tiny_target
+from tests.test_export_contract import edit_config, edit_weights
 
 TINY_TARGET = {"num_hidden_layers": 6, "hidden_size": 64, "vocab_size": 512}
 SLIDING = ["sliding_attention", "sliding_attention"]
@@ -34,16 +34,8 @@ VERIFIER = {"name_or_path": "tiny", "architectures": ["Qwen3ForCausalLM"]}
 
 
 def dflash2_config(target: FrozenTarget, *, block_size: int = 4, **fields):
-    cfg = DrafterConfig(
-        name="t",
-        num_layers=2,
-        block_size=block_size,
-        mask_token_id=MASK_ID,
-        num_anchors=8,
-        layer_types=SLIDING,
-        sliding_window=8,
-    )
-    return add_dflash2_fields(drafter_config(cfg, target.config, target.layer_ids), **{**FIELDS, **fields})
+    config = tiny_drafter_config(target, block_size, layer_types=SLIDING, sliding_window=8)
+    return add_dflash2_fields(config, **{**FIELDS, **fields})
 
 
 def tiny_dflash2(
@@ -99,18 +91,6 @@ def released_names(layers: int) -> set[str]:
             )
         }
     return names
-
-
-def edit_config(directory: Path, edit) -> None:
-    path = directory / "config.json"
-    config = json.loads(path.read_text())
-    edit(config)
-    path.write_text(json.dumps(config))
-
-
-def edit_weights(directory: Path, edit) -> None:
-    path = directory / "model.safetensors"
-    save_file(edit(load_file(str(path))), str(path))
 
 
 @pytest.fixture

@@ -37,13 +37,14 @@ def tiny_target() -> FrozenTarget:
     return FrozenTarget(AutoModelForCausalLM.from_config(config), [1, 3])
 
 
-def tiny_drafter(
+def tiny_drafter_config(
     target: FrozenTarget,
     block_size: int = 4,
     layer_types: list[str] | None = None,
     sliding_window: int | None = None,
-) -> DFlashDrafter:
-    """layer_types / sliding_window: drafter.layer_types and drafter.sliding_window."""
+):
+    """A two-layer drafter's Qwen3Config for `target` (the variants add their fields to it);
+    layer_types / sliding_window: drafter.layer_types and drafter.sliding_window."""
     cfg = DrafterConfig(
         name="t",
         num_layers=2,
@@ -53,8 +54,17 @@ def tiny_drafter(
         layer_types=layer_types,
         sliding_window=sliding_window,
     )
+    return drafter_config(cfg, target.config, target.layer_ids)
+
+
+def tiny_drafter(
+    target: FrozenTarget,
+    block_size: int = 4,
+    layer_types: list[str] | None = None,
+    sliding_window: int | None = None,
+) -> DFlashDrafter:
     torch.manual_seed(1)
-    return DFlashDrafter(drafter_config(cfg, target.config, target.layer_ids))
+    return DFlashDrafter(tiny_drafter_config(target, block_size, layer_types, sliding_window))
 
 
 def blocks_for(
