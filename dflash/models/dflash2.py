@@ -309,10 +309,6 @@ class DFlash2Drafter(DFlashDrafter):
         )
         self.candidate_selector.reset_parameters(config.initializer_range)
 
-    @property
-    def top_k(self) -> int:
-        return self.candidate_selector.top_k
-
     def unary_logits(self, logits: torch.Tensor) -> torch.Tensor:
         """The target head's logits on the drafter's hidden states, as the selector scores them."""
         return apply_unary_transforms(logits, self.settings)
