@@ -115,7 +115,7 @@ def test_a_dflash2_export_is_the_released_layout_and_reads_back_bit_for_bit(expo
     assert check_export(export, target=TINY_TARGET) == [] and reader_limits(export) == []
     loaded = load_drafter(export)
     assert isinstance(loaded, DFlash2Drafter) and same_weights(tiny_dflash2(tiny_target()), loaded)
-    assert loaded.top_k == 4 and loaded.settings == FIELDS
+    assert loaded.candidate_selector.top_k == 4 and loaded.settings == FIELDS
 
 
 def test_a_dflash2_training_checkpoint_round_trips(tmp_path):
