@@ -373,8 +373,8 @@ def test_on_cuda_an_fp8_checkpoint_stays_fp8_and_matches_the_bf16_forward_of_its
     installed) and run dequantized module by module. Tolerance: the features of the bf16 model
     holding the same dequantized weights within bf16 rounding (rtol 1.6e-2, atol 1e-2; the same
     weights and kernels, so in practice equal). Shapes with a partial block beside full ones
-    (q_proj 192 rows), refused on the CPU, load here. The regional compile gives the same
-    features."""
+    (q_proj 192 rows), refused on the CPU, load here. The regional compile gives the eager
+    features within bf16 fusion error."""
     from omegaconf import OmegaConf
 
     from dflash.config.schema import TargetConfig
@@ -400,9 +400,19 @@ def test_on_cuda_an_fp8_checkpoint_stays_fp8_and_matches_the_bf16_forward_of_its
                 setattr(module, buffer, fp32_buffers[f"{name}.{buffer}" if name else buffer].to(device))
     ids = torch.randint(0, arch["vocab_size"], (2, 64), device=device)
     want = features_of(reference, ids, layer_ids)
-    torch.testing.assert_close(target.features(ids), want, rtol=1.6e-2, atol=1e-2)
+    eager = target.features(ids)
+    torch.testing.assert_close(eager, want, rtol=1.6e-2, atol=1e-2)
     target.compile_features(scope="layers")
-    torch.testing.assert_close(target.features(ids), want, rtol=1.6e-2, atol=1e-2)
+    compiled = target.features(ids)
+    # Inductor keeps a fused region's intermediates in fp32 where eager rounds each op to bf16,
+    # so the compiled stack is not elementwise within 2 bf16 ulps of eager (measured on the H200:
+    # 0.7% of qwen3's and 2.3% of qwen3_next's elements outside rtol 1.6e-2). It is held to a
+    # per-sample relative error instead: a wrong dequantization or scale block moves it by O(1).
+    error = [
+        float((compiled[i] - eager[i]).float().norm() / eager[i].float().norm()) for i in range(len(ids))
+    ]
+    print(model_type, "compiled vs eager, relative error per sample", error)
+    assert max(error) < 2e-2, error
 
 
 @pytest.mark.gpu
