@@ -23,6 +23,7 @@ from dflash.data.schedule import InterleavePlanner
 from dflash.pipeline.prefetch import BatchPrefetcher
 from dflash.pipeline.queues import HiddenStateQueue, OrderedQueue, QueueClosed
 from dflash.run.launch import build_run
+from dflash.run.runner import format_summary
 from dflash.train import train
 from dflash.trainer.async_trainer import FaultInjection
 from tests.conftest import FAST, SLOW_MACHINE_TIMEOUT_S, compose_config
@@ -276,11 +277,20 @@ def test_sigterm_writes_a_checkpoint_and_resume_finishes_identically(tmp_path, d
     record = json.loads((run_dir / "run.json").read_text())  # every job has its record
     assert record["status"] == "INTERRUPTED" and record["signal"] == "SIGTERM"
 
-    train(compose_config(args + [f"resume={last.resolve()}"], tmp_path / "resumed", data_cache))
-    train(compose_config(args, tmp_path / "straight", data_cache))
+    resumed_summary = train(
+        compose_config(args + [f"resume={last.resolve()}"], tmp_path / "resumed", data_cache)
+    )
+    straight_summary = train(compose_config(args, tmp_path / "straight", data_cache))
     straight, resumed = losses(tmp_path / "straight"), losses(tmp_path / "resumed")
     assert min(resumed) == stopped_at + 1 and max(resumed) == 300
     assert all(resumed[s] == straight[s] for s in resumed)
+    # The resumed process's summary says its first window and time start at the resume, not at step 0.
+    assert resumed_summary["resumed_from_step"] == stopped_at and "resumed_from_step" not in straight_summary
+    assert resumed_summary["train/loss_first_window"] == resumed[stopped_at + 1]  # logger.every_steps=1
+    printed = format_summary(resumed_summary)
+    assert f"300  (resumed at step {stopped_at}: " in printed
+    assert f"(from the first window after step {stopped_at})" in printed
+    assert "resumed" not in format_summary(straight_summary)
 
 
 @pytest.mark.slow

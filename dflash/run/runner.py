@@ -44,6 +44,7 @@ class Run:
 
     def execute(self) -> dict[str, Any]:
         started = time.perf_counter()
+        first_step = self.trainer.position.step  # > 0: resumed, and this process's figures start there
         ok = False
         try:
             self.callbacks.on_train_start(self.trainer)
@@ -71,7 +72,11 @@ class Run:
                 self.trainer.monitor.log(eval_metrics, self.trainer.position.step)
                 self._card_with_evaluation(eval_metrics)
                 self.callbacks.on_eval(self.trainer.position.step, eval_metrics)
-                summary = self._summary({**val_metrics, **eval_metrics}, time.perf_counter() - started)
+                summary = self._summary(
+                    {**val_metrics, **eval_metrics},
+                    wall_s=time.perf_counter() - started,
+                    first_step=first_step,
+                )
                 summary["eval/interrupted"] = report.interrupted
                 write_summary(self.run_dir / "summary.json", summary)
                 self.trainer.monitor.log_summary(summary)
@@ -100,7 +105,9 @@ class Run:
         facts = dataclasses.replace(settings.card, steps=self.trainer.position.step, evaluation=eval_metrics)
         write_model_card(last, facts, served_from=str(last.resolve()))
 
-    def _summary(self, eval_metrics: dict[str, float], wall_s: float) -> dict[str, Any]:
+    def _summary(self, eval_metrics: dict[str, float], *, wall_s: float, first_step: int) -> dict[str, Any]:
+        """wall_s, the first window and the throughput are this process's: from `first_step`,
+        the step a resumed run started from (recorded as resumed_from_step)."""
         history = self.trainer.monitor.window_history
         first, last = history[0], history[-1]
         return {
@@ -108,6 +115,7 @@ class Run:
             "checkpoint": str(self.trainer.checkpoints.directory / "last"),
             "pipeline": pipeline_name(self.cfg.pipeline),
             "steps": self.trainer.position.step,
+            **({"resumed_from_step": first_step} if first_step else {}),
             "wall_s": round(wall_s, 1),
             "train/acc_first_window": first["train/acc"],
             "train/acc": last["train/acc"],
@@ -142,14 +150,23 @@ def write_summary(path: Path, summary: dict[str, Any]) -> None:
 
 
 def format_summary(summary: dict[str, Any]) -> str:
+    # A resumed run's first window is the first after the resume, not the run's first.
+    resumed = summary.get("resumed_from_step")
+    since = f" (from the first window after step {resumed})" if resumed else ""
     lines = [
         "",
         "=== dflash run summary ===",
         f"run dir           {summary['run_dir']}",
         f"drafter           {summary['checkpoint']}",
-        f"steps             {summary['steps']}  ({summary['wall_s']} s, pipeline={summary['pipeline']})",
-        f"train loss        {summary['train/loss_first_window']:.3f} -> {summary['train/loss']:.3f}",
-        f"train accuracy    {summary['train/acc_first_window']:.3f} -> {summary['train/acc']:.3f}",
+        f"steps             {summary['steps']}  ("
+        + (
+            f"resumed at step {resumed}: {summary['wall_s']} s in this process"
+            if resumed
+            else f"{summary['wall_s']} s"
+        )
+        + f", pipeline={summary['pipeline']})",
+        f"train loss        {summary['train/loss_first_window']:.3f} -> {summary['train/loss']:.3f}{since}",
+        f"train accuracy    {summary['train/acc_first_window']:.3f} -> {summary['train/acc']:.3f}{since}",
         f"tau (simulated)   {summary['train/tau_sim']:.3f} (block runs {summary['train/tau_block']:.3f},"
         f" as decoding meets them {summary['train/tau_decode']:.3f})"
         + (
