@@ -66,10 +66,15 @@ def test_a_second_run_into_a_live_run_dir_is_refused_and_the_first_is_untouched(
     assert record["status"] == "COMPLETED" and record["config"]["loss"]["gamma"] == 4.0
 
 
-def test_default_run_dirs_carry_microseconds_so_runs_in_one_second_do_not_collide():
+def test_default_run_dirs_carry_microseconds_and_the_pid_so_runs_launched_together_do_not_collide():
     hydra = compose_config([], return_hydra_config=True).hydra
-    assert re.fullmatch(r"outputs/\d{4}-\d{2}-\d{2}/\d{2}-\d{2}-\d{2}-\d{6}", hydra.run.dir)
-    assert re.fullmatch(r"multirun/\d{4}-\d{2}-\d{2}/\d{2}-\d{2}-\d{2}-\d{6}", hydra.sweep.dir)
+    pid = os.getpid()
+    assert re.fullmatch(
+        rf"outputs/\d{{4}}-\d{{2}}-\d{{2}}/\d{{2}}-\d{{2}}-\d{{2}}-\d{{6}}-{pid}", hydra.run.dir
+    )
+    assert re.fullmatch(
+        rf"multirun/\d{{4}}-\d{{2}}-\d{{2}}/\d{{2}}-\d{{2}}-\d{{2}}-\d{{6}}-{pid}", hydra.sweep.dir
+    )
 
 
 def test_sigterm_during_the_final_evaluation_says_so_and_keeps_what_it_has(tmp_path, data_cache):

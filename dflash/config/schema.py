@@ -751,10 +751,13 @@ def default_cache_dir() -> str:
 
 def register_configs() -> None:
     """Register the root schemas; idempotent (Hydra's ConfigStore replaces same-name entries)."""
+    from os import getpid
+
     from hydra.core.config_store import ConfigStore
     from omegaconf import OmegaConf
 
     OmegaConf.register_new_resolver("dflash_cache_dir", default_cache_dir, replace=True)
+    OmegaConf.register_new_resolver("dflash_pid", getpid, replace=True)  # default run dir names
     schema = OmegaConf.structured(Config)
     # Name -> entry maps the user fills: `eval.benchmarks={gsm8k: g.jsonl}` and a new sink or
     # callback must work without Hydra's `+` (the flag keeps Hydra's struct mode from refusing
