@@ -1,5 +1,6 @@
 """dflash-eval and periodic evaluation: per-benchmark report from prompt files, JSON output,
-z-lab-layout drafters from other tools, and an independent reading of our export."""
+z-lab-layout drafters from other tools, an independent reading of our export, and the journal a
+stopped evaluation resumes from."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash.config.schema import DrafterConfig, TargetConfig
+from dflash.eval.evaluate import Decoders
 from dflash.export.zlab import export_drafter
 from dflash.models.drafter import DFlashDrafter, drafter_config
 from dflash.models.target import FrozenTarget
@@ -495,3 +497,137 @@ def test_a_decoder_loaded_with_another_drafters_weights_drafts_as_one_built_with
     reused.load_drafter_weights(second)
     expected = drafts(StaticDecoder(target, second, max_len=64, kv_bucket=32))
     assert drafts(reused) == expected and expected != before
+
+
+# dflash-eval's journal (eval.prompts.jsonl beside eval.json): an evaluation stopped by a time limit
+# and run again with eval.resume=true decodes only the prompts it lacks and reports exactly what one
+# uninterrupted run reports; a resume under other settings, or a changed prompt, is refused.
+RESUME_SETTINGS = [
+    "eval.timing=false",
+    "eval.temperatures=[0,0.8]",
+]  # 8 decodings: 2 benchmarks x 2 prompts x 2
+
+
+@pytest.fixture
+def exported_drafter(tmp_path, tiny_chat_dir):
+    drafter, _ = chat_drafter(tiny_chat_dir, tmp_path)
+    export_drafter(drafter, tmp_path / "drafter")
+    return tmp_path / "drafter"
+
+
+def count_decodings(monkeypatch) -> list[int]:
+    """Every DFlash decoding `evaluate` makes, as it makes it."""
+    calls: list[int] = []
+    build = Decoders.for_prompts.__func__
+
+    def counted(cls, *args, **kwargs):
+        decoders = build(cls, *args, **kwargs)
+        speculative = decoders.speculative
+
+        def counting(*call_args):
+            calls.append(1)
+            return speculative(*call_args)
+
+        decoders.speculative = counting
+        return decoders
+
+    monkeypatch.setattr(Decoders, "for_prompts", classmethod(counted))
+    return calls
+
+
+def stop_after(monkeypatch, prompts: int) -> None:
+    """SIGTERM, as a time limit sends it, once `prompts` prompts have finished."""
+    from dflash.tools import eval as eval_tool
+
+    show_progress = eval_tool.PromptProgress.__call__
+    finished = []
+
+    def progress_then_sigterm(self, benchmark, temperature, done, total):
+        show_progress(self, benchmark, temperature, done, total)
+        finished.append(1)
+        if len(finished) == prompts:
+            signal.raise_signal(signal.SIGTERM)
+
+    monkeypatch.setattr(eval_tool.PromptProgress, "__call__", progress_then_sigterm)
+
+
+def results(run_dir) -> list[dict]:
+    return json.loads((run_dir / "eval.json").read_text())["results"]
+
+
+def test_a_stopped_evaluation_resumed_decodes_only_the_rest_and_reports_what_one_run_reports(
+    tmp_path, tiny_chat_dir, exported_drafter, benchmark_files, monkeypatch
+):
+    from dflash.tools.eval import run_eval
+    from dflash.trainer.signals import StopRequested
+
+    straight_dir = tmp_path / "straight"
+    run_eval(eval_cfg(straight_dir, tiny_chat_dir, exported_drafter, benchmark_files, RESUME_SETTINGS))
+    straight = results(straight_dir / "eval_run")
+    assert sum(r["num_prompts"] for r in straight) == 8
+
+    with monkeypatch.context() as patch:
+        stop_after(patch, 3)
+        with pytest.raises(StopRequested):
+            run_eval(eval_cfg(tmp_path, tiny_chat_dir, exported_drafter, benchmark_files, RESUME_SETTINGS))
+    journal = tmp_path / "eval_run" / "eval.prompts.jsonl"
+    lines = journal.read_text().splitlines()
+    assert len(lines) == 1 + 3 and json.loads(lines[0])["journal"] == "dflash-eval prompts"
+    with journal.open("a") as handle:  # a kill while the fourth prompt's line was being written
+        handle.write('{"benchmark": "math", "temperature": 0.0, "ind')
+
+    # The same command again without eval.resume would mix two evaluations: refused.
+    with pytest.raises(ValueError, match=r"eval.resume: .*eval.prompts.jsonl holds an earlier evaluation's prompts; eval.resume=true continues it"):  # fmt: skip
+        run_eval(eval_cfg(tmp_path, tiny_chat_dir, exported_drafter, benchmark_files, RESUME_SETTINGS))
+
+    decodings = count_decodings(monkeypatch)
+    run_eval(
+        eval_cfg(
+            tmp_path, tiny_chat_dir, exported_drafter, benchmark_files, [*RESUME_SETTINGS, "eval.resume=true"]
+        )
+    )
+    assert len(decodings) == 8 - 3  # the cut line's prompt decoded again, the three recorded ones not
+    assert results(tmp_path / "eval_run") == straight
+    assert len(journal.read_text().splitlines()) == 1 + 8
+
+    # Run again once finished: nothing left to decode, the same report.
+    run_eval(
+        eval_cfg(
+            tmp_path, tiny_chat_dir, exported_drafter, benchmark_files, [*RESUME_SETTINGS, "eval.resume=true"]
+        )
+    )
+    assert len(decodings) == 5 and results(tmp_path / "eval_run") == straight
+
+
+def test_a_resume_under_other_settings_or_with_timing_or_a_changed_prompt_is_refused(
+    tmp_path, tiny_chat_dir, exported_drafter, benchmark_files
+):
+    from dflash.tools.eval import run_eval
+
+    run_eval(eval_cfg(tmp_path, tiny_chat_dir, exported_drafter, benchmark_files, ["eval.timing=false"]))
+    resume = ["eval.timing=false", "eval.resume=true"]
+    with pytest.raises(ValueError, match=r"eval.resume: .* was written under other settings \(max_new_tokens 10 there, 8 here\)"):  # fmt: skip
+        run_eval(
+            eval_cfg(
+                tmp_path, tiny_chat_dir, exported_drafter, benchmark_files, [*resume, "eval.max_new_tokens=8"]
+            )
+        )
+    with pytest.raises(
+        ValueError, match=r"eval.resume: a resumed evaluation measures no time; set eval.timing=false"
+    ):
+        run_eval(eval_cfg(tmp_path, tiny_chat_dir, exported_drafter, benchmark_files, ["eval.resume=true"]))
+    edited = dict(benchmark_files)
+    edited["math"] = write_prompts(
+        tmp_path / "math2.jsonl", [{"prompt": "What is two and four?"}, {"prompt": "x"}]
+    )
+    with pytest.raises(ValueError, match=r"eval.resume: .* recorded another prompt 0 of benchmark 'math' \(its prompt file changed since\)"):  # fmt: skip
+        run_eval(eval_cfg(tmp_path, tiny_chat_dir, exported_drafter, edited, resume))
+    # More prompts than the journal holds is a resume too: only the new ones are decoded.
+    more = dict(benchmark_files)
+    more["math"] = write_prompts(
+        tmp_path / "math3.jsonl",
+        [{"prompt": "What is two and three?"}, {"prompt": "Add one to four."}, {"prompt": "Name a prime."}],
+    )
+    run_eval(eval_cfg(tmp_path, tiny_chat_dir, exported_drafter, more, [*resume, "eval.num_prompts=3"]))
+    by_name = {r["benchmark"]: r["num_prompts"] for r in results(tmp_path / "eval_run")}
+    assert by_name == {"math": 3, "chat": 2}

@@ -585,7 +585,8 @@ class EvalConfig:
     # training's compiled code waits for it at the first periodic evaluation, as every thread
     # does while another compiles). Hybrid targets want it: a DeltaNet verification is a
     # token-by-token recurrence of small kernels (Qwen3.5-9B shape on an H200: a round 2.33 plain
-    # steps without, 1.10 with; experiment=qwen3_5_b16 turns it on).
+    # steps without; compiled, 1.78 compiled plain steps: benchmarks/RESULTS.md; experiment=qwen3_5_b16
+    # turns it on).
     compile_decoding: bool = False
     # A DSpark drafter at a temperature > 0: sample each draft from its Markov-biased logits at
     # that temperature; a DFlash2 drafter: sample each draft among its selector's K candidates
@@ -594,8 +595,14 @@ class EvalConfig:
     # own choice), so the output stays exact.
     sampled_drafts: bool = False
     warmup_prompts: int = 2
-    # dflash-eval: where the JSON report goes; null: <paths.output_dir>/eval.json.
+    # dflash-eval: where the JSON report goes; null: <paths.output_dir>/eval.json. Each prompt's
+    # outcome goes beside it as it finishes (eval.json -> eval.prompts.jsonl).
     output: Optional[str] = None
+    # dflash-eval: continue the evaluation whose journal is at that place (an earlier run stopped
+    # by a time limit or a crash, or one of fewer prompts): only the prompts it lacks are decoded.
+    # Refused under other settings (drafter weights, target, dtype, device kind, decoding), with
+    # timing (its figures are one process's), and false refuses a place that holds a journal.
+    resume: bool = False
 
 
 @dataclass

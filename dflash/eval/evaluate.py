@@ -28,6 +28,7 @@ import torch
 from dflash.config.schema import EvalConfig
 from dflash.decoding.engine import StaticDecoder
 from dflash.decoding.reference import DecodeResult, drafts_per_round, plain_generate, speculative_generate
+from dflash.eval.journal import EvalJournal, PromptOutcome
 from dflash.eval.prompts import PromptSet
 from dflash.eval.report import BenchmarkResult, EvalReport
 from dflash.models.drafter import DFlashDrafter
@@ -133,11 +134,15 @@ def evaluate_set(
     should_stop: Callable[[], bool] | None = None,
     on_prompt: PromptDone | None = None,
     drafts: int | None = None,
+    journal: EvalJournal | None = None,
 ) -> BenchmarkResult:
     """Decode every prompt of the set with DFlash (and plainly when a reference or timing needs
     it); `should_stop` is asked before each prompt, and the result covers the prompts done;
     `on_prompt` hears of each prompt as it finishes. `drafts`: tokens the drafter proposes per
-    round (a round produces up to drafts + 1); None: block_size - 1, a DFlash drafter's."""
+    round (a round produces up to drafts + 1); None: block_size - 1, a DFlash drafter's.
+    `journal`: each prompt's outcome is recorded there, and a prompt it already holds is taken
+    from it instead of decoded (a resumed evaluation: its time figures would cover only the
+    prompts decoded here, so dflash-eval refuses a resume with timing)."""
     drafts = block_size - 1 if drafts is None else drafts
     greedy = temperature <= 0
     need_plain = greedy or timing
@@ -158,27 +163,41 @@ def evaluate_set(
         if should_stop is not None and should_stop():
             break
         evaluated += 1
-        prompt_seed = seed + index
-        result, seconds = stopwatch(
-            decoders.speculative, prompt, max_new_tokens, temperature, prompt_seed, stop
+        recorded = (
+            journal.outcome(prompt_set.name, temperature, index, prompt) if journal is not None else None
         )
-        dflash_s += seconds
+        if recorded is None:
+            prompt_seed = seed + index
+            result, seconds = stopwatch(
+                decoders.speculative, prompt, max_new_tokens, temperature, prompt_seed, stop
+            )
+            dflash_s += seconds
+            outcome = PromptOutcome(result)
+            if need_plain:
+                reference, seconds = stopwatch(
+                    decoders.plain, prompt, max_new_tokens, temperature, prompt_seed, stop
+                )
+                plain_s += seconds
+                plain_tokens += len(reference.output_ids)
+                outcome.identical = reference.output_ids == result.output_ids
+                if greedy and not outcome.identical:
+                    outcome.divergence = first_divergence(
+                        target, prompt, reference.output_ids, result.output_ids
+                    )
+            if timing and decoders.prefill is not None:
+                prefill_s += stopwatch(decoders.prefill, prompt)[1]
+            if journal is not None:
+                journal.record(prompt_set.name, temperature, index, prompt, outcome)
+        else:
+            outcome = recorded
+        result = outcome.result
         lengths += result.acceptance_lengths
         confidence.add(result)
         selector.add(result)
         output_tokens += len(result.output_ids)
-        if need_plain:
-            reference, seconds = stopwatch(
-                decoders.plain, prompt, max_new_tokens, temperature, prompt_seed, stop
-            )
-            plain_s += seconds
-            plain_tokens += len(reference.output_ids)
-            if reference.output_ids == result.output_ids:
-                identical += 1
-            elif greedy:
-                divergences.append(first_divergence(target, prompt, reference.output_ids, result.output_ids))
-        if timing and decoders.prefill is not None:
-            prefill_s += stopwatch(decoders.prefill, prompt)[1]
+        identical += bool(outcome.identical)
+        if outcome.divergence is not None:
+            divergences.append(outcome.divergence)
         if on_prompt is not None:
             on_prompt(prompt_set.name, temperature, evaluated, len(prompt_set.prompts))
     histogram = np.bincount(lengths, minlength=drafts + 2) / max(1, len(lengths))
@@ -299,11 +318,12 @@ def evaluate(
     should_stop: Callable[[], bool] | None = None,
     decoders: Decoders | None = None,
     on_prompt: PromptDone | None = None,
+    journal: EvalJournal | None = None,
 ) -> EvalReport:
     """Every prompt set at every temperature; `should_stop` (a signal) ends it early with what
     was evaluated, `interrupted` set. `decoders`: built by an earlier call with these prompt
     sets (`Decoders.for_prompts`), loaded with this drafter's weights and reused. `on_prompt`:
-    called after each prompt (progress for a long evaluation)."""
+    called after each prompt (progress for a long evaluation). `journal`: evaluate_set's."""
     if next(drafter.parameters()).device != target.device:
         drafter = copy.deepcopy(drafter).to(target.device)  # gpu=split: replicas live elsewhere
     was_training = drafter.training
@@ -329,6 +349,7 @@ def evaluate(
                     warmup_prompts=cfg.warmup_prompts,
                     should_stop=should_stop,
                     on_prompt=on_prompt,
+                    journal=journal,
                 )
                 if result.num_prompts:
                     report.results.append(result)

@@ -13,7 +13,10 @@ inference engine would run it. The JSON goes to `eval.output` (default <run dir>
 
 A progress bar per benchmark goes to stderr. SIGTERM or SIGINT (a time limit) ends the evaluation
 after the prompt being decoded: the report covers the prompts finished, says `interrupted`, and
-the process exits with 128 + signal, so a long run cut short still tells what it measured.
+the process exits with 128 + signal, so a long run cut short still tells what it measured. Each
+prompt's outcome also goes, as it finishes, to a journal beside the report (eval.prompts.jsonl):
+the same command with `eval.resume=true` (and the same report path) decodes only the prompts the
+journal lacks and reports over all of them (dflash/eval/journal.py).
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from dflash.config.schema import Config, TargetConfig, register_configs
+from dflash.eval.journal import EvalJournal, journal_path
 from dflash.tools.compose import CONF_PATH
 from dflash.tools.hydra_app import run_hydra_app
 
@@ -119,6 +123,26 @@ class PromptProgress:
             self.bar = None
 
 
+def journal_settings(
+    eval_cfg: Any, *, drafter_dir: Path, target_key: str, target_cfg: TargetConfig, device: Any
+) -> dict[str, Any]:
+    """What a prompt's outcome depends on, recorded in the journal: a resume under other settings
+    is refused. The prompt count and the benchmarks are not among them: a resume may add prompts
+    (the first 47 of a benchmark decoded, then all 80) or benchmarks."""
+    from dflash.digest import file_digest
+
+    return {
+        "drafter": {name: file_digest(drafter_dir / name) for name in ("config.json", "model.safetensors")},
+        "target": target_key,
+        "dtype": target_cfg.dtype,
+        "device": device.type,
+        "max_new_tokens": eval_cfg.max_new_tokens,
+        "seed": eval_cfg.seed,
+        "sampled_drafts": eval_cfg.sampled_drafts,
+        "compile_decoding": eval_cfg.compile_decoding,
+    }
+
+
 def run_eval(
     cfg: DictConfig, target_overridden: bool = False, target_fields: tuple[str, ...] = ()
 ) -> dict[str, Any]:
@@ -163,24 +187,42 @@ def run_eval(
         getattr(target_config, "max_position_embeddings", None),
     )
     device = torch.device(resolve_device_split(cfg, visible_cuda_devices())[0][0])
-    if device.type == "cpu":
-        torch.set_num_threads(cfg.gpu.cpu_threads)
-    target = FrozenTarget.from_config(target_cfg, drafter_config.dflash_config["target_layer_ids"], device)
-    drafter = load_drafter(drafter_dir, device).to(target.lm_head.weight.dtype).eval()
-    progress = PromptProgress()
-    with stop_on_signals() as stop:
-        try:
-            report = evaluate(
-                target,
-                drafter,
-                prompt_sets,
-                cfg.eval,
-                timing=cfg.eval.timing,
-                should_stop=stop.is_set,
-                on_prompt=progress,
-            )
-        finally:
-            progress.close()
+    output = Path(cfg.eval.output) if cfg.eval.output else Path(cfg.paths.output_dir) / "eval.json"
+    journal = EvalJournal(
+        journal_path(output),
+        journal_settings(
+            cfg.eval, drafter_dir=drafter_dir, target_key=target_key, target_cfg=target_cfg, device=device
+        ),
+        resume=cfg.eval.resume,
+    )
+    try:
+        if journal.resumed:
+            if cfg.eval.timing:
+                raise ValueError("eval.resume: a resumed evaluation measures no time; set eval.timing=false")
+            log.info("dflash-eval: %d prompt outcomes taken from %s", journal.resumed, journal.path)
+        if device.type == "cpu":
+            torch.set_num_threads(cfg.gpu.cpu_threads)
+        target = FrozenTarget.from_config(
+            target_cfg, drafter_config.dflash_config["target_layer_ids"], device
+        )
+        drafter = load_drafter(drafter_dir, device).to(target.lm_head.weight.dtype).eval()
+        progress = PromptProgress()
+        with stop_on_signals() as stop:
+            try:
+                report = evaluate(
+                    target,
+                    drafter,
+                    prompt_sets,
+                    cfg.eval,
+                    timing=cfg.eval.timing,
+                    should_stop=stop.is_set,
+                    on_prompt=progress,
+                    journal=journal,
+                )
+            finally:
+                progress.close()
+    finally:
+        journal.close()
     report.meta = {
         "drafter": str(drafter_dir),
         "target": target_key,
@@ -193,7 +235,6 @@ def run_eval(
         "kv_cache": "target KV cache + drafter context cache",
         "timing": "CUDA events" if device.type == "cuda" else "wall clock (CPU)",
     }
-    output = Path(cfg.eval.output) if cfg.eval.output else Path(cfg.paths.output_dir) / "eval.json"
     output.parent.mkdir(parents=True, exist_ok=True)
     payload = report.to_json()
     output.write_text(json.dumps(payload, indent=2) + "\n")
@@ -202,7 +243,7 @@ def run_eval(
     line = report.lossless_line()
     if line is not None:
         print(f"lossless: {line}")
-    print(f"report: {output}", flush=True)
+    print(f"report: {output} (each prompt's outcome: {journal.path})", flush=True)
     if report.interrupted:
         log.warning(
             "dflash-eval: stopped by a signal after %d of %d prompt decodings; %s holds what was evaluated",
