@@ -108,13 +108,12 @@ class EvalJournal:
                 continue
             try:
                 row = json.loads(line)
-                outcome = PromptOutcome.from_json(row)
+                key = (row["benchmark"], float(row["temperature"]), int(row["index"]))
+                self.recorded[key] = (row["prompt_digest"], PromptOutcome.from_json(row))
             except (ValueError, KeyError, TypeError):
                 if number == len(lines):
                     break  # the last line, cut short by a kill (no newline): that prompt is decoded again
                 raise ValueError(f"eval.resume: {self.path}:{number} is not a prompt outcome") from None
-            key = (row["benchmark"], float(row["temperature"]), int(row["index"]))
-            self.recorded[key] = (row["prompt"], outcome)
             kept.append(line)
         # Rewritten without a cut line, so the appends that follow start on a line of their own.
         self.path.write_text("\n".join(kept) + "\n")
@@ -141,7 +140,7 @@ class EvalJournal:
             "benchmark": benchmark,
             "temperature": float(temperature),
             "index": index,
-            "prompt": prompt_digest(prompt),
+            "prompt_digest": prompt_digest(prompt),
             **outcome.to_json(),
         }
         self._handle.write(json.dumps(row) + "\n")
