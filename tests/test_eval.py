@@ -631,3 +631,77 @@ def test_a_resume_under_other_settings_or_with_timing_or_a_changed_prompt_is_ref
     run_eval(eval_cfg(tmp_path, tiny_chat_dir, exported_drafter, more, [*resume, "eval.num_prompts=3"]))
     by_name = {r["benchmark"]: r["num_prompts"] for r in results(tmp_path / "eval_run")}
     assert by_name == {"math": 3, "chat": 2}
+
+
+# Untimed greedy references decoded together (eval.reference_slots): the same outputs as one
+# prompt at a time, so the same figures.
+def test_references_decoded_together_equal_each_prompts_plain_greedy_output():
+    """Prompts of several lengths through 2 slots (a slot refilled as one finishes), a stop token
+    met mid-output: each output equals `StaticDecoder.plain`'s, the stop token included."""
+    from dflash.decoding.engine import StaticDecoder
+    from dflash.eval.evaluate import BatchedReferences
+    from tests.test_dflash_rules import tiny_target
+
+    target = tiny_target()
+    torch.manual_seed(3)
+    prompts = {
+        index: torch.randint(0, 480, (length,)).tolist() for index, length in enumerate([5, 17, 9, 30, 12])
+    }
+    plain = StaticDecoder(target, None, max_len=64, graphs=False, kv_bucket=16)
+    free_run = plain.plain(prompts[1], 12).output_ids
+    stop = frozenset([free_run[5]])  # met by prompt 1's output, perhaps by others
+    expected = {index: plain.plain(prompt, 12, stop_ids=stop).output_ids for index, prompt in prompts.items()}
+    assert expected[1][-1] in stop and len(expected[1]) <= 6
+    together = BatchedReferences(target, slots=2, max_len=64, graphs=False, compile=False)
+    assert together(prompts, 12, stop) == expected
+    assert together(prompts, 12, frozenset()) == {
+        i: plain.plain(p, 12).output_ids for i, p in prompts.items()
+    }
+
+
+def test_dflash_eval_reports_the_same_figures_with_references_decoded_together(
+    tmp_path, tiny_chat_dir, exported_drafter, benchmark_files, monkeypatch
+):
+    from dflash.decoding.engine import StaticDecoder
+    from dflash.tools.eval import run_eval
+
+    plain_calls = []
+    one_at_a_time = StaticDecoder.plain
+    monkeypatch.setattr(
+        StaticDecoder, "plain", lambda self, *a, **k: plain_calls.append(1) or one_at_a_time(self, *a, **k)
+    )
+    settings = ["eval.timing=false", "eval.num_prompts=5"]
+    benchmarks = {**benchmark_files, "more": write_prompts(tmp_path / "more.jsonl", [{"prompt": f"Count to {n}."} for n in range(5)])}  # fmt: skip
+    run_eval(
+        eval_cfg(
+            tmp_path / "one",
+            tiny_chat_dir,
+            exported_drafter,
+            benchmarks,
+            [*settings, "eval.reference_slots=1"],
+        )
+    )
+    assert len(plain_calls) == 2 + 2 + 5
+    run_eval(
+        eval_cfg(
+            tmp_path / "together",
+            tiny_chat_dir,
+            exported_drafter,
+            benchmarks,
+            [*settings, "eval.reference_slots=3"],
+        )
+    )
+    assert len(plain_calls) == 9  # none: every reference came from the batch
+    one, together = results(tmp_path / "one" / "eval_run"), results(tmp_path / "together" / "eval_run")
+    assert together == one and all(r["lossless_frac"] == 1.0 for r in one)
+
+
+def test_reference_slots_below_one_is_refused_naming_the_key(
+    tmp_path, tiny_chat_dir, exported_drafter, benchmark_files
+):
+    from dflash.tools.eval import run_eval
+
+    with pytest.raises(ValueError, match=r"eval.reference_slots must be >= 1, got 0"):
+        run_eval(
+            eval_cfg(tmp_path, tiny_chat_dir, exported_drafter, benchmark_files, ["eval.reference_slots=0"])
+        )

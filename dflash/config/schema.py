@@ -603,6 +603,15 @@ class EvalConfig:
     # Refused under other settings (drafter weights, target, dtype, device kind, decoding), with
     # timing (its figures are one process's), and false refuses a place that holds a journal.
     resume: bool = False
+    # dflash-eval, untimed (eval.timing=false): the plain greedy references of the lossless check
+    # decoded this many prompts at a time on the static-cache target (continuous batching, its own
+    # KV cache of that many rows); 1: each prompt's reference right after its DFlash decoding, as
+    # timing does. The figures are the same either way (tested).
+    reference_slots: int = 16
+
+    def __post_init__(self) -> None:
+        if self.reference_slots < 1:
+            raise ValueError(f"eval.reference_slots must be >= 1, got {self.reference_slots}")
 
 
 @dataclass

@@ -31,6 +31,7 @@ class Finished:
     tag: Any
     tokens: list[int]  # generated tokens, the stop token excluded
     finish_reason: str  # "stop" or "length"
+    stop_token: int | None = None  # the stop token that ended it ("stop")
 
 
 @dataclass
@@ -117,7 +118,7 @@ class ContinuousBatcher:
         sequence = self.running[row]
         self.generated_tokens += 1
         if token in self.stop_ids:
-            finished.append(Finished(sequence.tag, sequence.tokens, "stop"))
+            finished.append(Finished(sequence.tag, sequence.tokens, "stop", stop_token=token))
         else:
             sequence.tokens.append(token)
             if len(sequence.tokens) < self.max_new_tokens:

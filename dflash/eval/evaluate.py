@@ -13,7 +13,9 @@ events on GPU, after warm-up runs.
 
 Both decoders run on the same engine (dflash.decoding: static caches, CUDA graphs on GPU) so
 the speedup compares algorithms, not Python overheads (hybrid targets included); a target the
-static decoder refuses (a sliding window) uses the dynamic-cache path for both.
+static decoder refuses (a sliding window) uses the dynamic-cache path for both. Untimed, the
+plain greedy references of the lossless check may be decoded several prompts at a time
+(`BatchedReferences`: the same outputs, fewer steps).
 """
 
 from __future__ import annotations
@@ -26,8 +28,10 @@ import numpy as np
 import torch
 
 from dflash.config.schema import EvalConfig
+from dflash.decoding.continuous import ContinuousBatcher
 from dflash.decoding.engine import StaticDecoder
 from dflash.decoding.reference import DecodeResult, drafts_per_round, plain_generate, speculative_generate
+from dflash.decoding.sampling import Sampler
 from dflash.eval.journal import EvalJournal, PromptOutcome
 from dflash.eval.prompts import PromptSet
 from dflash.eval.report import BenchmarkResult, EvalReport
@@ -47,16 +51,55 @@ def target_eos_ids(target: FrozenTarget) -> frozenset[int]:
     return frozenset([eos] if isinstance(eos, int) else eos)
 
 
+class BatchedReferences:
+    """Plain greedy outputs of several prompts decoded together (continuous batching on the
+    static-cache target, `slots` sequences at a time): the references of the lossless check when
+    nothing is timed. A batch-1 decode spends a whole step's launches on one token; here one step
+    serves `slots` prompts. The batcher (its own KV cache of `slots` rows) is built at first use
+    and kept. Each output ends with its stop token, as `StaticDecoder.plain`'s does."""
+
+    def __init__(self, target: FrozenTarget, *, slots: int, max_len: int, graphs: bool | None, compile: bool):
+        self.target, self.slots, self.max_len = target, slots, max_len
+        self.graphs, self.compile = graphs, compile
+        self._batcher: ContinuousBatcher | None = None
+
+    def __call__(
+        self, prompts: dict[int, list[int]], max_new_tokens: int, stop_ids: frozenset[int]
+    ) -> dict[int, list[int]]:
+        if self._batcher is None:
+            self._batcher = ContinuousBatcher(
+                self.target,
+                slots=self.slots,
+                max_len=self.max_len,
+                max_new_tokens=max_new_tokens,
+                stop_ids=stop_ids,
+                sampler=Sampler({"do_sample": False}, self.target.device, seed=0),
+                graphs=self.graphs,
+                compile=self.compile,
+            )
+        batcher = self._batcher
+        batcher.max_new_tokens, batcher.stop_ids = max_new_tokens, stop_ids  # per prompt set
+        for index, prompt in prompts.items():
+            batcher.submit(index, prompt)
+        outputs: dict[int, list[int]] = {}
+        while batcher.busy:
+            for done in batcher.step():
+                outputs[done.tag] = done.tokens + ([done.stop_token] if done.stop_token is not None else [])
+        return outputs
+
+
 @dataclass
 class Decoders:
     """DFlash and plain decoding of one prompt: `(prompt, max_new, temperature, seed, stop_ids)`;
     `load_drafter(drafter)` makes later calls decode with that drafter's weights; `prefill(prompt)`
-    runs the prefill both start with, alone (None where the path has no separate prefill)."""
+    runs the prefill both start with, alone (None where the path has no separate prefill);
+    `references`: plain greedy outputs of several prompts at once (None: one at a time, `plain`)."""
 
     speculative: Callable[..., DecodeResult]
     plain: Callable[..., DecodeResult]
     load_drafter: Callable[[DFlashDrafter], None]
     prefill: Callable[[list[int]], None] | None = None
+    references: BatchedReferences | None = None
 
     @classmethod
     def build(
@@ -69,9 +112,11 @@ class Decoders:
         compile: bool = False,
         sampled_drafts: bool = False,
         temperatures: tuple[float, ...] = (),
+        reference_slots: int = 1,
     ) -> Decoders:
         """`sampled_drafts`: a DSpark or DFlash2 drafter samples its drafts at the decoding temperature (the
-        static decoder captures those rounds for `temperatures` up front)."""
+        static decoder captures those rounds for `temperatures` up front). `reference_slots` > 1:
+        untimed greedy references decoded that many prompts at a time (static-cache targets)."""
         static = StaticDecoder.for_target(target, drafter, max_len=max_len, graphs=graphs, compile=compile)
         if static is not None:
             sampled = tuple(t for t in temperatures if t > 0) if sampled_drafts else ()
@@ -82,7 +127,14 @@ class Decoders:
                     prompt, max_new, temperature, seed, stop_ids, sampled_drafts=sampled_drafts
                 )
 
-            return cls(static_speculative, static.plain, static.load_drafter_weights, static.prefill_only)
+            references = None
+            if reference_slots > 1:
+                references = BatchedReferences(
+                    target, slots=reference_slots, max_len=max_len, graphs=graphs, compile=compile
+                )
+            return cls(
+                static_speculative, static.plain, static.load_drafter_weights, static.prefill_only, references
+            )
         current = {"drafter": drafter}
 
         def speculative(prompt, max_new, temperature, seed, stop_ids):
@@ -105,7 +157,13 @@ class Decoders:
 
     @classmethod
     def for_prompts(
-        cls, target: FrozenTarget, drafter: DFlashDrafter, prompt_sets: list[PromptSet], cfg: EvalConfig
+        cls,
+        target: FrozenTarget,
+        drafter: DFlashDrafter,
+        prompt_sets: list[PromptSet],
+        cfg: EvalConfig,
+        *,
+        reference_slots: int = 1,
     ) -> Decoders:
         """Decoders sized for the longest prompt of `prompt_sets` plus `cfg.max_new_tokens`."""
         longest = max((len(p) for s in prompt_sets for p in s.prompts), default=1)
@@ -117,6 +175,7 @@ class Decoders:
             compile=cfg.compile_decoding,
             sampled_drafts=cfg.sampled_drafts,
             temperatures=tuple(cfg.temperatures),
+            reference_slots=reference_slots,
         )
 
 
@@ -158,6 +217,9 @@ def evaluate_set(
     # from the plain one (near-ties) and stop at another length.
     identical, output_tokens, plain_tokens, plain_s, dflash_s, prefill_s = 0, 0, 0, 0.0, 0.0, 0.0
     divergences: list[tuple[int, float]] = []
+    # Untimed greedy references decoded together, a batch of upcoming prompts at a time.
+    batched = decoders.references if greedy and not timing else None
+    references: dict[int, list[int]] = {}
     evaluated = 0
     for index, prompt in enumerate(prompt_set.prompts):
         if should_stop is not None and should_stop():
@@ -174,16 +236,23 @@ def evaluate_set(
             dflash_s += seconds
             outcome = PromptOutcome(result)
             if need_plain:
-                reference, seconds = stopwatch(
-                    decoders.plain, prompt, max_new_tokens, temperature, prompt_seed, stop
-                )
-                plain_s += seconds
-                plain_tokens += len(reference.output_ids)
-                outcome.identical = reference.output_ids == result.output_ids
-                if greedy and not outcome.identical:
-                    outcome.divergence = first_divergence(
-                        target, prompt, reference.output_ids, result.output_ids
+                if batched is not None:
+                    if index not in references:
+                        upcoming = _undecoded(
+                            prompt_set, temperature, journal, start=index, count=batched.slots
+                        )
+                        references = batched(upcoming, max_new_tokens, stop)
+                    reference_ids = references.pop(index)
+                else:
+                    reference, seconds = stopwatch(
+                        decoders.plain, prompt, max_new_tokens, temperature, prompt_seed, stop
                     )
+                    plain_s += seconds
+                    reference_ids = reference.output_ids
+                plain_tokens += len(reference_ids)
+                outcome.identical = reference_ids == result.output_ids
+                if greedy and not outcome.identical:
+                    outcome.divergence = first_divergence(target, prompt, reference_ids, result.output_ids)
             if timing and decoders.prefill is not None:
                 prefill_s += stopwatch(decoders.prefill, prompt)[1]
             if journal is not None:
@@ -227,6 +296,20 @@ def evaluate_set(
         report.round_cost = ((dflash_s - prefill_s) / max(1, len(lengths))) / ((plain_s - prefill_s) / steps)
         report.timing_device = str(target.device)
     return report
+
+
+def _undecoded(
+    prompt_set: PromptSet, temperature: float, journal: EvalJournal | None, *, start: int, count: int
+) -> dict[int, list[int]]:
+    """The next `count` prompts from `start` on that the journal does not hold, by index."""
+    upcoming: dict[int, list[int]] = {}
+    for index in range(start, len(prompt_set.prompts)):
+        prompt = prompt_set.prompts[index]
+        if journal is None or journal.outcome(prompt_set.name, temperature, index, prompt) is None:
+            upcoming[index] = prompt
+            if len(upcoming) == count:
+                break
+    return upcoming
 
 
 class ConfidenceTally:

@@ -152,7 +152,7 @@ def run_eval(
     from dflash.config.keys import refuse_unknown_keys
     from dflash.config.typed import typed_config
     from dflash.distributed import visible_cuda_devices
-    from dflash.eval.evaluate import evaluate, planned_decodings
+    from dflash.eval.evaluate import Decoders, evaluate, planned_decodings
     from dflash.export.zlab import load_drafter, read_drafter_config
     from dflash.models.target import FrozenTarget, load_target_config
     from dflash.run.inputs import eval_prompt_sets
@@ -206,6 +206,9 @@ def run_eval(
             target_cfg, drafter_config.dflash_config["target_layer_ids"], device
         )
         drafter = load_drafter(drafter_dir, device).to(target.lm_head.weight.dtype).eval()
+        decoders = Decoders.for_prompts(
+            target, drafter, prompt_sets, cfg.eval, reference_slots=cfg.eval.reference_slots
+        )
         progress = PromptProgress()
         with stop_on_signals() as stop:
             try:
@@ -216,6 +219,7 @@ def run_eval(
                     cfg.eval,
                     timing=cfg.eval.timing,
                     should_stop=stop.is_set,
+                    decoders=decoders,
                     on_prompt=progress,
                     journal=journal,
                 )
