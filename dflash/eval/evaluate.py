@@ -67,16 +67,23 @@ class BatchedReferences:
         self, prompts: dict[int, list[int]], max_new_tokens: int, stop_ids: frozenset[int]
     ) -> dict[int, list[int]]:
         if self._batcher is None:
-            self._batcher = ContinuousBatcher(
-                self.target,
-                slots=self.slots,
-                max_len=self.max_len,
-                max_new_tokens=max_new_tokens,
-                stop_ids=stop_ids,
-                sampler=Sampler({"do_sample": False}, self.target.device, seed=0),
-                graphs=self.graphs,
-                compile=self.compile,
-            )
+            try:
+                self._batcher = ContinuousBatcher(
+                    self.target,
+                    slots=self.slots,
+                    max_len=self.max_len,
+                    max_new_tokens=max_new_tokens,
+                    stop_ids=stop_ids,
+                    sampler=Sampler({"do_sample": False}, self.target.device, seed=0),
+                    graphs=self.graphs,
+                    compile=self.compile,
+                )
+            except torch.OutOfMemoryError as exc:
+                raise ValueError(
+                    f"eval.reference_slots={self.slots}: the references' KV cache of {self.slots} rows x "
+                    f"{self.max_len} positions does not fit on {self.target.device}; lower it (1: one prompt "
+                    f"at a time) ({exc})"
+                ) from exc
         batcher = self._batcher
         batcher.max_new_tokens, batcher.stop_ids = max_new_tokens, stop_ids  # per prompt set
         for index, prompt in prompts.items():
