@@ -141,6 +141,7 @@ def fake_nvml(unsupported: str) -> types.ModuleType:
     nv.nvmlDeviceGetPowerUsage = lambda h: value[h] * 1000
     nv.nvmlDeviceGetTemperature = lambda h, sensor: value[h] + 40
     nv.nvmlDeviceGetClockInfo = lambda h, clock: 1980
+    nv.nvmlDeviceGetComputeRunningProcesses = lambda h: ["this run"] * (1 if h == "h-aaaa" else 3)
 
     def unsupported_field(h):
         raise RuntimeError("NVML_ERROR_NOT_SUPPORTED")
@@ -163,6 +164,10 @@ def test_nvml_maps_devices_by_uuid_and_drops_unsupported_fields(monkeypatch, cap
     assert first["gpu/cuda1/mem_used_gb"] == pytest.approx(10)
     assert not any("power" in k for k in first) and first == second
     assert len([r for r in caplog.records if "power_w" in r.message]) == 1
+    # cuda:0 (NVML's bbbb) holds two more processes than this run: said once, counted every tick.
+    assert first["gpu/cuda0/processes"] == 3 and first["gpu/cuda1/processes"] == 1
+    shared = [r.message for r in caplog.records if "take turns" in r.message]
+    assert len(shared) == 1 and shared[0].startswith("monitor: cuda:0 runs 3 processes (NVML)")
 
 
 def test_telemetry_switch_turns_nvml_off(monkeypatch):

@@ -22,6 +22,9 @@ _NVML_FIELDS = {
     "temp_c": (lambda nv, h: nv.nvmlDeviceGetTemperature(h, nv.NVML_TEMPERATURE_GPU), 1.0),
     "sm_clock_mhz": (lambda nv, h: nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM), 1.0),
     "throttle_reasons": (lambda nv, h: nv.nvmlDeviceGetCurrentClocksEventReasons(h), 1.0),
+    # Processes with a CUDA context on the device, this one included: more than one means the
+    # GPU is time-sliced between them, and this run's throughput is not its own alone.
+    "processes": (lambda nv, h: len(nv.nvmlDeviceGetComputeRunningProcesses(h)), 1.0),
 }
 
 
@@ -35,6 +38,7 @@ class GpuTelemetry:
         }
         self.handles: dict[int, object] = {}
         self.unsupported: set[str] = set()
+        self.shared_warned: set[int] = set()  # devices already reported as shared
         self.nvml = None
         if not enabled or not any(self.roles.values()):
             return
@@ -70,6 +74,15 @@ class GpuTelemetry:
                 except Exception as exc:
                     self.unsupported.add(name)
                     log.warning("monitor: NVML field %s unsupported (%s); left out from now on", name, exc)
+        for index, values in per_device.items():
+            if values.get("processes", 0) > 1 and index not in self.shared_warned:
+                self.shared_warned.add(index)
+                log.warning(
+                    "monitor: cuda:%d runs %d processes (NVML); they take turns on it, so this run's "
+                    "throughput and busy figures are not its own alone",
+                    index,
+                    int(values["processes"]),
+                )
         metrics = {f"gpu/cuda{i}/{k}": v for i, values in per_device.items() for k, v in values.items()}
         for role, indices in self.roles.items():
             fields = {k for i in indices for k in per_device.get(i, {})}
