@@ -588,6 +588,8 @@ def test_a_stopped_evaluation_resumed_decodes_only_the_rest_and_reports_what_one
     )
     assert len(decodings) == 8 - 3  # the cut line's prompt decoded again, the three recorded ones not
     assert results(tmp_path / "eval_run") == straight
+    meta = json.loads((tmp_path / "eval_run" / "eval.json").read_text())["meta"]
+    assert (meta["decoded_here"], meta["taken_from_journal"]) == (5, 3) and meta["wall_s"] > 0
     assert len(journal.read_text().splitlines()) == 1 + 8
 
     # Run again once finished: nothing left to decode, the same report.
@@ -597,6 +599,8 @@ def test_a_stopped_evaluation_resumed_decodes_only_the_rest_and_reports_what_one
         )
     )
     assert len(decodings) == 5 and results(tmp_path / "eval_run") == straight
+    meta = json.loads((tmp_path / "eval_run" / "eval.json").read_text())["meta"]
+    assert (meta["decoded_here"], meta["taken_from_journal"]) == (0, 8)
 
 
 def test_a_resume_under_other_settings_or_with_timing_or_a_changed_prompt_is_refused(

@@ -312,7 +312,7 @@ def _undecoded(
     upcoming: dict[int, list[int]] = {}
     for index in range(start, len(prompt_set.prompts)):
         prompt = prompt_set.prompts[index]
-        if journal is None or journal.outcome(prompt_set.name, temperature, index, prompt) is None:
+        if journal is None or not journal.holds(prompt_set.name, temperature, index):
             upcoming[index] = prompt
             if len(upcoming) == count:
                 break

@@ -66,6 +66,7 @@ class EvalJournal:
         self.path = path
         self.settings = settings
         self.recorded: dict[tuple[str, float, int], tuple[str, PromptOutcome]] = {}
+        self.taken = 0  # outcomes `outcome` answered from the journal in this run
         if self.path.is_file() and self.path.stat().st_size:
             if not resume:
                 raise ValueError(
@@ -118,6 +119,9 @@ class EvalJournal:
         # Rewritten without a cut line, so the appends that follow start on a line of their own.
         self.path.write_text("\n".join(kept) + "\n")
 
+    def holds(self, benchmark: str, temperature: float, index: int) -> bool:
+        return (benchmark, float(temperature), index) in self.recorded
+
     def outcome(
         self, benchmark: str, temperature: float, index: int, prompt: list[int]
     ) -> PromptOutcome | None:
@@ -126,6 +130,7 @@ class EvalJournal:
         if found is None:
             return None
         digest, outcome = found
+        self.taken += 1
         if digest != prompt_digest(prompt):
             raise ValueError(
                 f"eval.resume: {self.path} recorded another prompt {index} of benchmark {benchmark!r} "

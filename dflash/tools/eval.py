@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -210,6 +211,7 @@ def run_eval(
             target, drafter, prompt_sets, cfg.eval, reference_slots=cfg.eval.reference_slots
         )
         progress = PromptProgress()
+        started = time.perf_counter()
         with stop_on_signals() as stop:
             try:
                 report = evaluate(
@@ -225,6 +227,7 @@ def run_eval(
                 )
             finally:
                 progress.close()
+        seconds = time.perf_counter() - started
     finally:
         journal.close()
     report.meta = {
@@ -238,12 +241,21 @@ def run_eval(
         "max_new_tokens": cfg.eval.max_new_tokens,
         "kv_cache": "target KV cache + drafter context cache",
         "timing": "CUDA events" if device.type == "cuda" else "wall clock (CPU)",
+        # This process's decoding (not the prompts taken from the journal): its wall time, warm-up
+        # and reference batches included; what an evaluation costs, not a speed of either decoder.
+        "decoded_here": report.decodings() - journal.taken,
+        "taken_from_journal": journal.taken,
+        "wall_s": round(seconds, 2),
     }
     output.parent.mkdir(parents=True, exist_ok=True)
     payload = report.to_json()
     output.write_text(json.dumps(payload, indent=2) + "\n")
     print(f"\n=== dflash-eval: {drafter_dir} on {target_key} ({report.meta['device_name']}) ===")
     print(report.table())
+    print(
+        f"evaluation: {report.meta['decoded_here']} prompt decodings in {report.meta['wall_s']:.1f} s"
+        + (f", {journal.taken} taken from {journal.path}" if journal.taken else "")
+    )
     line = report.lossless_line()
     if line is not None:
         print(f"lossless: {line}")
