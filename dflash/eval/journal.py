@@ -64,7 +64,7 @@ class EvalJournal:
 
     def __init__(self, path: Path, settings: dict[str, Any], *, resume: bool):
         self.path = path
-        self.settings = settings
+        self.settings = json.loads(json.dumps(settings))  # as read back: tuples -> lists
         self.recorded: dict[tuple[str, float, int], tuple[str, PromptOutcome]] = {}
         self.taken = 0  # outcomes `outcome` answered from the journal in this run
         if self.path.is_file() and self.path.stat().st_size:
@@ -76,7 +76,7 @@ class EvalJournal:
             self._load()
         else:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            self.path.write_text(json.dumps({"journal": JOURNAL_KIND, "settings": settings}) + "\n")
+            self._write([json.dumps({"journal": JOURNAL_KIND, "settings": self.settings})])
         self._handle = self.path.open("a")
 
     @property
@@ -117,7 +117,13 @@ class EvalJournal:
                 raise ValueError(f"eval.resume: {self.path}:{number} is not a prompt outcome") from None
             kept.append(line)
         # Rewritten without a cut line, so the appends that follow start on a line of their own.
-        self.path.write_text("\n".join(kept) + "\n")
+        self._write(kept)
+
+    def _write(self, lines: list[str]) -> None:
+        """Whole or not at all (a kill while rewriting keeps the earlier journal)."""
+        tmp = self.path.with_name(f".{self.path.name}.tmp")
+        tmp.write_text("\n".join(lines) + "\n")
+        tmp.replace(self.path)
 
     def holds(self, benchmark: str, temperature: float, index: int) -> bool:
         return (benchmark, float(temperature), index) in self.recorded

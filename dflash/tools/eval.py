@@ -125,16 +125,18 @@ class PromptProgress:
 
 
 def journal_settings(
-    eval_cfg: Any, *, drafter_dir: Path, target_key: str, target_cfg: TargetConfig, device: Any
+    eval_cfg: Any, *, drafter_dir: Path, target_cfg: TargetConfig, device: Any
 ) -> dict[str, Any]:
     """What a prompt's outcome depends on, recorded in the journal: a resume under other settings
-    is refused. The prompt count and the benchmarks are not among them: a resume may add prompts
-    (the first 47 of a benchmark decoded, then all 80) or benchmarks."""
+    is refused. The target by content (dflash.models.identity, as resume and pairing compare it),
+    the drafter by its files' digests. The prompt count and the benchmarks are not among them: a
+    resume may add prompts (the first 47 of a benchmark decoded, then all 80) or benchmarks."""
     from dflash.digest import file_digest
+    from dflash.models.identity import target_identity
 
     return {
         "drafter": {name: file_digest(drafter_dir / name) for name in ("config.json", "model.safetensors")},
-        "target": target_key,
+        "target": target_identity(target_cfg),
         "dtype": target_cfg.dtype,
         "device": device.type,
         "max_new_tokens": eval_cfg.max_new_tokens,
@@ -191,9 +193,7 @@ def run_eval(
     output = Path(cfg.eval.output) if cfg.eval.output else Path(cfg.paths.output_dir) / "eval.json"
     journal = EvalJournal(
         journal_path(output),
-        journal_settings(
-            cfg.eval, drafter_dir=drafter_dir, target_key=target_key, target_cfg=target_cfg, device=device
-        ),
+        journal_settings(cfg.eval, drafter_dir=drafter_dir, target_cfg=target_cfg, device=device),
         resume=cfg.eval.resume,
     )
     try:
