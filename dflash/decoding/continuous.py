@@ -83,6 +83,13 @@ class ContinuousBatcher:
         self.queue.clear()
         self.running = [None] * self.slots
 
+    def configure(self, *, max_new_tokens: int, stop_ids: frozenset[int]) -> None:
+        """Another reply length and stop set for the sequences submitted next (an evaluation's
+        prompt sets differ in both); the cache and graphs stay. Only between batches."""
+        if self.busy:
+            raise RuntimeError("ContinuousBatcher.configure while sequences are queued or decoding")
+        self.max_new_tokens, self.stop_ids = max_new_tokens, stop_ids
+
     def fits(self, prompt_len: int) -> bool:
         return prompt_len + self.max_new_tokens <= self.cache.max_len
 

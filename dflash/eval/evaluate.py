@@ -85,7 +85,7 @@ class BatchedReferences:
                     f"at a time) ({exc})"
                 ) from exc
         batcher = self._batcher
-        batcher.max_new_tokens, batcher.stop_ids = max_new_tokens, stop_ids  # per prompt set
+        batcher.configure(max_new_tokens=max_new_tokens, stop_ids=stop_ids)
         for index, prompt in prompts.items():
             batcher.submit(index, prompt)
         outputs: dict[int, list[int]] = {}
@@ -227,6 +227,21 @@ def evaluate_set(
     # Untimed greedy references decoded together, a batch of upcoming prompts at a time.
     batched = decoders.references if greedy and not timing else None
     references: dict[int, list[int]] = {}
+
+    def reference_of(index: int, prompt: list[int], prompt_seed: int) -> list[int]:
+        """The prompt's plain output: decoded now (timed), or taken from the batch holding it."""
+        nonlocal references, plain_s
+        if batched is None:
+            reference, seconds = stopwatch(
+                decoders.plain, prompt, max_new_tokens, temperature, prompt_seed, stop
+            )
+            plain_s += seconds
+            return reference.output_ids
+        if index not in references:
+            upcoming = _undecoded(prompt_set, temperature, journal, start=index, count=batched.slots)
+            references = batched(upcoming, max_new_tokens, stop)
+        return references.pop(index)
+
     evaluated = 0
     for index, prompt in enumerate(prompt_set.prompts):
         if should_stop is not None and should_stop():
@@ -243,19 +258,7 @@ def evaluate_set(
             dflash_s += seconds
             outcome = PromptOutcome(result)
             if need_plain:
-                if batched is not None:
-                    if index not in references:
-                        upcoming = _undecoded(
-                            prompt_set, temperature, journal, start=index, count=batched.slots
-                        )
-                        references = batched(upcoming, max_new_tokens, stop)
-                    reference_ids = references.pop(index)
-                else:
-                    reference, seconds = stopwatch(
-                        decoders.plain, prompt, max_new_tokens, temperature, prompt_seed, stop
-                    )
-                    plain_s += seconds
-                    reference_ids = reference.output_ids
+                reference_ids = reference_of(index, prompt, prompt_seed)
                 plain_tokens += len(reference_ids)
                 outcome.identical = reference_ids == result.output_ids
                 if greedy and not outcome.identical:
