@@ -709,3 +709,49 @@ def test_reference_slots_below_one_is_refused_naming_the_key(
         run_eval(
             eval_cfg(tmp_path, tiny_chat_dir, exported_drafter, benchmark_files, ["eval.reference_slots=0"])
         )
+
+
+def test_a_resume_knows_the_target_by_content_not_by_its_path(tmp_path, tiny_chat_dir, exported_drafter, benchmark_files):  # fmt: skip
+    """The journal records the target as resume and pairing compare it (dflash.models.identity):
+    the same files at another path continue the evaluation; a same-shape target with other
+    weights (evaluated with eval.check_target=false) is refused rather than mixed in."""
+    import shutil
+
+    from dflash.tools.eval import run_eval
+
+    settings = ["eval.timing=false", "eval.check_target=false"]
+    run_eval(eval_cfg(tmp_path, tiny_chat_dir, exported_drafter, benchmark_files, settings))
+    moved = shutil.copytree(tiny_chat_dir, tmp_path / "moved_target")
+    resume = [*settings, "eval.resume=true"]
+    run_eval(eval_cfg(tmp_path, moved, exported_drafter, benchmark_files, resume))
+    meta = json.loads((tmp_path / "eval_run" / "eval.json").read_text())["meta"]
+    assert (meta["decoded_here"], meta["taken_from_journal"]) == (0, 4)
+    other = shutil.copytree(tiny_chat_dir, tmp_path / "other_target")
+    weights = load_file(other / "model.safetensors")
+    save_file({name: tensor + 0.01 for name, tensor in weights.items()}, other / "model.safetensors", metadata={"format": "pt"})  # fmt: skip
+    with pytest.raises(ValueError, match=r"eval.resume: .* was written under other settings \(target "):
+        run_eval(eval_cfg(tmp_path, other, exported_drafter, benchmark_files, resume))
+
+
+def test_a_batcher_takes_other_reply_settings_only_between_batches():
+    from dflash.decoding.continuous import ContinuousBatcher
+    from dflash.decoding.sampling import Sampler
+    from tests.test_dflash_rules import tiny_target
+
+    target = tiny_target()
+    batcher = ContinuousBatcher(
+        target,
+        slots=2,
+        max_len=64,
+        max_new_tokens=4,
+        stop_ids=frozenset(),
+        sampler=Sampler({}, target.device, 0),
+        graphs=False,  # fmt: skip
+    )
+    batcher.submit("a", [1, 2, 3])
+    with pytest.raises(RuntimeError, match="configure while sequences are queued or decoding"):
+        batcher.configure(max_new_tokens=8, stop_ids=frozenset([5]))
+    while batcher.busy:
+        batcher.step()
+    batcher.configure(max_new_tokens=8, stop_ids=frozenset([5]))
+    assert (batcher.max_new_tokens, batcher.stop_ids) == (8, frozenset([5]))
