@@ -407,12 +407,13 @@ def test_on_cuda_an_fp8_checkpoint_stays_fp8_and_matches_the_bf16_forward_of_its
     # Inductor keeps a fused region's intermediates in fp32 where eager rounds each op to bf16,
     # so the compiled stack is not elementwise within 2 bf16 ulps of eager (measured on the H200:
     # 0.7% of qwen3's and 2.3% of qwen3_next's elements outside rtol 1.6e-2). It is held to a
-    # per-sample relative error instead: a wrong dequantization or scale block moves it by O(1).
+    # per-sample relative error instead (measured 0.007 for qwen3, up to 0.017 for qwen3_next; the
+    # bound leaves room for other random ids): a wrong dequantization or scale block moves it by O(1).
     error = [
         float((compiled[i] - eager[i]).float().norm() / eager[i].float().norm()) for i in range(len(ids))
     ]
     print(model_type, "compiled vs eager, relative error per sample", error)
-    assert max(error) < 2e-2, error
+    assert max(error) < 5e-2, error
 
 
 @pytest.mark.gpu
