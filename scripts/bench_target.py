@@ -17,8 +17,10 @@ token uses, causal attention, the DeltaNet recurrence), peak memory above the we
 eager forward with CUDA events around each part (hooks: the parts' sum is a little above the plain
 forward's time), per part: milliseconds, share of the forward and useful TFLOP/s.
 `--experts`: transformers' experts implementations (`eager` loops over experts, `grouped_mm`
-one grouped GEMM per projection, `batched_mm` gathers each token's expert weights); a variant
-that runs out of memory is reported as such.
+one grouped GEMM per projection, `batched_mm` gathers each token's expert weights), dflash's
+`fused` Triton kernels (target.experts=fused), and `liger`, liger-kernel's fused MoE
+(`LigerFusedMoEFunction`, when liger-kernel is installed: measured beside ours, not a
+target.experts choice); a variant that runs out of memory is reported as such.
 """
 
 from __future__ import annotations
@@ -34,6 +36,7 @@ from torch._dynamo.utils import counters
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from dflash.models import fused_experts  # noqa: E402
 from dflash.models.compile import CompileCounter  # noqa: E402
 from dflash.run.inputs import script_target  # noqa: E402
 from dflash.tools.compose import compose_typed  # noqa: E402
@@ -56,6 +59,19 @@ def peak_tflops() -> float | None:
     return next((peak for key, peak in DENSE_BF16_PEAK_TFLOPS.items() if key in name), None)
 
 
+def register_liger() -> None:
+    """liger-kernel's fused MoE as a transformers experts implementation named `liger`."""
+    from liger_kernel.ops.fused_moe import LigerFusedMoEFunction
+    from transformers.integrations.moe import ExpertsInterface
+
+    def liger_experts(self, hidden_states, top_k_index, top_k_weights):
+        return LigerFusedMoEFunction.apply(
+            hidden_states, self.gate_up_proj, self.down_proj, top_k_index.int(), top_k_weights
+        )
+
+    ExpertsInterface.register("liger", liger_experts)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -70,6 +86,9 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("bench_target.py times CUDA kernels: no CUDA device is visible")
     device = torch.device("cuda")
+    fused_experts.register()
+    if "liger" in args.experts.split(","):
+        register_liger()
     given = {o.split("=", 1)[0] for o in overrides}
     defaults = [d for d in DEFAULTS if d.split("=", 1)[0] not in given]
     if "target" in given:  # another target: none of the default target's own keys

@@ -32,6 +32,10 @@ class ExpertsKind(str, Enum):
     eager = "eager"  # a Python loop over the experts a batch routes to (host sync per layer)
     grouped_mm = "grouped_mm"  # tokens sorted by expert, one grouped GEMM per projection
     batched_mm = "batched_mm"  # each token's top-k expert weights gathered, batched GEMMs
+    # dflash's forward-only Triton kernels (dflash/models/fused_experts.py): gather + gate/up GEMM
+    # + SwiGLU in one kernel, down GEMM + routing weight in another, no host sync; FP8 experts
+    # read as stored. CUDA only.
+    fused = "fused"
 
 
 class DeviceKind(str, Enum):

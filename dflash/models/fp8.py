@@ -29,6 +29,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash.models import fused_experts
+
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 BLOCK = (128, 128)
@@ -164,6 +166,13 @@ class BlockFP8Experts(nn.Module):
             template._parameters.pop(name, None)
         self._template = (template,)  # a tuple: outside the module tree, it owns no weights now
 
+    def _fused_reads_fp8(self) -> bool:
+        """Whether the fused kernels can read these weights as stored: 128 x 128 blocks and
+        both halves of gate_up on whole blocks (else they get the dequantized weights)."""
+        inter, hidden = self.down_proj.shape[-1], self.down_proj.shape[-2]
+        block = fused_experts.FP8_BLOCK
+        return self.block == (block, block) and inter % block == 0 and hidden % block == 0
+
     def dequantized(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # The gate and up halves each have their own block grid (they are two checkpoint tensors).
         halves = zip(self.gate_up_proj.chunk(2, dim=-2), self.gate_up_proj_scale_inv.chunk(2, dim=-2))
@@ -176,6 +185,16 @@ class BlockFP8Experts(nn.Module):
         from transformers.integrations.moe import ALL_EXPERTS_FUNCTIONS
 
         template = self._template[0]
+        implementation = template.config._experts_implementation
+        if implementation == fused_experts.EXPERTS_IMPLEMENTATION and self._fused_reads_fp8():
+            return fused_experts.fused_fp8_experts(
+                template,
+                hidden_states,
+                top_k_index,
+                top_k_weights,
+                gate_up=(self.gate_up_proj, self.gate_up_proj_scale_inv),
+                down=(self.down_proj, self.down_proj_scale_inv),
+            )
         gate_up, down = self.dequantized(hidden_states.dtype)
         view = _DequantizedView(
             template,
@@ -185,7 +204,6 @@ class BlockFP8Experts(nn.Module):
             gate_up_proj_scale_inv=self.gate_up_proj_scale_inv,
             down_proj_scale_inv=self.down_proj_scale_inv,
         )
-        implementation = template.config._experts_implementation
         if implementation in (None, "eager"):  # the model's own eager loop (its class's forward)
             return type(template).forward(view, hidden_states, top_k_index, top_k_weights)
         experts_forward = ALL_EXPERTS_FUNCTIONS.get_interface(implementation, None)

@@ -20,6 +20,7 @@ except ImportError:
     install_output_hooks = None
 
 from dflash.config.schema import TargetConfig
+from dflash.models import fused_experts
 from dflash.models.compile import compile_shared
 from dflash.models.families import IMAGE_TEXT_TYPES, model_types_of, refuse_unsupported, text_config
 from dflash.models.fp8 import build_random_fp8, is_fp8_checkpoint, load_fp8_checkpoint
@@ -289,6 +290,13 @@ class FrozenTarget(nn.Module):
             else:
                 model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=dtype)
         if cfg.experts is not None and getattr(model.config, "num_experts", None):
+            if _enum_value(cfg.experts) == fused_experts.EXPERTS_IMPLEMENTATION:
+                if device.type != "cuda":
+                    raise ValueError(
+                        f"target.experts={fused_experts.EXPERTS_IMPLEMENTATION} runs Triton kernels on CUDA; "
+                        f"on {device.type} use eager, grouped_mm or batched_mm"
+                    )
+                fused_experts.register()
             model.set_experts_implementation(_enum_value(cfg.experts))
         return cls(model.to(device), layer_ids, final_state=final_state)
 

@@ -1,0 +1,328 @@
+"""A frozen MoE target's routed experts as two fused Triton kernels (`target.experts=fused`).
+
+transformers' `grouped_mm` path sorts the (token, expert) pairs, gathers the tokens' rows into a
+sorted copy, runs one grouped GEMM for gate+up, applies SwiGLU in a separate pass, runs the down
+grouped GEMM, scales by the routing weights, un-permutes and sums. Here, forward only (the
+target is frozen, nothing needs its gradients):
+
+1. routing metadata, from `top_k_index` alone with torch ops and no host sync: each expert's
+   pairs in a run of rows padded to a multiple of `BLOCK_M`, a row -> pair table (`S` marks
+   padding), and the expert of every `BLOCK_M`-row tile. The tile count is bounded without
+   reading the counts (`S + min(E, S) * (BLOCK_M - 1)` rows), so there is no `.item()` and the
+   whole layer stays one CUDA graph / one compiled region; tiles past the last expert's rows
+   return at once.
+2. kernel 1: each tile gathers its tokens' hidden rows straight from `hidden_states` (no sorted
+   copy), multiplies by its expert's gate and up rows in one K loop (two accumulators) and writes
+   `silu(gate) * up`: the `[S, 2I]` pre-activation never exists.
+3. kernel 2: the down projection of those rows, scaled by each pair's routing weight in the
+   epilogue and written to the pair's own row (token-major), so the per-token sum over its top-k
+   is one strided reduction, no un-permute.
+
+Both GEMMs accumulate in fp32 and round once; the eager experts round after each projection, so
+the two agree within bf16 rounding (tests/test_fused_experts.py, on CUDA). Routed experts in the
+published FP8 layout (e4m3 weights, one scale per 128 x 128 block, `*_scale_inv`) are read as
+they are stored: each weight tile lies inside one scale block, so a tile's product is scaled
+once, `dot(a, w_fp8) * s`, and the layer's weights never exist in bf16 (dflash/models/fp8.py
+routes `BlockFP8Experts` here when the model's experts implementation is `fused`).
+
+Needs CUDA and triton (the `gpu` extra). The routing metadata is plain torch and is tested on
+CPU against a direct construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+EXPERTS_IMPLEMENTATION = "fused"  # the name under transformers' ALL_EXPERTS_FUNCTIONS
+BLOCK_M = 64  # rows per tile: each expert's run of rows is padded to a multiple of it
+FP8_BLOCK = 128  # the published checkpoints' scale block (weights rows x columns)
+
+
+@dataclass(frozen=True)
+class Routing:
+    """Where each (token, expert) pair's row lies in the expert-sorted, tile-padded layout."""
+
+    row_pair: (
+        torch.Tensor
+    )  # [rows] int32: the flat pair index (token * top_k + slot) of each row; S = padding
+    tile_expert: torch.Tensor  # [rows // BLOCK_M] int32: each tile's expert; num_experts = no rows
+    pairs: int  # S = tokens * top_k
+
+
+def routing(top_k_index: torch.Tensor, num_experts: int, block_m: int = BLOCK_M) -> Routing:
+    """The padded expert-sorted layout of `top_k_index [tokens, top_k]`, without a host sync."""
+    expert = top_k_index.reshape(-1).long()
+    pairs = expert.numel()
+    device = expert.device
+    counts = torch.zeros(num_experts, dtype=torch.long, device=device).scatter_add_(
+        0, expert, torch.ones_like(expert)
+    )
+    padded = (counts + block_m - 1) // block_m * block_m
+    padded_end = torch.cumsum(padded, 0)
+    padded_start = padded_end - padded
+    order = torch.argsort(expert, stable=True)  # pairs grouped by expert, each group in pair order
+    sorted_expert = expert[order]
+    rank = torch.arange(pairs, device=device) - (torch.cumsum(counts, 0) - counts)[sorted_expert]
+    # An upper bound on the padded rows that needs no count on the host: at most min(E, S)
+    # experts hold pairs, each wasting under block_m rows.
+    rows = pairs + min(num_experts, pairs) * (block_m - 1)
+    rows = (rows + block_m - 1) // block_m * block_m
+    row_pair = torch.full((rows,), pairs, dtype=torch.int32, device=device)
+    row_pair[padded_start[sorted_expert] + rank] = order.to(torch.int32)
+    tile_start = torch.arange(0, rows, block_m, device=device)
+    tile_expert = torch.searchsorted(padded_end, tile_start, right=True).to(torch.int32)
+    return Routing(row_pair=row_pair, tile_expert=tile_expert, pairs=pairs)
+
+
+def _kernels():
+    """The Triton kernels, built on first use (triton is the `gpu` extra; CPU runs never import it)."""
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def gate_up_swiglu(
+        x_ptr, w_ptr, s_ptr, row_pair_ptr, tile_expert_ptr, out_ptr,
+        pairs, num_experts, hidden, inter, top_k,
+        stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
+        FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        expert = tl.load(tile_expert_ptr + pid_m)
+        if expert >= num_experts:
+            return
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(row_pair_ptr + rows)
+        valid = pair < pairs
+        token = tl.where(valid, pair // top_k, 0).to(tl.int64)
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < inter
+        ks = tl.arange(0, BLOCK_K)
+        w_expert = w_ptr + expert.to(tl.int64) * stride_we
+        gate_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        up_acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, hidden, BLOCK_K):
+            k = k0 + ks
+            a = tl.load(
+                x_ptr + token[:, None] * stride_xt + k[None, :],
+                mask=valid[:, None] & (k[None, :] < hidden),
+                other=0.0,
+            )
+            w_mask = (k[:, None] < hidden) & col_ok[None, :]
+            gate_w = tl.load(w_expert + cols[None, :] * stride_wn + k[:, None], mask=w_mask, other=0.0)
+            up_w = tl.load(
+                w_expert + (cols[None, :] + inter) * stride_wn + k[:, None], mask=w_mask, other=0.0
+            )
+            if FP8:
+                s_expert = s_ptr + expert.to(tl.int64) * stride_se + (k0 // SCALE_BLOCK) * stride_sk
+                gate_s = tl.load(s_expert + ((pid_n * BLOCK_N) // SCALE_BLOCK) * stride_sn)
+                up_s = tl.load(s_expert + ((pid_n * BLOCK_N + inter) // SCALE_BLOCK) * stride_sn)
+                gate_acc += tl.dot(a, gate_w.to(a.dtype), input_precision=PRECISION) * gate_s
+                up_acc += tl.dot(a, up_w.to(a.dtype), input_precision=PRECISION) * up_s
+            else:
+                gate_acc = tl.dot(a, gate_w, gate_acc, input_precision=PRECISION)
+                up_acc = tl.dot(a, up_w, up_acc, input_precision=PRECISION)
+        act = gate_acc / (1.0 + tl.exp(-gate_acc)) * up_acc
+        out = out_ptr + rows.to(tl.int64)[:, None] * inter + cols[None, :]
+        tl.store(out, act.to(out_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+
+    @triton.jit
+    def down_weighted(
+        h_ptr, w_ptr, s_ptr, row_pair_ptr, tile_expert_ptr, weights_ptr, out_ptr,
+        pairs, num_experts, hidden, inter,
+        stride_we, stride_wn, stride_se, stride_sn, stride_sk,
+        FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+        BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ):  # fmt: skip
+        pid_m = tl.program_id(0)
+        pid_n = tl.program_id(1)
+        expert = tl.load(tile_expert_ptr + pid_m)
+        if expert >= num_experts:
+            return
+        rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+        pair = tl.load(row_pair_ptr + rows)
+        valid = pair < pairs
+        cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col_ok = cols < hidden
+        ks = tl.arange(0, BLOCK_K)
+        w_expert = w_ptr + expert.to(tl.int64) * stride_we
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+        for k0 in range(0, inter, BLOCK_K):
+            k = k0 + ks
+            a = tl.load(
+                h_ptr + rows.to(tl.int64)[:, None] * inter + k[None, :],
+                mask=valid[:, None] & (k[None, :] < inter),
+                other=0.0,
+            )
+            w = tl.load(
+                w_expert + cols[None, :] * stride_wn + k[:, None],
+                mask=(k[:, None] < inter) & col_ok[None, :],
+                other=0.0,
+            )
+            if FP8:
+                s = tl.load(
+                    s_ptr
+                    + expert.to(tl.int64) * stride_se
+                    + ((pid_n * BLOCK_N) // SCALE_BLOCK) * stride_sn
+                    + (k0 // SCALE_BLOCK) * stride_sk
+                )
+                acc += tl.dot(a, w.to(a.dtype), input_precision=PRECISION) * s
+            else:
+                acc = tl.dot(a, w, acc, input_precision=PRECISION)
+        weight = tl.load(weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)
+        acc = acc * weight[:, None]
+        out = out_ptr + pair.to(tl.int64)[:, None] * hidden + cols[None, :]
+        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=valid[:, None] & col_ok[None, :])
+
+    return triton, gate_up_swiglu, down_weighted
+
+
+_KERNELS = None
+
+
+def _block_sizes(fp8: bool) -> tuple[int, int, int]:
+    """(BLOCK_N, BLOCK_K, warps). An FP8 weight tile must lie inside one 128 x 128 scale block."""
+    return (128, 128, 8) if fp8 else (128, 64, 4)
+
+
+def fused_experts(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    *,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    gate_up_scale: Optional[torch.Tensor] = None,
+    down_scale: Optional[torch.Tensor] = None,
+) -> torch.Tensor:
+    """sum_k w[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = top_k_index[t, k], for
+    `hidden_states [T, H]`, `gate_up_proj [E, 2I, H]` (gate rows first), `down_proj [E, H, I]`
+    (bf16, or FP8 e4m3 with `*_scale` [E, rows / 128, cols / 128])."""
+    global _KERNELS
+    if _KERNELS is None:
+        _KERNELS = _kernels()
+    triton, gate_up_kernel, down_kernel = _KERNELS
+    fp8 = gate_up_scale is not None
+    tokens, hidden = hidden_states.shape
+    top_k = top_k_index.shape[-1]
+    num_experts, two_inter, _ = gate_up_proj.shape
+    inter = two_inter // 2
+    if fp8 and (inter % FP8_BLOCK or hidden % FP8_BLOCK):
+        raise ValueError(
+            f"fused FP8 experts need hidden ({hidden}) and intermediate ({inter}) sizes that are "
+            f"multiples of {FP8_BLOCK}; use target.experts=grouped_mm"
+        )
+    x = hidden_states.contiguous()
+    gate_up_proj, down_proj = gate_up_proj.contiguous(), down_proj.contiguous()
+    route = routing(top_k_index, num_experts)
+    tiles = route.tile_expert.numel()
+    block_n, block_k, warps = _block_sizes(fp8)
+    # fp32 weights (a test's exact reference) multiply in full precision, not TF32
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"
+    scale_args = lambda s: (s, s.stride(0), s.stride(1), s.stride(2)) if fp8 else (x, 0, 0, 0)  # noqa: E731
+    activated = torch.empty(route.row_pair.numel(), inter, dtype=x.dtype, device=x.device)
+    s_ptr, s_e, s_n, s_k = scale_args(gate_up_scale)
+    gate_up_kernel[(tiles, triton.cdiv(inter, block_n))](
+        x, gate_up_proj, s_ptr, route.row_pair, route.tile_expert, activated,
+        route.pairs, num_experts, hidden, inter, top_k,
+        x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), s_e, s_n, s_k,
+        FP8=fp8, SCALE_BLOCK=FP8_BLOCK, PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=3,
+    )  # fmt: skip
+    per_pair = torch.empty(route.pairs, hidden, dtype=x.dtype, device=x.device)
+    weights = top_k_weights.reshape(-1).contiguous()
+    s_ptr, s_e, s_n, s_k = scale_args(down_scale)
+    down_kernel[(tiles, triton.cdiv(hidden, block_n))](
+        activated, down_proj, s_ptr, route.row_pair, route.tile_expert, weights, per_pair,
+        route.pairs, num_experts, hidden, inter,
+        down_proj.stride(0), down_proj.stride(1), s_e, s_n, s_k,
+        FP8=fp8, SCALE_BLOCK=FP8_BLOCK, PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
+        num_warps=warps, num_stages=3,
+    )  # fmt: skip
+    return per_pair.view(tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
+
+
+# One opaque op for torch.compile: a compiled layer keeps the experts inside its graph (no graph
+# break, no host sync), and Inductor leaves the Triton launches alone.
+@torch.library.custom_op("dflash::fused_experts", mutates_args=())
+def _fused_experts_op(
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    gate_up_proj: torch.Tensor,
+    down_proj: torch.Tensor,
+    gate_up_scale: Optional[torch.Tensor],
+    down_scale: Optional[torch.Tensor],
+) -> torch.Tensor:
+    return fused_experts(
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        gate_up_proj=gate_up_proj,
+        down_proj=down_proj,
+        gate_up_scale=gate_up_scale,
+        down_scale=down_scale,
+    )
+
+
+@_fused_experts_op.register_fake
+def _(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_scale, down_scale):
+    return hidden_states.new_empty(hidden_states.shape)
+
+
+def refuse_unsupported(experts: torch.nn.Module) -> None:
+    """The fused kernels compute concatenated [gate; up] SwiGLU experts without biases, as the
+    Qwen3 / Qwen3-Next / Qwen3.5 MoE families store them; anything else is refused by name."""
+    act = getattr(experts.config, "hidden_act", "silu")
+    flags = {
+        "has_bias": getattr(experts, "has_bias", False),
+        "has_gate": not getattr(experts, "has_gate", True),
+        "is_transposed": getattr(experts, "is_transposed", False),
+        "is_concatenated": not getattr(experts, "is_concatenated", True),
+        "has_post_expert_norm": getattr(experts, "has_post_expert_norm", False),
+        "expert parallel": getattr(experts, "_is_expert_parallel", False),
+        f"hidden_act={act}": act != "silu",
+    }
+    unsupported = [name for name, bad in flags.items() if bad]
+    if unsupported:
+        raise ValueError(
+            f"target.experts={EXPERTS_IMPLEMENTATION}: {type(experts).__name__} has {', '.join(unsupported)}; "
+            "the fused kernels compute bias-free concatenated SwiGLU experts (use grouped_mm)"
+        )
+
+
+def fused_experts_forward(
+    self: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+) -> torch.Tensor:
+    """transformers' experts-function signature (ALL_EXPERTS_FUNCTIONS), bf16 weights."""
+    refuse_unsupported(self)
+    return _fused_experts_op(
+        hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, None, None
+    )
+
+
+def fused_fp8_experts(
+    experts: torch.nn.Module,
+    hidden_states: torch.Tensor,
+    top_k_index: torch.Tensor,
+    top_k_weights: torch.Tensor,
+    *,
+    gate_up: tuple[torch.Tensor, torch.Tensor],
+    down: tuple[torch.Tensor, torch.Tensor],
+) -> torch.Tensor:
+    """The fused kernels on block-wise FP8 weights `(weight, scale_inv)` as stored."""
+    refuse_unsupported(experts)
+    return _fused_experts_op(
+        hidden_states, top_k_index, top_k_weights, gate_up[0], down[0], gate_up[1], down[1]
+    )
+
+
+def register() -> None:
+    """Make `fused` a transformers experts implementation (model.set_experts_implementation)."""
+    from transformers.integrations.moe import ExpertsInterface
+
+    ExpertsInterface.register(EXPERTS_IMPLEMENTATION, fused_experts_forward)

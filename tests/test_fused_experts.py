@@ -1,0 +1,222 @@
+"""target.experts=fused: dflash's Triton experts for a frozen MoE target (dflash/models/fused_experts.py).
+
+The routing layout is plain torch and is held to a direct construction on the CPU; the kernels
+run on CUDA, where they are held to the experts formula written out, to transformers' own
+experts paths and, on FP8 weights, to the dequantized weights' result."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash.models.fused_experts import BLOCK_M, routing
+
+QWEN3_NEXT_MOE = dict(
+    vocab_size=256,
+    hidden_size=128,
+    num_hidden_layers=4,
+    full_attention_interval=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_experts=8,
+    num_experts_per_tok=3,
+    moe_intermediate_size=128,  # whole 128 x 128 blocks: FP8 experts are read as stored
+    shared_expert_intermediate_size=64,
+    tie_word_embeddings=False,
+    linear_num_key_heads=2,
+    linear_key_head_dim=32,
+    linear_num_value_heads=4,
+    linear_value_head_dim=16,
+)
+
+
+def experts_formula(x, top_k_index, top_k_weights, gate_up_proj, down_proj) -> torch.Tensor:
+    """sum_k w[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = top_k_index[t, k], token by
+    token in fp32: the gate is the first half of gate_up_proj's rows, the up the second."""
+    x = x.float()
+    out = torch.zeros_like(x)
+    for slot in range(top_k_index.shape[-1]):
+        expert = top_k_index[:, slot]
+        gate, up = torch.einsum("th,tnh->tn", x, gate_up_proj[expert].float()).chunk(2, dim=-1)
+        y = torch.einsum("ti,thi->th", F.silu(gate) * up, down_proj[expert].float())
+        out += top_k_weights[:, slot, None].float() * y
+    return out
+
+
+def skewed_routing(tokens: int, top_k: int, num_experts: int, generator: torch.Generator) -> torch.Tensor:
+    """Distinct experts per token; expert 1 in every token's first slot (a run of several tiles)
+    and the last expert never chosen (an empty run)."""
+    rows = []
+    for _ in range(tokens):
+        others = torch.randperm(num_experts - 2, generator=generator)[: top_k - 1]
+        others = others + (others >= 1).long()  # skip expert 1
+        rows.append(torch.cat([torch.tensor([1]), others]))
+    return torch.stack(rows)
+
+
+@pytest.mark.parametrize("block_m", [4, BLOCK_M])
+def test_routing_puts_each_pair_once_in_its_experts_padded_run(block_m):
+    """Each expert's (token, slot) pairs, in pair order, start its run of rows; the run is
+    padded to whole tiles with the padding mark S; runs follow in expert order; every tile
+    names its run's expert, and the spare tiles of the host-free upper bound name none (E)."""
+    generator = torch.Generator().manual_seed(0)
+    tokens, top_k, num_experts = 37, 3, 6
+    top_k_index = skewed_routing(tokens, top_k, num_experts, generator)
+    route = routing(top_k_index, num_experts, block_m=block_m)
+    pairs = tokens * top_k
+    assert route.pairs == pairs
+    flat = top_k_index.reshape(-1).tolist()
+    expected_rows, expected_tiles = [], []
+    for expert in range(num_experts):
+        run = [pair for pair, e in enumerate(flat) if e == expert]
+        padded = -(-len(run) // block_m) * block_m
+        expected_rows += run + [pairs] * (padded - len(run))
+        expected_tiles += [expert] * (padded // block_m)
+    spare = route.row_pair.numel() - len(expected_rows)
+    assert spare >= 0 and route.row_pair.numel() % block_m == 0
+    assert route.row_pair.tolist() == expected_rows + [pairs] * spare
+    assert route.tile_expert.tolist() == expected_tiles + [num_experts] * (spare // block_m)
+    # expert 1 in every token: its run spans ceil(37 / block_m) tiles; the last expert none
+    assert expected_tiles.count(1) == -(-tokens // block_m) and num_experts - 1 not in expected_tiles
+
+
+def test_routing_bound_holds_when_every_expert_gets_one_pair():
+    """The worst padding: as many experts as pairs, one pair each, a whole tile each."""
+    top_k_index = torch.arange(12).view(6, 2)
+    route = routing(top_k_index, 12, block_m=8)
+    assert route.tile_expert.tolist()[:12] == list(range(12))
+    assert sorted(p for p in route.row_pair.tolist() if p < 12) == list(range(12))
+
+
+def test_fused_experts_on_the_cpu_are_refused_naming_the_key(make_cfg):
+    from dflash.config.typed import typed_config
+    from dflash.run.inputs import frozen_target
+
+    overrides = ["target=qwen3_next_80b_random", *(f"target.arch.{k}={v}" for k, v in QWEN3_NEXT_MOE.items())]
+    overrides += [
+        "drafter=tiny",
+        "drafter.mask_token_id=255",
+        "drafter.target_layer_ids=[0,3]",
+        "target.experts=fused",
+    ]
+    with pytest.raises(ValueError, match=r"target.experts=fused runs Triton kernels on CUDA; on cpu"):
+        frozen_target(typed_config(make_cfg(overrides)), "cpu")
+
+
+def test_experts_the_kernels_do_not_compute_are_refused_by_what_they_have():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dflash.models.fused_experts import fused_experts_forward
+
+    config = AutoConfig.for_model("qwen3_next", **QWEN3_NEXT_MOE)
+    experts = AutoModelForCausalLM.from_config(config).model.layers[0].mlp.experts
+    experts.has_bias = True
+    with pytest.raises(ValueError, match=r"Qwen3NextExperts has has_bias; the fused kernels compute"):
+        fused_experts_forward(
+            experts, torch.zeros(2, 128), torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3)
+        )
+
+
+def random_experts(num_experts, hidden, inter, dtype, generator):
+    gate_up = torch.randn(num_experts, 2 * inter, hidden, generator=generator) / hidden**0.5
+    down = torch.randn(num_experts, hidden, inter, generator=generator) / inter**0.5
+    return gate_up.to("cuda", dtype), down.to("cuda", dtype)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 300])
+def test_on_cuda_the_fused_experts_compute_the_formula(tokens):
+    """fp32: the formula within fp32 rounding (full-precision dots, not TF32). bf16: within bf16
+    rounding of it, and no further from it than transformers' grouped_mm path on the same
+    weights (which rounds after each projection, where the kernels round once)."""
+    from transformers.integrations.moe import grouped_mm_experts_forward
+
+    from dflash.models.fused_experts import fused_experts
+
+    generator = torch.Generator().manual_seed(0)
+    num_experts, top_k, hidden, inter = 16, 4, 256, 192  # 192: a partial column tile
+    top_k_index = skewed_routing(tokens, top_k, num_experts, generator).cuda()
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=generator), -1).cuda()
+    x = torch.randn(tokens, hidden, generator=generator).cuda()
+    gate_up, down = random_experts(num_experts, hidden, inter, torch.float32, generator)
+    want = experts_formula(x, top_k_index, weights, gate_up, down)
+    got = fused_experts(x, top_k_index, weights, gate_up_proj=gate_up, down_proj=down)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+    xb, gb, db, wb = (t.bfloat16() for t in (x, gate_up, down, weights))
+    want = experts_formula(xb, top_k_index, wb, gb, db)
+    got = fused_experts(xb, top_k_index, wb, gate_up_proj=gb, down_proj=db)
+    assert got.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+    class Experts(torch.nn.Module):  # what transformers' experts functions read
+        num_experts, has_gate, has_bias, is_transposed, _is_expert_parallel = 16, True, False, False, False
+        has_post_expert_norm, gate_up_proj, down_proj = False, gb, db
+
+        def _apply_gate(self, gate_up_out):
+            gate, up = gate_up_out.chunk(2, dim=-1)
+            return F.silu(gate) * up
+
+    theirs = grouped_mm_experts_forward(Experts(), xb, top_k_index, wb)
+    assert (got.float() - want).abs().max() <= 1.25 * (theirs.float() - want).abs().max() + 1e-3
+
+
+@pytest.mark.gpu
+def test_on_cuda_fp8_experts_read_as_stored_compute_their_dequantized_weights():
+    """Block-wise FP8 weights with their 128 x 128 scales, read as stored: the formula on the
+    dequantized weights within bf16 rounding."""
+    from dflash.models.fp8 import dequantize_blockwise, quantize_blockwise
+    from dflash.models.fused_experts import fused_experts
+
+    generator = torch.Generator().manual_seed(1)
+    num_experts, top_k, tokens, hidden, inter = 8, 2, 200, 256, 256
+    gate_up, down = random_experts(num_experts, hidden, inter, torch.float32, generator)
+    quantized = [quantize_blockwise(w, (128, 128)) for w in (gate_up, down)]
+    (gate_up_q, gate_up_s), (down_q, down_s) = quantized
+    top_k_index = skewed_routing(tokens, top_k, num_experts, generator).cuda()
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=generator), -1).cuda().bfloat16()
+    x = torch.randn(tokens, hidden, generator=generator).cuda().bfloat16()
+    got = fused_experts(
+        x,
+        top_k_index,
+        weights,
+        gate_up_proj=gate_up_q,
+        down_proj=down_q,
+        gate_up_scale=gate_up_s,
+        down_scale=down_s,
+    )
+    dequantized = [dequantize_blockwise(w, s, (128, 128), torch.float32) for w, s in quantized]
+    want = experts_formula(x, top_k_index, weights, *dequantized)
+    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("fp8", ["false", "true"])
+def test_on_cuda_a_moe_target_with_fused_experts_gives_grouped_mm_features(make_cfg, fp8):
+    """target.experts=fused on a Qwen3-Next-layout target (bf16, and FP8 kept): features equal
+    the grouped_mm path's within bf16 rounding, eager and under the regional compile, whose
+    layers keep the experts in their graphs (no graph break)."""
+    from torch._dynamo.utils import counters
+
+    from dflash.config.typed import typed_config
+    from dflash.models.compile import CompileCounter
+    from dflash.run.inputs import frozen_target
+
+    base = ["target=qwen3_next_80b_random", *(f"target.arch.{k}={v}" for k, v in QWEN3_NEXT_MOE.items())]
+    base += ["drafter=tiny", "drafter.mask_token_id=255", "drafter.target_layer_ids=[0,3]", "gpu=single"]
+    base += [f"target.fp8={fp8}", "target.dtype=bfloat16"]
+    ids = torch.randint(0, QWEN3_NEXT_MOE["vocab_size"], (2, 96), device="cuda")
+    grouped, _ = frozen_target(typed_config(make_cfg(base + ["target.experts=grouped_mm"])), "cuda")
+    want = grouped.features(ids).float()
+    del grouped
+    fused, _ = frozen_target(typed_config(make_cfg(base + ["target.experts=fused"])), "cuda")
+    assert fused.config._experts_implementation == "fused"
+    scale = want.abs().max()
+    assert (fused.features(ids).float() - want).abs().max() <= 3e-2 * scale
+    torch._dynamo.reset()
+    counters.clear()
+    fused.compile_features(CompileCounter("target"), scope="layers")
+    assert (fused.features(ids).float() - want).abs().max() <= 3e-2 * scale
+    assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
