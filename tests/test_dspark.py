@@ -284,6 +284,23 @@ def test_fused_chunked_loss_equals_the_reference_path(head_type, chunk):
         torch.testing.assert_close(fused_grads[name], ref_grads[name], rtol=1e-4, atol=1e-6, msg=name)
 
 
+@pytest.mark.gpu
+def test_on_cuda_the_markov_w2_gradient_sums_bf16_products_in_fp32():
+    """The fused path's `markov_w2` gradient on CUDA (one bf16 GEMM with fp32 output per chunk)
+    equals the fp32 GEMM of the same bf16 values, chunk sums in fp32, within fp32 rounding."""
+    from dflash.step.dspark_loss import _accumulate_w2_grad
+
+    generator = torch.Generator().manual_seed(0)
+    vocab, rows, rank = 5000, 700, 256
+    grads = torch.randn(rows, vocab, generator=generator).cuda().bfloat16() * 1e-3
+    latent = torch.randn(rows, rank, generator=generator).cuda().bfloat16()
+    got = torch.zeros(vocab, rank, device="cuda")
+    for start in range(0, rows, 256):  # chunks, as the fused head takes them
+        _accumulate_w2_grad(got, grads[start : start + 256], latent[start : start + 256])
+    want = grads.double().T @ latent.double()
+    torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.slow
 def test_the_compiled_chunk_gives_the_eager_chunks_loss_and_gradients():
     """drafter.compile's per-chunk kernel (torch.compile of the chunk's softmax, terms and
