@@ -90,8 +90,11 @@ def _kernels():
         FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
+        # Column tiles of one row tile run side by side (they share its gathered rows in L2),
+        # and a run's row tiles follow one another (they share the expert's weights).
+        n_tiles = tl.cdiv(inter, BLOCK_N)
+        pid_m = tl.program_id(0) // n_tiles
+        pid_n = tl.program_id(0) % n_tiles
         expert = tl.load(tile_expert_ptr + pid_m)
         if expert >= num_experts:
             return
@@ -138,8 +141,11 @@ def _kernels():
         FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, PRECISION: tl.constexpr,
         BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     ):  # fmt: skip
-        pid_m = tl.program_id(0)
-        pid_n = tl.program_id(1)
+        # Column tiles of one row tile run side by side (they share its gathered rows in L2),
+        # and a run's row tiles follow one another (they share the expert's weights).
+        n_tiles = tl.cdiv(hidden, BLOCK_N)
+        pid_m = tl.program_id(0) // n_tiles
+        pid_n = tl.program_id(0) % n_tiles
         expert = tl.load(tile_expert_ptr + pid_m)
         if expert >= num_experts:
             return
@@ -226,7 +232,7 @@ def fused_experts(
     scale_args = lambda s: (s, s.stride(0), s.stride(1), s.stride(2)) if fp8 else (x, 0, 0, 0)  # noqa: E731
     activated = torch.empty(route.row_pair.numel(), inter, dtype=x.dtype, device=x.device)
     s_ptr, s_e, s_n, s_k = scale_args(gate_up_scale)
-    gate_up_kernel[(tiles, triton.cdiv(inter, block_n))](
+    gate_up_kernel[(tiles * triton.cdiv(inter, block_n),)](
         x, gate_up_proj, s_ptr, route.row_pair, route.tile_expert, activated,
         route.pairs, num_experts, hidden, inter, top_k,
         x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), s_e, s_n, s_k,
@@ -236,7 +242,7 @@ def fused_experts(
     per_pair = torch.empty(route.pairs, hidden, dtype=x.dtype, device=x.device)
     weights = top_k_weights.reshape(-1).contiguous()
     s_ptr, s_e, s_n, s_k = scale_args(down_scale)
-    down_kernel[(tiles, triton.cdiv(hidden, block_n))](
+    down_kernel[(tiles * triton.cdiv(hidden, block_n),)](
         activated, down_proj, s_ptr, route.row_pair, route.tile_expert, weights, per_pair,
         route.pairs, num_experts, hidden, inter,
         down_proj.stride(0), down_proj.stride(1), s_e, s_n, s_k,
