@@ -34,10 +34,6 @@ import torch.nn.functional as F
 from torch import nn
 
 
-def is_deltanet_layer(layer: nn.Module) -> bool:
-    return isinstance(getattr(layer, "linear_attn", None), nn.Module)
-
-
 def chunked_rule(mixer: nn.Module, device: torch.device) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """The model's own chunked gated-delta-rule function: the kernel transformers picked (fla's,
     when installed) on CUDA; its PyTorch reference elsewhere (fla's Triton kernels cannot read

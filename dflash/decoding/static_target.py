@@ -34,10 +34,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.decoding.deltanet import DeltaNetStates, deltanet_prefill, deltanet_step, is_deltanet_layer
+from dflash.decoding.deltanet import DeltaNetStates, deltanet_prefill, deltanet_step
 from dflash.decoding.kv_cache import StaticKV, write_layer
 from dflash.models.compile import compile_shared
-from dflash.models.families import TARGET_FAMILIES
+from dflash.models.families import TARGET_FAMILIES, is_deltanet_layer
 from dflash.models.target import FrozenTarget
 
 # The text model's model_type (an image-text checkpoint's `text_config`): what the static

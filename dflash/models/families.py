@@ -21,6 +21,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from torch import nn
+
 
 @dataclass(frozen=True)
 class TargetFamily:
@@ -91,3 +93,9 @@ def text_config(config: Any) -> Any:
 def model_types_of(config: Any) -> set[str]:
     """The names a `target.model_type` may use for this config: its own and its text model's."""
     return {config.model_type, text_config(config).model_type}
+
+
+def is_deltanet_layer(layer: nn.Module) -> bool:
+    """A hybrid target's Gated DeltaNet decoder layer (Qwen3-Next, Qwen3.5 / Qwen3.6): its token
+    mixer is `linear_attn` where a full-attention layer has `self_attn`."""
+    return isinstance(getattr(layer, "linear_attn", None), nn.Module)

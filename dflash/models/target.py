@@ -22,8 +22,15 @@ except ImportError:
 from dflash.config.schema import TargetConfig
 from dflash.models import fused_experts
 from dflash.models.compile import compile_shared
-from dflash.models.families import IMAGE_TEXT_TYPES, model_types_of, refuse_unsupported, text_config
+from dflash.models.families import (
+    IMAGE_TEXT_TYPES,
+    is_deltanet_layer,
+    model_types_of,
+    refuse_unsupported,
+    text_config,
+)
 from dflash.models.fp8 import build_random_fp8, is_fp8_checkpoint, load_fp8_checkpoint
+from dflash.models.short_conv import use_fla_short_conv
 from dflash.models.size import refuse_missing_text_config, refuse_size_mismatch
 
 
@@ -162,7 +169,7 @@ def compile_regions(layer: nn.Module) -> list[nn.Module]:
     which dynamo does not call: under torch.compile transformers runs its PyTorch reference of
     the chunked delta rule instead, a loop over 64-token chunks that dynamo unrolls (on an H200,
     47 s of tracing and over 100 s more before inductor started, for one Qwen3-Next layer)."""
-    if isinstance(getattr(layer, "linear_attn", None), nn.Module):
+    if is_deltanet_layer(layer):
         return [layer.mlp]
     return [layer]
 
@@ -289,6 +296,8 @@ class FrozenTarget(nn.Module):
                 model = load_fp8_checkpoint(cfg.path, dtype=dtype, device=device)
             else:
                 model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=dtype)
+        if device.type == "cuda":
+            use_fla_short_conv(model, cfg.fla_short_conv)
         if cfg.experts is not None and getattr(model.config, "num_experts", None):
             if _enum_value(cfg.experts) == fused_experts.EXPERTS_IMPLEMENTATION:
                 if device.type != "cuda":

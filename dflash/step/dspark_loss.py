@@ -126,7 +126,9 @@ def _chunk_terms_and_grads(
     return ce, l1, acc, z.argmax(dim=-1) == labels, grad.to(draft_logits.dtype)
 
 
-def _accumulate_w2_grad(grad_w2_VR: torch.Tensor, grad_logits_NV: torch.Tensor, latent_NR: torch.Tensor) -> None:
+def _accumulate_w2_grad(
+    grad_w2_VR: torch.Tensor, grad_logits_NV: torch.Tensor, latent_NR: torch.Tensor
+) -> None:
     """grad_w2 += grad_logits^T @ latent, summed in fp32 over the chunks. Both factors hold
     low-precision values (the logits' dtype), so on CUDA one low-precision GEMM with fp32
     output computes the same products and fp32 sums as an fp32 GEMM of their upcasts, on the

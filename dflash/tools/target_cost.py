@@ -22,6 +22,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
+from dflash.models.families import is_deltanet_layer
 from dflash.models.target import FrozenTarget
 
 PARTS = ("full attention", "linear attention", "router", "experts", "shared expert", "dense MLP")
@@ -31,7 +32,7 @@ def layer_parts(layer: nn.Module) -> Iterator[tuple[str, nn.Module]]:
     """(part, module) of one decoder layer; the shared expert's gate counts with the expert."""
     if isinstance(getattr(layer, "self_attn", None), nn.Module):
         yield "full attention", layer.self_attn
-    if isinstance(getattr(layer, "linear_attn", None), nn.Module):
+    if is_deltanet_layer(layer):
         yield "linear attention", layer.linear_attn
     mlp = getattr(layer, "mlp", None)
     if mlp is None:

@@ -1,0 +1,144 @@
+"""Hybrid targets' short convolution on flash-linear-attention's kernel (dflash/models/short_conv.py):
+rebound only where it can serve, back on request; on CUDA equal to transformers' reference."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+import torch
+
+from dflash.models import short_conv
+from dflash.models.short_conv import FUNCTION, FlaShortConv, use_fla_short_conv
+
+QWEN3_NEXT = dict(
+    vocab_size=256,
+    hidden_size=128,
+    num_hidden_layers=4,
+    full_attention_interval=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=32,
+    num_experts=4,
+    num_experts_per_tok=2,
+    moe_intermediate_size=64,
+    shared_expert_intermediate_size=64,
+    linear_num_key_heads=2,
+    linear_key_head_dim=32,
+    linear_num_value_heads=4,
+    linear_value_head_dim=16,
+)
+
+
+def tiny_qwen3_next():
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_next", **QWEN3_NEXT)).eval()
+
+
+@pytest.fixture
+def modeling(monkeypatch):
+    """Qwen3-Next's modeling module, its convolution binding restored after the test."""
+    import transformers.models.qwen3_next.modeling_qwen3_next as module
+
+    monkeypatch.setattr(module, FUNCTION, getattr(module, FUNCTION))
+    return module
+
+
+def test_the_binding_moves_to_fla_and_back_and_cpu_calls_keep_the_reference(modeling, monkeypatch):
+    """With fla available the DeltaNet layers' modeling module calls FlaShortConv, once however
+    often it is asked; `enabled=False` puts transformers' function back. On CPU tensors the
+    rebound function is transformers' own: the features are identical."""
+    model = tiny_qwen3_next()
+    ids = torch.randint(0, 256, (2, 19))
+    reference = getattr(modeling, FUNCTION)
+    with torch.no_grad():
+        before = model(ids).logits
+    monkeypatch.setattr(short_conv, "fla_available", lambda: True)
+    assert use_fla_short_conv(model) == [modeling.__name__]
+    assert use_fla_short_conv(model) == [modeling.__name__]
+    bound = getattr(modeling, FUNCTION)
+    assert isinstance(bound, FlaShortConv) and bound.reference is reference
+    with torch.no_grad():
+        assert torch.equal(model(ids).logits, before)
+    assert use_fla_short_conv(model, enabled=False) == []
+    assert getattr(modeling, FUNCTION) is reference
+
+
+def test_without_fla_nothing_is_rebound(modeling, monkeypatch):
+    monkeypatch.setattr(short_conv, "fla_available", lambda: False)
+    reference = getattr(modeling, FUNCTION)
+    assert use_fla_short_conv(tiny_qwen3_next()) == []
+    assert getattr(modeling, FUNCTION) is reference
+
+
+def test_calls_fla_cannot_serve_exactly_go_to_the_reference():
+    """CPU tensors, packed-sequence arguments and other activations reach the function replaced."""
+    calls = []
+
+    def reference(hidden_states, weight, bias=None, activation=None, **kwargs):
+        calls.append((hidden_states.device.type, activation, kwargs))
+        return hidden_states
+
+    conv = FlaShortConv(reference)
+    x, w = torch.randn(1, 8, 5), torch.randn(8, 4)
+    conv(x, w, None, activation="silu")
+    conv(x, w, None, activation="gelu", seq_idx=None)
+    assert calls == [("cpu", "silu", {}), ("cpu", "gelu", {"seq_idx": None})]
+    if torch.cuda.is_available():
+        conv(x.cuda(), w.cuda(), None, activation="silu", seq_idx=torch.zeros(1, 5, dtype=torch.int32).cuda())
+        assert len(calls) == 3
+
+
+def test_a_target_built_on_the_cpu_leaves_the_binding_alone(make_cfg, modeling):
+    from dflash.config.typed import typed_config
+    from dflash.run.inputs import frozen_target
+
+    reference = getattr(modeling, FUNCTION)
+    overrides = ["target=qwen3_next_80b_random", *(f"target.arch.{k}={v}" for k, v in QWEN3_NEXT.items())]
+    overrides += ["drafter=tiny", "drafter.mask_token_id=255", "drafter.target_layer_ids=[0,3]"]
+    frozen_target(typed_config(make_cfg(overrides)), "cpu")
+    assert getattr(modeling, FUNCTION) is reference
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)])
+def test_on_cuda_fla_short_conv_computes_transformers_reference(modeling, dtype, tolerance):
+    """[batch, channels, time] in and out as transformers calls it, with and without bias and
+    activation, a partial first window (time < kernel) included."""
+    pytest.importorskip("fla")
+    reference = getattr(modeling, FUNCTION)
+    conv = FlaShortConv(reference)
+    generator = torch.Generator().manual_seed(0)
+    for time_steps in (3, 97):
+        x = torch.randn(2, 256, time_steps, generator=generator).to("cuda", dtype)
+        w = torch.randn(256, 4, generator=generator).to("cuda", dtype) / 2
+        for bias in (None, torch.randn(256, generator=generator).to("cuda", dtype)):
+            for activation in (None, "silu"):
+                got = conv(x, w, bias, activation=activation)
+                want = reference(x, w, bias, activation=activation)
+                assert got.shape == want.shape and got.dtype == want.dtype
+                torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+
+
+@pytest.mark.gpu
+def test_on_cuda_a_hybrid_target_on_fla_short_conv_gives_the_same_features(make_cfg, modeling):
+    """target.fla_short_conv true vs false on a Qwen3-Next-layout target in fp32: the same
+    features within fp32 rounding, and the modeling module bound accordingly."""
+    pytest.importorskip("fla")
+    from dflash.config.typed import typed_config
+    from dflash.run.inputs import frozen_target
+
+    base = ["target=qwen3_next_80b_random", *(f"target.arch.{k}={v}" for k, v in QWEN3_NEXT.items())]
+    base += ["drafter=tiny", "drafter.mask_token_id=255", "drafter.target_layer_ids=[0,3]", "gpu=single"]
+    base += ["target.dtype=float32"]
+    ids = torch.randint(0, 256, (2, 80), device="cuda")
+    features = {}
+    for enabled in ("false", "true"):
+        target, _ = frozen_target(typed_config(make_cfg(base + [f"target.fla_short_conv={enabled}"])), "cuda")
+        assert isinstance(getattr(sys.modules[modeling.__name__], FUNCTION), FlaShortConv) == (
+            enabled == "true"
+        )
+        features[enabled] = target.features(ids)
+    torch.testing.assert_close(features["true"], features["false"], rtol=1e-4, atol=1e-4)
