@@ -132,7 +132,7 @@ def _accumulate_w2_grad(
     """grad_w2 += grad_logits^T @ latent, summed in fp32 over the chunks. Both factors hold
     low-precision values (the logits' dtype), so on CUDA one low-precision GEMM with fp32
     output computes the same products and fp32 sums as an fp32 GEMM of their upcasts, on the
-    tensor cores instead of the CUDA cores (at the paper's shape, 7,680 labelled rows x 151,936
+    tensor cores instead of the CUDA cores (at the paper's shape, up to 8,192 labelled rows x 151,936
     x rank 256: 0.6 TFLOP per step); elsewhere the fp32 GEMM."""
     if grad_logits_NV.is_cuda and grad_logits_NV.dtype in (torch.bfloat16, torch.float16):
         grad_w2_VR += torch.mm(grad_logits_NV.T, latent_NR, out_dtype=torch.float32)
