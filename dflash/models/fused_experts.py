@@ -31,6 +31,7 @@ CPU against a direct construction.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Optional
 
@@ -77,6 +78,7 @@ def routing(top_k_index: torch.Tensor, num_experts: int, block_m: int = BLOCK_M)
     return Routing(row_pair=row_pair, tile_expert=tile_expert, pairs=pairs)
 
 
+@functools.cache
 def _kernels():
     """The Triton kernels, built on first use (triton is the `gpu` extra; CPU runs never import it)."""
     import triton
@@ -187,7 +189,11 @@ def _kernels():
     return triton, gate_up_swiglu, down_weighted
 
 
-_KERNELS = None
+def _scale_arguments(scale: Optional[torch.Tensor], placeholder: torch.Tensor) -> dict:
+    """An FP8 weight's scale pointer and strides (bf16 weights: a placeholder pointer, never read)."""
+    if scale is None:
+        return dict(s_ptr=placeholder, stride_se=0, stride_sn=0, stride_sk=0)
+    return dict(s_ptr=scale, stride_se=scale.stride(0), stride_sn=scale.stride(1), stride_sk=scale.stride(2))
 
 
 def _block_sizes(fp8: bool) -> tuple[int, int, int]:
@@ -208,10 +214,7 @@ def fused_experts(
     """sum_k w[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = top_k_index[t, k], for
     `hidden_states [T, H]`, `gate_up_proj [E, 2I, H]` (gate rows first), `down_proj [E, H, I]`
     (bf16, or FP8 e4m3 with `*_scale` [E, rows / 128, cols / 128])."""
-    global _KERNELS
-    if _KERNELS is None:
-        _KERNELS = _kernels()
-    triton, gate_up_kernel, down_kernel = _KERNELS
+    triton, gate_up_kernel, down_kernel = _kernels()
     fp8 = gate_up_scale is not None
     tokens, hidden = hidden_states.shape
     top_k = top_k_index.shape[-1]
@@ -229,26 +232,44 @@ def fused_experts(
     block_n, block_k, warps = _block_sizes(fp8)
     # fp32 weights (a test's exact reference) multiply in full precision, not TF32
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    scale_args = lambda s: (s, s.stride(0), s.stride(1), s.stride(2)) if fp8 else (x, 0, 0, 0)  # noqa: E731
+    shared = dict(
+        row_pair_ptr=route.row_pair,
+        tile_expert_ptr=route.tile_expert,
+        pairs=route.pairs,
+        num_experts=num_experts,
+        hidden=hidden,
+        inter=inter,
+        stride_wn=gate_up_proj.stride(1),
+        FP8=fp8,
+        SCALE_BLOCK=FP8_BLOCK,
+        PRECISION=precision,
+        BLOCK_M=BLOCK_M,
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        num_warps=warps,
+        num_stages=3,
+    )
     activated = torch.empty(route.row_pair.numel(), inter, dtype=x.dtype, device=x.device)
-    s_ptr, s_e, s_n, s_k = scale_args(gate_up_scale)
     gate_up_kernel[(tiles * triton.cdiv(inter, block_n),)](
-        x, gate_up_proj, s_ptr, route.row_pair, route.tile_expert, activated,
-        route.pairs, num_experts, hidden, inter, top_k,
-        x.stride(0), gate_up_proj.stride(0), gate_up_proj.stride(1), s_e, s_n, s_k,
-        FP8=fp8, SCALE_BLOCK=FP8_BLOCK, PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, num_stages=3,
-    )  # fmt: skip
+        x_ptr=x,
+        w_ptr=gate_up_proj,
+        out_ptr=activated,
+        top_k=top_k,
+        stride_xt=x.stride(0),
+        stride_we=gate_up_proj.stride(0),
+        **_scale_arguments(gate_up_scale, x),
+        **shared,
+    )
     per_pair = torch.empty(route.pairs, hidden, dtype=x.dtype, device=x.device)
-    weights = top_k_weights.reshape(-1).contiguous()
-    s_ptr, s_e, s_n, s_k = scale_args(down_scale)
     down_kernel[(tiles * triton.cdiv(hidden, block_n),)](
-        activated, down_proj, s_ptr, route.row_pair, route.tile_expert, weights, per_pair,
-        route.pairs, num_experts, hidden, inter,
-        down_proj.stride(0), down_proj.stride(1), s_e, s_n, s_k,
-        FP8=fp8, SCALE_BLOCK=FP8_BLOCK, PRECISION=precision, BLOCK_M=BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-        num_warps=warps, num_stages=3,
-    )  # fmt: skip
+        h_ptr=activated,
+        w_ptr=down_proj,
+        weights_ptr=top_k_weights.reshape(-1).contiguous(),
+        out_ptr=per_pair,
+        stride_we=down_proj.stride(0),
+        **_scale_arguments(down_scale, x),
+        **{**shared, "stride_wn": down_proj.stride(1)},
+    )
     return per_pair.view(tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
 
 
