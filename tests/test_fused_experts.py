@@ -222,3 +222,24 @@ def test_on_cuda_a_moe_target_with_fused_experts_gives_the_batched_experts_featu
     fused.compile_features(CompileCounter("target"), scope="layers")
     torch.testing.assert_close(fused.features(ids), want, rtol=1e-4, atol=1e-4)
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+
+
+@pytest.mark.parametrize("inter, reads_fp8", [(128, True), (64, False)])
+def test_fp8_experts_go_to_the_kernels_as_stored_only_on_whole_scale_blocks(inter, reads_fp8):
+    """The kernels find the up half's scales at row (column + I) / 128 of the concatenated grid:
+    true when I is a whole number of 128-row blocks (then the grid is the two halves' grids one
+    after the other); otherwise the experts are dequantized first."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dflash.models.fp8 import BlockFP8Experts, quantize_blockwise, quantize_layer
+
+    config = AutoConfig.for_model("qwen3_next", **{**QWEN3_NEXT_MOE, "moe_intermediate_size": inter})
+    layer = AutoModelForCausalLM.from_config(config).model.layers[0]
+    gate_up = layer.mlp.experts.gate_up_proj.detach().clone()
+    experts = quantize_layer(layer).mlp.experts
+    assert isinstance(experts, BlockFP8Experts) and experts._fused_reads_fp8() == reads_fp8
+    if reads_fp8:
+        up_scales = quantize_blockwise(gate_up[:, inter:], (128, 128))[1]
+        torch.testing.assert_close(
+            experts.gate_up_proj_scale_inv[:, inter // 128 :], up_scales, rtol=0, atol=0
+        )
