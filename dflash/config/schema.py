@@ -601,7 +601,10 @@ class EvalConfig:
     # that temperature; a DFlash2 drafter: sample each draft among its selector's K candidates
     # from the softmax of their scores (false: take the argmax, as a DFlash drafter always
     # does). Verification is unchanged either way (a draft is kept when it equals the target's
-    # own choice), so the output stays exact.
+    # own choice), so the output stays exact. That rule accepts a sampled draft with probability
+    # sum_d p(d) q(d) (draft distribution p, target's q), below the 1 - TV(p, q) of the
+    # rejection sampling serving engines verify with; an argmax draft gets q(d) under both rules,
+    # so the default's figures are what an engine measures.
     sampled_drafts: bool = False
     warmup_prompts: int = 2
     # dflash-eval: where the JSON report goes; null: <paths.output_dir>/eval.json. Each prompt's
