@@ -320,6 +320,29 @@ def test_a_fresh_run_into_a_finished_runs_dir_is_refused_and_changes_nothing(tmp
     assert (finished / "metrics.jsonl").read_text() == '{"step": 1}\n'
 
 
+def test_a_run_stopped_before_its_first_step_is_started_again_in_its_dir(tmp_path, make_cfg):
+    """An attempt stopped while its first step compiled leaves only step-0 monitor rows (the last
+    one cut by the kill) and no checkpoint: the same command again starts the run there instead
+    of asking for a checkpoint that does not exist; the old rows move aside, kept. One row of a
+    trained step makes it an earlier run again, refused."""
+    from dflash.run.ownership import UNTRAINED_METRICS
+    from dflash.run.preflight import check_before_loading
+
+    attempt = tmp_path / "attempt"
+    attempt.mkdir()
+    old_rows = '{"step": 0, "queue/hs_depth": 10}\n{"step": 0, "queue/hs_depth": 10}\n{"step": 0, "queue/h'
+    (attempt / "metrics.jsonl").write_text(old_rows)
+    check_before_loading(make_cfg(output_dir=attempt))
+    assert (attempt / UNTRAINED_METRICS).read_text() == old_rows
+    assert not (attempt / "metrics.jsonl").exists()
+    (attempt / "metrics.jsonl").write_text('{"step": 0}\n{"step": 1, "train/loss": 6.2}\n')
+    with pytest.raises(
+        ValueError, match=r"holds an earlier run \(metrics.jsonl\): resume=<one of its checkpoints>"
+    ):
+        check_before_loading(make_cfg(output_dir=attempt))
+    assert (attempt / "metrics.jsonl").read_text() == '{"step": 0}\n{"step": 1, "train/loss": 6.2}\n'
+
+
 def test_a_full_disk_while_checkpointing_names_the_path_and_leaves_no_temporary(tmp_path, monkeypatch):
     from dflash.trainer.checkpoint import save_checkpoint
     from tests.test_dflash_rules import tiny_drafter, tiny_target

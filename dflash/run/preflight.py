@@ -7,6 +7,7 @@ its config_resolved.yaml. A bad config fails here, in one line, before any model
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -33,10 +34,12 @@ from dflash.models.target import load_target_config
 from dflash.monitor.sinks import MLFLOW_RUN_FILE, SINK_LIBRARIES, MlflowSink, mlflow_sink, resumed_mlflow_run
 from dflash.run.checks import resolve_layer_ids, validate
 from dflash.run.inputs import eval_prompt_sets, local_target_config
-from dflash.run.ownership import refuse_earlier_run
+from dflash.run.ownership import refuse_earlier_run, set_aside_untrained_attempt
 from dflash.run.resume import check_resume_matches
 from dflash.step.build import STEP_KEYS, build_variant, run_drafter_config
 from dflash.trainer.lifecycle import TRAINER_INPUTS
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -185,6 +188,10 @@ def check_before_loading(composed: DictConfig) -> Checked:
     require_same_layout(process_group, target_devices, drafter_devices)
     run_dir = Path(cfg.paths.output_dir)
     refuse_earlier_run(run_dir, resume=cfg.resume)
+    if cfg.resume is None and (moved := set_aside_untrained_attempt(run_dir)) is not None:
+        log.warning(
+            "%s: an earlier attempt here stopped before its first step; its rows moved to %s", run_dir, moved
+        )
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config_resolved.yaml").write_text(run_config_yaml)
     return Checked(
