@@ -11,25 +11,11 @@ import torch
 import torch.nn.functional as F
 
 from dflash.models.fused_experts import BLOCK_M, routing
+from tests.test_fp8 import QWEN3_NEXT
 
-QWEN3_NEXT_MOE = dict(
-    vocab_size=256,
-    hidden_size=128,
-    num_hidden_layers=4,
-    full_attention_interval=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    num_experts=8,
-    num_experts_per_tok=3,
-    moe_intermediate_size=128,  # whole 128 x 128 blocks: FP8 experts are read as stored
-    shared_expert_intermediate_size=64,
-    tie_word_embeddings=False,
-    linear_num_key_heads=2,
-    linear_key_head_dim=32,
-    linear_num_value_heads=4,
-    linear_value_head_dim=16,
-)
+# The FP8 tests' Qwen3-Next layout with more experts and whole 128 x 128 blocks in the experts'
+# intermediate size (FP8 experts are read as stored).
+QWEN3_NEXT_MOE = {**QWEN3_NEXT, "num_experts": 8, "num_experts_per_tok": 3, "moe_intermediate_size": 128}
 
 
 def experts_formula(x, top_k_index, top_k_weights, gate_up_proj, down_proj) -> torch.Tensor:

@@ -10,31 +10,11 @@ import torch
 
 from dflash.models import short_conv
 from dflash.models.short_conv import FUNCTION, FlaShortConv, use_fla_short_conv
-
-QWEN3_NEXT = dict(
-    vocab_size=256,
-    hidden_size=128,
-    num_hidden_layers=4,
-    full_attention_interval=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    head_dim=32,
-    num_experts=4,
-    num_experts_per_tok=2,
-    moe_intermediate_size=64,
-    shared_expert_intermediate_size=64,
-    linear_num_key_heads=2,
-    linear_key_head_dim=32,
-    linear_num_value_heads=4,
-    linear_value_head_dim=16,
-)
+from tests.test_fp8 import QWEN3_NEXT, tiny_model
 
 
 def tiny_qwen3_next():
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_next", **QWEN3_NEXT)).eval()
+    return tiny_model("qwen3_next", QWEN3_NEXT)
 
 
 @pytest.fixture
