@@ -276,6 +276,12 @@ class FrozenTarget(nn.Module):
     def from_config(
         cls, cfg: TargetConfig, layer_ids: list[int], device: torch.device, *, final_state: bool = False
     ) -> FrozenTarget:
+        fused = cfg.experts is not None and _enum_value(cfg.experts) == fused_experts.EXPERTS_IMPLEMENTATION
+        if fused and device.type != "cuda":  # before any weights are built or read
+            raise ValueError(
+                f"target.experts={fused_experts.EXPERTS_IMPLEMENTATION} runs Triton kernels on CUDA; "
+                f"on {device.type} use eager, grouped_mm or batched_mm"
+            )
         dtype = resolve_dtype(cfg.dtype, device)
         if cfg.path is None:
             config = load_target_config(cfg)
@@ -299,12 +305,7 @@ class FrozenTarget(nn.Module):
         if device.type == "cuda":
             use_fla_short_conv(model, cfg.fla_short_conv)
         if cfg.experts is not None and getattr(model.config, "num_experts", None):
-            if _enum_value(cfg.experts) == fused_experts.EXPERTS_IMPLEMENTATION:
-                if device.type != "cuda":
-                    raise ValueError(
-                        f"target.experts={fused_experts.EXPERTS_IMPLEMENTATION} runs Triton kernels on CUDA; "
-                        f"on {device.type} use eager, grouped_mm or batched_mm"
-                    )
+            if fused:
                 fused_experts.register()
             model.set_experts_implementation(_enum_value(cfg.experts))
         return cls(model.to(device), layer_ids, final_state=final_state)
