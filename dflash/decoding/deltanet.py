@@ -5,22 +5,30 @@ A DeltaNet layer carries two states from token to token instead of keys and valu
 `K - 1` inputs of its short causal convolution (`conv`, [slots, channels, K - 1]) and the
 recurrent matrix of the gated delta rule (`recurrent`, [slots, value heads, key dim, value dim],
 fp32 as transformers and flash-linear-attention keep it). Neither can be cut back to a prefix
-after the fact, so a step of Q tokens leaves the committed states untouched and writes what
-each prefix would leave behind:
+after the fact, so a step of Q tokens leaves the committed states untouched and keeps what a
+prefix needs to be replayed:
 - `window` [slots, channels, K - 1 + Q]: the convolution's input, the committed state followed
   by the new tokens; after keeping n of them the state is `window[..., n : n + K - 1]`;
-- `steps` [slots, Q, heads, key dim, value dim]: the recurrent state after each new token.
+- `mixed` [slots, Q, channels] and `gates` [slots, Q, 2, value heads]: the rule's inputs (q, k, v
+  after the convolution; beta and the log decay g), a few KB per token.
 
-`commit(taken)` then makes each slot's state the one after its first `taken[s]` tokens (0: the
-step is forgotten). A step reads only committed states and writes only `window`/`steps`, so
-running it again gives the same result: what a CUDA-graph capture needs (its warm-up runs the
-function before the replay does), and what makes a rejected draft cost nothing to undo.
+`commit(taken)` then runs the rule once more from the committed state over each slot's first
+`taken[s]` tokens (the rest made inert: beta = 0 writes nothing, g = 0 decays nothing, so the
+state passes them unchanged, bit for bit) and keeps the result (0: the step is forgotten). A step
+reads only committed states and writes only the candidates, so running it again gives the same
+result: what a CUDA-graph capture needs (its warm-up runs the function before the replay does),
+and what makes a rejected draft cost nothing to undo.
 
-The arithmetic is transformers' (`torch_recurrent_gated_delta_rule`: l2-normalised q and k in
-fp32, queries scaled by key_dim ** -0.5, decay exp(g), beta-weighted delta update); the
-projections, norms and the convolution's weights are the model's own modules. Prefills use the
-model's chunked kernel (flash-linear-attention on CUDA when installed) with padding made inert:
-beta = 0 and g = 0 past a prompt's end leave the state exactly as the prompt left it.
+The rule is the model's own token-by-token kernel (`recurrent_rule`: flash-linear-attention's
+fused recurrent kernel on CUDA when installed, one launch per layer for all Q tokens; transformers'
+PyTorch loop elsewhere), behind one custom op so a compiled layer keeps it whole. Replaying a
+prefix with the same kernel and inputs reproduces the step's own state after those tokens, so a
+round leaves exactly the state one-token steps would have. An earlier version kept the state
+after every token instead ([slots, Q, heads, key dim, value dim] fp32 per layer, 16x the state)
+and updated it with Q rounds of elementwise kernels per layer, the bulk of a hybrid verify's
+launches. The projections, norms and the convolution's weights are the model's own modules.
+Prefills use the model's chunked kernel (flash-linear-attention on CUDA when installed) with
+padding made inert the same way: beta = 0 and g = 0 past a prompt's end.
 """
 
 from __future__ import annotations
@@ -80,37 +88,43 @@ def finish(mixer: nn.Module, core_NQHD: torch.Tensor, z_NQHD: torch.Tensor) -> t
     return mixer.out_proj(normed.reshape(n, q_len, -1))
 
 
-def gated_delta_steps(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    g: torch.Tensor,
-    beta: torch.Tensor,
-    state: torch.Tensor,
-    steps_out: torch.Tensor,
-) -> torch.Tensor:
-    """The gated delta rule token by token from `state` [N, Hv, Dk, Dv]: outputs [N, Q, Hv, Dv]
-    in value's dtype; the state after token t goes to `steps_out[:, t]` (`state` is not written).
-    q, k [N, Q, Hk, Dk] (each key head serves Hv / Hk value heads), v [N, Q, Hv, Dv], g, beta
-    [N, Q, Hv]."""
-    heads = value.shape[2]
-    if query.shape[2] != heads:
-        query = query.repeat_interleave(heads // query.shape[2], dim=2)
-        key = key.repeat_interleave(heads // key.shape[2], dim=2)
-    query, key, value, g, beta = (t.float() for t in (query, key, value, g, beta))
-    query = query * torch.rsqrt((query * query).sum(-1, keepdim=True) + 1e-6)
-    key = key * torch.rsqrt((key * key).sum(-1, keepdim=True) + 1e-6)
-    query = query / query.shape[-1] ** 0.5
-    outputs = []
-    for t in range(value.shape[1]):
-        state = state * g[:, t].exp()[..., None, None]
-        k_t = key[:, t]
-        remembered = (state * k_t.unsqueeze(-1)).sum(-2)  # what the state returns for k_t
-        delta = (value[:, t] - remembered) * beta[:, t].unsqueeze(-1)
-        state = state + k_t.unsqueeze(-1) * delta.unsqueeze(-2)
-        outputs.append((state * query[:, t].unsqueeze(-1)).sum(-2))
-        steps_out[:, t] = state
-    return torch.stack(outputs, dim=1)
+def recurrent_rule(module: str, device: torch.device) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
+    """The modeling module's token-by-token gated-delta-rule function (fla's fused recurrent
+    kernel on CUDA when installed); its PyTorch reference elsewhere, as `chunked_rule`."""
+    function = sys.modules[module].torch_recurrent_gated_delta_rule
+    return function if device.type == "cuda" else inspect.unwrap(function)
+
+
+@torch.library.custom_op("dflash::gated_delta_recurrence", mutates_args=())
+def gated_delta_recurrence(
+    mixed: torch.Tensor, gates: torch.Tensor, state: torch.Tensor, key_dim: int, heads_k: int, module: str
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gated delta rule over Q tokens of every slot from `state` [N, Hv, Dk, Dv] (not
+    written): outputs [N, Q, Hv, Dv] in `mixed`'s dtype and the state after the last token.
+    `mixed` [N, Q, 2 * Hk * Dk + Hv * Dv] holds q, k, v after the convolution; `gates` [N, Q, 2,
+    Hv] fp32 holds beta, then g. q and k are l2-normalised in the kernel, as the models do."""
+    n, q_len, _ = mixed.shape
+    heads_v = gates.shape[-1]
+    query, key, value = torch.split(mixed, [key_dim, key_dim, mixed.shape[-1] - 2 * key_dim], dim=-1)
+    head_k = key_dim // heads_k
+    out, final = recurrent_rule(module, mixed.device)(
+        query.reshape(n, q_len, heads_k, head_k),
+        key.reshape(n, q_len, heads_k, head_k),
+        value.reshape(n, q_len, heads_v, -1),
+        g=gates[:, :, 1],
+        beta=gates[:, :, 0],
+        initial_state=state,
+        output_final_state=True,
+        use_qk_l2norm_in_kernel=True,
+    )
+    return out.to(mixed.dtype), final.float()
+
+
+@gated_delta_recurrence.register_fake
+def _(mixed, gates, state, key_dim, heads_k, module):
+    n, q_len, channels = mixed.shape
+    heads_v, value_dim = state.shape[1], state.shape[-1]
+    return mixed.new_empty((n, q_len, heads_v, value_dim)), torch.empty_like(state)
 
 
 class DeltaNetStates:
@@ -126,16 +140,17 @@ class DeltaNetStates:
         dtype: torch.dtype,
         device: torch.device,
     ):
+        self.mixers = mixers
         self.kernel = mixers[0].conv_kernel_size if mixers else 1
-        self.conv, self.recurrent, self.window, self.steps = [], [], [], []
+        self.conv, self.recurrent, self.window, self.mixed, self.gates = [], [], [], [], []
         for mixer in mixers:
             channels, width = mixer.conv_dim, self.kernel - 1
             heads, key_dim, value_dim = mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim
             self.conv.append(torch.zeros((slots, channels, width), dtype=dtype, device=device))
             self.window.append(torch.zeros((slots, channels, width + max_step), dtype=dtype, device=device))
-            state = (slots, heads, key_dim, value_dim)
-            self.recurrent.append(torch.zeros(state, dtype=torch.float32, device=device))
-            self.steps.append(torch.zeros((slots, max_step, *state[1:]), dtype=torch.float32, device=device))
+            self.recurrent.append(torch.zeros((slots, heads, key_dim, value_dim), dtype=torch.float32, device=device))
+            self.mixed.append(torch.zeros((slots, max_step, channels), dtype=dtype, device=device))
+            self.gates.append(torch.zeros((slots, max_step, 2, heads), dtype=torch.float32, device=device))
         self.max_step = max_step
 
     def __len__(self) -> int:
@@ -145,36 +160,53 @@ class DeltaNetStates:
         """Each slot's states become those after its first `taken_S[s]` tokens of the last step
         (0 keeps the committed state). Device tensors only: capturable."""
         slots = taken_S.shape[0]
-        rows = torch.arange(slots, device=taken_S.device)
-        last = (taken_S - 1).clamp(min=0)
-        keep_any = (taken_S > 0)[:, None, None, None]
         width = self.kernel - 1
         shift = (taken_S[:, None] + torch.arange(width, device=taken_S.device))[:, None, :]
-        for conv, recurrent, window, steps in zip(self.conv, self.recurrent, self.window, self.steps):
-            recurrent.copy_(torch.where(keep_any, steps[rows, last], recurrent))
-            conv.copy_(window.gather(2, shift.expand(slots, conv.shape[1], width)))
+        kept = (torch.arange(self.max_step, device=taken_S.device) < taken_S[:, None])[:, :, None, None]
+        for index, mixer in enumerate(self.mixers):
+            conv, recurrent = self.conv[index], self.recurrent[index]
+            _, final = gated_delta_recurrence(
+                self.mixed[index],
+                self.gates[index] * kept,  # tokens past `taken` write nothing and decay nothing
+                recurrent,
+                key_dim=mixer.key_dim,
+                heads_k=mixer.num_k_heads,
+                module=type(mixer).__module__,
+            )
+            recurrent.copy_(final)
+            conv.copy_(self.window[index].gather(2, shift.expand(slots, conv.shape[1], width)))
 
 
 def deltanet_step(
     mixer: nn.Module,
     x_SQH: torch.Tensor,
+    *,
     conv: torch.Tensor,
     recurrent: torch.Tensor,
     window: torch.Tensor,
-    steps: torch.Tensor,
+    mixed_buffer: torch.Tensor,
+    gates_buffer: torch.Tensor,
 ) -> torch.Tensor:
     """The mixer's output for Q new tokens of every slot after its committed states; writes the
-    candidates (`window`, `steps`), never the committed `conv` / `recurrent`."""
+    candidates (`window`, the rule's inputs), never the committed `conv` / `recurrent`."""
     mixed, z, b, a = project(mixer, x_SQH)
     q_len, width = mixed.shape[1], conv.shape[-1]
     inputs = torch.cat([conv, mixed.transpose(1, 2)], dim=-1)  # [S, C, K - 1 + Q]
     window[:, :, : width + q_len] = inputs
     weight = mixer.conv1d.weight  # [C, 1, K]: depthwise
     mixed = F.conv1d(inputs.to(weight.dtype), weight, mixer.conv1d.bias, groups=inputs.shape[1])
-    mixed = F.silu(mixed).to(x_SQH.dtype).transpose(1, 2)
-    query, key, value = split_heads(mixer, mixed)
+    mixed_buffer[:, :q_len] = F.silu(mixed).to(x_SQH.dtype).transpose(1, 2)
     beta, g = gates(mixer, b, a)
-    core = gated_delta_steps(query, key, value, g, beta, recurrent, steps).to(x_SQH.dtype)
+    gates_buffer[:, :q_len] = torch.stack([beta.float(), g], dim=2)
+    # The rule reads the buffers just written, as `commit` will: the same inputs, the same bits.
+    core, _ = gated_delta_recurrence(
+        mixed_buffer[:, :q_len],
+        gates_buffer[:, :q_len],
+        recurrent,
+        key_dim=mixer.key_dim,
+        heads_k=mixer.num_k_heads,
+        module=type(mixer).__module__,
+    )
     return finish(mixer, core, z)
 
 

@@ -12,9 +12,9 @@ keys/values at those positions and each query attends to the keys at positions <
   sequence, so short sequences do not pay for `max_len` and the shapes stay few.
 
 Gated DeltaNet layers of hybrid targets (Qwen3-Next, Qwen3.5 / 3.6) keep a per-slot state
-instead (dflash.decoding.deltanet): a step writes the state after each of its tokens beside the
-committed one, and `commit(taken)` keeps each slot's first `taken` tokens, so a rejected draft
-is undone exactly there too. Targets without such layers need no commit (it does nothing).
+instead (dflash.decoding.deltanet): a step leaves the committed state as it is and keeps its
+tokens' inputs, and `commit(taken)` advances each slot by its first `taken` tokens, so a
+rejected draft is undone exactly there too. Targets without such layers need no commit (it does nothing).
 
 Only the token mixing is ours: embeddings, norms, projections, rotary tables, MLPs (experts
 included) and the LM head are the model's own modules, so weights, rope scaling and
@@ -72,7 +72,7 @@ class StaticCacheTarget(nn.Module):
     return (logits, fused features or None).
 
     `max_step`: the most tokens one `step` runs per slot (a verification's block), which sizes
-    the DeltaNet layers' per-token states.
+    the DeltaNet layers' candidate buffers.
 
     `compile_backend` (e.g. "inductor"; None: eager): `step`'s per-layer work is one function per
     layer kind (full attention, DeltaNet), compiled once for every layer of that kind (regional
@@ -81,7 +81,7 @@ class StaticCacheTarget(nn.Module):
     step, a verification) instead of one graph of the whole model (at 8B a whole-model compile
     did not finish in 185 s; per layer, compiling and measuring every step took under 270 s).
     Kernels still fuse within a layer, which is where a step's many small kernels are (norms,
-    rotary, residuals; the delta rule's per-token updates)."""
+    rotary, residuals, the DeltaNet gates and convolution)."""
 
     def __init__(
         self,
@@ -255,30 +255,40 @@ class StaticCacheTarget(nn.Module):
         layer reads each cached key once, with the same position mask for every group."""
         if ids_SQ.shape[1] > self.states.max_step and self.recurrent:
             raise ValueError(f"a step of {ids_SQ.shape[1]} tokens exceeds max_step={self.states.max_step}")
-        hidden = self.embed(ids_SQ)
-        cos, sin = self._rope(hidden, positions_SQ)
-        visible = torch.arange(kv_len, device=ids_SQ.device) <= positions_SQ[:, :, None]  # [S, Q, T]
-        mask = visible.repeat(1, self.groups, 1).unsqueeze(1)  # [S, 1, G*Q, T]
+        hidden, rope, mask = self.step_inputs(ids_SQ, positions_SQ, kv_len=kv_len)
         collected, layer_ids = {}, set(self.target.layer_ids)
-        for index, layer in enumerate(self.layers):
-            slot = self.cache_index[index]
-            if self.deltanet[index]:
-                states = self.states
-                hidden = self._deltanet_layer(
-                    layer,
-                    hidden,
-                    states.conv[slot],
-                    states.recurrent[slot],
-                    states.window[slot],
-                    states.steps[slot],
-                )
-            else:
-                hidden = self._attention_layer(
-                    layer, hidden, cos, sin, mask, positions_SQ, self.kv.keys[slot], self.kv.values[slot]
-                )
+        for index in range(len(self.layers)):
+            hidden = self.step_layer(index, hidden, rope=rope, mask=mask, positions_SQ=positions_SQ)
             if self.with_features and index in layer_ids:
                 collected[index] = hidden
         return self.target.lm_head(self.norm(hidden)), self._fuse(collected)
+
+    def step_inputs(self, ids_SQ: torch.Tensor, positions_SQ: torch.Tensor, *, kv_len: int):
+        """What every layer of a step reads: the embedded tokens, the rotary tables and the
+        attention mask [S, 1, G*Q, kv_len]."""
+        hidden = self.embed(ids_SQ)
+        rope = self._rope(hidden, positions_SQ)
+        visible = torch.arange(kv_len, device=ids_SQ.device) <= positions_SQ[:, :, None]  # [S, Q, T]
+        return hidden, rope, visible.repeat(1, self.groups, 1).unsqueeze(1)
+
+    def step_layer(self, index: int, hidden: torch.Tensor, *, rope, mask, positions_SQ) -> torch.Tensor:
+        """Decoder layer `index` of a step over its cache (benchmarks time the layer kinds apart)."""
+        layer, slot = self.layers[index], self.cache_index[index]
+        if self.deltanet[index]:
+            states = self.states
+            return self._deltanet_layer(
+                layer,
+                hidden,
+                conv=states.conv[slot],
+                recurrent=states.recurrent[slot],
+                window=states.window[slot],
+                mixed_buffer=states.mixed[slot],
+                gates_buffer=states.gates[slot],
+            )
+        cos, sin = rope
+        return self._attention_layer(
+            layer, hidden, cos, sin, mask, positions_SQ, self.kv.keys[slot], self.kv.values[slot]
+        )
 
     @torch.no_grad()
     def commit(self, taken_S: torch.Tensor) -> None:
@@ -320,14 +330,10 @@ class StaticCacheTarget(nn.Module):
         self,
         layer: nn.Module,
         hidden: torch.Tensor,
-        conv: torch.Tensor,
-        recurrent: torch.Tensor,
-        window: torch.Tensor,
-        steps: torch.Tensor,
+        **states: torch.Tensor,
     ) -> torch.Tensor:
-        """One Gated DeltaNet decoder layer of `step` (dflash.decoding.deltanet.deltanet_step);
-        like the attention layer's, one compiled graph serves every layer of the kind."""
-        mixed = deltanet_step(
-            layer.linear_attn, layer.input_layernorm(hidden), conv, recurrent, window, steps
-        )
+        """One Gated DeltaNet decoder layer of `step` (dflash.decoding.deltanet.deltanet_step,
+        `states` its state and candidate tensors); like the attention layer's, one compiled graph
+        serves every layer of the kind."""
+        mixed = deltanet_step(layer.linear_attn, layer.input_layernorm(hidden), **states)
         return self._mlp(layer, hidden + mixed)
