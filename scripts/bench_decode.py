@@ -15,6 +15,8 @@ depend on them; the drafter runs in the target's dtype, as in dflash-eval), pref
                     commit of its DeltaNet states, for a hybrid target)
   verify            one target forward of the block (B tokens; B + 1 after a DSpark block) +
                     drafter-context write
+  plain: / verify:  a hybrid target's layers of one kind (Gated DeltaNet, attention) in the
+                    plain step's and the verification's shapes, as one graph per kind
   draft             one drafter forward for a block over the cached context, then the variant's
                     greedy pick (DFlash's argmax, DSpark's Markov walk, DFlash2's selector walk)
   round             draft + verify + one host read + acceptance (+ the commit of the accepted
@@ -111,12 +113,40 @@ def static_rows(target, drafter, prompt, measure, reps, compile):
         accepted = accepted_prefix(both[:count], both[count:])
         decoder.keep(accepted + 1)
 
+    plain_rows = layer_kind_rows(decoder, decoder._ids, decoder._pos, kv_len, measure, reps)
+    verify_rows = layer_kind_rows(decoder, block_ids, block_pos, kv_len, measure, reps)
     return [
         ("plain step", measure(plain_step, reps)),
+        *[(f"  plain: {label}", ms) for label, ms in plain_rows],
         (verify_label, measure(lambda: verify_graph(block_ids, block_pos, kv_len=kv_len), reps)),
+        *[(f"  verify: {label}", ms) for label, ms in verify_rows],
         ("draft", measure(lambda: draft_graph(decoder._ids[0], decoder._pos[0], kv_len=kv_len), reps)),
         ("round", measure(round_, reps)),
     ]
+
+
+def layer_kind_rows(decoder, ids, positions, kv_len, measure, reps):
+    """The target step's layers of each kind (Gated DeltaNet, attention) run back to back on the
+    step's inputs, as one graph per kind: where a step's time goes, layer kind by layer kind (the
+    rest of the step is the embedding, the final norm and the LM head)."""
+    from dflash.decoding.graphs import GraphedFunction
+
+    cache = decoder.target_cache
+    hidden, rope, mask = cache.step_inputs(ids, positions, kv_len=kv_len)
+    rows = []
+    for kind, deltanet in (("Gated DeltaNet", True), ("attention", False)):
+        indices = [index for index, is_deltanet in enumerate(cache.deltanet) if is_deltanet == deltanet]
+        if not indices or not any(cache.deltanet):  # a model of one kind: its step says it all
+            continue
+
+        def layers(hidden_in, indices=indices):
+            for index in indices:
+                hidden_in = cache.step_layer(index, hidden_in, rope=rope, mask=mask, positions_SQ=positions)
+            return hidden_in
+
+        graph = GraphedFunction(layers, enabled=decoder.graphs_on)
+        rows.append((f"{len(indices)} {kind} layers", measure(lambda graph=graph: graph(hidden), reps)))
+    return rows
 
 
 def write_profiles(target, drafter, prompt, directory: Path) -> None:
@@ -210,7 +240,7 @@ def main() -> None:
             f"device copy bandwidth {bandwidth / 1e12:.2f} TB/s)"
         )
     graphs = "CUDA graphs" if device.type == "cuda" else "eager"
-    print(f"{'part':<30}{'ms':>9}{'x plain step':>14}{'x floor':>9}")
+    print(f"{'part':<44}{'ms':>9}{'x plain step':>14}{'x floor':>9}")
     print(
         f"static: static cache, {graphs}; compiled: the same after torch.compile; dynamic: eager", flush=True
     )
@@ -232,7 +262,7 @@ def main() -> None:
         plain = rows[0][1]
         for part, ms in rows:
             floor = f"{ms / floor_ms:>9.2f}" if floor_ms else f"{'-':>9}"
-            print(f"{part + ' [' + label + ']':<30}{ms:>9.3f}{ms / plain:>14.2f}{floor}", flush=True)
+            print(f"{part + ' [' + label + ']':<44}{ms:>9.3f}{ms / plain:>14.2f}{floor}", flush=True)
     if args.profile:
         with torch.no_grad():
             write_profiles(target, drafter, prompt, Path(args.profile))

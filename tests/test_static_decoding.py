@@ -331,6 +331,9 @@ def test_bench_decode_times_a_hybrid_target_on_the_static_decoder(tiny_qwen3_5_d
     out = capsys.readouterr().out
     for row in ("plain step [static]", "verify (B=4) [static]", "round [static]", "round [dynamic]"):
         assert row in out, out
+    # Where the steps' time goes, per layer kind (the tiny layout: 3 of each).
+    for row in ("plain: 3 Gated DeltaNet layers [static]", "verify: 3 attention layers [static]"):
+        assert row in out, out
     assert "static: DFlash is faster than plain decoding once tau >" in out
     # Each variant in its own plain steps: the dynamic plain step is 1.00 of itself, not a
     # multiple of the static one (a ratio across two engines).
