@@ -148,7 +148,9 @@ class DeltaNetStates:
             heads, key_dim, value_dim = mixer.num_v_heads, mixer.head_k_dim, mixer.head_v_dim
             self.conv.append(torch.zeros((slots, channels, width), dtype=dtype, device=device))
             self.window.append(torch.zeros((slots, channels, width + max_step), dtype=dtype, device=device))
-            self.recurrent.append(torch.zeros((slots, heads, key_dim, value_dim), dtype=torch.float32, device=device))
+            self.recurrent.append(
+                torch.zeros((slots, heads, key_dim, value_dim), dtype=torch.float32, device=device)
+            )
             self.mixed.append(torch.zeros((slots, max_step, channels), dtype=dtype, device=device))
             self.gates.append(torch.zeros((slots, max_step, 2, heads), dtype=torch.float32, device=device))
         self.max_step = max_step
