@@ -301,6 +301,67 @@ def test_on_cuda_the_markov_w2_gradient_sums_bf16_products_in_fp32():
     torch.testing.assert_close(got.double(), want, rtol=1e-4, atol=1e-6)
 
 
+def kernel_rows(device: str, dtype: torch.dtype, vocab: int = 5003):
+    """[6, vocab] draft and target logits: a partial last tile, a tie for z's maximum (the first
+    one counts, as torch.argmax), a row whose two distributions are equal (sign 0), labels at
+    both ends of the vocabulary."""
+    generator = torch.Generator().manual_seed(1)
+    z = torch.randn(6, vocab, generator=generator) * 3
+    t = torch.randn(6, vocab, generator=generator) * 3
+    z[1, 7] = z[1, 4000] = 40.0
+    t[2] = z[2]
+    labels = torch.tensor([7, 7, 3, vocab - 1, 0, 4000])
+    weights = torch.rand(6, generator=generator)
+    return z.to(device, dtype), t.to(device, dtype), labels.to(device), weights.to(device)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_on_cuda_the_triton_terms_kernel_computes_the_formula(dtype):
+    """variant.fused_terms=triton: CE, L1, acc, hit and the gradient of the chunk's logits equal
+    the PyTorch formula's (`_chunk_terms_and_grads`) within fp32 rounding (bf16 gradients within
+    one bf16 step); where p = q exactly the kernel's sign is 0, the formula's rounding noise, so
+    that row's gradient is held to its own closed form."""
+    from dflash.step.dspark_kernel import chunk_terms_and_grads
+    from dflash.step.dspark_loss import _chunk_terms_and_grads
+
+    z, t, labels, weights = kernel_rows("cuda", dtype)
+    got = chunk_terms_and_grads(z, t, labels, weights, 0.3, 0.9)
+    want = _chunk_terms_and_grads(z, t, labels, weights, 0.3, 0.9)
+    for name, g, w in zip(("ce", "l1", "acc"), got[:3], want[:3]):
+        torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=name)
+    assert torch.equal(got[3], want[3]) and got[3][1]  # the tie at column 7 hits label 7
+    others = [0, 1, 3, 4, 5]
+    step = 1e-6 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got[4][others].float(), want[4][others].float(), rtol=step, atol=1e-6)
+    p = torch.softmax(z[2].float(), dim=-1)
+    onehot = torch.nn.functional.one_hot(labels[2], z.shape[1]).float()
+    torch.testing.assert_close(got[4][2].float(), weights[2] * 0.3 * (p - onehot), rtol=step, atol=1e-6)
+
+
+@pytest.mark.gpu
+def test_on_cuda_variant_fused_terms_triton_gives_the_reference_loss_and_gradients():
+    """The whole DSpark loss with the kernel (fused, chunks of 3) against every logit through
+    autograd, as the fused path's own test does, on CUDA in fp32."""
+    from dflash.config.schema import FusedTerms
+
+    results = []
+    for logits_chunk, terms in ((0, FusedTerms.inductor), (3, FusedTerms.triton)):
+        target, drafter, blocks, hidden, final = loss_inputs("vanilla")
+        target, drafter = target.to("cuda"), drafter.to("cuda")
+        hidden = hidden.detach().cuda().requires_grad_()
+        stats = dspark_loss(
+            hidden, lm_head=target.lm_head, drafter=drafter, blocks=blocks.to("cuda"), final_BSH=final.cuda(),
+            weights=WEIGHTS, logits_chunk=logits_chunk, fused_terms=terms,
+        )  # fmt: skip
+        stats.weighted_ce.backward()
+        results.append(
+            (stats.weighted_ce.detach(), stats.l1, hidden.grad, drafter.markov_head.markov_w2.weight.grad)
+        )
+    for ref, got in zip(*results):
+        torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.slow
 def test_the_compiled_chunk_gives_the_eager_chunks_loss_and_gradients():
     """drafter.compile's per-chunk kernel (torch.compile of the chunk's softmax, terms and
@@ -444,6 +505,7 @@ def test_a_dspark_checkpoint_does_not_start_a_run_with_other_heads(make_cfg, tmp
         ),
         (["variant.confidence_weight=0"], "variant.confidence_head=true needs variant.confidence_weight > 0"),
         (["variant.markov_head_class=nowhere.Head"], "variant.markov_head_class"),
+        (["variant.fused_terms=triton"], "variant.fused_terms=triton runs on CUDA only"),
     ],
 )
 def test_bad_dspark_settings_are_refused_naming_the_key(make_cfg, overrides, message):

@@ -345,6 +345,14 @@ class LossConfig:
             raise ValueError(f"loss.logits_chunk must be >= 0 (0: no chunking), got {self.logits_chunk}")
 
 
+class FusedTerms(str, Enum):
+    """How DSpark's fused LM-head loss computes its vocabulary-wide terms per chunk of rows
+    (dflash/step/dspark_loss.py)."""
+
+    inductor = "inductor"  # the PyTorch formula (compiled with the drafter; eager when it is not)
+    triton = "triton"  # one Triton kernel, three passes over the vocabulary per row (CUDA)
+
+
 class MarkovHeadType(str, Enum):
     """DSpark's sequential head (deepseek-ai/DeepSpec `markov_head_type`; dflash/models/dspark.py)."""
 
@@ -392,6 +400,9 @@ class DSparkVariantConfig(VariantConfig):
     ce_weight: float = 0.1
     tv_weight: float = 0.9
     confidence_weight: float = 1.0
+    # The fused loss's vocabulary-wide terms (CE, L1, the soft acceptance and their gradient):
+    # inductor (the compiled PyTorch formula) or triton (dflash/step/dspark_kernel.py, CUDA only).
+    fused_terms: FusedTerms = FusedTerms.inductor
 
     def __post_init__(self) -> None:
         if self.markov_rank < 0:

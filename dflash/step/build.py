@@ -56,6 +56,9 @@ def build_drafter(
     variant: DFlashVariant | None = None,
 ) -> DFlashDrafter:
     variant = variant or DFlashVariant()
+    refusal = variant.device_refusal(torch.device(device))
+    if refusal is not None:
+        raise ValueError(refusal)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(cfg.init_seed)
         drafter = variant.drafter(run_drafter_config(cfg, target_config, layer_ids, variant))

@@ -17,7 +17,9 @@ optimizer step: docs/ARCHITECTURE.md §1). Softmax and every term in fp32; no te
 
 Two paths, as for DFlash's CE: the reference (`logits_chunk=0`: every logit through autograd)
 and the fused one (labelled rows only, chunk by chunk, each chunk's gradients computed in the
-forward; the [rows, vocab] logits of draft and target never exist at once).
+forward; the [rows, vocab] logits of draft and target never exist at once). The fused path's
+vocabulary-wide terms run as the PyTorch formula (`_chunk_terms_and_grads`, compiled with the
+drafter) or as one Triton kernel (`variant.fused_terms=triton`, dflash/step/dspark_kernel.py).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash.config.schema import FusedTerms
 from dflash.models.compile import compile_shared
 from dflash.models.dspark import DSparkDrafter
 from dflash.step.blocks import DraftBlocks
@@ -145,6 +148,15 @@ def _compiled_chunk_terms_and_grads():
     return compile_shared(_chunk_terms_and_grads, dynamic=True)
 
 
+def chunk_terms_function(fused_terms: FusedTerms, compiled: bool):
+    """The per-chunk function of `_chunk_terms_and_grads`'s contract that `fused_terms` names."""
+    if fused_terms is FusedTerms.triton:
+        from dflash.step.dspark_kernel import chunk_terms_and_grads  # triton: the gpu extra
+
+        return chunk_terms_and_grads
+    return _compiled_chunk_terms_and_grads() if compiled else _chunk_terms_and_grads
+
+
 class _FusedDSparkHead(torch.autograd.Function):
     """sum_n w_n (ce_weight CE_n + tv_weight L1_n) over labelled rows, chunk by chunk, with the
     gradients of the draft hidden states, the Markov latents and `markov_w2` computed in the
@@ -154,10 +166,9 @@ class _FusedDSparkHead(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, hidden_NH, latent_NR, w2_VR, target_NH, weight_VH, labels_N, weights_N, settings):
-        chunk, compute_dtype, compiled, ce_weight, tv_weight = settings
+        chunk, compute_dtype, per_chunk, ce_weight, tv_weight = settings
         weight = weight_VH.to(compute_dtype)
         w2 = None if w2_VR is None else w2_VR.to(compute_dtype)
-        per_chunk = _compiled_chunk_terms_and_grads() if compiled else _chunk_terms_and_grads
         rows = hidden_NH.shape[0]
         grad_hidden = torch.empty_like(hidden_NH)
         grad_latent = None if latent_NR is None else torch.empty_like(latent_NR)
@@ -206,10 +217,10 @@ def _fused_rows(
     latent_BQR: torch.Tensor | None,
     weights: DSparkWeights,
     chunk: int,
-    compiled: bool,
+    per_chunk,
 ) -> tuple[torch.Tensor, ...]:
-    """The fused path over `blocks.loss_rows` only; returns (numerator of the CE and L1 terms,
-    then CE, L1, acc, hit per labelled row)."""
+    """The fused path over `blocks.loss_rows` only, each chunk's terms by `per_chunk`; returns
+    (numerator of the CE and L1 terms, then CE, L1, acc, hit per labelled row)."""
     compute_dtype = fused_head_dtype(hidden_BQH, lm_head)
     device_type = hidden_BQH.device.type
 
@@ -229,7 +240,7 @@ def _fused_rows(
             lm_head.weight,
             labelled(blocks.labels),
             labelled(blocks.weights),
-            (chunk, compute_dtype, compiled, weights.ce, weights.tv),
+            (chunk, compute_dtype, per_chunk, weights.ce, weights.tv),
         )
 
 
@@ -249,6 +260,7 @@ def dspark_loss(
     weights: DSparkWeights,
     logits_chunk: int = 0,
     compiled: bool = False,
+    fused_terms: FusedTerms = FusedTerms.inductor,
 ) -> DSparkLossStats:
     """The DSpark loss statistics of one batch of blocks. `final_BSH`: the target's final hidden
     states (after its final norm) [B, S, H] on the drafter's device; `blocks` built with
@@ -267,7 +279,7 @@ def dspark_loss(
             latent_BQR=latent_BQR,
             weights=weights,
             chunk=logits_chunk,
-            compiled=compiled,
+            per_chunk=chunk_terms_function(fused_terms, compiled),
         )
         acc = _scatter_rows(acc_n, blocks, 0.0)
         hit = _scatter_rows(hit_n, blocks, False)

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from transformers import Qwen3Config
 
-from dflash.config.schema import MarkovHeadType
+from dflash.config.schema import FusedTerms, MarkovHeadType
 from dflash.models.dflash2 import DFlash2Drafter, add_dflash2_fields
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.dspark import DSparkDrafter, add_dspark_fields
@@ -51,6 +51,11 @@ class DFlashVariant:
 
     def drafter(self, config: Qwen3Config) -> DFlashDrafter:
         return DFlashDrafter(config)
+
+    def device_refusal(self, device: torch.device) -> str | None:
+        """Why this variant's settings cannot train on `device` (None: they can); asked when the
+        drafter is built, before any step."""
+        return None
 
     def block_loss(
         self,
@@ -85,6 +90,7 @@ class DSparkVariant(DFlashVariant):
     ce_weight: float = 0.1
     tv_weight: float = 0.9
     confidence_weight: float = 1.0
+    fused_terms: FusedTerms | str = FusedTerms.inductor
 
     @property
     def head_type(self) -> str:
@@ -105,6 +111,11 @@ class DSparkVariant(DFlashVariant):
     def drafter(self, config: Qwen3Config) -> DSparkDrafter:
         return DSparkDrafter(config)
 
+    def device_refusal(self, device: torch.device) -> str | None:
+        if FusedTerms(self.fused_terms) is FusedTerms.triton and torch.device(device).type != "cuda":
+            return f"variant.fused_terms=triton runs on CUDA only (the drafter is on {device}); use inductor"
+        return None
+
     @property
     def weights(self) -> DSparkWeights:
         return DSparkWeights(ce=self.ce_weight, tv=self.tv_weight, confidence=self.confidence_weight)
@@ -121,6 +132,7 @@ class DSparkVariant(DFlashVariant):
             weights=self.weights,
             logits_chunk=logits_chunk,
             compiled=compiled,
+            fused_terms=FusedTerms(self.fused_terms),
         )
 
 
