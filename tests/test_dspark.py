@@ -83,6 +83,19 @@ def test_every_position_predicts_the_next_token_with_decay_from_position_zero():
     assert blocks.final_rows.tolist() == blocks.positions.flatten()[blocks.loss_rows].tolist()
 
 
+def test_overlapping_blocks_read_each_target_position_once():
+    """Blocks that overlap share positions: the target's distribution is read once per distinct
+    position (ascending), each labelled row pointing at its own; the host copy of the pointers
+    stays on the host when the blocks move."""
+    blocks = dspark_blocks(torch.arange(30), torch.ones(30), num_anchors=20)
+    rows = blocks.positions.flatten()[blocks.loss_rows]
+    assert blocks.final_positions.tolist() == sorted(set(rows.tolist()))
+    assert torch.equal(blocks.final_positions[blocks.final_index], rows)
+    assert len(blocks.final_positions) < len(rows)  # 20 anchors in 30 tokens: overlapping
+    moved = blocks.to(torch.device("cpu"))
+    assert moved.final_index_host is blocks.final_index_host and torch.equal(moved.final_index, blocks.final_index)
+
+
 def test_supervision_is_a_contiguous_prefix_ending_at_the_first_unsupervised_label():
     """A hole in the loss mask ends the block's supervision there, as DeepSpec's cumprod eval
     mask does; so does the sample's end."""
@@ -180,14 +193,14 @@ def test_sample_block_biases_each_position_by_the_token_drafted_before_it(head_t
 # -- loss ---------------------------------------------------------------------------------------
 
 
-def loss_inputs(head_type="vanilla", *, with_markov=True, rank=8):
+def loss_inputs(head_type="vanilla", *, with_markov=True, rank=8, anchors=3):
     target = tiny_target()
     drafter = tiny_dspark(target, head_type, rank=rank, with_markov=with_markov)
     torch.manual_seed(2)
     ids = torch.randint(0, 500, (2, 14))
     mask = torch.ones(2, 14, dtype=torch.uint8)
     mask[1, 9] = 0
-    blocks = dspark_blocks(ids, mask, num_anchors=3)
+    blocks = dspark_blocks(ids, mask, num_anchors=anchors)
     hidden = torch.randn(2, blocks.labels.shape[1], 64, requires_grad=True)
     final = target.features(ids)[..., -64:]
     return target, drafter, blocks, hidden, final
@@ -260,12 +273,15 @@ def test_the_confidence_target_is_detached_and_its_gradient_reaches_the_head():
 
 @pytest.mark.parametrize("head_type", HEAD_TYPES)
 @pytest.mark.parametrize("chunk", [3, 1000])
-def test_fused_chunked_loss_equals_the_reference_path(head_type, chunk):
+@pytest.mark.parametrize("anchors", [3, 12])
+def test_fused_chunked_loss_equals_the_reference_path(head_type, chunk, anchors):
     """The same numerator, terms, acceptance, hits and gradients (hidden states and every head
-    parameter) as every logit through autograd; chunks smaller than the rows included."""
+    parameter) as every logit through autograd; chunks smaller than the rows included, and
+    blocks overlapping at nearly every position (12 anchors in 14 tokens: the target's logits
+    computed once per position, read by several rows)."""
     results = []
     for logits_chunk in (0, chunk):
-        target, drafter, blocks, hidden, final = loss_inputs(head_type)
+        target, drafter, blocks, hidden, final = loss_inputs(head_type, anchors=anchors)
         stats = dspark_loss(
             hidden, lm_head=target.lm_head, drafter=drafter, blocks=blocks, final_BSH=final,
             weights=WEIGHTS, logits_chunk=logits_chunk,
@@ -326,8 +342,9 @@ def test_on_cuda_the_triton_terms_kernel_computes_the_formula(dtype):
     from dflash.step.dspark_loss import _chunk_terms_and_grads
 
     z, t, labels, weights = kernel_rows("cuda", dtype)
-    got = chunk_terms_and_grads(z, t, labels, weights, 0.3, 0.9)
-    want = _chunk_terms_and_grads(z, t, labels, weights, 0.3, 0.9)
+    rows = torch.arange(6, device="cuda")
+    got = chunk_terms_and_grads(z, t, rows, labels, weights, 0.3, 0.9)
+    want = _chunk_terms_and_grads(z, t, rows, labels, weights, 0.3, 0.9)
     for name, g, w in zip(("ce", "l1", "acc"), got[:3], want[:3]):
         torch.testing.assert_close(g, w, rtol=1e-5, atol=1e-5, msg=name)
     assert torch.equal(got[3], want[3]) and got[3][1]  # the tie at column 7 hits label 7

@@ -68,10 +68,23 @@ class DraftBlocks:
     # first predicting position), 0 where that falls outside the sample; built on request
     # (`with_prev_ids`, always with label_offset=1).
     prev_ids: torch.Tensor | None = None
-    # Blocks whose positions predict the token after them (label_offset=1, DSpark) also carry:
-    # [n] the flat index (into B * S) of each `loss_rows` row's own position a + k, where the
-    # target's final hidden state gives its distribution for token a + k + 1.
-    final_rows: torch.Tensor | None = None
+    # Blocks whose positions predict the token after them (label_offset=1, DSpark) also carry
+    # where the target's final hidden state gives each labelled row's distribution for token
+    # a + k + 1: the row's own position a + k. Overlapping blocks share positions, so the
+    # target's LM head runs once per distinct one: `final_positions` [U] the distinct flat
+    # indices (into B * S), ascending; `final_index` [n] each `loss_rows` row's place among them,
+    # also kept on the host (`final_index_host`, never moved) so the fused loss finds each
+    # chunk's span of positions without reading the device.
+    final_positions: torch.Tensor | None = None
+    final_index: torch.Tensor | None = None
+    final_index_host: torch.Tensor | None = None
+
+    @property
+    def final_rows(self) -> torch.Tensor | None:
+        """[n] the flat index (into B * S) of each labelled row's own position a + k."""
+        if self.final_positions is None:
+            return None
+        return self.final_positions[self.final_index]
 
     def to(self, device: torch.device, non_blocking: bool = False) -> DraftBlocks:
         names = (
@@ -84,7 +97,8 @@ class DraftBlocks:
             "anchor_valid",
             "loss_rows",
             "prev_ids",
-            "final_rows",
+            "final_positions",
+            "final_index",
         )
         moved = {
             name: None
@@ -92,7 +106,7 @@ class DraftBlocks:
             else host_to_device(getattr(self, name), device, non_blocking)
             for name in names
         }
-        return DraftBlocks(**moved, block_size=self.block_size)
+        return DraftBlocks(**moved, block_size=self.block_size, final_index_host=self.final_index_host)
 
 
 def build_blocks(
@@ -118,7 +132,7 @@ def build_blocks(
     anchor and predicts nothing. 1 (DSpark, deepseek-ai/DeepSpec `build_eval_mask`): every
     position predicts the token after it, and supervision stops at a block's first unsupervised
     label (a contiguous prefix, as drafts are accepted); the blocks then carry `prev_ids` and
-    `final_rows`. with_prev_ids: carry `prev_ids` at label_offset 0 too (DFlash2's selector).
+    where each labelled row's target distribution is read (`final_positions`, `final_index`). with_prev_ids: carry `prev_ids` at label_offset 0 too (DFlash2's selector).
 
     keep_fraction (noise=mask_ramp): each non-anchor block position keeps its true token instead
     of MASK with this probability; such positions carry no loss and no accuracy.
@@ -183,7 +197,11 @@ def build_blocks(
         extra["prev_ids"] = torch.from_numpy(np.where(prev_in_range, prev_ids, 0).reshape(flat))
     if label_offset != 0:
         sample_start = (np.arange(batch) * seq_len)[:, None, None]
-        extra["final_rows"] = torch.from_numpy((sample_start + gather_pos).reshape(-1)[loss_rows])
+        final_rows = (sample_start + gather_pos).reshape(-1)[loss_rows]
+        final_positions, final_index = np.unique(final_rows, return_inverse=True)
+        extra["final_positions"] = torch.from_numpy(final_positions)
+        extra["final_index"] = torch.from_numpy(final_index.reshape(-1))
+        extra["final_index_host"] = extra["final_index"]  # `to` moves the other, not this one
     return DraftBlocks(
         block_ids=torch.from_numpy(block_ids.reshape(flat)),
         positions=torch.from_numpy(positions.reshape(flat)),

@@ -9,7 +9,8 @@ One program per row walks the vocabulary three times in tiles: (1) the running m
 of exponentials of z and of t (online softmax) and z's argmax; (2) L1 and sum_v s_v p_v; (3) dz,
 written in the logits' dtype. Everything in fp32. Reads z and t three times and writes dz once:
 14 bytes per logit in bf16, where the compiled PyTorch formula splits the vocabulary reduction
-over several kernels and intermediate buffers. `chunk_terms_and_grads` here returns what
+over several kernels and intermediate buffers. The target's rows are read through an index
+(overlapping blocks share positions, whose logits are computed once). `chunk_terms_and_grads` here returns what
 `_chunk_terms_and_grads` there returns; tests hold the two together.
 """
 
@@ -24,6 +25,7 @@ import triton.language as tl
 def _dspark_terms_kernel(
     z_ptr,
     t_ptr,
+    t_rows_ptr,
     labels_ptr,
     weights_ptr,
     grad_ptr,
@@ -39,7 +41,8 @@ def _dspark_terms_kernel(
     BLOCK: tl.constexpr,
 ):
     row = tl.program_id(0).to(tl.int64)
-    z_row, t_row = z_ptr + row * stride_z, t_ptr + row * stride_t
+    z_row = z_ptr + row * stride_z
+    t_row = t_ptr + tl.load(t_rows_ptr + row).to(tl.int64) * stride_t  # rows share positions
     offsets = tl.arange(0, BLOCK)
     label = tl.load(labels_ptr + row)
     weight = tl.load(weights_ptr + row)
@@ -107,13 +110,15 @@ def _dspark_terms_kernel(
 def chunk_terms_and_grads(
     draft_logits: torch.Tensor,
     target_logits: torch.Tensor,
+    target_rows: torch.Tensor,
     labels: torch.Tensor,
     weights: torch.Tensor,
     ce_weight: float,
     tv_weight: float,
 ) -> tuple[torch.Tensor, ...]:
     """(CE, L1, acc, hit) per row and d(sum w (ce_weight CE + tv_weight L1))/dz in the logits'
-    dtype, from [n, V] logits whose rows are contiguous."""
+    dtype, from [n, V] draft logits and row n's target logits `target_logits[target_rows[n]]`,
+    every row contiguous."""
     rows, vocab = draft_logits.shape
     if draft_logits.stride(1) != 1 or target_logits.stride(1) != 1:
         raise ValueError("the fused DSpark terms read logits rows that are contiguous")
@@ -124,6 +129,7 @@ def chunk_terms_and_grads(
         _dspark_terms_kernel[(rows,)](
             draft_logits,
             target_logits,
+            target_rows,
             labels,
             weights.float(),
             grad,

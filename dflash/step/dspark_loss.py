@@ -106,15 +106,17 @@ def _reference_rows(
 def _chunk_terms_and_grads(
     draft_logits: torch.Tensor,
     target_logits: torch.Tensor,
+    target_rows: torch.Tensor,
     labels: torch.Tensor,
     weights: torch.Tensor,
     ce_weight: float,
     tv_weight: float,
 ) -> tuple[torch.Tensor, ...]:
     """One chunk of rows: (CE, L1, acc, hit) per row and d(sum w (ce_weight CE + tv_weight L1))/dz
-    in the logits' dtype. With s = sign(p - q): dL1/dz_j = p_j (s_j - sum_v s_v p_v);
+    in the logits' dtype; row n's target logits are `target_logits[target_rows[n]]` (rows whose
+    blocks overlap share a position). With s = sign(p - q): dL1/dz_j = p_j (s_j - sum_v s_v p_v);
     dCE/dz = p - onehot. fp32 throughout, as the reference's `.float()`."""
-    z, t = draft_logits.float(), target_logits.float()
+    z, t = draft_logits.float(), target_logits[target_rows].float()
     lse = torch.logsumexp(z, dim=-1, keepdim=True)
     p = torch.exp(z - lse)
     q = torch.softmax(t, dim=-1)
@@ -165,8 +167,10 @@ class _FusedDSparkHead(torch.autograd.Function):
     Also returns per row (no gradient): CE, L1, the soft acceptance and the argmax hit."""
 
     @staticmethod
-    def forward(ctx, hidden_NH, latent_NR, w2_VR, target_NH, weight_VH, labels_N, weights_N, settings):
-        chunk, compute_dtype, per_chunk, ce_weight, tv_weight = settings
+    def forward(
+        ctx, hidden_NH, latent_NR, w2_VR, target_UH, target_index_N, weight_VH, labels_N, weights_N, settings
+    ):
+        chunk, spans, compute_dtype, per_chunk, ce_weight, tv_weight = settings
         weight = weight_VH.to(compute_dtype)
         w2 = None if w2_VR is None else w2_VR.to(compute_dtype)
         rows = hidden_NH.shape[0]
@@ -176,14 +180,22 @@ class _FusedDSparkHead(torch.autograd.Function):
         objective = hidden_NH.new_zeros((), dtype=torch.float32)
         ce, l1, acc = (hidden_NH.new_empty(rows, dtype=torch.float32) for _ in range(3))
         hit = torch.empty_like(labels_N, dtype=torch.bool)
-        for start in range(0, rows, chunk):
+        for start, (low, high) in zip(range(0, rows, chunk), spans):
             at = slice(start, start + chunk)
             logits = hidden_NH[at].to(compute_dtype) @ weight.T
             if w2 is not None:
                 logits = logits + latent_NR[at].to(compute_dtype) @ w2.T
-            target_logits = target_NH[at].to(compute_dtype) @ weight.T
+            # The target's logits once per distinct position of the chunk's span (its rows'
+            # blocks overlap: at the paper's shape ~3x fewer rows than the draft's).
+            target_logits = target_UH[low:high].to(compute_dtype) @ weight.T
             ce[at], l1[at], acc[at], hit[at], grad_logits = per_chunk(
-                logits, target_logits, labels_N[at], weights_N[at], ce_weight, tv_weight
+                logits,
+                target_logits,
+                target_index_N[at] - low,
+                labels_N[at],
+                weights_N[at],
+                ce_weight,
+                tv_weight,
             )
             del logits, target_logits
             objective += (weights_N[at] * (ce_weight * ce[at] + tv_weight * l1[at])).sum()
@@ -204,7 +216,7 @@ class _FusedDSparkHead(torch.autograd.Function):
         )
         if grad_w2 is not None:
             grad_w2 = grad_w2.to(ctx.w2_dtype)  # accumulated in fp32 over the chunks
-        return grad_hidden, grad_latent, grad_w2, None, None, None, None, None
+        return grad_hidden, grad_latent, grad_w2, None, None, None, None, None, None
 
 
 def _fused_rows(
@@ -227,20 +239,27 @@ def _fused_rows(
     def labelled(per_position: torch.Tensor) -> torch.Tensor:
         return labelled_rows(per_position, blocks)
 
-    # The target's final state at each labelled row's own position (found on the host with the
-    # blocks): only those rows cross the LM head.
-    target_NH = final_BSH.flatten(0, 1).index_select(0, blocks.final_rows)
+    # The target's final state at the labelled rows' own positions, each distinct position once
+    # (found on the host with the blocks): only those cross the LM head. Each chunk of rows reads
+    # a span of them, also found on the host.
+    target_UH = final_BSH.flatten(0, 1).index_select(0, blocks.final_positions)
+    index = blocks.final_index_host
+    spans = [
+        (int(index[start : start + chunk].min()), int(index[start : start + chunk].max()) + 1)
+        for start in range(0, len(index), chunk)
+    ]
     w2 = None if latent_BQR is None else drafter.markov_head.markov_w2.weight
     with torch.autocast(device_type, enabled=False):
         return _FusedDSparkHead.apply(
             labelled(hidden_BQH),
             None if latent_BQR is None else labelled(latent_BQR),
             w2,
-            target_NH,
+            target_UH,
+            blocks.final_index,
             lm_head.weight,
             labelled(blocks.labels),
             labelled(blocks.weights),
-            (chunk, compute_dtype, per_chunk, weights.ce, weights.tv),
+            (chunk, spans, compute_dtype, per_chunk, weights.ce, weights.tv),
         )
 
 
@@ -264,9 +283,9 @@ def dspark_loss(
 ) -> DSparkLossStats:
     """The DSpark loss statistics of one batch of blocks. `final_BSH`: the target's final hidden
     states (after its final norm) [B, S, H] on the drafter's device; `blocks` built with
-    label_offset=1 (they carry `prev_ids` and `final_rows`)."""
-    if blocks.prev_ids is None or blocks.final_rows is None:
-        raise ValueError("DSpark blocks need prev_ids and final_rows (build_blocks with label_offset=1)")
+    label_offset=1 (they carry `prev_ids` and `final_positions`)."""
+    if blocks.prev_ids is None or blocks.final_positions is None:
+        raise ValueError("DSpark blocks need prev_ids and final_positions (build_blocks with label_offset=1)")
     latent_BQR = drafter.block_latents(blocks.prev_ids, hidden_BQH)
     w = blocks.weights
     if logits_chunk > 0:
