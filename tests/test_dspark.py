@@ -93,7 +93,9 @@ def test_overlapping_blocks_read_each_target_position_once():
     assert torch.equal(blocks.final_positions[blocks.final_index], rows)
     assert len(blocks.final_positions) < len(rows)  # 20 anchors in 30 tokens: overlapping
     moved = blocks.to(torch.device("cpu"))
-    assert moved.final_index_host is blocks.final_index_host and torch.equal(moved.final_index, blocks.final_index)
+    assert moved.final_index_host is blocks.final_index_host and torch.equal(
+        moved.final_index, blocks.final_index
+    )
 
 
 def test_supervision_is_a_contiguous_prefix_ending_at_the_first_unsupervised_label():
