@@ -89,12 +89,22 @@ def target_flops(target: FrozenTarget, batch: int, seq_len: int) -> float:
 
 
 def drafter_flops(
-    drafter, head: TargetHead, *, blocks_visible: float, block_tokens: int, labelled: int, ctx_tokens: int
+    drafter,
+    head: TargetHead,
+    *,
+    blocks_visible: float,
+    block_tokens: int,
+    labelled: int,
+    ctx_tokens: int,
+    target_positions: int = 0,
 ) -> float:
     """Forward + backward of the drafter step. Trained weights: forward + 2x backward; the
     frozen LM head: forward + input gradient, on the `labelled` positions only (the others,
     block position 0 among them, carry no loss); fc sees target features (no input gradient).
-    blocks_visible: the (query, key) pairs the draft layers may attend, all layers summed."""
+    blocks_visible: the (query, key) pairs the draft layers may attend, all layers summed.
+    DSpark: the LM head's forward on the target's final state at each distinct position the
+    labelled rows read (`target_positions`), and the Markov head's rank-r projection to the
+    vocabulary at the labelled rows (forward + both gradients; its W1 is a lookup)."""
     config = drafter.config
     per_layer_block = sum(
         linear_params(m)
@@ -122,7 +132,10 @@ def drafter_flops(
     )
     attention = 4 * config.num_attention_heads * config.head_dim * blocks_visible  # summed over layers
     lm_head = 2 * head.lm_head.weight.numel() * labelled
-    return 3 * (forward + selector_forward) + 3 * attention + 2 * lm_head
+    markov = getattr(drafter, "markov_head", None)
+    markov_w2 = 0 if markov is None else 2 * markov.markov_w2.weight.numel() * labelled
+    target_head = 2 * head.lm_head.weight.numel() * target_positions
+    return 3 * (forward + selector_forward + markov_w2) + 3 * attention + 2 * lm_head + target_head
 
 
 def make_batch(samples: int, seq_len: int, context: int, vocab: int, exclude: int, index: int) -> Batch:
@@ -231,7 +244,7 @@ def main() -> None:
             torch._dynamo.reset()  # each variant compiles its own graphs
             drafter.compile_training(counter, dynamic=variant_cfg.drafter.compile_dynamic)
         step_fn = step_fn_for(variant_cfg, head=head, drafter=drafter, total_steps=10**6, num_buckets=1)
-        blocks_visible, block_tokens, labelled = visible_keys(step_fn, batch)
+        blocks_visible, block_tokens, labelled, target_positions = visible_keys(step_fn, batch)
         stats, _ = step_fn.forward_backward(batch, features, 0)  # the loss at the initial weights
         loss = (stats.weighted_ce / stats.weight).item()
         step_fn.apply(stats.weight)
@@ -250,6 +263,7 @@ def main() -> None:
             block_tokens=block_tokens,
             labelled=labelled,
             ctx_tokens=args.samples * args.seq_len,
+            target_positions=target_positions,
         )
         # The table's time is per isolated step (the device waits for the host at each start);
         # a training loop issues its steps back to back.
@@ -273,10 +287,11 @@ def main() -> None:
             torch.cuda.empty_cache()
 
 
-def visible_keys(step_fn, batch: Batch) -> tuple[float, int, int]:
+def visible_keys(step_fn, batch: Batch) -> tuple[float, int, int, int]:
     """Keys the block queries may see, summed over queries and draft layers (the context before
-    the anchor, inside the window of a sliding layer, plus the query's block), the block tokens
-    and the labelled positions (the LM head's rows), for the anchors this step draws."""
+    the anchor, inside the window of a sliding layer, plus the query's block), the block tokens,
+    the labelled positions (the LM head's rows) and, for DSpark, the distinct positions of the
+    target distributions they read, for the anchors this step draws."""
     from dflash.step.step import make_blocks
 
     drafter = step_fn.drafter
@@ -289,7 +304,9 @@ def visible_keys(step_fn, batch: Batch) -> tuple[float, int, int]:
         sees_from = 0 if window is None else np.maximum(anchors + offsets - window + 1, 0)
         context = np.maximum(anchors - sees_from, 0) * valid[:, :, None]
         visible += float(context.sum()) + blocks.block_size * blocks.block_size * int(valid.sum())
-    return visible, int(valid.sum()) * blocks.block_size, len(blocks.loss_rows)
+    # DSpark: the distinct positions whose target distribution the labelled rows read.
+    target_positions = 0 if blocks.final_positions is None else len(blocks.final_positions)
+    return visible, int(valid.sum()) * blocks.block_size, len(blocks.loss_rows), target_positions
 
 
 if __name__ == "__main__":
