@@ -164,12 +164,16 @@ class DeltaNetStates:
         slots = taken_S.shape[0]
         width = self.kernel - 1
         shift = (taken_S[:, None] + torch.arange(width, device=taken_S.device))[:, None, :]
-        kept = (torch.arange(self.max_step, device=taken_S.device) < taken_S[:, None])[:, :, None, None]
+        # A captured commit replays every buffered token (masked); eagerly on the CPU, where reading
+        # `taken` costs nothing, only as many as the longest kept prefix (a plain step keeps one
+        # token of a decoder sized for 16-token verifications).
+        replay = self.max_step if taken_S.is_cuda else max(int(taken_S.max()), 1)
+        kept = (torch.arange(replay, device=taken_S.device) < taken_S[:, None])[:, :, None, None]
         for index, mixer in enumerate(self.mixers):
             conv, recurrent = self.conv[index], self.recurrent[index]
             _, final = gated_delta_recurrence(
-                self.mixed[index],
-                self.gates[index] * kept,  # tokens past `taken` write nothing and decay nothing
+                self.mixed[index][:, :replay],
+                self.gates[index][:, :replay] * kept,  # tokens past `taken` write nothing and decay nothing
                 recurrent,
                 key_dim=mixer.key_dim,
                 heads_k=mixer.num_k_heads,
