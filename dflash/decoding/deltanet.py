@@ -22,8 +22,8 @@ and what makes a rejected draft cost nothing to undo.
 The rule is the model's own token-by-token kernel (`recurrent_rule`: flash-linear-attention's
 fused recurrent kernel on CUDA when installed, one launch per layer for all Q tokens; transformers'
 PyTorch loop elsewhere), behind one custom op so a compiled layer keeps it whole. Replaying a
-prefix with the same kernel and inputs reproduces the step's own state after those tokens, so a
-round leaves exactly the state one-token steps would have. An earlier version kept the state
+prefix with the same kernel and inputs reproduces the state the step itself reached after those
+tokens, the one its outputs (the verified logits) were computed from. An earlier version kept the state
 after every token instead ([slots, Q, heads, key dim, value dim] fp32 per layer, 16x the state)
 and updated it with Q rounds of elementwise kernels per layer, the bulk of a hybrid verify's
 launches. The projections, norms and the convolution's weights are the model's own modules.
