@@ -132,7 +132,8 @@ def build_blocks(
     anchor and predicts nothing. 1 (DSpark, deepseek-ai/DeepSpec `build_eval_mask`): every
     position predicts the token after it, and supervision stops at a block's first unsupervised
     label (a contiguous prefix, as drafts are accepted); the blocks then carry `prev_ids` and
-    where each labelled row's target distribution is read (`final_positions`, `final_index`). with_prev_ids: carry `prev_ids` at label_offset 0 too (DFlash2's selector).
+    where each labelled row's target distribution is read (`final_positions`, `final_index`).
+    with_prev_ids: carry `prev_ids` at label_offset 0 too (DFlash2's selector).
 
     keep_fraction (noise=mask_ramp): each non-anchor block position keeps its true token instead
     of MASK with this probability; such positions carry no loss and no accuracy.

@@ -185,8 +185,9 @@ class _FusedDSparkHead(torch.autograd.Function):
             logits = hidden_NH[at].to(compute_dtype) @ weight.T
             if w2 is not None:
                 logits = logits + latent_NR[at].to(compute_dtype) @ w2.T
-            # The target's logits once per distinct position of the chunk's span (its rows'
-            # blocks overlap: at the paper's shape ~3x fewer rows than the draft's).
+            # The target's logits once per position of the chunk's span (its rows' blocks overlap:
+            # at the paper's shape, 512 anchors of block 16 over 3,072 tokens, 8,185 labelled rows
+            # read 2,882 distinct positions, and the four 2,048-row chunks' spans hold 2,902).
             target_logits = target_UH[low:high].to(compute_dtype) @ weight.T
             ce[at], l1[at], acc[at], hit[at], grad_logits = per_chunk(
                 logits,
