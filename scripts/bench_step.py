@@ -49,7 +49,7 @@ from dflash.models.target import FrozenTarget  # noqa: E402
 from dflash.models.target_head import TargetHead  # noqa: E402
 from dflash.run.inputs import script_target  # noqa: E402
 from dflash.run.launch import step_fn_for  # noqa: E402
-from dflash.step.build import build_drafter, build_variant  # noqa: E402
+from dflash.step.build import build_drafter, build_variant, compile_drafter  # noqa: E402
 from dflash.step.variants import STEP_VARIANTS  # noqa: E402
 from dflash.tools.compose import compose_typed  # noqa: E402
 from dflash.tools.kernel_profile import write_kernel_table  # noqa: E402
@@ -242,7 +242,7 @@ def main() -> None:
         counter = CompileCounter(f"drafter ({variant})")
         if variant_cfg.drafter.compile:
             torch._dynamo.reset()  # each variant compiles its own graphs
-            drafter.compile_training(counter, dynamic=variant_cfg.drafter.compile_dynamic)
+            compile_drafter(drafter, variant_cfg.drafter, counter)
         step_fn = step_fn_for(variant_cfg, head=head, drafter=drafter, total_steps=10**6, num_buckets=1)
         blocks_visible, block_tokens, labelled, target_positions = visible_keys(step_fn, batch)
         stats, _ = step_fn.forward_backward(batch, features, 0)  # the loss at the initial weights

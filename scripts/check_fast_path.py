@@ -37,7 +37,7 @@ from dflash.models.target import FrozenTarget  # noqa: E402
 from dflash.models.target_head import TargetHead  # noqa: E402
 from dflash.run.inputs import load_training_data, script_target  # noqa: E402
 from dflash.run.launch import plan_batches, step_fn_for  # noqa: E402
-from dflash.step.build import build_drafter, build_variant, uses_compile  # noqa: E402
+from dflash.step.build import build_drafter, build_variant, compile_drafter, uses_compile  # noqa: E402
 from dflash.step.loss import objective_figures  # noqa: E402
 from dflash.step.variants import STEP_VARIANTS  # noqa: E402
 from dflash.tools.compose import compose_typed  # noqa: E402
@@ -76,7 +76,7 @@ class Setup:
             cfg.drafter, self.target.config, self.layer_ids, str(device), build_variant(cfg.variant)
         )
         if uses_compile(cfg.drafter.compile, device):
-            drafter.compile_training(dynamic=cfg.drafter.compile_dynamic)
+            compile_drafter(drafter, cfg.drafter)
         return step_fn_for(
             cfg,
             head=self.head,

@@ -36,7 +36,7 @@ from dflash.models.compile import CompileCounter  # noqa: E402
 from dflash.models.target_head import TargetHead  # noqa: E402
 from dflash.run.inputs import script_target  # noqa: E402
 from dflash.run.launch import plan_batches, step_fn_for  # noqa: E402
-from dflash.step.build import build_drafter, build_variant  # noqa: E402
+from dflash.step.build import build_drafter, build_variant, compile_drafter  # noqa: E402
 from dflash.tools.compose import compose_typed  # noqa: E402
 
 
@@ -98,7 +98,7 @@ def replay(
         counters["target"], dynamic=cfg.target.compile_dynamic, scope=cfg.target.compile_scope.value
     )
     drafter = build_drafter(cfg.drafter, target.config, layer_ids, str(device), build_variant(cfg.variant))
-    drafter.compile_training(counters["drafter"], dynamic=cfg.drafter.compile_dynamic)
+    compile_drafter(drafter, cfg.drafter, counters["drafter"])
     step_fn = step_fn_for(
         cfg,
         head=TargetHead.of(target),

@@ -324,13 +324,44 @@ class DFlashDrafter(nn.Module):
         ctx_kv = [layer.self_attn.context_kv(ctx_BSH, ctx_rope) for layer in self.layers]
         return self._layers(hidden_BQH, ctx_kv, block_rope, masks)
 
-    def compile_training(self, backend: Any = "inductor", dynamic: bool | None = True) -> None:
-        """Compile the training forward's context projections and draft layers as one graph
-        (`dynamic`: True, one graph with symbolic shapes for batches of any size; None, torch's
-        default: exact shapes until one changes). fc, hidden_norm and the feature noise stay
+    def _context_and_layer(
+        self,
+        layer: nn.Module,
+        ctx_BSH: torch.Tensor,
+        ctx_rope: tuple[torch.Tensor, torch.Tensor],
+        hidden_BQH: torch.Tensor,
+        block_rope: tuple[torch.Tensor, torch.Tensor],
+        mask: Mask,
+    ) -> torch.Tensor:
+        """One draft layer with its own context keys/values: what `scope="layers"` compiles. The
+        layer is an input (its weights the graph's arguments), so one graph serves every layer."""
+        return layer(hidden_BQH, layer.self_attn.context_kv(ctx_BSH, ctx_rope), block_rope, mask)
+
+    def compile_training(
+        self, backend: Any = "inductor", dynamic: bool | None = True, scope: str = "stack"
+    ) -> None:
+        """Compile the training forward's context projections and draft layers (`dynamic`: True,
+        one graph with symbolic shapes for batches of any size; None, torch's default: exact
+        shapes until one changes). `scope`: "stack", all layers as one graph (kernels fuse across
+        layers); "layers", one layer's graph shared by every layer of the same kind (a fraction
+        of the compile time; the final norm eager). fc, hidden_norm and the feature noise stay
         eager (a seeded generator). Decoding (`draft`) stays eager: it runs under no_grad with a
         growing cache, shapes a training graph would only be recompiled for."""
-        self._compiled_forward = compile_shared(self._context_and_layers, backend=backend, dynamic=dynamic)
+        if scope == "stack":
+            self._compiled_forward = compile_shared(
+                self._context_and_layers, backend=backend, dynamic=dynamic
+            )
+            return
+        if scope != "layers":
+            raise ValueError(f"drafter.compile_scope={scope!r}: one of stack, layers")
+        compiled_layer = compile_shared(self._context_and_layer, backend=backend, dynamic=dynamic)
+
+        def layer_by_layer(ctx_BSH, ctx_rope, hidden_BQH, block_rope, masks):
+            for layer, mask in zip(self.layers, masks):
+                hidden_BQH = compiled_layer(layer, ctx_BSH, ctx_rope, hidden_BQH, block_rope, mask)
+            return self.norm(hidden_BQH)
+
+        self._compiled_forward = layer_by_layer
 
     def __getstate__(self) -> dict[str, Any]:
         # A copy (deepcopy, pickle) is eager: the compiled function is bound to this instance.

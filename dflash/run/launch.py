@@ -35,7 +35,14 @@ from dflash.run.inputs import load_training_data, training_data_identity
 from dflash.run.preflight import Checked, check_before_loading
 from dflash.run.resume import check_resume_data, refuse_resume_past_end, warm_starts_new_parts
 from dflash.run.runner import Run
-from dflash.step.build import block_settings_for, build_drafter, build_step_fn, build_variant, uses_compile
+from dflash.step.build import (
+    block_settings_for,
+    build_drafter,
+    build_step_fn,
+    build_variant,
+    compile_drafter,
+    uses_compile,
+)
 from dflash.step.step import BlockSettings, DrafterStep
 from dflash.trainer.async_trainer import FaultInjection
 from dflash.trainer.lifecycle import TRAINER_INPUTS, Trainer, TrainerInputs
@@ -107,7 +114,7 @@ def build_models(checked: Checked) -> Models:
     if uses_compile(checked.config.drafter.compile, torch.device(checked.drafter_devices[0])):
         compiled["drafter"] = CompileCounter("drafter")
         for drafter in drafters:
-            drafter.compile_training(compiled["drafter"], dynamic=checked.config.drafter.compile_dynamic)
+            compile_drafter(drafter, checked.config.drafter, compiled["drafter"])
     return Models(targets, drafters, compiled)
 
 

@@ -65,6 +65,12 @@ def build_drafter(
     return drafter.to(device)
 
 
+def compile_drafter(drafter: DFlashDrafter, cfg: DrafterConfig, backend: Any = "inductor") -> None:
+    """The drafter's training graph compiled as `drafter.compile_dynamic` / `drafter.compile_scope`
+    say (dflash-train, the benchmarks and the checks alike)."""
+    drafter.compile_training(backend, dynamic=cfg.compile_dynamic, scope=cfg.compile_scope.value)
+
+
 def uses_flex_attention(cfg: DrafterConfig, device: torch.device) -> bool:
     """drafter.attention resolved: auto is flex on CUDA, the dense reference on CPU (whose
     flex_attention has no backward)."""
