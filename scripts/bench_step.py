@@ -19,7 +19,9 @@ add the mean over --repeat steps issued back to back, as training issues them):
 - drafter step: blocks -> forward -> loss -> backward -> clip -> fused AdamW (`DrafterStep`, the
   object training runs), one row per variant: `reference` (SDPA with the dense mask, full
   logits through autograd, eager), `fused` (+ the chunked LM-head loss), `flex` (+ block-sparse
-  flex_attention), `compiled` (+ torch.compile of the drafter: the CUDA default).
+  flex_attention), `compiled` (+ torch.compile of the drafter: the CUDA default). Its notes
+  also give the first step's wall time, the graphs' compile included (`drafter.compile_scope`
+  changes it; Inductor's caches shorten it on a second run unless TORCHINDUCTOR_CACHE_DIR is new).
 
 Useful FLOPs count only what a position may see: the target's causal attention counts each
 query's keys up to itself (and a MoE target only the experts a token is routed to); a block query counts the context before its anchor plus its block.
@@ -34,6 +36,7 @@ from __future__ import annotations
 import argparse
 import gc
 import sys
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -245,9 +248,13 @@ def main() -> None:
             compile_drafter(drafter, variant_cfg.drafter, counter)
         step_fn = step_fn_for(variant_cfg, head=head, drafter=drafter, total_steps=10**6, num_buckets=1)
         blocks_visible, block_tokens, labelled, target_positions = visible_keys(step_fn, batch)
+        started = time.perf_counter()  # the first step: its graphs' compile included
         stats, _ = step_fn.forward_backward(batch, features, 0)  # the loss at the initial weights
         loss = (stats.weighted_ce / stats.weight).item()
         step_fn.apply(stats.weight)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        first_step_s = time.perf_counter() - started
         reference_loss = reference_loss if reference_loss is not None else loss
         steps = iter(range(1, 10**6))
         timing = time_phase(
@@ -276,6 +283,7 @@ def main() -> None:
         )
         if counter.graphs:
             note += f"; {counter.graphs} graphs compiled"
+        note += f"; first step {first_step_s:.1f} s"
         show(row(f"drafter step ({variant})", timing, flops, peak, note))
         if args.profile:
             write_kernel_table(

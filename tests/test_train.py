@@ -51,6 +51,8 @@ def test_train_writes_metrics_checkpoints_and_summary(make_cfg):
     assert (ckpts / "last").resolve() == (ckpts / "step_0000008").resolve()
     assert summary["eval/lossless_frac"] == 1.0
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 8
+    # The wait before the first step (with torch.compile, its compile), within the run's time.
+    assert 0 < summary["first_step_s"] <= summary["wall_s"]
     assert (run_dir / "config_resolved.yaml").read_text().count("gamma: 4.0") == 1
     state = torch.load(ckpts / "last" / "trainer_state.pt", weights_only=True)  # never arbitrary pickles
     assert state["position"]["step"] == 8

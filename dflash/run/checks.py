@@ -31,7 +31,7 @@ from dflash.step.loss import VARIANT_FIGURES
 # The numeric keys of summary.json (the run summary, the evaluation report's metrics, the role
 # figures): what `objective` may name. tests/test_train.py checks a real summary against them.
 OBJECTIVE_PATTERNS = (
-    r"steps|resumed_from_step|wall_s|replicas|node_gpus|(target|drafter)_compiled_graphs",
+    r"steps|resumed_from_step|wall_s|first_step_s|replicas|node_gpus|(target|drafter)_compiled_graphs",
     r"perf/(samples|tokens)_per_s",
     r"train/(loss|acc)(_first_window)?|train/tau_(sim|block|decode)",
     r"val/(loss|acc|tau_sim|tau_block|tau_decode)|val_samples",

@@ -117,6 +117,11 @@ class Run:
             "steps": self.trainer.position.step,
             **({"resumed_from_step": first_step} if first_step else {}),
             "wall_s": round(wall_s, 1),
+            **(
+                {"first_step_s": round(self.trainer.first_step_s, 1)}
+                if self.trainer.first_step_s is not None
+                else {}
+            ),
             "train/acc_first_window": first["train/acc"],
             "train/acc": last["train/acc"],
             "train/loss_first_window": first["train/loss"],
@@ -164,6 +169,8 @@ def format_summary(summary: dict[str, Any]) -> str:
             if resumed
             else f"{summary['wall_s']} s"
         )
+        # With torch.compile the first step carries the graphs' compile: the wait a user sees.
+        + (f", first step after {summary['first_step_s']} s" if "first_step_s" in summary else "")
         + f", pipeline={summary['pipeline']})",
         f"train loss        {summary['train/loss_first_window']:.3f} -> {summary['train/loss']:.3f}{since}",
         f"train accuracy    {summary['train/acc_first_window']:.3f} -> {summary['train/acc']:.3f}{since}",

@@ -85,6 +85,10 @@ class Trainer(ABC):
         self.periodic_eval: PeriodicEval | None = None
         self.callbacks = TrainingCallbacks()
         self.train_wall_s = 0.0  # from the start of training to its last step
+        # From the start of training to the end of its first step in this process: with
+        # torch.compile on, mostly the graphs' compilation (reported in the run summary).
+        self.first_step_s: float | None = None
+        self._started: float | None = None
         self.replica_digest: str | None = None  # what every replica of every process agreed on
         self._first_step_hooks: list[Callable[[], None]] = []
 
@@ -95,6 +99,11 @@ class Trainer(ABC):
 
     def _stepped(self, step: int) -> None:
         """After each optimizer step (replica 0's thread in the asynchronous pipeline)."""
+        if self.first_step_s is None and self._started is not None:
+            self.first_step_s = time.perf_counter() - self._started
+            log.info(
+                "first step done %.1f s after training started (compiled graphs included)", self.first_step_s
+            )
         hooks, self._first_step_hooks = self._first_step_hooks, []
         for hook in hooks:
             hook()
@@ -151,7 +160,7 @@ class Trainer(ABC):
 
     def run(self) -> None:
         self.prepare()
-        started = time.perf_counter()
+        started = self._started = time.perf_counter()
         # Held through the final checkpoint: a signal during the wind-down (a second Ctrl-C)
         # must not break off the checkpoint the first one asked for.
         with stop_on_signals() as stop:
