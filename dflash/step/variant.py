@@ -18,6 +18,7 @@ cross-field rule is (dflash/run/checks.py).
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -112,8 +113,12 @@ class DSparkVariant(DFlashVariant):
         return DSparkDrafter(config)
 
     def device_refusal(self, device: torch.device) -> str | None:
-        if FusedTerms(self.fused_terms) is FusedTerms.triton and torch.device(device).type != "cuda":
+        if FusedTerms(self.fused_terms) is not FusedTerms.triton:
+            return None
+        if torch.device(device).type != "cuda":
             return f"variant.fused_terms=triton runs on CUDA only (the drafter is on {device}); use inductor"
+        if importlib.util.find_spec("triton") is None:
+            return "variant.fused_terms=triton needs triton (the gpu extra: pip install './dflash[gpu]'); use inductor"
         return None
 
     @property
