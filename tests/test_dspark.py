@@ -381,6 +381,23 @@ def test_on_cuda_variant_fused_terms_triton_gives_the_reference_loss_and_gradien
         torch.testing.assert_close(got, ref, rtol=1e-4, atol=1e-6)
 
 
+def test_fused_terms_auto_picks_the_kernel_only_where_it_runs(monkeypatch):
+    """auto: the Triton kernel on CUDA with triton installed; the PyTorch formula on a CPU, or
+    without triton; an explicit choice stays as asked (triton off CUDA is refused earlier)."""
+    import importlib.util
+
+    from dflash.config.schema import FusedTerms
+    from dflash.step.dspark_loss import resolve_fused_terms
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object() if name == "triton" else None)
+    assert resolve_fused_terms(FusedTerms.auto, cpu) is FusedTerms.inductor
+    assert resolve_fused_terms(FusedTerms.auto, cuda) is FusedTerms.triton
+    assert resolve_fused_terms(FusedTerms.inductor, cuda) is FusedTerms.inductor
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    assert resolve_fused_terms(FusedTerms.auto, cuda) is FusedTerms.inductor
+
+
 @pytest.mark.slow
 def test_the_compiled_chunk_gives_the_eager_chunks_loss_and_gradients():
     """drafter.compile's per-chunk kernel (torch.compile of the chunk's softmax, terms and

@@ -354,6 +354,7 @@ class FusedTerms(str, Enum):
     """How DSpark's fused LM-head loss computes its vocabulary-wide terms per chunk of rows
     (dflash/step/dspark_loss.py)."""
 
+    auto = "auto"  # triton on CUDA where triton is installed, else inductor
     inductor = "inductor"  # the PyTorch formula (compiled with the drafter; eager when it is not)
     triton = "triton"  # one Triton kernel, three passes over the vocabulary per row (CUDA)
 
@@ -406,8 +407,10 @@ class DSparkVariantConfig(VariantConfig):
     tv_weight: float = 0.9
     confidence_weight: float = 1.0
     # The fused loss's vocabulary-wide terms (CE, L1, the soft acceptance and their gradient):
-    # inductor (the compiled PyTorch formula) or triton (dflash/step/dspark_kernel.py, CUDA only).
-    fused_terms: FusedTerms = FusedTerms.inductor
+    # inductor (the compiled PyTorch formula) or triton (dflash/step/dspark_kernel.py, CUDA only;
+    # the paper-shape step 167.3 instead of 174.1 ms and 0.8 GiB less: benchmarks/RESULTS.md);
+    # auto: triton where it runs.
+    fused_terms: FusedTerms = FusedTerms.auto
 
     def __post_init__(self) -> None:
         if self.markov_rank < 0:

@@ -25,6 +25,7 @@ drafter) or as one Triton kernel (`variant.fused_terms=triton`, dflash/step/dspa
 from __future__ import annotations
 
 import functools
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -148,6 +149,14 @@ def _accumulate_w2_grad(
 @functools.cache
 def _compiled_chunk_terms_and_grads():
     return compile_shared(_chunk_terms_and_grads, dynamic=True)
+
+
+def resolve_fused_terms(fused_terms: FusedTerms, device: torch.device) -> FusedTerms:
+    """`auto`: the Triton kernel on CUDA where triton is installed, the PyTorch formula elsewhere."""
+    if fused_terms is not FusedTerms.auto:
+        return fused_terms
+    triton_runs = device.type == "cuda" and importlib.util.find_spec("triton") is not None
+    return FusedTerms.triton if triton_runs else FusedTerms.inductor
 
 
 def chunk_terms_function(fused_terms: FusedTerms, compiled: bool):

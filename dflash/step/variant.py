@@ -32,7 +32,7 @@ from dflash.models.drafter import DFlashDrafter
 from dflash.models.dspark import DSparkDrafter, add_dspark_fields
 from dflash.step.blocks import DraftBlocks
 from dflash.step.dflash2_loss import dflash2_loss
-from dflash.step.dspark_loss import DSparkWeights, dspark_loss
+from dflash.step.dspark_loss import DSparkWeights, dspark_loss, resolve_fused_terms
 from dflash.step.loss import LossStats, draft_loss
 
 
@@ -91,7 +91,7 @@ class DSparkVariant(DFlashVariant):
     ce_weight: float = 0.1
     tv_weight: float = 0.9
     confidence_weight: float = 1.0
-    fused_terms: FusedTerms | str = FusedTerms.inductor
+    fused_terms: FusedTerms | str = FusedTerms.auto
 
     @property
     def head_type(self) -> str:
@@ -137,7 +137,7 @@ class DSparkVariant(DFlashVariant):
             weights=self.weights,
             logits_chunk=logits_chunk,
             compiled=compiled,
-            fused_terms=FusedTerms(self.fused_terms),
+            fused_terms=resolve_fused_terms(FusedTerms(self.fused_terms), hidden_BQH.device),
         )
 
 
