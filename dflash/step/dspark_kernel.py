@@ -22,6 +22,23 @@ import triton.language as tl
 
 
 @triton.jit
+def _logits_tile(z_row, t_row, cols, vocab):
+    """Draft and target logits of `cols` in fp32 (-inf past the vocabulary: no mass, no max)."""
+    inside = cols < vocab
+    z = tl.load(z_row + cols, mask=inside, other=float("-inf")).to(tl.float32)
+    t = tl.load(t_row + cols, mask=inside, other=float("-inf")).to(tl.float32)
+    return z, t, inside
+
+
+@triton.jit
+def _p_diff_sign(z, t, lse_z, lse_t):
+    """p = softmax(z), p - q and sign(p - q), q = softmax(t), from the two log-normalisers."""
+    p = tl.exp(z - lse_z)
+    diff = p - tl.exp(t - lse_t)
+    return p, diff, tl.where(diff > 0, 1.0, tl.where(diff < 0, -1.0, 0.0))
+
+
+@triton.jit
 def _dspark_terms_kernel(
     z_ptr,
     t_ptr,
@@ -56,9 +73,7 @@ def _dspark_terms_kernel(
     best_at = tl.zeros((BLOCK,), tl.int64)
     for start in range(0, vocab, BLOCK):
         cols = start + offsets
-        inside = cols < vocab
-        z = tl.load(z_row + cols, mask=inside, other=float("-inf")).to(tl.float32)
-        t = tl.load(t_row + cols, mask=inside, other=float("-inf")).to(tl.float32)
+        z, t, inside = _logits_tile(z_row, t_row, cols, vocab)
         new_z, new_t = tl.maximum(m_z, z), tl.maximum(m_t, t)
         # A lane that has seen only -inf keeps sum 0 (exp(-inf - -inf) would be NaN).
         s_z = tl.where(new_z == float("-inf"), 0.0, s_z * tl.exp(m_z - new_z) + tl.exp(z - new_z))
@@ -78,25 +93,18 @@ def _dspark_terms_kernel(
     signed = tl.zeros((BLOCK,), tl.float32)
     for start in range(0, vocab, BLOCK):
         cols = start + offsets
-        inside = cols < vocab
-        z = tl.load(z_row + cols, mask=inside, other=float("-inf")).to(tl.float32)
-        t = tl.load(t_row + cols, mask=inside, other=float("-inf")).to(tl.float32)
-        p, q = tl.exp(z - lse_z), tl.exp(t - lse_t)
-        diff = p - q
+        z, t, inside = _logits_tile(z_row, t_row, cols, vocab)
+        p, diff, sign = _p_diff_sign(z, t, lse_z, lse_t)
         l1 += tl.abs(diff)
-        signed += tl.where(diff > 0, p, tl.where(diff < 0, -p, 0.0))
+        signed += sign * p
     l1_sum = tl.sum(l1, axis=0)
     signed_sum = tl.sum(signed, axis=0)
 
     # Pass 3: the gradient of w (ce_weight CE + tv_weight L1) with respect to z.
     for start in range(0, vocab, BLOCK):
         cols = start + offsets
-        inside = cols < vocab
-        z = tl.load(z_row + cols, mask=inside, other=float("-inf")).to(tl.float32)
-        t = tl.load(t_row + cols, mask=inside, other=float("-inf")).to(tl.float32)
-        p, q = tl.exp(z - lse_z), tl.exp(t - lse_t)
-        diff = p - q
-        sign = tl.where(diff > 0, 1.0, tl.where(diff < 0, -1.0, 0.0))
+        z, t, inside = _logits_tile(z_row, t_row, cols, vocab)
+        p, _, sign = _p_diff_sign(z, t, lse_z, lse_t)
         onehot = tl.where(cols == label, 1.0, 0.0)
         grad = weight * (ce_weight * (p - onehot) + tv_weight * p * (sign - signed_sum))
         tl.store(grad_ptr + row * stride_grad + cols, grad.to(grad_ptr.dtype.element_ty), mask=inside)
