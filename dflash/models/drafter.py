@@ -9,7 +9,7 @@ the returned hidden states with the target's frozen `lm_head`.
 from __future__ import annotations
 
 import functools
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Union
 
 import torch
@@ -316,13 +316,18 @@ class DFlashDrafter(nn.Module):
         hidden_BQH: torch.Tensor,
         block_rope: tuple[torch.Tensor, torch.Tensor],
         masks: tuple[Mask, ...],
+        *,
+        layer_step: Callable[..., torch.Tensor] | None = None,
     ) -> torch.Tensor:
-        """Every layer's context keys/values (k/v projections, k-norm, RoPE), then the layers:
-        the part of the training forward `compile_training` compiles. The projections' norm and
-        rotation are small elementwise kernels over every context position of every layer, which
-        the compiled graph fuses, forward and backward."""
-        ctx_kv = [layer.self_attn.context_kv(ctx_BSH, ctx_rope) for layer in self.layers]
-        return self._layers(hidden_BQH, ctx_kv, block_rope, masks)
+        """The training forward's part that `compile_training` compiles: each layer's context
+        keys/values (k/v projections, k-norm, RoPE), then the layer (`layer_step`, by default
+        `_context_and_layer`), then the final norm. The projections' norm and rotation are small
+        elementwise kernels over every context position of every layer, which a compiled graph
+        fuses, forward and backward."""
+        layer_step = layer_step or self._context_and_layer
+        for layer, mask in zip(self.layers, masks):
+            hidden_BQH = layer_step(layer, ctx_BSH, ctx_rope, hidden_BQH, block_rope, mask)
+        return self.norm(hidden_BQH)
 
     def _context_and_layer(
         self,
@@ -351,17 +356,11 @@ class DFlashDrafter(nn.Module):
             self._compiled_forward = compile_shared(
                 self._context_and_layers, backend=backend, dynamic=dynamic
             )
-            return
-        if scope != "layers":
+        elif scope == "layers":
+            compiled_layer = compile_shared(self._context_and_layer, backend=backend, dynamic=dynamic)
+            self._compiled_forward = functools.partial(self._context_and_layers, layer_step=compiled_layer)
+        else:
             raise ValueError(f"drafter.compile_scope={scope!r}: one of stack, layers")
-        compiled_layer = compile_shared(self._context_and_layer, backend=backend, dynamic=dynamic)
-
-        def layer_by_layer(ctx_BSH, ctx_rope, hidden_BQH, block_rope, masks):
-            for layer, mask in zip(self.layers, masks):
-                hidden_BQH = compiled_layer(layer, ctx_BSH, ctx_rope, hidden_BQH, block_rope, mask)
-            return self.norm(hidden_BQH)
-
-        self._compiled_forward = layer_by_layer
 
     def __getstate__(self) -> dict[str, Any]:
         # A copy (deepcopy, pickle) is eager: the compiled function is bound to this instance.
