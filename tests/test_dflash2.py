@@ -70,7 +70,7 @@ def test_blocks_carry_each_labels_true_previous_token():
         rows = slice(BLOCK * j, BLOCK * (j + 1))
         assert blocks.labels[0, rows].tolist()[1:] == [100 + a + k for k in range(1, BLOCK)]
         assert blocks.prev_ids[0, rows].tolist()[1:] == [100 + a + k - 1 for k in range(1, BLOCK)]
-    assert blocks.final_rows is None
+    assert blocks.final_positions is None
 
 
 # -- convolutions --------------------------------------------------------------------------------

@@ -80,7 +80,8 @@ def test_every_position_predicts_the_next_token_with_decay_from_position_zero():
         assert blocks.prev_ids[0, rows].tolist() == [100 + a + k for k in range(4)]
         expected = [math.exp(-k / 4.0) for k in range(4)]
         torch.testing.assert_close(blocks.weights[0, rows], torch.tensor(expected))
-    assert blocks.final_rows.tolist() == blocks.positions.flatten()[blocks.loss_rows].tolist()
+    read_at = blocks.final_positions[blocks.final_index]  # each labelled row's position a + k
+    assert read_at.tolist() == blocks.positions.flatten()[blocks.loss_rows].tolist()
 
 
 def test_overlapping_blocks_read_each_target_position_once():
@@ -118,7 +119,7 @@ def test_dflash_blocks_are_unchanged_by_the_label_offset_argument():
     ids, mask = torch.arange(30)[None], torch.ones(1, 30, dtype=torch.uint8)
     common = dict(epoch=0, seed=0, block_size=4, num_anchors=5, mask_token_id=MASK_ID)
     plain = build_blocks(ids, mask, torch.tensor([30]), [0], weights=position_weights(4, 4.0), **common)
-    assert plain.prev_ids is None and plain.final_rows is None
+    assert plain.prev_ids is None and plain.final_positions is None
     assert plain.labels.view(-1, 4)[:, 0].eq(0).all()  # the anchor predicts nothing
     torch.testing.assert_close(
         position_weights(4, 4.0), torch.tensor([0.0, 1.0, math.exp(-0.25), math.exp(-0.5)])

@@ -79,13 +79,6 @@ class DraftBlocks:
     final_index: torch.Tensor | None = None
     final_index_host: torch.Tensor | None = None
 
-    @property
-    def final_rows(self) -> torch.Tensor | None:
-        """[n] the flat index (into B * S) of each labelled row's own position a + k."""
-        if self.final_positions is None:
-            return None
-        return self.final_positions[self.final_index]
-
     def to(self, device: torch.device, non_blocking: bool = False) -> DraftBlocks:
         names = (
             "block_ids",
