@@ -210,18 +210,11 @@ def main() -> None:
     from dflash.distributed import visible_cuda_devices
     from dflash.run.inputs import script_target
     from dflash.step.build import build_drafter, build_variant
-    from dflash.tools.compose import compose_typed
+    from dflash.tools.compose import compose_typed, device_default, with_defaults
     from dflash.tools.target_cost import token_weight_bytes
 
-    # The GPU when there is one, as the other benchmarks (the run config's own default is the CPU).
-    on_gpu = (
-        []
-        if any(o.split("=", 1)[0] == "gpu" for o in overrides) or not torch.cuda.is_available()
-        else ["gpu=single"]
-    )
-    cfg = compose_typed(
-        ["paths.output_dir=/tmp/bench_decode", "paths.cache_dir=/tmp/bench_decode", *on_gpu, *overrides]
-    )
+    defaults = ["paths.output_dir=/tmp/bench_decode", "paths.cache_dir=/tmp/bench_decode", device_default()]
+    cfg = compose_typed(with_defaults(defaults, overrides))
     device = torch.device(resolve_device_split(cfg, visible_cuda_devices())[0][0])
     target, layer_ids = script_target(cfg, device, "bench_decode")  # a GGUF target.path: converted once
     target_config = target.config

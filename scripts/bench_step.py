@@ -54,12 +54,12 @@ from dflash.run.inputs import script_target  # noqa: E402
 from dflash.run.launch import step_fn_for  # noqa: E402
 from dflash.step.build import build_drafter, build_variant, compile_drafter  # noqa: E402
 from dflash.step.variants import STEP_VARIANTS  # noqa: E402
-from dflash.tools.compose import compose_typed  # noqa: E402
+from dflash.tools.compose import compose_typed, device_default, with_defaults  # noqa: E402
 from dflash.tools.kernel_profile import write_kernel_table  # noqa: E402
 from dflash.tools.target_cost import part_flops  # noqa: E402
 from dflash.tools.timing import back_to_back_ms, median_ms  # noqa: E402
 
-DEFAULTS = ["target=qwen3_8b_random", "drafter=b16", "drafter.mask_token_id=151669", "gpu=single"]
+DEFAULTS = ["target=qwen3_8b_random", "drafter=b16", "drafter.mask_token_id=151669"]
 DENSE_BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}
 
 
@@ -184,9 +184,7 @@ def main() -> None:
     parser.add_argument("--profile", help="a directory: each drafter variant's kernel table (torch.profiler)")
     args, overrides = parser.parse_known_args()
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    given = {o.split("=", 1)[0] for o in overrides}
-    defaults = DEFAULTS + ([] if device.type == "cuda" else ["gpu=cpu"])
-    base = [d for d in defaults if d.split("=", 1)[0] not in given] + overrides
+    base = with_defaults([*DEFAULTS, device_default()], overrides)
     cfg = compose_typed(base)
     target, layer_ids = script_target(cfg, device, "bench_step")  # a GGUF target.path: converted once
     head = TargetHead.of(target)

@@ -39,7 +39,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dflash.models import fused_experts  # noqa: E402
 from dflash.models.compile import CompileCounter  # noqa: E402
 from dflash.run.inputs import script_target  # noqa: E402
-from dflash.tools.compose import compose_typed  # noqa: E402
+from dflash.tools.compose import compose_typed, with_defaults  # noqa: E402
 from dflash.tools.target_cost import PARTS, PartTimer, part_flops  # noqa: E402
 from dflash.tools.timing import median_ms  # noqa: E402
 
@@ -89,11 +89,10 @@ def main() -> None:
     fused_experts.register()
     if "liger" in args.experts.split(","):
         register_liger()
-    given = {o.split("=", 1)[0] for o in overrides}
-    defaults = [d for d in DEFAULTS if d.split("=", 1)[0] not in given]
-    if "target" in given:  # another target: none of the default target's own keys
+    defaults = DEFAULTS
+    if any(o.split("=", 1)[0] == "target" for o in overrides):  # another target: none of the default's keys
         defaults = [d for d in defaults if not d.startswith(("target.", "drafter.target_layer_ids"))]
-    base = defaults + overrides
+    base = with_defaults(defaults, overrides)
     target, _ = script_target(compose_typed(base), device, "bench_target")
     model, peak = target.model, peak_tflops()
     weights = torch.cuda.memory_allocated(device)

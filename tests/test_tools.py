@@ -175,3 +175,10 @@ def test_benchmark_scripts_refuse_like_the_cli_in_one_line(overrides, message, m
     err = capsys.readouterr().err
     assert exit_info.value.code == 2, err[-2000:]
     assert re.search(message, err) and err.count("\n") == 1, err[-2000:]
+
+
+def test_a_benchmarks_defaults_never_shadow_what_the_command_line_sets():
+    from dflash.tools.compose import with_defaults
+
+    got = with_defaults(["target=qwen3_8b_random", "gpu=single"], ["gpu=cpu", "drafter.num_layers=3"])
+    assert got == ["target=qwen3_8b_random", "gpu=cpu", "drafter.num_layers=3"]

@@ -53,3 +53,18 @@ def compose_typed(overrides: list[str]) -> Config:
     if not any(o.split("=", 1)[0].lstrip("+") == "paths.output_dir" for o in overrides):
         overrides = [*overrides, f"paths.output_dir={Path(tempfile.gettempdir()) / 'dflash-tool'}"]
     return typed_config(compose_config(overrides))
+
+
+def with_defaults(defaults: list[str], overrides: list[str]) -> list[str]:
+    """A script's default overrides (`key=value`) whose key the user's overrides do not set,
+    then the user's: the benchmarks' defaults without shadowing what the command line asks."""
+    given = {override.split("=", 1)[0] for override in overrides}
+    return [d for d in defaults if d.split("=", 1)[0] not in given] + overrides
+
+
+def device_default() -> str:
+    """The `gpu` option a benchmark runs on by default: one GPU where CUDA is (the run config's
+    own default is the CPU), else the CPU."""
+    import torch
+
+    return "gpu=single" if torch.cuda.is_available() else "gpu=cpu"
