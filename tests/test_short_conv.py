@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dflash.models import short_conv
-from dflash.models.short_conv import FUNCTION, FlaShortConv, use_fla_short_conv
+from dflash.models.short_conv import FUNCTION, FlaShortConv, fla_serves, use_fla_short_conv
 from tests.test_fp8 import QWEN3_NEXT, tiny_model
 
 
@@ -66,9 +66,36 @@ def test_calls_fla_cannot_serve_exactly_go_to_the_reference():
     conv(x, w, None, activation="silu")
     conv(x, w, None, activation="gelu", seq_idx=None)
     assert calls == [("cpu", "silu", {}), ("cpu", "gelu", {"seq_idx": None})]
+    packed = torch.zeros(1, 5, dtype=torch.int32)
+    assert not fla_serves("silu", {"seq_idx": packed})
+    assert not fla_serves("silu", {"cu_seq_lens_q": packed})
+    assert not fla_serves("gelu", {})
     if torch.cuda.is_available():
-        conv(x.cuda(), w.cuda(), None, activation="silu", seq_idx=torch.zeros(1, 5, dtype=torch.int32).cuda())
+        conv(x.cuda(), w.cuda(), None, activation="silu", seq_idx=packed.cuda())
         assert len(calls) == 3
+
+
+def test_the_keywords_a_deltanet_layer_forwards_leave_the_call_to_fla(modeling, monkeypatch):
+    """The model's flags that a decoder layer forwards to the convolution (`use_cache`,
+    `output_hidden_states`, ...) describe no packed sequences: fla's kernel serves the feature
+    forward's calls. (Counting every non-None keyword as packing kept every call on the
+    reference, 1.9 ms instead of 0.2-0.4 ms per DeltaNet layer at Qwen3-Next-80B's shape.)"""
+    from dflash.models.target import FrozenTarget
+
+    calls = []
+    reference = getattr(modeling, FUNCTION)
+
+    def recording(hidden_states, weight, bias=None, activation=None, **kwargs):
+        calls.append((activation, kwargs))
+        return reference(hidden_states, weight, bias, activation=activation, **kwargs)
+
+    monkeypatch.setattr(modeling, FUNCTION, recording)
+    target = FrozenTarget(tiny_qwen3_next(), [1, 3])
+    with torch.no_grad():
+        target.features(torch.randint(0, 256, (2, 19)))
+    assert calls, "the feature forward never reached the short convolution"
+    for activation, kwargs in calls:
+        assert fla_serves(activation, kwargs), kwargs
 
 
 def test_a_target_built_on_the_cpu_leaves_the_binding_alone(make_cfg, modeling):
@@ -103,7 +130,7 @@ def test_on_cuda_fla_short_conv_computes_transformers_reference(modeling, dtype,
 
 
 @pytest.mark.gpu
-def test_on_cuda_a_hybrid_target_on_fla_short_conv_gives_the_same_features(make_cfg, modeling):
+def test_on_cuda_a_hybrid_target_on_fla_short_conv_gives_the_same_features(make_cfg, modeling, monkeypatch):
     """target.fla_short_conv true vs false on a Qwen3-Next-layout target in fp32: the same
     features within fp32 rounding, and the modeling module bound accordingly."""
     pytest.importorskip("fla")
@@ -114,11 +141,25 @@ def test_on_cuda_a_hybrid_target_on_fla_short_conv_gives_the_same_features(make_
     base += ["drafter=tiny", "drafter.mask_token_id=255", "drafter.target_layer_ids=[0,3]", "gpu=single"]
     base += ["target.dtype=float32"]
     ids = torch.randint(0, 256, (2, 80), device="cuda")
-    features = {}
+    import fla.modules.causal_conv1d as fla_conv
+
+    kernel_calls = []
+    kernel = fla_conv.causal_conv1d
+
+    def counting(*args, **kwargs):
+        kernel_calls.append(1)
+        return kernel(*args, **kwargs)
+
+    monkeypatch.setattr(fla_conv, "causal_conv1d", counting)
+    features, calls = {}, {}
     for enabled in ("false", "true"):
         target, _ = frozen_target(typed_config(make_cfg(base + [f"target.fla_short_conv={enabled}"])), "cuda")
         assert isinstance(getattr(sys.modules[modeling.__name__], FUNCTION), FlaShortConv) == (
             enabled == "true"
         )
+        kernel_calls.clear()
         features[enabled] = target.features(ids)
+        calls[enabled] = len(kernel_calls)
+    deltanet_layers = sum(t == "linear_attention" for t in target.config.layer_types)
+    assert calls == {"false": 0, "true": deltanet_layers}  # every DeltaNet layer on fla's kernel
     torch.testing.assert_close(features["true"], features["false"], rtol=1e-4, atol=1e-4)

@@ -31,10 +31,22 @@ from torch import nn
 from dflash.models.families import is_deltanet_layer
 
 FUNCTION = "causal_conv1d_fn"  # the module function transformers' DeltaNet forward calls
+# Arguments that describe packed sequences (several sequences in one row): fla's kernel would
+# convolve across their boundaries as called here, so such calls keep the reference. Every other
+# keyword the layer forwards (`use_cache`, `output_hidden_states`, ... : the model's flags, which
+# the reference ignores too) says nothing about the convolution.
+PACKED_SEQUENCE_ARGUMENTS = ("seq_idx", "cu_seqlens", "cu_seq_lens_q", "cu_seq_lens_k")
 
 
 def fla_available() -> bool:
     return importlib.util.find_spec("fla") is not None
+
+
+def fla_serves(activation: str | None, kwargs: dict) -> bool:
+    """Whether fla's kernel computes exactly what the reference would for a call with this
+    activation and these keyword arguments (the tensors' device aside)."""
+    packed = any(kwargs.get(name) is not None for name in PACKED_SEQUENCE_ARGUMENTS)
+    return not packed and activation in (None, "silu", "swish")
 
 
 class FlaShortConv:
@@ -51,8 +63,7 @@ class FlaShortConv:
         activation: str | None = None,
         **kwargs,
     ) -> torch.Tensor:
-        packed = any(value is not None for value in kwargs.values())  # seq_idx / cu_seqlens
-        if not hidden_states.is_cuda or packed or activation not in (None, "silu", "swish"):
+        if not (hidden_states.is_cuda and fla_serves(activation, kwargs)):
             return self.reference(hidden_states, weight, bias, activation=activation, **kwargs)
         from fla.modules.causal_conv1d import causal_conv1d
 
