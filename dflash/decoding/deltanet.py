@@ -41,6 +41,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash.models.deltanet import finish, gates, project, split_heads
+
 
 def chunked_rule(mixer: nn.Module, device: torch.device) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """The model's own chunked gated-delta-rule function: the kernel transformers picked (fla's,
@@ -48,44 +50,6 @@ def chunked_rule(mixer: nn.Module, device: torch.device) -> Callable[..., tuple[
     CPU tensors)."""
     function = sys.modules[type(mixer).__module__].torch_chunk_gated_delta_rule
     return function if device.type == "cuda" else inspect.unwrap(function)
-
-
-def project(mixer: nn.Module, x_NQH: torch.Tensor):
-    """The convolution's input [N, Q, C] (C = 2 key dims + value dim: q, k, v), the output gate
-    z [N, Q, Hv, Dv], and b, a [N, Q, Hv], for both published projection layouts: Qwen3-Next's
-    fused `in_proj_qkvz` / `in_proj_ba` (heads interleaved per key group) and Qwen3.5's separate
-    `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`."""
-    n, q_len, _ = x_NQH.shape
-    if hasattr(mixer, "in_proj_qkvz"):
-        query, key, value, z, b, a = mixer.fix_query_key_value_ordering(
-            mixer.in_proj_qkvz(x_NQH), mixer.in_proj_ba(x_NQH)
-        )
-        qkv = torch.cat([t.reshape(n, q_len, -1) for t in (query, key, value)], dim=-1)
-        return qkv, z, b, a
-    z = mixer.in_proj_z(x_NQH).reshape(n, q_len, -1, mixer.head_v_dim)
-    return mixer.in_proj_qkv(x_NQH), z, mixer.in_proj_b(x_NQH), mixer.in_proj_a(x_NQH)
-
-
-def split_heads(mixer: nn.Module, mixed_NQC: torch.Tensor):
-    n, q_len, _ = mixed_NQC.shape
-    query, key, value = torch.split(mixed_NQC, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
-    return (
-        query.reshape(n, q_len, -1, mixer.head_k_dim),
-        key.reshape(n, q_len, -1, mixer.head_k_dim),
-        value.reshape(n, q_len, -1, mixer.head_v_dim),
-    )
-
-
-def gates(mixer: nn.Module, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """beta (how much a token writes) and g (log decay), as the model computes them."""
-    return b.sigmoid(), -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias)
-
-
-def finish(mixer: nn.Module, core_NQHD: torch.Tensor, z_NQHD: torch.Tensor) -> torch.Tensor:
-    """The gated RMSNorm and the output projection."""
-    n, q_len = core_NQHD.shape[:2]
-    normed = mixer.norm(core_NQHD.reshape(-1, mixer.head_v_dim), z_NQHD.reshape(-1, mixer.head_v_dim))
-    return mixer.out_proj(normed.reshape(n, q_len, -1))
 
 
 def recurrent_rule(module: str, device: torch.device) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:

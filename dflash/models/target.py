@@ -22,6 +22,7 @@ except ImportError:
 from dflash.config.schema import TargetConfig
 from dflash.models import fused_experts
 from dflash.models.compile import compile_shared
+from dflash.models.deltanet import FeatureMixer
 from dflash.models.families import (
     IMAGE_TEXT_TYPES,
     is_deltanet_layer,
@@ -162,18 +163,6 @@ def _own_module_tree(module: nn.Module, *, capture_hooks: bool) -> nn.Module:
     return copied
 
 
-def compile_regions(layer: nn.Module) -> list[nn.Module]:
-    """What `compile_features(scope="layers")` compiles of one decoder layer: the whole layer,
-    except in a Gated DeltaNet layer, where only the MLP (experts, router, shared expert) is
-    compiled and the token mixer stays eager. Its work is flash-linear-attention's kernels,
-    which dynamo does not call: under torch.compile transformers runs its PyTorch reference of
-    the chunked delta rule instead, a loop over 64-token chunks that dynamo unrolls (on an H200,
-    47 s of tracing and over 100 s more before inductor started, for one Qwen3-Next layer)."""
-    if is_deltanet_layer(layer):
-        return [layer.mlp]
-    return [layer]
-
-
 def with_own_layers(stack: nn.Module) -> nn.Module:
     """A shallow copy of a decoder stack whose decoder layers, and everything inside them, are
     shallow copies too: the same weights, but each module object its own, so compiling the
@@ -237,10 +226,17 @@ class FrozenTarget(nn.Module):
             raise ValueError(f"target.compile_scope={scope!r}: expected 'stack' or 'layers'")
         stack = with_own_layers(self._feature_model[0])
         for layer in stack.layers[: self.feature_layers]:
-            for region in compile_regions(layer):
-                # A module's forward alone: its hooks (a decoder layer's hidden-state capture,
-                # which dynamo cannot trace) run around the compiled graph, eagerly.
-                region.forward = compile_shared(region.forward, backend=backend, dynamic=dynamic)
+            if is_deltanet_layer(layer):
+                # The copy's own mixer only (decoding keeps transformers'): transformers' calls
+                # flash-linear-attention's kernels, which dynamo does not call (under
+                # torch.compile transformers runs its PyTorch reference of the chunked rule, a
+                # loop over 64-token chunks dynamo unrolls: on an H200, 47 s of tracing and over
+                # 100 s more before inductor started, for one Qwen3-Next layer). FeatureMixer
+                # calls them as custom ops, which dynamo keeps whole.
+                layer.linear_attn = FeatureMixer(layer.linear_attn)
+            # The layer's forward alone: its hooks (the hidden-state capture, which dynamo
+            # cannot trace) run around the compiled graph, eagerly.
+            layer.forward = compile_shared(layer.forward, backend=backend, dynamic=dynamic)
         self._feature_stack = stack.forward
 
     @contextmanager

@@ -1,0 +1,181 @@
+"""Hybrid targets' Gated DeltaNet token mixer (Qwen3-Next, Qwen3.5 / Qwen3.6): its parts as the
+models compute them, and a feature-forward mixer that the regional compile keeps whole.
+
+A DeltaNet layer projects each token to q, k, v (one "mixed" channel vector), an output gate z
+and the rule's gate inputs b, a; runs a depthwise causal convolution of kernel 4 over the mixed
+channels; runs the gated delta rule over the sequence; then a gated RMSNorm and the output
+projection. transformers' forward does this with flash-linear-attention's kernels where they
+are installed, but dynamo cannot compile it as is: it traces the PyTorch reference of the
+chunked rule instead (a loop over 64-token chunks it unrolls), so the regional compile used to
+leave the whole token mixer eager, and with it a dozen elementwise kernels per layer (the
+transposes and copies around the convolution, the gates in fp32, q and k repeated to the value
+heads, the gated norm in fp32).
+
+`FeatureMixer` runs the same computation with the two kernels as custom ops (`dflash::short_conv`,
+`dflash::chunk_gated_delta_rule`), which dynamo keeps opaque: the layer compiles whole and
+inductor fuses what lies between them. On CUDA with fla installed the ops are fla's Triton
+kernels (the rule reading q and k at their own head count: fla pairs key heads with groups of
+value heads itself, so they are not repeated); elsewhere the PyTorch reference transformers
+would run. Feature forwards only (no cache, no packed sequences); `compile_features(scope=
+"layers")` installs it in the compiled copies of the layers, so `reference_features` and
+decoding keep transformers' own forward, which the tests compare it with.
+"""
+
+from __future__ import annotations
+
+import inspect
+import sys
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from transformers.activations import ACT2FN
+
+from dflash.models.short_conv import fla_available
+
+FLA_ACTIVATIONS = (None, "silu", "swish")  # what fla's convolution applies itself
+
+
+def project(mixer: nn.Module, x_NQH: torch.Tensor):
+    """The convolution's input [N, Q, C] (C = 2 key dims + value dim: q, k, v), the output gate
+    z [N, Q, Hv, Dv], and b, a [N, Q, Hv], for both published projection layouts: Qwen3-Next's
+    fused `in_proj_qkvz` / `in_proj_ba` (heads interleaved per key group) and Qwen3.5's separate
+    `in_proj_qkv`, `in_proj_z`, `in_proj_b`, `in_proj_a`."""
+    n, q_len, _ = x_NQH.shape
+    if hasattr(mixer, "in_proj_qkvz"):
+        query, key, value, z, b, a = mixer.fix_query_key_value_ordering(
+            mixer.in_proj_qkvz(x_NQH), mixer.in_proj_ba(x_NQH)
+        )
+        qkv = torch.cat([t.reshape(n, q_len, -1) for t in (query, key, value)], dim=-1)
+        return qkv, z, b, a
+    z = mixer.in_proj_z(x_NQH).reshape(n, q_len, -1, mixer.head_v_dim)
+    return mixer.in_proj_qkv(x_NQH), z, mixer.in_proj_b(x_NQH), mixer.in_proj_a(x_NQH)
+
+
+def split_heads(mixer: nn.Module, mixed_NQC: torch.Tensor):
+    n, q_len, _ = mixed_NQC.shape
+    query, key, value = torch.split(mixed_NQC, [mixer.key_dim, mixer.key_dim, mixer.value_dim], dim=-1)
+    return (
+        query.reshape(n, q_len, -1, mixer.head_k_dim),
+        key.reshape(n, q_len, -1, mixer.head_k_dim),
+        value.reshape(n, q_len, -1, mixer.head_v_dim),
+    )
+
+
+def gates(mixer: nn.Module, b: torch.Tensor, a: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """beta (how much a token writes) and g (log decay), as the model computes them."""
+    return b.sigmoid(), -mixer.A_log.float().exp() * F.softplus(a.float() + mixer.dt_bias)
+
+
+def finish(mixer: nn.Module, core_NQHD: torch.Tensor, z_NQHD: torch.Tensor) -> torch.Tensor:
+    """The gated RMSNorm and the output projection."""
+    n, q_len = core_NQHD.shape[:2]
+    normed = mixer.norm(core_NQHD.reshape(-1, mixer.head_v_dim), z_NQHD.reshape(-1, mixer.head_v_dim))
+    return mixer.out_proj(normed.reshape(n, q_len, -1))
+
+
+def _on_fla(tensor: torch.Tensor) -> bool:
+    return tensor.is_cuda and fla_available()
+
+
+@torch.library.custom_op("dflash::short_conv", mutates_args=())
+def short_conv(
+    x_NTC: torch.Tensor, weight_CK: torch.Tensor, bias_C: torch.Tensor | None, activation: str
+) -> torch.Tensor:
+    """The depthwise causal convolution over time of [N, T, C] (zeros before the first token),
+    then `activation` (the config's name, "" for none), in `x_NTC`'s dtype."""
+    act = activation or None
+    if _on_fla(x_NTC) and act in FLA_ACTIVATIONS:
+        from fla.modules.causal_conv1d import causal_conv1d
+
+        out, _ = causal_conv1d(x_NTC, weight_CK.to(x_NTC.dtype), bias_C, activation=act)
+        return out
+    # transformers' reference: F.conv1d with K - 1 zeros of padding, cut to T, then the activation
+    time = x_NTC.shape[1]
+    out = F.conv1d(
+        x_NTC.transpose(1, 2).to(weight_CK.dtype),
+        weight_CK.unsqueeze(1),
+        bias_C,
+        padding=weight_CK.shape[-1] - 1,
+        groups=x_NTC.shape[-1],
+    )[:, :, :time]
+    if act is not None:
+        out = ACT2FN[act](out)
+    return out.to(x_NTC.dtype).transpose(1, 2).contiguous()
+
+
+@short_conv.register_fake
+def _(x_NTC, weight_CK, bias_C, activation):
+    return torch.empty_like(x_NTC)
+
+
+@torch.library.custom_op("dflash::chunk_gated_delta_rule", mutates_args=())
+def chunk_gated_delta_rule(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    module: str,
+) -> torch.Tensor:
+    """The gated delta rule over whole sequences from a zero state, q and k l2-normalised in the
+    kernel as the models do: q, k [N, T, Hk, Dk], v [N, T, Hv, Dv], g, beta [N, T, Hv] ->
+    [N, T, Hv, Dv] in `value`'s dtype. `module`: the modeling module whose PyTorch reference
+    runs where fla cannot (the reference wants q and k repeated to the value heads)."""
+    if _on_fla(value):
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule
+
+        out, _ = fla_rule(query, key, value, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
+        return out.to(value.dtype)
+    groups = value.shape[2] // query.shape[2]
+    if groups > 1:
+        query, key = (t.repeat_interleave(groups, dim=2) for t in (query, key))
+    reference = inspect.unwrap(sys.modules[module].torch_chunk_gated_delta_rule)
+    out, _ = reference(
+        query,
+        key,
+        value,
+        g=g,
+        beta=beta,
+        initial_state=None,
+        output_final_state=False,
+        use_qk_l2norm_in_kernel=True,
+    )
+    return out.to(value.dtype)
+
+
+@chunk_gated_delta_rule.register_fake
+def _(query, key, value, g, beta, module):
+    return torch.empty_like(value)
+
+
+class FeatureMixer(nn.Module):
+    """A DeltaNet layer's token mixer for feature forwards: the model's own weights and parts
+    (`project`, `gates`, `finish`), the convolution and the rule as the custom ops above."""
+
+    def __init__(self, mixer: nn.Module):
+        super().__init__()
+        self.mixer = mixer
+        self._modeling = type(mixer).__module__
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        cache_params: Any = None,
+        attention_mask: torch.Tensor | None = None,
+        **kwargs: Any,
+    ) -> torch.Tensor:
+        if cache_params is not None or kwargs.get("cu_seq_lens_q") is not None:
+            raise ValueError("FeatureMixer serves feature forwards: no cache, no packed sequences")
+        mixer = self.mixer
+        # padding positions zeroed before the projections, as the model does
+        hidden_states = sys.modules[self._modeling].apply_mask_to_padding_states(
+            hidden_states, attention_mask
+        )
+        mixed, z, b, a = project(mixer, hidden_states)
+        mixed = short_conv(mixed, mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.activation or "")
+        query, key, value = split_heads(mixer, mixed)
+        beta, g = gates(mixer, b, a)
+        core = chunk_gated_delta_rule(query, key, value, g, beta, self._modeling)
+        return finish(mixer, core, z)

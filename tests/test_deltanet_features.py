@@ -1,0 +1,111 @@
+"""The Gated DeltaNet token mixer of feature forwards (dflash/models/deltanet.py, `FeatureMixer`):
+transformers' mixer's output, exactly where both run PyTorch; its two kernels opaque to dynamo, so
+a compiled layer keeps them whole; on CUDA, flash-linear-attention's kernels against the
+reference."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from dflash.models.deltanet import FeatureMixer
+from dflash.models.families import is_deltanet_layer
+from dflash.models.target import FrozenTarget
+
+HYBRID_FAMILIES = ["qwen3_next", "qwen3_5", "qwen3_5_moe"]  # both projection layouts, dense and MoE
+
+
+def deltanet_mixers(model) -> list[torch.nn.Module]:
+    return [layer.linear_attn for layer in model.base_model.layers if is_deltanet_layer(layer)]
+
+
+@pytest.mark.parametrize("family", HYBRID_FAMILIES)
+def test_the_feature_mixer_gives_transformers_mixer_output(family, request):
+    """fp32 on the CPU, with a padding mask (padded positions zeroed before the projections, as
+    the model does) and without: bit for bit the output of the model's own mixer."""
+    model = AutoModelForCausalLM.from_pretrained(request.getfixturevalue(f"tiny_{family}_dir")).eval()
+    generator = torch.Generator().manual_seed(0)
+    hidden = torch.randn(2, 23, model.config.get_text_config().hidden_size, generator=generator)
+    mask = torch.ones(2, 23, dtype=torch.long)
+    mask[1, :5] = 0  # a left-padded row
+    mixers = deltanet_mixers(model)
+    assert mixers
+    with torch.no_grad():
+        for mixer in mixers:
+            for attention_mask in (None, mask):
+                want = mixer(hidden, attention_mask=attention_mask)
+                got = FeatureMixer(mixer)(hidden, attention_mask=attention_mask)
+                torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_cache_or_packed_sequences_are_refused(tiny_qwen3_next_dir):
+    mixer = FeatureMixer(deltanet_mixers(AutoModelForCausalLM.from_pretrained(tiny_qwen3_next_dir))[0])
+    hidden = torch.zeros(1, 3, mixer.mixer.hidden_size)
+    with pytest.raises(ValueError, match="no cache, no packed sequences"):
+        mixer(hidden, cache_params=object())
+    with pytest.raises(ValueError, match="no cache, no packed sequences"):
+        mixer(hidden, cu_seq_lens_q=torch.tensor([0, 3]))
+
+
+def test_a_compiled_layer_keeps_the_convolution_and_the_rule_whole(tiny_qwen3_next_dir):
+    """The graph dynamo captures of a DeltaNet layer's feature mixer holds each kernel as one
+    call (dflash::short_conv, dflash::chunk_gated_delta_rule), not the reference's unrolled loop
+    over 64-token chunks, and no graph break."""
+    from torch._dynamo.utils import counters
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_next_dir).eval()
+    mixer = FeatureMixer(deltanet_mixers(model)[0])
+    graphs = []
+
+    def capture(graph, inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    torch._dynamo.reset()
+    counters.clear()
+    hidden = torch.randn(2, 150, model.config.hidden_size)  # three chunks of the rule
+    with torch.no_grad():
+        got = torch.compile(mixer, backend=capture, fullgraph=True)(hidden)
+        torch.testing.assert_close(got, mixer(hidden), rtol=0, atol=0)
+    assert len(graphs) == 1 and sum(counters["graph_break"].values()) == 0
+    targets = [str(node.target) for node in graphs[0].graph.nodes if node.op == "call_function"]
+    assert targets.count("dflash.short_conv.default") == 1, targets
+    assert targets.count("dflash.chunk_gated_delta_rule.default") == 1, targets
+    assert len(targets) < 60, f"{len(targets)} calls: the rule's loop was traced"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 2e-4), (torch.bfloat16, 3e-2)])
+def test_on_cuda_the_compiled_layers_on_fla_give_the_eager_stacks_features(
+    tiny_qwen3_next_dir, monkeypatch, dtype, tolerance
+):
+    """Regionally compiled (inductor) features of a Qwen3-Next-layout target, its DeltaNet layers on
+    fla's convolution and chunked rule through FeatureMixer, against transformers' eager stack;
+    and fla's kernels really ran, once per DeltaNet layer each."""
+    pytest.importorskip("fla")
+    import fla.modules.causal_conv1d as fla_conv
+    import fla.ops.gated_delta_rule as fla_rule
+
+    calls = {"conv": 0, "rule": 0}
+
+    def counting(name, function):
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return function(*args, **kwargs)
+
+        return call
+
+    monkeypatch.setattr(fla_conv, "causal_conv1d", counting("conv", fla_conv.causal_conv1d))
+    monkeypatch.setattr(fla_rule, "chunk_gated_delta_rule", counting("rule", fla_rule.chunk_gated_delta_rule))
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_next_dir, dtype=dtype).cuda()
+    target = FrozenTarget(model, [5])
+    target.compile_features(scope="layers")
+    ids = torch.randint(1, 500, (2, 200), device="cuda")
+    want = target.reference_features(ids)
+    calls.update(conv=0, rule=0)
+    got = target.features(ids)
+    deltanet_layers = len(deltanet_mixers(model))
+    assert calls == {"conv": deltanet_layers, "rule": deltanet_layers}
+    scale = want.abs().max().item()
+    assert (got - want).abs().max().item() <= tolerance * max(scale, 1.0)
