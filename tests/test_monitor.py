@@ -358,3 +358,46 @@ def test_the_run_summary_takes_the_steady_window_role_figures_over_the_whole_run
     assert fallback["roles/target_s_per_batch"] == pytest.approx(3.0)
     assert fallback["roles/drafter_s_per_batch"] == pytest.approx(1.0)
     assert fallback["roles/target_busy_frac"] == pytest.approx(0.3)
+
+
+def test_the_run_summary_gives_each_devices_largest_peak_across_ticks(monkeypatch):
+    """The allocator's peak is reset at every tick (each row logs its window's own), so the run's
+    peak per device is the largest any tick read; the summary prints it per device (what a user
+    sizes a target against: an FP8 80B target beside its drafter on one GPU)."""
+    from dflash.monitor import monitor as monitor_module
+    from dflash.run.runner import format_summary
+
+    now = [0.0]
+    monkeypatch.setattr(monitor_module.time, "perf_counter", lambda: now[0])
+    monkeypatch.setattr(monitor_module, "train_metrics", lambda groups: {})
+    peaks = iter([{0: 80.5, 1: 20.0}, {0: 92.25, 1: 18.0}, {0: 85.0, 1: 21.5}])
+
+    def allocator(devices):
+        window = next(peaks)
+        return {f"cuda/cuda{i}/peak_allocated_gb": gb for i, gb in window.items()} | {"cuda/cuda0/ooms": 0.0}
+
+    monkeypatch.setattr(monitor_module, "cuda_allocator_stats", allocator)
+    monitor = monitor_module.Monitor(
+        sinks=[], probe=ScriptedProbe(), total_steps=30, interval_s=5.0, telemetry=False, cuda_stats=True
+    )
+    monitor.cuda_devices = [torch.device("cuda", 0), torch.device("cuda", 1)]
+    for at in (5.0, 10.0, 15.0):
+        now[0] = at
+        monitor.maybe_tick()
+    assert monitor.peak_allocated_gb == {"cuda0": 92.25, "cuda1": 21.5}
+    summary = {
+        "run_dir": "r",
+        "checkpoint": "c",
+        "steps": 30,
+        "wall_s": 1.0,
+        "pipeline": "async",
+        "train/loss_first_window": 1.0,
+        "train/loss": 0.5,
+        "train/acc_first_window": 0.0,
+        "train/acc": 0.5,
+        "train/tau_sim": 1.0,
+        "train/tau_block": 1.0,
+        "train/tau_decode": 1.0,
+        **{f"memory/{d}_peak_allocated_gb": gb for d, gb in monitor.peak_allocated_gb.items()},
+    }
+    assert "peak memory       cuda0 92.2 GB, cuda1 21.5 GB allocated" in format_summary(summary)

@@ -67,6 +67,9 @@ class Monitor:
     # train/ metrics of each log window (every logger.every_steps steps), whatever the tick
     # cadence: step-based, so a run summary does not depend on how fast the machine is.
     window_history: list[dict[str, float]] = field(default_factory=list)
+    # The largest allocation peak each CUDA device reached at any tick: the allocator's peak is
+    # reset at every tick (each row logs its own window's), so the run's is kept here.
+    peak_allocated_gb: dict[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         roles = self.probe.role_devices()
@@ -115,7 +118,12 @@ class Monitor:
                 self._last_mark = mark
         telemetry.update(self.gpu.read())
         if self.cuda_stats and self.cuda_devices:
-            telemetry.update(cuda_allocator_stats(self.cuda_devices))
+            allocator = cuda_allocator_stats(self.cuda_devices)
+            for key, value in allocator.items():
+                if key.endswith("/peak_allocated_gb"):
+                    device = key.split("/")[1]
+                    self.peak_allocated_gb[device] = max(self.peak_allocated_gb.get(device, 0.0), value)
+            telemetry.update(allocator)
         for sink in self.sinks:
             telemetry.update(getattr(sink, "health", dict)())
         if rows:

@@ -142,6 +142,10 @@ class Run:
             "node_gpus": visible_cuda_devices() if self.cfg.gpu.device is DeviceKind.cuda else 0,
             **{f"{role}_compiled_graphs": counter.graphs for role, counter in self.compiled.items()},
             **self.trainer.monitor.steady_throughput(),
+            **{
+                f"memory/{device}_peak_allocated_gb": round(gb, 2)
+                for device, gb in self.trainer.monitor.peak_allocated_gb.items()
+            },
             **self.trainer.role_summary(),
             **eval_metrics,
         }
@@ -217,6 +221,16 @@ def format_summary(summary: dict[str, Any]) -> str:
             else []
         ),
     ]
+    peaks = {k: v for k, v in summary.items() if k.startswith("memory/") and k.endswith("_peak_allocated_gb")}
+    if peaks:
+        lines.append(
+            "peak memory       "
+            + ", ".join(
+                f"{key.removeprefix('memory/').removesuffix('_peak_allocated_gb')} {gb:.1f} GB"
+                for key, gb in sorted(peaks.items())
+            )
+            + " allocated at most, per device, up to the last training step"
+        )
     if "eval/tau" in summary:
         lines.append(
             f"tau (spec decode) {summary['eval/tau']:.3f} over {int(summary['eval/num_prompts'])} held-out prompts"
