@@ -612,9 +612,9 @@ class EvalConfig:
     # layer's graph per layer kind and step shape: docs/ARCHITECTURE.md §2b; with every_steps,
     # training's compiled code waits for it at the first periodic evaluation, as every thread
     # does while another compiles). Hybrid targets want it: a DeltaNet layer's gates, convolution
-    # and norms are many small kernels (Qwen3.5-9B shape on an H200, before the delta rule ran as
-    # one fused kernel per layer: a round 2.33 plain steps without; compiled, 1.78 compiled plain
-    # steps: benchmarks/RESULTS.md; experiment=qwen3_5_b16 turns it on).
+    # and norms are many small kernels (Qwen3.5-9B shape, b16, on an H200: a round 14.5 ms
+    # without, 10.1 ms compiled = 1.35 compiled plain steps: benchmarks/RESULTS.md;
+    # experiment=qwen3_5_b16 turns it on).
     compile_decoding: bool = False
     # A DSpark drafter at a temperature > 0: sample each draft from its Markov-biased logits at
     # that temperature; a DFlash2 drafter: sample each draft among its selector's K candidates
