@@ -57,3 +57,29 @@ def test_an_unknown_scope_is_refused_naming_the_key(tiny_qwen3_dir):
     target = FrozenTarget(AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir), [1, 3])
     with pytest.raises(ValueError, match="target.compile_scope='model'"):
         target.compile_features(CompileCounter("t"), scope="model")
+
+
+def test_a_hybrid_stack_compiled_whole_gives_the_eager_stacks_features(tiny_qwen3_next_dir):
+    """scope=stack on a hybrid target: its DeltaNet layers through FeatureMixer too (compiled as
+    transformers' forward, the chunked rule's loop would be unrolled), the features exactly the
+    eager stack's, the model's own mixers left to decoding."""
+    from torch._dynamo.utils import counters
+
+    from dflash.models.deltanet import FeatureMixer
+
+    torch._dynamo.reset()
+    counters.clear()
+    graphs = []
+
+    def capture(graph, inputs):
+        graphs.append(graph)
+        return graph.forward
+
+    counter = CompileCounter("target", backend=capture)
+    target = FrozenTarget(AutoModelForCausalLM.from_pretrained(tiny_qwen3_next_dir), [3])
+    target.compile_features(counter, scope="stack")
+    ids = torch.randint(1, 500, (2, 70))  # two chunks of the rule
+    torch.testing.assert_close(target.features(ids), target.reference_features(ids), rtol=0, atol=0)
+    calls = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert calls.count("dflash.chunk_gated_delta_rule.default") == 2  # layers 0 and 2 of the 4 run
+    assert not any(isinstance(m, FeatureMixer) for m in target.model.modules())

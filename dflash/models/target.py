@@ -213,16 +213,12 @@ class FrozenTarget(nn.Module):
         changes (scripts/bench_step.py sets the two side by side).
 
         `scope`: "stack", the whole stack as one function (fastest for dense stacks: every layer
-        inlined into one graph); "layers", each decoder layer apart (regional compilation,
-        `compile_regions`): the layers share their code, and dynamo keeps one graph per region
-        kind with the weights as inputs, so a 48-layer hybrid MoE stack compiles two graphs
-        instead of one graph of 48 unrolled layers."""
-        if scope == "stack":
-            self._feature_stack = compile_shared(
-                self._feature_model[0].forward, backend=backend, dynamic=dynamic
-            )
-            return
-        if scope != "layers":
+        inlined into one graph); "layers", each decoder layer apart (regional compilation): the
+        layers share their code, and dynamo keeps one graph per layer kind with the weights as
+        inputs, so a 48-layer hybrid MoE stack compiles two graphs instead of one graph of 48
+        unrolled layers. Either compiles a copy of the stack whose Gated DeltaNet mixers are
+        `FeatureMixer`s (dflash/models/deltanet.py)."""
+        if scope not in ("stack", "layers"):
             raise ValueError(f"target.compile_scope={scope!r}: expected 'stack' or 'layers'")
         stack = with_own_layers(self._feature_model[0])
         for layer in stack.layers[: self.feature_layers]:
@@ -234,10 +230,14 @@ class FrozenTarget(nn.Module):
                 # 100 s more before inductor started, for one Qwen3-Next layer). FeatureMixer
                 # calls them as custom ops, which dynamo keeps whole.
                 layer.linear_attn = FeatureMixer(layer.linear_attn)
-            # The layer's forward alone: its hooks (the hidden-state capture, which dynamo
-            # cannot trace) run around the compiled graph, eagerly.
-            layer.forward = compile_shared(layer.forward, backend=backend, dynamic=dynamic)
-        self._feature_stack = stack.forward
+            if scope == "layers":
+                # The layer's forward alone: its hooks (the hidden-state capture, which dynamo
+                # cannot trace) run around the compiled graph, eagerly.
+                layer.forward = compile_shared(layer.forward, backend=backend, dynamic=dynamic)
+        if scope == "stack":
+            self._feature_stack = compile_shared(stack.forward, backend=backend, dynamic=dynamic)
+        else:
+            self._feature_stack = stack.forward
 
     @contextmanager
     def _padded_attention(self) -> Iterator[None]:
