@@ -401,3 +401,39 @@ def test_the_run_summary_gives_each_devices_largest_peak_across_ticks(monkeypatc
         **{f"memory/{d}_peak_allocated_gb": gb for d, gb in monitor.peak_allocated_gb.items()},
     }
     assert "peak memory       cuda0 92.2 GB, cuda1 21.5 GB allocated" in format_summary(summary)
+
+
+def test_a_target_bound_run_names_the_faster_target_settings_it_left_off():
+    """The split advice follows the target path the run measured: when the target is the slower
+    role and ran without the faster options for its kind (fused experts for MoE; the compiled
+    stack, one graph per layer kind for MoE and hybrid stacks), the summary names them."""
+    from dflash.config.schema import CompileScope, ExpertsKind, TargetConfig
+    from dflash.models.target import faster_target_settings
+    from dflash.pipeline.roles import role_lines
+    from tests.conftest import tiny_config
+
+    plain = TargetConfig(name="t")
+    fast = TargetConfig(name="t", experts=ExpertsKind.fused, compile=True, compile_scope=CompileScope.layers)
+    hybrid_moe, hybrid, dense = tiny_config("qwen3_next"), tiny_config("qwen3_5"), tiny_config("qwen3")
+    assert faster_target_settings(plain, hybrid_moe) == [
+        "target.experts=fused",
+        "target.compile=true",
+        "target.compile_scope=layers",
+    ]
+    assert faster_target_settings(plain, hybrid) == ["target.compile=true", "target.compile_scope=layers"]
+    assert faster_target_settings(plain, dense) == ["target.compile=true"]
+    assert faster_target_settings(fast, hybrid_moe) == faster_target_settings(fast, dense) == []
+
+    summary = {
+        "replicas": 1, "node_gpus": 1, "roles/target_busy_frac": 1.0, "roles/drafter_busy_frac": 0.47,
+        "roles/data_wait_frac": 0.95, "roles/target_s_per_batch": 1.088, "roles/drafter_s_per_batch": 0.513,
+        "target_faster_settings": faster_target_settings(plain, hybrid_moe),
+    }  # fmt: skip
+    hint = [line for line in role_lines(summary) if line.startswith("faster target")]
+    assert hint == [
+        "faster target     the target is the slower role and ran without target.experts=fused "
+        "target.compile=true target.compile_scope=layers (docs/configuration.md): with them it "
+        "needs fewer of the split's GPUs"
+    ]
+    drafter_bound = {**summary, "roles/target_s_per_batch": 0.2}
+    assert not [line for line in role_lines(drafter_bound) if line.startswith("faster target")]

@@ -19,7 +19,7 @@ try:  # transformers >= 5: hidden states recorded by hooks (older versions colle
 except ImportError:
     install_output_hooks = None
 
-from dflash.config.schema import TargetConfig
+from dflash.config.schema import CompileScope, ExpertsKind, TargetConfig
 from dflash.models import fused_experts
 from dflash.models.compile import compile_shared
 from dflash.models.deltanet import FeatureMixer
@@ -174,6 +174,25 @@ def with_own_layers(stack: nn.Module) -> nn.Module:
     copied._modules = dict(stack._modules)
     copied.layers = nn.ModuleList(_own_module_tree(layer, capture_hooks=True) for layer in stack.layers)
     return copied
+
+
+def faster_target_settings(cfg: TargetConfig, config: PretrainedConfig) -> list[str]:
+    """The target options a run on CUDA left off that make this target's feature forward faster:
+    fused experts for a MoE target, the compiled stack, one graph per layer kind for MoE and
+    hybrid stacks (Qwen3-Next-80B's shape, 12 layers, 4 x 3072 tokens on an H200: 151.7 ms with
+    transformers' experts, eager; 76.4 ms with all three: benchmarks/RESULTS.md, 2026-12-03
+    (night)). The run summary names them when the target is the slower role."""
+    text = config.get_text_config()
+    moe = bool(getattr(text, "num_experts", 0))
+    hybrid = "linear_attention" in (getattr(text, "layer_types", None) or ())
+    settings = []
+    if moe and cfg.experts is not ExpertsKind.fused:
+        settings.append("target.experts=fused")
+    if not cfg.compile:
+        settings.append("target.compile=true")
+    if (moe or hybrid) and (not cfg.compile or cfg.compile_scope is not CompileScope.layers):
+        settings.append("target.compile_scope=layers")
+    return settings
 
 
 class FrozenTarget(nn.Module):

@@ -128,4 +128,11 @@ def role_lines(summary: dict[str, Any]) -> list[str]:
     if summary["node_gpus"] >= 1:
         for size in advice_node_sizes(summary["node_gpus"]):
             lines.append(f"split advice      {times.advice(size)}")
+        faster = summary.get("target_faster_settings")
+        if faster and times.target_s_per_batch > times.drafter_s_per_batch:
+            # The advice follows the target path this run measured; a faster one needs fewer GPUs.
+            lines.append(
+                f"faster target     the target is the slower role and ran without {' '.join(faster)} "
+                "(docs/configuration.md): with them it needs fewer of the split's GPUs"
+            )
     return lines

@@ -20,6 +20,7 @@ from dflash.eval.prompts import PromptSet
 from dflash.eval.report import lossless_line
 from dflash.export.card import write_model_card
 from dflash.models.compile import CompileCounter
+from dflash.models.target import faster_target_settings
 from dflash.monitor.callbacks import TrainingCallbacks
 from dflash.pipeline.roles import role_lines
 from dflash.step.loss import VARIANT_FIGURES
@@ -141,6 +142,11 @@ class Run:
             "replica_digest": self.trainer.replica_digest,
             "node_gpus": visible_cuda_devices() if self.cfg.gpu.device is DeviceKind.cuda else 0,
             **{f"{role}_compiled_graphs": counter.graphs for role, counter in self.compiled.items()},
+            **(
+                {"target_faster_settings": faster_target_settings(self.cfg.target, self.trainer.target.config)}
+                if self.cfg.gpu.device is DeviceKind.cuda
+                else {}
+            ),
             **self.trainer.monitor.steady_throughput(),
             **{
                 f"memory/{device}_peak_allocated_gb": round(gb, 2)
