@@ -143,7 +143,11 @@ class Run:
             "node_gpus": visible_cuda_devices() if self.cfg.gpu.device is DeviceKind.cuda else 0,
             **{f"{role}_compiled_graphs": counter.graphs for role, counter in self.compiled.items()},
             **(
-                {"target_faster_settings": faster_target_settings(self.cfg.target, self.trainer.target.config)}
+                {
+                    "target_faster_settings": faster_target_settings(
+                        self.cfg.target, self.trainer.target.config
+                    )
+                }
                 if self.cfg.gpu.device is DeviceKind.cuda
                 else {}
             ),
