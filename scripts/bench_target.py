@@ -18,7 +18,7 @@ eager forward with CUDA events around each part (hooks: the parts' sum is a litt
 forward's time), per part: milliseconds, share of the forward and useful TFLOP/s.
 `--experts`: transformers' experts implementations (`eager` loops over experts, `grouped_mm`
 one grouped GEMM per projection, `batched_mm` gathers each token's expert weights), dflash's
-`fused` Triton kernels (target.experts=fused), and `liger`, liger-kernel's fused MoE
+`fused` Triton kernels (target.experts=fused; `fused_w8a8`, on FP8 experts with quantized activations), and `liger`, liger-kernel's fused MoE
 (`LigerFusedMoEFunction`, when liger-kernel is installed: measured beside ours, not a
 target.experts choice); a variant that runs out of memory is reported as such.
 """

@@ -76,7 +76,8 @@ def test_routing_bound_holds_when_every_expert_gets_one_pair():
     assert sorted(p for p in route.row_pair.tolist() if p < 12) == list(range(12))
 
 
-def test_fused_experts_on_the_cpu_are_refused_naming_the_key(make_cfg):
+@pytest.mark.parametrize("kind", ["fused", "fused_w8a8"])
+def test_fused_experts_on_the_cpu_are_refused_naming_the_key(make_cfg, kind):
     from dflash.config.typed import typed_config
     from dflash.run.inputs import frozen_target
 
@@ -85,9 +86,9 @@ def test_fused_experts_on_the_cpu_are_refused_naming_the_key(make_cfg):
         "drafter=tiny",
         "drafter.mask_token_id=255",
         "drafter.target_layer_ids=[0,3]",
-        "target.experts=fused",
+        f"target.experts={kind}",
     ]
-    with pytest.raises(ValueError, match=r"target.experts=fused runs Triton kernels on CUDA; on cpu"):
+    with pytest.raises(ValueError, match=rf"target.experts={kind} runs Triton kernels on CUDA; on cpu"):
         frozen_target(typed_config(make_cfg(overrides)), "cpu")
 
 
@@ -176,6 +177,108 @@ def test_on_cuda_fp8_experts_read_as_stored_compute_their_dequantized_weights():
     dequantized = [dequantize_blockwise(w, s, (128, 128), torch.float32) for w, s in quantized]
     want = experts_formula(x, top_k_index, weights, *dequantized)
     torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+
+
+def test_activation_groups_quantize_as_the_served_fp8_kernels_do():
+    """One scale per row and 128 columns, max|x| / 448; the group's largest element lands on
+    +-448 exactly, every element within e4m3's rounding (3 mantissa bits: half an ulp is 1/16
+    relative); an all-zero group keeps a tiny positive scale and quantizes to zeros."""
+    from dflash.models.fused_experts import quantize_groups
+
+    generator = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 384, generator=generator) * torch.tensor([1e-3, 1.0, 300.0]).repeat_interleave(128)
+    x[3, 128:256] = 0.0
+    q, scale = quantize_groups(x.bfloat16())
+    assert q.dtype == torch.float8_e4m3fn and q.shape == x.shape and scale.shape == (5, 3)
+    groups = x.bfloat16().float().reshape(5, 3, 128)
+    amax = groups.abs().amax(-1)
+    torch.testing.assert_close(scale[amax > 0], amax[amax > 0] / 448.0, rtol=0, atol=0)
+    assert scale[3, 1] > 0 and q.float().reshape(5, 3, 128)[3, 1].abs().max() == 0
+    back = q.float().reshape(5, 3, 128) * scale[..., None]
+    assert (back - groups).abs().le(groups.abs() / 16 + scale[..., None] * 2**-9).all()
+    peak = groups.abs().argmax(-1, keepdim=True)
+    assert q.float().reshape(5, 3, 128).gather(-1, peak)[amax > 0].abs().eq(448.0).all()
+
+
+def test_fused_w8a8_sends_fp8_experts_to_the_kernels_with_quantized_activations(monkeypatch):
+    """`fused_w8a8` takes the same kernels as `fused`, asking for quantized activations; on bf16
+    experts (no scales) the two are one function."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dflash.models import fused_experts
+    from dflash.models.fp8 import quantize_layer
+
+    calls = []
+    monkeypatch.setattr(fused_experts, "_fused_experts_op", lambda *args: calls.append(args[-1]) or args[0])
+    config = AutoConfig.for_model("qwen3_next", **QWEN3_NEXT_MOE)
+    experts = quantize_layer(AutoModelForCausalLM.from_config(config).model.layers[0]).mlp.experts
+    x, index, weights = (
+        torch.randn(3, QWEN3_NEXT_MOE["hidden_size"]),
+        torch.zeros(3, 3, dtype=torch.long),
+        torch.ones(3, 3),
+    )
+    for implementation in fused_experts.IMPLEMENTATIONS:
+        experts._template[0].config._experts_implementation = implementation
+        experts(x, index, weights)
+    assert calls == [False, True]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tokens", [1, 300])
+def test_on_cuda_w8a8_experts_compute_the_formula_on_quantized_activations(tokens, monkeypatch):
+    """fused_w8a8 on block-wise FP8 weights, each kernel against the formula on its own quantized
+    input: the gate/up kernel's SwiGLU rows from the hidden states quantized per token and 128
+    columns (within their bf16 rounding); the down kernel's output from those rows quantized
+    the same way (within the bf16 rounding of each pair's row). End to end the result stays
+    within what activation quantization explains of the dequantized-weights formula (an e4m3
+    step is 1/16 relative, and rows that differ by one bf16 step can quantize a step apart, so
+    the formula on the unrounded values is no tight reference)."""
+    from dflash.models import fused_experts as module
+    from dflash.models.fp8 import dequantize_blockwise, quantize_blockwise
+
+    quantized_inputs = []
+
+    def recording(t, group=128):
+        quantized_inputs.append(t.clone())
+        return quantize_groups(t, group)
+
+    quantize_groups = module.quantize_groups
+    monkeypatch.setattr(module, "quantize_groups", recording)
+    generator = torch.Generator().manual_seed(2)
+    num_experts, top_k, hidden, inter = 8, 2, 256, 256
+    gate_up, down = random_experts(num_experts, hidden, inter, torch.float32, generator)
+    quantized = [quantize_blockwise(w, (128, 128)) for w in (gate_up, down)]
+    (gate_up_q, gate_up_s), (down_q, down_s) = quantized
+    top_k_index = skewed_routing(tokens, top_k, num_experts, generator).cuda()
+    weights = torch.softmax(torch.randn(tokens, top_k, generator=generator), -1).cuda().bfloat16()
+    x = torch.randn(tokens, hidden, generator=generator).cuda().bfloat16()
+    got = module.fused_experts(
+        x, top_k_index, weights, gate_up_proj=gate_up_q, down_proj=down_q,
+        gate_up_scale=gate_up_s, down_scale=down_s, fp8_activations=True,
+    ).float()  # fmt: skip
+    w_gate_up, w_down = (dequantize_blockwise(w, s, (128, 128), torch.float32) for w, s in quantized)
+
+    def dequantized_groups(t):
+        q, scale = quantize_groups(t)
+        return (q.float().reshape(t.shape[0], -1, 128) * scale[..., None]).reshape(t.shape)
+
+    hidden_in, activated = quantized_inputs  # what each kernel read, before quantization
+    assert torch.equal(hidden_in, x)
+    route = module.routing(top_k_index, num_experts)
+    rows = (route.row_pair < route.pairs).nonzero().squeeze(1)
+    pair = route.row_pair[rows].long()
+    token, slot = pair // top_k, pair % top_k
+    expert = top_k_index[token, slot]
+    gate, up = torch.einsum("rh,rnh->rn", dequantized_groups(x)[token], w_gate_up[expert]).chunk(2, dim=-1)
+    swiglu = F.silu(gate) * up
+    assert (activated[rows].float() - swiglu).abs().max() <= swiglu.abs().max() * 2**-7
+    per_pair = torch.einsum("ri,rhi->rh", dequantized_groups(activated)[rows], w_down[expert])
+    per_pair = (weights[token, slot, None].float() * per_pair).bfloat16().float()
+    want = torch.zeros(tokens, hidden, device="cuda").index_add_(0, token, per_pair)
+    scale = want.abs().max().item()
+    assert (got - want).abs().max().item() <= top_k * scale * 2**-7
+    unquantized = experts_formula(x, top_k_index, weights, w_gate_up, w_down)
+    assert (got - unquantized).abs().max().item() <= 0.15 * scale
 
 
 @pytest.mark.gpu

@@ -36,6 +36,11 @@ class ExpertsKind(str, Enum):
     # + SwiGLU in one kernel, down GEMM + routing weight in another, no host sync; FP8 experts
     # read as stored. CUDA only.
     fused = "fused"
+    # The same, and on FP8 experts the activations quantized too (e4m3, one scale per token and
+    # 128 columns, as SGLang's and vLLM's block-wise FP8 MoE kernels do): FP8 x FP8 GEMMs on FP8
+    # tensor cores, the served engines' numerics rather than the dequantized weights'. bf16
+    # experts: as fused. CUDA only.
+    fused_w8a8 = "fused_w8a8"
 
 
 class DeviceKind(str, Enum):

@@ -186,7 +186,7 @@ class BlockFP8Experts(nn.Module):
 
         template = self._template[0]
         implementation = template.config._experts_implementation
-        if implementation == fused_experts.EXPERTS_IMPLEMENTATION and self._fused_reads_fp8():
+        if implementation in fused_experts.IMPLEMENTATIONS and self._fused_reads_fp8():
             return fused_experts.fused_fp8_experts(
                 template,
                 hidden_states,
@@ -194,6 +194,7 @@ class BlockFP8Experts(nn.Module):
                 top_k_weights,
                 gate_up=(self.gate_up_proj, self.gate_up_proj_scale_inv),
                 down=(self.down_proj, self.down_proj_scale_inv),
+                fp8_activations=implementation == fused_experts.W8A8_IMPLEMENTATION,
             )
         gate_up, down = self.dequantized(hidden_states.dtype)
         view = _DequantizedView(

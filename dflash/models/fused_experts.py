@@ -38,6 +38,11 @@ from typing import Optional
 import torch
 
 EXPERTS_IMPLEMENTATION = "fused"  # the name under transformers' ALL_EXPERTS_FUNCTIONS
+# The same kernels; on FP8 experts the activations are quantized too (w8a8, `quantize_groups`)
+# and the GEMMs run on FP8 tensor cores.
+W8A8_IMPLEMENTATION = "fused_w8a8"
+IMPLEMENTATIONS = (EXPERTS_IMPLEMENTATION, W8A8_IMPLEMENTATION)
+E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
 BLOCK_M = 64  # rows per tile: each expert's run of rows is padded to a multiple of it
 FP8_BLOCK = 128  # the published checkpoints' scale block (weights rows x columns)
 
@@ -78,6 +83,18 @@ def routing(top_k_index: torch.Tensor, num_experts: int, block_m: int = BLOCK_M)
     return Routing(row_pair=row_pair, tile_expert=tile_expert, pairs=pairs)
 
 
+def quantize_groups(x: torch.Tensor, group: int = FP8_BLOCK) -> tuple[torch.Tensor, torch.Tensor]:
+    """`x [R, C]` as e4m3 with one fp32 scale per row and `group` columns ([R, C / group]):
+    scale = max|x| / 448 over the group (1e-10 at least), q = x / scale rounded to e4m3. The
+    dynamic per-token-group activation quantization of SGLang's and vLLM's block-wise FP8
+    kernels and transformers' fine-grained FP8: q * scale is what their FP8 GEMMs multiply."""
+    rows, cols = x.shape
+    grouped = x.float().reshape(rows, cols // group, group)
+    scale = grouped.abs().amax(dim=-1).clamp(min=1e-10) / E4M3_MAX
+    q = (grouped / scale[..., None]).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn)
+    return q.reshape(rows, cols), scale
+
+
 @functools.cache
 def _kernels():
     """The Triton kernels, imported on first use (triton is the `gpu` extra; CPU runs never import it)."""
@@ -109,12 +126,16 @@ def fused_experts(
     down_proj: torch.Tensor,
     gate_up_scale: Optional[torch.Tensor] = None,
     down_scale: Optional[torch.Tensor] = None,
+    fp8_activations: bool = False,
 ) -> torch.Tensor:
     """sum_k w[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = top_k_index[t, k], for
     `hidden_states [T, H]`, `gate_up_proj [E, 2I, H]` (gate rows first), `down_proj [E, H, I]`
-    (bf16, or FP8 e4m3 with `*_scale` [E, rows / 128, cols / 128])."""
+    (bf16, or FP8 e4m3 with `*_scale` [E, rows / 128, cols / 128]). `fp8_activations` (FP8
+    weights only): both GEMMs read their inputs quantized by `quantize_groups` (the hidden
+    states, then the SwiGLU rows) and multiply FP8 by FP8."""
     triton, gate_up_kernel, down_kernel = _kernels()
     fp8 = gate_up_scale is not None
+    a8 = fp8 and fp8_activations
     tokens, hidden = hidden_states.shape
     top_k = top_k_index.shape[-1]
     num_experts, two_inter, _ = gate_up_proj.shape
@@ -148,20 +169,29 @@ def fused_experts(
         num_warps=warps,
         num_stages=3,
     )
-    activated = torch.empty(route.row_pair.numel(), inter, dtype=x.dtype, device=x.device)
+    shared["A8"] = a8
+    x_in, x_scale = quantize_groups(x) if a8 else (x, x)  # (bf16: a placeholder pointer, never read)
+    # Rows no pair fills stay unwritten; A8 quantizes every row, so they must hold finite values.
+    rows = route.row_pair.numel()
+    activated = (torch.zeros if a8 else torch.empty)(rows, inter, dtype=x.dtype, device=x.device)
     gate_up_kernel[(tiles * triton.cdiv(inter, block_n),)](
-        x_ptr=x,
+        x_ptr=x_in,
+        xs_ptr=x_scale,
         w_ptr=gate_up_proj,
         out_ptr=activated,
         top_k=top_k,
-        stride_xt=x.stride(0),
+        stride_xt=x_in.stride(0),
+        stride_xst=x_scale.stride(0),
         stride_we=gate_up_proj.stride(0),
         **_scale_arguments(gate_up_scale, x),
         **shared,
     )
+    h_in, h_scale = quantize_groups(activated) if a8 else (activated, activated)
     per_pair = torch.empty(route.pairs, hidden, dtype=x.dtype, device=x.device)
     down_kernel[(tiles * triton.cdiv(hidden, block_n),)](
-        h_ptr=activated,
+        h_ptr=h_in,
+        hs_ptr=h_scale,
+        stride_hst=h_scale.stride(0),
         w_ptr=down_proj,
         weights_ptr=top_k_weights.reshape(-1).contiguous(),
         out_ptr=per_pair,
@@ -183,6 +213,7 @@ def _fused_experts_op(
     down_proj: torch.Tensor,
     gate_up_scale: Optional[torch.Tensor],
     down_scale: Optional[torch.Tensor],
+    fp8_activations: bool,
 ) -> torch.Tensor:
     return fused_experts(
         hidden_states,
@@ -192,11 +223,21 @@ def _fused_experts_op(
         down_proj=down_proj,
         gate_up_scale=gate_up_scale,
         down_scale=down_scale,
+        fp8_activations=fp8_activations,
     )
 
 
 @_fused_experts_op.register_fake
-def _(hidden_states, top_k_index, top_k_weights, gate_up_proj, down_proj, gate_up_scale, down_scale):
+def _(
+    hidden_states,
+    top_k_index,
+    top_k_weights,
+    gate_up_proj,
+    down_proj,
+    gate_up_scale,
+    down_scale,
+    fp8_activations,
+):
     return hidden_states.new_empty(hidden_states.shape)
 
 
@@ -227,7 +268,7 @@ def fused_experts_forward(
     """transformers' experts-function signature (ALL_EXPERTS_FUNCTIONS), bf16 weights."""
     refuse_unsupported(self)
     return _fused_experts_op(
-        hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, None, None
+        hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, None, None, False
     )
 
 
@@ -239,16 +280,20 @@ def fused_fp8_experts(
     *,
     gate_up: tuple[torch.Tensor, torch.Tensor],
     down: tuple[torch.Tensor, torch.Tensor],
+    fp8_activations: bool = False,
 ) -> torch.Tensor:
-    """The fused kernels on block-wise FP8 weights `(weight, scale_inv)` as stored."""
+    """The fused kernels on block-wise FP8 weights `(weight, scale_inv)` as stored; with
+    `fp8_activations`, on quantized activations too (the `fused_w8a8` implementation)."""
     refuse_unsupported(experts)
     return _fused_experts_op(
-        hidden_states, top_k_index, top_k_weights, gate_up[0], down[0], gate_up[1], down[1]
+        hidden_states, top_k_index, top_k_weights, gate_up[0], down[0], gate_up[1], down[1], fp8_activations
     )
 
 
 def register() -> None:
-    """Make `fused` a transformers experts implementation (model.set_experts_implementation)."""
+    """Make `fused` and `fused_w8a8` transformers experts implementations
+    (model.set_experts_implementation); on bf16 weights the two are the same."""
     from transformers.integrations.moe import ExpertsInterface
 
-    ExpertsInterface.register(EXPERTS_IMPLEMENTATION, fused_experts_forward)
+    for name in IMPLEMENTATIONS:
+        ExpertsInterface.register(name, fused_experts_forward)

@@ -26,12 +26,14 @@ def tile_of_program(
 
 @triton.jit
 def gate_up_swiglu(
-    x_ptr, w_ptr, s_ptr, row_pair_ptr, tile_expert_ptr, out_ptr,
+    x_ptr, xs_ptr, w_ptr, s_ptr, row_pair_ptr, tile_expert_ptr, out_ptr,
     pairs, num_experts, hidden, inter, top_k,
-    stride_xt, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
-    FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+    stride_xt, stride_xst, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
+    FP8: tl.constexpr, A8: tl.constexpr, SCALE_BLOCK: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
+    """A8: `x` holds e4m3 activations with one scale per (token, SCALE_BLOCK columns) at
+    `xs_ptr` (BLOCK_K == SCALE_BLOCK): FP8 x FP8 products, scaled by both blocks' scales."""
     expert, rows, pair, valid, pid_n, cols = tile_of_program(
         tile_expert_ptr, row_pair_ptr, pairs, inter, BLOCK_M, BLOCK_N
     )
@@ -57,8 +59,13 @@ def gate_up_swiglu(
             s_expert = s_ptr + expert.to(tl.int64) * stride_se + (k0 // SCALE_BLOCK) * stride_sk
             gate_s = tl.load(s_expert + ((pid_n * BLOCK_N) // SCALE_BLOCK) * stride_sn)
             up_s = tl.load(s_expert + ((pid_n * BLOCK_N + inter) // SCALE_BLOCK) * stride_sn)
-            gate_acc += tl.dot(a, gate_w.to(a.dtype), input_precision=PRECISION) * gate_s
-            up_acc += tl.dot(a, up_w.to(a.dtype), input_precision=PRECISION) * up_s
+            if A8:
+                a_s = tl.load(xs_ptr + token * stride_xst + k0 // SCALE_BLOCK, mask=valid, other=0.0)
+                gate_acc += tl.dot(a, gate_w) * (a_s[:, None] * gate_s)
+                up_acc += tl.dot(a, up_w) * (a_s[:, None] * up_s)
+            else:
+                gate_acc += tl.dot(a, gate_w.to(a.dtype), input_precision=PRECISION) * gate_s
+                up_acc += tl.dot(a, up_w.to(a.dtype), input_precision=PRECISION) * up_s
         else:
             gate_acc = tl.dot(a, gate_w, gate_acc, input_precision=PRECISION)
             up_acc = tl.dot(a, up_w, up_acc, input_precision=PRECISION)
@@ -69,12 +76,13 @@ def gate_up_swiglu(
 
 @triton.jit
 def down_weighted(
-    h_ptr, w_ptr, s_ptr, row_pair_ptr, tile_expert_ptr, weights_ptr, out_ptr,
+    h_ptr, hs_ptr, w_ptr, s_ptr, row_pair_ptr, tile_expert_ptr, weights_ptr, out_ptr,
     pairs, num_experts, hidden, inter,
-    stride_we, stride_wn, stride_se, stride_sn, stride_sk,
-    FP8: tl.constexpr, SCALE_BLOCK: tl.constexpr, PRECISION: tl.constexpr,
+    stride_hst, stride_we, stride_wn, stride_se, stride_sn, stride_sk,
+    FP8: tl.constexpr, A8: tl.constexpr, SCALE_BLOCK: tl.constexpr, PRECISION: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
+    """A8: `h` holds e4m3 rows with one scale per (row, SCALE_BLOCK columns) at `hs_ptr`."""
     expert, rows, pair, valid, pid_n, cols = tile_of_program(
         tile_expert_ptr, row_pair_ptr, pairs, hidden, BLOCK_M, BLOCK_N
     )
@@ -103,7 +111,13 @@ def down_weighted(
                 + ((pid_n * BLOCK_N) // SCALE_BLOCK) * stride_sn
                 + (k0 // SCALE_BLOCK) * stride_sk
             )
-            acc += tl.dot(a, w.to(a.dtype), input_precision=PRECISION) * s
+            if A8:
+                a_s = tl.load(
+                    hs_ptr + rows.to(tl.int64) * stride_hst + k0 // SCALE_BLOCK, mask=valid, other=0.0
+                )
+                acc += tl.dot(a, w) * (a_s[:, None] * s)
+            else:
+                acc += tl.dot(a, w.to(a.dtype), input_precision=PRECISION) * s
         else:
             acc = tl.dot(a, w, acc, input_precision=PRECISION)
     weight = tl.load(weights_ptr + pair, mask=valid, other=0.0).to(tl.float32)

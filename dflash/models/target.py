@@ -186,7 +186,7 @@ def faster_target_settings(cfg: TargetConfig, config: PretrainedConfig) -> list[
     moe = bool(getattr(text, "num_experts", 0))
     hybrid = "linear_attention" in (getattr(text, "layer_types", None) or ())
     settings = []
-    if moe and cfg.experts is not ExpertsKind.fused:
+    if moe and cfg.experts not in (ExpertsKind.fused, ExpertsKind.fused_w8a8):
         settings.append("target.experts=fused")
     if not cfg.compile:
         settings.append("target.compile=true")
@@ -291,10 +291,10 @@ class FrozenTarget(nn.Module):
     def from_config(
         cls, cfg: TargetConfig, layer_ids: list[int], device: torch.device, *, final_state: bool = False
     ) -> FrozenTarget:
-        fused = cfg.experts is not None and _enum_value(cfg.experts) == fused_experts.EXPERTS_IMPLEMENTATION
+        fused = cfg.experts is not None and _enum_value(cfg.experts) in fused_experts.IMPLEMENTATIONS
         if fused and device.type != "cuda":  # before any weights are built or read
             raise ValueError(
-                f"target.experts={fused_experts.EXPERTS_IMPLEMENTATION} runs Triton kernels on CUDA; "
+                f"target.experts={_enum_value(cfg.experts)} runs Triton kernels on CUDA; "
                 f"on {device.type} use eager, grouped_mm or batched_mm"
             )
         dtype = resolve_dtype(cfg.dtype, device)
