@@ -16,9 +16,9 @@ heads, the gated norm in fp32).
 inductor fuses what lies between them. On CUDA with fla installed the ops are fla's Triton
 kernels (the rule reading q and k at their own head count: fla pairs key heads with groups of
 value heads itself, so they are not repeated); elsewhere the PyTorch reference transformers
-would run. Feature forwards only (no cache, no packed sequences); `compile_features(scope=
-"layers")` installs it in the compiled copies of the layers, so `reference_features` and
-decoding keep transformers' own forward, which the tests compare it with.
+would run. Feature forwards only (no cache, no packed sequences); `compile_features` (either
+scope) installs it in the compiled copies of the layers, so `reference_features` and decoding
+keep transformers' own forward, which the tests compare it with.
 """
 
 from __future__ import annotations
