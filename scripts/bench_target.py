@@ -3,7 +3,7 @@
 with the time of each layer part: where a MoE or hybrid target spends its time.
 
     python scripts/bench_target.py [--samples 1,4] [--seq-len 3072] [--experts eager,grouped_mm]
-        [--compile eager,stack,layers] [--repeat 5] [--warmup 2] [hydra overrides ...]
+        [--compile eager,stack,layers] [--repeat 5] [--warmup 2] [--profile DIR] [hydra overrides ...]
 
 Defaults: Qwen3-Next-80B-A3B's shape cut to 12 of its 48 layers (fits one H200 in bf16), every
 layer run (drafter.target_layer_ids=[11]). Any dflash-train override applies
@@ -21,6 +21,9 @@ one grouped GEMM per projection, `batched_mm` gathers each token's expert weight
 `fused` Triton kernels (target.experts=fused; `fused_w8a8`, on FP8 experts with quantized activations), and `liger`, liger-kernel's fused MoE
 (`LigerFusedMoEFunction`, when liger-kernel is installed: measured beside ours, not a
 target.experts choice); a variant that runs out of memory is reported as such.
+`--profile DIR`: each row's kernel table (torch.profiler: ops, kernels by their own time, the
+device's idle gaps) in DIR/EXPERTS_COMPILE_SAMPLES.txt, for the compiled rows too, whose time
+the part table cannot split (a compiled layer is one graph).
 """
 
 from __future__ import annotations
@@ -40,6 +43,7 @@ from dflash.models import fused_experts  # noqa: E402
 from dflash.models.compile import CompileCounter  # noqa: E402
 from dflash.run.inputs import script_target  # noqa: E402
 from dflash.tools.compose import compose_typed, with_defaults  # noqa: E402
+from dflash.tools.kernel_profile import write_kernel_table  # noqa: E402
 from dflash.tools.target_cost import PARTS, PartTimer, part_flops  # noqa: E402
 from dflash.tools.timing import median_ms  # noqa: E402
 
@@ -82,6 +86,9 @@ def main() -> None:
     parser.add_argument("--compile", default="eager", help="eager, stack, layers (target.compile_scope)")
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument(
+        "--profile", help="a directory: each row's kernel table (torch.profiler), EXPERTS_COMPILE_SAMPLES.txt"
+    )
     args, overrides = parser.parse_known_args()
     if not torch.cuda.is_available():
         raise SystemExit("bench_target.py times CUDA kernels: no CUDA device is visible")
@@ -144,6 +151,9 @@ def main() -> None:
                     show()
                     continue
                 extra = torch.cuda.max_memory_allocated(device) - weights
+                if args.profile:  # compiled rows too: the kernels inside the graphs, by name
+                    name = f"{experts}_{variant}_{samples}.txt"
+                    write_kernel_table(functools.partial(forward, ids), Path(args.profile) / name)
                 rate = sum(flops.values()) / ms / 1e9
                 mfu = f"{100 * rate / peak:.1f}%" if peak else "-"
                 breaks = sum(counters["graph_break"].values())
