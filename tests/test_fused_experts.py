@@ -332,3 +332,52 @@ def test_fp8_experts_go_to_the_kernels_as_stored_only_on_whole_scale_blocks(inte
         torch.testing.assert_close(
             experts.gate_up_proj_scale_inv[:, inter // 128 :], up_scales, rtol=0, atol=0
         )
+
+
+def test_experts_auto_picks_the_fused_kernels_only_where_they_run_and_compute_those_experts(
+    monkeypatch, caplog, make_cfg
+):
+    """`target.experts=auto` (the MoE presets): fused on CUDA with triton installed; transformers'
+    default on the CPU, without triton, for a dense model, or where a module is a kind the
+    kernels do not compute (logged). A preset target built on the CPU keeps transformers' experts."""
+    import importlib.util
+    import logging
+
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dflash.config.typed import typed_config
+    from dflash.models import fused_experts, target
+    from dflash.run.inputs import frozen_target
+
+    moe = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_next", **QWEN3_NEXT_MOE))
+    cuda, cpu = torch.device("cuda"), torch.device("cpu")
+    real_find_spec = importlib.util.find_spec
+    with_triton = {"triton": object()}
+    monkeypatch.setattr(
+        target.importlib.util, "find_spec", lambda n, *a: with_triton.get(n) or real_find_spec(n, *a)
+    )
+    assert target.auto_experts(moe, cuda) == "fused"
+    assert target.auto_experts(moe, cpu) is None
+    dense = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3", vocab_size=64, hidden_size=32,
+        intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16))  # fmt: skip
+    assert target.auto_experts(dense, cuda) is None
+
+    def refuse(experts):
+        raise ValueError("has_bias")
+
+    monkeypatch.setattr(fused_experts, "refuse_unsupported", refuse)
+    with caplog.at_level(logging.INFO, logger="dflash.models.target"):
+        assert target.auto_experts(moe, cuda) is None
+    assert "target.experts=auto: transformers' default experts (has_bias)" in caplog.text
+    with_triton.clear()
+    monkeypatch.setattr(
+        target.importlib.util, "find_spec", lambda n, *a: None if n == "triton" else real_find_spec(n, *a)
+    )
+    assert target.auto_experts(moe, cuda) is None
+
+    overrides = ["target=qwen3_next_80b_random", *(f"target.arch.{k}={v}" for k, v in QWEN3_NEXT_MOE.items())]
+    overrides += ["drafter=tiny", "drafter.mask_token_id=255", "drafter.target_layer_ids=[0,3]"]
+    cfg = typed_config(make_cfg(overrides))
+    assert cfg.target.experts.value == "auto" and cfg.target.compile is None
+    built, _ = frozen_target(cfg, "cpu")
+    assert built.config._experts_implementation not in fused_experts.IMPLEMENTATIONS

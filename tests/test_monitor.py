@@ -423,6 +423,10 @@ def test_a_target_bound_run_names_the_faster_target_settings_it_left_off():
     assert faster_target_settings(plain, hybrid) == ["target.compile=true", "target.compile_scope=layers"]
     assert faster_target_settings(plain, dense) == ["target.compile=true"]
     assert faster_target_settings(fast, hybrid_moe) == faster_target_settings(fast, dense) == []
+    presets = TargetConfig(
+        name="t", experts=ExpertsKind.auto, compile=None, compile_scope=CompileScope.layers
+    )
+    assert faster_target_settings(presets, hybrid_moe) == []  # the hybrid/MoE presets' choices, on CUDA
 
     summary = {
         "replicas": 1, "node_gpus": 1, "roles/target_busy_frac": 1.0, "roles/drafter_busy_frac": 0.47,

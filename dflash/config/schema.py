@@ -41,6 +41,9 @@ class ExpertsKind(str, Enum):
     # tensor cores, the served engines' numerics rather than the dequantized weights'. bf16
     # experts: as fused. CUDA only.
     fused_w8a8 = "fused_w8a8"
+    # `fused` on CUDA where triton is installed and the experts are the kind the kernels compute
+    # (else transformers' default, logged); transformers' default elsewhere. The MoE presets' choice.
+    auto = "auto"
 
 
 class DeviceKind(str, Enum):
@@ -97,8 +100,9 @@ class TargetConfig:
     # torch.compile the decoder stack that computes training features (dynamic shapes; decoding
     # stays eager). Off by default, on in the paper-scale experiments: on an H200 it takes a
     # Qwen3-8B-shaped target from 100 to 75 ms per 3072-token sample, after about a minute of
-    # compilation per graph.
-    compile: bool = False
+    # compilation per graph. null: on where the target runs on CUDA, off on the CPU (the hybrid
+    # and MoE presets: their regional compile takes under a minute).
+    compile: Optional[bool] = False
     # torch.compile's `dynamic` for that stack: true, one graph with symbolic shapes serves every
     # batch shape from the first step; null, torch's default: graphs for the exact shapes seen,
     # recompiled once with symbolic shapes when a shape first changes (faster kernels where the

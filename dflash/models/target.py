@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import copy
+import importlib.util
 import inspect
+import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -30,9 +32,11 @@ from dflash.models.families import (
     refuse_unsupported,
     text_config,
 )
-from dflash.models.fp8 import build_random_fp8, is_fp8_checkpoint, load_fp8_checkpoint
+from dflash.models.fp8 import BlockFP8Experts, build_random_fp8, is_fp8_checkpoint, load_fp8_checkpoint
 from dflash.models.short_conv import use_fla_short_conv
 from dflash.models.size import refuse_missing_text_config, refuse_size_mismatch
+
+log = logging.getLogger(__name__)
 
 
 def causal_attention(module, query, key, value, attention_mask, **kwargs):
@@ -176,8 +180,28 @@ def with_own_layers(stack: nn.Module) -> nn.Module:
     return copied
 
 
+def auto_experts(model: nn.Module, device: torch.device) -> str | None:
+    """`target.experts=auto` resolved for `model` on `device`: dflash's fused kernels on CUDA where
+    triton is installed and every routed-experts module is the kind they compute; otherwise
+    None (transformers' default), with the reason logged."""
+    if not getattr(model.config, "num_experts", None):
+        return None
+    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
+        return None
+    for module in model.modules():
+        experts = module._template[0] if isinstance(module, BlockFP8Experts) else module
+        if hasattr(experts, "gate_up_proj") and hasattr(experts, "config"):
+            try:
+                fused_experts.refuse_unsupported(experts)
+            except ValueError as exc:
+                log.info("target.experts=auto: transformers' default experts (%s)", exc)
+                return None
+    return fused_experts.EXPERTS_IMPLEMENTATION
+
+
 def faster_target_settings(cfg: TargetConfig, config: PretrainedConfig) -> list[str]:
-    """The target options a run on CUDA left off that make this target's feature forward faster:
+    """The target options a run on CUDA left off that make this target's feature forward faster
+    (`experts=auto` counts as fused: where it is not, the run logged why):
     fused experts for a MoE target, the compiled stack, one graph per layer kind for MoE and
     hybrid stacks (Qwen3-Next-80B's shape, 12 layers, 4 x 3072 tokens on an H200: 151.7 ms with
     transformers' experts, eager; 76.4 ms with all three: benchmarks/RESULTS.md, 2026-12-03
@@ -186,11 +210,12 @@ def faster_target_settings(cfg: TargetConfig, config: PretrainedConfig) -> list[
     moe = bool(getattr(text, "num_experts", 0))
     hybrid = "linear_attention" in (getattr(text, "layer_types", None) or ())
     settings = []
-    if moe and cfg.experts not in (ExpertsKind.fused, ExpertsKind.fused_w8a8):
+    if moe and cfg.experts not in (ExpertsKind.fused, ExpertsKind.fused_w8a8, ExpertsKind.auto):
         settings.append("target.experts=fused")
-    if not cfg.compile:
+    compiled = cfg.compile is not False  # null: on, on CUDA
+    if not compiled:
         settings.append("target.compile=true")
-    if (moe or hybrid) and (not cfg.compile or cfg.compile_scope is not CompileScope.layers):
+    if (moe or hybrid) and (not compiled or cfg.compile_scope is not CompileScope.layers):
         settings.append("target.compile_scope=layers")
     return settings
 
@@ -291,7 +316,10 @@ class FrozenTarget(nn.Module):
     def from_config(
         cls, cfg: TargetConfig, layer_ids: list[int], device: torch.device, *, final_state: bool = False
     ) -> FrozenTarget:
-        fused = cfg.experts is not None and _enum_value(cfg.experts) in fused_experts.IMPLEMENTATIONS
+        auto = cfg.experts is ExpertsKind.auto
+        fused = (
+            not auto and cfg.experts is not None and _enum_value(cfg.experts) in fused_experts.IMPLEMENTATIONS
+        )
         if fused and device.type != "cuda":  # before any weights are built or read
             raise ValueError(
                 f"target.experts={_enum_value(cfg.experts)} runs Triton kernels on CUDA; "
@@ -319,10 +347,11 @@ class FrozenTarget(nn.Module):
                 model = AutoModelForCausalLM.from_pretrained(cfg.path, dtype=dtype)
         if device.type == "cuda":
             use_fla_short_conv(model, cfg.fla_short_conv)
-        if cfg.experts is not None and getattr(model.config, "num_experts", None):
-            if fused:
+        experts = auto_experts(model, device) if auto else cfg.experts and _enum_value(cfg.experts)
+        if experts is not None and getattr(model.config, "num_experts", None):
+            if experts in fused_experts.IMPLEMENTATIONS:
                 fused_experts.register()
-            model.set_experts_implementation(_enum_value(cfg.experts))
+            model.set_experts_implementation(experts)
         return cls(model.to(device), layer_ids, final_state=final_state)
 
     @property

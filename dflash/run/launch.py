@@ -89,7 +89,7 @@ def build_models(checked: Checked) -> Models:
         for d in checked.target_devices
     ]
     compiled: dict[str, CompileCounter] = {}
-    if checked.target_cfg.compile:
+    if uses_compile(checked.target_cfg.compile, torch.device(checked.target_devices[0])):
         compiled["target"] = CompileCounter("target features")
         for target in targets:
             target.compile_features(

@@ -79,8 +79,8 @@ def uses_flex_attention(cfg: DrafterConfig, device: torch.device) -> bool:
 
 
 def uses_compile(setting: bool | None, device: torch.device) -> bool:
-    """drafter.compile resolved: null is on for CUDA; on CPU the compile time outweighs the
-    gain for the tiny models that train there."""
+    """drafter.compile / target.compile resolved: null is on for CUDA; on CPU the compile time
+    outweighs the gain for the tiny models that train there."""
     return setting if setting is not None else device.type == "cuda"
 
 
