@@ -77,15 +77,20 @@ def test_a_compiled_layer_keeps_the_convolution_and_the_rule_whole(tiny_qwen3_ne
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "dtype, backend, tolerance", [(torch.float32, "aot_eager", 2e-4), (torch.bfloat16, "inductor", 3e-2)]
+    "family, dtype, backend, tolerance",
+    [
+        ("qwen3_next", torch.float32, "aot_eager", 2e-4),
+        ("qwen3_next", torch.bfloat16, "inductor", 3e-2),
+        ("qwen3_5_moe", torch.bfloat16, "inductor", 3e-2),  # the other projection layout
+    ],
 )
 def test_on_cuda_the_compiled_layers_on_fla_give_the_eager_stacks_features(
-    tiny_qwen3_next_dir, monkeypatch, dtype, backend, tolerance
+    family, dtype, backend, tolerance, monkeypatch, request
 ):
-    """Regionally compiled features of a Qwen3-Next-layout target, its DeltaNet layers on fla's
-    convolution and chunked rule through FeatureMixer, against transformers' eager stack; and
-    fla's kernels really ran, once per DeltaNet layer each. fp32 through dynamo and AOTAutograd
-    without Inductor's code generation (a tight bound in seconds), bf16 through Inductor."""
+    """Regionally compiled features of a hybrid target, its DeltaNet layers on fla's convolution
+    and chunked rule through FeatureMixer, against transformers' eager stack; and fla's kernels
+    really ran, once per DeltaNet layer each. fp32 through dynamo and AOTAutograd without
+    Inductor's code generation (a tight bound in seconds), bf16 through Inductor."""
     pytest.importorskip("fla")
     import fla.modules.causal_conv1d as fla_conv
     import fla.ops.gated_delta_rule as fla_rule
@@ -101,7 +106,8 @@ def test_on_cuda_the_compiled_layers_on_fla_give_the_eager_stacks_features(
 
     monkeypatch.setattr(fla_conv, "causal_conv1d", counting("conv", fla_conv.causal_conv1d))
     monkeypatch.setattr(fla_rule, "chunk_gated_delta_rule", counting("rule", fla_rule.chunk_gated_delta_rule))
-    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_next_dir, dtype=dtype).cuda()
+    directory = request.getfixturevalue(f"tiny_{family}_dir")
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).cuda()
     target = FrozenTarget(model, [5])
     target.compile_features(backend, scope="layers")
     ids = torch.randint(1, 500, (2, 200), device="cuda")
