@@ -6,6 +6,8 @@ experts paths and, on FP8 weights, to the dequantized weights' result."""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -112,6 +114,50 @@ def random_experts(num_experts, hidden, inter, dtype, generator):
     return gate_up.to("cuda", dtype), down.to("cuda", dtype)
 
 
+@dataclass
+class FP8ExpertsCase:
+    """8 experts in the published FP8 layout (e4m3, 128 x 128 blocks), top-2 routing skewed so that
+    one expert gets every token and one none, bf16 hidden states and routing weights."""
+
+    x: torch.Tensor
+    top_k_index: torch.Tensor
+    weights: torch.Tensor
+    gate_up: tuple[torch.Tensor, torch.Tensor]  # (e4m3 weight, scale_inv)
+    down: tuple[torch.Tensor, torch.Tensor]
+
+    @classmethod
+    def draw(cls, tokens: int, seed: int, *, num_experts=8, top_k=2, hidden=256, inter=256) -> FP8ExpertsCase:
+        from dflash.models.fp8 import quantize_blockwise
+
+        generator = torch.Generator().manual_seed(seed)
+        gate_up, down = random_experts(num_experts, hidden, inter, torch.float32, generator)
+        top_k_index = skewed_routing(tokens, top_k, num_experts, generator).cuda()
+        weights = torch.softmax(torch.randn(tokens, top_k, generator=generator), -1).cuda().bfloat16()
+        x = torch.randn(tokens, hidden, generator=generator).cuda().bfloat16()
+        return cls(
+            x,
+            top_k_index,
+            weights,
+            quantize_blockwise(gate_up, (128, 128)),
+            quantize_blockwise(down, (128, 128)),
+        )
+
+    def run(self, **options) -> torch.Tensor:
+        from dflash.models import fused_experts
+
+        return fused_experts.fused_experts(
+            self.x, self.top_k_index, self.weights, gate_up_proj=self.gate_up[0], down_proj=self.down[0],
+            gate_up_scale=self.gate_up[1], down_scale=self.down[1], **options,
+        ).float()  # fmt: skip
+
+    def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
+        from dflash.models.fp8 import dequantize_blockwise
+
+        return tuple(
+            dequantize_blockwise(w, s, (128, 128), torch.float32) for w, s in (self.gate_up, self.down)
+        )
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("tokens", [1, 300])
 def test_on_cuda_the_fused_experts_compute_the_formula(tokens):
@@ -154,29 +200,9 @@ def test_on_cuda_the_fused_experts_compute_the_formula(tokens):
 def test_on_cuda_fp8_experts_read_as_stored_compute_their_dequantized_weights():
     """Block-wise FP8 weights with their 128 x 128 scales, read as stored: the formula on the
     dequantized weights within bf16 rounding."""
-    from dflash.models.fp8 import dequantize_blockwise, quantize_blockwise
-    from dflash.models.fused_experts import fused_experts
-
-    generator = torch.Generator().manual_seed(1)
-    num_experts, top_k, tokens, hidden, inter = 8, 2, 200, 256, 256
-    gate_up, down = random_experts(num_experts, hidden, inter, torch.float32, generator)
-    quantized = [quantize_blockwise(w, (128, 128)) for w in (gate_up, down)]
-    (gate_up_q, gate_up_s), (down_q, down_s) = quantized
-    top_k_index = skewed_routing(tokens, top_k, num_experts, generator).cuda()
-    weights = torch.softmax(torch.randn(tokens, top_k, generator=generator), -1).cuda().bfloat16()
-    x = torch.randn(tokens, hidden, generator=generator).cuda().bfloat16()
-    got = fused_experts(
-        x,
-        top_k_index,
-        weights,
-        gate_up_proj=gate_up_q,
-        down_proj=down_q,
-        gate_up_scale=gate_up_s,
-        down_scale=down_s,
-    )
-    dequantized = [dequantize_blockwise(w, s, (128, 128), torch.float32) for w, s in quantized]
-    want = experts_formula(x, top_k_index, weights, *dequantized)
-    torch.testing.assert_close(got.float(), want, rtol=2e-2, atol=2e-2)
+    case = FP8ExpertsCase.draw(tokens=200, seed=1)
+    want = experts_formula(case.x, case.top_k_index, case.weights, *case.dequantized())
+    torch.testing.assert_close(case.run(), want, rtol=2e-2, atol=2e-2)
 
 
 def test_activation_groups_quantize_as_the_served_fp8_kernels_do():
@@ -234,7 +260,6 @@ def test_on_cuda_w8a8_experts_compute_the_formula_on_quantized_activations(token
     step is 1/16 relative, and rows that differ by one bf16 step can quantize a step apart, so
     the formula on the unrounded values is no tight reference)."""
     from dflash.models import fused_experts as module
-    from dflash.models.fp8 import dequantize_blockwise, quantize_blockwise
 
     quantized_inputs = []
 
@@ -244,19 +269,11 @@ def test_on_cuda_w8a8_experts_compute_the_formula_on_quantized_activations(token
 
     quantize_groups = module.quantize_groups
     monkeypatch.setattr(module, "quantize_groups", recording)
-    generator = torch.Generator().manual_seed(2)
-    num_experts, top_k, hidden, inter = 8, 2, 256, 256
-    gate_up, down = random_experts(num_experts, hidden, inter, torch.float32, generator)
-    quantized = [quantize_blockwise(w, (128, 128)) for w in (gate_up, down)]
-    (gate_up_q, gate_up_s), (down_q, down_s) = quantized
-    top_k_index = skewed_routing(tokens, top_k, num_experts, generator).cuda()
-    weights = torch.softmax(torch.randn(tokens, top_k, generator=generator), -1).cuda().bfloat16()
-    x = torch.randn(tokens, hidden, generator=generator).cuda().bfloat16()
-    got = module.fused_experts(
-        x, top_k_index, weights, gate_up_proj=gate_up_q, down_proj=down_q,
-        gate_up_scale=gate_up_s, down_scale=down_s, fp8_activations=True,
-    ).float()  # fmt: skip
-    w_gate_up, w_down = (dequantize_blockwise(w, s, (128, 128), torch.float32) for w, s in quantized)
+    case = FP8ExpertsCase.draw(tokens=tokens, seed=2)
+    got = case.run(fp8_activations=True)
+    w_gate_up, w_down = case.dequantized()
+    x, top_k_index, weights, top_k = case.x, case.top_k_index, case.weights, case.top_k_index.shape[1]
+    num_experts, hidden = w_gate_up.shape[0], x.shape[1]
 
     def dequantized_groups(t):
         q, scale = quantize_groups(t)
@@ -340,27 +357,26 @@ def test_experts_auto_picks_the_fused_kernels_only_where_they_run_and_compute_th
     """`target.experts=auto` (the MoE presets): fused on CUDA with triton installed; transformers'
     default on the CPU, without triton, for a dense model, or where a module is a kind the
     kernels do not compute (logged). A preset target built on the CPU keeps transformers' experts."""
-    import importlib.util
     import logging
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from dflash.config.typed import typed_config
-    from dflash.models import fused_experts, target
+    from dflash.models import fused_experts, kernels, target
     from dflash.run.inputs import frozen_target
 
     moe = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_next", **QWEN3_NEXT_MOE))
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
-    real_find_spec = importlib.util.find_spec
-    with_triton = {"triton": object()}
-    monkeypatch.setattr(
-        target.importlib.util, "find_spec", lambda n, *a: with_triton.get(n) or real_find_spec(n, *a)
-    )
+    packages = {"triton"}
+    monkeypatch.setattr(kernels, "installed", lambda package: package in packages)
     assert target.auto_experts(moe, cuda) == "fused"
     assert target.auto_experts(moe, cpu) is None
     dense = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3", vocab_size=64, hidden_size=32,
         intermediate_size=64, num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1, head_dim=16))  # fmt: skip
     assert target.auto_experts(dense, cuda) is None
+    packages.clear()
+    assert target.auto_experts(moe, cuda) is None  # no triton
+    packages.add("triton")
 
     def refuse(experts):
         raise ValueError("has_bias")
@@ -369,11 +385,7 @@ def test_experts_auto_picks_the_fused_kernels_only_where_they_run_and_compute_th
     with caplog.at_level(logging.INFO, logger="dflash.models.target"):
         assert target.auto_experts(moe, cuda) is None
     assert "target.experts=auto: transformers' default experts (has_bias)" in caplog.text
-    with_triton.clear()
-    monkeypatch.setattr(
-        target.importlib.util, "find_spec", lambda n, *a: None if n == "triton" else real_find_spec(n, *a)
-    )
-    assert target.auto_experts(moe, cuda) is None
+    monkeypatch.undo()
 
     overrides = ["target=qwen3_next_80b_random", *(f"target.arch.{k}={v}" for k, v in QWEN3_NEXT_MOE.items())]
     overrides += ["drafter=tiny", "drafter.mask_token_id=255", "drafter.target_layer_ids=[0,3]"]

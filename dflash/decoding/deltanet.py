@@ -27,8 +27,9 @@ tokens, the one its outputs (the verified logits) were computed from. An earlier
 after every token instead ([slots, Q, heads, key dim, value dim] fp32 per layer, 16x the state)
 and updated it with Q rounds of elementwise kernels per layer, the bulk of a hybrid verify's
 launches. The projections, norms and the convolution's weights are the model's own modules.
-Prefills use the model's chunked kernel (flash-linear-attention on CUDA when installed) with
-padding made inert the same way: beta = 0 and g = 0 past a prompt's end.
+Prefills use the chunked rule of the feature forwards (`chunked_delta_rule`: flash-linear-attention
+on CUDA when installed, the model's PyTorch reference elsewhere) with padding made inert the same
+way: beta = 0 and g = 0 past a prompt's end.
 """
 
 from __future__ import annotations
@@ -41,20 +42,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.models.deltanet import finish, gates, project, split_heads
-
-
-def chunked_rule(mixer: nn.Module, device: torch.device) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
-    """The model's own chunked gated-delta-rule function: the kernel transformers picked (fla's,
-    when installed) on CUDA; its PyTorch reference elsewhere (fla's Triton kernels cannot read
-    CPU tensors)."""
-    function = sys.modules[type(mixer).__module__].torch_chunk_gated_delta_rule
-    return function if device.type == "cuda" else inspect.unwrap(function)
+from dflash.models.deltanet import chunked_delta_rule, finish, gates, project, split_heads
 
 
 def recurrent_rule(module: str, device: torch.device) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:
     """The modeling module's token-by-token gated-delta-rule function (fla's fused recurrent
-    kernel on CUDA when installed); its PyTorch reference elsewhere, as `chunked_rule`."""
+    kernel on CUDA when installed); its PyTorch reference elsewhere (fla's Triton kernels cannot
+    read CPU tensors)."""
     function = sys.modules[module].torch_recurrent_gated_delta_rule
     return function if device.type == "cuda" else inspect.unwrap(function)
 
@@ -206,15 +200,8 @@ def deltanet_prefill(
     beta, g = gates(mixer, b, a)
     real = (torch.arange(length, device=mixed.device) <= last_R[:, None]).unsqueeze(-1)  # [R, P, 1]
     beta, g = beta * real, g * real  # padding writes nothing and decays nothing
-    core, final = chunked_rule(mixer, x_RPH.device)(
-        query,
-        key,
-        value,
-        g=g,
-        beta=beta,
-        initial_state=None,
-        output_final_state=True,
-        use_qk_l2norm_in_kernel=True,
+    core, final = chunked_delta_rule(
+        query, key, value, g, beta, module=type(mixer).__module__, output_final_state=True
     )
     recurrent[rows_R] = final.float()
     return finish(mixer, core.to(x_RPH.dtype), z)

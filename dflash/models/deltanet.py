@@ -30,11 +30,9 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers.activations import ACT2FN
 
-from dflash.models.short_conv import fla_available
-
-FLA_ACTIVATIONS = (None, "silu", "swish")  # what fla's convolution applies itself
+from dflash.models.kernels import fla_runs
+from dflash.models.short_conv import fla_causal_conv, fla_serves, reference_conv
 
 
 def project(mixer: nn.Module, x_NQH: torch.Tensor):
@@ -75,39 +73,67 @@ def finish(mixer: nn.Module, core_NQHD: torch.Tensor, z_NQHD: torch.Tensor) -> t
     return mixer.out_proj(normed.reshape(n, q_len, -1))
 
 
-def _on_fla(tensor: torch.Tensor) -> bool:
-    return tensor.is_cuda and fla_available()
-
-
 @torch.library.custom_op("dflash::short_conv", mutates_args=())
 def short_conv(
-    x_NTC: torch.Tensor, weight_CK: torch.Tensor, bias_C: torch.Tensor | None, activation: str
+    x_NTC: torch.Tensor, weight_CK: torch.Tensor, bias_C: torch.Tensor | None, activation: str, module: str
 ) -> torch.Tensor:
     """The depthwise causal convolution over time of [N, T, C] (zeros before the first token),
-    then `activation` (the config's name, "" for none), in `x_NTC`'s dtype."""
+    then `activation` (the config's name, "" for none), in `x_NTC`'s dtype: fla's kernel where it
+    runs, else the PyTorch reference of the modeling module `module`."""
     act = activation or None
-    if _on_fla(x_NTC) and act in FLA_ACTIVATIONS:
-        from fla.modules.causal_conv1d import causal_conv1d
-
-        out, _ = causal_conv1d(x_NTC, weight_CK.to(x_NTC.dtype), bias_C, activation=act)
-        return out
-    # transformers' reference: F.conv1d with K - 1 zeros of padding, cut to T, then the activation
-    time = x_NTC.shape[1]
-    out = F.conv1d(
-        x_NTC.transpose(1, 2).to(weight_CK.dtype),
-        weight_CK.unsqueeze(1),
-        bias_C,
-        padding=weight_CK.shape[-1] - 1,
-        groups=x_NTC.shape[-1],
-    )[:, :, :time]
-    if act is not None:
-        out = ACT2FN[act](out)
-    return out.to(x_NTC.dtype).transpose(1, 2).contiguous()
+    if fla_runs(x_NTC.device) and fla_serves(act, {}):
+        return fla_causal_conv(x_NTC, weight_CK, bias_C, act)
+    out = reference_conv(module)(x_NTC.transpose(1, 2), weight_CK, bias_C, activation=act)
+    return out.transpose(1, 2).contiguous()
 
 
 @short_conv.register_fake
-def _(x_NTC, weight_CK, bias_C, activation):
+def _(x_NTC, weight_CK, bias_C, activation, module):
     return torch.empty_like(x_NTC)
+
+
+def chunked_delta_rule(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    g: torch.Tensor,
+    beta: torch.Tensor,
+    *,
+    module: str,
+    output_final_state: bool,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The gated delta rule over whole sequences from a zero state, q and k l2-normalised in the
+    kernel as the models do: q, k [N, T, Hk, Dk], v [N, T, Hv, Dv], g, beta [N, T, Hv] -> the
+    outputs [N, T, Hv, Dv] and the state after the last token (or None). fla's chunked kernel
+    where it runs (it pairs each key head with its group of value heads); elsewhere the PyTorch
+    reference of the modeling module `module`, which pairs heads one to one, so q and k are
+    repeated to the value heads first. Feature forwards and the static decoder's prefills."""
+    if fla_runs(value.device):
+        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule
+
+        return fla_rule(
+            query,
+            key,
+            value,
+            g=g,
+            beta=beta,
+            output_final_state=output_final_state,
+            use_qk_l2norm_in_kernel=True,
+        )
+    groups = value.shape[2] // query.shape[2]
+    if groups > 1:
+        query, key = (t.repeat_interleave(groups, dim=2) for t in (query, key))
+    reference = inspect.unwrap(sys.modules[module].torch_chunk_gated_delta_rule)
+    return reference(
+        query,
+        key,
+        value,
+        g=g,
+        beta=beta,
+        initial_state=None,
+        output_final_state=output_final_state,
+        use_qk_l2norm_in_kernel=True,
+    )
 
 
 @torch.library.custom_op("dflash::chunk_gated_delta_rule", mutates_args=())
@@ -119,29 +145,8 @@ def chunk_gated_delta_rule(
     beta: torch.Tensor,
     module: str,
 ) -> torch.Tensor:
-    """The gated delta rule over whole sequences from a zero state, q and k l2-normalised in the
-    kernel as the models do: q, k [N, T, Hk, Dk], v [N, T, Hv, Dv], g, beta [N, T, Hv] ->
-    [N, T, Hv, Dv] in `value`'s dtype. `module`: the modeling module whose PyTorch reference
-    runs where fla cannot (the reference wants q and k repeated to the value heads)."""
-    if _on_fla(value):
-        from fla.ops.gated_delta_rule import chunk_gated_delta_rule as fla_rule
-
-        out, _ = fla_rule(query, key, value, g=g, beta=beta, use_qk_l2norm_in_kernel=True)
-        return out.to(value.dtype)
-    groups = value.shape[2] // query.shape[2]
-    if groups > 1:
-        query, key = (t.repeat_interleave(groups, dim=2) for t in (query, key))
-    reference = inspect.unwrap(sys.modules[module].torch_chunk_gated_delta_rule)
-    out, _ = reference(
-        query,
-        key,
-        value,
-        g=g,
-        beta=beta,
-        initial_state=None,
-        output_final_state=False,
-        use_qk_l2norm_in_kernel=True,
-    )
+    """`chunked_delta_rule`'s outputs in `value`'s dtype, as one op dynamo keeps whole."""
+    out, _ = chunked_delta_rule(query, key, value, g, beta, module=module, output_final_state=False)
     return out.to(value.dtype)
 
 
@@ -174,7 +179,8 @@ class FeatureMixer(nn.Module):
             hidden_states, attention_mask
         )
         mixed, z, b, a = project(mixer, hidden_states)
-        mixed = short_conv(mixed, mixer.conv1d.weight.squeeze(1), mixer.conv1d.bias, mixer.activation or "")
+        weight = mixer.conv1d.weight.squeeze(1)
+        mixed = short_conv(mixed, weight, mixer.conv1d.bias, mixer.activation or "", self._modeling)
         query, key, value = split_heads(mixer, mixed)
         beta, g = gates(mixer, b, a)
         core = chunk_gated_delta_rule(query, key, value, g, beta, self._modeling)

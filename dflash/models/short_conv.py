@@ -21,7 +21,7 @@ replaced. Feature forwards only: the static decoder keeps its own convolution st
 
 from __future__ import annotations
 
-import importlib.util
+import inspect
 import sys
 from collections.abc import Callable
 
@@ -29,6 +29,7 @@ import torch
 from torch import nn
 
 from dflash.models.families import is_deltanet_layer
+from dflash.models.kernels import installed
 
 FUNCTION = "causal_conv1d_fn"  # the module function transformers' DeltaNet forward calls
 # Arguments that describe packed sequences (several sequences in one row): fla's kernel would
@@ -39,7 +40,7 @@ PACKED_SEQUENCE_ARGUMENTS = ("seq_idx", "cu_seqlens", "cu_seq_lens_q", "cu_seq_l
 
 
 def fla_available() -> bool:
-    return importlib.util.find_spec("fla") is not None
+    return installed("fla")
 
 
 def fla_serves(activation: str | None, kwargs: dict) -> bool:
@@ -47,6 +48,26 @@ def fla_serves(activation: str | None, kwargs: dict) -> bool:
     activation and these keyword arguments (the tensors' device aside)."""
     packed = any(kwargs.get(name) is not None for name in PACKED_SEQUENCE_ARGUMENTS)
     return not packed and activation in (None, "silu", "swish")
+
+
+def fla_causal_conv(
+    x_NTC: torch.Tensor, weight_CK: torch.Tensor, bias_C: torch.Tensor | None, activation: str | None
+) -> torch.Tensor:
+    """fla's causal convolution of [N, T, C] (its own layout), in `x_NTC`'s dtype; the calls
+    `fla_serves` admits."""
+    from fla.modules.causal_conv1d import causal_conv1d
+
+    out, _ = causal_conv1d(x_NTC, weight_CK.to(x_NTC.dtype), bias_C, activation=activation)
+    return out
+
+
+def reference_conv(module: str) -> Callable[..., torch.Tensor]:
+    """The PyTorch reference of `causal_conv1d_fn` in the modeling module `module` ([N, C, T] in
+    and out), whatever the name is bound to now (FlaShortConv, transformers' kernel wrapper)."""
+    function = getattr(sys.modules[module], FUNCTION)
+    if isinstance(function, FlaShortConv):
+        function = function.reference
+    return inspect.unwrap(function)
 
 
 class FlaShortConv:
@@ -65,12 +86,7 @@ class FlaShortConv:
     ) -> torch.Tensor:
         if not (hidden_states.is_cuda and fla_serves(activation, kwargs)):
             return self.reference(hidden_states, weight, bias, activation=activation, **kwargs)
-        from fla.modules.causal_conv1d import causal_conv1d
-
-        out, _ = causal_conv1d(
-            hidden_states.transpose(1, 2), weight.to(hidden_states.dtype), bias, activation=activation
-        )
-        return out.transpose(1, 2)
+        return fla_causal_conv(hidden_states.transpose(1, 2), weight, bias, activation).transpose(1, 2)
 
 
 def use_fla_short_conv(model: nn.Module, enabled: bool = True) -> list[str]:

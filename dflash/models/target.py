@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import copy
-import importlib.util
 import inspect
 import logging
 from collections.abc import Callable, Iterator
@@ -33,6 +32,7 @@ from dflash.models.families import (
     text_config,
 )
 from dflash.models.fp8 import BlockFP8Experts, build_random_fp8, is_fp8_checkpoint, load_fp8_checkpoint
+from dflash.models.kernels import triton_runs
 from dflash.models.short_conv import use_fla_short_conv
 from dflash.models.size import refuse_missing_text_config, refuse_size_mismatch
 
@@ -186,7 +186,7 @@ def auto_experts(model: nn.Module, device: torch.device) -> str | None:
     None (transformers' default), with the reason logged."""
     if not getattr(model.config, "num_experts", None):
         return None
-    if device.type != "cuda" or importlib.util.find_spec("triton") is None:
+    if not triton_runs(device):
         return None
     for module in model.modules():
         experts = module._template[0] if isinstance(module, BlockFP8Experts) else module
@@ -201,11 +201,12 @@ def auto_experts(model: nn.Module, device: torch.device) -> str | None:
 
 def faster_target_settings(cfg: TargetConfig, config: PretrainedConfig) -> list[str]:
     """The target options a run on CUDA left off that make this target's feature forward faster
-    (`experts=auto` counts as fused: where it is not, the run logged why):
-    fused experts for a MoE target, the compiled stack, one graph per layer kind for MoE and
-    hybrid stacks (Qwen3-Next-80B's shape, 12 layers, 4 x 3072 tokens on an H200: 151.7 ms with
-    transformers' experts, eager; 76.4 ms with all three: benchmarks/RESULTS.md, 2026-12-03
-    (night)). The run summary names them when the target is the slower role."""
+    (`experts=auto` counts as fused: where it is not, the run logged why): fused experts for a
+    MoE target, the compiled stack, one graph per layer kind for MoE and hybrid stacks.
+    Qwen3-Next-80B's shape, 12 layers, 4 x 3072 tokens on an H200 (benchmarks/RESULTS.md,
+    2026-12-03 (night)): fused experts 117.7 ms vs grouped_mm 151.7 ms, both uncompiled; one
+    graph per layer 76.4 ms vs 95.7 ms uncompiled, both fused. The run summary names them when
+    the target is the slower role."""
     text = config.get_text_config()
     moe = bool(getattr(text, "num_experts", 0))
     hybrid = "linear_attention" in (getattr(text, "layer_types", None) or ())

@@ -25,7 +25,6 @@ drafter) or as one Triton kernel (`variant.fused_terms=triton`, dflash/step/dspa
 from __future__ import annotations
 
 import functools
-import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -35,6 +34,7 @@ from torch import nn
 from dflash.config.schema import FusedTerms
 from dflash.models.compile import compile_shared
 from dflash.models.dspark import DSparkDrafter
+from dflash.models.kernels import triton_runs
 from dflash.step.blocks import DraftBlocks
 from dflash.step.loss import LossStats, block_acceptance, fused_head_dtype, labelled_rows
 
@@ -155,8 +155,7 @@ def resolve_fused_terms(fused_terms: FusedTerms, device: torch.device) -> FusedT
     """`auto`: the Triton kernel on CUDA where triton is installed, the PyTorch formula elsewhere."""
     if fused_terms is not FusedTerms.auto:
         return fused_terms
-    triton_runs = device.type == "cuda" and importlib.util.find_spec("triton") is not None
-    return FusedTerms.triton if triton_runs else FusedTerms.inductor
+    return FusedTerms.triton if triton_runs(device) else FusedTerms.inductor
 
 
 def chunk_terms_function(fused_terms: FusedTerms, compiled: bool):

@@ -18,7 +18,6 @@ cross-field rule is (dflash/run/checks.py).
 
 from __future__ import annotations
 
-import importlib.util
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -30,6 +29,7 @@ from dflash.config.schema import FusedTerms, MarkovHeadType
 from dflash.models.dflash2 import DFlash2Drafter, add_dflash2_fields
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.dspark import DSparkDrafter, add_dspark_fields
+from dflash.models.kernels import installed
 from dflash.step.blocks import DraftBlocks
 from dflash.step.dflash2_loss import dflash2_loss
 from dflash.step.dspark_loss import DSparkWeights, dspark_loss, resolve_fused_terms
@@ -117,7 +117,7 @@ class DSparkVariant(DFlashVariant):
             return None
         if torch.device(device).type != "cuda":
             return f"variant.fused_terms=triton runs on CUDA only (the drafter is on {device}); use inductor"
-        if importlib.util.find_spec("triton") is None:
+        if not installed("triton"):
             return "variant.fused_terms=triton needs triton (the gpu extra: pip install './dflash[gpu]'); use inductor"
         return None
 
