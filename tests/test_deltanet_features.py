@@ -5,6 +5,8 @@ reference."""
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
@@ -95,9 +97,15 @@ def test_on_cuda_the_compiled_layers_on_fla_give_the_eager_stacks_features(
     import fla.modules.causal_conv1d as fla_conv
     import fla.ops.gated_delta_rule as fla_rule
 
+    # The model first: importing its modeling module binds fla's rule there, with a wrapper that
+    # passes on only the keywords the bound function's signature names. A counting wrapper bound
+    # in its place would lose g and beta for every later test in the process.
+    directory = request.getfixturevalue(f"tiny_{family}_dir")
+    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).cuda()
     calls = {"conv": 0, "rule": 0}
 
     def counting(name, function):
+        @functools.wraps(function)
         def call(*args, **kwargs):
             calls[name] += 1
             return function(*args, **kwargs)
@@ -106,8 +114,6 @@ def test_on_cuda_the_compiled_layers_on_fla_give_the_eager_stacks_features(
 
     monkeypatch.setattr(fla_conv, "causal_conv1d", counting("conv", fla_conv.causal_conv1d))
     monkeypatch.setattr(fla_rule, "chunk_gated_delta_rule", counting("rule", fla_rule.chunk_gated_delta_rule))
-    directory = request.getfixturevalue(f"tiny_{family}_dir")
-    model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).cuda()
     target = FrozenTarget(model, [5])
     target.compile_features(backend, scope="layers")
     ids = torch.randint(1, 500, (2, 200), device="cuda")
