@@ -445,7 +445,8 @@ def test_on_cuda_a_random_fp8_target_holds_fp8_weights(make_cfg):
 
 def test_fp8_kept_layers_compile_by_layer_without_graph_breaks(make_cfg):
     """target.compile_scope=layers over FP8-kept layers: the dequantization traces into each
-    layer's graph (no graph break) and the compiled features equal the eager stack's."""
+    layer's graph (no graph break) and the compiled features equal the eager stack's (within fp32
+    rounding: the DeltaNet mixers project with Qwen3-Next's weights regrouped)."""
     from torch._dynamo.utils import counters
 
     from dflash.config.typed import typed_config
@@ -461,5 +462,6 @@ def test_fp8_kept_layers_compile_by_layer_without_graph_breaks(make_cfg):
         CompileCounter("target", backend=lambda graph, inputs: graph.forward), scope="layers"
     )
     ids = torch.randint(0, QWEN3_NEXT["vocab_size"], (2, 17))
-    torch.testing.assert_close(target.features(ids), target.reference_features(ids), rtol=0, atol=0)
+    want = target.reference_features(ids)  # within fp32 rounding: the regrouped projection weights
+    assert (target.features(ids) - want).abs().max() <= 1e-5 * want.abs().max()
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])

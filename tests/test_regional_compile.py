@@ -35,7 +35,10 @@ def test_layer_graphs_do_not_grow_with_depth_and_match_the_eager_stack(family, r
     counter = CompileCounter("target", backend=lambda graph, inputs: graph.forward)
     ids = torch.randint(1, 500, (2, 17))
     shallow = compiled_target(directory, [1, 3], counter)  # runs 4 layers
-    torch.testing.assert_close(shallow.features(ids), shallow.reference_features(ids), rtol=0, atol=0)
+    # exact, but for Qwen3-Next's regrouped projection weights (another GEMM blocking)
+    rounding = 1e-5 if family == "qwen3_next" else 0.0
+    want = shallow.reference_features(ids)
+    assert (shallow.features(ids) - want).abs().max() <= rounding * want.abs().max()
     graphs = counter.graphs
     deep = compiled_target(directory, [5], counter)  # all 6, another model: the same layer graphs serve
     features = deep.features(ids)
@@ -50,7 +53,7 @@ def test_layer_graphs_do_not_grow_with_depth_and_match_the_eager_stack(family, r
         assert not isinstance(getattr(layer, "linear_attn", None), FeatureMixer)
     with torch.no_grad():
         full = deep.model(ids, output_hidden_states=True)
-    torch.testing.assert_close(features, full.hidden_states[6], rtol=0, atol=0)
+    assert (features - full.hidden_states[6]).abs().max() <= rounding * full.hidden_states[6].abs().max()
 
 
 def test_an_unknown_scope_is_refused_naming_the_key(tiny_qwen3_dir):
@@ -61,8 +64,8 @@ def test_an_unknown_scope_is_refused_naming_the_key(tiny_qwen3_dir):
 
 def test_a_hybrid_stack_compiled_whole_gives_the_eager_stacks_features(tiny_qwen3_next_dir):
     """scope=stack on a hybrid target: its DeltaNet layers through FeatureMixer too (compiled as
-    transformers' forward, the chunked rule's loop would be unrolled), the features exactly the
-    eager stack's, the model's own mixers left to decoding."""
+    transformers' forward, the chunked rule's loop would be unrolled), the features the eager
+    stack's within fp32 rounding, the model's own mixers left to decoding."""
     from torch._dynamo.utils import counters
 
     from dflash.models.deltanet import FeatureMixer
@@ -79,7 +82,8 @@ def test_a_hybrid_stack_compiled_whole_gives_the_eager_stacks_features(tiny_qwen
     target = FrozenTarget(AutoModelForCausalLM.from_pretrained(tiny_qwen3_next_dir), [3])
     target.compile_features(counter, scope="stack")
     ids = torch.randint(1, 500, (2, 70))  # two chunks of the rule
-    torch.testing.assert_close(target.features(ids), target.reference_features(ids), rtol=0, atol=0)
+    want = target.reference_features(ids)  # within fp32 rounding: the regrouped projection weights
+    assert (target.features(ids) - want).abs().max() <= 1e-5 * want.abs().max()
     calls = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
     assert calls.count("dflash.chunk_gated_delta_rule.default") == 2  # layers 0 and 2 of the 4 run
     assert not any(isinstance(m, FeatureMixer) for m in target.model.modules())
