@@ -46,6 +46,13 @@ class ExpertsKind(str, Enum):
     auto = "auto"
 
 
+class VerifyRule(str, Enum):
+    """How sampled decoding keeps drafts (dflash/decoding/verify.py has the rules' formulas)."""
+
+    match = "match"  # a draft is kept while it equals the target's own sample
+    rejection = "rejection"  # speculative sampling, as serving engines verify at a temperature > 0
+
+
 class DeviceKind(str, Enum):
     cpu = "cpu"
     cuda = "cuda"
@@ -634,6 +641,13 @@ class EvalConfig:
     # rejection sampling serving engines verify with; an argmax draft gets q(d) under both rules,
     # so the default's figures are what an engine measures.
     sampled_drafts: bool = False
+    # At a temperature > 0, how a round's drafts are kept: `match`, while each equals the target's
+    # own sample (survives with sum_d p(d) q(d)); `rejection`, speculative sampling as SGLang,
+    # vLLM and TensorRT-LLM verify and the DSpark paper measures (min(1, q/p), the residual
+    # max(0, q - p) at the first rejection; survives with 1 - TV(p, q)). Both keep the target's
+    # distribution exactly, and greedy decoding is the same under both. `rejection` decodes on
+    # the reference decoder (the static one keeps `match`), so its timing is that decoder's.
+    verify: VerifyRule = VerifyRule.match
     warmup_prompts: int = 2
     # dflash-eval: where the JSON report goes; null: <paths.output_dir>/eval.json. Each prompt's
     # outcome goes beside it as it finishes (eval.json -> eval.prompts.jsonl).

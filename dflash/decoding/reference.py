@@ -10,7 +10,9 @@ The target's choice is the argmax (temperature 0) or a sample from softmax(logit
 drafted token is kept only when it equals the target's own choice, so every committed token is
 the target's choice given a committed prefix: greedy output is identical token for token to
 plain greedy decoding, and sampled output has exactly the target's distribution. The drafter
-proposes its argmax at every temperature.
+proposes its argmax at every temperature. With `verify=rejection` a sampled round settles by
+speculative sampling instead (dflash.decoding.verify: the serving engines' rule), which keeps the
+target's distribution too.
 
 Caching: the target keeps a KV cache cropped back to the committed tokens after each
 verification; the drafter keeps per-layer keys/values of its context (projections of target
@@ -50,6 +52,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from dflash.decoding.verify import VerifyRule, rejection_round
 from dflash.models.dflash2 import DFlash2Drafter
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.dspark import DSparkDrafter
@@ -127,17 +130,26 @@ class DraftChooser:
     left to right (dflash.models.dspark.DSparkDrafter.sample_block); `among` is the same choice
     over a DFlash2 selector's K candidates."""
 
-    def __init__(self, temperature: float = 0.0, noise_KV: torch.Tensor | None = None):
+    def __init__(
+        self, temperature: float = 0.0, noise_KV: torch.Tensor | None = None, *, record: bool = False
+    ):
         if noise_KV is not None and temperature <= 0:
             raise ValueError("sampled drafts need a temperature > 0")
         self.temperature, self.noise, self.position = temperature, noise_KV, 0
+        # record: keep each sampled position's draft distribution [N, V] (what rejection
+        # sampling verifies against, dflash.decoding.verify), in position order.
+        self.record = record
+        self.distributions: dict[int, torch.Tensor] = {}
 
     def __call__(self, logits_NV: torch.Tensor) -> torch.Tensor:
         if self.noise is None:
             return logits_NV.argmax(-1)
         noise = self.noise[self.position]
+        scaled = logits_NV.float() / self.temperature
+        if self.record:
+            self.distributions[self.position] = torch.softmax(scaled, dim=-1)
         self.position += 1
-        return (logits_NV.float() / self.temperature + noise).argmax(-1)
+        return (scaled + noise).argmax(-1)
 
     def among(self, scores_NK: torch.Tensor, candidates_NK: torch.Tensor, position: int) -> torch.Tensor:
         """The index [N] of draft `position`'s candidate: the best score, or a sample from
@@ -146,7 +158,16 @@ class DraftChooser:
         if self.noise is None:
             return scores_NK.argmax(-1)
         noise = self.noise[position][candidates_NK]
-        return (scores_NK.float() / self.temperature + noise).argmax(-1)
+        scaled = scores_NK.float() / self.temperature
+        if self.record:
+            vocabulary = self.noise.shape[-1]
+            probs = torch.zeros(scores_NK.shape[0], vocabulary, device=scores_NK.device)
+            self.distributions[position] = probs.scatter_(1, candidates_NK, torch.softmax(scaled, dim=-1))
+        return (scaled + noise).argmax(-1)
+
+    def drafted_distributions(self) -> torch.Tensor:
+        """The recorded draft distributions of the first sequence, one row per position [P, V]."""
+        return torch.stack([self.distributions[k][0] for k in sorted(self.distributions)])
 
 
 def dspark_block(
@@ -379,10 +400,13 @@ def speculative_generate(
     cached: bool | None = None,
     stop_ids: frozenset[int] = frozenset(),
     sampled_drafts: bool = False,
+    verify: VerifyRule = VerifyRule.match,
 ) -> DecodeResult:
+    """`verify`: how drafts are kept at a temperature > 0 (dflash.decoding.verify)."""
     session = TargetSession(target, cached)
     context = DrafterContext(drafter)
     choose = TokenChooser(temperature, target.device, seed)
+    rejection = VerifyRule(verify) is VerifyRule.rejection and temperature > 0
     noise = None
     if samples_drafts(drafter, temperature, sampled_drafts):
         noise = torch.Generator(device=target.device)
@@ -395,10 +419,21 @@ def speculative_generate(
         committed = len(prompt_ids) + len(output) - 1  # the anchor is not committed yet
         if noise is not None:
             shape = (drafter.block_size, target.lm_head.weight.shape[0])
-            context.choose = DraftChooser(temperature, gumbel_noise(noise, shape, target.device))
+            noise_KV = gumbel_noise(noise, shape, target.device)
+            context.choose = DraftChooser(temperature, noise_KV, record=rejection)
         draft = drafter_guess(context, target, output[-1])
         logits, features = session.run([output[-1], *draft])
-        choices = choose(logits)
+        if rejection:
+            kept, token = rejection_round(
+                draft,
+                draft_probs_PV=None if noise is None else context.choose.drafted_distributions(),
+                target_logits_NV=logits,
+                temperature=temperature,
+                generator=choose.generator,
+            )
+            choices = draft[:kept] + [token]  # the token is never the rejected draft (residual)
+        else:
+            choices = choose(logits)
         produced, accepted, stopped = settle_round(draft, choices, max_new_tokens - len(output), stop_ids)
         output += produced
         result.acceptance_lengths.append(len(produced))

@@ -21,13 +21,14 @@ plain greedy references of the lossless check may be decoded several prompts at 
 from __future__ import annotations
 
 import copy
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from dflash.config.schema import EvalConfig
+from dflash.config.schema import EvalConfig, VerifyRule
 from dflash.decoding.continuous import ContinuousBatcher
 from dflash.decoding.engine import StaticDecoder
 from dflash.decoding.reference import DecodeResult, drafts_per_round, plain_generate, speculative_generate
@@ -38,6 +39,8 @@ from dflash.eval.report import BenchmarkResult, EvalReport
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import FrozenTarget
 from dflash.stopwatch import Stopwatch
+
+log = logging.getLogger(__name__)
 
 # on_prompt(benchmark, temperature, prompts done, prompts in the set), after each prompt.
 PromptDone = Callable[[str, float, int, int], None]
@@ -120,11 +123,20 @@ class Decoders:
         sampled_drafts: bool = False,
         temperatures: tuple[float, ...] = (),
         reference_slots: int = 1,
+        verify: VerifyRule = VerifyRule.match,
     ) -> Decoders:
         """`sampled_drafts`: a DSpark or DFlash2 drafter samples its drafts at the decoding temperature (the
         static decoder captures those rounds for `temperatures` up front). `reference_slots` > 1:
-        untimed greedy references decoded that many prompts at a time (static-cache targets)."""
-        static = StaticDecoder.for_target(target, drafter, max_len=max_len, graphs=graphs, compile=compile)
+        untimed greedy references decoded that many prompts at a time (static-cache targets).
+        `verify=rejection` at a temperature > 0: the reference decoder, which verifies that way."""
+        rejection = VerifyRule(verify) is VerifyRule.rejection and any(t > 0 for t in temperatures)
+        static = None
+        if rejection:
+            log.info("eval.verify=rejection: decoding on the reference decoder (dflash.decoding.reference)")
+        else:
+            static = StaticDecoder.for_target(
+                target, drafter, max_len=max_len, graphs=graphs, compile=compile
+            )
         if static is not None:
             sampled = tuple(t for t in temperatures if t > 0) if sampled_drafts else ()
             static.capture_every_shape(sampled)  # outside every timed decode
@@ -155,6 +167,7 @@ class Decoders:
                 None,
                 stop_ids,
                 sampled_drafts=sampled_drafts,
+                verify=verify,
             )
 
         def plain(prompt, max_new, temperature, seed, stop_ids):
@@ -183,6 +196,7 @@ class Decoders:
             sampled_drafts=cfg.sampled_drafts,
             temperatures=tuple(cfg.temperatures),
             reference_slots=reference_slots,
+            verify=cfg.verify,
         )
 
 

@@ -142,6 +142,7 @@ def journal_settings(
         "max_new_tokens": eval_cfg.max_new_tokens,
         "seed": eval_cfg.seed,
         "sampled_drafts": eval_cfg.sampled_drafts,
+        "verify": str(getattr(eval_cfg.verify, "value", eval_cfg.verify)),
         "compile_decoding": eval_cfg.compile_decoding,
     }
 
