@@ -48,8 +48,7 @@ def project(mixer: nn.Module, x_NQH: torch.Tensor):
         )
         qkv = torch.cat([t.reshape(n, q_len, -1) for t in (query, key, value)], dim=-1)
         return qkv, z, b, a
-    z = mixer.in_proj_z(x_NQH).reshape(n, q_len, -1, mixer.head_v_dim)
-    return mixer.in_proj_qkv(x_NQH), z, mixer.in_proj_b(x_NQH), mixer.in_proj_a(x_NQH)
+    return mixer.in_proj_qkv(x_NQH), *project_z_b_a(mixer, x_NQH)
 
 
 def linear_weights(linear: nn.Module, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -72,34 +71,41 @@ def grouped_rows(linear: nn.Module, dtype: torch.dtype, *, groups: int, widths: 
     ]
 
 
-def project_in_conv_order(mixer: nn.Module, x_NQH: torch.Tensor):
-    """`project`'s outputs with Qwen3-Next's interleaved `in_proj_qkvz` / `in_proj_ba` regrouped
-    in the weights (q, k and v of every key group, then z; b, then a): the projections write the
-    convolution's input and z contiguous. Projecting first and regrouping the activations moves
-    the whole projected tensor once more (on an H200, Qwen3-Next-80B's shape at 4 x 3072 tokens:
-    0.71 ms per layer, the regrouping kernel as compiled); the weights' regrouping reads
-    the weight once. Qwen3.5's layout already projects in this order: `project` as is."""
-    if not hasattr(mixer, "in_proj_qkvz"):
-        return project(mixer, x_NQH)
+def project_parts(mixer: nn.Module, x_NQH: torch.Tensor):
+    """The convolution's input as three contiguous parts, q [N, Q, Hk * Dk], k (the same) and
+    v [N, Q, Hv * Dv], with z [N, Q, Hv, Dv] and b, a [N, Q, Hv]: each part projected by its own
+    rows of the weights. Qwen3-Next's `in_proj_qkvz` / `in_proj_ba` interleave the parts per key
+    group; the model projects, then regroups the projected activations (on an H200, Qwen3-Next-80B's
+    shape at 4 x 3072 tokens, 0.71 ms per layer for that copy as compiled), where regrouping the
+    weights reads them once. Separate parts also reach fla's rule contiguous (it copies a strided
+    q, k or v). Qwen3.5's `in_proj_qkv` is already in order: its row slices are views."""
+    if hasattr(mixer, "in_proj_qkvz"):
+        n, q_len, _ = x_NQH.shape
+        ratio = mixer.num_v_heads // mixer.num_k_heads
+        value_width = ratio * mixer.head_v_dim
+        q, k, v, z = grouped_rows(
+            mixer.in_proj_qkvz,
+            x_NQH.dtype,
+            groups=mixer.num_k_heads,
+            widths=[mixer.head_k_dim, mixer.head_k_dim, value_width, value_width],
+        )
+        b, a = grouped_rows(mixer.in_proj_ba, x_NQH.dtype, groups=mixer.num_k_heads, widths=[ratio, ratio])
+        ba = F.linear(x_NQH, torch.cat([b[0], a[0]]), None if b[1] is None else torch.cat([b[1], a[1]]))
+        parts = [F.linear(x_NQH, *part) for part in (q, k, v)]
+        z_NQHD = F.linear(x_NQH, *z).view(n, q_len, -1, mixer.head_v_dim)
+        return parts, z_NQHD, ba[..., : mixer.num_v_heads], ba[..., mixer.num_v_heads :]
+    weight, bias = linear_weights(mixer.in_proj_qkv, x_NQH.dtype)
+    widths = [mixer.key_dim, mixer.key_dim, mixer.value_dim]
+    biases = torch.split(bias, widths) if bias is not None else [None] * 3
+    parts = [F.linear(x_NQH, w, b) for w, b in zip(torch.split(weight, widths), biases)]
+    return parts, *project_z_b_a(mixer, x_NQH)
+
+
+def project_z_b_a(mixer: nn.Module, x_NQH: torch.Tensor):
+    """Qwen3.5's separate projections of the output gate z [N, Q, Hv, Dv] and of b, a [N, Q, Hv]."""
     n, q_len, _ = x_NQH.shape
-    ratio = mixer.num_v_heads // mixer.num_k_heads
-    value_width = ratio * mixer.head_v_dim
-    q, k, v, z = grouped_rows(
-        mixer.in_proj_qkvz,
-        x_NQH.dtype,
-        groups=mixer.num_k_heads,
-        widths=[mixer.head_k_dim, mixer.head_k_dim, value_width, value_width],
-    )
-    qkv_weight = torch.cat([q[0], k[0], v[0]])
-    qkv_bias = None if q[1] is None else torch.cat([q[1], k[1], v[1]])
-    b, a = grouped_rows(mixer.in_proj_ba, x_NQH.dtype, groups=mixer.num_k_heads, widths=[ratio, ratio])
-    ba = F.linear(x_NQH, torch.cat([b[0], a[0]]), None if b[1] is None else torch.cat([b[1], a[1]]))
-    return (
-        F.linear(x_NQH, qkv_weight, qkv_bias),
-        F.linear(x_NQH, *z).view(n, q_len, -1, mixer.head_v_dim),
-        ba[..., : mixer.num_v_heads],
-        ba[..., mixer.num_v_heads :],
-    )
+    z = mixer.in_proj_z(x_NQH).reshape(n, q_len, -1, mixer.head_v_dim)
+    return z, mixer.in_proj_b(x_NQH), mixer.in_proj_a(x_NQH)
 
 
 def split_heads(mixer: nn.Module, mixed_NQC: torch.Tensor):
@@ -229,10 +235,18 @@ class FeatureMixer(nn.Module):
         hidden_states = sys.modules[self._modeling].apply_mask_to_padding_states(
             hidden_states, attention_mask
         )
-        mixed, z, b, a = project_in_conv_order(mixer, hidden_states)
-        weight = mixer.conv1d.weight.squeeze(1)
-        mixed = short_conv(mixed, weight, mixer.conv1d.bias, mixer.activation or "", self._modeling)
-        query, key, value = split_heads(mixer, mixed)
+        parts, z, b, a = project_parts(mixer, hidden_states)
+        # The depthwise convolution part by part (each channel is its own): contiguous outputs
+        widths = [mixer.key_dim, mixer.key_dim, mixer.value_dim]
+        weights = torch.split(mixer.conv1d.weight.squeeze(1), widths)
+        biases = torch.split(mixer.conv1d.bias, widths) if mixer.conv1d.bias is not None else [None] * 3
+        n, q_len, _ = hidden_states.shape
+        query, key, value = (
+            short_conv(part, weight, bias, mixer.activation or "", self._modeling).view(n, q_len, -1, dim)
+            for part, weight, bias, dim in zip(
+                parts, weights, biases, (mixer.head_k_dim, mixer.head_k_dim, mixer.head_v_dim)
+            )
+        )
         beta, g = gates(mixer, b, a)
         core = chunk_gated_delta_rule(query, key, value, g, beta, self._modeling)
         return finish(mixer, core, z)
