@@ -33,6 +33,7 @@ from dflash.models.families import (
 )
 from dflash.models.fp8 import BlockFP8Experts, build_random_fp8, is_fp8_checkpoint, load_fp8_checkpoint
 from dflash.models.kernels import triton_runs
+from dflash.models.router import is_top_k_router, use_feature_router
 from dflash.models.short_conv import use_fla_short_conv
 from dflash.models.size import refuse_missing_text_config, refuse_size_mismatch
 
@@ -262,7 +263,8 @@ class FrozenTarget(nn.Module):
         layers share their code, and dynamo keeps one graph per layer kind with the weights as
         inputs, so a 48-layer hybrid MoE stack compiles two graphs instead of one graph of 48
         unrolled layers. Either compiles a copy of the stack whose Gated DeltaNet mixers are
-        `FeatureMixer`s (dflash/models/deltanet.py)."""
+        `FeatureMixer`s (dflash/models/deltanet.py) and whose MoE routers take their top-k as
+        one op (dflash/models/router.py)."""
         if scope not in ("stack", "layers"):
             raise ValueError(f"target.compile_scope={scope!r}: expected 'stack' or 'layers'")
         stack = with_own_layers(self._feature_model[0])
@@ -275,6 +277,8 @@ class FrozenTarget(nn.Module):
                 # 100 s more before inductor started, for one Qwen3-Next layer). FeatureMixer
                 # calls them as custom ops, which dynamo keeps whole.
                 layer.linear_attn = FeatureMixer(layer.linear_attn)
+            for router in filter(is_top_k_router, layer.modules()):
+                use_feature_router(router)  # the copy's own router: top-k as one kernel on CUDA
             if scope == "layers":
                 # The layer's forward alone: its hooks (the hidden-state capture, which dynamo
                 # cannot trace) run around the compiled graph, eagerly.
