@@ -590,6 +590,7 @@ def test_a_stopped_evaluation_resumed_decodes_only_the_rest_and_reports_what_one
     assert results(tmp_path / "eval_run") == straight
     meta = json.loads((tmp_path / "eval_run" / "eval.json").read_text())["meta"]
     assert (meta["decoded_here"], meta["taken_from_journal"]) == (5, 3) and meta["wall_s"] > 0
+    assert (meta["verify"], meta["sampled_drafts"]) == ("match", False)  # what the 0.8 rows measure
     assert len(journal.read_text().splitlines()) == 1 + 8
 
     # Run again once finished: nothing left to decode, the same report.
@@ -614,6 +615,13 @@ def test_a_resume_under_other_settings_or_with_timing_or_a_changed_prompt_is_ref
         run_eval(
             eval_cfg(
                 tmp_path, tiny_chat_dir, exported_drafter, benchmark_files, [*resume, "eval.max_new_tokens=8"]
+            )
+        )
+    # sampled rounds verified by another rule are other outcomes
+    with pytest.raises(ValueError, match=r"was written under other settings \(verify 'match' there, 'rejection' here\)"):  # fmt: skip
+        run_eval(
+            eval_cfg(
+                tmp_path, tiny_chat_dir, exported_drafter, benchmark_files, [*resume, "eval.verify=rejection"]
             )
         )
     with pytest.raises(

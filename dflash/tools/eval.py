@@ -240,6 +240,9 @@ def run_eval(
         "dtype": str(target.lm_head.weight.dtype).removeprefix("torch."),
         "block_size": drafter.block_size,
         "max_new_tokens": cfg.eval.max_new_tokens,
+        # what a temperature > 0 result measures: sampled or argmax drafts, and the verification rule
+        "sampled_drafts": cfg.eval.sampled_drafts,
+        "verify": str(getattr(cfg.eval.verify, "value", cfg.eval.verify)),
         "kv_cache": "target KV cache + drafter context cache",
         "timing": "CUDA events" if device.type == "cuda" else "wall clock (CPU)",
         # This process's decoding (not the prompts taken from the journal): its wall time, warm-up
