@@ -555,6 +555,22 @@ def test_a_head_type_outside_the_three_is_refused_at_composition(make_cfg):
         make_cfg(["variant=dspark", "variant.markov_head_type=lstm"])
 
 
+def test_a_dspark_drafter_starts_at_the_targets_init_std_and_dflash_keeps_its_own():
+    """DeepSpec copies the target's config into the draft config, initializer_range included; a
+    plain DFlash drafter keeps Qwen3Config's 0.02 (its runs unchanged)."""
+    from dflash.step.build import run_drafter_config
+    from dflash.step.variant import DFlashVariant, DSparkVariant
+
+    target_config = AutoConfig.for_model("qwen3", **{**TINY_ARCH, "initializer_range": 0.05})
+    cfg = DrafterConfig(name="t", num_layers=1, block_size=4, mask_token_id=MASK_ID, num_anchors=8)
+    dspark = run_drafter_config(cfg, target_config, [1], DSparkVariant())
+    dflash = run_drafter_config(cfg, target_config, [1], DFlashVariant())
+    assert (dspark.initializer_range, dflash.initializer_range) == (0.05, 0.02)
+    torch.manual_seed(0)
+    weight = DSparkDrafter(dspark).layers[0].mlp.up_proj.weight
+    assert weight.std().item() == pytest.approx(0.05, rel=0.05)
+
+
 def test_drafter_from_config_picks_the_class_by_its_config(tmp_path):
     target = tiny_target()
     cfg = DrafterConfig(name="t", num_layers=1, block_size=4, mask_token_id=MASK_ID)
