@@ -42,15 +42,11 @@ def run_drafter_config(
 ) -> Qwen3Config:
     """The config of the drafter a run trains: the backbone's fields and the variant's."""
     config = variant.drafter_config(drafter_config(cfg, target_config, layer_ids))
+    if variant.init_std_from_target and getattr(target_config, "initializer_range", None) is not None:
+        config.initializer_range = target_config.initializer_range
     if is_dspark_config(config):
         # DeepSpec's loader asserts it in config.json (dflash/export/deepspec.py).
         config.num_anchors = cfg.num_anchors
-        # DeepSpec's draft config is a copy of the target's, so its weights start at the target's
-        # init std (SmolLM2-135M's 1/sqrt(576) = 0.042, where Qwen3Config's default is 0.02).
-        # Plain DFlash keeps 0.02, as it always has.
-        std = getattr(target_config, "initializer_range", None)
-        if std is not None:
-            config.initializer_range = std
     return config
 
 

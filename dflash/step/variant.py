@@ -45,6 +45,9 @@ class DFlashVariant:
     needs_final_state: ClassVar[bool] = False
     # The blocks carry each label's true previous token (DraftBlocks.prev_ids).
     needs_prev_ids: ClassVar[bool] = False
+    # The drafter's weights start at the target's init std (its config's initializer_range)
+    # rather than Qwen3Config's 0.02.
+    init_std_from_target: ClassVar[bool] = False
 
     def drafter_config(self, config: Qwen3Config) -> Qwen3Config:
         """The variant's fields added to a backbone config (in place)."""
@@ -82,6 +85,9 @@ class DSparkVariant(DFlashVariant):
     label_offset: ClassVar[int] = 1
     needs_final_state: ClassVar[bool] = True
     needs_prev_ids: ClassVar[bool] = True
+    # DeepSpec's draft config is a deep copy of the target's, initializer_range included
+    # (SmolLM2-135M's 1/sqrt(576) = 0.042).
+    init_std_from_target: ClassVar[bool] = True
 
     markov_rank: int = 256
     markov_head_type: MarkovHeadType | str = MarkovHeadType.vanilla
