@@ -92,20 +92,41 @@ def test_the_draft_chooser_records_what_each_draft_was_drawn_from():
     torch.testing.assert_close(second.sum(), torch.tensor(1.0))
 
 
-def test_decoding_with_rejection_sampling_keeps_greedy_output_and_counts_sampled_rounds():
-    """Greedy output is the same under both rules; at a temperature > 0 the rounds settle by
-    rejection sampling over DSpark's sampled drafts (each round's length is its kept drafts + 1)."""
+def test_decoding_with_rejection_sampling_settles_each_round_by_the_rule(monkeypatch):
+    """Greedy output is the same under both rules. At a temperature > 0 each round goes to
+    `rejection_round` with the distributions DSpark drew its drafts from (its Markov-biased
+    softmax at the temperature, one row per draft, each draft in its row's support) and the
+    target's logits of the round; the round keeps what the rule kept and appends its token."""
+    from dflash.decoding import reference
+
     target = tiny_target()
     drafter = loud_markov(tiny_dspark(target, head_type="gated"))
     prompt = torch.randint(0, 500, (9,), generator=torch.Generator().manual_seed(2)).tolist()
     greedy = speculative_generate(target, drafter, prompt, 30)
     assert speculative_generate(target, drafter, prompt, 30, verify=VerifyRule.rejection) == greedy
+
+    rounds = []
+
+    def settled_as_an_oracle_says(draft, *, draft_probs_PV, target_logits_NV, temperature, generator):
+        kept = (len(rounds) + 1) % 3  # whatever the rule says is what the round keeps
+        token = (draft[kept] + 1) % 512 if kept < len(draft) else 7
+        rounds.append((draft, draft_probs_PV, target_logits_NV.shape, kept, token))
+        return kept, token
+
+    monkeypatch.setattr(reference, "rejection_round", settled_as_an_oracle_says)
     sampled = speculative_generate(
         target, drafter, prompt, 30, temperature=1.0, seed=4, sampled_drafts=True, verify=VerifyRule.rejection
     )
-    assert len(sampled.output_ids) == 30
-    assert [a + 1 for a in sampled.accepted_drafts[:-1]] == sampled.acceptance_lengths[:-1]
-    assert sum(sampled.acceptance_lengths) == 29  # the first token is the prefill's
+    blocks = drafter.block_size
+    assert rounds and len(rounds) == len(sampled.accepted_drafts)
+    produced = sampled.output_ids[:1]  # the first token is the prefill's
+    for draft, probs, logits_shape, kept, token in rounds:
+        assert probs.shape == (blocks, target.config.vocab_size) and logits_shape[0] == blocks + 1
+        torch.testing.assert_close(probs.sum(-1), torch.ones(blocks))
+        assert all(probs[k, drafted] > 0 for k, drafted in enumerate(draft))
+        produced += draft[:kept] + [token]
+    assert [kept for *_, kept, _ in rounds] == sampled.accepted_drafts
+    assert sampled.output_ids == produced[:30]
 
 
 def test_rejection_verification_decodes_on_the_reference_decoder():
