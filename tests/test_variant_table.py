@@ -1,0 +1,112 @@
+"""scripts/variant_table.py: the matched comparison's table, read from finished run dirs."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from tests.scripts_as_modules import load_script
+
+variant_table = load_script("variant_table")
+
+
+def write_run(
+    root: Path,
+    name: str,
+    *,
+    variant: str,
+    val_taus: list[float],
+    benchmarks: dict[str, tuple[float, int, float]],
+    samples_sha256: str = "ab" * 32,
+    steps: int = 800,
+) -> Path:
+    run = root / name
+    (run / "checkpoints" / "last").mkdir(parents=True)
+    (run / "config_resolved.yaml").write_text(f"variant:\n  _target_: dflash.step.variant.{variant}\n")
+    rows = [{"step": 100 * (i + 1), "val/tau_decode": tau} for i, tau in enumerate(val_taus)]
+    rows.append({"step": steps, "train/loss": 1.0})
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (run / "summary.json").write_text(json.dumps({"steps": steps}))
+    (run / "checkpoints" / "last" / "data.json").write_text(json.dumps({"samples_sha256": samples_sha256}))
+    results = [
+        {"benchmark": b, "temperature": 0.0, "tau": tau, "num_prompts": n, "lossless_frac": lossless}
+        for b, (tau, n, lossless) in benchmarks.items()
+    ]
+    # A sampled row of the same benchmark: not a greedy figure, so not in the table.
+    results.append(
+        {"benchmark": "humaneval", "temperature": 1.0, "tau": 9.0, "num_prompts": 80, "lossless_frac": None}
+    )
+    (run / "eval_fp32").mkdir()
+    (run / "eval_fp32" / "eval.json").write_text(json.dumps({"results": results, "interrupted": False}))
+    return run
+
+
+def test_each_variants_taus_are_divided_by_the_first_runs_on_the_same_benchmark(tmp_path):
+    base = write_run(
+        tmp_path,
+        "train_dflash",
+        variant="DFlashVariant",
+        val_taus=[1.2, 1.5],
+        benchmarks={"humaneval": (1.5, 80, 1.0), "mtbench": (1.4, 80, 1.0)},
+    )
+    other = write_run(
+        tmp_path,
+        "train_dflash2",
+        variant="DFlash2Variant",
+        val_taus=[1.3, 1.65],
+        benchmarks={"humaneval": (1.65, 80, 1.0), "mtbench": (1.47, 80, 0.95)},
+    )
+    text = variant_table.table([variant_table.read_run(run, "eval_fp32") for run in (base, other)])
+    lines = text.splitlines()
+    assert (
+        lines[0]
+        == "| run | variant | steps | held-out val/tau_decode | humaneval tau | mtbench tau | lossless |"
+    )
+    assert (
+        lines[2]
+        == "| train_dflash | DFlashVariant | 800 | 1.500 | 1.500 (80 prompts) | 1.400 (80 prompts) | 100% |"
+    )
+    # The last held-out figure, the greedy rows only, and the smallest lossless share.
+    assert lines[3] == (
+        "| train_dflash2 | DFlash2Variant | 800 | 1.650 (1.100x) | 1.650 (80 prompts) (1.100x) "
+        "| 1.470 (80 prompts) (1.050x) | 95% |"
+    )
+    assert "every run trained on the same samples (sha256 abababababababab...)" in text
+
+
+def test_runs_on_other_samples_or_other_prompt_counts_are_not_read_as_matched(tmp_path):
+    base = write_run(
+        tmp_path, "a", variant="DFlashVariant", val_taus=[1.4], benchmarks={"humaneval": (1.5, 80, 1.0)}
+    )
+    other = write_run(
+        tmp_path,
+        "b",
+        variant="DSparkVariant",
+        val_taus=[1.4],
+        benchmarks={"humaneval": (1.6, 47, 1.0)},
+        samples_sha256="cd" * 32,
+    )
+    text = variant_table.table([variant_table.read_run(run, "eval_fp32") for run in (base, other)])
+    assert "1.600 (47 prompts) (other prompt count: no ratio)" in text
+    assert (
+        "NOT matched: the runs trained on different samples (a abababababababab, b cdcdcdcdcdcdcdcd)" in text
+    )
+
+
+def test_a_run_not_yet_evaluated_shows_dashes_and_a_missing_dir_exits_2(tmp_path, capsys):
+    base = write_run(
+        tmp_path, "a", variant="DFlashVariant", val_taus=[1.4], benchmarks={"humaneval": (1.5, 80, 1.0)}
+    )
+    unevaluated = tmp_path / "b"
+    unevaluated.mkdir()
+    (unevaluated / "metrics.jsonl").write_text(json.dumps({"step": 380, "train/loss": 2.0}) + "\n")
+    text = variant_table.table([variant_table.read_run(run, "eval_fp32") for run in (base, unevaluated)])
+    assert text.splitlines()[3] == "| b | ? | 380 | - | - | - |"
+    assert "b: no checkpoint data.json, its samples are not compared" in text
+    assert "NOT matched" not in text
+    with pytest.raises(SystemExit) as exit_info:
+        variant_table.main([str(base), str(tmp_path / "missing")])
+    assert exit_info.value.code == 2
+    assert "no such run dir" in capsys.readouterr().err
