@@ -15,7 +15,11 @@
 #      (384), REGEN_BATCH (256), GPU (single), TRAIN_EVAL_PROMPTS (8: the training run's own
 #      final look), EVAL_PROMPTS (80), EVAL_NEW (256),
 #      STAGES ("prompts regen prep train eval": a subset runs those stages only), TRAIN_DIR
-#      (the training run directory, default WORKDIR/train).
+#      (the training run directory, default WORKDIR/train), REGEN_FILE + HELDOUT_FILE (a finished
+#      regeneration, .jsonl[.gz], and its held-out prompts: the prompts and regen stages take these
+#      files instead of writing new ones, so runs made at different times train on the same
+#      conversations; benchmarks/data/smollm2_10k holds one), EVAL_DTYPES ("float32 bfloat16":
+#      float32 alone skips the timed bf16 evaluation).
 # Time limits: SIGTERM/SIGINT reach the running stage (dflash-train writes a checkpoint at the
 # next step and exits; dflash-regen keeps every finished conversation), and running the same
 # command again continues: regen skips finished conversations, train resumes from
@@ -53,6 +57,14 @@ stage() {
   STAGE_PID=
 }
 
+if [[ -n ${REGEN_FILE:-} ]]; then
+  [[ -n ${HELDOUT_FILE:-} ]] || { echo "smollm2_chain: REGEN_FILE needs HELDOUT_FILE (the prompts held out of it)" >&2; exit 2; }
+  if [[ $STAGES == *" prompts "* ]]; then cp "$HELDOUT_FILE" "$W/heldout_prompts.jsonl"; fi
+  if [[ $STAGES == *" regen "* ]]; then
+    if [[ $REGEN_FILE == *.gz ]]; then gzip -dc "$REGEN_FILE" > "$W/regen.jsonl"; else cp "$REGEN_FILE" "$W/regen.jsonl"; fi
+  fi
+  STAGES=${STAGES/ prompts / }; STAGES=${STAGES/ regen / }
+fi
 if [[ $STAGES == *" prompts "* ]]; then
   if [[ -n ${PROMPTS_FILE:-} ]]; then
     if [[ $PROMPTS_FILE == *.gz ]]; then gzip -dc "$PROMPTS_FILE" > "$W/all_prompts.jsonl"; else cp "$PROMPTS_FILE" "$W/all_prompts.jsonl"; fi
@@ -91,13 +103,18 @@ if [[ $STAGES == *" eval "* ]]; then
   BENCHMARKS="{humaneval: 'package:humaneval', mtbench: 'package:mtbench', heldout_prompts: '$W/heldout_prompts.jsonl'}"
   EVAL=(paths.cache_dir="$W/cache" ckpt="$TRAIN_DIR/checkpoints/last" gpu="${GPU:-single}" eval=humaneval_mtbench
     "eval.benchmarks=$BENCHMARKS" eval.num_prompts="${EVAL_PROMPTS:-80}" eval.max_new_tokens="${EVAL_NEW:-256}")
+  EVAL_DTYPES=" ${EVAL_DTYPES:-float32 bfloat16} "
   # fp32: greedy DFlash output must equal plain greedy output token for token (tau, lossless).
-  stage $PY -m dflash.tools.eval "${EVAL[@]}" target.dtype=float32 eval.timing=false eval.resume=true \
-    paths.output_dir="$TRAIN_DIR/eval_fp32"
+  if [[ $EVAL_DTYPES == *" float32 "* ]]; then
+    stage $PY -m dflash.tools.eval "${EVAL[@]}" target.dtype=float32 eval.timing=false eval.resume=true \
+      paths.output_dir="$TRAIN_DIR/eval_fp32"
+  fi
   # bf16: the speed a user serving the target sees (near-tie divergences are reported, not hidden).
   # Timed, so not resumed: a second run measures everything again (the old journal goes first).
-  rm -f "$TRAIN_DIR/eval_bf16/eval.prompts.jsonl"
-  stage $PY -m dflash.tools.eval "${EVAL[@]}" paths.output_dir="$TRAIN_DIR/eval_bf16"
+  if [[ $EVAL_DTYPES == *" bfloat16 "* ]]; then
+    rm -f "$TRAIN_DIR/eval_bf16/eval.prompts.jsonl"
+    stage $PY -m dflash.tools.eval "${EVAL[@]}" paths.output_dir="$TRAIN_DIR/eval_bf16"
+  fi
   # The training run's last held-out measurement, to set beside heldout_prompts' tau above.
   if [[ -f $TRAIN_DIR/metrics.jsonl ]]; then $PY - "$TRAIN_DIR/metrics.jsonl" <<'PY'
 import json, sys
