@@ -11,9 +11,8 @@
 # and the held-out prompts (80 each, 256 new tokens; lossless checked) into WORKDIR/train_VARIANT/
 # eval_fp32.
 # Env: VARIANTS ("dflash dspark dflash2"; the first is the table's baseline), SIDE_BY_SIDE (1: the
-#      variants run at once on the one GPU, each evaluating as soon as it has trained: small drafters
-#      leave a GPU mostly idle, so this finishes sooner, but then no run's samples/s is its own;
-#      0: one after another), STAGES ("prep train eval table"), PYTHON, and smollm2_chain.sh's
+#      variants run at once on the one GPU, each evaluating as soon as it has trained; they share
+#      the GPU, so no run's samples/s or timing is its own; 0: one after another), STAGES ("prep train eval table"), PYTHON, and smollm2_chain.sh's
 #      (TARGET, GPU, EVAL_PROMPTS, EVAL_NEW ...).
 # Time limits: SIGTERM/SIGINT reach every running chain (a training writes its checkpoint, an
 # evaluation keeps its journal) and the same command again continues where each stopped.
@@ -44,9 +43,9 @@ if [[ $STAGES == *" prep "* ]]; then
 fi
 
 # One variant: train (resuming from its last checkpoint; Hydra's record goes into the run dir too,
-# where dflash-diff reads it), then its fp32 evaluation (resuming from
-# its journal); summary.json marks a finished training, which a second run skips. It runs as a
-# subshell of its own, which passes a signal on to the chain in hand and waits for it to stop.
+# where dflash-diff reads it), then its fp32 evaluation (resuming from its journal); summary.json
+# marks a finished training, which a second run skips. It runs as a subshell of its own, which
+# passes a signal on to the chain in hand and waits for it to stop.
 variant() {
   local v=$1 child= rc=0; shift
   local run=$W/train_$v
