@@ -19,7 +19,8 @@
 #      regeneration, .jsonl[.gz], and its held-out prompts: the prompts and regen stages take these
 #      files instead of writing new ones, so runs made at different times train on the same
 #      conversations; benchmarks/data/smollm2_10k holds one), EVAL_DTYPES ("float32 bfloat16":
-#      float32 alone skips the timed bf16 evaluation).
+#      float32 alone skips the timed bf16 evaluation), EVAL_OVERRIDES (more dflash-eval overrides,
+#      space-separated, for both evaluations, e.g. "eval.compile_decoding=true").
 # Time limits: SIGTERM/SIGINT reach the running stage (dflash-train writes a checkpoint at the
 # next step and exits; dflash-regen keeps every finished conversation), and running the same
 # command again continues: regen skips finished conversations, train resumes from
@@ -102,7 +103,8 @@ fi
 if [[ $STAGES == *" eval "* ]]; then
   BENCHMARKS="{humaneval: 'package:humaneval', mtbench: 'package:mtbench', heldout_prompts: '$W/heldout_prompts.jsonl'}"
   EVAL=(paths.cache_dir="$W/cache" ckpt="$TRAIN_DIR/checkpoints/last" gpu="${GPU:-single}" eval=humaneval_mtbench
-    "eval.benchmarks=$BENCHMARKS" eval.num_prompts="${EVAL_PROMPTS:-80}" eval.max_new_tokens="${EVAL_NEW:-256}")
+    "eval.benchmarks=$BENCHMARKS" eval.num_prompts="${EVAL_PROMPTS:-80}" eval.max_new_tokens="${EVAL_NEW:-256}"
+    ${EVAL_OVERRIDES:-})
   EVAL_DTYPES=" ${EVAL_DTYPES:-float32 bfloat16} "
   # fp32: greedy DFlash output must equal plain greedy output token for token (tau, lossless).
   if [[ $EVAL_DTYPES == *" float32 "* ]]; then
