@@ -1,0 +1,83 @@
+"""Several prompts speculatively decoded at once: one StaticDecoder per prompt, side by side.
+
+A batch-1 DFlash round of a small target is a chain of small kernels (launch-bound on a GPU), so
+one decoder leaves the GPU mostly idle. Here each of N decoders has its own caches, CUDA graphs
+and CUDA stream, and decodes one prompt in a thread of its own; kernels of different streams run
+on the GPU together, and a thread waiting on its round's one transfer lets the others launch.
+Every decoder runs the kernels one decoder runs alone, on the same shapes, so each prompt's
+tokens and acceptance lengths are those of decoding it alone (tested against the one-at-a-time
+path). The decoders share the target's weights; each adds its own KV cache and drafter copy.
+
+Graphs are captured up front in the calling thread (`capture_every_shape`), so no thread
+captures; a decoder that needed a new shape would capture it in thread-local mode
+(dflash.decoding.graphs). If a thread fails, the others finish the prompt they hold, then the
+failure (the first in prompt order) is raised in the caller with its own traceback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import torch
+
+from dflash.decoding.engine import StaticDecoder
+from dflash.decoding.reference import DecodeResult
+from dflash.models.drafter import DFlashDrafter
+
+
+class SideBySideDecoders:
+    """`decoders[i]` decodes the i-th prompt of a `speculative` call, on `streams[i]` (None on CPU).
+    `sampled_drafts`: StaticDecoder.speculative's, for every call."""
+
+    def __init__(self, decoders: Sequence[StaticDecoder], *, sampled_drafts: bool = False):
+        if not decoders:
+            raise ValueError("SideBySideDecoders needs at least one decoder")
+        self.decoders = list(decoders)
+        self.sampled_drafts = sampled_drafts
+        device = self.decoders[0].target.device
+        self.streams = [
+            torch.cuda.Stream(device=device) if device.type == "cuda" else None for _ in self.decoders
+        ]
+
+    @property
+    def width(self) -> int:
+        """Prompts decoded at once."""
+        return len(self.decoders)
+
+    def load_drafter_weights(self, drafter: DFlashDrafter) -> None:
+        for decoder in self.decoders:
+            decoder.load_drafter_weights(drafter)
+
+    def speculative(
+        self,
+        prompts: Sequence[list[int]],
+        seeds: Sequence[int],
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        stop_ids: frozenset[int],
+    ) -> list[DecodeResult]:
+        """`StaticDecoder.speculative` of each prompt (with its seed), at most `width` of them,
+        in the order given."""
+        if len(prompts) != len(seeds) or len(prompts) > self.width:
+            raise ValueError(f"{len(prompts)} prompts and {len(seeds)} seeds for {self.width} decoders")
+
+        def decode(index: int) -> DecodeResult:
+            stream = self.streams[index]
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                return self.decoders[index].speculative(
+                    prompts[index],
+                    max_new_tokens,
+                    temperature,
+                    seeds[index],
+                    stop_ids,
+                    sampled_drafts=self.sampled_drafts,
+                )
+
+        if len(prompts) == 1:
+            return [decode(0)]
+        with ThreadPoolExecutor(max_workers=len(prompts), thread_name_prefix="dflash-decode") as pool:
+            futures = [pool.submit(decode, index) for index in range(len(prompts))]
+            return [future.result() for future in futures]
