@@ -763,3 +763,42 @@ def test_a_batcher_takes_other_reply_settings_only_between_batches():
         batcher.step()
     batcher.configure(max_new_tokens=8, stop_ids=frozenset([5]))
     assert (batcher.max_new_tokens, batcher.stop_ids) == (8, frozenset([5]))
+
+
+# DFlash decodings side by side (eval.decode_streams): each prompt's outcome that of decoding it
+# alone, so the same figures; refused with timing, whose times must be one decoder's.
+def test_dflash_eval_reports_the_same_figures_with_prompts_decoded_side_by_side(
+    tmp_path, tiny_chat_dir, exported_drafter, benchmark_files, monkeypatch
+):
+    from dflash.decoding.side_by_side import SideBySideDecoders
+    from dflash.tools.eval import run_eval
+
+    batches = []
+    side_by_side = SideBySideDecoders.speculative
+    monkeypatch.setattr(
+        SideBySideDecoders,
+        "speculative",
+        lambda self, prompts, *a, **k: batches.append(len(prompts)) or side_by_side(self, prompts, *a, **k),
+    )
+    settings = ["eval.timing=false", "eval.num_prompts=5"]
+    benchmarks = {**benchmark_files, "more": write_prompts(tmp_path / "more.jsonl", [{"prompt": f"Count to {n}."} for n in range(5)])}  # fmt: skip
+    run_eval(eval_cfg(tmp_path / "one", tiny_chat_dir, exported_drafter, benchmarks, settings))
+    assert batches == []
+    run_eval(
+        eval_cfg(
+            tmp_path / "streams",
+            tiny_chat_dir,
+            exported_drafter,
+            benchmarks,
+            [*settings, "eval.decode_streams=3"],
+        )
+    )
+    assert sorted(batches) == [2, 2, 2, 3]  # 2 + 2 + 5 prompts, at most 3 at a time
+    one, streams = results(tmp_path / "one" / "eval_run"), results(tmp_path / "streams" / "eval_run")
+    assert streams == one and all(r["lossless_frac"] == 1.0 for r in one)
+    with pytest.raises(
+        ValueError, match=r"eval.decode_streams=2 decodes prompts side by side.*eval.timing=false"
+    ):
+        run_eval(eval_cfg(tmp_path / "timed", tiny_chat_dir, exported_drafter, benchmark_files, ["eval.decode_streams=2"]))  # fmt: skip
+    with pytest.raises(ValueError, match=r"eval.decode_streams must be >= 1, got 0"):
+        run_eval(eval_cfg(tmp_path / "zero", tiny_chat_dir, exported_drafter, benchmark_files, ["eval.decode_streams=0"]))  # fmt: skip

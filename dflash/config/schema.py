@@ -662,10 +662,18 @@ class EvalConfig:
     # KV cache of that many rows); 1: each prompt's reference right after its DFlash decoding, as
     # timing does. The figures are the same either way (tested).
     reference_slots: int = 16
+    # dflash-eval, untimed (eval.timing=false), static-cache targets: the DFlash decodings of this
+    # many prompts at once, each on a static decoder of its own (its own caches, CUDA graphs and
+    # CUDA stream) in a thread of one process, so a small target's launch-bound rounds overlap on
+    # the GPU (dflash.decoding.side_by_side). Each prompt's outcome is that of decoding it alone
+    # (tested); each more decoder holds its own KV cache and drafter copy. 1: one at a time.
+    decode_streams: int = 1
 
     def __post_init__(self) -> None:
         if self.reference_slots < 1:
             raise ValueError(f"eval.reference_slots must be >= 1, got {self.reference_slots}")
+        if self.decode_streams < 1:
+            raise ValueError(f"eval.decode_streams must be >= 1, got {self.decode_streams}")
 
 
 @dataclass

@@ -15,7 +15,9 @@ Both decoders run on the same engine (dflash.decoding: static caches, CUDA graph
 the speedup compares algorithms, not Python overheads (hybrid targets included); a target the
 static decoder refuses (a sliding window) uses the dynamic-cache path for both. Untimed, the
 plain greedy references of the lossless check may be decoded several prompts at a time
-(`BatchedReferences`: the same outputs, fewer steps).
+(`BatchedReferences`: the same outputs, fewer steps), and so may the DFlash decodings
+(`eval.decode_streams`: one static decoder per prompt, side by side, dflash.decoding.side_by_side;
+each prompt's outcome that of decoding it alone).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from dflash.decoding.continuous import ContinuousBatcher
 from dflash.decoding.engine import StaticDecoder
 from dflash.decoding.reference import DecodeResult, drafts_per_round, plain_generate, speculative_generate
 from dflash.decoding.sampling import Sampler
+from dflash.decoding.side_by_side import SideBySideDecoders
 from dflash.eval.journal import EvalJournal, PromptOutcome
 from dflash.eval.prompts import PromptSet
 from dflash.eval.report import BenchmarkResult, EvalReport
@@ -103,13 +106,15 @@ class Decoders:
     """DFlash and plain decoding of one prompt: `(prompt, max_new, temperature, seed, stop_ids)`;
     `load_drafter(drafter)` makes later calls decode with that drafter's weights; `prefill(prompt)`
     runs the prefill both start with, alone (None where the path has no separate prefill);
-    `references`: plain greedy outputs of several prompts at once (None: one at a time, `plain`)."""
+    `references`: plain greedy outputs of several prompts at once (None: one at a time, `plain`);
+    `side_by_side`: DFlash decodings of several prompts at once (None: one at a time, `speculative`)."""
 
     speculative: Callable[..., DecodeResult]
     plain: Callable[..., DecodeResult]
     load_drafter: Callable[[DFlashDrafter], None]
     prefill: Callable[[list[int]], None] | None = None
     references: BatchedReferences | None = None
+    side_by_side: SideBySideDecoders | None = None
 
     @classmethod
     def build(
@@ -123,11 +128,14 @@ class Decoders:
         sampled_drafts: bool = False,
         temperatures: tuple[float, ...] = (),
         reference_slots: int = 1,
+        decode_streams: int = 1,
         verify: VerifyRule = VerifyRule.match,
     ) -> Decoders:
         """`sampled_drafts`: a DSpark or DFlash2 drafter samples its drafts at the decoding temperature (the
         static decoder captures those rounds for `temperatures` up front). `reference_slots` > 1:
         untimed greedy references decoded that many prompts at a time (static-cache targets).
+        `decode_streams` > 1: untimed DFlash decodings that many prompts at a time, one static
+        decoder each (static-cache targets; timed decoding uses the first alone).
         `verify=rejection` at a temperature > 0: the reference decoder, which verifies that way."""
         rejection = VerifyRule(verify) is VerifyRule.rejection and any(t > 0 for t in temperatures)
         static = None
@@ -151,8 +159,24 @@ class Decoders:
                 references = BatchedReferences(
                     target, slots=reference_slots, max_len=max_len, graphs=graphs, compile=compile
                 )
+            side_by_side = None
+            if decode_streams > 1:
+                more = [
+                    StaticDecoder(target, drafter, max_len=max_len, graphs=graphs, compile=compile)
+                    for _ in range(decode_streams - 1)
+                ]
+                for decoder in more:
+                    decoder.capture_every_shape(sampled)
+                side_by_side = SideBySideDecoders([static, *more], sampled_drafts=sampled_drafts)
             return cls(
-                static_speculative, static.plain, static.load_drafter_weights, static.prefill_only, references
+                static_speculative,
+                static.plain,
+                side_by_side.load_drafter_weights
+                if side_by_side is not None
+                else static.load_drafter_weights,
+                static.prefill_only,
+                references,
+                side_by_side,
             )
         current = {"drafter": drafter}
 
@@ -184,6 +208,7 @@ class Decoders:
         cfg: EvalConfig,
         *,
         reference_slots: int = 1,
+        decode_streams: int = 1,
     ) -> Decoders:
         """Decoders sized for the longest prompt of `prompt_sets` plus `cfg.max_new_tokens`."""
         longest = max((len(p) for s in prompt_sets for p in s.prompts), default=1)
@@ -196,6 +221,7 @@ class Decoders:
             sampled_drafts=cfg.sampled_drafts,
             temperatures=tuple(cfg.temperatures),
             reference_slots=reference_slots,
+            decode_streams=decode_streams,
             verify=cfg.verify,
         )
 
@@ -256,6 +282,31 @@ def evaluate_set(
             references = batched(upcoming, max_new_tokens, stop)
         return references.pop(index)
 
+    # Untimed DFlash decodings side by side, the next `width` undecoded prompts at a time.
+    side_by_side = decoders.side_by_side if not timing else None
+    decoded: dict[int, DecodeResult] = {}
+
+    def decode(index: int, prompt: list[int], prompt_seed: int) -> DecodeResult:
+        """The prompt's DFlash decoding: now (timed), or from the side-by-side batch holding it."""
+        nonlocal decoded, dflash_s
+        if side_by_side is None:
+            result, seconds = stopwatch(
+                decoders.speculative, prompt, max_new_tokens, temperature, prompt_seed, stop
+            )
+            dflash_s += seconds
+            return result
+        if index not in decoded:
+            upcoming = _undecoded(prompt_set, temperature, journal, start=index, count=side_by_side.width)
+            results = side_by_side.speculative(
+                list(upcoming.values()),
+                [seed + i for i in upcoming],
+                max_new_tokens=max_new_tokens,
+                temperature=temperature,
+                stop_ids=stop,
+            )
+            decoded = dict(zip(upcoming, results))
+        return decoded.pop(index)
+
     evaluated = 0
     for index, prompt in enumerate(prompt_set.prompts):
         if should_stop is not None and should_stop():
@@ -266,10 +317,7 @@ def evaluate_set(
         )
         if recorded is None:
             prompt_seed = seed + index
-            result, seconds = stopwatch(
-                decoders.speculative, prompt, max_new_tokens, temperature, prompt_seed, stop
-            )
-            dflash_s += seconds
+            result = decode(index, prompt, prompt_seed)
             outcome = PromptOutcome(result)
             if need_plain:
                 reference_ids = reference_of(index, prompt, prompt_seed)

@@ -198,6 +198,11 @@ def run_eval(
         resume=cfg.eval.resume,
     )
     try:
+        if cfg.eval.timing and cfg.eval.decode_streams > 1:
+            raise ValueError(
+                f"eval.decode_streams={cfg.eval.decode_streams} decodes prompts side by side, so no time "
+                "would be one decoder's; set eval.timing=false (or eval.decode_streams=1 to time)"
+            )
         if journal.resumed:
             if cfg.eval.timing:
                 raise ValueError("eval.resume: a resumed evaluation measures no time; set eval.timing=false")
@@ -209,7 +214,12 @@ def run_eval(
         )
         drafter = load_drafter(drafter_dir, device).to(target.lm_head.weight.dtype).eval()
         decoders = Decoders.for_prompts(
-            target, drafter, prompt_sets, cfg.eval, reference_slots=cfg.eval.reference_slots
+            target,
+            drafter,
+            prompt_sets,
+            cfg.eval,
+            reference_slots=cfg.eval.reference_slots,
+            decode_streams=cfg.eval.decode_streams,
         )
         progress = PromptProgress()
         started = time.perf_counter()
