@@ -232,3 +232,26 @@ def test_graphed_dflash2_rounds_equal_eager_ones_greedy_and_sampled():
     assert sampled.output_ids == eager_sampled.output_ids
     assert sampled.selector_changed == eager_sampled.selector_changed
     assert graphed.captures == 12
+
+
+def test_prompts_decoded_side_by_side_on_streams_decode_as_alone():
+    """eval.decode_streams on a GPU: three decoders, their graphs captured up front, replayed from
+    three threads on three CUDA streams: each prompt's tokens and acceptance lengths are a lone
+    graphed decoder's, and nothing is captured while decoding."""
+    from dflash.decoding.side_by_side import SideBySideDecoders
+
+    target, drafter = fp32_cuda_pair()
+    decoders = [StaticDecoder(target, drafter, max_len=96, graphs=True, kv_bucket=32) for _ in range(3)]
+    captured = [decoder.capture_every_shape() for decoder in decoders]
+    side_by_side = SideBySideDecoders(decoders)
+    alone = StaticDecoder(target, drafter, max_len=96, graphs=True, kv_bucket=32)
+    torch.manual_seed(9)
+    for _ in range(3):  # the same decoders again: their caches hold the last prompts' entries
+        prompts = [torch.randint(0, 500, (length,)).tolist() for length in (8, 27, 15)]
+        expected = [alone.speculative(prompt, 40) for prompt in prompts]
+        got = side_by_side.speculative(
+            prompts, [0, 0, 0], max_new_tokens=40, temperature=0.0, stop_ids=frozenset()
+        )
+        assert got == expected
+        assert [r.output_ids for r in got] == [plain_generate(target, p, 40).output_ids for p in prompts]
+    assert [decoder.captures for decoder in decoders] == captured
