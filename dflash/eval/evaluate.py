@@ -26,6 +26,7 @@ import copy
 import logging
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Generic, TypeVar
 
 import numpy as np
 import torch
@@ -44,6 +45,8 @@ from dflash.models.target import FrozenTarget
 from dflash.stopwatch import Stopwatch
 
 log = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 # on_prompt(benchmark, temperature, prompts done, prompts in the set), after each prompt.
 PromptDone = Callable[[str, float, int, int], None]
@@ -264,48 +267,56 @@ def evaluate_set(
     # from the plain one (near-ties) and stop at another length.
     identical, output_tokens, plain_tokens, plain_s, dflash_s, prefill_s = 0, 0, 0, 0.0, 0.0, 0.0
     divergences: list[tuple[int, float]] = []
-    # Untimed greedy references decoded together, a batch of upcoming prompts at a time.
+
+    def seed_of(index: int) -> int:
+        return seed + index
+
+    def undecoded(index: int, count: int) -> dict[int, list[int]]:
+        return _undecoded(prompt_set, temperature, journal, start=index, count=count)
+
+    # Untimed: the greedy references decoded together, and the DFlash decodings side by side,
+    # each a batch of the upcoming prompts the journal lacks at a time.
     batched = decoders.references if greedy and not timing else None
-    references: dict[int, list[int]] = {}
-
-    def reference_of(index: int, prompt: list[int], prompt_seed: int) -> list[int]:
-        """The prompt's plain output: decoded now (timed), or taken from the batch holding it."""
-        nonlocal references, plain_s
-        if batched is None:
-            reference, seconds = stopwatch(
-                decoders.plain, prompt, max_new_tokens, temperature, prompt_seed, stop
-            )
-            plain_s += seconds
-            return reference.output_ids
-        if index not in references:
-            upcoming = _undecoded(prompt_set, temperature, journal, start=index, count=batched.slots)
-            references = batched(upcoming, max_new_tokens, stop)
-        return references.pop(index)
-
-    # Untimed DFlash decodings side by side, the next `width` undecoded prompts at a time.
+    references = None
+    if batched is not None:
+        references = _Ahead(batched.slots, undecoded, lambda prompts: batched(prompts, max_new_tokens, stop))
     side_by_side = decoders.side_by_side if not timing else None
-    decoded: dict[int, DecodeResult] = {}
+    decoded = None
+    if side_by_side is not None:
 
-    def decode(index: int, prompt: list[int], prompt_seed: int) -> DecodeResult:
-        """The prompt's DFlash decoding: now (timed), or from the side-by-side batch holding it."""
-        nonlocal decoded, dflash_s
-        if side_by_side is None:
-            result, seconds = stopwatch(
-                decoders.speculative, prompt, max_new_tokens, temperature, prompt_seed, stop
-            )
-            dflash_s += seconds
-            return result
-        if index not in decoded:
-            upcoming = _undecoded(prompt_set, temperature, journal, start=index, count=side_by_side.width)
+        def decode_together(prompts: dict[int, list[int]]) -> dict[int, DecodeResult]:
             results = side_by_side.speculative(
-                list(upcoming.values()),
-                [seed + i for i in upcoming],
+                list(prompts.values()),
+                [seed_of(index) for index in prompts],
                 max_new_tokens=max_new_tokens,
                 temperature=temperature,
                 stop_ids=stop,
             )
-            decoded = dict(zip(upcoming, results))
-        return decoded.pop(index)
+            return dict(zip(prompts, results))
+
+        decoded = _Ahead(side_by_side.width, undecoded, decode_together)
+
+    def reference_of(index: int, prompt: list[int]) -> list[int]:
+        """The prompt's plain output: decoded now (timed), or taken from the batch holding it."""
+        nonlocal plain_s
+        if references is not None:
+            return references.take(index)
+        reference, seconds = stopwatch(
+            decoders.plain, prompt, max_new_tokens, temperature, seed_of(index), stop
+        )
+        plain_s += seconds
+        return reference.output_ids
+
+    def decode(index: int, prompt: list[int]) -> DecodeResult:
+        """The prompt's DFlash decoding: now (timed), or taken from the side-by-side batch holding it."""
+        nonlocal dflash_s
+        if decoded is not None:
+            return decoded.take(index)
+        result, seconds = stopwatch(
+            decoders.speculative, prompt, max_new_tokens, temperature, seed_of(index), stop
+        )
+        dflash_s += seconds
+        return result
 
     evaluated = 0
     for index, prompt in enumerate(prompt_set.prompts):
@@ -316,11 +327,10 @@ def evaluate_set(
             journal.outcome(prompt_set.name, temperature, index, prompt) if journal is not None else None
         )
         if recorded is None:
-            prompt_seed = seed + index
-            result = decode(index, prompt, prompt_seed)
+            result = decode(index, prompt)
             outcome = PromptOutcome(result)
             if need_plain:
-                reference_ids = reference_of(index, prompt, prompt_seed)
+                reference_ids = reference_of(index, prompt)
                 plain_tokens += len(reference_ids)
                 outcome.identical = reference_ids == result.output_ids
                 if greedy and not outcome.identical:
@@ -368,6 +378,26 @@ def evaluate_set(
         report.round_cost = ((dflash_s - prefill_s) / max(1, len(lengths))) / ((plain_s - prefill_s) / steps)
         report.timing_device = str(target.device)
     return report
+
+
+class _Ahead(Generic[T]):
+    """Outcomes of upcoming prompts decoded as a batch: `take(index)` gives prompt `index`'s,
+    first decoding the next `width` prompts from `index` on that `undecoded` names (the ones the
+    journal lacks) when the batch in hand does not hold it."""
+
+    def __init__(
+        self,
+        width: int,
+        undecoded: Callable[[int, int], dict[int, list[int]]],
+        decode_batch: Callable[[dict[int, list[int]]], dict[int, T]],
+    ):
+        self.width, self.undecoded, self.decode_batch = width, undecoded, decode_batch
+        self.held: dict[int, T] = {}
+
+    def take(self, index: int) -> T:
+        if index not in self.held:
+            self.held = self.decode_batch(self.undecoded(index, self.width))
+        return self.held.pop(index)
 
 
 def _undecoded(
