@@ -30,7 +30,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from dflash.config.schema import Config, TargetConfig, register_configs
+from dflash.config.schema import Config, TargetConfig, VerifyRule, register_configs
 from dflash.eval.journal import EvalJournal, journal_path
 from dflash.tools.compose import CONF_PATH
 from dflash.tools.hydra_app import run_hydra_app
@@ -142,7 +142,7 @@ def journal_settings(
         "max_new_tokens": eval_cfg.max_new_tokens,
         "seed": eval_cfg.seed,
         "sampled_drafts": eval_cfg.sampled_drafts,
-        "verify": str(getattr(eval_cfg.verify, "value", eval_cfg.verify)),
+        "verify": VerifyRule(eval_cfg.verify).value,
         "compile_decoding": eval_cfg.compile_decoding,
     }
 
@@ -252,7 +252,7 @@ def run_eval(
         "max_new_tokens": cfg.eval.max_new_tokens,
         # what a temperature > 0 result measures: sampled or argmax drafts, and the verification rule
         "sampled_drafts": cfg.eval.sampled_drafts,
-        "verify": str(getattr(cfg.eval.verify, "value", cfg.eval.verify)),
+        "verify": VerifyRule(cfg.eval.verify).value,
         "kv_cache": "target KV cache + drafter context cache",
         "timing": "CUDA events" if device.type == "cuda" else "wall clock (CPU)",
         # This process's decoding (not the prompts taken from the journal): its wall time, warm-up
