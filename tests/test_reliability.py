@@ -580,6 +580,44 @@ def test_a_resume_says_what_changed_in_its_data_and_refuses_unless_accepted_by_n
         accepted.trainer.monitor.close(True)
 
 
+@pytest.mark.parametrize("pipeline", ["sync", "async"])
+def test_a_signal_after_the_last_step_ends_the_run_as_a_completed_one(
+    make_cfg, tmp_path, monkeypatch, pipeline
+):
+    """SIGTERM once the last step is done (a time limit at the very end): the run still stops at
+    once, but training is complete, so it ends as one: the held-out split measured, the final
+    evaluation stopped before its first prompt, summary.json written (a rerun sees a finished run
+    rather than a checkpoint with nothing left to train). A signal well before the end still
+    ends the run early, with no summary."""
+    from dflash.train import train
+    from dflash.trainer.lifecycle import Trainer
+    from dflash.trainer.signals import StopRequested
+
+    def signal_at(step: int):
+        stepped = Trainer._stepped
+
+        def signalled(self, at):
+            stepped(self, at)
+            if at == step:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+        monkeypatch.setattr(Trainer, "_stepped", signalled)
+
+    settings = [f"pipeline={pipeline}", "train.total_steps=4", "data.val_samples=4"]
+    signal_at(4)
+    with pytest.raises(StopRequested):
+        train(make_cfg(settings, tmp_path / "last"))
+    summary = json.loads((tmp_path / "last" / "summary.json").read_text())
+    assert summary["steps"] == 4 and summary["eval/interrupted"] is True
+    assert "val/tau_decode" in summary and "eval/tau" not in summary
+    stopped = torch.load(tmp_path / "last" / "checkpoints" / "last" / "trainer_state.pt", weights_only=True)
+    assert stopped["position"]["step"] == 4
+    signal_at(2)  # of 8: the asynchronous drafters finish the step they are in, far from the end
+    with pytest.raises(StopRequested):
+        train(make_cfg([*settings, "train.total_steps=8"], tmp_path / "early"))
+    assert not (tmp_path / "early" / "summary.json").exists()
+
+
 def test_a_resume_past_the_runs_end_is_refused_in_one_line(make_cfg, tmp_path):
     from dflash.run.launch import build_run
     from dflash.train import train

@@ -51,12 +51,18 @@ class Run:
             self.callbacks.on_train_start(self.trainer)
             with torch.autograd.set_detect_anomaly(self.cfg.debug.detect_anomaly):
                 self.trainer.run()
+            stopped_after_training = self.trainer.stop_after_training
             if not self.process_group.is_main:
+                if stopped_after_training is not None:
+                    raise StopRequested(stopped_after_training)
                 ok = True
                 return {"rank": self.process_group.rank, "steps": self.trainer.position.step}
             # A signal now ends the evaluation, not the process; held until summary.json is
-            # written, so a second Ctrl-C cannot break it off.
+            # written, so a second Ctrl-C cannot break it off. One that came after the last
+            # step has already asked for it.
             with stop_on_signals() as stop:
+                if stopped_after_training is not None:
+                    stop.request(stopped_after_training)
                 val_metrics = {}
                 if self.validation is not None:
                     val_metrics = self.validation.run(self.trainer.target, self.trainer.drafter)
@@ -89,6 +95,7 @@ class Run:
                     report.decodings(),
                     planned_decodings(self.eval_prompts, self.cfg.eval),
                 )
+            if report.interrupted or stopped_after_training is not None:
                 raise StopRequested(stop.signum)
             self.callbacks.on_train_end(summary)
             ok = True

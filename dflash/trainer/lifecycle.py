@@ -4,7 +4,10 @@
 (`_train`), and then closes the run the same way whichever pipeline ran it: the last metric
 windows logged, the last pending snapshot evaluated (unless a signal stopped the run), every
 replica checked identical, the final checkpoint written, and `StopRequested` raised if a signal
-ended the run early. The cadence (when to log and checkpoint) is the shared `Cadence`; between
+ended the run early. A signal that comes once the last step is done ends nothing early: training
+is complete, and the runner ends the run at once but as a completed one (`stop_after_training`:
+the held-out split, an evaluation stopped before its first prompt, summary.json), so a rerun
+finds a finished run, not a checkpoint with nothing left to train. The cadence (when to log and checkpoint) is the shared `Cadence`; between
 steps both pipelines call `_observe` (monitor tick, periodic evaluation). The subclasses differ
 only in how a step's batches and features arrive: `SyncTrainer` runs the target and the drafter
 in turn on one thread, `AsyncTrainer` starts the pipeline threads and watches them.
@@ -90,6 +93,8 @@ class Trainer(ABC):
         self.first_step_s: float | None = None
         self._started: float | None = None
         self.replica_digest: str | None = None  # what every replica of every process agreed on
+        # The signal that came after the last step (training complete): the runner stops at once.
+        self.stop_after_training: int | None = None
         self._first_step_hooks: list[Callable[[], None]] = []
 
     def at_first_step(self, hook: Callable[[], None]) -> None:
@@ -177,7 +182,9 @@ class Trainer(ABC):
             self.save()
         if stopped_by is None:
             stopped_by = stop.signum
-        if stopped_by is not None:
+        if stopped_by is not None and self.position.step >= self.stop_after:
+            self.stop_after_training = stopped_by
+        elif stopped_by is not None:
             raise StopRequested(stopped_by)
 
     # -- probe for the monitor ---------------------------------------------------------------
