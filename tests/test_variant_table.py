@@ -43,22 +43,19 @@ def write_run(
     return run
 
 
+def table_of(*runs: Path) -> str:
+    return variant_table.table([variant_table.read_run(run, "eval_fp32") for run in runs])
+
+
 def test_each_variants_taus_are_divided_by_the_first_runs_on_the_same_benchmark(tmp_path):
-    base = write_run(
-        tmp_path,
-        "train_dflash",
-        variant="DFlashVariant",
-        val_taus=[1.2, 1.5],
-        benchmarks={"humaneval": (1.5, 80, 1.0), "mtbench": (1.4, 80, 1.0)},
-    )
-    other = write_run(
-        tmp_path,
-        "train_dflash2",
-        variant="DFlash2Variant",
-        val_taus=[1.3, 1.65],
-        benchmarks={"humaneval": (1.65, 80, 1.0), "mtbench": (1.47, 80, 0.95)},
-    )
-    text = variant_table.table([variant_table.read_run(run, "eval_fp32") for run in (base, other)])
+    runs = [
+        write_run(tmp_path, name, variant=variant, val_taus=val_taus, benchmarks=benchmarks)
+        for name, variant, val_taus, benchmarks in (
+            ("train_dflash", "DFlashVariant", [1.2, 1.5], {"humaneval": (1.5, 80, 1.0), "mtbench": (1.4, 80, 1.0)}),
+            ("train_dflash2", "DFlash2Variant", [1.3, 1.65], {"humaneval": (1.65, 80, 1.0), "mtbench": (1.47, 80, 0.95)}),
+        )
+    ]  # fmt: skip
+    text = table_of(*runs)
     lines = text.splitlines()
     assert (
         lines[0]
@@ -88,7 +85,7 @@ def test_runs_on_other_samples_or_other_prompt_counts_are_not_read_as_matched(tm
         benchmarks={"humaneval": (1.6, 47, 1.0)},
         samples_sha256="cd" * 32,
     )
-    text = variant_table.table([variant_table.read_run(run, "eval_fp32") for run in (base, other)])
+    text = table_of(base, other)
     assert "1.600 (47 prompts) (other prompt count: no ratio)" in text
     assert (
         "NOT matched: the runs trained on different samples (a abababababababab, b cdcdcdcdcdcdcdcd)" in text
@@ -102,7 +99,7 @@ def test_a_run_not_yet_evaluated_shows_dashes_and_a_missing_dir_exits_2(tmp_path
     unevaluated = tmp_path / "b"
     unevaluated.mkdir()
     (unevaluated / "metrics.jsonl").write_text(json.dumps({"step": 380, "train/loss": 2.0}) + "\n")
-    text = variant_table.table([variant_table.read_run(run, "eval_fp32") for run in (base, unevaluated)])
+    text = table_of(base, unevaluated)
     assert text.splitlines()[3] == "| b | ? | 380 | - | - | - |"
     assert "b: no checkpoint data.json, its samples are not compared" in text
     assert "NOT matched" not in text
