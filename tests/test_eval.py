@@ -802,3 +802,23 @@ def test_dflash_eval_reports_the_same_figures_with_prompts_decoded_side_by_side(
         run_eval(eval_cfg(tmp_path / "timed", tiny_chat_dir, exported_drafter, benchmark_files, ["eval.decode_streams=2"]))  # fmt: skip
     with pytest.raises(ValueError, match=r"eval.decode_streams must be >= 1, got 0"):
         run_eval(eval_cfg(tmp_path / "zero", tiny_chat_dir, exported_drafter, benchmark_files, ["eval.decode_streams=0"]))  # fmt: skip
+
+
+def test_dflash_eval_refuses_prompts_side_by_side_on_cuda_before_loading_anything(
+    tmp_path, tiny_chat_dir, exported_drafter, benchmark_files, monkeypatch
+):
+    """Side-by-side decoding on CUDA awaits its GPU test: refused, naming the key, before a target
+    loads (the device resolution says cuda; nothing touches a GPU before the refusal)."""
+    import dflash.config.devices
+    from dflash.models.target import FrozenTarget
+    from dflash.tools.eval import run_eval
+
+    monkeypatch.setattr(
+        dflash.config.devices, "resolve_device_split", lambda *a, **k: (["cuda:0"], ["cuda:0"])
+    )
+    monkeypatch.setattr(FrozenTarget, "from_config", lambda *a, **k: pytest.fail("target loaded"))
+    settings = ["eval.timing=false", "eval.decode_streams=4"]
+    with pytest.raises(
+        ValueError, match=r"^eval.decode_streams=4: side-by-side decoding on CUDA.*eval.decode_streams=1$"
+    ):
+        run_eval(eval_cfg(tmp_path / "cuda", tiny_chat_dir, exported_drafter, benchmark_files, settings))

@@ -244,6 +244,9 @@ def test_prompts_decoded_side_by_side_on_streams_decode_as_alone():
     decoders = [StaticDecoder(target, drafter, max_len=96, graphs=True, kv_bucket=32) for _ in range(3)]
     captured = [decoder.capture_every_shape() for decoder in decoders]
     side_by_side = SideBySideDecoders(decoders)
+    # Each decoder's graphs were captured on, and replay on, a stream no other decoder uses.
+    assert len({id(stream) for stream in side_by_side.streams}) == 3
+    assert side_by_side.streams == [decoder.stream for decoder in decoders]
     alone = StaticDecoder(target, drafter, max_len=96, graphs=True, kv_bucket=32)
     torch.manual_seed(9)
     for _ in range(3):  # the same decoders again: their caches hold the last prompts' entries

@@ -667,6 +667,7 @@ class EvalConfig:
     # CUDA stream) in a thread of one process, so a small target's launch-bound rounds overlap on
     # the GPU (dflash.decoding.side_by_side). Each prompt's outcome is that of decoding it alone
     # (tested); each more decoder holds its own KV cache and drafter copy. 1: one at a time.
+    # On CUDA refused for now: its GPU test has not passed yet (dflash-eval says so).
     decode_streams: int = 1
 
     def __post_init__(self) -> None:

@@ -89,13 +89,17 @@ class StaticDecoder:
             )
         enabled = graphs_enabled(graphs, target.device)
         pool = torch.cuda.graph_pool_handle() if enabled else None
-        self._plain_step = GraphedFunction(self._plain_fn, enabled=enabled, pool=pool)
+        # This decoder's graphs are captured on a stream of its own, so its cuBLAS scratch is
+        # its own too: decoders side by side replay at once (dflash.decoding.graphs).
+        self.stream = torch.cuda.Stream(device=target.device) if enabled else None
+        graphed = {"enabled": enabled, "pool": pool, "stream": self.stream}
+        self._plain_step = GraphedFunction(self._plain_fn, **graphed)
         # DSpark and DFlash2 pick their drafts left to right (argmax or sampled from `_noise`), and
         # their rounds return a third tensor: survival probabilities, or the unary argmax.
         self.sequential = self.dspark or self.dflash2
         round_fn = self._sequential_round_fn if self.sequential else self._round_fn
-        self._round = GraphedFunction(round_fn, enabled=enabled, pool=pool)
-        self._commit = GraphedFunction(self.target_cache.commit, enabled=enabled, pool=pool)
+        self._round = GraphedFunction(round_fn, **graphed)
+        self._commit = GraphedFunction(self.target_cache.commit, **graphed)
         device = target.device
         self._ids = torch.zeros((1, 1), dtype=torch.long, device=device)
         self._pos = torch.zeros((1, 1), dtype=torch.long, device=device)

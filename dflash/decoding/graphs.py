@@ -41,6 +41,7 @@ class GraphedFunction:
         *,
         enabled: bool,
         pool: Any = None,
+        stream: torch.cuda.Stream | None = None,
         warmup_calls: int = 2,
     ):
         # A function that calls torch.compile'd code is captured the same way: the warm-up
@@ -48,6 +49,12 @@ class GraphedFunction:
         self.fn = fn
         self.enabled = enabled
         self.pool = pool
+        # The stream the graphs are captured on (None: torch.cuda.graph's one class-wide stream).
+        # cuBLAS scratch memory is bound per stream and its address recorded in each graph, so
+        # graphs captured on one stream share it: two of them replayed at once on different
+        # streams write the same scratch (pytorch/pytorch#193402). Graphs that may replay
+        # concurrently (dflash.decoding.side_by_side) need capture streams of their own.
+        self.stream = stream
         self.warmup_calls = warmup_calls
         self.graphs: dict[Key, _Captured] = {}
 
@@ -81,7 +88,7 @@ class GraphedFunction:
         graph = torch.cuda.CUDAGraph()
         # thread_local: other threads may keep launching work meanwhile (an evaluation during
         # asynchronous training captures while the target worker runs).
-        with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+        with torch.cuda.graph(graph, pool=self.pool, stream=self.stream, capture_error_mode="thread_local"):
             outputs = self.fn(*inputs, **static)
         return _Captured(graph, inputs, outputs)
 

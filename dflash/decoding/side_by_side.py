@@ -10,7 +10,8 @@ path). The decoders share the target's weights; each adds its own KV cache and d
 
 Graphs are captured up front in the calling thread (`capture_every_shape`), so no thread
 captures; a decoder that needed a new shape would capture it in thread-local mode
-(dflash.decoding.graphs). If a thread fails, the others finish the prompt they hold, then the
+(dflash.decoding.graphs). Each decoder captures on a stream of its own: graphs captured on one
+stream share its cuBLAS scratch memory, which two of them replayed at once would both write. If a thread fails, the others finish the prompt they hold, then the
 failure (the first in prompt order) is raised in the caller with its own traceback.
 """
 
@@ -37,8 +38,11 @@ class SideBySideDecoders:
         self.decoders = list(decoders)
         self.sampled_drafts = sampled_drafts
         device = self.decoders[0].target.device
+        # A graphed decoder replays on the stream its graphs were captured on, which no other
+        # decoder's graphs share (their cuBLAS scratch with it: dflash.decoding.graphs).
         self.streams = [
-            torch.cuda.Stream(device=device) if device.type == "cuda" else None for _ in self.decoders
+            decoder.stream or (torch.cuda.Stream(device=device) if device.type == "cuda" else None)
+            for decoder in self.decoders
         ]
 
     @property
