@@ -9,7 +9,8 @@ the variant (its config's `variant._target_`), the steps trained, the held-out s
 tau, prompts decoded and the lossless share; each tau also as a ratio to the first run's. A
 comparison is matched only where the runs trained on the same samples: the table says when the
 digests of their tokenized samples (the last checkpoint's data.json) differ, and a benchmark whose prompt
-counts differ between runs is flagged rather than divided.
+counts differ between runs (an evaluation stopped early) is divided only over the prompts both
+runs decoded, read from the evaluations' journals (eval.prompts.jsonl), and says how many.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import yaml
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dflash.data.identity import read_data_identity  # noqa: E402
+from dflash.eval.journal import journal_path, read_outcomes  # noqa: E402
 
 GREEDY = 0.0
 
@@ -38,6 +40,8 @@ class RunFigures:
     val_tau_decode: float | None
     # benchmark -> (tau, prompts decoded, lossless share or None)
     benchmarks: dict[str, tuple[float, int, float | None]] = field(default_factory=dict)
+    # (benchmark, prompt index) -> (prompt digest, acceptance lengths): the journal's greedy outcomes
+    decoded: dict[tuple[str, int], tuple[str, list[int]]] = field(default_factory=dict)
     interrupted: bool = False
 
 
@@ -71,6 +75,12 @@ def read_run(run: Path, eval_dir: str) -> RunFigures:
         val_tau_decode=val[-1] if val else None,
     )
     report_path = run / eval_dir / "eval.json"
+    if journal_path(report_path).is_file():
+        for (benchmark, temperature, index), (digest, outcome) in read_outcomes(
+            journal_path(report_path)
+        ).items():
+            if temperature == GREEDY:
+                figures.decoded[benchmark, index] = (digest, outcome.result.acceptance_lengths)
     if report_path.is_file():
         report = json.loads(report_path.read_text())
         figures.interrupted = bool(report.get("interrupted"))
@@ -86,6 +96,26 @@ def read_run(run: Path, eval_dir: str) -> RunFigures:
 
 def _ratio(value: float | None, base: float | None) -> str:
     return "" if value is None or not base else f" ({value / base:.3f}x)"
+
+
+def _tau(lengths: list[list[int]]) -> float:
+    """dflash-eval's tau: the mean acceptance length over every verification of the prompts."""
+    pooled = [length for prompt in lengths for length in prompt]
+    return sum(pooled) / len(pooled)
+
+
+def _ratio_on_shared_prompts(run: RunFigures, base: RunFigures, benchmark: str) -> str:
+    """The ratio over the prompts both runs decoded (the same index and tokens), or why none."""
+    shared = [
+        key
+        for key, (digest, _) in run.decoded.items()
+        if key[0] == benchmark and base.decoded.get(key, ("",))[0] == digest
+    ]
+    if not shared:
+        return " (other prompt count, none decoded by both: no ratio)"
+    tau = _tau([run.decoded[key][1] for key in shared])
+    base_tau = _tau([base.decoded[key][1] for key in shared])
+    return f" ({tau / base_tau:.3f}x on the {len(shared)} prompts both decoded: {tau:.3f} vs {base_tau:.3f})"
 
 
 def table(runs: list[RunFigures]) -> str:
@@ -112,7 +142,9 @@ def table(runs: list[RunFigures]) -> str:
             if run is not base and name in base.benchmarks:
                 base_tau, base_prompts, _ = base.benchmarks[name]
                 cell += (
-                    _ratio(tau, base_tau) if prompts == base_prompts else " (other prompt count: no ratio)"
+                    _ratio(tau, base_tau)
+                    if prompts == base_prompts
+                    else _ratio_on_shared_prompts(run, base, name)
                 )
             cells.append(cell)
         shares = [lossless for _, _, lossless in run.benchmarks.values() if lossless is not None]

@@ -86,10 +86,38 @@ def test_runs_on_other_samples_or_other_prompt_counts_are_not_read_as_matched(tm
         samples_sha256="cd" * 32,
     )
     text = table_of(base, other)
-    assert "1.600 (47 prompts) (other prompt count: no ratio)" in text
+    assert "1.600 (47 prompts) (other prompt count, none decoded by both: no ratio)" in text
     assert (
         "NOT matched: the runs trained on different samples (a abababababababab, b cdcdcdcdcdcdcdcd)" in text
     )
+
+
+def write_journal(run: Path, outcomes: dict[tuple[str, float, int], tuple[list[int], list[int]]]) -> None:
+    """The evaluation's journal as dflash-eval writes it: (benchmark, temperature, index) ->
+    (prompt tokens, acceptance lengths)."""
+    from dflash.decoding.reference import DecodeResult
+    from dflash.eval.journal import EvalJournal, PromptOutcome
+
+    journal = EvalJournal(run / "eval_fp32" / "eval.prompts.jsonl", {"dtype": "float32"}, resume=False)
+    for (benchmark, temperature, index), (prompt, lengths) in outcomes.items():
+        result = DecodeResult(output_ids=[7] * sum(lengths), acceptance_lengths=lengths)
+        journal.record(benchmark, temperature, index, prompt, PromptOutcome(result, identical=True))
+    journal.close()
+
+
+def test_an_evaluation_stopped_early_is_compared_on_the_prompts_both_runs_decoded(tmp_path):
+    """The baseline decoded 3 prompts, the other run 2 of them, a 3rd under other tokens (its prompt
+    file changed) and a sampled one: the ratio pools the 2 shared greedy prompts' verifications."""
+    base = write_run(
+        tmp_path, "a", variant="DFlashVariant", val_taus=[1.4], benchmarks={"mtbench": (1.5, 3, 1.0)}
+    )
+    other = write_run(
+        tmp_path, "b", variant="DSparkVariant", val_taus=[1.4], benchmarks={"mtbench": (2.0, 4, 1.0)}
+    )
+    write_journal(base, {("mtbench", 0.0, 0): ([1, 2], [1, 2]), ("mtbench", 0.0, 1): ([3], [1, 1, 1, 1]), ("mtbench", 0.0, 2): ([4], [3])})  # fmt: skip
+    write_journal(other, {("mtbench", 0.0, 0): ([1, 2], [2, 2]), ("mtbench", 0.0, 1): ([3], [2, 2, 2]), ("mtbench", 0.0, 2): ([5], [9]), ("mtbench", 1.0, 0): ([1, 2], [9])})  # fmt: skip
+    # shared: prompts 0 and 1; b pools [2, 2, 2, 2, 2] -> 2.0, a pools [1, 2, 1, 1, 1, 1] -> 7/6
+    assert "2.000 (4 prompts) (1.714x on the 2 prompts both decoded: 2.000 vs 1.167)" in table_of(base, other)
 
 
 def test_a_run_not_yet_evaluated_shows_dashes_and_a_missing_dir_exits_2(tmp_path, capsys):

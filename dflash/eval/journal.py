@@ -21,6 +21,7 @@ from typing import Any
 from dflash.decoding.reference import DecodeResult
 
 JOURNAL_KIND = "dflash-eval prompts"
+OutcomeKey = tuple[str, float, int]  # benchmark, temperature, prompt index
 
 
 def journal_path(report: Path) -> Path:
@@ -65,7 +66,7 @@ class EvalJournal:
     def __init__(self, path: Path, settings: dict[str, Any], *, resume: bool):
         self.path = path
         self.settings = json.loads(json.dumps(settings))  # as read back: tuples -> lists
-        self.recorded: dict[tuple[str, float, int], tuple[str, PromptOutcome]] = {}
+        self.recorded: dict[OutcomeKey, tuple[str, PromptOutcome]] = {}
         self.taken = 0  # outcomes `outcome` answered from the journal in this run
         if self.path.is_file() and self.path.stat().st_size:
             if not resume:
@@ -85,37 +86,17 @@ class EvalJournal:
         return len(self.recorded)
 
     def _load(self) -> None:
-        lines = self.path.read_text().split("\n")  # ends with "" when the last line is whole
-        try:
-            header = json.loads(lines[0])
-        except ValueError:
-            header = None
-        if not isinstance(header, dict) or header.get("journal") != JOURNAL_KIND:
-            raise ValueError(f"eval.resume: {self.path}:1 is not a dflash-eval journal")
-        recorded = header.get("settings") or {}
+        recorded_settings, self.recorded, kept = _parse(self.path)
         differences = [
-            f"{key} {recorded.get(key)!r} there, {value!r} here"
+            f"{key} {recorded_settings.get(key)!r} there, {value!r} here"
             for key, value in self.settings.items()
-            if recorded.get(key) != value
+            if recorded_settings.get(key) != value
         ]
         if differences:
             raise ValueError(
                 f"eval.resume: {self.path} was written under other settings ({'; '.join(differences)}); "
                 "continue it with its own settings, or write this evaluation elsewhere (eval.output or paths.output_dir)"
             )
-        kept = [lines[0]]
-        for number, line in enumerate(lines[1:], start=2):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-                key = (row["benchmark"], float(row["temperature"]), int(row["index"]))
-                self.recorded[key] = (row["prompt_digest"], PromptOutcome.from_json(row))
-            except (ValueError, KeyError, TypeError):
-                if number == len(lines):
-                    break  # the last line, cut short by a kill (no newline): that prompt is decoded again
-                raise ValueError(f"eval.resume: {self.path}:{number} is not a prompt outcome") from None
-            kept.append(line)
         # Rewritten without a cut line, so the appends that follow start on a line of their own.
         self._write(kept)
 
@@ -159,3 +140,36 @@ class EvalJournal:
 
     def close(self) -> None:
         self._handle.close()
+
+
+def read_outcomes(path: Path) -> dict[OutcomeKey, tuple[str, PromptOutcome]]:
+    """A journal's prompt outcomes, each with its prompt's digest (read only: what a finished or
+    interrupted evaluation decoded, e.g. to compare two evaluations on the prompts both hold)."""
+    return _parse(path)[1]
+
+
+def _parse(path: Path) -> tuple[dict[str, Any], dict[OutcomeKey, tuple[str, PromptOutcome]], list[str]]:
+    """(settings, outcomes, the whole lines) of a journal; a last line cut short by a kill is
+    dropped, any other line that is not an outcome refused naming it."""
+    lines = path.read_text().split("\n")  # ends with "" when the last line is whole
+    try:
+        header = json.loads(lines[0])
+    except ValueError:
+        header = None
+    if not isinstance(header, dict) or header.get("journal") != JOURNAL_KIND:
+        raise ValueError(f"eval.resume: {path}:1 is not a dflash-eval journal")
+    outcomes: dict[OutcomeKey, tuple[str, PromptOutcome]] = {}
+    kept = [lines[0]]
+    for number, line in enumerate(lines[1:], start=2):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            key = (row["benchmark"], float(row["temperature"]), int(row["index"]))
+            outcomes[key] = (row["prompt_digest"], PromptOutcome.from_json(row))
+        except (ValueError, KeyError, TypeError):
+            if number == len(lines):
+                break  # the last line, cut short by a kill (no newline): that prompt is decoded again
+            raise ValueError(f"eval.resume: {path}:{number} is not a prompt outcome") from None
+        kept.append(line)
+    return header.get("settings") or {}, outcomes, kept
