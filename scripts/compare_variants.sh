@@ -83,6 +83,6 @@ for pid in "${PIDS[@]}"; do wait "$pid" || status=$?; done
 if [[ $STAGES == *" table "* ]]; then
   RUNS=()
   for v in $VARIANTS; do RUNS+=("$W/train_$v"); done
-  $PY "$HERE/variant_table.py" "${RUNS[@]}"
+  $PY "$HERE/variant_table.py" --positions 4 "${RUNS[@]}"
   $PY -m dflash.tools.diff "${RUNS[@]}" --format markdown
 fi

@@ -11,6 +11,11 @@ comparison is matched only where the runs trained on the same samples: the table
 digests of their tokenized samples (the last checkpoint's data.json) differ, and a benchmark whose prompt
 counts differ between runs (an evaluation stopped early) is divided only over the prompts both
 runs decoded, read from the evaluations' journals (eval.prompts.jsonl), and says how many.
+
+`--positions K` adds where each run's drafts stop being accepted: per benchmark, the share of
+verifications whose draft k was accepted among those whose draft k-1 was (k = 1..K, from the
+report's acceptance histogram). A variant that only changes the later positions (DSpark's Markov
+head conditions draft k on draft k-1) gains little while most rounds end at the first draft.
 """
 
 from __future__ import annotations
@@ -40,6 +45,8 @@ class RunFigures:
     val_tau_decode: float | None
     # benchmark -> (tau, prompts decoded, lossless share or None)
     benchmarks: dict[str, tuple[float, int, float | None]] = field(default_factory=dict)
+    # benchmark -> share of verifications producing k tokens, k = 0.. (greedy rows)
+    histograms: dict[str, list[float]] = field(default_factory=dict)
     # (benchmark, prompt index) -> (prompt digest, acceptance lengths): the journal's greedy outcomes
     decoded: dict[tuple[str, int], tuple[str, list[int]]] = field(default_factory=dict)
     interrupted: bool = False
@@ -91,6 +98,7 @@ def read_run(run: Path, eval_dir: str) -> RunFigures:
                     result["num_prompts"],
                     result.get("lossless_frac"),
                 )
+                figures.histograms[result["benchmark"]] = result["acceptance_histogram"]
     return figures
 
 
@@ -170,18 +178,47 @@ def table(runs: list[RunFigures]) -> str:
     return "\n".join(lines + notes)
 
 
+def conditional_acceptance(histogram: list[float], positions: int) -> list[float | None]:
+    """P(draft k accepted | draft k-1 accepted), k = 1..positions: a verification producing n
+    tokens accepted drafts 1..n-1 (None where no verification reached draft k-1)."""
+    reached = [sum(histogram[n:]) for n in range(positions + 2)]  # produced >= n tokens
+    return [reached[k + 1] / reached[k] if reached[k] > 0 else None for k in range(1, positions + 1)]
+
+
+def positions_table(runs: list[RunFigures], positions: int) -> str:
+    header = ["run", "benchmark"] + [f"draft {k}" for k in range(1, positions + 1)]
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    for run in runs:
+        for benchmark, histogram in run.histograms.items():
+            shares = conditional_acceptance(histogram, positions)
+            cells = ["-" if share is None else f"{share:.3f}" for share in shares]
+            lines.append("| " + " | ".join([run.name, benchmark, *cells]) + " |")
+    return "\n".join(lines)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="+", type=Path)
     parser.add_argument(
         "--eval-dir", default="eval_fp32", help="the evaluation's directory inside each run dir"
     )
+    parser.add_argument(
+        "--positions",
+        type=int,
+        default=0,
+        metavar="K",
+        help="also tabulate draft k's acceptance given draft k-1's, k = 1..K",
+    )
     args = parser.parse_args(argv)
     missing = [str(run) for run in args.runs if not run.is_dir()]
     if missing:
         print(f"variant_table: no such run dir: {', '.join(missing)}", file=sys.stderr)
         raise SystemExit(2)
-    print(table([read_run(run, args.eval_dir) for run in args.runs]))
+    runs = [read_run(run, args.eval_dir) for run in args.runs]
+    print(table(runs))
+    if args.positions:
+        print("\ndraft k accepted, of the verifications whose draft k-1 was (greedy):")
+        print(positions_table(runs, args.positions))
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ def write_run(
     benchmarks: dict[str, tuple[float, int, float]],
     samples_sha256: str = "ab" * 32,
     steps: int = 800,
+    histogram: tuple[float, ...] = (0.0, 1.0),
 ) -> Path:
     run = root / name
     (run / "checkpoints" / "last").mkdir(parents=True)
@@ -31,12 +32,26 @@ def write_run(
     (run / "summary.json").write_text(json.dumps({"steps": steps}))
     (run / "checkpoints" / "last" / "data.json").write_text(json.dumps({"samples_sha256": samples_sha256}))
     results = [
-        {"benchmark": b, "temperature": 0.0, "tau": tau, "num_prompts": n, "lossless_frac": lossless}
+        {
+            "benchmark": b,
+            "temperature": 0.0,
+            "tau": tau,
+            "num_prompts": n,
+            "lossless_frac": lossless,
+            "acceptance_histogram": list(histogram),
+        }
         for b, (tau, n, lossless) in benchmarks.items()
     ]
     # A sampled row of the same benchmark: not a greedy figure, so not in the table.
     results.append(
-        {"benchmark": "humaneval", "temperature": 1.0, "tau": 9.0, "num_prompts": 80, "lossless_frac": None}
+        {
+            "benchmark": "humaneval",
+            "temperature": 1.0,
+            "tau": 9.0,
+            "num_prompts": 80,
+            "lossless_frac": None,
+            "acceptance_histogram": [0.0, 0.0, 1.0],
+        }
     )
     (run / "eval_fp32").mkdir()
     (run / "eval_fp32" / "eval.json").write_text(json.dumps({"results": results, "interrupted": False}))
@@ -135,3 +150,12 @@ def test_a_run_not_yet_evaluated_shows_dashes_and_a_missing_dir_exits_2(tmp_path
         variant_table.main([str(base), str(tmp_path / "missing")])
     assert exit_info.value.code == 2
     assert "no such run dir" in capsys.readouterr().err
+
+
+def test_positions_give_each_drafts_acceptance_given_the_one_before(tmp_path, capsys):
+    """Half the verifications produce 1 token (draft 1 rejected), a quarter 2, a quarter 3: draft 1
+    accepted in 0.5 of them, draft 2 in 0.5 of those, draft 3 in none, draft 4 never reached."""
+    assert variant_table.conditional_acceptance([0.0, 0.5, 0.25, 0.25], 4) == [0.5, 0.5, 0.0, None]
+    run = write_run(tmp_path, "a", variant="DFlashVariant", val_taus=[1.4], benchmarks={"humaneval": (1.75, 80, 1.0)}, histogram=(0.0, 0.5, 0.25, 0.25))  # fmt: skip
+    variant_table.main([str(run), "--positions", "4"])
+    assert "| a | humaneval | 0.500 | 0.500 | 0.000 | - |" in capsys.readouterr().out
