@@ -804,21 +804,28 @@ def test_dflash_eval_reports_the_same_figures_with_prompts_decoded_side_by_side(
         run_eval(eval_cfg(tmp_path / "zero", tiny_chat_dir, exported_drafter, benchmark_files, ["eval.decode_streams=0"]))  # fmt: skip
 
 
-def test_dflash_eval_refuses_prompts_side_by_side_on_cuda_before_loading_anything(
+def test_dflash_eval_stops_naming_the_key_when_prompts_side_by_side_decode_otherwise_than_alone(
     tmp_path, tiny_chat_dir, exported_drafter, benchmark_files, monkeypatch
 ):
-    """Side-by-side decoding on CUDA awaits its GPU test: refused, naming the key, before a target
-    loads (the device resolution says cuda; nothing touches a GPU before the refusal)."""
-    import dflash.config.devices
-    from dflash.models.target import FrozenTarget
+    """The first side-by-side batch is decoded alone too; decoders that disturbed each other (as
+    graphs sharing cuBLAS scratch did on a GPU) stop the evaluation before a figure is reported."""
+    from dflash.decoding.side_by_side import SideBySideDecoders
     from dflash.tools.eval import run_eval
 
-    monkeypatch.setattr(
-        dflash.config.devices, "resolve_device_split", lambda *a, **k: (["cuda:0"], ["cuda:0"])
-    )
-    monkeypatch.setattr(FrozenTarget, "from_config", lambda *a, **k: pytest.fail("target loaded"))
-    settings = ["eval.timing=false", "eval.decode_streams=4"]
+    side_by_side = SideBySideDecoders.speculative
+
+    def disturbed(self, prompts, *args, **kwargs):
+        results = side_by_side(self, prompts, *args, **kwargs)
+        results[-1].acceptance_lengths[0] += 1
+        return results
+
+    monkeypatch.setattr(SideBySideDecoders, "speculative", disturbed)
+    settings = ["eval.timing=false", "eval.decode_streams=3"]  # chat: 2 prompts, one batch
+    run_dir = tmp_path / "disturbed"
     with pytest.raises(
-        ValueError, match=r"^eval.decode_streams=4: side-by-side decoding on CUDA.*eval.decode_streams=1$"
+        ValueError,
+        match=r"^eval.decode_streams=3: prompt 1 of 'chat' \(temperature 0.0\) decoded side by side differs "
+        r"from decoding it alone on this device; set eval.decode_streams=1$",
     ):
-        run_eval(eval_cfg(tmp_path / "cuda", tiny_chat_dir, exported_drafter, benchmark_files, settings))
+        run_eval(eval_cfg(run_dir, tiny_chat_dir, exported_drafter, benchmark_files, settings))
+    assert not (run_dir / "eval_run" / "eval.json").exists()

@@ -667,7 +667,8 @@ class EvalConfig:
     # CUDA stream) in a thread of one process, so a small target's launch-bound rounds overlap on
     # the GPU (dflash.decoding.side_by_side). Each prompt's outcome is that of decoding it alone
     # (tested); each more decoder holds its own KV cache and drafter copy. 1: one at a time.
-    # On CUDA refused for now: its GPU test has not passed yet (dflash-eval says so).
+    # Checked where it runs: the first batch of each benchmark and temperature is decoded alone
+    # too, and an outcome that differs stops the evaluation naming this key.
     decode_streams: int = 1
 
     def __post_init__(self) -> None:

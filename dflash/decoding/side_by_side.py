@@ -68,8 +68,12 @@ class SideBySideDecoders:
         if len(prompts) != len(seeds) or len(prompts) > self.width:
             raise ValueError(f"{len(prompts)} prompts and {len(seeds)} seeds for {self.width} decoders")
 
+        caller = torch.cuda.current_stream(self.streams[0].device) if self.streams[0] is not None else None
+
         def decode(index: int) -> DecodeResult:
             stream = self.streams[index]
+            if stream is not None:  # after the caller's queued work (e.g. new drafter weights)
+                stream.wait_stream(caller)
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 return self.decoders[index].speculative(
                     prompts[index],
@@ -81,7 +85,12 @@ class SideBySideDecoders:
                 )
 
         if len(prompts) == 1:
-            return [decode(0)]
-        with ThreadPoolExecutor(max_workers=len(prompts), thread_name_prefix="dflash-decode") as pool:
-            futures = [pool.submit(decode, index) for index in range(len(prompts))]
-            return [future.result() for future in futures]
+            results = [decode(0)]
+        else:
+            with ThreadPoolExecutor(max_workers=len(prompts), thread_name_prefix="dflash-decode") as pool:
+                futures = [pool.submit(decode, index) for index in range(len(prompts))]
+                results = [future.result() for future in futures]
+        if caller is not None:  # the caller's later work (the same decoders, alone) after theirs
+            for stream in self.streams[: len(prompts)]:
+                caller.wait_stream(stream)
+        return results

@@ -283,16 +283,35 @@ def evaluate_set(
     side_by_side = decoders.side_by_side if not timing else None
     decoded = None
     if side_by_side is not None:
+        unchecked = True
 
         def decode_together(prompts: dict[int, list[int]]) -> dict[int, DecodeResult]:
-            results = side_by_side.speculative(
-                list(prompts.values()),
-                [seed_of(index) for index in prompts],
-                max_new_tokens=max_new_tokens,
-                temperature=temperature,
-                stop_ids=stop,
+            nonlocal unchecked
+            results = dict(
+                zip(
+                    prompts,
+                    side_by_side.speculative(
+                        list(prompts.values()),
+                        [seed_of(index) for index in prompts],
+                        max_new_tokens=max_new_tokens,
+                        temperature=temperature,
+                        stop_ids=stop,
+                    ),
+                )
             )
-            return dict(zip(prompts, results))
+            if unchecked:
+                _check_side_by_side(
+                    decoders,
+                    benchmark=prompt_set.name,
+                    prompts=prompts,
+                    results=results,
+                    seeds=[seed_of(index) for index in prompts],
+                    max_new_tokens=max_new_tokens,
+                    temperature=temperature,
+                    stop=stop,
+                )
+                unchecked = False
+            return results
 
         decoded = _Ahead(side_by_side.width, undecoded, decode_together)
 
@@ -378,6 +397,30 @@ def evaluate_set(
         report.round_cost = ((dflash_s - prefill_s) / max(1, len(lengths))) / ((plain_s - prefill_s) / steps)
         report.timing_device = str(target.device)
     return report
+
+
+def _check_side_by_side(
+    decoders: Decoders,
+    *,
+    benchmark: str,
+    prompts: dict[int, list[int]],
+    results: dict[int, DecodeResult],
+    seeds: list[int],
+    max_new_tokens: int,
+    temperature: float,
+    stop: frozenset[int],
+) -> None:
+    """The first side-by-side batch of a benchmark and temperature decoded again one prompt at a
+    time: decoders replaying at once on one GPU must not change an outcome (graphs sharing scratch
+    memory once did), and no figure comes from that path unless it held here, on this device."""
+    for (index, prompt), seed in zip(prompts.items(), seeds):
+        alone = decoders.speculative(prompt, max_new_tokens, temperature, seed, stop)
+        if alone != results[index]:
+            raise ValueError(
+                f"eval.decode_streams={decoders.side_by_side.width}: prompt {index} of {benchmark!r} "
+                f"(temperature {temperature}) decoded side by side differs from decoding it alone on "
+                "this device; set eval.decode_streams=1"
+            )
 
 
 class _Ahead(Generic[T]):
