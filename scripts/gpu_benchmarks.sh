@@ -3,11 +3,13 @@
 # weight targets at published shapes (nothing to download). Each named benchmark writes
 # OUT_DIR/<name>.log (what it printed: tables, the machine, the exact overrides) and prints its
 # tables; with no name, all that fit one GPU run one after another.
-#   bash scripts/gpu_benchmarks.sh OUT_DIR [step|target|decode|decode_hybrid|pipeline|train|layouts|fp8 ...]
+#   bash scripts/gpu_benchmarks.sh OUT_DIR [step|target|experts|decode|decode_hybrid|pipeline|train|layouts|fp8 ...]
 # step           the paper-shape drafter step (Qwen3-8B shape, 5-layer b16 drafter, 512 anchors,
 #                3072 tokens): reference vs fast paths, phases, memory (scripts/bench_step.py)
 # target         a MoE hybrid target's feature forward (Qwen3-Next-80B-A3B shape, 12 of 48 layers):
 #                samples per forward, eager vs regional compile, time per layer part (bench_target.py)
+# experts        the fused MoE experts kernels' launch shapes at both MoE presets' expert shapes,
+#                bf16 and FP8 weights (scripts/bench_experts.py)
 # decode         a DFlash round against a plain step at 8B, static caches + CUDA graphs (bench_decode.py)
 # decode_hybrid  the same on a hybrid target (Qwen3.5-9B shape), compiled per layer kind
 # pipeline       pipeline=sync vs async on a small target (scripts/bench_pipeline.py)
@@ -37,6 +39,12 @@ for name in ${@:-step target decode decode_hybrid pipeline train}; do
   target)
     $PY scripts/bench_target.py --samples 1,4,16 --experts grouped_mm --compile eager,layers > "$log" 2>&1
     tables "$log" ;;
+  experts)
+    for shape in qwen3_next qwen3_5_35b; do
+      $PY scripts/bench_experts.py --shape $shape >> "$log" 2>&1
+      $PY scripts/bench_experts.py --shape $shape --fp8 >> "$log" 2>&1
+    done
+    grep -A1 "^qwen\|^default:" "$log" ;;
   decode)
     $PY scripts/bench_decode.py --reps 30 --context 1024 --skip-dynamic --compile target=qwen3_8b_random \
       drafter=b16 drafter.mask_token_id=151669 gpu=single "$CACHE" > "$log" 2>&1

@@ -205,6 +205,81 @@ def test_on_cuda_fp8_experts_read_as_stored_compute_their_dequantized_weights():
     torch.testing.assert_close(case.run(), want, rtol=2e-2, atol=2e-2)
 
 
+# Launch shapes other than the defaults (scripts/bench_experts.py sweeps them): row tiles that
+# pad each expert's run differently, column tiles narrower and wider than the 192 / 256 sizes,
+# K steps that split a 128-wide FP8 scale block; (dtype, block_m, gate_up, down), each tile
+# (block_n, block_k, warps, stages) small enough for fp32's shared memory where fp32.
+OTHER_TILINGS = [
+    (torch.float32, 16, (64, 32, 4, 2), (128, 64, 4, 2)),
+    (torch.float32, 128, (32, 32, 4, 2), (64, 32, 8, 3)),
+    (torch.bfloat16, 64, (256, 64, 8, 2), (256, 64, 8, 2)),
+]
+
+
+def tiling_of(block_m, gate_up, down):
+    from dflash.models.fused_experts import ExpertsTiling, KernelTiling
+
+    return ExpertsTiling(block_m=block_m, gate_up=KernelTiling(*gate_up), down=KernelTiling(*down))
+
+
+def test_tilings_the_kernels_cannot_run_are_refused_before_any_kernel(monkeypatch):
+    """Not powers of two >= 16 (tl.dot's rule), or FP8 tiles crossing a 128-wide scale block:
+    refused by name before the kernels are imported (on CPU too, where no kernel exists)."""
+    from dflash.models import fused_experts as module
+
+    monkeypatch.setattr(module, "_kernels", lambda: pytest.fail("kernels imported"))
+    assert tiling_of(16, (64, 32, 4, 2), (256, 128, 8, 4)).refusal(fp8=False) is None
+    assert tiling_of(16, (64, 32, 4, 2), (64, 128, 8, 4)).refusal(fp8=True) is None
+    assert (
+        tiling_of(48, (64, 32, 4), (64, 32, 4)).refusal(fp8=False) == "block_m=48 is not a power of two >= 16"
+    )
+    assert (
+        tiling_of(64, (64, 8, 4), (64, 32, 4)).refusal(fp8=False)
+        == "gate_up.block_k=8 is not a power of two >= 16"
+    )
+    assert (
+        tiling_of(64, (64, 64, 4), (256, 64, 4)).refusal(fp8=True)
+        == "down.block_n=256 does not divide the 128-wide FP8 scale blocks"
+    )
+    gate_up, down = torch.zeros(4, 256, 128), torch.zeros(4, 128, 128)
+    with pytest.raises(
+        ValueError,
+        match=r"^fused experts: ExpertsTiling\(block_m=48.*block_m=48 is not a power of two >= 16$",
+    ):
+        module.fused_experts(
+            torch.zeros(3, 128), torch.zeros(3, 2, dtype=torch.long), torch.ones(3, 2),
+            gate_up_proj=gate_up, down_proj=down, tiling=tiling_of(48, (64, 32, 4), (64, 32, 4)),
+        )  # fmt: skip
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype, block_m, gate_up_tiles, down_tiles", OTHER_TILINGS)
+def test_on_cuda_every_tiling_computes_the_formula(dtype, block_m, gate_up_tiles, down_tiles):
+    """Other launch shapes, the same products: fp32 within fp32 rounding of the formula, bf16
+    within bf16 rounding; FP8 weights (tiles inside the scale blocks) within bf16 rounding of the
+    dequantized formula."""
+    from dflash.models.fused_experts import fused_experts
+
+    generator = torch.Generator().manual_seed(3)
+    num_experts, top_k, hidden, inter = 16, 4, 256, 192
+    top_k_index = skewed_routing(300, top_k, num_experts, generator).cuda()
+    weights = torch.softmax(torch.randn(300, top_k, generator=generator), -1).cuda().to(dtype)
+    x = torch.randn(300, hidden, generator=generator).cuda().to(dtype)
+    gate_up, down = random_experts(num_experts, hidden, inter, dtype, generator)
+    want = experts_formula(x, top_k_index, weights, gate_up, down).float()
+    got = fused_experts(
+        x, top_k_index, weights, gate_up_proj=gate_up, down_proj=down,
+        tiling=tiling_of(block_m, gate_up_tiles, down_tiles),
+    ).float()  # fmt: skip
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got, want, rtol=tolerance, atol=tolerance)
+
+    case = FP8ExpertsCase.draw(tokens=200, seed=1)
+    want = experts_formula(case.x, case.top_k_index, case.weights, *case.dequantized())
+    fp8_tiles = tiling_of(block_m, (64, 64, 4, 3), (128, 32, 8, 3))
+    torch.testing.assert_close(case.run(tiling=fp8_tiles), want, rtol=2e-2, atol=2e-2)
+
+
 def test_activation_groups_quantize_as_the_served_fp8_kernels_do():
     """One scale per row and 128 columns, max|x| / 448; the group's largest element lands on
     +-448 exactly, every element within e4m3's rounding (3 mantissa bits: half an ulp is 1/16

@@ -112,9 +112,56 @@ def _scale_arguments(scale: Optional[torch.Tensor], placeholder: torch.Tensor) -
     return dict(s_ptr=scale, stride_se=scale.stride(0), stride_sn=scale.stride(1), stride_sk=scale.stride(2))
 
 
-def _block_sizes(fp8: bool) -> tuple[int, int, int]:
-    """(BLOCK_N, BLOCK_K, warps). An FP8 weight tile must lie inside one 128 x 128 scale block."""
-    return (128, 128, 8) if fp8 else (128, 64, 4)
+@dataclass(frozen=True)
+class KernelTiling:
+    """One kernel's launch shape: output columns and K per step of a program, its warps and
+    software-pipeline stages."""
+
+    block_n: int
+    block_k: int
+    warps: int
+    stages: int = 3
+
+
+@dataclass(frozen=True)
+class ExpertsTiling:
+    """Both kernels' launch shapes; `block_m` is the row tile, and so the padding of each
+    expert's run of rows (the routing metadata is built for it)."""
+
+    block_m: int
+    gate_up: KernelTiling
+    down: KernelTiling
+
+    def refusal(self, fp8: bool) -> str | None:
+        """Why these tiles cannot run (None: they can). Triton's dot needs power-of-two tiles of
+        at least 16; on FP8 weights a tile (and a K step of activations quantized per 128
+        columns) must lie inside one 128-wide scale block, so its sizes divide 128."""
+        for name, size in (("block_m", self.block_m), *self._sizes()):
+            if size < 16 or size & (size - 1):
+                return f"{name}={size} is not a power of two >= 16"
+        if fp8:
+            for name, size in self._sizes():
+                if FP8_BLOCK % size:
+                    return f"{name}={size} does not divide the {FP8_BLOCK}-wide FP8 scale blocks"
+        return None
+
+    def _sizes(self) -> list[tuple[str, int]]:
+        return [
+            (f"{kernel}.{field}", getattr(getattr(self, kernel), field))
+            for kernel in ("gate_up", "down")
+            for field in ("block_n", "block_k")
+        ]
+
+
+def default_tiling(fp8: bool) -> ExpertsTiling:
+    """The tiles the kernels run with unless told otherwise (scripts/bench_experts.py measures
+    the alternatives)."""
+    kernel = (
+        KernelTiling(block_n=128, block_k=128, warps=8)
+        if fp8
+        else KernelTiling(block_n=128, block_k=64, warps=4)
+    )
+    return ExpertsTiling(block_m=BLOCK_M, gate_up=kernel, down=kernel)
 
 
 def fused_experts(
@@ -127,15 +174,21 @@ def fused_experts(
     gate_up_scale: Optional[torch.Tensor] = None,
     down_scale: Optional[torch.Tensor] = None,
     fp8_activations: bool = False,
+    tiling: ExpertsTiling | None = None,
 ) -> torch.Tensor:
     """sum_k w[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = top_k_index[t, k], for
     `hidden_states [T, H]`, `gate_up_proj [E, 2I, H]` (gate rows first), `down_proj [E, H, I]`
     (bf16, or FP8 e4m3 with `*_scale` [E, rows / 128, cols / 128]). `fp8_activations` (FP8
     weights only): both GEMMs read their inputs quantized by `quantize_groups` (the hidden
-    states, then the SwiGLU rows) and multiply FP8 by FP8."""
-    triton, gate_up_kernel, down_kernel = _kernels()
+    states, then the SwiGLU rows) and multiply FP8 by FP8. `tiling`: the kernels' launch
+    shapes (default_tiling's unless given)."""
     fp8 = gate_up_scale is not None
     a8 = fp8 and fp8_activations
+    tiling = tiling or default_tiling(fp8)
+    refusal = tiling.refusal(fp8)
+    if refusal is not None:
+        raise ValueError(f"fused experts: {tiling}: {refusal}")
+    triton, gate_up_kernel, down_kernel = _kernels()
     tokens, hidden = hidden_states.shape
     top_k = top_k_index.shape[-1]
     num_experts, two_inter, _ = gate_up_proj.shape
@@ -147,9 +200,8 @@ def fused_experts(
         )
     x = hidden_states.contiguous()
     gate_up_proj, down_proj = gate_up_proj.contiguous(), down_proj.contiguous()
-    route = routing(top_k_index, num_experts)
+    route = routing(top_k_index, num_experts, tiling.block_m)
     tiles = route.tile_expert.numel()
-    block_n, block_k, warps = _block_sizes(fp8)
     # fp32 weights (a test's exact reference) multiply in full precision, not TF32
     precision = "ieee" if x.dtype == torch.float32 else "tf32"
     shared = dict(
@@ -163,18 +215,23 @@ def fused_experts(
         FP8=fp8,
         SCALE_BLOCK=FP8_BLOCK,
         PRECISION=precision,
-        BLOCK_M=BLOCK_M,
-        BLOCK_N=block_n,
-        BLOCK_K=block_k,
-        num_warps=warps,
-        num_stages=3,
+        A8=a8,
+        BLOCK_M=tiling.block_m,
     )
-    shared["A8"] = a8
+
+    def launch(kernel_tiling: KernelTiling) -> dict:
+        return dict(
+            BLOCK_N=kernel_tiling.block_n,
+            BLOCK_K=kernel_tiling.block_k,
+            num_warps=kernel_tiling.warps,
+            num_stages=kernel_tiling.stages,
+        )
+
     x_in, x_scale = quantize_groups(x) if a8 else (x, x)  # (bf16: a placeholder pointer, never read)
     # Rows no pair fills stay unwritten; A8 quantizes every row, so they must hold finite values.
     rows = route.row_pair.numel()
     activated = (torch.zeros if a8 else torch.empty)(rows, inter, dtype=x.dtype, device=x.device)
-    gate_up_kernel[(tiles * triton.cdiv(inter, block_n),)](
+    gate_up_kernel[(tiles * triton.cdiv(inter, tiling.gate_up.block_n),)](
         x_ptr=x_in,
         xs_ptr=x_scale,
         w_ptr=gate_up_proj,
@@ -185,10 +242,11 @@ def fused_experts(
         stride_we=gate_up_proj.stride(0),
         **_scale_arguments(gate_up_scale, x),
         **shared,
+        **launch(tiling.gate_up),
     )
     h_in, h_scale = quantize_groups(activated) if a8 else (activated, activated)
     per_pair = torch.empty(route.pairs, hidden, dtype=x.dtype, device=x.device)
-    down_kernel[(tiles * triton.cdiv(hidden, block_n),)](
+    down_kernel[(tiles * triton.cdiv(hidden, tiling.down.block_n),)](
         h_ptr=h_in,
         hs_ptr=h_scale,
         stride_hst=h_scale.stride(0),
@@ -198,6 +256,7 @@ def fused_experts(
         stride_we=down_proj.stride(0),
         **_scale_arguments(down_scale, x),
         **{**shared, "stride_wn": down_proj.stride(1)},
+        **launch(tiling.down),
     )
     return per_pair.view(tokens, top_k, hidden).sum(dim=1, dtype=torch.float32).to(x.dtype)
 

@@ -33,7 +33,7 @@ def gate_up_swiglu(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):  # fmt: skip
     """A8: `x` holds e4m3 activations with one scale per (token, SCALE_BLOCK columns) at
-    `xs_ptr` (BLOCK_K == SCALE_BLOCK): FP8 x FP8 products, scaled by both blocks' scales."""
+    `xs_ptr` (BLOCK_K divides SCALE_BLOCK): FP8 x FP8 products, scaled by both blocks' scales."""
     expert, rows, pair, valid, pid_n, cols = tile_of_program(
         tile_expert_ptr, row_pair_ptr, pairs, inter, BLOCK_M, BLOCK_N
     )

@@ -1,0 +1,164 @@
+#!/usr/bin/env python
+"""The fused MoE experts kernels (`target.experts=fused`) across launch shapes: which tiles make a
+layer's routed experts fastest on this GPU.
+
+    python scripts/bench_experts.py [--shape qwen3_next] [--tokens 12288] [--block-m 64,128]
+        [--fp8] [--repeat 20] [--warmup 3]
+
+One MoE layer's experts at a preset's published shape (`qwen3_next`: Qwen3-Next-80B-A3B, 512
+experts of 2048 -> 512, top 10; `qwen3_5_35b`: Qwen3.5-35B-A3B, 256 experts, top 8), bf16 weights
+(`--fp8`: e4m3 with 128 x 128 block scales, as published), random hidden states and a random
+top-k per token (uniform over experts: a trained router is more skewed, so real tiles are fuller
+for some experts and emptier for others). For each row tile (`--block-m`, the padding of each
+expert's run of rows), first the gate/up kernel's tiles are swept with the down kernel at its
+default, then the down kernel's with the gate/up kernel at the best found. Rows: median
+milliseconds of the whole experts call (routing, both kernels, the per-token sum; CUDA events)
+over --repeat calls after --warmup, useful TFLOP/s (tokens x top_k x 6 x hidden x intermediate),
+and the largest difference from the default tiles' output (the same products summed in another
+order: bf16 rounding, not a wrong tile). The last lines give the default and the best tiling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import sys
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from dflash.models.fused_experts import (  # noqa: E402
+    FP8_BLOCK,
+    ExpertsTiling,
+    KernelTiling,
+    default_tiling,
+    fused_experts,
+)
+from dflash.tools.timing import median_ms  # noqa: E402
+
+
+@dataclass(frozen=True)
+class ExpertsShape:
+    experts: int
+    hidden: int
+    inter: int
+    top_k: int
+
+
+SHAPES = {
+    "qwen3_next": ExpertsShape(experts=512, hidden=2048, inter=512, top_k=10),
+    "qwen3_5_35b": ExpertsShape(experts=256, hidden=2048, inter=512, top_k=8),
+}
+# What each kernel's tiles are swept over (every combination that `ExpertsTiling.refusal` allows).
+BLOCK_N = (64, 128, 256)
+BLOCK_K = (64, 128)
+WARPS = (4, 8)
+STAGES = (3, 4)
+
+
+def quantize_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """[E, R, C] bf16 -> e4m3 and one fp32 scale per 128 x 128 block ([E, R / 128, C / 128]),
+    the published checkpoints' layout (`weight_scale_inv`: the stored value times the scale)."""
+    experts, rows, cols = weight.shape
+    blocks = weight.float().reshape(experts, rows // FP8_BLOCK, FP8_BLOCK, cols // FP8_BLOCK, FP8_BLOCK)
+    scale = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-12) / 448.0
+    quantized = (blocks / scale[:, :, None, :, None]).to(torch.float8_e4m3fn)
+    return quantized.reshape(experts, rows, cols), scale
+
+
+def candidates() -> list[KernelTiling]:
+    return [
+        KernelTiling(block_n=n, block_k=k, warps=w, stages=s)
+        for n, k, w, s in itertools.product(BLOCK_N, BLOCK_K, WARPS, STAGES)
+    ]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="qwen3_next")
+    parser.add_argument("--tokens", type=int, default=12288, help="tokens per layer call (4 x 3072)")
+    parser.add_argument("--block-m", default="64,128", help="row tiles to try, comma-separated")
+    parser.add_argument("--fp8", action="store_true", help="block-wise FP8 expert weights, as published")
+    parser.add_argument("--repeat", type=int, default=20)
+    parser.add_argument("--warmup", type=int, default=3)
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        print("bench_experts: the fused experts kernels need CUDA; no GPU is visible", file=sys.stderr)
+        raise SystemExit(2)
+    from triton.runtime.errors import OutOfResources
+
+    device = torch.device("cuda")
+    shape = SHAPES[args.shape]
+    generator = torch.Generator(device=device).manual_seed(0)
+
+    def randn(*size: int) -> torch.Tensor:
+        return torch.randn(*size, generator=generator, device=device, dtype=torch.bfloat16)
+
+    x = randn(args.tokens, shape.hidden)
+    gate_up = randn(shape.experts, 2 * shape.inter, shape.hidden) * shape.hidden**-0.5
+    down = randn(shape.experts, shape.hidden, shape.inter) * shape.inter**-0.5
+    logits = torch.rand(args.tokens, shape.experts, generator=generator, device=device)
+    top_weights, top_index = logits.topk(shape.top_k, dim=-1)
+    top_weights = top_weights.softmax(dim=-1).to(torch.bfloat16)
+    weights = dict(gate_up_proj=gate_up, down_proj=down)
+    if args.fp8:
+        (gate_up_q, gate_up_s), (down_q, down_s) = quantize_blocks(gate_up), quantize_blocks(down)
+        weights = dict(gate_up_proj=gate_up_q, down_proj=down_q, gate_up_scale=gate_up_s, down_scale=down_s)
+    flops = args.tokens * shape.top_k * 6 * shape.hidden * shape.inter
+
+    def call(tiling: ExpertsTiling) -> torch.Tensor:
+        return fused_experts(x, top_index, top_weights, **weights, tiling=tiling)
+
+    default = default_tiling(args.fp8)
+    reference = call(default)
+    print(
+        f"{args.shape}: {shape.experts} experts {shape.hidden} -> {shape.inter}, top {shape.top_k}, "
+        f"{args.tokens} tokens, {'FP8 block-wise' if args.fp8 else 'bf16'} weights, "
+        f"{torch.cuda.get_device_name()}"
+    )
+    print(
+        f"{'block_m':>7} {'kernel':>8} {'N':>4} {'K':>4} {'warps':>5} {'stages':>6} {'ms':>8} {'TFLOP/s':>8} {'max |diff|':>10}"
+    )
+
+    def row(tiling: ExpertsTiling, kernel: str, tiles: KernelTiling, figures: str) -> None:
+        print(
+            f"{tiling.block_m:>7} {kernel:>8} {tiles.block_n:>4} {tiles.block_k:>4} {tiles.warps:>5} "
+            f"{tiles.stages:>6} {figures}"
+        )
+
+    def measure(tiling: ExpertsTiling, kernel: str, tiles: KernelTiling) -> float | None:
+        if tiling.refusal(args.fp8) is not None:
+            return None
+        try:
+            out = call(tiling)
+        except OutOfResources:  # tiles whose stages do not fit in shared memory: skipped
+            row(tiling, kernel, tiles, "  not run: out of shared memory")
+            return None
+        diff = (out.float() - reference.float()).abs().max().item()
+        ms = median_ms(lambda: call(tiling), warmup=args.warmup, repeat=args.repeat, device=device)
+        row(tiling, kernel, tiles, f"{ms:>8.3f} {flops / ms / 1e9:>8.1f} {diff:>10.2e}")
+        return ms
+
+    default_ms = measure(default, "default", default.gate_up)
+    best, best_ms = default, default_ms
+    for block_m in (int(size) for size in args.block_m.split(",")):
+        start = replace(default, block_m=block_m)
+        timed = [(tiles, measure(replace(start, gate_up=tiles), "gate_up", tiles)) for tiles in candidates()]
+        gate_up_best = min((t for t in timed if t[1] is not None), key=lambda t: t[1])[0]
+        start = replace(start, gate_up=gate_up_best)
+        for tiles in candidates():
+            tiling = replace(start, down=tiles)
+            ms = measure(tiling, "down", tiles)
+            if ms is not None and ms < best_ms:
+                best, best_ms = tiling, ms
+    print(f"default: {default} {default_ms:.3f} ms, {flops / default_ms / 1e9:.1f} TFLOP/s")
+    print(
+        f"best:    {best} {best_ms:.3f} ms, {flops / best_ms / 1e9:.1f} TFLOP/s ({default_ms / best_ms:.2f}x)"
+    )
+
+
+if __name__ == "__main__":
+    main()
