@@ -11,8 +11,9 @@ path). The decoders share the target's weights; each adds its own KV cache and d
 Graphs are captured up front in the calling thread (`capture_every_shape`), so no thread
 captures; a decoder that needed a new shape would capture it in thread-local mode
 (dflash.decoding.graphs). Each decoder captures on a stream of its own: graphs captured on one
-stream share its cuBLAS scratch memory, which two of them replayed at once would both write. If a thread fails, the others finish the prompt they hold, then the
-failure (the first in prompt order) is raised in the caller with its own traceback.
+stream share its cuBLAS scratch memory, which two of them replayed at once would both write.
+If a thread fails, the others finish the prompt they hold, then the failure (the first in
+prompt order) is raised in the caller with its own traceback.
 """
 
 from __future__ import annotations
