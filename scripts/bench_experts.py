@@ -30,6 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from dflash.models.fp8 import quantize_blockwise  # noqa: E402
 from dflash.models.fused_experts import (  # noqa: E402
     FP8_BLOCK,
     ExpertsTiling,
@@ -57,16 +58,6 @@ BLOCK_N = (64, 128, 256)
 BLOCK_K = (64, 128)
 WARPS = (4, 8)
 STAGES = (3, 4)
-
-
-def quantize_blocks(weight: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """[E, R, C] bf16 -> e4m3 and one fp32 scale per 128 x 128 block ([E, R / 128, C / 128]),
-    the published checkpoints' layout (`weight_scale_inv`: the stored value times the scale)."""
-    experts, rows, cols = weight.shape
-    blocks = weight.float().reshape(experts, rows // FP8_BLOCK, FP8_BLOCK, cols // FP8_BLOCK, FP8_BLOCK)
-    scale = blocks.abs().amax(dim=(2, 4)).clamp(min=1e-12) / 448.0
-    quantized = (blocks / scale[:, :, None, :, None]).to(torch.float8_e4m3fn)
-    return quantized.reshape(experts, rows, cols), scale
 
 
 def candidates() -> list[KernelTiling]:
@@ -105,7 +96,8 @@ def main() -> None:
     top_weights = top_weights.softmax(dim=-1).to(torch.bfloat16)
     weights = dict(gate_up_proj=gate_up, down_proj=down)
     if args.fp8:
-        (gate_up_q, gate_up_s), (down_q, down_s) = quantize_blocks(gate_up), quantize_blocks(down)
+        block = (FP8_BLOCK, FP8_BLOCK)
+        (gate_up_q, gate_up_s), (down_q, down_s) = (quantize_blockwise(w, block) for w in (gate_up, down))
         weights = dict(gate_up_proj=gate_up_q, down_proj=down_q, gate_up_scale=gate_up_s, down_scale=down_s)
     flops = args.tokens * shape.top_k * 6 * shape.hidden * shape.inter
 
