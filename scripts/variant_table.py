@@ -10,7 +10,8 @@ tau, prompts decoded and the lossless share; each tau also as a ratio to the fir
 comparison is matched only where the runs trained on the same samples: the table says when the
 digests of their tokenized samples (the last checkpoint's data.json) differ, and a benchmark whose prompt
 counts differ between runs (an evaluation stopped early) is divided only over the prompts both
-runs decoded, read from the evaluations' journals (eval.prompts.jsonl), and says how many.
+runs decoded, read from the evaluations' journals (eval.prompts.jsonl), and says how many. An
+evaluation killed before writing eval.json is read from its journal alone, and the table says so.
 
 `--positions K` adds where each run's drafts stop being accepted: per benchmark, the share of
 verifications whose draft k was accepted among those whose draft k-1 was (k = 1..K, from the
@@ -49,7 +50,10 @@ class RunFigures:
     histograms: dict[str, list[float]] = field(default_factory=dict)
     # (benchmark, prompt index) -> (prompt digest, acceptance lengths): the journal's greedy outcomes
     decoded: dict[tuple[str, int], tuple[str, list[int]]] = field(default_factory=dict)
+    # (benchmark, prompt index) -> whether the output equalled plain greedy output (None: not checked)
+    identical: dict[tuple[str, int], bool | None] = field(default_factory=dict)
     interrupted: bool = False
+    from_journal: bool = False  # no eval.json (the evaluation was killed): figures from its journal
 
 
 def _metric_rows(run: Path) -> list[dict]:
@@ -88,6 +92,9 @@ def read_run(run: Path, eval_dir: str) -> RunFigures:
         ).items():
             if temperature == GREEDY:
                 figures.decoded[benchmark, index] = (digest, outcome.result.acceptance_lengths)
+                figures.identical[benchmark, index] = outcome.identical
+    if not report_path.is_file() and figures.decoded:
+        _figures_from_journal(figures)
     if report_path.is_file():
         report = json.loads(report_path.read_text())
         figures.interrupted = bool(report.get("interrupted"))
@@ -100,6 +107,20 @@ def read_run(run: Path, eval_dir: str) -> RunFigures:
                 )
                 figures.histograms[result["benchmark"]] = result["acceptance_histogram"]
     return figures
+
+
+def _figures_from_journal(figures: RunFigures) -> None:
+    """A killed evaluation wrote no report: each benchmark's tau, prompt count, lossless share and
+    acceptance histogram computed from the greedy outcomes its journal kept, as dflash-eval's
+    report computes them (every verification of every prompt pooled)."""
+    figures.from_journal = True
+    for benchmark in dict.fromkeys(b for b, _ in figures.decoded):
+        keys = [key for key in figures.decoded if key[0] == benchmark]
+        lengths = [length for key in keys for length in figures.decoded[key][1]]
+        checked = [figures.identical[key] for key in keys if figures.identical[key] is not None]
+        lossless = sum(checked) / len(checked) if checked else None
+        figures.benchmarks[benchmark] = (_tau([lengths]), len(keys), lossless)
+        figures.histograms[benchmark] = [lengths.count(n) / len(lengths) for n in range(max(lengths) + 1)]
 
 
 def _ratio(value: float | None, base: float | None) -> str:
@@ -174,6 +195,11 @@ def table(runs: list[RunFigures]) -> str:
         f"{run.name}: its evaluation was interrupted (the prompts decoded so far)"
         for run in runs
         if run.interrupted
+    ]
+    notes += [
+        f"{run.name}: no eval.json (its evaluation was killed): figures from the prompts its journal kept"
+        for run in runs
+        if run.from_journal
     ]
     return "\n".join(lines + notes)
 

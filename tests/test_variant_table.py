@@ -135,6 +135,29 @@ def test_an_evaluation_stopped_early_is_compared_on_the_prompts_both_runs_decode
     assert "2.000 (4 prompts) (1.714x on the 2 prompts both decoded: 2.000 vs 1.167)" in table_of(base, other)
 
 
+def test_an_evaluation_killed_before_its_report_is_read_from_its_journal(tmp_path, capsys):
+    """No eval.json, only the journal's greedy outcomes (a sampled one left out): tau pools the
+    verifications, the prompt count is what was decoded, lossless is the identical share, the
+    ratio divides over the prompts both runs decoded, and the positions come from the lengths."""
+    base = write_run(
+        tmp_path, "a", variant="DFlashVariant", val_taus=[1.4], benchmarks={"mtbench": (1.5, 3, 1.0)}
+    )
+    write_journal(base, {("mtbench", 0.0, 0): ([1, 2], [1, 2]), ("mtbench", 0.0, 1): ([3], [1, 1, 1, 1]), ("mtbench", 0.0, 2): ([4], [3])})  # fmt: skip
+    killed = write_run(tmp_path, "b", variant="DFlash2Variant", val_taus=[1.5], benchmarks={})
+    (killed / "eval_fp32" / "eval.json").unlink()
+    write_journal(killed, {("mtbench", 0.0, 0): ([1, 2], [2, 2]), ("mtbench", 0.0, 1): ([3], [2, 1, 3]), ("mtbench", 1.0, 0): ([1, 2], [9])})  # fmt: skip
+    text = table_of(base, killed)
+    # b pools [2, 2, 2, 1, 3] -> 2.0 over 2 prompts; a on those prompts pools [1, 2, 1, 1, 1, 1] -> 7/6
+    assert (
+        "| b | DFlash2Variant | 800 | 1.500 (1.071x) | 2.000 (2 prompts) (1.714x on the 2 prompts both decoded: 2.000 vs 1.167) | 100% |"
+        in text
+    )
+    assert "b: no eval.json (its evaluation was killed): figures from the prompts its journal kept" in text
+    run = variant_table.read_run(killed, "eval_fp32")
+    assert run.histograms["mtbench"] == [0.0, 0.2, 0.6, 0.2]
+    assert variant_table.conditional_acceptance(run.histograms["mtbench"], 2) == [0.8, 0.25]
+
+
 def test_a_run_not_yet_evaluated_shows_dashes_and_a_missing_dir_exits_2(tmp_path, capsys):
     base = write_run(
         tmp_path, "a", variant="DFlashVariant", val_taus=[1.4], benchmarks={"humaneval": (1.5, 80, 1.0)}
