@@ -15,7 +15,9 @@ default, then the down kernel's with the gate/up kernel at the best found. Rows:
 milliseconds of the whole experts call (routing, both kernels, the per-token sum; CUDA events)
 over --repeat calls after --warmup, useful TFLOP/s (tokens x top_k x 6 x hidden x intermediate),
 and the largest difference from the default tiles' output (the same products summed in another
-order: bf16 rounding, not a wrong tile). The last lines give the default and the best tiling.
+order: bf16 rounding, not a wrong tile). The last lines give the default and the best tiling, and
+the override that trains with the best (`target.experts_tiling=...`, for dflash-train and
+scripts/bench_target.py).
 """
 
 from __future__ import annotations
@@ -104,7 +106,7 @@ def main() -> None:
     def call(tiling: ExpertsTiling) -> torch.Tensor:
         return fused_experts(x, top_index, top_weights, **weights, tiling=tiling)
 
-    default = default_tiling(args.fp8)
+    default = default_tiling(torch.float8_e4m3fn if args.fp8 else torch.bfloat16)
     reference = call(default)
     print(
         f"{args.shape}: {shape.experts} experts {shape.hidden} -> {shape.inter}, top {shape.top_k}, "
@@ -150,6 +152,7 @@ def main() -> None:
     print(
         f"best:    {best} {best_ms:.3f} ms, {flops / best_ms / 1e9:.1f} TFLOP/s ({default_ms / best_ms:.2f}x)"
     )
+    print(f"override: '{best.override()}'")
 
 
 if __name__ == "__main__":

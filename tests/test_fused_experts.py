@@ -6,7 +6,7 @@ experts paths and, on FP8 weights, to the dequantized weights' result."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import pytest
 import torch
@@ -106,6 +106,107 @@ def test_experts_the_kernels_do_not_compute_are_refused_by_what_they_have():
         fused_experts_forward(
             experts, torch.zeros(2, 128), torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3)
         )
+
+
+TUNED = ((32, (64, 128, 8, 4), (256, 32, 4, 3)), (16, (64, 64, 4, 2), (128, 128, 8, 3)))
+
+
+def tiny_moe_target_overrides(*extra: str) -> list[str]:
+    overrides = ["target=qwen3_next_80b_random", *(f"target.arch.{k}={v}" for k, v in QWEN3_NEXT_MOE.items())]
+    return [*overrides, "drafter=tiny", "drafter.mask_token_id=255", "drafter.target_layer_ids=[0,3]", *extra]
+
+
+@pytest.mark.parametrize("block_m, gate_up_tiles, down_tiles", TUNED)
+def test_the_override_bench_experts_prints_trains_with_that_tiling(
+    make_cfg, block_m, gate_up_tiles, down_tiles
+):
+    """bench_experts prints its best tiling as a `target.experts_tiling=` override: Hydra reads it
+    back as the same tiles, and the flat form the compiled op carries round-trips."""
+    from dflash.config.typed import typed_config
+    from dflash.models.fused_experts import ExpertsTiling
+
+    tiling = tiling_of(block_m, gate_up_tiles, down_tiles)
+    cfg = typed_config(make_cfg(tiny_moe_target_overrides(tiling.override())))
+    assert ExpertsTiling.from_config(cfg.target.experts_tiling, torch.bfloat16) == tiling
+    assert ExpertsTiling.from_ints(tiling.as_ints()) == tiling
+
+
+def test_the_configured_tiling_reaches_the_kernels_of_every_experts_module(monkeypatch):
+    """use_tiling (target.experts_tiling) marks each layer's experts; the experts function then
+    hands those tiles to the fused op, and the default tiles where none were set."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dflash.models import fused_experts as module
+
+    config = AutoConfig.for_model("qwen3_next", **QWEN3_NEXT_MOE)
+    model = AutoModelForCausalLM.from_config(config)
+    untouched = AutoModelForCausalLM.from_config(config).model.layers[0].mlp.experts
+    tiling = tiling_of(*TUNED[0])
+    assert module.use_tiling(model, tiling) == QWEN3_NEXT_MOE["num_hidden_layers"]
+    seen = []
+    monkeypatch.setattr(module, "_fused_experts_op", lambda *args: seen.append(args[-1]))
+    inputs = (torch.zeros(2, 128), torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3))
+    for layer in model.model.layers:
+        module.fused_experts_forward(layer.mlp.experts, *inputs)
+    module.fused_experts_forward(untouched, *inputs)
+    assert seen == [tiling.as_ints()] * QWEN3_NEXT_MOE["num_hidden_layers"] + [
+        module.default_tiling(torch.float32).as_ints()
+    ]
+
+
+def test_fp8_experts_take_the_fields_set_and_fp8_defaults_for_the_rest(monkeypatch):
+    """A tiling that sets only some fields: FP8 experts (read as stored) get FP8's default tiles
+    for the rest, as do the fused kernels on weights dequantized for them."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from dflash.config.schema import ExpertsTilingConfig
+    from dflash.models import fused_experts as module
+    from dflash.models.fp8 import quantize_layer
+
+    settings = ExpertsTilingConfig(block_m=32)
+    settings.down.warps = 4
+    fp8_default = module.default_tiling(torch.float8_e4m3fn)
+    want = replace(fp8_default, block_m=32, down=replace(fp8_default.down, warps=4))
+    seen = []
+    monkeypatch.setattr(module, "_fused_experts_op", lambda *args: seen.append(args[-1]) or args[0])
+    layer = quantize_layer(
+        AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_next", **QWEN3_NEXT_MOE)).model.layers[0]
+    )
+    assert module.use_tiling(layer, settings) == 1
+    experts = layer.mlp.experts
+    experts._template[0].config._experts_implementation = module.EXPERTS_IMPLEMENTATION
+    experts(
+        torch.randn(3, QWEN3_NEXT_MOE["hidden_size"]), torch.zeros(3, 3, dtype=torch.long), torch.ones(3, 3)
+    )
+    assert seen == [want.as_ints()]
+
+
+def test_experts_tilings_that_cannot_apply_are_refused_naming_the_key(make_cfg, caplog):
+    """Tiles the kernels cannot run: refused before the target is built (FP8 targets by the
+    scale-block rule too, one field set, the rest FP8's defaults); a tiling for experts the user set to another implementation: refused;
+    under experts=auto, which fell back to transformers' experts on this CPU: built, logged unused."""
+    from dflash.config.typed import typed_config
+    from dflash.run.inputs import frozen_target
+
+    def build(*extra: str):
+        return frozen_target(typed_config(make_cfg(tiny_moe_target_overrides(*extra))), "cpu")
+
+    with pytest.raises(ValueError, match=r"^target.experts_tiling: block_m=48 is not a power of two >= 16$"):
+        build(tiling_of(48, (64, 64, 4), (64, 64, 4)).override())
+    with pytest.raises(
+        ValueError,
+        match=r"^target.experts_tiling: gate_up.block_n=256 does not divide the 128-wide FP8 scale",
+    ):
+        build("target.fp8=true", "target.experts_tiling.gate_up.block_n=256")
+    tiling = tiling_of(*TUNED[0]).override()
+    with pytest.raises(
+        ValueError, match=r"but its routed experts run grouped_mm, not the fused kernels \(set target"
+    ):
+        build("target.experts=grouped_mm", tiling)
+    with caplog.at_level("INFO", logger="dflash.models.target"):
+        target, _ = build("target.experts=auto", tiling)
+    assert "target.experts_tiling unused: its routed experts run transformers' default" in caplog.text
+    assert not any(hasattr(m, "dflash_experts_tiling") for m in target.model.modules())
 
 
 def random_experts(num_experts, hidden, inter, dtype, generator):
@@ -252,6 +353,25 @@ def test_tilings_the_kernels_cannot_run_are_refused_before_any_kernel(monkeypatc
         )  # fmt: skip
 
 
+@pytest.mark.parametrize(
+    "weights, activation_bytes",
+    [(torch.bfloat16, 2), (torch.float32, 4), (torch.float8_e4m3fn, 2), (torch.float8_e4m3fn, 4)],
+)
+def test_default_tiles_fit_in_a_hopper_blocks_shared_memory(weights, activation_bytes):
+    """Each pipeline stage holds a tile of activations and the weight tiles (gate/up: the gate and
+    the up rows); over an H200's 227 KiB per block Triton refuses the launch (bench_experts'
+    "out of shared memory" rows follow this count). fp32 targets (the exact lossless check) and
+    FP8 experts under fp32 activations included."""
+    from dflash.models.fused_experts import default_tiling
+
+    tiling = default_tiling(weights)
+    weight_bytes = torch.empty(0, dtype=weights).element_size()
+    for kernel, weight_tiles in ((tiling.gate_up, 2), (tiling.down, 1)):
+        weights_per_k = weight_tiles * kernel.block_n * weight_bytes
+        stage = kernel.block_k * (tiling.block_m * activation_bytes + weights_per_k)
+        assert kernel.stages * stage <= 227 * 1024, (weights, kernel)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype, block_m, gate_up_tiles, down_tiles", OTHER_TILINGS)
 def test_on_cuda_every_tiling_computes_the_formula(dtype, block_m, gate_up_tiles, down_tiles):
@@ -310,7 +430,7 @@ def test_fused_w8a8_sends_fp8_experts_to_the_kernels_with_quantized_activations(
     from dflash.models.fp8 import quantize_layer
 
     calls = []
-    monkeypatch.setattr(fused_experts, "_fused_experts_op", lambda *args: calls.append(args[-1]) or args[0])
+    monkeypatch.setattr(fused_experts, "_fused_experts_op", lambda *args: calls.append(args[7]) or args[0])
     config = AutoConfig.for_model("qwen3_next", **QWEN3_NEXT_MOE)
     experts = quantize_layer(AutoModelForCausalLM.from_config(config).model.layers[0]).mlp.experts
     x, index, weights = (

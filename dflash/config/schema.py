@@ -87,6 +87,28 @@ class RegenBackend(str, Enum):
 
 
 @dataclass
+class KernelTilingConfig:
+    """One fused experts kernel's launch shape (dflash.models.fused_experts.KernelTiling); null:
+    the default's."""
+
+    block_n: Optional[int] = None  # output columns per program
+    block_k: Optional[int] = None  # K per step
+    warps: Optional[int] = None
+    stages: Optional[int] = None  # software-pipeline stages
+
+
+@dataclass
+class ExpertsTilingConfig:
+    """The fused experts kernels' launch shapes (dflash.models.fused_experts.ExpertsTiling); each
+    null field keeps the default's (dflash.models.fused_experts.default_tiling: bf16 and FP8
+    weights have their own)."""
+
+    block_m: Optional[int] = None  # the row tile: each expert's run of rows is padded to it
+    gate_up: KernelTilingConfig = field(default_factory=KernelTilingConfig)
+    down: KernelTilingConfig = field(default_factory=KernelTilingConfig)
+
+
+@dataclass
 class TargetConfig:
     name: str = MISSING
     # Local checkpoint directory (AutoModelForCausalLM.from_pretrained). Required for real targets.
@@ -123,6 +145,11 @@ class TargetConfig:
     # A MoE target's routed-experts implementation; null: transformers' default (grouped_mm
     # where it can dispatch, else eager). Ignored by dense targets.
     experts: Optional[ExpertsKind] = None
+    # The fused experts kernels' tiles (target.experts=fused, fused_w8a8, or auto where it picks
+    # them); fields left null keep the defaults. Which tiles are fastest depends on the GPU and
+    # the experts' shape: scripts/bench_experts.py measures them and prints the best as this
+    # override. Tiles the kernels cannot run are refused by name.
+    experts_tiling: ExpertsTilingConfig = field(default_factory=ExpertsTilingConfig)
     # Hybrid targets on CUDA: the Gated DeltaNet layers' short convolution on
     # flash-linear-attention's Triton kernel when it is installed (transformers otherwise runs
     # its PyTorch reference unless the causal-conv1d package is there: 1.95 vs 0.20 ms per

@@ -32,8 +32,8 @@ CPU against a direct construction.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass
-from typing import Optional
+from dataclasses import dataclass, replace
+from typing import Any, Optional
 
 import torch
 
@@ -43,7 +43,7 @@ EXPERTS_IMPLEMENTATION = "fused"  # the name under transformers' ALL_EXPERTS_FUN
 W8A8_IMPLEMENTATION = "fused_w8a8"
 IMPLEMENTATIONS = (EXPERTS_IMPLEMENTATION, W8A8_IMPLEMENTATION)
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
-BLOCK_M = 64  # rows per tile: each expert's run of rows is padded to a multiple of it
+BLOCK_M = 64  # rows per tile (routing's default; each kernel launch passes its tiling's)
 FP8_BLOCK = 128  # the published checkpoints' scale block (weights rows x columns)
 
 
@@ -112,6 +112,12 @@ def _scale_arguments(scale: Optional[torch.Tensor], placeholder: torch.Tensor) -
     return dict(s_ptr=scale, stride_se=scale.stride(0), stride_sn=scale.stride(1), stride_sk=scale.stride(2))
 
 
+_KERNEL_FIELDS = ("block_n", "block_k", "warps", "stages")
+# The attribute of an experts module that holds its ExpertsTiling (use_tiling sets it; absent: the
+# default tiles), read where transformers calls the experts function with the module as `self`.
+TILING_ATTRIBUTE = "dflash_experts_tiling"
+
+
 @dataclass(frozen=True)
 class KernelTiling:
     """One kernel's launch shape: output columns and K per step of a program, its warps and
@@ -145,6 +151,49 @@ class ExpertsTiling:
                     return f"{name}={size} does not divide the {FP8_BLOCK}-wide FP8 scale blocks"
         return None
 
+    def as_ints(self) -> list[int]:
+        """Flat, as the compiled op carries it: block_m, then each kernel's N, K, warps, stages."""
+        return [
+            self.block_m,
+            *(getattr(kernel, f) for kernel in (self.gate_up, self.down) for f in _KERNEL_FIELDS),
+        ]
+
+    @classmethod
+    def from_ints(cls, ints: list[int]) -> ExpertsTiling:
+        block_m, *rest = ints
+        gate_up, down = (KernelTiling(*rest[i : i + len(_KERNEL_FIELDS)]) for i in (0, len(_KERNEL_FIELDS)))
+        return cls(block_m=block_m, gate_up=gate_up, down=down)
+
+    @classmethod
+    def from_config(cls, cfg: Any, weights: torch.dtype) -> ExpertsTiling:
+        """`target.experts_tiling` (dflash.config.schema.ExpertsTilingConfig) for experts weights
+        of dtype `weights`: its null fields filled from default_tiling(weights)."""
+        default = default_tiling(weights)
+
+        def kernel(settings: Any, fallback: KernelTiling) -> KernelTiling:
+            values = {f: getattr(settings, f) for f in _KERNEL_FIELDS}
+            return replace(fallback, **{f: v for f, v in values.items() if v is not None})
+
+        return cls(
+            block_m=default.block_m if cfg.block_m is None else cfg.block_m,
+            gate_up=kernel(cfg.gate_up, default.gate_up),
+            down=kernel(cfg.down, default.down),
+        )
+
+    @staticmethod
+    def configured(cfg: Any) -> bool:
+        """Whether `target.experts_tiling` sets any field (else the kernels keep their defaults)."""
+        fields = [cfg.block_m, *(getattr(k, f) for k in (cfg.gate_up, cfg.down) for f in _KERNEL_FIELDS)]
+        return any(value is not None for value in fields)
+
+    def override(self) -> str:
+        """This tiling as the dflash-train / bench_target override that selects it."""
+        gate_up, down = (
+            "{" + ",".join(f"{f}:{getattr(k, f)}" for f in _KERNEL_FIELDS) + "}"
+            for k in (self.gate_up, self.down)
+        )
+        return f"target.experts_tiling={{block_m:{self.block_m},gate_up:{gate_up},down:{down}}}"
+
     def _sizes(self) -> list[tuple[str, int]]:
         return [
             (f"{kernel}.{field}", getattr(getattr(self, kernel), field))
@@ -153,15 +202,50 @@ class ExpertsTiling:
         ]
 
 
-def default_tiling(fp8: bool) -> ExpertsTiling:
-    """The tiles the kernels run with unless told otherwise (scripts/bench_experts.py measures
-    the alternatives)."""
-    kernel = (
-        KernelTiling(block_n=128, block_k=128, warps=8)
-        if fp8
-        else KernelTiling(block_n=128, block_k=64, warps=4)
+def default_tiling(weights: torch.dtype) -> ExpertsTiling:
+    """The tiles the kernels run with unless told otherwise, by the experts weights' dtype
+    (scripts/bench_experts.py measures the alternatives on a GPU).
+    - bf16 / fp16: the fastest of bench_experts' sweep at Qwen3-Next-80B's expert shape on an
+      H200 (benchmarks/RESULTS.md, 2026-12-04): 2.49 ms per 12,288-token layer call against 3.22
+      ms for the tiles before (64-row tiles, 128 x 64, 4 warps, 3 stages in both kernels).
+    - FP8 (e4m3, 128 x 128 scale blocks): tiles inside one scale block (not yet swept).
+    - fp32 (exact-reference targets, e.g. dflash-eval's fp32 lossless check): 4-byte tiles, so
+      fewer rows and stages. A stage of the gate/up kernel holds (rows + 2 N) x K elements: the
+      tiles before, 64 rows and 128 x 64, need 3 x 80 KiB in fp32, over an H200's 227 KiB per
+      block; these need 2 x 18 KiB (and the down kernel's 2 x 36 KiB)."""
+    if weights == torch.float8_e4m3fn:
+        kernel = KernelTiling(block_n=128, block_k=128, warps=8, stages=3)
+        return ExpertsTiling(block_m=BLOCK_M, gate_up=kernel, down=kernel)
+    if weights == torch.float32:
+        return ExpertsTiling(
+            block_m=16,
+            gate_up=KernelTiling(block_n=64, block_k=32, warps=4, stages=2),
+            down=KernelTiling(block_n=128, block_k=64, warps=4, stages=2),
+        )
+    return ExpertsTiling(
+        block_m=128,
+        gate_up=KernelTiling(block_n=128, block_k=64, warps=8, stages=4),
+        down=KernelTiling(block_n=128, block_k=64, warps=4, stages=3),
     )
-    return ExpertsTiling(block_m=BLOCK_M, gate_up=kernel, down=kernel)
+
+
+def use_tiling(model: torch.nn.Module, settings: Any) -> int:
+    """Run `model`'s routed experts with the tiles `settings` (`target.experts_tiling`) gives,
+    completed by the defaults for each module's weights (bf16 or FP8); returns how many experts
+    modules took them. Tiles the kernels cannot run on a module's weights (FP8 ones must lie inside
+    the 128-wide scale blocks) are refused naming the key, before any forward."""
+    count = 0
+    for module in model.modules():
+        weight = getattr(module, "gate_up_proj", None)
+        if not isinstance(weight, torch.Tensor):
+            continue
+        tiling = ExpertsTiling.from_config(settings, weights=weight.dtype)
+        refusal = tiling.refusal(fp8=weight.dtype == torch.float8_e4m3fn)
+        if refusal is not None:
+            raise ValueError(f"target.experts_tiling: {refusal}")
+        setattr(module, TILING_ATTRIBUTE, tiling)
+        count += 1
+    return count
 
 
 def fused_experts(
@@ -184,7 +268,7 @@ def fused_experts(
     shapes (default_tiling's unless given)."""
     fp8 = gate_up_scale is not None
     a8 = fp8 and fp8_activations
-    tiling = tiling or default_tiling(fp8)
+    tiling = tiling or default_tiling(gate_up_proj.dtype)
     refusal = tiling.refusal(fp8)
     if refusal is not None:
         raise ValueError(f"fused experts: {tiling}: {refusal}")
@@ -273,6 +357,7 @@ def _fused_experts_op(
     gate_up_scale: Optional[torch.Tensor],
     down_scale: Optional[torch.Tensor],
     fp8_activations: bool,
+    tiling: list[int],
 ) -> torch.Tensor:
     return fused_experts(
         hidden_states,
@@ -283,6 +368,7 @@ def _fused_experts_op(
         gate_up_scale=gate_up_scale,
         down_scale=down_scale,
         fp8_activations=fp8_activations,
+        tiling=ExpertsTiling.from_ints(tiling),
     )
 
 
@@ -296,8 +382,15 @@ def _(
     gate_up_scale,
     down_scale,
     fp8_activations,
+    tiling,
 ):
     return hidden_states.new_empty(hidden_states.shape)
+
+
+def _tiling_of(experts: Any, weights: torch.dtype) -> list[int]:
+    """The experts module's tiling (use_tiling's), else the default for its weights' dtype, as
+    the op carries it."""
+    return (getattr(experts, TILING_ATTRIBUTE, None) or default_tiling(weights)).as_ints()
 
 
 def refuse_unsupported(experts: torch.nn.Module) -> None:
@@ -326,8 +419,17 @@ def fused_experts_forward(
 ) -> torch.Tensor:
     """transformers' experts-function signature (ALL_EXPERTS_FUNCTIONS), bf16 weights."""
     refuse_unsupported(self)
+    tiling = _tiling_of(self, self.gate_up_proj.dtype)
     return _fused_experts_op(
-        hidden_states, top_k_index, top_k_weights, self.gate_up_proj, self.down_proj, None, None, False
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        self.gate_up_proj,
+        self.down_proj,
+        None,
+        None,
+        False,
+        tiling,
     )
 
 
@@ -340,12 +442,23 @@ def fused_fp8_experts(
     gate_up: tuple[torch.Tensor, torch.Tensor],
     down: tuple[torch.Tensor, torch.Tensor],
     fp8_activations: bool = False,
+    tiling: ExpertsTiling | None = None,
 ) -> torch.Tensor:
     """The fused kernels on block-wise FP8 weights `(weight, scale_inv)` as stored; with
-    `fp8_activations`, on quantized activations too (the `fused_w8a8` implementation)."""
+    `fp8_activations`, on quantized activations too (the `fused_w8a8` implementation).
+    `tiling`: the kernels' tiles (default_tiling's unless given)."""
     refuse_unsupported(experts)
+    tiles = (tiling or default_tiling(gate_up[0].dtype)).as_ints()
     return _fused_experts_op(
-        hidden_states, top_k_index, top_k_weights, gate_up[0], down[0], gate_up[1], down[1], fp8_activations
+        hidden_states,
+        top_k_index,
+        top_k_weights,
+        gate_up[0],
+        down[0],
+        gate_up[1],
+        down[1],
+        fp8_activations,
+        tiles,
     )
 
 

@@ -200,6 +200,27 @@ def auto_experts(model: nn.Module, device: torch.device) -> str | None:
     return fused_experts.EXPERTS_IMPLEMENTATION
 
 
+def use_experts_tiling(model: nn.Module, tiling: Any, *, experts: str | None, auto: bool) -> None:
+    """`target.experts_tiling` applied to `model`'s fused experts. Refused where the experts run
+    another implementation by the user's choice (the key would change nothing); under
+    `experts=auto`, whose choice depends on the machine, logged instead."""
+    if experts in fused_experts.IMPLEMENTATIONS and getattr(model.config, "num_experts", None):
+        fused_experts.use_tiling(model, tiling)
+        return
+    implementation = experts or "transformers' default"
+    why = (
+        f"its routed experts run {implementation}, not the fused kernels"
+        if getattr(model.config, "num_experts", None)
+        else "this target has no routed experts"
+    )
+    if auto:
+        log.info("target.experts_tiling unused: %s", why)
+        return
+    raise ValueError(
+        f"target.experts_tiling sets the fused experts kernels' tiles, but {why} (set target.experts=fused, or drop the key)"
+    )
+
+
 def faster_target_settings(cfg: TargetConfig, config: PretrainedConfig) -> list[str]:
     """The target options a run on CUDA left off that make this target's feature forward faster
     (`experts=auto` counts as fused: where it is not, the run logged why): fused experts for a
@@ -331,6 +352,11 @@ class FrozenTarget(nn.Module):
                 f"on {device.type} use eager, grouped_mm or batched_mm"
             )
         dtype = resolve_dtype(cfg.dtype, device)
+        tiling = cfg.experts_tiling if fused_experts.ExpertsTiling.configured(cfg.experts_tiling) else None
+        weights = torch.float8_e4m3fn if cfg.fp8 else dtype
+        refusal = tiling and fused_experts.ExpertsTiling.from_config(tiling, weights).refusal(fp8=cfg.fp8)
+        if refusal:  # before any weights are built or read (FP8 checkpoints: checked once read)
+            raise ValueError(f"target.experts_tiling: {refusal}")
         if cfg.path is None:
             config = load_target_config(cfg)
             # Initialised where it runs: a multi-billion-parameter random target built on the
@@ -357,6 +383,8 @@ class FrozenTarget(nn.Module):
             if experts in fused_experts.IMPLEMENTATIONS:
                 fused_experts.register()
             model.set_experts_implementation(experts)
+        if tiling is not None:
+            use_experts_tiling(model, tiling, experts=experts, auto=auto)
         return cls(model.to(device), layer_ids, final_state=final_state)
 
     @property
