@@ -117,8 +117,10 @@ def main() -> None:
     ]
     parts = ["| experts | samples | part | ms | share | useful TFLOP/s |", "|---|---|---|---|---|---|"]
 
-    def show() -> None:
-        print("\n".join(rows) + "\n\n" + "\n".join(parts) + "\n", flush=True)  # a later crash loses nothing
+    def show() -> None:  # after each row: a later crash loses nothing
+        # the part table holds eager forwards only (`--compile` without eager: none to split)
+        tables = [rows] + ([parts] if len(parts) > 2 else [])
+        print("\n\n".join("\n".join(table) for table in tables) + "\n", flush=True)
 
     for experts in [e for e in args.experts.split(",") if e]:
         if hasattr(config, "num_experts"):
