@@ -154,9 +154,13 @@ def test_the_configured_tiling_reaches_the_kernels_of_every_experts_module(monke
     ]
 
 
-def test_fp8_experts_take_the_fields_set_and_fp8_defaults_for_the_rest(monkeypatch):
-    """A tiling that sets only some fields: FP8 experts (read as stored) get FP8's default tiles
-    for the rest, as do the fused kernels on weights dequantized for them."""
+@pytest.mark.parametrize("inter, read_as_stored", [(128, True), (64, False)])
+def test_fp8_experts_take_the_fields_set_and_the_defaults_of_the_weights_multiplied(
+    monkeypatch, inter, read_as_stored
+):
+    """A tiling that sets only some fields: FP8 experts the kernels read as stored get FP8's
+    default tiles for the rest; FP8 experts not on whole scale blocks, dequantized (here to the
+    fp32 hidden states' dtype) for the kernels, get that dtype's defaults."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from dflash.config.schema import ExpertsTilingConfig
@@ -164,16 +168,17 @@ def test_fp8_experts_take_the_fields_set_and_fp8_defaults_for_the_rest(monkeypat
     from dflash.models.fp8 import quantize_layer
 
     settings = ExpertsTilingConfig(block_m=32)
-    settings.down.warps = 4
-    fp8_default = module.default_tiling(torch.float8_e4m3fn)
-    want = replace(fp8_default, block_m=32, down=replace(fp8_default.down, warps=4))
+    settings.down.warps = 8
+    default = module.default_tiling(torch.float8_e4m3fn if read_as_stored else torch.float32)
+    want = replace(default, block_m=32, down=replace(default.down, warps=8))
     seen = []
     monkeypatch.setattr(module, "_fused_experts_op", lambda *args: seen.append(args[-1]) or args[0])
-    layer = quantize_layer(
-        AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_next", **QWEN3_NEXT_MOE)).model.layers[0]
-    )
+    module.register()
+    config = AutoConfig.for_model("qwen3_next", **{**QWEN3_NEXT_MOE, "moe_intermediate_size": inter})
+    layer = quantize_layer(AutoModelForCausalLM.from_config(config).model.layers[0])
     assert module.use_tiling(layer, settings) == 1
     experts = layer.mlp.experts
+    assert experts._fused_reads_fp8() == read_as_stored
     experts._template[0].config._experts_implementation = module.EXPERTS_IMPLEMENTATION
     experts(
         torch.randn(3, QWEN3_NEXT_MOE["hidden_size"]), torch.zeros(3, 3, dtype=torch.long), torch.ones(3, 3)

@@ -195,7 +195,7 @@ class BlockFP8Experts(nn.Module):
                 gate_up=(self.gate_up_proj, self.gate_up_proj_scale_inv),
                 down=(self.down_proj, self.down_proj_scale_inv),
                 fp8_activations=implementation == fused_experts.W8A8_IMPLEMENTATION,
-                tiling=getattr(self, fused_experts.TILING_ATTRIBUTE, None),
+                tiling=fused_experts.tiling_for(self, self.gate_up_proj.dtype),
             )
         gate_up, down = self.dequantized(hidden_states.dtype)
         view = _DequantizedView(
@@ -205,7 +205,7 @@ class BlockFP8Experts(nn.Module):
             # Read (and left unused: the weights are not FP8) by transformers' FP8Experts loop.
             gate_up_proj_scale_inv=self.gate_up_proj_scale_inv,
             down_proj_scale_inv=self.down_proj_scale_inv,
-            # target.experts_tiling, for the fused kernels on the dequantized weights
+            # target.experts_tiling's fields, for the fused kernels on the dequantized weights
             **{fused_experts.TILING_ATTRIBUTE: getattr(self, fused_experts.TILING_ATTRIBUTE, None)},
         )
         if implementation in (None, "eager"):  # the model's own eager loop (its class's forward)

@@ -32,7 +32,7 @@ CPU against a direct construction.
 from __future__ import annotations
 
 import functools
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from typing import Any, Optional
 
 import torch
@@ -113,8 +113,9 @@ def _scale_arguments(scale: Optional[torch.Tensor], placeholder: torch.Tensor) -
 
 
 _KERNEL_FIELDS = ("block_n", "block_k", "warps", "stages")
-# The attribute of an experts module that holds its ExpertsTiling (use_tiling sets it; absent: the
-# default tiles), read where transformers calls the experts function with the module as `self`.
+# The attribute of an experts module that holds target.experts_tiling's fields (use_tiling sets
+# it; absent: the default tiles), read where transformers calls the experts function with the
+# module as `self`.
 TILING_ATTRIBUTE = "dflash_experts_tiling"
 
 
@@ -168,23 +169,18 @@ class ExpertsTiling:
     def from_config(cls, cfg: Any, weights: torch.dtype) -> ExpertsTiling:
         """`target.experts_tiling` (dflash.config.schema.ExpertsTilingConfig) for experts weights
         of dtype `weights`: its null fields filled from default_tiling(weights)."""
-        default = default_tiling(weights)
+        return cls.completed(partial_tiling(cfg), weights)
 
-        def kernel(settings: Any, fallback: KernelTiling) -> KernelTiling:
-            values = {f: getattr(settings, f) for f in _KERNEL_FIELDS}
-            return replace(fallback, **{f: v for f, v in values.items() if v is not None})
-
-        return cls(
-            block_m=default.block_m if cfg.block_m is None else cfg.block_m,
-            gate_up=kernel(cfg.gate_up, default.gate_up),
-            down=kernel(cfg.down, default.down),
-        )
+    @classmethod
+    def completed(cls, partial: tuple[int | None, ...], weights: torch.dtype) -> ExpertsTiling:
+        """`partial_tiling`'s fields, each None taken from default_tiling(weights)."""
+        default = default_tiling(weights).as_ints()
+        return cls.from_ints([d if p is None else p for p, d in zip(partial, default, strict=True)])
 
     @staticmethod
     def configured(cfg: Any) -> bool:
         """Whether `target.experts_tiling` sets any field (else the kernels keep their defaults)."""
-        fields = [cfg.block_m, *(getattr(k, f) for k in (cfg.gate_up, cfg.down) for f in _KERNEL_FIELDS)]
-        return any(value is not None for value in fields)
+        return any(value is not None for value in partial_tiling(cfg))
 
     def override(self) -> str:
         """This tiling as the dflash-train / bench_target override that selects it."""
@@ -200,6 +196,13 @@ class ExpertsTiling:
             for kernel in ("gate_up", "down")
             for field in ("block_n", "block_k")
         ]
+
+
+def partial_tiling(cfg: Any) -> tuple[int | None, ...]:
+    """`target.experts_tiling`'s fields in ExpertsTiling.as_ints' order, None where unset: plain
+    ints an experts module keeps (read inside compiled layers, so no config object there)."""
+    kernels = (cfg.gate_up, cfg.down)
+    return (cfg.block_m, *(getattr(kernel, f) for kernel in kernels for f in _KERNEL_FIELDS))
 
 
 def default_tiling(weights: torch.dtype) -> ExpertsTiling:
@@ -230,22 +233,32 @@ def default_tiling(weights: torch.dtype) -> ExpertsTiling:
 
 
 def use_tiling(model: torch.nn.Module, settings: Any) -> int:
-    """Run `model`'s routed experts with the tiles `settings` (`target.experts_tiling`) gives,
-    completed by the defaults for each module's weights (bf16 or FP8); returns how many experts
-    modules took them. Tiles the kernels cannot run on a module's weights (FP8 ones must lie inside
-    the 128-wide scale blocks) are refused naming the key, before any forward."""
+    """Run `model`'s routed experts with the tiles `settings` (`target.experts_tiling`) sets, the
+    rest from the defaults for the weights each call multiplies (bf16, fp32 or FP8: an FP8 module
+    whose weights the kernels cannot read as stored gets them dequantized); returns how many
+    experts modules took them. Tiles the kernels cannot run on a module's weights (FP8 ones must
+    lie inside the 128-wide scale blocks) are refused naming the key, before any forward."""
+    partial = partial_tiling(settings)
     count = 0
     for module in model.modules():
         weight = getattr(module, "gate_up_proj", None)
         if not isinstance(weight, torch.Tensor):
             continue
-        tiling = ExpertsTiling.from_config(settings, weights=weight.dtype)
-        refusal = tiling.refusal(fp8=weight.dtype == torch.float8_e4m3fn)
+        refusal = ExpertsTiling.completed(partial, weight.dtype).refusal(
+            fp8=weight.dtype == torch.float8_e4m3fn
+        )
         if refusal is not None:
             raise ValueError(f"target.experts_tiling: {refusal}")
-        setattr(module, TILING_ATTRIBUTE, tiling)
+        setattr(module, TILING_ATTRIBUTE, partial)
         count += 1
     return count
+
+
+def tiling_for(experts: Any, weights: torch.dtype) -> ExpertsTiling:
+    """The tiles an experts module's call runs with on weights of dtype `weights`: the fields
+    use_tiling set on it, the rest default_tiling(weights)'s."""
+    partial = getattr(experts, TILING_ATTRIBUTE, None)
+    return default_tiling(weights) if partial is None else ExpertsTiling.completed(partial, weights)
 
 
 def fused_experts(
@@ -387,12 +400,6 @@ def _(
     return hidden_states.new_empty(hidden_states.shape)
 
 
-def _tiling_of(experts: Any, weights: torch.dtype) -> list[int]:
-    """The experts module's tiling (use_tiling's), else the default for its weights' dtype, as
-    the op carries it."""
-    return (getattr(experts, TILING_ATTRIBUTE, None) or default_tiling(weights)).as_ints()
-
-
 def refuse_unsupported(experts: torch.nn.Module) -> None:
     """The fused kernels compute concatenated [gate; up] SwiGLU experts without biases, as the
     Qwen3 / Qwen3-Next / Qwen3.5 MoE families store them; anything else is refused by name."""
@@ -419,7 +426,7 @@ def fused_experts_forward(
 ) -> torch.Tensor:
     """transformers' experts-function signature (ALL_EXPERTS_FUNCTIONS), bf16 weights."""
     refuse_unsupported(self)
-    tiling = _tiling_of(self, self.gate_up_proj.dtype)
+    tiling = tiling_for(self, self.gate_up_proj.dtype).as_ints()
     return _fused_experts_op(
         hidden_states,
         top_k_index,
