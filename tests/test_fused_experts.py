@@ -123,35 +123,37 @@ def test_the_override_bench_experts_prints_trains_with_that_tiling(
     """bench_experts prints its best tiling as a `target.experts_tiling=` override: Hydra reads it
     back as the same tiles, and the flat form the compiled op carries round-trips."""
     from dflash.config.typed import typed_config
-    from dflash.models.fused_experts import ExpertsTiling
+    from dflash.models.experts_tiling import ExpertsTiling, default_tiling
 
     tiling = tiling_of(block_m, gate_up_tiles, down_tiles)
     cfg = typed_config(make_cfg(tiny_moe_target_overrides(tiling.override())))
-    assert ExpertsTiling.from_config(cfg.target.experts_tiling, torch.bfloat16) == tiling
+    assert default_tiling(torch.bfloat16).with_settings(cfg.target.experts_tiling) == tiling
     assert ExpertsTiling.from_ints(tiling.as_ints()) == tiling
 
 
 def test_the_configured_tiling_reaches_the_kernels_of_every_experts_module(monkeypatch):
-    """use_tiling (target.experts_tiling) marks each layer's experts; the experts function then
-    hands those tiles to the fused op, and the default tiles where none were set."""
+    """use_tiling (target.experts_tiling) gives each layer's experts its tiles; the experts
+    function then hands those to the fused op, and the default tiles where none were given."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from dflash.models import fused_experts as module
+    from dflash.models.experts_tiling import default_tiling, use_tiling
 
     config = AutoConfig.for_model("qwen3_next", **QWEN3_NEXT_MOE)
     model = AutoModelForCausalLM.from_config(config)
     untouched = AutoModelForCausalLM.from_config(config).model.layers[0].mlp.experts
     tiling = tiling_of(*TUNED[0])
-    assert module.use_tiling(model, tiling) == QWEN3_NEXT_MOE["num_hidden_layers"]
+    layers = QWEN3_NEXT_MOE["num_hidden_layers"]
+    assert (
+        use_tiling(model, tiling, activations=torch.float32, shared_memory=None) == layers
+    )  # every field set
     seen = []
     monkeypatch.setattr(module, "_fused_experts_op", lambda *args: seen.append(args[-1]))
     inputs = (torch.zeros(2, 128), torch.zeros(2, 3, dtype=torch.long), torch.ones(2, 3))
     for layer in model.model.layers:
         module.fused_experts_forward(layer.mlp.experts, *inputs)
     module.fused_experts_forward(untouched, *inputs)
-    assert seen == [tiling.as_ints()] * QWEN3_NEXT_MOE["num_hidden_layers"] + [
-        module.default_tiling(torch.float32).as_ints()
-    ]
+    assert seen == [tiling.as_ints()] * layers + [default_tiling(torch.float32).as_ints()]
 
 
 @pytest.mark.parametrize("inter, read_as_stored", [(128, True), (64, False)])
@@ -165,18 +167,19 @@ def test_fp8_experts_take_the_fields_set_and_the_defaults_of_the_weights_multipl
 
     from dflash.config.schema import ExpertsTilingConfig
     from dflash.models import fused_experts as module
+    from dflash.models.experts_tiling import default_tiling, use_tiling
     from dflash.models.fp8 import quantize_layer
 
     settings = ExpertsTilingConfig(block_m=32)
     settings.down.warps = 8
-    default = module.default_tiling(torch.float8_e4m3fn if read_as_stored else torch.float32)
+    default = default_tiling(torch.float8_e4m3fn if read_as_stored else torch.float32)
     want = replace(default, block_m=32, down=replace(default.down, warps=8))
     seen = []
     monkeypatch.setattr(module, "_fused_experts_op", lambda *args: seen.append(args[-1]) or args[0])
     module.register()
     config = AutoConfig.for_model("qwen3_next", **{**QWEN3_NEXT_MOE, "moe_intermediate_size": inter})
     layer = quantize_layer(AutoModelForCausalLM.from_config(config).model.layers[0])
-    assert module.use_tiling(layer, settings) == 1
+    assert use_tiling(layer, settings, activations=torch.float32, shared_memory=None) == 1
     experts = layer.mlp.experts
     assert experts._fused_reads_fp8() == read_as_stored
     experts._template[0].config._experts_implementation = module.EXPERTS_IMPLEMENTATION
@@ -203,6 +206,16 @@ def test_experts_tilings_that_cannot_apply_are_refused_naming_the_key(make_cfg, 
         match=r"^target.experts_tiling: gate_up.block_n=256 does not divide the 128-wide FP8 scale",
     ):
         build("target.fp8=true", "target.experts_tiling.gate_up.block_n=256")
+    from dflash.config.schema import ExpertsTilingConfig
+    from dflash.models.experts_tiling import resolve
+
+    four_stages = ExpertsTilingConfig(block_m=128)
+    four_stages.gate_up.stages = 4  # over the A100 defaults (the tiles before): 4 x 48 KiB
+    with pytest.raises(
+        ValueError,
+        match=r"^target.experts_tiling: ExpertsTiling\(block_m=128.* needs 192 KiB of shared memory per block on bfloat16 weights, over this GPU's 163 KiB",
+    ):
+        resolve(four_stages, weights=torch.bfloat16, activations=torch.bfloat16, shared_memory=A100)
     tiling = tiling_of(*TUNED[0]).override()
     with pytest.raises(
         ValueError, match=r"but its routed experts run grouped_mm, not the fused kernels \(set target"
@@ -323,7 +336,7 @@ OTHER_TILINGS = [
 
 
 def tiling_of(block_m, gate_up, down):
-    from dflash.models.fused_experts import ExpertsTiling, KernelTiling
+    from dflash.models.experts_tiling import ExpertsTiling, KernelTiling
 
     return ExpertsTiling(block_m=block_m, gate_up=KernelTiling(*gate_up), down=KernelTiling(*down))
 
@@ -358,23 +371,59 @@ def test_tilings_the_kernels_cannot_run_are_refused_before_any_kernel(monkeypatc
         )  # fmt: skip
 
 
-@pytest.mark.parametrize(
-    "weights, activation_bytes",
-    [(torch.bfloat16, 2), (torch.float32, 4), (torch.float8_e4m3fn, 2), (torch.float8_e4m3fn, 4)],
-)
-def test_default_tiles_fit_in_a_hopper_blocks_shared_memory(weights, activation_bytes):
-    """Each pipeline stage holds a tile of activations and the weight tiles (gate/up: the gate and
-    the up rows); over an H200's 227 KiB per block Triton refuses the launch (bench_experts'
-    "out of shared memory" rows follow this count). fp32 targets (the exact lossless check) and
-    FP8 experts under fp32 activations included."""
-    from dflash.models.fused_experts import default_tiling
+H200, A100, L40S = 232448, 166912, 101376  # shared memory a block can opt in to, bytes
+# bench_experts' sweep on an H200 (benchmarks/RESULTS.md, 2026-12-04), bf16: (tiling, whether Triton
+# ran it; the rest were "out of shared memory"). Gate/up rows ran beside the default down tiles of
+# the time, down rows beside the row tile's best gate/up tiles.
+SWEPT_ON_H200 = [
+    ((64, (128, 128, 4, 3), (128, 64, 4, 3)), False),
+    ((64, (256, 64, 4, 3), (128, 64, 4, 3)), True),
+    ((64, (256, 64, 4, 4), (128, 64, 4, 3)), False),
+    ((64, (128, 64, 8, 4), (128, 64, 4, 3)), True),
+    ((128, (64, 128, 4, 3), (128, 64, 4, 3)), True),
+    ((128, (64, 128, 4, 4), (128, 64, 4, 3)), False),
+    ((128, (256, 64, 8, 3), (128, 64, 4, 3)), False),
+    ((128, (128, 64, 8, 4), (128, 64, 4, 3)), True),
+    ((128, (128, 64, 8, 4), (128, 128, 4, 3)), True),
+    ((128, (128, 64, 8, 4), (128, 128, 4, 4)), False),
+    ((128, (128, 64, 8, 4), (256, 64, 8, 4)), True),
+    ((128, (128, 64, 8, 4), (256, 128, 4, 3)), False),
+    ((64, (128, 64, 8, 4), (256, 128, 8, 3)), False),
+    ((64, (128, 64, 8, 4), (256, 64, 8, 4)), True),
+]
 
-    tiling = default_tiling(weights)
-    weight_bytes = torch.empty(0, dtype=weights).element_size()
-    for kernel, weight_tiles in ((tiling.gate_up, 2), (tiling.down, 1)):
-        weights_per_k = weight_tiles * kernel.block_n * weight_bytes
-        stage = kernel.block_k * (tiling.block_m * activation_bytes + weights_per_k)
-        assert kernel.stages * stage <= 227 * 1024, (weights, kernel)
+
+@pytest.mark.parametrize("tiles, ran", SWEPT_ON_H200)
+def test_the_shared_memory_count_tells_which_tilings_an_h200_ran(tiles, ran):
+    """What a program's stages hold (a tile of activations and the weight tiles per K step)
+    against an H200's limit: exactly the sweep's rows that Triton ran and the ones it refused."""
+    needed = tiling_of(*tiles).shared_memory(activations=torch.bfloat16, weights=torch.bfloat16)
+    assert (needed <= H200) == ran, needed
+
+
+@pytest.mark.parametrize(
+    "weights, activations, gpu, want",
+    [
+        (torch.bfloat16, torch.bfloat16, H200, (128, (128, 64, 8, 4), (128, 64, 4, 3))),  # the sweep's best
+        (torch.bfloat16, torch.bfloat16, A100, (64, (128, 64, 4, 3), (128, 64, 4, 3))),  # the tiles before
+        (torch.bfloat16, torch.bfloat16, L40S, (16, (64, 32, 4, 2), (128, 64, 4, 2))),
+        (torch.float16, torch.float16, H200, (128, (128, 64, 8, 4), (128, 64, 4, 3))),
+        (torch.float32, torch.float32, H200, (16, (64, 32, 4, 2), (128, 64, 4, 2))),
+        (torch.float8_e4m3fn, torch.bfloat16, A100, (64, (128, 128, 8, 3), (128, 128, 8, 3))),
+        (torch.float8_e4m3fn, torch.float32, A100, (64, (64, 64, 4, 2), (64, 64, 4, 2))),
+        (torch.float8_e4m3fn, torch.bfloat16, None, (64, (128, 128, 8, 3), (128, 128, 8, 3))),
+    ],
+)
+def test_the_default_tiles_are_the_fastest_that_fit_the_gpu(weights, activations, gpu, want):
+    """A target built on a GPU with less shared memory than an H200 (an A100, an L40S) or in
+    fp32 (the exact lossless check) gets default tiles Triton can launch there, not an
+    out-of-resources error at its first forward."""
+    from dflash.models.experts_tiling import default_tiling
+
+    tiling = default_tiling(weights, activations=activations, shared_memory=gpu)
+    assert tiling == tiling_of(*want)
+    if gpu is not None:
+        assert tiling.shared_memory(activations=activations, weights=weights) <= gpu
 
 
 @pytest.mark.gpu

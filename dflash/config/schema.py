@@ -88,7 +88,7 @@ class RegenBackend(str, Enum):
 
 @dataclass
 class KernelTilingConfig:
-    """One fused experts kernel's launch shape (dflash.models.fused_experts.KernelTiling); null:
+    """One fused experts kernel's launch shape (dflash.models.experts_tiling.KernelTiling); null:
     the default's."""
 
     block_n: Optional[int] = None  # output columns per program
@@ -99,9 +99,9 @@ class KernelTilingConfig:
 
 @dataclass
 class ExpertsTilingConfig:
-    """The fused experts kernels' launch shapes (dflash.models.fused_experts.ExpertsTiling); each
-    null field keeps the default's (dflash.models.fused_experts.default_tiling: bf16 and FP8
-    weights have their own)."""
+    """The fused experts kernels' launch shapes (dflash.models.experts_tiling.ExpertsTiling); each
+    null field keeps the default's (dflash.models.experts_tiling.default_tiling: by the weights'
+    dtype, the fastest that fits the GPU's shared memory)."""
 
     block_m: Optional[int] = None  # the row tile: each expert's run of rows is padded to it
     gate_up: KernelTilingConfig = field(default_factory=KernelTilingConfig)

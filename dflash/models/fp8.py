@@ -29,7 +29,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.models import fused_experts
+from dflash.models import experts_tiling, fused_experts
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -173,6 +173,12 @@ class BlockFP8Experts(nn.Module):
         block = fused_experts.FP8_BLOCK
         return self.block == (block, block) and inter % block == 0 and hidden % block == 0
 
+    def multiplied_dtype(self, activations: torch.dtype) -> torch.dtype:
+        """The weights' dtype in the fused kernels' products: FP8 where they read these weights as
+        stored, else the activations' (the weights dequantized first); experts_tiling.use_tiling
+        picks the tiles for it."""
+        return self.gate_up_proj.dtype if self._fused_reads_fp8() else activations
+
     def dequantized(self, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         # The gate and up halves each have their own block grid (they are two checkpoint tensors).
         halves = zip(self.gate_up_proj.chunk(2, dim=-2), self.gate_up_proj_scale_inv.chunk(2, dim=-2))
@@ -195,7 +201,7 @@ class BlockFP8Experts(nn.Module):
                 gate_up=(self.gate_up_proj, self.gate_up_proj_scale_inv),
                 down=(self.down_proj, self.down_proj_scale_inv),
                 fp8_activations=implementation == fused_experts.W8A8_IMPLEMENTATION,
-                tiling=fused_experts.tiling_for(self, self.gate_up_proj.dtype),
+                tiling=getattr(self, experts_tiling.TILING_ATTRIBUTE, None),
             )
         gate_up, down = self.dequantized(hidden_states.dtype)
         view = _DequantizedView(
@@ -205,8 +211,8 @@ class BlockFP8Experts(nn.Module):
             # Read (and left unused: the weights are not FP8) by transformers' FP8Experts loop.
             gate_up_proj_scale_inv=self.gate_up_proj_scale_inv,
             down_proj_scale_inv=self.down_proj_scale_inv,
-            # target.experts_tiling's fields, for the fused kernels on the dequantized weights
-            **{fused_experts.TILING_ATTRIBUTE: getattr(self, fused_experts.TILING_ATTRIBUTE, None)},
+            # the tiles use_tiling chose for the fused kernels on these dequantized weights
+            **{experts_tiling.TILING_ATTRIBUTE: getattr(self, experts_tiling.TILING_ATTRIBUTE, None)},
         )
         if implementation in (None, "eager"):  # the model's own eager loop (its class's forward)
             return type(template).forward(view, hidden_states, top_k_index, top_k_weights)

@@ -33,9 +33,11 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import torch
+
+from dflash.models.experts_tiling import FP8_BLOCK, ExpertsTiling, KernelTiling, call_tiling, default_tiling
 
 EXPERTS_IMPLEMENTATION = "fused"  # the name under transformers' ALL_EXPERTS_FUNCTIONS
 # The same kernels; on FP8 experts the activations are quantized too (w8a8, `quantize_groups`)
@@ -43,8 +45,7 @@ EXPERTS_IMPLEMENTATION = "fused"  # the name under transformers' ALL_EXPERTS_FUN
 W8A8_IMPLEMENTATION = "fused_w8a8"
 IMPLEMENTATIONS = (EXPERTS_IMPLEMENTATION, W8A8_IMPLEMENTATION)
 E4M3_MAX = 448.0  # the largest finite float8_e4m3fn
-BLOCK_M = 64  # rows per tile (routing's default; each kernel launch passes its tiling's)
-FP8_BLOCK = 128  # the published checkpoints' scale block (weights rows x columns)
+BLOCK_M = 64  # routing's default row tile (each kernel launch passes its tiling's)
 
 
 @dataclass(frozen=True)
@@ -110,155 +111,6 @@ def _scale_arguments(scale: Optional[torch.Tensor], placeholder: torch.Tensor) -
     if scale is None:
         return dict(s_ptr=placeholder, stride_se=0, stride_sn=0, stride_sk=0)
     return dict(s_ptr=scale, stride_se=scale.stride(0), stride_sn=scale.stride(1), stride_sk=scale.stride(2))
-
-
-_KERNEL_FIELDS = ("block_n", "block_k", "warps", "stages")
-# The attribute of an experts module that holds target.experts_tiling's fields (use_tiling sets
-# it; absent: the default tiles), read where transformers calls the experts function with the
-# module as `self`.
-TILING_ATTRIBUTE = "dflash_experts_tiling"
-
-
-@dataclass(frozen=True)
-class KernelTiling:
-    """One kernel's launch shape: output columns and K per step of a program, its warps and
-    software-pipeline stages."""
-
-    block_n: int
-    block_k: int
-    warps: int
-    stages: int = 3
-
-
-@dataclass(frozen=True)
-class ExpertsTiling:
-    """Both kernels' launch shapes; `block_m` is the row tile, and so the padding of each
-    expert's run of rows (the routing metadata is built for it)."""
-
-    block_m: int
-    gate_up: KernelTiling
-    down: KernelTiling
-
-    def refusal(self, fp8: bool) -> str | None:
-        """Why these tiles cannot run (None: they can). Triton's dot needs power-of-two tiles of
-        at least 16; on FP8 weights a tile (and a K step of activations quantized per 128
-        columns) must lie inside one 128-wide scale block, so its sizes divide 128."""
-        for name, size in (("block_m", self.block_m), *self._sizes()):
-            if size < 16 or size & (size - 1):
-                return f"{name}={size} is not a power of two >= 16"
-        if fp8:
-            for name, size in self._sizes():
-                if FP8_BLOCK % size:
-                    return f"{name}={size} does not divide the {FP8_BLOCK}-wide FP8 scale blocks"
-        return None
-
-    def as_ints(self) -> list[int]:
-        """Flat, as the compiled op carries it: block_m, then each kernel's N, K, warps, stages."""
-        return [
-            self.block_m,
-            *(getattr(kernel, f) for kernel in (self.gate_up, self.down) for f in _KERNEL_FIELDS),
-        ]
-
-    @classmethod
-    def from_ints(cls, ints: list[int]) -> ExpertsTiling:
-        block_m, *rest = ints
-        gate_up, down = (KernelTiling(*rest[i : i + len(_KERNEL_FIELDS)]) for i in (0, len(_KERNEL_FIELDS)))
-        return cls(block_m=block_m, gate_up=gate_up, down=down)
-
-    @classmethod
-    def from_config(cls, cfg: Any, weights: torch.dtype) -> ExpertsTiling:
-        """`target.experts_tiling` (dflash.config.schema.ExpertsTilingConfig) for experts weights
-        of dtype `weights`: its null fields filled from default_tiling(weights)."""
-        return cls.completed(partial_tiling(cfg), weights)
-
-    @classmethod
-    def completed(cls, partial: tuple[int | None, ...], weights: torch.dtype) -> ExpertsTiling:
-        """`partial_tiling`'s fields, each None taken from default_tiling(weights)."""
-        default = default_tiling(weights).as_ints()
-        return cls.from_ints([d if p is None else p for p, d in zip(partial, default, strict=True)])
-
-    @staticmethod
-    def configured(cfg: Any) -> bool:
-        """Whether `target.experts_tiling` sets any field (else the kernels keep their defaults)."""
-        return any(value is not None for value in partial_tiling(cfg))
-
-    def override(self) -> str:
-        """This tiling as the dflash-train / bench_target override that selects it."""
-        gate_up, down = (
-            "{" + ",".join(f"{f}:{getattr(k, f)}" for f in _KERNEL_FIELDS) + "}"
-            for k in (self.gate_up, self.down)
-        )
-        return f"target.experts_tiling={{block_m:{self.block_m},gate_up:{gate_up},down:{down}}}"
-
-    def _sizes(self) -> list[tuple[str, int]]:
-        return [
-            (f"{kernel}.{field}", getattr(getattr(self, kernel), field))
-            for kernel in ("gate_up", "down")
-            for field in ("block_n", "block_k")
-        ]
-
-
-def partial_tiling(cfg: Any) -> tuple[int | None, ...]:
-    """`target.experts_tiling`'s fields in ExpertsTiling.as_ints' order, None where unset: plain
-    ints an experts module keeps (read inside compiled layers, so no config object there)."""
-    kernels = (cfg.gate_up, cfg.down)
-    return (cfg.block_m, *(getattr(kernel, f) for kernel in kernels for f in _KERNEL_FIELDS))
-
-
-def default_tiling(weights: torch.dtype) -> ExpertsTiling:
-    """The tiles the kernels run with unless told otherwise, by the experts weights' dtype
-    (scripts/bench_experts.py measures the alternatives on a GPU).
-    - bf16 / fp16: the fastest of bench_experts' sweep at Qwen3-Next-80B's expert shape on an
-      H200 (benchmarks/RESULTS.md, 2026-12-04): 2.49 ms per 12,288-token layer call against 3.22
-      ms for the tiles before (64-row tiles, 128 x 64, 4 warps, 3 stages in both kernels).
-    - FP8 (e4m3, 128 x 128 scale blocks): tiles inside one scale block (not yet swept).
-    - fp32 (exact-reference targets, e.g. dflash-eval's fp32 lossless check): 4-byte tiles, so
-      fewer rows and stages. A stage of the gate/up kernel holds (rows + 2 N) x K elements: the
-      tiles before, 64 rows and 128 x 64, need 3 x 80 KiB in fp32, over an H200's 227 KiB per
-      block; these need 2 x 18 KiB (and the down kernel's 2 x 36 KiB)."""
-    if weights == torch.float8_e4m3fn:
-        kernel = KernelTiling(block_n=128, block_k=128, warps=8, stages=3)
-        return ExpertsTiling(block_m=BLOCK_M, gate_up=kernel, down=kernel)
-    if weights == torch.float32:
-        return ExpertsTiling(
-            block_m=16,
-            gate_up=KernelTiling(block_n=64, block_k=32, warps=4, stages=2),
-            down=KernelTiling(block_n=128, block_k=64, warps=4, stages=2),
-        )
-    return ExpertsTiling(
-        block_m=128,
-        gate_up=KernelTiling(block_n=128, block_k=64, warps=8, stages=4),
-        down=KernelTiling(block_n=128, block_k=64, warps=4, stages=3),
-    )
-
-
-def use_tiling(model: torch.nn.Module, settings: Any) -> int:
-    """Run `model`'s routed experts with the tiles `settings` (`target.experts_tiling`) sets, the
-    rest from the defaults for the weights each call multiplies (bf16, fp32 or FP8: an FP8 module
-    whose weights the kernels cannot read as stored gets them dequantized); returns how many
-    experts modules took them. Tiles the kernels cannot run on a module's weights (FP8 ones must
-    lie inside the 128-wide scale blocks) are refused naming the key, before any forward."""
-    partial = partial_tiling(settings)
-    count = 0
-    for module in model.modules():
-        weight = getattr(module, "gate_up_proj", None)
-        if not isinstance(weight, torch.Tensor):
-            continue
-        refusal = ExpertsTiling.completed(partial, weight.dtype).refusal(
-            fp8=weight.dtype == torch.float8_e4m3fn
-        )
-        if refusal is not None:
-            raise ValueError(f"target.experts_tiling: {refusal}")
-        setattr(module, TILING_ATTRIBUTE, partial)
-        count += 1
-    return count
-
-
-def tiling_for(experts: Any, weights: torch.dtype) -> ExpertsTiling:
-    """The tiles an experts module's call runs with on weights of dtype `weights`: the fields
-    use_tiling set on it, the rest default_tiling(weights)'s."""
-    partial = getattr(experts, TILING_ATTRIBUTE, None)
-    return default_tiling(weights) if partial is None else ExpertsTiling.completed(partial, weights)
 
 
 def fused_experts(
@@ -426,7 +278,7 @@ def fused_experts_forward(
 ) -> torch.Tensor:
     """transformers' experts-function signature (ALL_EXPERTS_FUNCTIONS), bf16 weights."""
     refuse_unsupported(self)
-    tiling = tiling_for(self, self.gate_up_proj.dtype).as_ints()
+    tiling = call_tiling(self, self.gate_up_proj.dtype).as_ints()
     return _fused_experts_op(
         hidden_states,
         top_k_index,

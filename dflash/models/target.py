@@ -21,7 +21,7 @@ except ImportError:
     install_output_hooks = None
 
 from dflash.config.schema import CompileScope, ExpertsKind, TargetConfig
-from dflash.models import fused_experts
+from dflash.models import experts_tiling, fused_experts
 from dflash.models.compile import compile_shared
 from dflash.models.deltanet import FeatureMixer
 from dflash.models.families import (
@@ -200,17 +200,15 @@ def auto_experts(model: nn.Module, device: torch.device) -> str | None:
     return fused_experts.EXPERTS_IMPLEMENTATION
 
 
-def use_experts_tiling(model: nn.Module, tiling: Any, *, experts: str | None, auto: bool) -> None:
-    """`target.experts_tiling` applied to `model`'s fused experts. Refused where the experts run
-    another implementation by the user's choice (the key would change nothing); under
-    `experts=auto`, whose choice depends on the machine, logged instead."""
-    if experts in fused_experts.IMPLEMENTATIONS and getattr(model.config, "num_experts", None):
-        fused_experts.use_tiling(model, tiling)
-        return
+def refuse_unused_experts_tiling(model: nn.Module, *, experts: str | None, auto: bool) -> None:
+    """`target.experts_tiling` set for a target whose routed experts do not run the fused kernels:
+    refused where that was the user's choice (the key would change nothing); under
+    `experts=auto`, whose choice depends on the machine, logged."""
+    moe = getattr(model.config, "num_experts", None)
     implementation = experts or "transformers' default"
     why = (
         f"its routed experts run {implementation}, not the fused kernels"
-        if getattr(model.config, "num_experts", None)
+        if moe
         else "this target has no routed experts"
     )
     if auto:
@@ -352,11 +350,15 @@ class FrozenTarget(nn.Module):
                 f"on {device.type} use eager, grouped_mm or batched_mm"
             )
         dtype = resolve_dtype(cfg.dtype, device)
-        tiling = cfg.experts_tiling if fused_experts.ExpertsTiling.configured(cfg.experts_tiling) else None
-        weights = torch.float8_e4m3fn if cfg.fp8 else dtype
-        refusal = tiling and fused_experts.ExpertsTiling.from_config(tiling, weights).refusal(fp8=cfg.fp8)
-        if refusal:  # before any weights are built or read (FP8 checkpoints: checked once read)
-            raise ValueError(f"target.experts_tiling: {refusal}")
+        shared_memory = experts_tiling.shared_memory_limit(device)
+        tiling_set = experts_tiling.configured(cfg.experts_tiling)
+        if tiling_set:  # checked before any weights are built or read (per module once they are)
+            experts_tiling.resolve(
+                cfg.experts_tiling,
+                weights=torch.float8_e4m3fn if cfg.fp8 else dtype,
+                activations=dtype,
+                shared_memory=shared_memory,
+            )
         if cfg.path is None:
             config = load_target_config(cfg)
             # Initialised where it runs: a multi-billion-parameter random target built on the
@@ -379,12 +381,18 @@ class FrozenTarget(nn.Module):
         if device.type == "cuda":
             use_fla_short_conv(model, cfg.fla_short_conv)
         experts = auto_experts(model, device) if auto else cfg.experts and _enum_value(cfg.experts)
-        if experts is not None and getattr(model.config, "num_experts", None):
+        moe = bool(getattr(model.config, "num_experts", None))
+        if experts is not None and moe:
             if experts in fused_experts.IMPLEMENTATIONS:
                 fused_experts.register()
             model.set_experts_implementation(experts)
-        if tiling is not None:
-            use_experts_tiling(model, tiling, experts=experts, auto=auto)
+        if moe and experts in fused_experts.IMPLEMENTATIONS:
+            # every fused target: defaults that fit this GPU's shared memory, the key's fields over them
+            experts_tiling.use_tiling(
+                model, cfg.experts_tiling, activations=dtype, shared_memory=shared_memory
+            )
+        elif tiling_set:
+            refuse_unused_experts_tiling(model, experts=experts, auto=auto)
         return cls(model.to(device), layer_ids, final_state=final_state)
 
     @property
