@@ -33,6 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dflash.data.identity import read_data_identity  # noqa: E402
 from dflash.eval.journal import journal_path, read_outcomes  # noqa: E402
+from dflash.eval.report import acceptance_figures  # noqa: E402
 
 GREEDY = 0.0
 
@@ -110,27 +111,20 @@ def read_run(run: Path, eval_dir: str) -> RunFigures:
 
 
 def _figures_from_journal(figures: RunFigures) -> None:
-    """A killed evaluation wrote no report: each benchmark's tau, prompt count, lossless share and
-    acceptance histogram computed from the greedy outcomes its journal kept, as dflash-eval's
-    report computes them (every verification of every prompt pooled)."""
+    """A killed evaluation wrote no report: each benchmark's figures from the greedy outcomes its
+    journal kept, by the report's own rules (tau and histogram: dflash.eval.report's
+    acceptance_figures; lossless: the share of decoded prompts found identical)."""
     figures.from_journal = True
     for benchmark in dict.fromkeys(b for b, _ in figures.decoded):
         keys = [key for key in figures.decoded if key[0] == benchmark]
-        lengths = [length for key in keys for length in figures.decoded[key][1]]
-        checked = [figures.identical[key] for key in keys if figures.identical[key] is not None]
-        lossless = sum(checked) / len(checked) if checked else None
-        figures.benchmarks[benchmark] = (_tau([lengths]), len(keys), lossless)
-        figures.histograms[benchmark] = [lengths.count(n) / len(lengths) for n in range(max(lengths) + 1)]
+        tau, histogram = acceptance_figures([length for key in keys for length in figures.decoded[key][1]])
+        lossless = sum(bool(figures.identical[key]) for key in keys) / len(keys)
+        figures.benchmarks[benchmark] = (tau, len(keys), lossless)
+        figures.histograms[benchmark] = histogram
 
 
 def _ratio(value: float | None, base: float | None) -> str:
     return "" if value is None or not base else f" ({value / base:.3f}x)"
-
-
-def _tau(lengths: list[list[int]]) -> float:
-    """dflash-eval's tau: the mean acceptance length over every verification of the prompts."""
-    pooled = [length for prompt in lengths for length in prompt]
-    return sum(pooled) / len(pooled)
 
 
 def _ratio_on_shared_prompts(run: RunFigures, base: RunFigures, benchmark: str) -> str:
@@ -142,8 +136,10 @@ def _ratio_on_shared_prompts(run: RunFigures, base: RunFigures, benchmark: str) 
     ]
     if not shared:
         return " (other prompt count, none decoded by both: no ratio)"
-    tau = _tau([run.decoded[key][1] for key in shared])
-    base_tau = _tau([base.decoded[key][1] for key in shared])
+    tau, base_tau = (
+        acceptance_figures([length for key in shared for length in figures.decoded[key][1]])[0]
+        for figures in (run, base)
+    )
     return f" ({tau / base_tau:.3f}x on the {len(shared)} prompts both decoded: {tau:.3f} vs {base_tau:.3f})"
 
 

@@ -39,7 +39,7 @@ from dflash.decoding.sampling import Sampler
 from dflash.decoding.side_by_side import SideBySideDecoders
 from dflash.eval.journal import EvalJournal, PromptOutcome
 from dflash.eval.prompts import PromptSet
-from dflash.eval.report import BenchmarkResult, EvalReport
+from dflash.eval.report import BenchmarkResult, EvalReport, acceptance_figures
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import FrozenTarget
 from dflash.stopwatch import Stopwatch
@@ -370,15 +370,15 @@ def evaluate_set(
             divergences.append(outcome.divergence)
         if on_prompt is not None:
             on_prompt(prompt_set.name, temperature, evaluated, len(prompt_set.prompts))
-    histogram = np.bincount(lengths, minlength=drafts + 2) / max(1, len(lengths))
+    tau, histogram = acceptance_figures(lengths, slots=drafts + 2)
     report = BenchmarkResult(
         benchmark=prompt_set.name,
         temperature=temperature,
         num_prompts=evaluated,
         output_tokens=output_tokens,
         verifications=len(lengths),
-        tau=float(np.mean(lengths)) if lengths else 0.0,
-        acceptance_histogram=[round(float(h), 4) for h in histogram],
+        tau=tau,
+        acceptance_histogram=histogram,
         lossless_frac=identical / evaluated if greedy and evaluated else None,
         divergences=divergences,
         **confidence.fields(),

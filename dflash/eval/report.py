@@ -50,6 +50,14 @@ class BenchmarkResult:
 SELECTOR_FIGURES = ("selector_change_frac", "selector_change_accepted_frac", "selector_change_unary_frac")
 
 
+def acceptance_figures(lengths: list[int], *, slots: int = 0) -> tuple[float, list[float]]:
+    """A benchmark's tau (the mean acceptance length over every verification of its prompts,
+    pooled) and acceptance histogram (the share of verifications producing k tokens, k = 0 ..
+    max(slots, longest + 1) - 1, to 4 decimals), as a report gives them; tau 0 without any."""
+    histogram = np.bincount(np.asarray(lengths, dtype=np.int64), minlength=slots) / max(1, len(lengths))
+    return (float(np.mean(lengths)) if lengths else 0.0), [round(float(h), 4) for h in histogram]
+
+
 def _share(value: float | None) -> str:
     return "-" if value is None else f"{value:.1%}"
 
