@@ -11,7 +11,8 @@ layer run (drafter.target_layer_ids=[11]). Any dflash-train override applies
 
 Rows: median of --repeat forwards after --warmup (CUDA events), per experts implementation and
 `--compile` variant (`eager`; `stack` and `layers`, the two `target.compile_scope`s, with the
-first call's time, which includes compiling, and the graphs compiled), useful TFLOP/s and MFU over
+first call's time, which includes compiling, and the graphs compiled; a `+graphs` suffix, e.g.
+`layers+graphs`: the same forward replayed from a CUDA graph of its shape, target.cuda_graphs), useful TFLOP/s and MFU over
 the dense bf16 peak (FLOPs as dflash/tools/target_cost.py counts them: the routed experts a
 token uses, causal attention, the DeltaNet recurrence), peak memory above the weights. Then one
 eager forward with CUDA events around each part (hooks: the parts' sum is a little above the plain
@@ -83,7 +84,11 @@ def main() -> None:
     parser.add_argument("--samples", default="1,4", help="samples per forward, comma-separated")
     parser.add_argument("--seq-len", type=int, default=3072)
     parser.add_argument("--experts", default="eager,grouped_mm", help="transformers experts implementations")
-    parser.add_argument("--compile", default="eager", help="eager, stack, layers (target.compile_scope)")
+    parser.add_argument(
+        "--compile",
+        default="eager",
+        help="eager, stack, layers (target.compile_scope); +graphs: replayed from CUDA graphs (target.cuda_graphs)",
+    )
     parser.add_argument("--repeat", type=int, default=5)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument(
@@ -125,14 +130,24 @@ def main() -> None:
     for experts in [e for e in args.experts.split(",") if e]:
         if hasattr(config, "num_experts"):
             model.set_experts_implementation(experts)
+        compiled_scope = None  # `layers` then `layers+graphs` share one compile
         for variant in [v for v in args.compile.split(",") if v]:
+            scope, _, replayed = variant.partition("+")
             forward = target.reference_features  # the eager stack
             counter = CompileCounter(f"target ({variant})")
-            if variant != "eager":
-                torch._dynamo.reset()  # each scope compiles its own graphs
-                counters.clear()
-                target.compile_features(counter, scope=variant)
+            if scope != "eager":
+                if scope != compiled_scope:
+                    torch._dynamo.reset()  # each scope compiles its own graphs
+                    counters.clear()
+                    target.compile_features(counter, scope=scope)
+                    compiled_scope = scope
                 forward = target.features
+            if replayed and scope == "eager":
+                raise SystemExit(
+                    f"--compile {variant}: graphs replay a compiled forward (stack+graphs, layers+graphs)"
+                )
+            # +graphs (target.cuda_graphs): the compiled forward replayed from a graph of its shape
+            target.use_feature_graphs(max_shapes=1 if replayed else 0)
             for samples in [int(s) for s in args.samples.split(",") if s]:
                 ids = torch.randint(0, config.vocab_size - 1, (samples, args.seq_len), device=device)
                 flops = part_flops(target, batch=samples, seq_len=args.seq_len)

@@ -142,6 +142,13 @@ class TargetConfig:
     # in one graph); `layers`, each decoder layer apart, sharing one graph per layer kind (hybrid
     # and MoE stacks, whose whole-stack compile of many unrolled layers takes minutes).
     compile_scope: CompileScope = CompileScope.stack
+    # CUDA graphs of the feature forward, one per batch shape, for up to this many shapes (0:
+    # none; CUDA only). For targets whose compiled forward is bound by the host's kernel
+    # launches (MoE hybrid targets: flash-linear-attention's and the experts' Python launches):
+    # the whole forward replays as one launch. Suits data of a few fixed shapes (the paper's
+    # 3072-token samples); each graph keeps an input and an output of its shape, and shapes
+    # beyond the count run without one (dflash/models/feature_graphs.py).
+    cuda_graphs: int = 0
     # A MoE target's routed-experts implementation; null: transformers' default (grouped_mm
     # where it can dispatch, else eager). Ignored by dense targets.
     experts: Optional[ExpertsKind] = None

@@ -31,6 +31,7 @@ from dflash.models.families import (
     refuse_unsupported,
     text_config,
 )
+from dflash.models.feature_graphs import FeatureGraphs
 from dflash.models.fp8 import BlockFP8Experts, build_random_fp8, is_fp8_checkpoint, load_fp8_checkpoint
 from dflash.models.kernels import triton_runs
 from dflash.models.router import is_top_k_router, use_feature_router
@@ -263,6 +264,7 @@ class FrozenTarget(nn.Module):
         deepest = model.base_model.config.num_hidden_layers - 1 if final_state else max(self.layer_ids)
         self._feature_model = (feature_model(model.base_model, deepest=deepest),)
         self._feature_stack: Callable[..., Any] = self._feature_model[0].forward
+        self._graphs: FeatureGraphs | None = None
 
     @property
     def feature_layers(self) -> int:
@@ -415,9 +417,24 @@ class FrozenTarget(nn.Module):
         # hidden_states[0] is the embedding output, so decoder layer i is hidden_states[i + 1].
         return torch.cat([hidden_states[i + 1] for i in self.layer_ids], dim=-1)
 
+    def use_feature_graphs(self, max_shapes: int) -> None:
+        """`features` replayed from CUDA graphs, one per batch shape for up to `max_shapes` shapes
+        (target.cuda_graphs; dflash/models/feature_graphs.py); 0: none. Each graph is captured at its
+        shape's first call, from the stack `features` runs then (compiled, if
+        `compile_features` ran before)."""
+        if not max_shapes:
+            self._graphs = None
+            return
+        if self.device.type != "cuda":
+            raise ValueError(
+                f"target.cuda_graphs={max_shapes}: CUDA graphs need the target on a GPU, not {self.device}"
+            )
+        self._graphs = FeatureGraphs(self._plain_features, max_shapes=max_shapes)
+
     @torch.no_grad()
     def features(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Context features of right-padded ids [B, S]; runs the decoder stack without the LM head.
+        """Context features of right-padded ids [B, S]; runs the decoder stack without the LM head
+        (from a CUDA graph of the batch's shape where `use_feature_graphs` ran).
 
         No attention mask, on purpose: under causal attention (and causal linear attention in
         hybrid targets) a real token never sees the padding after it, so its features are exact;
@@ -425,6 +442,11 @@ class FrozenTarget(nn.Module):
         anchor). A padding mask would make transformers inspect it on the host, a GPU sync per
         batch, and leave the fast causal kernels.
         """
+        if self._graphs is not None:
+            return self._graphs(input_ids)
+        return self._plain_features(input_ids)
+
+    def _plain_features(self, input_ids: torch.Tensor) -> torch.Tensor:
         out = self._feature_stack(input_ids=input_ids, output_hidden_states=True, use_cache=False)
         if self.final_state:
             # One concatenation, as `_fuse` does alone: no copy beyond it.

@@ -80,6 +80,13 @@ def validate(
             f"pipeline=sync runs one target and one drafter; got gpu.target={cfg.gpu.target}, "
             f"gpu.drafter={cfg.gpu.drafter} ({len(targets)} + {len(drafters)} devices)"
         )
+    if cfg.target.cuda_graphs < 0:
+        raise ValueError(f"target.cuda_graphs={cfg.target.cuda_graphs}: a count of batch shapes, 0 for none")
+    if cfg.target.cuda_graphs and cfg.gpu.device is DeviceKind.cpu:
+        raise ValueError(
+            f"target.cuda_graphs={cfg.target.cuda_graphs}: CUDA graphs need the target on a GPU; "
+            "use target.cuda_graphs=0 with gpu=cpu"
+        )
     if cfg.drafter.attention is AttentionKind.flex and cfg.gpu.device is DeviceKind.cpu:
         raise ValueError(
             "drafter.attention=flex trains on CUDA only (torch's CPU flex_attention has no backward); "

@@ -97,6 +97,9 @@ def build_models(checked: Checked) -> Models:
                 dynamic=checked.target_cfg.compile_dynamic,
                 scope=checked.target_cfg.compile_scope.value,
             )
+    if checked.target_cfg.cuda_graphs:
+        for target in targets:
+            target.use_feature_graphs(checked.target_cfg.cuda_graphs)
     drafters = [
         build_drafter(checked.config.drafter, checked.target_config, checked.layer_ids, d, variant)
         for d in checked.drafter_devices
