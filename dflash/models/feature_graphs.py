@@ -3,7 +3,7 @@
 Why: a MoE hybrid target's compiled feature forward is bound by the host, not the GPU. At
 Qwen3-Next-80B-A3B's shape (12 layers, 4 x 3072 tokens, fused experts, one graph per layer) an
 H200 runs it in 63.1 ms while the host takes 58.7 ms only to issue it (benchmarks/RESULTS.md,
-2026-12-04 (session 2)): flash-linear-attention's chunked rule and convolution and the experts'
+2026-12-04 (later)): flash-linear-attention's chunked rule and convolution and the experts'
 routing launch their kernels from Python, about a millisecond of host time per Gated DeltaNet
 layer. A replayed graph issues the whole forward in one launch, and the host is free for the
 pipeline's other threads.
