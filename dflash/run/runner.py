@@ -124,9 +124,10 @@ class Run:
             "pipeline": pipeline_name(self.cfg.pipeline),
             "steps": self.trainer.position.step,
             **({"resumed_from_step": first_step} if first_step else {}),
-            "wall_s": round(wall_s, 1),
+            # milliseconds: a tiny run's first step can take under 0.05 s, which one decimal would read as 0
+            "wall_s": round(wall_s, 3),
             **(
-                {"first_step_s": round(self.trainer.first_step_s, 1)}
+                {"first_step_s": round(self.trainer.first_step_s, 3)}
                 if self.trainer.first_step_s is not None
                 else {}
             ),
@@ -186,12 +187,12 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"drafter           {summary['checkpoint']}",
         f"steps             {summary['steps']}  ("
         + (
-            f"resumed at step {resumed}: {summary['wall_s']} s in this process"
+            f"resumed at step {resumed}: {summary['wall_s']:.1f} s in this process"
             if resumed
-            else f"{summary['wall_s']} s"
+            else f"{summary['wall_s']:.1f} s"
         )
         # With torch.compile the first step carries the graphs' compile: the wait a user sees.
-        + (f", first step after {summary['first_step_s']} s" if "first_step_s" in summary else "")
+        + (f", first step after {summary['first_step_s']:.1f} s" if "first_step_s" in summary else "")
         + f", pipeline={summary['pipeline']})",
         f"train loss        {summary['train/loss_first_window']:.3f} -> {summary['train/loss']:.3f}{since}",
         f"train accuracy    {summary['train/acc_first_window']:.3f} -> {summary['train/acc']:.3f}{since}",
