@@ -201,6 +201,7 @@ class BlockFP8Experts(nn.Module):
                 gate_up=(self.gate_up_proj, self.gate_up_proj_scale_inv),
                 down=(self.down_proj, self.down_proj_scale_inv),
                 fp8_activations=implementation == fused_experts.W8A8_IMPLEMENTATION,
+                # this module's tiles (use_tiling set them here, not on the unregistered template)
                 tiling=getattr(self, experts_tiling.TILING_ATTRIBUTE, None),
             )
         gate_up, down = self.dequantized(hidden_states.dtype)
