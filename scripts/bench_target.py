@@ -147,8 +147,10 @@ def main() -> None:
                     f"--compile {variant}: graphs replay a compiled forward (stack+graphs, layers+graphs)"
                 )
             # +graphs (target.cuda_graphs): the compiled forward replayed from a graph of its shape
-            target.use_feature_graphs(max_shapes=1 if replayed else 0)
-            for samples in [int(s) for s in args.samples.split(",") if s]:
+            sample_counts = [int(s) for s in args.samples.split(",") if s]
+            # a graph for every --samples shape (one graph would leave the later shapes unreplayed)
+            target.use_feature_graphs(max_shapes=len(sample_counts) if replayed else 0)
+            for samples in sample_counts:
                 ids = torch.randint(0, config.vocab_size - 1, (samples, args.seq_len), device=device)
                 flops = part_flops(target, batch=samples, seq_len=args.seq_len)
                 torch.cuda.reset_peak_memory_stats(device)
