@@ -144,18 +144,16 @@ def main() -> None:
         return ms
 
     default_ms = measure(default, "default", default.gate_up)
+
+    def tried(tiling: ExpertsTiling, kernel: str, tiles: KernelTiling) -> tuple[ExpertsTiling, float | None]:
+        return tiling, measure(tiling, kernel, tiles)
+
     best, best_ms = default, default_ms
     for block_m in (int(size) for size in args.block_m.split(",")):
         start = replace(default, block_m=block_m)
-        timed = [
-            (replace(start, gate_up=tiles), measure(replace(start, gate_up=tiles), "gate_up", tiles))
-            for tiles in candidates()
-        ]
+        timed = [tried(replace(start, gate_up=tiles), "gate_up", tiles) for tiles in candidates()]
         start = min((t for t in timed if t[1] is not None), key=lambda t: t[1])[0]
-        timed += [
-            (replace(start, down=tiles), measure(replace(start, down=tiles), "down", tiles))
-            for tiles in candidates()
-        ]
+        timed += [tried(replace(start, down=tiles), "down", tiles) for tiles in candidates()]
         best, best_ms = min([(best, best_ms), *(t for t in timed if t[1] is not None)], key=lambda t: t[1])
 
     # The sweep's minimum is the luckiest of many single medians: the default and the best are timed
