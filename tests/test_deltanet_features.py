@@ -5,6 +5,7 @@ reference."""
 
 from __future__ import annotations
 
+import copy
 import functools
 
 import pytest
@@ -95,20 +96,25 @@ def test_a_compiled_layer_keeps_the_convolution_and_the_rule_whole(tiny_qwen3_ne
 
 @pytest.mark.gpu
 @pytest.mark.parametrize(
-    "family, dtype, backend, tolerance",
+    "family, dtype, backend",
     [
-        ("qwen3_next", torch.float32, "aot_eager", 2e-4),
-        ("qwen3_next", torch.bfloat16, "inductor", 3e-2),
-        ("qwen3_5_moe", torch.bfloat16, "inductor", 3e-2),  # the other projection layout
+        ("qwen3_next", torch.float32, "aot_eager"),
+        ("qwen3_next", torch.bfloat16, "inductor"),
+        ("qwen3_5_moe", torch.bfloat16, "inductor"),  # the other projection layout
     ],
 )
 def test_on_cuda_the_compiled_layers_on_fla_give_the_eager_stacks_features(
-    family, dtype, backend, tolerance, monkeypatch, request
+    family, dtype, backend, monkeypatch, request
 ):
     """Regionally compiled features of a hybrid target, its DeltaNet layers on fla's convolution
     and chunked rule through FeatureMixer, against transformers' eager stack; and fla's kernels
     really ran, once per DeltaNet layer each. fp32 through dynamo and AOTAutograd without
-    Inductor's code generation (a tight bound in seconds), bf16 through Inductor."""
+    Inductor's code generation: the eager stack's features within fp32 rounding (a tight bound in
+    seconds). bf16 through Inductor, which fuses ops and keeps their intermediates in fp32 where
+    the eager stack rounds every op to bf16, so the two bf16 forwards part by bf16 rounding
+    compounded over the layers (on an H200 up to 7% of the features' largest value: a fixed bound
+    says little): against the same weights run in fp32, the compiled features must be as close as
+    transformers' own bf16 features are (within a factor of 2)."""
     pytest.importorskip("fla")
     import fla.modules.causal_conv1d as fla_conv
     import fla.ops.gated_delta_rule as fla_rule
@@ -118,6 +124,7 @@ def test_on_cuda_the_compiled_layers_on_fla_give_the_eager_stacks_features(
     # in its place would lose g and beta for every later test in the process.
     directory = request.getfixturevalue(f"tiny_{family}_dir")
     model = AutoModelForCausalLM.from_pretrained(directory, dtype=dtype).cuda()
+    exact = FrozenTarget(copy.deepcopy(model).float(), [5])  # the bf16 weights, fp32 arithmetic
     calls = {"conv": 0, "rule": 0}
 
     def counting(name, function):
@@ -138,5 +145,11 @@ def test_on_cuda_the_compiled_layers_on_fla_give_the_eager_stacks_features(
     got = target.features(ids)
     deltanet_layers = len(deltanet_mixers(model))
     assert calls == {"conv": 3 * deltanet_layers, "rule": deltanet_layers}  # q, k, v convolved apart
-    scale = want.abs().max().item()
-    assert (got - want).abs().max().item() <= tolerance * max(scale, 1.0)
+    scale = max(want.abs().max().item(), 1.0)
+    if dtype == torch.float32:
+        assert (got - want).abs().max().item() <= 2e-4 * scale
+        return
+    truth = exact.reference_features(ids)
+    compiled_error = (got.float() - truth).abs().max().item()
+    eager_error = (want.float() - truth).abs().max().item()
+    assert compiled_error <= max(2 * eager_error, 1e-2 * scale), (compiled_error, eager_error, scale)
