@@ -11,6 +11,7 @@ import ast
 import pathlib
 import threading
 
+import pytest
 import torch
 from torch import nn
 
@@ -85,3 +86,32 @@ def test_a_graph_compiled_after_the_first_training_step_is_warned_about(caplog):
     assert counter.graphs == 2
     assert len(warnings) == 1 and "drafter: compiling graph 2 mid-run" in warnings[0]
     assert "scripts/replay_compiles.py" in warnings[0]
+
+
+def test_the_compiled_drafter_holds_no_guard_on_state_transformers_shares_between_threads(monkeypatch):
+    """transformers >= 5.2x runs its attention forwards through the `kernels` hub, whose active-
+    kernel record is a context variable until a compile session is open, and a process-wide
+    global while one is: torch >= 2.12 holds `torch.compiler.is_compiling()` true in every thread
+    for the whole compile. So a target thread running transformers' eager forward while the
+    drafter compiles rewrites that global under the drafter's trace: a drafter graph that read
+    it would recompile on every change, or fail building its guards ("'NoneType' object is not
+    subscriptable", seen on a 2-core CPU with four compile threads). The drafter computes its own
+    rotary embedding and reads none of it."""
+    kernels_layer = pytest.importorskip("kernels._internals.layer.layer")
+    from tests.test_dflash_rules import tiny_target
+    from tests.test_drafter_compile import drafter_of_depth, forward_backward
+
+    torch._dynamo.reset()
+    target = tiny_target()
+    ids = torch.randint(0, 500, (1, 20))
+    drafter = drafter_of_depth(target, 2, "dflash")
+    drafter.compile_training("eager")
+    want, _ = forward_backward(drafter, target, ids)
+    drafter.zero_grad()
+    # What transformers' attention forward leaves there while it runs in another thread.
+    record = kernels_layer._ACTIVE_KERNEL_FUNCS
+    monkeypatch.setattr(record, "uses_global_var", True)
+    monkeypatch.setattr(record, "global_var", {id(record): (None, None)})
+    with torch.compiler.set_stance("fail_on_recompile"):
+        got, _ = forward_backward(drafter, target, ids)
+    torch.testing.assert_close(got, want, rtol=0, atol=0)

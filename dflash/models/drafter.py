@@ -21,7 +21,6 @@ from transformers.models.qwen3.modeling_qwen3 import (
     Qwen3MLP,
     Qwen3RMSNorm,
     Qwen3RotaryEmbedding,
-    apply_rotary_pos_emb,
 )
 
 from dflash.config.schema import DrafterConfig, LayerType
@@ -129,6 +128,18 @@ def _flex_attention(q, k, v, block_mask: BlockMask, enable_gqa: bool) -> torch.T
     return _compiled_flex_attention()(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
 
 
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """RoPE on heads [B, heads, S, D] with Qwen3RotaryEmbedding's cos / sin [B, S, D]: Qwen3's
+    rule (the two halves of each head rotated as one complex number), written here rather than
+    called from transformers: there it dispatches through the `kernels` hub, whose record of the
+    active kernels is process-wide while any thread compiles (torch >= 2.12), so a compiled
+    drafter that called it would guard on state a target thread running transformers rewrites."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
 class DFlashAttention(nn.Module):
     """Queries from block tokens; keys/values = [proj(context); proj(block)] with the same weights."""
 
@@ -153,7 +164,7 @@ class DFlashAttention(nn.Module):
         """Keys and values of the context positions; they depend on the target features alone
         (not on the block), so decoding caches them and appends as tokens are committed."""
         k_ctx = self.k_norm(self._heads(self.k_proj(ctx_BSH), self.num_kv_heads)).transpose(1, 2)
-        k_ctx = apply_rotary_pos_emb(k_ctx, k_ctx, *ctx_rope)[0]
+        k_ctx = rotate(k_ctx, *ctx_rope)
         v_ctx = self._heads(self.v_proj(ctx_BSH), self.num_kv_heads).transpose(1, 2)
         return k_ctx, v_ctx
 
@@ -171,7 +182,7 @@ class DFlashAttention(nn.Module):
         k_blk = self.k_norm(self._heads(self.k_proj(block_BQH), self.num_kv_heads)).transpose(1, 2)
         v_blk = self._heads(self.v_proj(block_BQH), self.num_kv_heads).transpose(1, 2)
         # RoPE at absolute positions: context at 0..S-1, block token k of anchor a at a + k.
-        q, k_blk = apply_rotary_pos_emb(q, k_blk, *block_rope)
+        q, k_blk = rotate(q, *block_rope), rotate(k_blk, *block_rope)
         k = torch.cat([ctx_kv[0], k_blk], dim=2)
         v = torch.cat([ctx_kv[1], v_blk], dim=2)
         gqa = self.num_heads != self.num_kv_heads
