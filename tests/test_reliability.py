@@ -618,6 +618,50 @@ def test_a_signal_after_the_last_step_ends_the_run_as_a_completed_one(
     assert not (tmp_path / "early" / "summary.json").exists()
 
 
+@pytest.mark.parametrize("pipeline", ["sync", "async"])
+def test_a_compile_broken_off_by_the_stop_signal_stops_the_run_at_its_last_step(
+    make_cfg, tmp_path, monkeypatch, caplog, pipeline
+):
+    """`timeout` and Ctrl-C signal the whole process group: the compilers' own processes (g++,
+    Inductor's workers) die and the step being compiled fails with a compile error (seen on
+    CPU with four compile threads). The run stops as the signal asked, with the checkpoint of
+    the steps it finished; the same error without a stop request still ends the run with it."""
+    from torch._dynamo.exc import BackendCompilerFailed
+    from torch._inductor.exc import CppCompileError
+
+    from dflash.step import variant as variant_module  # DFlashVariant.block_loss calls draft_loss
+    from dflash.train import train
+    from dflash.trainer.signals import StopRequested
+
+    real_loss = variant_module.draft_loss
+
+    def compile_killed_at_third_step(signalled: bool):
+        calls = []
+
+        def loss(*args, **kwargs):
+            calls.append(1)
+            if len(calls) == 3:
+                if signalled:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                    time.sleep(0.5)  # the main thread takes the signal before the error lands
+                killed = CppCompileError(["g++", "kernel.cpp"], "g++: fatal error: Killed signal terminated")
+                raise BackendCompilerFailed(lambda *a: None, killed, None)
+            return real_loss(*args, **kwargs)
+
+        monkeypatch.setattr(variant_module, "draft_loss", loss)
+
+    settings = [f"pipeline={pipeline}", "train.total_steps=8", "checkpoint.every_steps=100"]
+    compile_killed_at_third_step(signalled=True)
+    with caplog.at_level("WARNING", logger="dflash.trainer.signals"), pytest.raises(StopRequested):
+        train(make_cfg(settings, tmp_path / "stopped"))
+    assert "stopping at step 2" in caplog.text and "CppCompileError: C++ compile error" in caplog.text
+    state = torch.load(tmp_path / "stopped" / "checkpoints" / "last" / "trainer_state.pt", weights_only=True)
+    assert state["position"]["step"] == 2
+    compile_killed_at_third_step(signalled=False)
+    with pytest.raises(BackendCompilerFailed, match="Killed signal"):
+        train(make_cfg(settings, tmp_path / "failed"))
+
+
 def test_a_resume_past_the_runs_end_is_refused_in_one_line(make_cfg, tmp_path):
     from dflash.run.launch import build_run
     from dflash.train import train

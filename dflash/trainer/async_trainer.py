@@ -26,7 +26,7 @@ from dflash.pipeline.queues import HiddenStateQueue, QueueClosed
 from dflash.pipeline.target_worker import TargetWorker
 from dflash.step.metrics import MetricWindow
 from dflash.trainer.lifecycle import Trainer, TrainerInputs
-from dflash.trainer.signals import StopSignal
+from dflash.trainer.signals import StopSignal, compile_cut_by_stop
 from dflash.trainer.state import DataPosition
 
 log = logging.getLogger(__name__)
@@ -266,7 +266,11 @@ class AsyncTrainer(Trainer):
             self._close_everything()
             self._join_all()
         if self._failure is not None:
-            raise self._failure[1]
+            steps = {loop.step for loop in self.loops}
+            error = self._failure[1]
+            if len(steps) == 1 and compile_cut_by_stop(error, stop, steps.pop()):
+                return stop.signum
+            raise error
         return stop_signum
 
     def _final_position(self) -> DataPosition:

@@ -6,9 +6,12 @@ The loop then writes a checkpoint and raises `StopRequested`; the entry point ex
 
 from __future__ import annotations
 
+import logging
 import signal
 import threading
 from contextlib import contextmanager
+
+log = logging.getLogger(__name__)
 
 
 class StopRequested(Exception):
@@ -57,6 +60,34 @@ def on_signals(handler):
     finally:
         for sig, handler_before in previous.items():
             signal.signal(sig, handler_before)
+
+
+def compile_cut_by_stop(error: BaseException, stop: StopSignal, step: int) -> bool:
+    """Whether `error`, raised by a training step, is a compile that a stop request broke off;
+    if so it is logged and the run stops at `step`, its last finished step, as asked. `timeout`,
+    batch schedulers and a terminal's Ctrl-C signal the whole process group, and the compilers'
+    own processes in it (Inductor's compile workers, g++, ptxas) die mid-compile: the step
+    being compiled never updated a weight, so the checkpoint of the steps before it is whole.
+    Without a stop request a failed compile is a failure like any other."""
+    if not stop.is_set():
+        return False
+    from torch._dynamo.exc import BackendCompilerFailed  # Inductor's errors derive from it
+
+    cause: BaseException | None = error
+    while cause is not None and not isinstance(cause, BackendCompilerFailed):
+        cause = cause.__cause__ or cause.__context__
+    if cause is None:
+        return False
+    inner = getattr(cause, "inner_exception", None) or cause  # the backend's own error
+    lines = str(inner).strip().splitlines()
+    log.warning(
+        "stop requested while compiling: the compile failed as the signal reached the compiler's "
+        "processes too (%s%s); stopping at step %d, the last one finished",
+        type(inner).__name__,
+        f": {lines[0][:200]}" if lines else "",
+        step,
+    )
+    return True
 
 
 @contextmanager
