@@ -662,6 +662,54 @@ def test_a_compile_broken_off_by_the_stop_signal_stops_the_run_at_its_last_step(
         train(make_cfg(settings, tmp_path / "failed"))
 
 
+def test_a_step_still_running_long_after_a_stop_request_is_shown_where_it_waits(
+    make_cfg, tmp_path, monkeypatch
+):
+    """A stop waits for the step in hand, which may be a first compile of minutes, or a compile
+    that will never end (its compiler's processes killed by the same signal: seen on an H200,
+    the run silent for six minutes). After pipeline.stop_report_s the log shows each pipeline
+    thread's stack, once; the step that then ends is checkpointed as usual."""
+    import logging
+    import threading
+
+    from dflash.step import variant as variant_module
+    from dflash.train import train
+    from dflash.trainer.signals import StopRequested
+
+    released, reports = threading.Event(), []
+
+    class Watch(logging.Handler):
+        def emit(self, record):
+            if "pipeline.stop_report_s" in record.getMessage():
+                reports.append(record.getMessage())
+                released.set()
+
+    def a_compile_that_takes_its_time():
+        assert released.wait(timeout=300), "no report came"
+
+    real_loss, calls = variant_module.draft_loss, []
+
+    def loss(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 2:
+            os.kill(os.getpid(), signal.SIGTERM)
+            a_compile_that_takes_its_time()
+        return real_loss(*args, **kwargs)
+
+    monkeypatch.setattr(variant_module, "draft_loss", loss)
+    watch = Watch(level=logging.WARNING)
+    logging.getLogger("dflash.trainer.async_trainer").addHandler(watch)
+    try:
+        with pytest.raises(StopRequested):
+            train(make_cfg(["pipeline=async", "pipeline.stop_report_s=0.5", "train.total_steps=8"], tmp_path))
+    finally:
+        logging.getLogger("dflash.trainer.async_trainer").removeHandler(watch)
+    assert len(reports) == 1
+    assert "--- dflash-drafter0" in reports[0] and "in a_compile_that_takes_its_time" in reports[0]
+    state = torch.load(tmp_path / "checkpoints" / "last" / "trainer_state.pt", weights_only=True)
+    assert state["position"]["step"] == 2
+
+
 def test_a_resume_past_the_runs_end_is_refused_in_one_line(make_cfg, tmp_path):
     from dflash.run.launch import build_run
     from dflash.train import train

@@ -582,6 +582,10 @@ class AsyncPipelineConfig(PipelineConfig):
     poll_interval_s: float = 0.05
     # How long threads get to stop after a failure or a stop request.
     shutdown_timeout_s: float = 10.0
+    # A stop request waits for the step in hand (a first compile can take minutes); if it has
+    # not ended after this many seconds, every pipeline thread's stack is logged once, so a step
+    # that will never end (a compiler whose processes the signal killed) shows where it waits.
+    stop_report_s: float = 300.0
 
 
 def pipeline_name(node: PipelineConfig) -> str:

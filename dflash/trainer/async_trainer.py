@@ -12,8 +12,10 @@ thread re-raises that exception with its original traceback. No thread outlives 
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
+import traceback
 from collections import defaultdict
 from dataclasses import dataclass
 
@@ -60,6 +62,18 @@ class FaultInjection:
     drafter_at_step: int | None = None
 
 
+def thread_stacks(threads: list[threading.Thread], frames_per_thread: int = 12) -> str:
+    """Each thread's name and the innermost frames of its stack, as a traceback prints them."""
+    current = sys._current_frames()
+    parts = []
+    for thread in threads:
+        frame = current.get(thread.ident)
+        if frame is not None:
+            stack = "".join(traceback.format_stack(frame)[-frames_per_thread:])
+            parts.append(f"--- {thread.name}\n{stack.rstrip()}")
+    return "\n".join(parts)
+
+
 class AsyncTrainer(Trainer):
     def __init__(
         self,
@@ -71,6 +85,7 @@ class AsyncTrainer(Trainer):
         warmup: bool = True,
         poll_interval_s: float = 0.05,
         shutdown_timeout_s: float = 10.0,
+        stop_report_s: float = 300.0,
         faults: FaultInjection | None = None,
     ):
         """The stages' settings are pipeline=async's (conf/pipeline/async.yaml, documented in
@@ -82,6 +97,7 @@ class AsyncTrainer(Trainer):
             poll_interval_s,
             shutdown_timeout_s,
         )
+        self.stop_report_s = stop_report_s
         self.faults = faults or FaultInjection()
         self._pending: dict[int, dict[int, MetricWindow]] = defaultdict(dict)
         self._failure: tuple[str, BaseException] | None = None
@@ -249,13 +265,25 @@ class AsyncTrainer(Trainer):
         for loop in self.loops:
             self._spawn(f"drafter{loop.replica}", loop.run)
         drafters = self.threads[drafter_threads:]
+        stop_seen_at: float | None = None
+        reported = False
         try:
             while any(t.is_alive() for t in drafters) and self._failure is None:
                 if stop.is_set() and stop_signum is None:
-                    stop_signum = stop.signum
+                    stop_signum, stop_seen_at = stop.signum, time.perf_counter()
                     log.warning("stop requested: finishing the current step, then a checkpoint")
                     for loop in self.loops:
                         loop.stop_requested.set()
+                elif (
+                    stop_seen_at and not reported and time.perf_counter() - stop_seen_at > self.stop_report_s
+                ):
+                    reported = True
+                    log.warning(
+                        "stop requested %.0f s ago and the step in hand has not ended "
+                        "(pipeline.stop_report_s); where each pipeline thread is:\n%s",
+                        time.perf_counter() - stop_seen_at,
+                        thread_stacks([t for t in self.threads if t.is_alive()]),
+                    )
                 time.sleep(self.poll_interval_s)
                 self._observe(stop)
         finally:
