@@ -27,7 +27,6 @@ dynamic-cache path.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import torch
@@ -38,6 +37,7 @@ from dflash.decoding.deltanet import DeltaNetStates, deltanet_prefill, deltanet_
 from dflash.decoding.kv_cache import StaticKV, write_layer
 from dflash.models.compile import compile_shared
 from dflash.models.families import TARGET_FAMILIES, is_deltanet_layer
+from dflash.models.rope import rotate
 from dflash.models.target import FrozenTarget
 
 # The text model's model_type (an image-text checkpoint's `text_config`): what the static
@@ -120,8 +120,6 @@ class StaticCacheTarget(nn.Module):
         self.groups = self.num_heads // self.num_kv_heads
         # Qwen3-Next / Qwen3.5 attention: q_proj also yields a per-channel output gate.
         self.gated = attention.q_proj.out_features == 2 * self.num_heads * self.head_dim
-        # The model's own rotation: partial rotary (Qwen3-Next, Qwen3.5) rotates a prefix of each head.
-        self.apply_rotary = sys.modules[type(attention).__module__].apply_rotary_pos_emb
         # Qwen3.5's multimodal rotary takes (temporal, height, width) positions, all three the
         # text position for text (some transformers versions expand 2-D positions themselves).
         self.mrope = hasattr(self.rotary, "mrope_section")
@@ -182,7 +180,7 @@ class StaticCacheTarget(nn.Module):
         v = attention.v_proj(x).view(n, q_len, -1, self.head_dim).transpose(1, 2)
         if hasattr(attention, "q_norm"):  # Qwen3: per-head RMSNorm before the rotation
             q, k = attention.q_norm(q), attention.k_norm(k)
-        q, k = self.apply_rotary(q.transpose(1, 2), k.transpose(1, 2), *rope)
+        q, k = rotate(q.transpose(1, 2), *rope), rotate(k.transpose(1, 2), *rope)
         return q, k, v, gate
 
     @staticmethod

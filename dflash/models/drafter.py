@@ -25,6 +25,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 
 from dflash.config.schema import DrafterConfig, LayerType
 from dflash.models.compile import compile_shared
+from dflash.models.rope import rotate
 
 # Qwen3 fields a drafter copies from its target (hidden size must match: KV injection and the
 # shared embed_tokens / lm_head see the target's hidden states).
@@ -126,18 +127,6 @@ def _flex_attention(q, k, v, block_mask: BlockMask, enable_gqa: bool) -> torch.T
     if q.device.type != "cuda" or torch.compiler.is_compiling():
         return flex_attention(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
     return _compiled_flex_attention()(q, k, v, block_mask=block_mask, enable_gqa=enable_gqa)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """RoPE on heads [B, heads, S, D] with Qwen3RotaryEmbedding's cos / sin [B, S, D]: Qwen3's
-    rule (the two halves of each head rotated as one complex number), written here rather than
-    called from transformers: there it dispatches through the `kernels` hub, whose record of the
-    active kernels is process-wide while any thread compiles (torch >= 2.12), so a compiled
-    drafter that called it would guard on state a target thread running transformers rewrites."""
-    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
 
 
 class DFlashAttention(nn.Module):

@@ -1,0 +1,26 @@
+"""Rotary position embeddings as the Llama, Mistral and Qwen families apply them, written once
+for the drafter and the static-cache decoder.
+
+transformers routes most families' `apply_rotary_pos_emb` through the `kernels` hub, whose
+record of the active kernels becomes process-wide while any thread compiles (torch >= 2.12
+holds `torch.compiler.is_compiling()` true in every thread for a whole compile). A graph that
+called it would guard on state that another thread running transformers rewrites: a recompile
+on every change, or guards that fail to build. tests/test_rope.py holds this function to each
+family's own, bit for bit."""
+
+from __future__ import annotations
+
+import torch
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: heads [B, heads, S, D]; cos, sin: a rotary embedding's [B, S, R]. The first R channels
+    of each head turn as R/2 complex pairs (channel i with i + R/2); the rest pass unchanged
+    (partial rotary: Qwen3-Next, Qwen3.5; R = D elsewhere)."""
+    cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)
+    rotary_dim = cos.shape[-1]
+    turned, passed = x[..., :rotary_dim], x[..., rotary_dim:]
+    half = rotary_dim // 2
+    halves_swapped = torch.cat((-turned[..., half:], turned[..., :half]), dim=-1)
+    turned = turned * cos + halves_swapped * sin
+    return turned if passed.shape[-1] == 0 else torch.cat((turned, passed), dim=-1)
