@@ -275,7 +275,9 @@ class AsyncTrainer(Trainer):
                     for loop in self.loops:
                         loop.stop_requested.set()
                 elif (
-                    stop_seen_at and not reported and time.perf_counter() - stop_seen_at > self.stop_report_s
+                    stop_seen_at is not None
+                    and not reported
+                    and time.perf_counter() - stop_seen_at > self.stop_report_s
                 ):
                     reported = True
                     log.warning(
