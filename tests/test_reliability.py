@@ -631,6 +631,7 @@ def test_a_compile_broken_off_by_the_stop_signal_stops_the_run_at_its_last_step(
 
     from dflash.step import variant as variant_module  # DFlashVariant.block_loss calls draft_loss
     from dflash.train import train
+    from dflash.trainer import signals
     from dflash.trainer.signals import StopRequested
 
     real_loss = variant_module.draft_loss
@@ -643,7 +644,7 @@ def test_a_compile_broken_off_by_the_stop_signal_stops_the_run_at_its_last_step(
             if len(calls) == 3:
                 if signalled:
                     os.kill(os.getpid(), signal.SIGTERM)
-                    time.sleep(0.5)  # the main thread takes the signal before the error lands
+                    assert signals._stopping.wait(timeout=300)  # the signal taken before the error lands
                 killed = CppCompileError(["g++", "kernel.cpp"], "g++: fatal error: Killed signal terminated")
                 raise BackendCompilerFailed(lambda *a: None, killed, None)
             return real_loss(*args, **kwargs)
@@ -654,7 +655,10 @@ def test_a_compile_broken_off_by_the_stop_signal_stops_the_run_at_its_last_step(
     compile_killed_at_third_step(signalled=True)
     with caplog.at_level("WARNING", logger="dflash.trainer.signals"), pytest.raises(StopRequested):
         train(make_cfg(settings, tmp_path / "stopped"))
-    assert "stopping at step 2" in caplog.text and "CppCompileError: C++ compile error" in caplog.text
+    assert (
+        "stop requested while compiling" in caplog.text
+        and "CppCompileError: C++ compile error" in caplog.text
+    )
     state = torch.load(tmp_path / "stopped" / "checkpoints" / "last" / "trainer_state.pt", weights_only=True)
     assert state["position"]["step"] == 2
     compile_killed_at_third_step(signalled=False)

@@ -28,7 +28,7 @@ from dflash.pipeline.queues import HiddenStateQueue, QueueClosed
 from dflash.pipeline.target_worker import TargetWorker
 from dflash.step.metrics import MetricWindow
 from dflash.trainer.lifecycle import Trainer, TrainerInputs
-from dflash.trainer.signals import StopSignal, compile_cut_by_stop
+from dflash.trainer.signals import StopSignal
 from dflash.trainer.state import DataPosition
 
 log = logging.getLogger(__name__)
@@ -296,11 +296,7 @@ class AsyncTrainer(Trainer):
             self._close_everything()
             self._join_all()
         if self._failure is not None:
-            steps = {loop.step for loop in self.loops}
-            error = self._failure[1]
-            if len(steps) == 1 and compile_cut_by_stop(error, stop, steps.pop()):
-                return stop.signum
-            raise error
+            raise self._failure[1]
         return stop_signum
 
     def _final_position(self) -> DataPosition:

@@ -43,7 +43,7 @@ from dflash.pipeline.roles import role_summary
 from dflash.step.step import DrafterStep
 from dflash.trainer import state
 from dflash.trainer.periodic_eval import PeriodicEval
-from dflash.trainer.signals import StopRequested, StopSignal, stop_on_signals
+from dflash.trainer.signals import StopRequested, StopSignal, compile_cut_by_stop, stop_on_signals
 from dflash.trainer.state import CheckpointSettings, DataPosition
 
 log = logging.getLogger(__name__)
@@ -169,7 +169,13 @@ class Trainer(ABC):
         # Held through the final checkpoint: a signal during the wind-down (a second Ctrl-C)
         # must not break off the checkpoint the first one asked for.
         with stop_on_signals() as stop:
-            stopped_by = self._train(stop)
+            try:
+                stopped_by = self._train(stop)
+            except Exception as error:
+                # Both pipelines have stopped every thread and stand at their last finished step.
+                if not compile_cut_by_stop(error, stop):
+                    raise
+                stopped_by = stop.signum
             self.train_wall_s = time.perf_counter() - started
             self.monitor.maybe_tick(wait=True, final=True)
             if self.periodic_eval is not None and stopped_by is None:

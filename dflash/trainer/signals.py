@@ -62,9 +62,9 @@ def on_signals(handler):
             signal.signal(sig, handler_before)
 
 
-def compile_cut_by_stop(error: BaseException, stop: StopSignal, step: int) -> bool:
+def compile_cut_by_stop(error: BaseException, stop: StopSignal) -> bool:
     """Whether `error`, raised by a training step, is a compile that a stop request broke off;
-    if so it is logged and the run stops at `step`, its last finished step, as asked. `timeout`,
+    if so it is logged and the run stops at its last finished step, as asked. `timeout`,
     batch schedulers and a terminal's Ctrl-C signal the whole process group, and the compilers'
     own processes in it (Inductor's compile workers, g++, ptxas) die mid-compile: the step
     being compiled never updated a weight, so the checkpoint of the steps before it is whole.
@@ -82,10 +82,9 @@ def compile_cut_by_stop(error: BaseException, stop: StopSignal, step: int) -> bo
     lines = str(inner).strip().splitlines()
     log.warning(
         "stop requested while compiling: the compile failed as the signal reached the compiler's "
-        "processes too (%s%s); stopping at step %d, the last one finished",
+        "processes too (%s%s); stopping at the last step finished",
         type(inner).__name__,
         f": {lines[0][:200]}" if lines else "",
-        step,
     )
     return True
 

@@ -18,7 +18,7 @@ from dflash.pipeline.counters import DeviceSpan, WorkCounters
 from dflash.pipeline.prefetch import BatchStats
 from dflash.step.metrics import MetricWindow
 from dflash.trainer.lifecycle import Trainer, TrainerInputs
-from dflash.trainer.signals import StopSignal, compile_cut_by_stop
+from dflash.trainer.signals import StopSignal
 from dflash.trainer.state import DataPosition
 
 log = logging.getLogger(__name__)
@@ -97,12 +97,7 @@ class SyncTrainer(Trainer):
                 log.warning("stop requested at step %d: writing a checkpoint", self.position.step)
                 return stop.signum
             seq = self.position.next_seq
-            try:
-                self._train_one(seq)
-            except Exception as error:
-                if compile_cut_by_stop(error, stop, self.position.step):
-                    return stop.signum
-                raise
+            self._train_one(seq)
             self.position = DataPosition(next_seq=seq + 1, step=self.position.step + 1)
             step = self.position.step
             if self.cadence.logs_at(step):
