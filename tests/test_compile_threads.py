@@ -115,3 +115,61 @@ def test_the_compiled_drafter_holds_no_guard_on_state_transformers_shares_betwee
     with torch.compiler.set_stance("fail_on_recompile"):
         got, _ = forward_backward(drafter, target, ids)
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("compile_opens", ["before_both", "between_the_two"])
+def test_two_threads_running_targets_while_another_thread_compiles_each_get_their_own_features(
+    monkeypatch, compile_opens
+):
+    """torch 2.13 holds `torch.compiler.is_compiling()` true in every thread for a whole compile
+    session (pytorch/pytorch#184614), which transformers' output collector and `kernels`' kernel
+    table read as "this code is being traced": they then keep one attribute for all threads.
+    Two target threads (several target GPUs, or a target and an evaluation) met there while the
+    drafter compiled: one thread's hidden states went to the other's collector or were lost,
+    and `kernels` read a context token as its table. Here both forwards are held inside their
+    first attention, records set, and finish one after the other; each must get its own
+    features. `compile_opens`: the session opens before both forwards start, or between them
+    (the first's records set in eager mode, the second's under the flag)."""
+    from tests.test_dflash_rules import tiny_target
+
+    targets = [tiny_target(), tiny_target()]
+    ids = [torch.randint(0, 500, (2, 20), generator=torch.Generator().manual_seed(seed)) for seed in (1, 2)]
+    with torch.no_grad():
+        want = [target.features(x) for target, x in zip(targets, ids)]
+    inside, done = [threading.Event(), threading.Event()], [threading.Event(), threading.Event()]
+
+    def hold(index: int, until: threading.Event):
+        def hook(module, args, output):
+            if not inside[index].is_set():  # the first call only: the forward's first attention
+                inside[index].set()
+                assert until.wait(timeout=300)
+
+        return hook
+
+    # The first forward waits inside until the second is inside too; the second until the first is done.
+    targets[0].model.model.layers[0].self_attn.q_proj.register_forward_hook(hold(0, inside[1]))
+    targets[1].model.model.layers[0].self_attn.q_proj.register_forward_hook(hold(1, done[0]))
+    outcome: list[dict[str, object]] = [{}, {}]
+
+    def run(index: int):
+        try:
+            with torch.no_grad():
+                outcome[index]["features"] = targets[index].features(ids[index])
+        except Exception as error:  # noqa: BLE001 - reported by the assertion below
+            outcome[index]["error"] = error
+        finally:
+            inside[index].set()
+            done[index].set()
+
+    if compile_opens == "before_both":
+        monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)
+    threads = [threading.Thread(target=run, args=(index,)) for index in (0, 1)]
+    threads[0].start()
+    assert inside[0].wait(timeout=300)
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)  # what another thread's compile sets
+    threads[1].start()
+    for thread in threads:
+        thread.join(timeout=300)
+    for index in (0, 1):
+        assert "error" not in outcome[index], f"thread {index}: {outcome[index].get('error')!r}"
+        torch.testing.assert_close(outcome[index]["features"], want[index], rtol=0, atol=0)

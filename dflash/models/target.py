@@ -37,6 +37,7 @@ from dflash.models.kernels import triton_runs
 from dflash.models.router import is_top_k_router, use_feature_router
 from dflash.models.short_conv import use_fla_short_conv
 from dflash.models.size import refuse_missing_text_config, refuse_size_mismatch
+from dflash.models.thread_records import keep_records_per_thread
 
 log = logging.getLogger(__name__)
 
@@ -251,6 +252,7 @@ class FrozenTarget(nn.Module):
         hidden state [B, S, H] as the last H columns of its tensor: the same forward, and one
         tensor through the pipeline's queues and device copies; never vocabulary-sized logits."""
         super().__init__()
+        keep_records_per_thread()  # target threads and evaluations run it while others compile
         self.model = model.eval().requires_grad_(False)
         self.layer_ids = list(layer_ids)
         self.final_state = final_state
