@@ -173,3 +173,52 @@ def test_two_threads_running_targets_while_another_thread_compiles_each_get_thei
     for index in (0, 1):
         assert "error" not in outcome[index], f"thread {index}: {outcome[index].get('error')!r}"
         torch.testing.assert_close(outcome[index]["features"], want[index], rtol=0, atol=0)
+
+
+def test_a_compiled_target_does_not_recompile_while_an_eager_forward_in_another_thread_holds_its_records(
+    monkeypatch,
+):
+    """The target's compiled layers read `kernels`' active-function table as traced code does (the
+    shared attribute). An eager forward of a target in another thread (an evaluation decoding
+    with transformers' cache) wrote that attribute while any thread compiled, and the compiled
+    layers' guards on it then failed: a recompile per change. With the records per thread, an
+    eager forward keeps its own, and the compiled layers run their graphs as built."""
+    from tests.test_dflash_rules import tiny_target
+
+    torch._dynamo.reset()
+    compiled, eager = tiny_target(), tiny_target()
+    compiled.compile_features(backend="eager", scope="layers")
+    ids = torch.randint(0, 500, (2, 20), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        want = compiled.features(ids)
+    inside, release = threading.Event(), threading.Event()
+
+    def hold(module, args, output):
+        inside.set()
+        assert release.wait(timeout=300)
+
+    eager.model.model.layers[0].self_attn.q_proj.register_forward_hook(hold)
+    monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)  # another thread's compile session
+    outcome: dict[str, object] = {}
+
+    def eager_forward():
+        try:
+            with torch.no_grad():
+                eager.model(input_ids=ids, use_cache=False)
+        except Exception as error:  # noqa: BLE001 - reported by the assertion below
+            outcome["error"] = error
+        finally:
+            inside.set()
+
+    thread = threading.Thread(target=eager_forward)
+    thread.start()
+    try:
+        assert inside.wait(timeout=300)
+        monkeypatch.setattr(torch.compiler, "_is_compiling_flag", False)  # that compile has ended
+        with torch.no_grad(), torch.compiler.set_stance("fail_on_recompile"):
+            got = compiled.features(ids)
+    finally:
+        release.set()
+        thread.join(timeout=300)
+    assert "error" not in outcome, outcome.get("error")
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
