@@ -117,9 +117,26 @@ def test_the_compiled_drafter_holds_no_guard_on_state_transformers_shares_betwee
     torch.testing.assert_close(got, want, rtol=0, atol=0)
 
 
+def first_attention_projection(target) -> nn.Module:
+    """The q projection of the target's first attention layer: a hook there runs inside an
+    attention forward, with the records of its model and layer set."""
+    return next(module for name, module in target.model.named_modules() if name.endswith("self_attn.q_proj"))
+
+
+def tiny_family_target(family: str, request):
+    from transformers import AutoModelForCausalLM
+
+    from dflash.models.target import FrozenTarget
+
+    return FrozenTarget(
+        AutoModelForCausalLM.from_pretrained(request.getfixturevalue(f"tiny_{family}_dir")), [1, 3]
+    )
+
+
+@pytest.mark.parametrize("family", ["qwen3", "qwen3_next"])
 @pytest.mark.parametrize("compile_opens", ["before_both", "between_the_two"])
 def test_two_threads_running_targets_while_another_thread_compiles_each_get_their_own_features(
-    monkeypatch, compile_opens
+    monkeypatch, request, compile_opens, family
 ):
     """torch 2.13 holds `torch.compiler.is_compiling()` true in every thread for a whole compile
     session (pytorch/pytorch#184614), which transformers' output collector and `kernels`' kernel
@@ -129,10 +146,9 @@ def test_two_threads_running_targets_while_another_thread_compiles_each_get_thei
     and `kernels` read a context token as its table. Here both forwards are held inside their
     first attention, records set, and finish one after the other; each must get its own
     features. `compile_opens`: the session opens before both forwards start, or between them
-    (the first's records set in eager mode, the second's under the flag)."""
-    from tests.test_dflash_rules import tiny_target
-
-    targets = [tiny_target(), tiny_target()]
+    (the first's records set in eager mode, the second's under the flag); `family`: a dense
+    target and a hybrid MoE one."""
+    targets = [tiny_family_target(family, request), tiny_family_target(family, request)]
     ids = [torch.randint(0, 500, (2, 20), generator=torch.Generator().manual_seed(seed)) for seed in (1, 2)]
     with torch.no_grad():
         want = [target.features(x) for target, x in zip(targets, ids)]
@@ -147,8 +163,8 @@ def test_two_threads_running_targets_while_another_thread_compiles_each_get_thei
         return hook
 
     # The first forward waits inside until the second is inside too; the second until the first is done.
-    targets[0].model.model.layers[0].self_attn.q_proj.register_forward_hook(hold(0, inside[1]))
-    targets[1].model.model.layers[0].self_attn.q_proj.register_forward_hook(hold(1, done[0]))
+    first_attention_projection(targets[0]).register_forward_hook(hold(0, inside[1]))
+    first_attention_projection(targets[1]).register_forward_hook(hold(1, done[0]))
     outcome: list[dict[str, object]] = [{}, {}]
 
     def run(index: int):
@@ -197,7 +213,7 @@ def test_a_compiled_target_does_not_recompile_while_an_eager_forward_in_another_
         inside.set()
         assert release.wait(timeout=300)
 
-    eager.model.model.layers[0].self_attn.q_proj.register_forward_hook(hold)
+    first_attention_projection(eager).register_forward_hook(hold)
     monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)  # another thread's compile session
     outcome: dict[str, object] = {}
 
