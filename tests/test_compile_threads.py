@@ -238,3 +238,28 @@ def test_a_compiled_target_does_not_recompile_while_an_eager_forward_in_another_
         thread.join(timeout=300)
     assert "error" not in outcome, outcome.get("error")
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+def test_a_record_of_another_layout_is_left_as_the_library_wrote_it(monkeypatch, caplog):
+    """A later transformers or `kernels` whose record has other fields keeps its own class (the
+    per-thread methods read `context_var`, `global_var` and the flag field), with a warning."""
+    import sys
+    import types
+
+    from dflash.models import thread_records
+
+    class Record:
+        def __init__(self):
+            self.context_var, self.global_var, self.in_trace = None, None, False
+
+    library = types.ModuleType("later_library")
+    library.record = Record()
+    monkeypatch.setitem(sys.modules, "later_library", library)
+    location = ("later_library", "record", ("context_var", "global_var", "compiling"))
+    with caplog.at_level("WARNING", logger="dflash.models.thread_records"):
+        thread_records._replace(location, thread_records._collector_class)
+    assert type(library.record) is Record
+    assert "later_library.record has fields" in caplog.text
+    library.record.compiling = False
+    thread_records._replace(location, thread_records._collector_class)
+    assert type(library.record).__name__ == "PerThreadCollector"

@@ -19,13 +19,25 @@ before; eager code keeps its own record per thread.
 from __future__ import annotations
 
 import importlib
+import logging
 from typing import Any
 
 import torch
 
-# (module, attribute) of each record; absent with older transformers or without `kernels`.
-_TRANSFORMERS_COLLECTOR = ("transformers.utils.output_capturing", "_active_collector")
-_KERNELS_TABLE = ("kernels._internals.layer.layer", "_ACTIVE_KERNEL_FUNCS")
+log = logging.getLogger(__name__)
+
+# (module, attribute, the record's fields the per-thread methods use) of each record; absent
+# with older transformers or without `kernels`.
+_TRANSFORMERS_COLLECTOR = (
+    "transformers.utils.output_capturing",
+    "_active_collector",
+    ("context_var", "global_var", "compiling"),
+)
+_KERNELS_TABLE = (
+    "kernels._internals.layer.layer",
+    "_ACTIVE_KERNEL_FUNCS",
+    ("context_var", "global_var", "uses_global_var"),
+)
 
 
 def _module(name: str) -> Any:
@@ -70,10 +82,21 @@ def _kernel_table_class(base: type) -> type:
     return PerThreadKernelTable
 
 
-def _replace(location: tuple[str, str], make_class) -> None:
-    module = _module(location[0])
-    record = getattr(module, location[1], None) if module is not None else None
+def _replace(location: tuple[str, str, tuple[str, ...]], make_class) -> None:
+    module_name, name, fields = location
+    module = _module(module_name)
+    record = getattr(module, name, None) if module is not None else None
     if record is None or getattr(type(record), "_dflash_per_thread", False):
+        return
+    if not all(field in vars(record) for field in fields):
+        # Another release's layout: the methods below would not fit it; left as it is.
+        log.warning(
+            "%s.%s has fields %s, not %s: left shared between threads while compiling",
+            module_name,
+            name,
+            sorted(vars(record)),
+            list(fields),
+        )
         return
     per_thread = make_class(type(record))
     per_thread._dflash_per_thread = True
