@@ -18,6 +18,28 @@ from torch import nn
 from dflash.models.compile import compile_shared
 
 
+def start_thread(
+    work, *, then: tuple[threading.Event, ...] = ()
+) -> tuple[threading.Thread, dict[str, object]]:
+    """`work()` in a thread of its own, started: its outcome dict gets "value" (what work
+    returned) or "error" (what it raised), and the events in `then` are set once it has ended,
+    either way, so that no other thread waits for it in vain."""
+    outcome: dict[str, object] = {}
+
+    def body():
+        try:
+            outcome["value"] = work()
+        except BaseException as error:  # noqa: BLE001 - reported by the caller's assertions
+            outcome["error"] = error
+        finally:
+            for event in then:
+                event.set()
+
+    thread = threading.Thread(target=body)
+    thread.start()
+    return thread, outcome
+
+
 def test_a_thread_entering_compiled_code_while_another_compiles_waits_for_the_compile():
     inside_trace, other_called, compile_done = threading.Event(), threading.Event(), threading.Event()
 
@@ -35,25 +57,17 @@ def test_a_thread_entering_compiled_code_while_another_compiles_waits_for_the_co
     steady = compile_shared(lambda x: x * 2, backend="eager")
     assert steady(torch.ones(2)).tolist() == [2.0, 2.0]  # compiled before the threads start
     compiling = compile_shared(lambda x: x - 1, backend=tracing_backend)
-    outcome: dict[str, object] = {}
 
     def other_thread():
-        try:
-            inside_trace.wait(timeout=120)
-            outcome["value"] = steady(torch.ones(2)).tolist()
-            outcome["ran_after_the_compile"] = compile_done.is_set()
-        except BaseException as error:  # noqa: BLE001 - reported by the main thread
-            outcome["error"] = error
-        finally:
-            other_called.set()
+        inside_trace.wait(timeout=120)
+        return steady(torch.ones(2)).tolist(), compile_done.is_set()
 
-    thread = threading.Thread(target=other_thread)
-    thread.start()
+    thread, outcome = start_thread(other_thread, then=(other_called,))
     assert compiling(torch.ones(3)).tolist() == [0.0, 0.0, 0.0]
     thread.join(timeout=120)
     assert not thread.is_alive()
     assert "error" not in outcome, outcome.get("error")
-    assert outcome == {"value": [2.0, 2.0], "ran_after_the_compile": True}
+    assert outcome["value"] == ([2.0, 2.0], True)  # the value, and it ran after the compile
 
 
 def test_every_compiled_function_of_the_package_goes_through_the_shared_lock():
@@ -165,30 +179,23 @@ def test_two_threads_running_targets_while_another_thread_compiles_each_get_thei
     # The first forward waits inside until the second is inside too; the second until the first is done.
     first_attention_projection(targets[0]).register_forward_hook(hold(0, inside[1]))
     first_attention_projection(targets[1]).register_forward_hook(hold(1, done[0]))
-    outcome: list[dict[str, object]] = [{}, {}]
 
-    def run(index: int):
-        try:
-            with torch.no_grad():
-                outcome[index]["features"] = targets[index].features(ids[index])
-        except Exception as error:  # noqa: BLE001 - reported by the assertion below
-            outcome[index]["error"] = error
-        finally:
-            inside[index].set()
-            done[index].set()
+    def features(index: int):
+        with torch.no_grad():
+            return targets[index].features(ids[index])
 
     if compile_opens == "before_both":
         monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)
-    threads = [threading.Thread(target=run, args=(index,)) for index in (0, 1)]
-    threads[0].start()
+    first, first_outcome = start_thread(lambda: features(0), then=(inside[0], done[0]))
     assert inside[0].wait(timeout=300)
     monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)  # what another thread's compile sets
-    threads[1].start()
-    for thread in threads:
+    second, second_outcome = start_thread(lambda: features(1), then=(inside[1], done[1]))
+    for thread in (first, second):
         thread.join(timeout=300)
+    outcome = [first_outcome, second_outcome]
     for index in (0, 1):
         assert "error" not in outcome[index], f"thread {index}: {outcome[index].get('error')!r}"
-        torch.testing.assert_close(outcome[index]["features"], want[index], rtol=0, atol=0)
+        torch.testing.assert_close(outcome[index]["value"], want[index], rtol=0, atol=0)
 
 
 def test_a_compiled_target_does_not_recompile_while_an_eager_forward_in_another_thread_holds_its_records(
@@ -207,6 +214,7 @@ def test_a_compiled_target_does_not_recompile_while_an_eager_forward_in_another_
     ids = torch.randint(0, 500, (2, 20), generator=torch.Generator().manual_seed(3))
     with torch.no_grad():
         want = compiled.features(ids)
+        want_logits = eager.model(input_ids=ids, use_cache=False).logits
     inside, release = threading.Event(), threading.Event()
 
     def hold(module, args, output):
@@ -215,19 +223,12 @@ def test_a_compiled_target_does_not_recompile_while_an_eager_forward_in_another_
 
     first_attention_projection(eager).register_forward_hook(hold)
     monkeypatch.setattr(torch.compiler, "_is_compiling_flag", True)  # another thread's compile session
-    outcome: dict[str, object] = {}
 
     def eager_forward():
-        try:
-            with torch.no_grad():
-                eager.model(input_ids=ids, use_cache=False)
-        except Exception as error:  # noqa: BLE001 - reported by the assertion below
-            outcome["error"] = error
-        finally:
-            inside.set()
+        with torch.no_grad():
+            return eager.model(input_ids=ids, use_cache=False).logits
 
-    thread = threading.Thread(target=eager_forward)
-    thread.start()
+    thread, outcome = start_thread(eager_forward, then=(inside,))
     try:
         assert inside.wait(timeout=300)
         monkeypatch.setattr(torch.compiler, "_is_compiling_flag", False)  # that compile has ended
@@ -238,6 +239,7 @@ def test_a_compiled_target_does_not_recompile_while_an_eager_forward_in_another_
         thread.join(timeout=300)
     assert "error" not in outcome, outcome.get("error")
     torch.testing.assert_close(got, want, rtol=0, atol=0)
+    torch.testing.assert_close(outcome["value"], want_logits, rtol=0, atol=0)
 
 
 def test_a_record_of_another_layout_is_left_as_the_library_wrote_it(monkeypatch, caplog):
