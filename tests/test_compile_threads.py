@@ -105,12 +105,13 @@ def test_a_graph_compiled_after_the_first_training_step_is_warned_about(caplog):
 def test_the_compiled_drafter_holds_no_guard_on_state_transformers_shares_between_threads(monkeypatch):
     """transformers >= 5.2x runs its attention forwards through the `kernels` hub, whose active-
     kernel record is a context variable until a compile session is open, and a process-wide
-    global while one is: torch >= 2.12 holds `torch.compiler.is_compiling()` true in every thread
-    for the whole compile. So a target thread running transformers' eager forward while the
-    drafter compiles rewrites that global under the drafter's trace: a drafter graph that read
-    it would recompile on every change, or fail building its guards ("'NoneType' object is not
+    global while one is: torch 2.13 holds `torch.compiler.is_compiling()` true in every thread
+    for the whole compile (pytorch/pytorch#184614). So a target thread running transformers'
+    eager forward while the drafter compiled rewrote that global under the drafter's trace
+    (until dflash/models/thread_records.py kept eager threads off it): a drafter graph that read
+    it recompiled on every change, or failed building its guards ("'NoneType' object is not
     subscriptable", seen on a 2-core CPU with four compile threads). The drafter computes its own
-    rotary embedding and reads none of it."""
+    rotary embedding and reads none of it, whatever sets the record."""
     kernels_layer = pytest.importorskip("kernels._internals.layer.layer")
     from tests.test_dflash_rules import tiny_target
     from tests.test_drafter_compile import drafter_of_depth, forward_backward

@@ -2,11 +2,10 @@
 for the drafter and the static-cache decoder.
 
 transformers routes most families' `apply_rotary_pos_emb` through the `kernels` hub, whose
-record of the active kernels becomes process-wide while any thread compiles (torch >= 2.12
-holds `torch.compiler.is_compiling()` true in every thread for a whole compile). A graph that
-called it would guard on state that another thread running transformers rewrites: a recompile
-on every change, or guards that fail to build. tests/test_rope.py holds this function to each
-family's own, bit for bit."""
+active-function table a compiled graph that called it would guard on (state shared between
+threads while any thread compiles: dflash/models/thread_records.py keeps eager threads off it).
+Computed here, the drafter's and the decoder's graphs read no library dispatch state at all.
+tests/test_rope.py holds this function to each family's own, bit for bit."""
 
 from __future__ import annotations
 
