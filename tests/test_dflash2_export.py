@@ -1,6 +1,6 @@
 """DFlash2 drafters as their readers load them: the z-lab layout of z-lab's released DFlash2
 checkpoints (what SGLang, vLLM and llama.cpp's converter read) and speculators' `dflash2` layout
-(vLLM), written, read back bit for bit, checked by `dflash-export check` against each reader's
+(vLLM), written, read back bit for bit, checked by `dflash export check` against each reader's
 rules (docs/EXPORT.md, "DFlash2 drafters"); a checkpoint laid out as the released ones loads, and
 a DFlash drafter warm-starts a DFlash2 one with its convolutions at the identity."""
 
@@ -177,12 +177,17 @@ def test_the_speculators_dflash2_layout_round_trips_and_converts_back(export, tm
     layer = config["transformer_layer_config"]
     assert layer["is_causal"] is False and "dflash_config" not in layer and layer["layer_types"] == SLIDING
     assert not any(key in config for key in ("output_multiplier", "final_logit_softcapping"))
-    # The same tensors as the z-lab layout; the target's tables are not bundled for DFlash2.
-    assert set(load_file(str(spec / "model.safetensors"))) == released_names(2)
+    # The z-lab layout's tensors plus the target's tables, as speculators' save_pretrained writes
+    # them (its loader reads them from the drafter directory).
+    written = load_file(str(spec / "model.safetensors"))
+    assert set(written) == released_names(2) | {"embed_tokens.weight", "lm_head.weight"}
+    target = load_file(str(tiny_qwen3_dir / "model.safetensors"))
+    assert torch.equal(written["lm_head.weight"], target["lm_head.weight"].float())
+    assert torch.equal(written["embed_tokens.weight"], target["model.embed_tokens.weight"].float())
     assert check_export(spec, target=TINY_TARGET) == []
     assert reader_limits(spec) == [
         "the speculators layout of a DFlash2 drafter: vLLM serves it; SGLang and llama.cpp's converter "
-        "read the z-lab layout (dflash-export convert DIR DST --layout zlab --target TARGET)"
+        "read the z-lab layout (dflash export convert DIR DST --layout zlab --target TARGET)"
     ]
     loaded = load_drafter(spec)
     assert isinstance(loaded, DFlash2Drafter) and same_weights(load_drafter(export), loaded)
@@ -200,7 +205,7 @@ def test_the_speculators_dflash2_layout_round_trips_and_converts_back(export, tm
     )
 
 
-def test_logit_transforms_stay_in_the_zlab_layout(tmp_path, capsys):
+def test_logit_transforms_stay_in_the_zlab_layout(tmp_path, tiny_qwen3_dir, capsys):
     """A released drafter's output_multiplier / softcap have no speculators field: converting
     such a drafter there is refused, naming the layout that keeps them."""
     drafter = tiny_dflash2(tiny_target(), unary={"output_multiplier": 0.25, "final_logit_softcapping": 20.0})
@@ -219,8 +224,8 @@ def test_logit_transforms_stay_in_the_zlab_layout(tmp_path, capsys):
                 str(tmp_path / "s"),
                 "--layout",
                 "speculators",
-                "--verifier",
-                "t",
+                "--target",
+                str(tiny_qwen3_dir),
             ]
         )
     assert stopped.value.code == 2
@@ -341,7 +346,7 @@ def test_a_broken_dflash2_export_is_named_one_line_each(export, capsys, config_e
         export_main(["check", str(export)])
     assert stopped.value.code == 2
     lines = capsys.readouterr().err.strip().splitlines()
-    assert lines and all(line.startswith("dflash-export: ") for line in lines)
+    assert lines and all(line.startswith("dflash export: ") for line in lines)
     assert len(lines) == len(check_export(export))
 
 
@@ -384,32 +389,53 @@ def test_a_broken_dflash2_export_is_named_one_line_each(export, capsys, config_e
         "architecture",
     ],
 )
-def test_a_broken_speculators_dflash2_config_is_named(export, tmp_path, edit, expected):
+def test_a_broken_speculators_dflash2_config_is_named(export, tmp_path, tiny_qwen3_dir, edit, expected):
     spec = tmp_path / "spec"
-    export_speculators(load_drafter(export), spec, verifier=VERIFIER)
+    export_speculators(load_drafter(export), spec, verifier=VERIFIER, target_dir=tiny_qwen3_dir)
     assert check_export(spec) == []
     edit_config(spec, edit)
     problems = check_export(spec)
     assert any(expected in problem for problem in problems), problems
 
 
-def test_bundled_tables_in_a_speculators_dflash2_export_are_named(export, tmp_path, tiny_qwen3_dir):
+@pytest.mark.parametrize("table", ["embed_tokens.weight", "lm_head.weight"])
+def test_a_speculators_dflash2_export_without_the_targets_tables_is_named(
+    export, tmp_path, tiny_qwen3_dir, table
+):
+    """speculators' loader builds both tables uninitialised and fills them from the verifier
+    only when they read as NaN: a directory without them drafts from garbage, silently."""
     spec = tmp_path / "spec"
-    export_speculators(load_drafter(export), spec, verifier=VERIFIER)
-    edit_weights(spec, lambda w: {**w, "lm_head.weight": torch.zeros(512, 64)})
-    assert any("unexpected tensor lm_head.weight (a DFlash2" in p for p in check_export(spec))
+    export_speculators(load_drafter(export), spec, verifier=VERIFIER, target_dir=tiny_qwen3_dir)
+    edit_weights(spec, lambda w: {name: t for name, t in w.items() if name != table})
+    problems = check_export(spec)
+    assert len(problems) == 1, problems
+    assert f"model.safetensors: tensor {table} is missing (speculators' loader reads" in problems[0]
 
 
-def test_llama_cpps_hidden_size_limit_is_a_note(tmp_path, capsys):
-    """llama.cpp refuses hidden < top_k (top_k + 1) ("too small for the selector lattice"); the
-    drafter keeps the contract, so `check` says which reader refuses it and exits 0."""
-    export_drafter(tiny_dflash2(tiny_target(), selector_top_k=8), tmp_path)  # 8 x 9 = 72 > 64
-    assert check_export(tmp_path, target=TINY_TARGET) == []
-    export_main(["check", str(tmp_path)])
-    out = capsys.readouterr().out
-    assert (
-        "ok:" in out and "note: hidden_size 64 < selector_top_k x (selector_top_k + 1) = 72: llama.cpp" in out
+def test_llama_cpps_hidden_size_limit_refuses_the_zlab_layout(tmp_path, tiny_qwen3_dir, capsys):
+    """llama.cpp refuses hidden < top_k (top_k + 1) ("hidden size is too small for the selector
+    lattice"), and reads the z-lab layout: there the check and convert refuse it, naming the
+    option to change; the speculators layout (which llama.cpp does not read) notes it."""
+    export_drafter(tiny_dflash2(tiny_target(), selector_top_k=8), tmp_path / "zlab")  # 8 x 9 = 72 > 64
+    problems = check_export(tmp_path / "zlab", target=TINY_TARGET)
+    assert problems == [
+        f"{tmp_path / 'zlab' / 'config.json'}: dflash_config.selector_top_k 8: hidden_size 64 < 8 x 9 = 72, "
+        "which llama.cpp refuses ('hidden size is too small for the selector lattice'); train with "
+        "variant.selector_top_k <= 7"
+    ]
+    with pytest.raises(SystemExit) as stopped:
+        export_main(["check", str(tmp_path / "zlab")])
+    assert stopped.value.code == 2 and len(capsys.readouterr().err.strip().splitlines()) == 1
+    spec, back = tmp_path / "spec", tmp_path / "back"
+    to_speculators = ["convert", str(tmp_path / "zlab"), str(spec), "--layout", "speculators"]
+    export_main([*to_speculators, "--target", str(tiny_qwen3_dir)])
+    assert "note: dflash_config.selector_top_k 8: hidden_size 64 < 8 x 9 = 72, which llama.cpp refuses" in (
+        capsys.readouterr().out
     )
+    with pytest.raises(SystemExit) as stopped:
+        export_main(["convert", str(spec), str(back), "--layout", "zlab", "--target", str(tiny_qwen3_dir)])
+    assert stopped.value.code == 2 and "variant.selector_top_k <= 7" in capsys.readouterr().err
+    assert not back.exists()
 
 
 def write_as_released(directory: Path, *, unary: bool = True) -> dict[str, torch.Tensor]:
@@ -586,7 +612,7 @@ def test_a_dflash_drafter_warm_starts_dflash2_with_identity_convolutions(tmp_pat
     assert isinstance(load_drafter(tmp_path / "dflash"), DFlashDrafter)
 
 
-DFLASH2_RUN = ["variant=dflash2", "variant.selector_rank=16", "variant.selector_top_k=8"]
+DFLASH2_RUN = ["variant=dflash2", "variant.selector_rank=16", "variant.selector_top_k=7"]  # 7 x 8 <= 64
 
 
 def released_form(directory: Path, drafter: DFlash2Drafter) -> Path:

@@ -1,5 +1,5 @@
 """DSpark drafters as their readers load them: every checkpoint in DeepSpec's layout (what
-SGLang, vLLM and llama.cpp's converter read), checked by `dflash-export check` with the heads'
+SGLang, vLLM and llama.cpp's converter read), checked by `dflash export check` with the heads'
 rules, read back bit for bit, and DeepSpec's and speculators' own checkpoints (built here in
 their published layouts) loaded for fine-tuning."""
 
@@ -232,8 +232,8 @@ def test_a_speculators_dspark_checkpoint_loads_and_converts_both_ways(tmp_path, 
             str(tmp_path / "back"),
             "--layout",
             "speculators",
-            "--verifier",
-            "t",
+            "--target",
+            str(tiny_qwen3_dir),
         ]
     )
     back = json.loads((tmp_path / "back" / "config.json").read_text())
@@ -357,13 +357,35 @@ def test_a_dspark_runs_checkpoints_keep_the_contract_and_deepspecs_own_starts_a_
             assert torch.equal(started[name], tensor.to(dtype).float()), (layout, name)
 
 
-def test_a_head_class_of_ones_own_passes_the_check_and_is_noted_as_dflash_only(tmp_path):
-    problems = edited_export(
-        tmp_path,
-        config_edit=lambda c: c.update(markov_head_type="my_heads.ScaledMarkovHead"),
-        weights_edit=lambda w: {**w, "markov_head.scale": torch.ones(1)},  # its own tensors
-    )
-    assert problems == []
+def test_a_head_class_of_ones_own_is_checked_as_the_loader_builds_it(tmp_path, monkeypatch, capsys):
+    """A head class of the user's own (docs/extending.md's ScaledMarkovHead) passes with the
+    tensors its class builds and is noted as dflash only; a head type dflash cannot build
+    (`foo`, a module not on the path) or a tensor the class has no parameter for is refused,
+    as `dflash eval` and `convert` refuse it, one line naming the file and the key or tensor."""
+    from tests.test_extending import doc_example
+
+    (tmp_path / "my_heads.py").write_text(doc_example("ScaledMarkovHead"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    export = tmp_path / "drafter"
+    own = lambda c: c.update(markov_head_type="my_heads.ScaledMarkovHead")  # noqa: E731
+    gain = lambda w: {**w, "markov_head.gain": torch.ones(RANK)}  # noqa: E731
+    assert edited_export(export, config_edit=own, weights_edit=gain) == []
     assert any(
-        "a head class of your own; dflash reads it, no engine builds it" in n for n in reader_limits(tmp_path)
+        "a head class of your own; dflash reads it, no engine builds it" in n for n in reader_limits(export)
     )
+    stray = lambda w: {**gain(w), "markov_head.scale": torch.ones(1)}  # noqa: E731
+    assert edited_export(export, config_edit=own, weights_edit=stray) == [
+        f"{export / 'model.safetensors'}: unexpected tensor markov_head.scale (the drafter's class has no such parameter)"
+    ]
+    for head_type, reason in (
+        ("foo", "expected one of vanilla, gated, rnn"),
+        ("elsewhere.Head", "cannot import it"),
+    ):
+        problems = edited_export(export, config_edit=lambda c, t=head_type: c.update(markov_head_type=t))
+        assert len(problems) == 1, problems
+        assert problems[0].startswith(f"{export / 'config.json'}: markov_head_type={head_type!r}: {reason}")
+        with pytest.raises(SystemExit) as stopped:
+            export_main(["check", str(export)])
+        assert stopped.value.code == 2 and capsys.readouterr().err.count("\n") == 1
+        with pytest.raises(ValueError, match="markov_head_type"):
+            load_drafter(export)

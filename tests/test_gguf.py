@@ -3,6 +3,8 @@ directory that loads without gguf and decodes exactly as the GGUF-loaded model d
 
 from __future__ import annotations
 
+import os
+import stat
 from importlib import metadata
 
 import pytest
@@ -123,3 +125,12 @@ def test_two_conversions_of_one_file_at_once_both_finish_with_the_first_copy(tmp
     (tmp_path / "gguf" / "model-9" / "stray").write_text("")  # in the way, yet no conversion
     with pytest.raises(OSError):
         gguf.publish(broken, tmp_path / "gguf" / "model-9")
+
+
+def test_a_conversion_is_staged_with_the_umask_mode(tmp_path):
+    previous = os.umask(0o022)
+    try:
+        staging = gguf.staging_dir(tmp_path / "gguf" / "model-0123")
+    finally:
+        os.umask(previous)
+    assert staging.parent == tmp_path / "gguf" and stat.S_IMODE(staging.stat().st_mode) == 0o755

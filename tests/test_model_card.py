@@ -47,9 +47,7 @@ def test_every_checkpoint_has_a_card_and_the_last_one_its_final_evaluation(make_
     assert f'"model": "{served}", "num_speculative_tokens": {block - 1}' in card
     assert check_export(last) == []  # the card is no problem for any reader
 
-    export_tool.main(
-        ["convert", str(last), str(tmp_path / "spec"), "--layout", "speculators", "--verifier", "org/target"]
-    )
+    export_tool.main(["convert", str(last), str(tmp_path / "spec"), "--layout", "zlab"])
     converted = (tmp_path / "spec" / CARD_FILE).read_text()
     assert "| optimizer steps | 4 |" in converted and f"| block_size | {block} |" in converted
     assert str(tmp_path / "spec") in converted

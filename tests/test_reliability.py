@@ -456,7 +456,7 @@ def test_an_interrupted_or_failed_convert_leaves_no_destination(tmp_path, capsys
         assert code == 128 + signal.SIGTERM
     else:
         assert code == 2 and err == (
-            f"dflash-export: error: {tmp_path / 'dst'}: writing model.safetensors failed "
+            f"dflash export: error: {tmp_path / 'dst'}: writing model.safetensors failed "
             "(No space left on device); nothing was left there\n"
         )
     monkeypatch.setattr(zlab, "save_file", real_save)
@@ -475,7 +475,7 @@ def test_convert_into_an_unwritable_place_is_one_line_naming_it(tmp_path, capsys
         capsys, "convert", str(tmp_path / "source"), "/proc/dflash-test/dst", "--layout", "zlab"
     )
     assert code == 2 and err.count("\n") == 1
-    assert err.startswith("dflash-export: error: /proc/dflash-test/dst: cannot write there (")
+    assert err.startswith("dflash export: error: /proc/dflash-test/dst: cannot write there (")
 
 
 def test_signals_in_quick_succession_never_break_off_the_checkpoint_or_the_record(tmp_path, data_cache):

@@ -25,7 +25,7 @@ LAYER_IDS = [1, 3]
 
 
 def export_cli(capsys, *args: str) -> tuple[int, str]:
-    """`dflash-export ARGS` in this process: (exit code, stderr)."""
+    """`dflash export ARGS` in this process: (exit code, stderr)."""
     try:
         export_main(list(args))
         code = 0
@@ -125,7 +125,7 @@ def test_a_vocabulary_map_is_refused_by_name(tmp_path):
 
 
 def test_convert_to_speculators_and_back_keeps_the_drafter(tmp_path, tiny_qwen3_dir, capsys):
-    """dflash-export convert: z-lab -> speculators (self-contained, the target's own tables
+    """dflash export convert: z-lab -> speculators (self-contained, the target's own tables
     bundled) -> z-lab gives back the export tensor for tensor; every step passes the check."""
     drafter = tiny_drafter(layer_types=["sliding_attention", "full_attention"], sliding_window=8)
     export_drafter(drafter, tmp_path / "zlab")
@@ -169,12 +169,25 @@ def test_convert_to_speculators_and_back_keeps_the_drafter(tmp_path, tiny_qwen3_
     assert loaded.layer_windows == [8, None] and loaded.target_layer_ids == LAYER_IDS
 
 
-def test_convert_needs_a_verifier_name_and_an_empty_destination(tmp_path, capsys):
+def test_convert_needs_the_target_and_an_empty_destination(tmp_path, capsys):
+    """speculators' loader reads the target's tables from the drafter directory (its own
+    save_pretrained writes them), so the layout is written with them or not at all."""
     export_drafter(tiny_drafter(), tmp_path / "zlab")
     code, err = export_cli(
-        capsys, "convert", str(tmp_path / "zlab"), str(tmp_path / "spec"), "--layout", "speculators"
+        capsys,
+        "convert",
+        str(tmp_path / "zlab"),
+        str(tmp_path / "spec"),
+        "--layout",
+        "speculators",
+        "--verifier",
+        "t",
     )
-    assert code == 2 and "--target DIR or --verifier NAME" in err
+    assert code == 2 and err == (
+        "dflash export: error: --layout speculators needs --target DIR: speculators' loader reads the "
+        "target's embedding and LM head from the drafter directory (its own save_pretrained writes both)\n"
+    )
+    assert not (tmp_path / "spec").exists()
     (tmp_path / "full").mkdir()
     (tmp_path / "full" / "keep.txt").write_text("mine")
     code, err = export_cli(

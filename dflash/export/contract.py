@@ -1,7 +1,7 @@
 """The export contract: what a drafter directory must hold for every reader users serve it
 with (the z-lab reference under its pinned transformers 4.57.1, SGLang, vLLM; for a DSpark
 drafter DeepSpec, SGLang, vLLM and llama.cpp's converter) to read it the same way.
-docs/EXPORT.md says, reader by reader, why each rule exists; `dflash-export check DIR` runs
+docs/EXPORT.md says, reader by reader, why each rule exists; `dflash export check DIR` runs
 `check_export` (and prints `reader_limits`: readers that refuse a well-formed drafter). A DFlash2
 drafter's rules (both its layouts) are dflash/export/dflash2.py's.
 
@@ -17,9 +17,14 @@ import json
 from pathlib import Path
 from typing import Any
 
+import torch
+import yaml
 from safetensors import SafetensorError, safe_open
 
 from dflash.export import deepspec, dflash2, speculators
+from dflash.export.dflash2 import positive_int
+from dflash.export.zlab import exported_state, nonfinite_problem, read_drafter_config
+from dflash.models.drafter_class import drafter_from_config
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -32,6 +37,9 @@ SIZE_FIELDS = (
     "num_key_value_heads",
 )
 FLOAT_DTYPES = {"BF16": "bfloat16", "F16": "float16", "F32": "float32"}
+# A dflash checkpoint keeps its run's resolved config beside the export (dflash.trainer.checkpoint):
+# the block size the drafter was trained with.
+RUN_CONFIG_FILE = "config.yaml"
 
 
 def expected_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
@@ -118,12 +126,15 @@ def config_problems(
     if not isinstance(dflash, dict):
         return problems + ["dflash_config is missing (mask_token_id, target_layer_ids)"]
     mask_id, layer_ids = dflash.get("mask_token_id"), dflash.get("target_layer_ids")
-    if not isinstance(mask_id, int) or mask_id < 0:
+    vocab = config.get("vocab_size")
+    if not positive_int(vocab):
+        # Without it transformers' Qwen3Config reads 151936: a mask id past the target's
+        # vocabulary would pass, and every masked position embed out of range.
+        problems.append(f"vocab_size is {vocab!r}: the target's vocabulary size is needed")
+    if not isinstance(mask_id, int) or isinstance(mask_id, bool) or mask_id < 0:
         problems.append(f"dflash_config.mask_token_id is {mask_id!r}: a token id is needed")
-    elif mask_id >= config.get("vocab_size", mask_id + 1):
-        problems.append(
-            f"dflash_config.mask_token_id {mask_id} is outside the vocabulary ({config['vocab_size']})"
-        )
+    elif positive_int(vocab) and mask_id >= vocab:
+        problems.append(f"dflash_config.mask_token_id {mask_id} is outside the vocabulary ({vocab})")
     depth = _field(config, "num_target_layers") if records_depth else (target or {}).get("num_hidden_layers")
     if records_depth and (not isinstance(depth, int) or depth <= 0):
         problems.append(f"num_target_layers is {depth!r}: the target's layer count is needed")
@@ -138,8 +149,15 @@ def config_problems(
                 f"dflash_config.target_layer_ids {layer_ids} are not all inside the target's {depth} layers"
             )
     block = _field(config, "block_size")
-    if not isinstance(block, int) or block < 2:
+    if not positive_int(block) or block < 2:
         problems.append(f"block_size is {block!r}: an integer >= 2 is needed (SGLang would assume 16)")
+    nested_block = dflash.get("block_size")
+    if "block_size" in config and nested_block is not None and nested_block != config["block_size"]:
+        # The reference reads dflash_config first, dflash's loader the top level first.
+        problems.append(
+            f"block_size {config['block_size']!r} differs from dflash_config.block_size {nested_block!r}: "
+            "readers would serve blocks of either size"
+        )
     # The released DFlash2 configs (written by transformers 5.15) carry the rotary base in
     # rope_parameters alone, so a DFlash2 drafter is not asked for rope_theta; one beside it
     # must still agree (dflash writes both).
@@ -148,9 +166,31 @@ def config_problems(
     problems += layer_type_problems(config)
     if is_dflash2:
         problems += dflash2.field_problems(config)
+        if layout == "zlab":
+            problems += dflash2.lattice_problems(config)
     if target is not None:
         problems += pairing_problems(config, target, records_depth=records_depth)
     return problems
+
+
+def trained_block_problems(directory: Path, declared: Any) -> list[str]:
+    """A dflash checkpoint's run config beside it records the block the drafter was trained
+    with; an export declaring another one is served at a size it never drafted (the DFlash2
+    convolution's taps, DSpark's head, the positions' noise schedule all are per block)."""
+    path = Path(directory) / RUN_CONFIG_FILE
+    if not path.is_file():
+        return []  # trained elsewhere: its config.json is all there is to go by
+    try:
+        run = yaml.safe_load(path.read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        return [f"{path}: not a readable run config ({exc})"]
+    trained = (run.get("drafter") or {}).get("block_size") if isinstance(run, dict) else None
+    if trained is None or trained == declared:
+        return []
+    return [
+        f"{Path(directory) / CONFIG_FILE}: block_size {declared!r}, but the drafter was trained with "
+        f"drafter.block_size={trained} ({path}): serve it at the block it was trained with"
+    ]
 
 
 def rope_problems(config: dict[str, Any]) -> list[str]:
@@ -230,11 +270,16 @@ def pairing_problems(
 
 
 def weight_problems(
-    path: Path, config: dict[str, Any], optional: dict[str, tuple[int, ...]] | None = None
+    path: Path,
+    config: dict[str, Any],
+    tables: dict[str, tuple[int, ...]] | None = None,
+    *,
+    tables_required: bool = False,
 ) -> list[str]:
-    """Names, shapes and dtypes of model.safetensors against the config; `optional`: tensors a
-    layout may also hold (the speculators layout's bundled embedding and LM head). A DSpark
-    drafter's head of the user's own: its `markov_head.*` tensors are its own (dtype rules only)."""
+    """Names, shapes, dtypes and values of model.safetensors against the config. `tables`: the
+    target's embedding and LM head a layout may also hold (DeepSpec's) or must hold (speculators',
+    `tables_required`). A DSpark drafter's head of the user's own: its `markov_head.*` tensors
+    are its own (dtype rules only)."""
     try:
         with safe_open(str(path), "pt") as handle:
             found = {name: handle.get_slice(name) for name in handle.keys()}
@@ -242,9 +287,14 @@ def weight_problems(
             dtypes = {name: s.get_dtype() for name, s in found.items()}
     except (OSError, SafetensorError) as exc:
         return [f"{path}: not readable safetensors ({exc})"]
-    required = expected_tensors(config)
-    problems = [f"{path}: tensor {name} is missing" for name in required if name not in shapes]
-    expected = {**required, **{name: shape for name, shape in (optional or {}).items() if name in shapes}}
+    tables = tables or {}
+    required = {**expected_tensors(config), **(tables if tables_required else {})}
+    problems = [
+        f"{path}: tensor {name} is missing{TABLE_MISSING if name in tables else ''}"
+        for name in required
+        if name not in shapes
+    ]
+    expected = {**required, **{name: shape for name, shape in tables.items() if name in shapes}}
     if deepspec.is_dspark(config) and deepspec.own_head(config):
         expected.update({name: shape for name, shape in shapes.items() if name.startswith("markov_head.")})
     reason = dflash2.unexpected_tensor_reason if dflash2.is_dflash2(config) else lambda name: None
@@ -258,34 +308,54 @@ def weight_problems(
             )
     kinds = set(dtypes.values())
     if not kinds <= set(FLOAT_DTYPES):
-        problems.append(f"{path}: tensor dtypes {sorted(kinds)}; the readers load bf16, fp16 or fp32")
-    elif len(kinds) > 1:
+        return problems + [f"{path}: tensor dtypes {sorted(kinds)}; the readers load bf16, fp16 or fp32"]
+    if len(kinds) > 1:
         problems.append(f"{path}: mixed tensor dtypes {sorted(kinds)}")
     elif kinds:
         stored = FLOAT_DTYPES[kinds.pop()]
         declared = config.get("torch_dtype") or config.get("dtype")
         if declared is not None and declared != stored:
             problems.append(f"{path}: tensors are {stored} but config.json declares {declared}")
-    return problems
+    return problems + nonfinite_problems(path)
+
+
+# Why a speculators export must carry the target's tables (speculators' DraftVocabMixin).
+TABLE_MISSING = (
+    " (speculators' loader reads the target's embedding and LM head from the drafter directory, as "
+    "its save_pretrained writes them; without them it drafts from uninitialised tables, silently: "
+    "convert with --target)"
+)
+
+
+def nonfinite_problems(path: Path) -> list[str]:
+    """The tensors of a safetensors file holding NaN or inf, one line each (dflash's loader
+    refuses them by the same rule: zlab.nonfinite_problem)."""
+    with safe_open(str(path), "pt") as handle:
+        found = (nonfinite_problem(path, name, handle.get_tensor(name)) for name in handle.keys())
+        return [problem for problem in found if problem is not None]
 
 
 def check_export(directory: Path, *, target: dict[str, Any] | None = None) -> list[str]:
-    """Every problem of a drafter directory, one line each ([] when it keeps the contract)."""
+    """Every problem of a drafter directory, one line each ([] when it keeps the contract): the
+    readers' rules, then (when those hold) whatever dflash's own loader still refuses, so a
+    directory this passes is one `dflash eval`, `convert` and `drafter.init_from` read."""
     config_path, weights_path = Path(directory) / CONFIG_FILE, Path(directory) / WEIGHTS_FILE
     try:
         config = json.loads(config_path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         return [f"{config_path}: not a readable config ({exc})"]
-    layout, optional, serving = "zlab", None, []
+    if not isinstance(config, dict):
+        return [f"{config_path}: not a readable config (a JSON object is needed)"]
+    layout, tables, serving = "zlab", {}, []
     if speculators.is_speculators(config):
         layout_problems = speculators.speculators_problems(config)
         if layout_problems:
             return [f"{config_path}: {p}" for p in layout_problems]
+        serving = speculators.serving_problems(config)
         if config["speculators_model_type"] == speculators.DFLASH2_TYPE:
-            serving = dflash2.speculators_serving_problems(config)
+            serving += dflash2.speculators_serving_problems(config)
         config, layout = speculators.from_speculators(config), "speculators"
-        # A DFlash2 drafter bundles nothing (dflash2.unexpected_tensor_reason).
-        bundled = () if dflash2.is_dflash2(config) else speculators.BUNDLED_TENSORS
+        bundled = speculators.BUNDLED_TENSORS
     elif deepspec.is_deepspec(config) or deepspec.is_dspark(config):
         layout_problems = deepspec.deepspec_problems(config)
         if layout_problems:
@@ -294,15 +364,53 @@ def check_export(directory: Path, *, target: dict[str, Any] | None = None) -> li
         bundled = deepspec.BUNDLED_TENSORS
     if layout != "zlab" and _describes_tensors(config) and isinstance(config.get("vocab_size"), int):
         table = (config["vocab_size"], config["hidden_size"])
-        optional = {name: table for name in bundled}
+        tables = {name: table for name in bundled}
     problems = [
         f"{config_path}: {p}" for p in serving + config_problems(config, target=target, layout=layout)
     ]
+    problems += trained_block_problems(Path(directory), _field(config, "block_size"))
     if not weights_path.is_file():
         return problems + [f"{weights_path}: missing"]
     if not _describes_tensors(config):
         return problems  # which tensors belong there cannot be said from this config
-    return problems + weight_problems(weights_path, config, optional)
+    problems += weight_problems(weights_path, config, tables, tables_required=layout == "speculators")
+    return problems or loader_problems(Path(directory))
+
+
+def loader_problems(directory: Path) -> list[str]:
+    """What dflash's loader refuses in a directory the rules above pass: its config reading and
+    the drafter it builds (on the meta device: no memory, no weights), e.g. a Markov head type
+    it cannot build. One contract: these are the loader's own checks, not a copy of them."""
+    try:
+        config = read_drafter_config(directory)
+        with torch.device("meta"):
+            drafter = drafter_from_config(config)
+    except (ValueError, TypeError) as exc:
+        message = str(exc)
+        return [message if str(directory) in message else f"{Path(directory) / CONFIG_FILE}: {message}"]
+    # The tensors it loads, both ways (a head class of the user's own has its own: see weight_problems).
+    path = Path(directory) / WEIGHTS_FILE
+    with safe_open(str(path), "pt") as handle:
+        tables = speculators.BUNDLED_TENSORS + deepspec.BUNDLED_TENSORS
+        found = {
+            name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys() if name not in tables
+        }
+    built = {name: tuple(tensor.shape) for name, tensor in exported_state(drafter).items()}
+    problems = [
+        f"{path}: tensor {name} is missing (the drafter's class builds it)"
+        for name in built
+        if name not in found
+    ]
+    problems += [
+        f"{path}: unexpected tensor {name} (the drafter's class has no such parameter)"
+        for name in found
+        if name not in built
+    ]
+    return problems + [
+        f"{path}: tensor {name} has shape {list(found[name])}, the drafter's class needs {list(shape)}"
+        for name, shape in built.items()
+        if name in found and found[name] != shape
+    ]
 
 
 def _describes_tensors(config: dict[str, Any]) -> bool:
@@ -326,10 +434,10 @@ def reader_limits(directory: Path) -> list[str]:
     if config.get("speculators_model_type") == speculators.DFLASH2_TYPE:
         return [
             "the speculators layout of a DFlash2 drafter: vLLM serves it; SGLang and llama.cpp's converter read "
-            "the z-lab layout (dflash-export convert DIR DST --layout zlab --target TARGET)"
+            "the z-lab layout (dflash export convert DIR DST --layout zlab --target TARGET)"
         ] + dflash2.reader_limits(speculators.from_speculators(config))
     if dflash2.is_dflash2(config):
-        return dflash2.reader_limits(config)
+        return []  # llama.cpp's limit is a contract rule in this layout (dflash2.lattice_problems)
     if speculators.is_speculators(config):
         if config.get("speculators_model_type") != speculators.DSPARK_TYPE:
             return []

@@ -20,10 +20,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from dflash.models.dspark import MARKOV_HEAD_TYPES, markov_head_class
+
 DEEPSPEC_ARCHITECTURE = "Qwen3DSparkModel"  # deepspec/modeling/dspark/qwen3/config.py
 # The heads' config.json keys, the reference's names (deepspec/modeling/dspark/qwen3/modeling.py).
 HEAD_FIELDS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
-MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")  # deepspec/modeling/dspark/markov_head.py
 BUNDLED_TENSORS = ("embed_tokens.weight", "lm_head.weight")  # the target's, [vocab, hidden]
 
 
@@ -53,6 +54,11 @@ def head_problems(config: dict[str, Any]) -> list[str]:
             f"markov_head_type is {head_type!r}: {', '.join(MARKOV_HEAD_TYPES)} (or the import path of a "
             "head class of your own) is needed; SGLang refuses a Markov head without it"
         )
+    elif rank > 0:
+        try:
+            markov_head_class(head_type)  # the class the drafter is built with (dflash eval, convert)
+        except ValueError as exc:
+            problems.append(str(exc))
     enabled = config.get("enable_confidence_head")
     if not isinstance(enabled, bool):
         problems.append(f"enable_confidence_head is {enabled!r}: true or false is needed")

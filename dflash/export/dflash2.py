@@ -55,7 +55,7 @@ def is_dflash2(config: dict[str, Any]) -> bool:
     )
 
 
-def _positive_int(value: Any) -> bool:
+def positive_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
@@ -82,7 +82,7 @@ def field_problems(config: dict[str, Any]) -> list[str]:
                 f"dflash_config.{key} is missing{where}: vLLM fails on it (KeyError), SGLang builds "
                 f"the drafter without its {_PART_OF[key]}, silently"
             )
-        elif not _positive_int(value):
+        elif not positive_int(value):
             problems.append(f"dflash_config.{key} is {value!r}: a positive integer is needed")
     if problems:
         return problems  # the rules below read these fields
@@ -129,8 +129,8 @@ def describes_tensors(config: dict[str, Any]) -> bool:
     """Whether the DFlash2 tensors' shapes follow from this config (field_problems gives why not)."""
     settings = _settings(config)
     return (
-        all(_positive_int(settings.get(key)) for key in DFLASH2_KEYS)
-        and _positive_int(config.get("vocab_size"))
+        all(positive_int(settings.get(key)) for key in DFLASH2_KEYS)
+        and positive_int(config.get("vocab_size"))
         and config["hidden_size"] % settings["conv_group_size"] == 0
     )
 
@@ -169,16 +169,27 @@ def unexpected_tensor_reason(name: str) -> str | None:
     return None
 
 
-def reader_limits(config: dict[str, Any]) -> list[str]:
-    """Readers that refuse a well-formed DFlash2 drafter of this config, one line each."""
-    settings = _settings(config)
-    hidden, top_k = config.get("hidden_size"), settings.get("selector_top_k")
-    if not (_positive_int(hidden) and _positive_int(top_k)) or hidden >= top_k * (top_k + 1):
+def lattice_problems(config: dict[str, Any]) -> list[str]:
+    """llama.cpp's loader needs hidden_size >= top_k (top_k + 1) ("hidden size is too small for
+    the selector lattice"). A rule of the z-lab layout, which llama.cpp's converter reads (a
+    drafter it refuses is not written or passed); a note in the speculators layout (reader_limits)."""
+    hidden, top_k = config.get("hidden_size"), _settings(config).get("selector_top_k")
+    if not (positive_int(hidden) and positive_int(top_k)) or hidden >= top_k * (top_k + 1):
         return []
+    fits = 0  # the largest k with k (k + 1) <= hidden (below top_k: a few steps)
+    while (fits + 1) * (fits + 2) <= hidden:
+        fits += 1
     return [
-        f"hidden_size {hidden} < selector_top_k x (selector_top_k + 1) = {top_k * (top_k + 1)}: llama.cpp "
-        "refuses the drafter ('too small for the selector lattice'); SGLang and vLLM serve it"
+        f"dflash_config.selector_top_k {top_k}: hidden_size {hidden} < {top_k} x {top_k + 1} = "
+        f"{top_k * (top_k + 1)}, which llama.cpp refuses ('hidden size is too small for the selector "
+        f"lattice'); train with variant.selector_top_k <= {fits}"
     ]
+
+
+def reader_limits(config: dict[str, Any]) -> list[str]:
+    """Readers that refuse a well-formed DFlash2 drafter of this config (in the speculators
+    layout, which llama.cpp does not read), one line each."""
+    return [f"{problem}; SGLang and vLLM serve it" for problem in lattice_problems(config)]
 
 
 # -- the speculators layout (raw speculators config.json) --------------------------------------
@@ -220,7 +231,7 @@ def speculators_problems(config: dict[str, Any]) -> list[str]:
     problems = [
         f"{key} is {with_defaults[key]!r}: a positive integer is needed"
         for key in DFLASH2_KEYS
-        if not _positive_int(with_defaults[key])
+        if not positive_int(with_defaults[key])
     ]
     if with_defaults["sample_from_anchor"] is not False:
         problems.append(
@@ -241,31 +252,12 @@ def speculators_problems(config: dict[str, Any]) -> list[str]:
 
 
 def speculators_serving_problems(config: dict[str, Any]) -> list[str]:
-    """What vLLM's speculators path needs from a speculators DFlash2 config beyond what dflash
-    reads: its class, the algorithm it maps to `dflash`, the proposal length, and `is_causal`
-    where vLLM looks for it."""
-    problems = []
-    if config.get("architectures") != [DFLASH2_ARCHITECTURE]:
-        problems.append(
-            f"architectures is {config.get('architectures')!r}, not [{DFLASH2_ARCHITECTURE!r}] (vLLM "
-            "serves it as DFlash, without the selector, otherwise)"
-        )
-    speculators = config.get("speculators_config") or {}
-    if speculators.get("algorithm") != SPECULATORS_TYPE:
-        problems.append(
-            f"speculators_config.algorithm is {speculators.get('algorithm')!r}, not {SPECULATORS_TYPE!r}"
-        )
-    block = config.get("block_size")
-    proposed = [m.get("speculative_tokens") for m in speculators.get("proposal_methods") or []]
-    if isinstance(block, int) and proposed != [block - 1]:
-        problems.append(
-            f"speculators_config proposes {proposed} tokens; a block of {block} drafts {block - 1} "
-            "(position 0 is the given token)"
-        )
+    """What vLLM's speculators path needs from a speculators DFlash2 config beyond the rules of
+    every speculators config (speculators.serving_problems): `is_causal` where vLLM looks for it."""
     layer = config.get("transformer_layer_config") or {}
     if "sliding_attention" in (layer.get("layer_types") or []) and layer.get("is_causal") is not False:
-        problems.append(
+        return [
             f"transformer_layer_config.is_causal is {layer.get('is_causal')!r}: vLLM lifts these fields "
             "to the top level and reads is_causal first; without false it runs sliding layers causally"
-        )
-    return problems
+        ]
+    return []

@@ -115,6 +115,52 @@ def speculators_problems(config: dict[str, Any]) -> list[str]:
     return problems
 
 
+# Why a wrong `architectures` misleads the serving readers, by kind.
+_CLASS_REASONS = {
+    DFLASH2_TYPE: "vLLM serves it as DFlash, without the selector, otherwise",
+}
+
+
+def serving_problems(config: dict[str, Any]) -> list[str]:
+    """What speculators' loader and vLLM's speculators path read beyond what dflash reads (a
+    config speculators_problems accepts): the class, and `speculators_config`, which vLLM's
+    config reader indexes (the algorithm, the first proposal method's length, the verifier's
+    name) and fails without."""
+    kind = config["speculators_model_type"]
+    problems = []
+    architecture = ARCHITECTURES[kind]
+    if config.get("architectures") != [architecture]:
+        why = _CLASS_REASONS.get(kind, "the class speculators builds and vLLM maps")
+        problems.append(f"architectures is {config.get('architectures')!r}, not [{architecture!r}] ({why})")
+    settings = config.get("speculators_config")
+    if not isinstance(settings, dict):
+        return problems + [
+            f"speculators_config is {settings!r}: vLLM reads the proposal length and the verifier there "
+            "(and refuses the config without them)"
+        ]
+    if settings.get("algorithm") != kind:
+        problems.append(f"speculators_config.algorithm is {settings.get('algorithm')!r}, not {kind!r}")
+    block, methods = config.get("block_size"), settings.get("proposal_methods")
+    proposed = [m.get("speculative_tokens") if isinstance(m, dict) else m for m in methods or []]
+    if isinstance(block, int):
+        # DSpark: every block slot predicts (the anchor's too); DFlash and DFlash2: slot 0 is the given token.
+        drafted, why = (
+            (block, "every slot predicts")
+            if kind == DSPARK_TYPE
+            else (block - 1, "position 0 is the given token")
+        )
+        if proposed != [drafted]:
+            problems.append(
+                f"speculators_config proposes {proposed} tokens; a block of {block} drafts {drafted} ({why})"
+            )
+    verifier = settings.get("verifier")
+    if not isinstance(verifier, dict) or not verifier.get("name_or_path"):
+        problems.append(
+            "speculators_config.verifier.name_or_path is missing: vLLM refuses the config without it"
+        )
+    return problems
+
+
 def from_speculators(config: dict[str, Any]) -> dict[str, Any]:
     """The z-lab config.json of a speculators DFlash config (speculators_problems must be [])."""
     kind = config.get("speculators_model_type")

@@ -31,7 +31,6 @@ from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
 from dflash.export import deepspec, dflash2, speculators
-from dflash.models.dflash2 import DFlash2Drafter
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.drafter_class import drafter_from_config
 from dflash.models.dspark import DSparkDrafter
@@ -78,13 +77,14 @@ def _write(directory: Path, config: dict[str, Any], state: dict[str, torch.Tenso
     os.chmod(weights, (directory / CONFIG_FILE).stat().st_mode & 0o777)
 
 
-def _drafter_tensors(drafter: DFlashDrafter) -> dict[str, torch.Tensor]:
+def exported_state(drafter: DFlashDrafter) -> dict[str, torch.Tensor]:
+    """The drafter's tensors an export holds, under their names (a meta-device drafter's too)."""
     exported = BACKBONE_PREFIXES + tuple(f"{module}." for module in drafter.added_modules)
-    return {
-        name: tensor.detach().contiguous().cpu()
-        for name, tensor in drafter.state_dict().items()
-        if name.startswith(exported)
-    }
+    return {name: tensor for name, tensor in drafter.state_dict().items() if name.startswith(exported)}
+
+
+def _drafter_tensors(drafter: DFlashDrafter) -> dict[str, torch.Tensor]:
+    return {name: tensor.detach().contiguous().cpu() for name, tensor in exported_state(drafter).items()}
 
 
 def export_drafter(drafter: DFlashDrafter, directory: Path) -> None:
@@ -119,15 +119,16 @@ def _target_tables(drafter: DFlashDrafter, target_dir: Path, dtype: torch.dtype)
 
 
 def export_speculators(
-    drafter: DFlashDrafter, directory: Path, *, verifier: dict[str, Any], target_dir: Path | None = None
+    drafter: DFlashDrafter, directory: Path, *, verifier: dict[str, Any], target_dir: Path
 ) -> None:
-    """The same drafter in the speculators layout (dflash/export/speculators.py); with the
-    target's checkpoint directory, self-contained: its embedding and LM head bundled, in the
-    drafter's dtype. A DFlash2 drafter never bundles them: speculators writes none for a
-    full-vocabulary DFlash2 drafter, and vLLM would take a bundled head as the drafter's own."""
+    """The same drafter in the speculators layout (dflash/export/speculators.py), with the
+    target's embedding and LM head bundled in the drafter's dtype, as speculators'
+    `save_pretrained` writes every DFlash, DSpark and DFlash2 drafter: its loader builds both
+    tables uninitialised and fills them from the verifier only when they read as NaN, which
+    memory transformers leaves uninitialised does not, so a directory without them drafts
+    from garbage tables without an error."""
     state = _drafter_tensors(drafter)
-    if target_dir is not None and not isinstance(drafter, DFlash2Drafter):
-        state.update(_target_tables(drafter, Path(target_dir), next(iter(state.values())).dtype))
+    state.update(_target_tables(drafter, Path(target_dir), next(iter(state.values())).dtype))
     config = speculators.to_speculators(_exported_config(drafter), verifier=verifier)
     _write(Path(directory), config, state)
 
@@ -172,6 +173,18 @@ def read_drafter_config(directory: Path) -> Qwen3Config:
     return Qwen3Config.from_dict(raw)
 
 
+def nonfinite_problem(path: Path, name: str, tensor: torch.Tensor) -> str | None:
+    """Why tensor `name` of `path` must not be served, when it holds NaN or inf: every reader
+    loads it without a word and drafts nothing the target accepts (a run that diverged, a
+    corrupted copy). The one rule `dflash export check` and this loader apply."""
+    if not tensor.is_floating_point():
+        return None
+    bad = int(tensor.numel() - torch.isfinite(tensor).sum())
+    if not bad:
+        return None
+    return f"{path}: tensor {name} holds {bad} non-finite values (NaN or inf) of {tensor.numel()}"
+
+
 def load_drafter_weights(drafter: DFlashDrafter, directory: Path, *, new_parts: bool = False) -> None:
     """model.safetensors of `directory` into `drafter`; every key must match both ways, except,
     with `new_parts` (a DFlash drafter warm-starting a DSpark or DFlash2 one), the modules the
@@ -190,6 +203,11 @@ def load_drafter_weights(drafter: DFlashDrafter, directory: Path, *, new_parts: 
                 state = {name: t for name, t in state.items() if name not in deepspec.BUNDLED_TENSORS}
     except (OSError, SafetensorError) as exc:
         raise ValueError(f"{path}: unreadable drafter weights ({exc})") from exc
+    nonfinite = [
+        problem for name, tensor in state.items() if (problem := nonfinite_problem(path, name, tensor))
+    ]
+    if nonfinite:
+        raise ValueError("; ".join(nonfinite))
     try:
         missing, unexpected = drafter.load_state_dict(state, strict=False)
     except RuntimeError as exc:

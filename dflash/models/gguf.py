@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import secrets
 import shutil
-import tempfile
 from importlib import metadata
 from pathlib import Path
 
@@ -100,8 +100,7 @@ def _convert(source: Path, target_dir: Path) -> None:
     if config.tie_word_embeddings:
         clean.tie_weights()
     clean.generation_config = loaded.generation_config
-    target_dir.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(dir=target_dir.parent, prefix=f".{target_dir.name}-"))
+    staging = staging_dir(target_dir)
     try:
         clean.save_pretrained(staging)
         tokenizer.save_pretrained(staging)
@@ -109,6 +108,15 @@ def _convert(source: Path, target_dir: Path) -> None:
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
+
+
+def staging_dir(target_dir: Path) -> Path:
+    """A fresh sibling of `target_dir` to convert into. A plain mkdir, not mkdtemp (0700): the
+    published directory keeps the umask's mode, so another user's job sharing the cache reads it."""
+    target_dir.parent.mkdir(parents=True, exist_ok=True)
+    staging = target_dir.parent / f".{target_dir.name}-{secrets.token_hex(8)}"
+    staging.mkdir()
+    return staging
 
 
 def publish(staging: Path, target_dir: Path) -> None:

@@ -1,10 +1,10 @@
-"""`dflash-export check DIR [--target TARGET_DIR]`: does a drafter directory keep the export
+"""`dflash export check DIR [--target TARGET_DIR]`: does a drafter directory keep the export
 contract every serving reader relies on (docs/EXPORT.md)? One line per problem on stderr and exit
 2 on any; one `ok` line and exit 0 otherwise. Both layouts are checked: z-lab (what dflash
 writes) and speculators.
 
-    dflash-export check outputs/run/checkpoints/last
-    dflash-export check outputs/run/checkpoints/last --target /models/Qwen3-8B   # + the pairing
+    dflash export check outputs/run/checkpoints/last
+    dflash export check outputs/run/checkpoints/last --target /models/Qwen3-8B   # + the pairing
 
 `--target`: the target's checkpoint directory (its config.json; for an image-text checkpoint its
 `text_config`): the drafter's num_target_layers, hidden size and mask id are checked against it.
@@ -13,23 +13,25 @@ A DSpark drafter (DeepSpec's layout, or speculators' `dspark`) is checked the sa
 readers that refuse a well-formed one (a head type some engine does not build) are printed as
 `note:` lines, exit 0. So is a DFlash2 drafter (the z-lab layout of z-lab's released DFlash2
 checkpoints, or speculators' `dflash2`): its fields, convolution and selector tensors against
-SGLang's, vLLM's, speculators' and llama.cpp's rules (`note:` llama.cpp's hidden-size limit, and
-that SGLang reads the z-lab layout only).
+SGLang's, vLLM's, speculators' and llama.cpp's rules (llama.cpp's hidden-size limit refuses a z-lab
+export; `note:` that SGLang reads the z-lab layout only). Whatever dflash's own loader refuses
+(a Markov head type it cannot build, NaN or inf weights) fails the check too, and a checkpoint's
+config.json must declare the block its run trained (its config.yaml).
 
-`dflash-export convert SRC DST --layout speculators|zlab|deepspec [--target TARGET_DIR]
+`dflash export convert SRC DST --layout speculators|zlab|deepspec [--target TARGET_DIR]
 [--verifier NAME] [--num-anchors N]`: the drafter of SRC (any layout) written to DST in the one
 named, checked before it is reported done. zlab holds DFlash and DFlash2 drafters, deepspec
 DSpark ones, speculators any (not a DFlash2 drafter that scales or caps its logits: that layout
-has no field for it). speculators and deepspec: with `--target`, self-contained (the target's
-embedding and LM head bundled: DeepSpec's own loader reads them from the drafter directory;
-never for a DFlash2 drafter, whose readers would take a bundled head as the drafter's own);
-`--verifier` (default: --target, else the run's target.path) names the target in
+has no field for it). speculators needs `--target`: the target's embedding and LM head are
+bundled, as speculators' own save_pretrained writes them (its loader reads them from the drafter
+directory); deepspec bundles them with `--target` (DeepSpec's own loader reads them there).
+`--verifier` (default: --target's path) names the target in
 `speculators_config.verifier`; `--num-anchors` gives a DSpark drafter read from the speculators
 layout (which does not record it) the `num_anchors` DeepSpec's loader asserts.
 
-    dflash-export convert outputs/run/checkpoints/last drafter-speculators --layout speculators \
+    dflash export convert outputs/run/checkpoints/last drafter-speculators --layout speculators \
         --target /models/Qwen3-8B
-    dflash-export convert /drafters/from-speculators drafter-zlab --layout zlab
+    dflash export convert /drafters/from-speculators drafter-zlab --layout zlab
 """
 
 from __future__ import annotations
@@ -37,10 +39,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import secrets
 import shutil
 import signal
 import sys
-import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -52,7 +54,7 @@ from safetensors import SafetensorError
 from dflash.config.schema import TargetConfig
 from dflash.errors import USER_ERROR_EXIT, exit_for_user_error
 from dflash.export.card import TrainingFacts, write_model_card
-from dflash.export.contract import check_export, reader_limits
+from dflash.export.contract import check_export, reader_limits, trained_block_problems
 from dflash.export.zlab import export_deepspec, export_drafter, export_speculators, load_drafter
 from dflash.models.dflash2 import DFlash2Drafter
 from dflash.models.dspark import DSparkDrafter
@@ -60,7 +62,7 @@ from dflash.models.families import IMAGE_TEXT_TYPES
 from dflash.models.identity import pairing_differences
 from dflash.trainer.checkpoint import RUN_CONFIG_FILE, STATE_FILE, load_trainer_state
 
-TOOL = "dflash-export"
+TOOL = "dflash export"  # the command users type: `dflash export check DIR`
 
 
 def target_text_config(directory: Path) -> dict[str, Any]:
@@ -78,7 +80,7 @@ def target_text_config(directory: Path) -> dict[str, Any]:
 
 
 def refuse_another_target(drafter_dir: Path, target_dir: Path) -> None:
-    """The pairing rule dflash-eval and resume apply (dflash/models/identity.py): a drafter that
+    """The pairing rule dflash eval and resume apply (dflash/models/identity.py): a drafter that
     records its target (target.json, or a speculators verifier directory) is paired with that
     target only; a same-shape target with other weights or another tokenizer passes every shape
     rule and accepts about nothing."""
@@ -91,21 +93,10 @@ def refuse_another_target(drafter_dir: Path, target_dir: Path) -> None:
         )
 
 
-def verifier_of(source: Path, target: Path | None, name: str | None) -> dict[str, Any]:
-    """speculators_config.verifier: the target's name (or path) and architectures."""
-    architectures = []
-    if target is not None:
-        architectures = json.loads((target / "config.json").read_text()).get("architectures") or []
-    if name is None and target is not None:
-        name = str(target)
-    run_yaml = source / RUN_CONFIG_FILE
-    if name is None and run_yaml.is_file():
-        name = ((yaml.safe_load(run_yaml.read_text()) or {}).get("target") or {}).get("path")
-    if name is None:
-        exit_for_user_error(
-            TOOL, f"{source}: name the target the drafter serves with --target DIR or --verifier NAME"
-        )
-    return {"name_or_path": name, "architectures": architectures}
+def verifier_of(target: Path, name: str | None) -> dict[str, Any]:
+    """speculators_config.verifier: the target's name (--verifier, else its path) and architectures."""
+    architectures = json.loads((target / "config.json").read_text()).get("architectures") or []
+    return {"name_or_path": name or str(target), "architectures": architectures}
 
 
 def source_facts(source: Path, target: Path | None) -> TrainingFacts | None:
@@ -155,7 +146,10 @@ def staged(destination: Path) -> Iterator[Path]:
     without weights. SIGTERM is turned into SystemExit here so the temporary is removed too."""
     try:
         destination.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{destination.name}.tmp-", dir=destination.parent))
+        # A plain mkdir, not mkdtemp (0700): the directory renamed into place gets the mode a
+        # checkpoint gets from the umask, so a server running as another user can read it.
+        tmp = destination.parent / f".{destination.name}.tmp-{secrets.token_hex(8)}"
+        tmp.mkdir()
     except OSError as exc:
         exit_for_user_error(TOOL, f"{destination}: cannot write there ({exc.strerror or exc})")
 
@@ -211,7 +205,14 @@ def convert(args: argparse.Namespace, target: dict[str, Any] | None) -> None:
                     "--num-anchors N (the anchors per sample it was trained with)",
                 )
             drafter.config.num_anchors = args.num_anchors
-    verifier = verifier_of(args.source, args.target, args.verifier) if args.layout == "speculators" else None
+    if args.layout == "speculators" and args.target is None:
+        exit_for_user_error(
+            TOOL,
+            "--layout speculators needs --target DIR: speculators' loader reads the target's embedding "
+            "and LM head from the drafter directory (its own save_pretrained writes both)",
+        )
+    fail_on_problems(trained_block_problems(args.source, drafter.config.block_size))
+    verifier = verifier_of(args.target, args.verifier) if args.layout == "speculators" else None
     with staged(args.destination) as tmp:
         try:
             if args.layout == "speculators":
@@ -245,7 +246,9 @@ def main(argv: list[str] | None = None) -> None:
     conversion.add_argument("destination", type=Path)
     conversion.add_argument("--layout", choices=("speculators", "zlab", "deepspec"), required=True)
     conversion.add_argument("--target", type=Path, help="the target's checkpoint directory")
-    conversion.add_argument("--verifier", help="the target's name in speculators_config (default: --target)")
+    conversion.add_argument(
+        "--verifier", help="the target's name in speculators_config (default: --target's path)"
+    )
     conversion.add_argument(
         "--num-anchors", type=int, help="deepspec: num_anchors of a DSpark drafter that does not record it"
     )
