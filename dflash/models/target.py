@@ -33,6 +33,7 @@ from dflash.models.families import (
 )
 from dflash.models.feature_graphs import FeatureGraphs
 from dflash.models.fp8 import BlockFP8Experts, build_random_fp8, is_fp8_checkpoint, load_fp8_checkpoint
+from dflash.models.fp8_checkpoint import check_fp8_checkpoint
 from dflash.models.kernels import triton_runs
 from dflash.models.router import is_top_k_router, use_feature_router
 from dflash.models.short_conv import use_fla_short_conv
@@ -83,6 +84,7 @@ def load_target_config(cfg: TargetConfig) -> PretrainedConfig:
             f"target.fp8=true quantizes a random-weight target, but target.path={cfg.path!r} is set: a "
             "checkpoint loads as published (an FP8 one is recognised by its quantization_config)"
         )
+    check_fp8_checkpoint(cfg.path)  # a malformed quantization_config or FP8 scale, before any load
     try:
         config = AutoConfig.from_pretrained(cfg.path)
     except (OSError, ValueError) as exc:
