@@ -554,6 +554,7 @@ def test_an_fp8_checkpoint_with_a_missing_or_misshapen_scale_is_refused_before_l
         ("fmt", "e5m2"),
         ("quant_method", "FP8"),
         ("quant_method", None),
+        ("quant_method", ["fp8"]),
         ("modules_to_not_convert", "lm_head"),
         ("scale_fmt", "e8m0"),
     ],

@@ -39,7 +39,7 @@ def fp8_block(quantization: Any, where: str) -> tuple[int, int] | None:
     from transformers.quantizers.auto import AUTO_QUANTIZATION_CONFIG_MAPPING
 
     method = quantization.get("quant_method")
-    if method not in AUTO_QUANTIZATION_CONFIG_MAPPING:
+    if not isinstance(method, str) or method not in AUTO_QUANTIZATION_CONFIG_MAPPING:
         # transformers skips a config whose method it does not know: FP8 weights would then load
         # as stored, unscaled.
         _refuse(
@@ -69,7 +69,7 @@ def fp8_block(quantization: Any, where: str) -> tuple[int, int] | None:
         _refuse(where, "fmt", fmt, f"the weights must be float8 {FP8_FORMAT} (float8_e4m3fn), as published")
     skipped = quantization.get("modules_to_not_convert")
     if skipped is not None and not (isinstance(skipped, list) and all(isinstance(n, str) for n in skipped)):
-        # A string would be matched character by character against module names.
+        # transformers iterates it: a string would make each of its characters a module pattern.
         _refuse(where, "modules_to_not_convert", skipped, "must be a list of module names")
     _transformers_accepts(quantization, where)
     return block[0], block[1]
