@@ -29,6 +29,13 @@ def test_a_hub_id_is_left_to_transformers(value):
     refuse_missing_model_dir("target.path", value)
 
 
+def test_a_file_is_refused_as_no_checkpoint_directory(tmp_path):
+    """target.path=DIR/config.json ended in "[Errno 20] Not a directory", naming no key."""
+    (tmp_path / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match=r"^target.path=.*config.json: a file, not a checkpoint directory"):
+        refuse_missing_model_dir("target.path", str(tmp_path / "config.json"))
+
+
 def test_a_path_under_home_is_looked_up_expanded(tmp_path, monkeypatch):
     monkeypatch.setenv("HOME", str(tmp_path))
     (tmp_path / "models" / "mine").mkdir(parents=True)
