@@ -13,6 +13,7 @@ import hydra
 from omegaconf import DictConfig
 
 from dflash.config.schema import register_configs
+from dflash.models.model_dirs import refuse_missing_target_dirs
 from dflash.tools.compose import CONF_PATH
 from dflash.tools.hydra_app import run_hydra_app
 
@@ -21,6 +22,8 @@ register_configs()
 
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Run one training job described by `cfg`; returns the final summary (floats and paths)."""
+    # A mistyped local target path is refused now, not after the model code has loaded.
+    refuse_missing_target_dirs(cfg)
     from dflash.run.launch import build_run
 
     run = build_run(cfg)

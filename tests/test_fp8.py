@@ -4,12 +4,14 @@ MoE) loading with `target.path` to the features of the dequantized weights, the 
 (random `target.fp8` targets; transformers' FP8 modules converted) equal to the forward of its
 own dequantized weights and compiled by layer, `dflash-train` on the checkpoint and on an
 FP8-kept target (lossless decoding); `target.experts` options agree with the eager experts in
-fp32. GPU tests: FP8 kept on CUDA against the bf16 forward of the dequantized weights."""
+fp32; a missing or misshapen scale and a malformed quantization_config are refused before
+loading. GPU tests: FP8 kept on CUDA against the bf16 forward of the dequantized weights."""
 
 from __future__ import annotations
 
 import copy
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -465,3 +467,126 @@ def test_fp8_kept_layers_compile_by_layer_without_graph_breaks(make_cfg):
     want = target.reference_features(ids)  # within fp32 rounding: the regrouped projection weights
     assert (target.features(ids) - want).abs().max() <= 1e-5 * want.abs().max()
     assert sum(counters["graph_break"].values()) == 0, dict(counters["graph_break"])
+
+
+def hf_target(directory: Path):
+    from omegaconf import OmegaConf
+
+    from dflash.config.schema import TargetConfig
+
+    return OmegaConf.to_object(
+        OmegaConf.merge(
+            OmegaConf.structured(TargetConfig), {"name": "hf", "path": str(directory), "model_type": None}
+        )
+    )
+
+
+SCALED = "model.layers.1.mlp.down_proj.weight"  # [128, 256]: scales [1, 2]
+
+
+def _drop_scale(tensors: dict) -> None:
+    del tensors[f"{SCALED}_scale_inv"]
+
+
+def _reshape_scale(tensors: dict) -> None:
+    tensors[f"{SCALED}_scale_inv"] = tensors[f"{SCALED}_scale_inv"].reshape(2, 1)
+
+
+def _e5m2_weight(tensors: dict) -> None:
+    tensors[SCALED] = tensors[SCALED].float().to(torch.float8_e5m2)
+
+
+def _scale_beside_bf16(tensors: dict) -> None:
+    tensors["model.layers.0.mlp.gate_proj.weight"] = torch.zeros(256, 128, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize(
+    "damage, refusal",
+    [
+        (
+            _drop_scale,
+            rf"{SCALED} \[128, 256\] is FP8 but has no {SCALED}_scale_inv \(expected shape \[1, 2\]",
+        ),
+        (_reshape_scale, rf"{SCALED}_scale_inv has shape \[2, 1\], expected \[1, 2\]"),
+        (_e5m2_weight, rf"{SCALED} is F8_E5M2; FP8 weights must be F8_E4M3"),
+        (
+            _scale_beside_bf16,
+            r"model.layers.0.mlp.gate_proj.weight_scale_inv scales model.layers.0.mlp.gate_proj.weight, which is BF16, not F8_E4M3",
+        ),
+    ],
+    ids=["missing", "misshapen", "e5m2", "beside-bf16"],
+)
+@pytest.mark.parametrize("device", ["cpu", "cuda"])
+def test_an_fp8_checkpoint_with_a_missing_or_misshapen_scale_is_refused_before_loading(
+    tmp_path, damage, refusal, device
+):
+    """transformers loads a quantized weight without its `weight_scale_inv` as stored (its FP8
+    values unscaled: features went from rms 0.075 to 104 and the run trained on), and takes a scale
+    grid of another shape to describe another block. Both loading paths (dequantized at load on the
+    CPU; kept FP8 on CUDA, whose check runs before anything touches the device) refuse such a
+    checkpoint from its safetensors headers, in one line naming the file, the tensor and the
+    expected shape; so does the config check every run does before it loads (load_target_config)."""
+    from safetensors.torch import load_file, save_file
+
+    from dflash.models.fp8 import load_fp8_checkpoint
+    from dflash.models.target import load_target_config
+
+    directory = write_fp8_checkpoint(tiny_model("qwen3", QWEN3), tmp_path / "fp8")
+    tensors = load_file(directory / "model.safetensors")
+    damage(tensors)
+    save_file(tensors, directory / "model.safetensors", metadata={"format": "pt"})
+    where = re.escape(f"target.path={directory}: {directory / 'model.safetensors'}: ")
+    with pytest.raises(ValueError, match=where + refusal):
+        load_fp8_checkpoint(str(directory), dtype=torch.float32, device=torch.device(device))
+    with pytest.raises(ValueError, match=where + refusal):
+        load_target_config(hf_target(directory))
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("weight_block_size", [0, 0]),
+        ("weight_block_size", "128"),
+        ("weight_block_size", [128]),
+        ("weight_block_size", [128, 128.0]),
+        ("activation_scheme", "static"),
+        ("activation_scheme", 1),
+        ("fmt", "e5m2"),
+        ("quant_method", "FP8"),
+        ("quant_method", None),
+        ("quant_method", ["fp8"]),
+        ("modules_to_not_convert", "lm_head"),
+        ("scale_fmt", "e8m0"),
+    ],
+)
+def test_a_malformed_fp8_quantization_config_is_refused_naming_the_file_and_key(tmp_path, field, value):
+    """A quantization_config field dflash or transformers would crash on (a block of [0, 0]:
+    ZeroDivisionError; "128": TypeError) or misread (a method transformers does not know: the FP8
+    weights load unscaled; a static activation scheme, another float8 format, a skip list given as
+    one string) is refused before any load, in one line naming config.json and the dotted key."""
+    from dflash.models.target import load_target_config
+
+    directory = write_fp8_checkpoint(tiny_model("qwen3", QWEN3), tmp_path / "fp8")
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"][field] = value
+    (directory / "config.json").write_text(json.dumps(config))
+    key = "quantization_config" if field == "scale_fmt" else f"quantization_config.{field}"
+    with pytest.raises(
+        ValueError, match="^" + re.escape(f"target.path={directory}: {directory / 'config.json'}: {key}")
+    ):
+        load_target_config(hf_target(directory))
+
+
+def test_a_quantization_config_that_is_not_a_mapping_is_refused_naming_the_file(tmp_path):
+    """`"quantization_config": "fp8"` breaks transformers' own config reader (AttributeError while
+    it logs the config): refused first, naming the file."""
+    from dflash.models.target import load_target_config
+
+    directory = write_fp8_checkpoint(tiny_model("qwen3", QWEN3), tmp_path / "fp8")
+    config = json.loads((directory / "config.json").read_text())
+    config["quantization_config"] = "fp8"
+    (directory / "config.json").write_text(json.dumps(config))
+    with pytest.raises(
+        ValueError, match=r"config.json: quantization_config must be a mapping of fields, got 'fp8'"
+    ):
+        load_target_config(hf_target(directory))

@@ -30,6 +30,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash.models import experts_tiling, fused_experts
+from dflash.models.fp8_checkpoint import check_fp8_checkpoint, fp8_block
+from dflash.models.size import StoredTensor, stored_tensors
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -340,12 +342,16 @@ def load_fp8_checkpoint(path: str, *, dtype: torch.dtype, device: torch.device) 
     FP8 loader (it reads the per-expert tensors and `weight_scale_inv` into the model's layout).
     On CUDA the weights stay FP8 on the device: transformers' FP8 modules where its FP8 kernel
     can be loaded, else `BlockFP8Linear` / `BlockFP8Experts` over the same tensors (dequantized
-    module by module as they run). Elsewhere transformers dequantizes them at load into `dtype`."""
+    module by module as they run). Elsewhere transformers dequantizes them at load into `dtype`.
+    Either way the checkpoint's config and scales are checked first (dflash/models/fp8_checkpoint.py):
+    transformers would apply a missing or misshapen scale silently."""
     from transformers import AutoConfig, AutoModelForCausalLM, FineGrainedFP8Config
 
+    block = check_fp8_checkpoint(path) or fp8_block(  # a hub id: its config as transformers read it
+        _quantization(AutoConfig.from_pretrained(path)), f"target.path={path}: config.json"
+    )
     if device.type != "cuda":
-        block = tuple(_quantization(AutoConfig.from_pretrained(path))["weight_block_size"])
-        misread = _partial_block_beside_full(Path(path), block)
+        misread = _partial_block_beside_full(stored_tensors(Path(path)), block)
         if misread is not None:
             raise ValueError(
                 f"target.path={path!r}: {misread} has a partial {block} block beside full ones, which "
@@ -362,25 +368,19 @@ def load_fp8_checkpoint(path: str, *, dtype: torch.dtype, device: torch.device) 
     return model
 
 
-def _partial_block_beside_full(directory: Path, block: tuple[int, int]) -> str | None:
+def _partial_block_beside_full(tensors: dict[str, StoredTensor], block: tuple[int, int]) -> str | None:
     """The first `weight_scale_inv` whose weight has a dimension that is not a multiple of the
     block but spans more than one block. transformers' dequantize-at-load takes a tensor's block
     to be its shape divided by its scale grid, which holds for every shape the published
     checkpoints have (multiples of 128, or a single block) and for no such one. Safetensors
     headers only: nothing is read but the tensors' shapes."""
-    from safetensors import safe_open
-
-    shapes: dict[str, list[int]] = {}
-    for file in sorted(directory.glob("*.safetensors")):
-        with safe_open(str(file), "pt") as handle:
-            shapes.update((key, handle.get_slice(key).get_shape()) for key in handle.keys())
-    for key, grid in shapes.items():
-        weight = shapes.get(key.removesuffix("_scale_inv")) if key.endswith(".weight_scale_inv") else None
-        if weight is None or len(grid) < 2:
+    for key, scale in tensors.items():
+        weight = tensors.get(key.removesuffix("_scale_inv")) if key.endswith(".weight_scale_inv") else None
+        if weight is None or len(scale.shape) < 2:
             continue
-        for size, cells, side in zip(weight[-2:], grid[-2:], block):
+        for size, cells, side in zip(weight.shape[-2:], scale.shape[-2:], block):
             if cells > 1 and size % side:
-                return f"{key.removesuffix('_scale_inv')} {list(weight)} (scales {list(grid)})"
+                return f"{key.removesuffix('_scale_inv')} {list(weight.shape)} (scales {list(scale.shape)})"
     return None
 
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import struct
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -41,22 +42,41 @@ def refuse_missing_text_config(path: str | Path) -> None:
         )
 
 
-def weight_file_elements(directory: Path) -> int | None:
-    """Parameters stored in the directory's safetensors files, read from their headers alone;
-    None where there are none (a .bin checkpoint is not checked)."""
-    files = sorted(directory.glob("*.safetensors"))
-    if not files:
-        return None
-    total = 0
-    for file in files:
+@dataclass(frozen=True)
+class StoredTensor:
+    """One tensor as a safetensors header describes it."""
+
+    file: Path
+    dtype: str  # safetensors' name: "BF16", "F32", "F8_E4M3", ...
+    shape: tuple[int, ...]
+
+
+def stored_tensors(directory: Path) -> dict[str, StoredTensor]:
+    """Every tensor in the directory's safetensors files, by name, read from their headers alone
+    (no weight is read); empty where there are none (a .bin checkpoint is not checked)."""
+    tensors = {}
+    for file in sorted(directory.glob("*.safetensors")):
         try:
             with file.open("rb") as handle:
                 (length,) = struct.unpack("<Q", handle.read(8))
                 header = json.loads(handle.read(length))
-        except (OSError, struct.error, ValueError) as exc:
+            tensors.update(
+                (name, StoredTensor(file, str(t["dtype"]), tuple(t["shape"])))
+                for name, t in header.items()
+                if name != "__metadata__"
+            )
+        except (OSError, struct.error, ValueError, TypeError, KeyError) as exc:
             raise ValueError(f"target.path: {file} is not a readable safetensors file ({exc})") from exc
-        total += sum(math.prod(t["shape"]) for name, t in header.items() if name != "__metadata__")
-    return total
+    return tensors
+
+
+def weight_file_elements(directory: Path) -> int | None:
+    """Parameters stored in the directory's safetensors files, read from their headers alone;
+    None where there are none (a .bin checkpoint is not checked)."""
+    tensors = stored_tensors(directory)
+    if not tensors:
+        return None
+    return sum(math.prod(t.shape) for t in tensors.values())
 
 
 def described_parameters(config: Any) -> int:

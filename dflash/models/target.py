@@ -8,6 +8,7 @@ import logging
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -33,7 +34,9 @@ from dflash.models.families import (
 )
 from dflash.models.feature_graphs import FeatureGraphs
 from dflash.models.fp8 import BlockFP8Experts, build_random_fp8, is_fp8_checkpoint, load_fp8_checkpoint
+from dflash.models.fp8_checkpoint import check_fp8_checkpoint
 from dflash.models.kernels import triton_runs
+from dflash.models.model_dirs import refuse_missing_model_dir
 from dflash.models.router import is_top_k_router, use_feature_router
 from dflash.models.short_conv import use_fla_short_conv
 from dflash.models.size import refuse_missing_text_config, refuse_size_mismatch
@@ -83,11 +86,18 @@ def load_target_config(cfg: TargetConfig) -> PretrainedConfig:
             f"target.fp8=true quantizes a random-weight target, but target.path={cfg.path!r} is set: a "
             "checkpoint loads as published (an FP8 one is recognised by its quantization_config)"
         )
+    refuse_missing_model_dir("target.path", cfg.path)
+    check_fp8_checkpoint(cfg.path)  # a malformed quantization_config or FP8 scale, before any load
     try:
         config = AutoConfig.from_pretrained(cfg.path)
     except (OSError, ValueError) as exc:
+        where = (
+            "there"
+            if Path(cfg.path).exists()
+            else "from the Hugging Face hub or its cache (no such local path)"
+        )
         raise ValueError(
-            f"target.path={cfg.path!r}: cannot read a transformers config there ({exc})"
+            f"target.path={cfg.path!r}: cannot read a transformers config {where} ({exc})"
         ) from exc
     refuse_missing_text_config(cfg.path)
     refuse_unsupported(config.model_type, f"target.path={cfg.path!r}")

@@ -5,6 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from dflash.config.schema import TargetConfig
+from dflash.models.model_dirs import refuse_missing_model_dir
 
 
 def load_tokenizer(cfg: TargetConfig, needed_for: str) -> Any:
@@ -17,6 +18,7 @@ def load_tokenizer(cfg: TargetConfig, needed_for: str) -> Any:
     from transformers import AutoTokenizer
 
     key = "target.tokenizer" if cfg.tokenizer else "target.path"
+    refuse_missing_model_dir(key, directory)
     try:
         return AutoTokenizer.from_pretrained(directory)
     except (OSError, ValueError) as exc:

@@ -26,6 +26,7 @@ import torch
 from dflash.config.devices import resolve_device_split
 from dflash.data.schedule import held_out_ids
 from dflash.distributed import visible_cuda_devices
+from dflash.errors import exit_for_user_error
 from dflash.export.zlab import load_drafter
 from dflash.run.inputs import load_training_data, script_target
 from dflash.run.launch import block_settings_of, plan_batches
@@ -51,6 +52,8 @@ def main(argv: list[str] | None = None) -> dict[str, float]:
     )
     parser.add_argument("--init-trained-on", type=int, default=None, metavar="N")
     args, overrides = parser.parse_known_args(argv)
+    if not args.ckpt.is_dir():  # before the target and the data load (minutes for a real target)
+        exit_for_user_error("dflash val", f"--ckpt {args.ckpt}: no such drafter directory")
 
     cfg = compose_typed(overrides)
     device = torch.device(resolve_device_split(cfg, visible_cuda_devices())[0][0])  # the first target device
