@@ -805,3 +805,46 @@ def test_a_run_into_a_live_sweeps_job_dir_is_refused_and_changes_nothing(tmp_pat
         sweep.send_signal(signal.SIGTERM)
         sweep.communicate(timeout=CLI_TIMEOUT_S)
     assert json.loads((job / "run.json").read_text())["status"] == "INTERRUPTED"
+
+
+def incomplete_saved_dataset(tmp_path: Path) -> Path:
+    """What save_to_disk writes, less its state.json."""
+    import datasets
+
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_list([{"messages": [{"role": "user", "content": "hi"}]}]).save_to_disk(str(saved))
+    (saved / "state.json").unlink()
+    return saved
+
+
+@pytest.mark.parametrize("tool", ["train", "prep", "regen"])
+def test_a_save_to_disk_directory_without_state_json_is_one_line_naming_it(tmp_path, tiny_chat_dir, tool):
+    """Not read as JSON records (where dataset_info.json would be blamed for holding none): every
+    tool that reads conversations refuses it through the one reader, naming the directory and the
+    missing file."""
+    saved = incomplete_saved_dataset(tmp_path)
+    expected = f"{saved}: a datasets save_to_disk directory (data-00000-of-00001.arrow) without state.json"
+    inputs = (
+        [f"input=[{saved}]", f"output={tmp_path / 'out.jsonl'}"]
+        if tool == "regen"
+        else ["data=conversations", f"data.files=[{saved}]"]
+    )
+    common = [
+        f"target.path={tiny_chat_dir}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        f"paths.cache_dir={tmp_path}",
+    ]
+    result = run_tool(
+        [
+            sys.executable,
+            "-m",
+            f"dflash.tools.{tool}" if tool != "train" else "dflash.train",
+            *inputs,
+            *common,
+        ]
+    )
+    assert result.returncode == 2, result.stderr
+    # regen loads its target before reading: the loader's progress bar may come first.
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 or tool == "regen", result.stderr
+    assert expected in lines[-1] and "dataset_info.json:" not in result.stderr

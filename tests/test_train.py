@@ -256,3 +256,22 @@ def test_init_from_starts_a_fresh_run_from_a_drafters_weights(make_cfg, tmp_path
         build_run(make_cfg([f"drafter.init_from={last}", "drafter.num_layers=3"], tmp_path / "other"))
     with pytest.raises(ValueError, match=r"drafter.init_from=.*missing: no such drafter directory"):
         build_run(make_cfg([f"drafter.init_from={tmp_path / 'missing'}"], tmp_path / "none"))
+
+
+def test_training_reads_a_save_to_disk_directory_and_records_its_digest(
+    make_cfg, tmp_path, tiny_chat_dir, tiny_conversations
+):
+    """A `datasets` save_to_disk directory in data.files trains like its records, and data.json
+    names it with one digest over its files' names and contents (the same each time it is read)."""
+    import datasets
+
+    from dflash.data.files import source_digest
+    from tests.conftest import conversation_overrides
+
+    saved = tmp_path / "saved"
+    rows = [json.loads(line) for line in tiny_conversations.read_text().splitlines()]
+    datasets.Dataset.from_list(rows).save_to_disk(str(saved))
+    summary = train(make_cfg(conversation_overrides(tiny_chat_dir, [saved]) + ["train.total_steps=2"]))
+    recorded = json.loads((Path(summary["checkpoint"]) / "data.json").read_text())
+    assert recorded["files"] == [{"path": str(saved), "sha256": source_digest(saved)}]
+    assert recorded["samples"] > 0

@@ -17,10 +17,10 @@ from dflash.config.schema import Config, DataKind, TargetConfig
 from dflash.data.chat import ChatRenderer, load_chat_renderer
 from dflash.data.conversations import expand_files
 from dflash.data.dataset import TokenDataset
+from dflash.data.files import source_digest
 from dflash.data.identity import data_identity
 from dflash.data.prepare import PrepStats, load_or_prepare
 from dflash.data.synthetic import load_or_generate
-from dflash.digest import file_digest
 from dflash.errors import exit_for_user_error
 from dflash.eval.prompts import PromptSet, load_prompt_sets
 from dflash.models.gguf import local_target
@@ -135,7 +135,8 @@ def training_data_identity(cfg: Config, dataset: TokenDataset) -> dict:
     files, template = None, None
     if cfg.data.kind is DataKind.conversations:
         paths = expand_files(list(cfg.data.files), "data.files")
-        files = [{"path": str(path), "sha256": file_digest(path)} for path in paths]
+        # A save_to_disk directory is one source: its files' names and digests, hashed in order.
+        files = [{"path": str(path), "sha256": source_digest(path)} for path in paths]
         template = load_chat_renderer(local_target_config(cfg), "data.kind=conversations").fingerprint()
     return data_identity(dataset, kind=cfg.data.kind.value, files=files, template=template)
 
