@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from dflash.config.components import check_buildable
-from dflash.config.schema import Config, DataKind, TargetConfig
+from dflash.config.schema import Config, DataKind, EvalConfig, TargetConfig
 from dflash.data.chat import ChatRenderer, load_chat_renderer
 from dflash.data.conversations import expand_files
 from dflash.data.dataset import TokenDataset
@@ -141,6 +141,15 @@ def training_data_identity(cfg: Config, dataset: TokenDataset) -> dict:
     return data_identity(dataset, kind=cfg.data.kind.value, files=files, template=template)
 
 
+def eval_prompts_description(eval_cfg: EvalConfig) -> str:
+    """What the evaluation decodes, in the words the run summary, summary.json (`eval/prompts`)
+    and the model card use: the benchmarks' names (eval.benchmarks), else random-token prompts
+    (`load_prompt_sets`), which are new to the drafter but unlike any conversation trained on."""
+    if eval_cfg.benchmarks:
+        return "prompts of " + ", ".join(sorted(eval_cfg.benchmarks))
+    return "random-token prompts"
+
+
 def eval_prompt_sets(
     cfg: Config,
     target_cfg: TargetConfig,
@@ -149,7 +158,7 @@ def eval_prompt_sets(
     limit: int,
     context_len: int | None = None,
 ) -> list[PromptSet]:
-    """The held-out prompts: `eval.benchmarks` files (the target's chat template), else random
+    """The evaluation prompts: `eval.benchmarks` files (the target's chat template), else random
     token prompts (never holding the drafter's mask id). context_len: the target's positions
     (max_position_embeddings); the longest prompt + eval.max_new_tokens must fit in it."""
     eval_cfg = cfg.eval
@@ -167,8 +176,9 @@ def eval_prompt_sets(
 
     if not eval_cfg.benchmarks and cfg.data.kind is DataKind.conversations:
         log.warning(
-            "eval.benchmarks is empty: tau is measured on random token prompts, unlike the "
-            "conversations in data.files; set 'eval.benchmarks={name: prompts.jsonl}'"
+            "eval.benchmarks is empty: tau is measured on %s, unlike the conversations in "
+            "data.files; set 'eval.benchmarks={name: prompts.jsonl}'",
+            eval_prompts_description(eval_cfg),
         )
 
     sets = load_prompt_sets(eval_cfg, renderer, vocab_size, [mask_token_id], limit)

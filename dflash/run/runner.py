@@ -23,6 +23,7 @@ from dflash.models.compile import CompileCounter
 from dflash.models.target import faster_target_settings
 from dflash.monitor.callbacks import TrainingCallbacks
 from dflash.pipeline.roles import role_lines
+from dflash.run.inputs import eval_prompts_description
 from dflash.step.loss import VARIANT_FIGURES
 from dflash.trainer.lifecycle import Trainer
 from dflash.trainer.signals import StopRequested, stop_on_signals
@@ -77,10 +78,12 @@ class Run:
                 )
                 eval_metrics = report.metrics()
                 self.trainer.monitor.log(eval_metrics, self.trainer.position.step)
-                self._card_with_evaluation(eval_metrics)
+                # What was decoded, named once for the summary and the card (not a metric).
+                described = {**eval_metrics, "eval/prompts": eval_prompts_description(self.cfg.eval)}
+                self._card_with_evaluation(described)
                 self.callbacks.on_eval(self.trainer.position.step, eval_metrics)
                 summary = self._summary(
-                    {**val_metrics, **eval_metrics},
+                    {**val_metrics, **described},
                     wall_s=time.perf_counter() - started,
                     first_step=first_step,
                 )
@@ -251,7 +254,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         )
     if "eval/tau" in summary:
         lines.append(
-            f"tau (spec decode) {summary['eval/tau']:.3f} over {int(summary['eval/num_prompts'])} held-out prompts"
+            f"tau (spec decode) {summary['eval/tau']:.3f} over {int(summary['eval/num_prompts'])} "
+            f"{summary.get('eval/prompts', 'prompts')}"
             + (" (evaluation interrupted)" if summary.get("eval/interrupted") else "")
         )
     else:
