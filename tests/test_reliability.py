@@ -222,6 +222,47 @@ def test_no_row_and_no_final_figure_comes_from_a_window_shorter_than_the_interva
     assert f"-> {last['train/acc']:.3f}" in text and f"tau (simulated)   {last['train/tau_sim']:.3f}" in text
 
 
+def test_the_summary_never_prints_nan_and_says_why_a_figure_is_absent():
+    """A short DFlash2 run whose selector changed no pick has no share of changed picks that were
+    right (0 / 0): the summary leaves it out; other undefined ratios (DSpark's, the held-out
+    split's) read `n/a (why)`."""
+    from dflash.run.runner import format_summary
+
+    nan = float("nan")
+    base = {
+        "run_dir": "r",
+        "checkpoint": "c",
+        "steps": 6,
+        "wall_s": 1.3,
+        "pipeline": "sync",
+        **{f"train/{k}": 1.0 for k in ("loss", "loss_first_window", "acc", "acc_first_window", "tau_sim")},
+        "train/tau_block": 1.001,
+        "train/tau_decode": 1.0,
+        "val_samples": 4,
+        **{f"val/{k}": 1.0 for k in ("tau_sim", "tau_block")},
+        "val/tau_decode": nan,
+        "eval/tau": 1.0,
+        "eval/num_prompts": 2.0,
+    }
+    dflash2 = {
+        **base,
+        **{f"train/{k}": 0.5 for k in ("ce", "selector_ce", "candidate_recall", "candidate_mass")},
+        "train/selector_changed": 0.0,
+        "train/selector_changed_correct": nan,
+        "train/unary_tau_decode": 1.0,
+        "train/oracle_tau_decode": 1.016,
+    }
+    text = format_summary(dflash2)
+    assert "nan" not in text
+    assert "selector changed 0.000 of picks; tau_decode unary 1.000, oracle 1.016" in text
+    assert "1.000 (1.000, n/a (no block measured)) on 4 held-out samples" in text
+    dspark = {**base, "train/ce": 0.5, "train/l1": nan, "train/confidence_loss": 0.1}
+    dspark |= {"train/confidence_abs_error": 0.2, "train/tau_prob": nan}
+    text = format_summary(dspark)
+    assert "nan" not in text
+    assert "l1 n/a (not finite)" in text and "probabilities n/a (no block measured)" in text
+
+
 @pytest.mark.parametrize("pipeline", ["sync", "async"])
 def test_a_nan_loss_skips_its_update_and_stops_the_run_with_good_checkpoints(make_cfg, monkeypatch, pipeline):
     import torch

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -179,6 +180,44 @@ def write_summary(path: Path, summary: dict[str, Any]) -> None:
     tmp.replace(path)
 
 
+# Why a summary figure can be undefined, by its name: each is a ratio over what a window (or the
+# held-out split) counted, and a short run can count none (dflash/step/loss.py divides by zero
+# into NaN). Figures not named here are losses: NaN there means the loss itself was not finite.
+UNDEFINED_BECAUSE = {
+    **dict.fromkeys(
+        (
+            "tau_block",
+            "tau_decode",
+            "tau_prob",
+            "unary_tau_block",
+            "unary_tau_decode",
+            "oracle_tau_block",
+            "oracle_tau_decode",
+        ),
+        "no block measured",
+    ),
+    **dict.fromkeys(
+        ("acc", "acc_first_window", "candidate_recall", "candidate_mass", "selector_changed", "unary_acc"),
+        "no supervised position",
+    ),
+    "selector_changed_correct": "the selector changed no pick",
+}
+
+
+def is_defined(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def figure(summary: dict[str, Any], key: str) -> str:
+    """A summary figure to 3 decimals, or `n/a (why)` where it is undefined (never `nan`)."""
+    value = summary.get(key)
+    if is_defined(value):
+        return f"{value:.3f}"
+    if value is None:
+        return "n/a (not measured)"
+    return f"n/a ({UNDEFINED_BECAUSE.get(key.rsplit('/', 1)[-1], 'not finite')})"
+
+
 def format_summary(summary: dict[str, Any]) -> str:
     # A resumed run's first window is the first after the resume, not the run's first.
     resumed = summary.get("resumed_from_step")
@@ -197,36 +236,42 @@ def format_summary(summary: dict[str, Any]) -> str:
         # With torch.compile the first step carries the graphs' compile: the wait a user sees.
         + (f", first step after {summary['first_step_s']:.1f} s" if "first_step_s" in summary else "")
         + f", pipeline={summary['pipeline']})",
-        f"train loss        {summary['train/loss_first_window']:.3f} -> {summary['train/loss']:.3f}{since}",
-        f"train accuracy    {summary['train/acc_first_window']:.3f} -> {summary['train/acc']:.3f}{since}",
-        f"tau (simulated)   {summary['train/tau_sim']:.3f} (block runs {summary['train/tau_block']:.3f},"
-        f" as decoding meets them {summary['train/tau_decode']:.3f})"
+        f"train loss        {figure(summary, 'train/loss_first_window')} -> {figure(summary, 'train/loss')}{since}",
+        f"train accuracy    {figure(summary, 'train/acc_first_window')} -> {figure(summary, 'train/acc')}{since}",
+        f"tau (simulated)   {figure(summary, 'train/tau_sim')} (block runs {figure(summary, 'train/tau_block')},"
+        f" as decoding meets them {figure(summary, 'train/tau_decode')})"
         + (
-            f" on training batches; {summary['val/tau_sim']:.3f} ({summary['val/tau_block']:.3f},"
-            f" {summary['val/tau_decode']:.3f}) on {summary['val_samples']} held-out samples"
+            f" on training batches; {figure(summary, 'val/tau_sim')} ({figure(summary, 'val/tau_block')},"
+            f" {figure(summary, 'val/tau_decode')}) on {summary['val_samples']} held-out samples"
             if "val/tau_sim" in summary
             else ""
         ),
         *(
             [
-                f"dspark            ce {summary['train/ce']:.3f}, l1 {summary['train/l1']:.3f}, confidence "
-                f"{summary['train/confidence_loss']:.3f} (|error| {summary['train/confidence_abs_error']:.3f}); "
-                f"tau from the target's probabilities {summary['train/tau_prob']:.3f}"
-                + (f" ({summary['val/tau_prob']:.3f} held out)" if "val/tau_prob" in summary else "")
+                f"dspark            ce {figure(summary, 'train/ce')}, l1 {figure(summary, 'train/l1')}, confidence "
+                f"{figure(summary, 'train/confidence_loss')} (|error| {figure(summary, 'train/confidence_abs_error')}); "
+                f"tau from the target's probabilities {figure(summary, 'train/tau_prob')}"
+                + (f" ({figure(summary, 'val/tau_prob')} held out)" if "val/tau_prob" in summary else "")
             ]
             if "train/tau_prob" in summary
             else []
         ),
         *(
             [
-                f"dflash2           unary ce {summary['train/ce']:.3f}, selector ce "
-                f"{summary['train/selector_ce']:.3f}; candidates recall {summary['train/candidate_recall']:.3f}, "
-                f"mass {summary['train/candidate_mass']:.3f}; selector changed "
-                f"{summary['train/selector_changed']:.3f} of picks ({summary['train/selector_changed_correct']:.3f} "
-                f"of them right); tau_decode unary {summary['train/unary_tau_decode']:.3f}, oracle "
-                f"{summary['train/oracle_tau_decode']:.3f}"
+                f"dflash2           unary ce {figure(summary, 'train/ce')}, selector ce "
+                f"{figure(summary, 'train/selector_ce')}; candidates recall {figure(summary, 'train/candidate_recall')}, "
+                f"mass {figure(summary, 'train/candidate_mass')}; selector changed "
+                f"{figure(summary, 'train/selector_changed')} of picks"
+                # A share of the changed picks: none changed (a short run), nothing to score.
                 + (
-                    f" ({summary['val/unary_tau_decode']:.3f}, {summary['val/oracle_tau_decode']:.3f} held out)"
+                    f" ({figure(summary, 'train/selector_changed_correct')} of them right)"
+                    if is_defined(summary.get("train/selector_changed_correct"))
+                    else ""
+                )
+                + f"; tau_decode unary {figure(summary, 'train/unary_tau_decode')}, oracle "
+                f"{figure(summary, 'train/oracle_tau_decode')}"
+                + (
+                    f" ({figure(summary, 'val/unary_tau_decode')}, {figure(summary, 'val/oracle_tau_decode')} held out)"
                     if "val/oracle_tau_decode" in summary
                     else ""
                 )
