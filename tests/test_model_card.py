@@ -44,7 +44,7 @@ def test_every_checkpoint_has_a_card_and_the_last_one_its_final_evaluation(make_
     assert summary["eval/prompts"] == "random-token prompts"
     assert f"over {int(summary['eval/num_prompts'])} random-token prompts: " in card
     assert f"over {int(summary['eval/num_prompts'])} random-token prompts\n" in capsys.readouterr().out
-    served = str(last.resolve())
+    served = str((checkpoints / "step_0000004").resolve())  # the step `last` holds
     assert f"--speculative-draft-model-path {served}" in card
     assert "--model-path TARGET_MODEL_DIR" in card  # a random-init target has no directory to serve
     assert f'"model": "{served}", "num_speculative_tokens": {block - 1}' in card

@@ -889,3 +889,28 @@ def test_a_save_to_disk_directory_without_state_json_is_one_line_naming_it(tmp_p
     lines = result.stderr.strip().splitlines()
     assert len(lines) == 1 or tool == "regen", result.stderr
     assert expected in lines[-1] and "dataset_info.json:" not in result.stderr
+
+
+def test_masking_secrets_in_hydras_files_never_leaves_half_a_file(tmp_path, monkeypatch):
+    """.hydra/config.yaml is rewritten with secrets masked as the job starts: a Ctrl-C in the
+    middle of that write leaves the file as Hydra wrote it, and no temporary beside it."""
+    from dflash.run.record import mask_hydra_files
+
+    hydra_dir = tmp_path / ".hydra"
+    hydra_dir.mkdir()
+    original = "logger:\n  api_key: sk-secret\n  project: p\n"
+    (hydra_dir / "config.yaml").write_text(original)
+    write_text = Path.write_text
+
+    def cut_short(self, text, *args, **kwargs):
+        write_text(self, text[: len(text) // 2])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "write_text", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        mask_hydra_files(tmp_path, ".hydra")
+    monkeypatch.undo()
+    assert (hydra_dir / "config.yaml").read_text() == original
+    assert [p.name for p in hydra_dir.iterdir()] == ["config.yaml"]
+    mask_hydra_files(tmp_path, ".hydra")
+    assert "sk-secret" not in (hydra_dir / "config.yaml").read_text()

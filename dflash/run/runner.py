@@ -25,7 +25,9 @@ from dflash.models.target import faster_target_settings
 from dflash.monitor.callbacks import TrainingCallbacks
 from dflash.pipeline.roles import role_lines
 from dflash.run.inputs import eval_prompts_description
+from dflash.run.record import replace_text
 from dflash.step.loss import VARIANT_FIGURES
+from dflash.trainer.checkpoint import LAST, checkpoint_behind_last, publish_last
 from dflash.trainer.lifecycle import Trainer
 from dflash.trainer.signals import StopRequested, stop_on_signals
 from dflash.trainer.validation import Validation
@@ -109,13 +111,19 @@ class Run:
             self.process_group.close()
 
     def _card_with_evaluation(self, eval_metrics: dict[str, float]) -> None:
-        """The last checkpoint's model card, rewritten with the final evaluation's figures."""
+        """The last checkpoint's model card, rewritten with the final evaluation's figures: in
+        its step directory, then `last` published again with it."""
         settings = self.trainer.checkpoints
-        last = settings.directory / "last"
+        last = settings.directory / LAST
         if settings.card is None or not last.is_dir():
             return
         facts = dataclasses.replace(settings.card, steps=self.trainer.position.step, evaluation=eval_metrics)
-        write_model_card(last, facts, served_from=str(last.resolve()))
+        checkpoint = checkpoint_behind_last(settings.directory)
+        if checkpoint is None:  # `last` holds copies: its card alone changes
+            write_model_card(last, facts)
+            return
+        write_model_card(checkpoint, facts, served_from=str(checkpoint.resolve()))
+        publish_last(settings.directory, checkpoint)
 
     def _summary(self, eval_metrics: dict[str, float], *, wall_s: float, first_step: int) -> dict[str, Any]:
         """wall_s, the first window and the throughput are this process's: from `first_step`,
@@ -124,7 +132,7 @@ class Run:
         first, last = history[0], history[-1]
         return {
             "run_dir": str(self.run_dir),
-            "checkpoint": str(self.trainer.checkpoints.directory / "last"),
+            "checkpoint": str(self.trainer.checkpoints.directory / LAST),
             "pipeline": pipeline_name(self.cfg.pipeline),
             "steps": self.trainer.position.step,
             **({"resumed_from_step": first_step} if first_step else {}),
@@ -175,9 +183,7 @@ class Run:
 
 def write_summary(path: Path, summary: dict[str, Any]) -> None:
     """Atomically: a reader (or the run record) sees the whole summary or none."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(summary, indent=2) + "\n")
-    tmp.replace(path)
+    replace_text(path, json.dumps(summary, indent=2) + "\n")
 
 
 # Why a summary figure can be undefined, by its name: each is a ratio over what a window (or the
