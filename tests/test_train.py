@@ -333,9 +333,18 @@ def test_cp_r_of_last_is_a_checkpoint_that_loads_and_resumes(make_cfg, tmp_path)
     )
 
 
-def test_last_is_swapped_whole_and_replaces_the_symlink_older_runs_left(tmp_path):
+@pytest.mark.parametrize("exchange", [True, False])
+def test_last_is_swapped_whole_and_replaces_the_symlink_older_runs_left(tmp_path, monkeypatch, exchange):
     """publish_last builds the new `last` beside the old one and swaps it in: an older run's
-    symlink gives way to a directory, a later step replaces the earlier one, nothing staged stays."""
+    symlink gives way to a directory, a later step replaces the earlier one, nothing staged stays;
+    the same where the C library has no renameat2 (the old `last` moved aside first)."""
+    if not exchange:
+
+        class NoRenameat2:
+            def __init__(self, *args, **kwargs):
+                pass
+
+        monkeypatch.setattr(checkpoint_module.ctypes, "CDLL", NoRenameat2)
     root = tmp_path / "checkpoints"
     for step in (2, 4):
         (root / f"step_{step:07d}").mkdir(parents=True)
