@@ -40,8 +40,11 @@ def test_every_checkpoint_has_a_card_and_the_last_one_its_final_evaluation(make_
     assert f"{drafter['dflash_config']['target_layer_ids']} of {drafter['num_target_layers']}" in card
     assert "| optimizer steps | 4 |" in card
     assert f"**tau {summary['eval/tau']:.3f}**" in card
-    assert f"over {int(summary['eval/num_prompts'])} held-out prompts" in card
-    served = str(last.resolve())
+    # The tiny default evaluates random-token prompts (no eval.benchmarks): named so, as the summary does.
+    assert summary["eval/prompts"] == "random-token prompts"
+    assert f"over {int(summary['eval/num_prompts'])} random-token prompts: " in card
+    assert f"over {int(summary['eval/num_prompts'])} random-token prompts\n" in capsys.readouterr().out
+    served = str((checkpoints / "step_0000004").resolve())  # the step `last` holds
     assert f"--speculative-draft-model-path {served}" in card
     assert "--model-path TARGET_MODEL_DIR" in card  # a random-init target has no directory to serve
     assert f'"model": "{served}", "num_speculative_tokens": {block - 1}' in card
@@ -79,3 +82,38 @@ def test_a_dflash2_drafters_card_names_it_and_shows_its_convolution_and_selector
         assert "| selector top-K | 16 |" in card and "| convolution taps | 2 |" in card
         assert "| selector rank | 256 |" in card and "| convolution channels per group | 16 |" in card
     assert "# DFlash drafter for" in model_card({"block_size": 16}, None, directory="d")
+
+
+def test_the_prompts_evaluated_are_named_alike_in_the_summary_and_the_card():
+    """Benchmarks by their names, random-token prompts as such: never 'held-out prompts', which
+    reads as conversations like the training data's."""
+    from dflash.config.schema import EvalConfig
+    from dflash.run.inputs import eval_prompts_description
+    from dflash.run.runner import format_summary
+
+    config = {"architectures": ["DFlashDraftModel"], "block_size": 16, "num_hidden_layers": 1}
+    for eval_cfg, words in (
+        (EvalConfig(), "random-token prompts"),
+        (
+            EvalConfig(benchmarks={"mtbench": "m.jsonl", "humaneval": "h.jsonl"}),
+            "prompts of humaneval, mtbench",
+        ),
+    ):
+        figures = {
+            "eval/tau": 1.5,
+            "eval/num_prompts": 8.0,
+            "eval/prompts": eval_prompts_description(eval_cfg),
+        }
+        facts = TrainingFacts(target="t", data="d", samples=1, steps=1, evaluation=figures)
+        assert f"Greedy decoding over 8 {words}: **tau 1.500**" in model_card(config, facts, directory="d")
+        summary = {
+            "run_dir": "r",
+            "checkpoint": "c",
+            "steps": 1,
+            "wall_s": 1.0,
+            "pipeline": "sync",
+            **{f"train/{k}{w}": 1.0 for k in ("loss", "acc") for w in ("", "_first_window")},
+            **{f"train/tau_{k}": 1.0 for k in ("sim", "block", "decode")},
+            **figures,
+        }
+        assert f"tau (spec decode) 1.500 over 8 {words}\n" in format_summary(summary) + "\n"

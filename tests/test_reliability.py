@@ -222,6 +222,47 @@ def test_no_row_and_no_final_figure_comes_from_a_window_shorter_than_the_interva
     assert f"-> {last['train/acc']:.3f}" in text and f"tau (simulated)   {last['train/tau_sim']:.3f}" in text
 
 
+def test_the_summary_never_prints_nan_and_says_why_a_figure_is_absent():
+    """A short DFlash2 run whose selector changed no pick has no share of changed picks that were
+    right (0 / 0): the summary leaves it out; other undefined ratios (DSpark's, the held-out
+    split's) read `n/a (why)`."""
+    from dflash.run.runner import format_summary
+
+    nan = float("nan")
+    base = {
+        "run_dir": "r",
+        "checkpoint": "c",
+        "steps": 6,
+        "wall_s": 1.3,
+        "pipeline": "sync",
+        **{f"train/{k}": 1.0 for k in ("loss", "loss_first_window", "acc", "acc_first_window", "tau_sim")},
+        "train/tau_block": 1.001,
+        "train/tau_decode": 1.0,
+        "val_samples": 4,
+        **{f"val/{k}": 1.0 for k in ("tau_sim", "tau_block")},
+        "val/tau_decode": nan,
+        "eval/tau": 1.0,
+        "eval/num_prompts": 2.0,
+    }
+    dflash2 = {
+        **base,
+        **{f"train/{k}": 0.5 for k in ("ce", "selector_ce", "candidate_recall", "candidate_mass")},
+        "train/selector_changed": 0.0,
+        "train/selector_changed_correct": nan,
+        "train/unary_tau_decode": 1.0,
+        "train/oracle_tau_decode": 1.016,
+    }
+    text = format_summary(dflash2)
+    assert "nan" not in text
+    assert "selector changed 0.000 of picks; tau_decode unary 1.000, oracle 1.016" in text
+    assert "1.000 (1.000, n/a (no block measured)) on 4 held-out samples" in text
+    dspark = {**base, "train/ce": 0.5, "train/l1": nan, "train/confidence_loss": 0.1}
+    dspark |= {"train/confidence_abs_error": 0.2, "train/tau_prob": nan}
+    text = format_summary(dspark)
+    assert "nan" not in text
+    assert "l1 n/a (not finite)" in text and "probabilities n/a (no block measured)" in text
+
+
 @pytest.mark.parametrize("pipeline", ["sync", "async"])
 def test_a_nan_loss_skips_its_update_and_stops_the_run_with_good_checkpoints(make_cfg, monkeypatch, pipeline):
     import torch
@@ -805,3 +846,71 @@ def test_a_run_into_a_live_sweeps_job_dir_is_refused_and_changes_nothing(tmp_pat
         sweep.send_signal(signal.SIGTERM)
         sweep.communicate(timeout=CLI_TIMEOUT_S)
     assert json.loads((job / "run.json").read_text())["status"] == "INTERRUPTED"
+
+
+def incomplete_saved_dataset(tmp_path: Path) -> Path:
+    """What save_to_disk writes, less its state.json."""
+    import datasets
+
+    saved = tmp_path / "saved"
+    datasets.Dataset.from_list([{"messages": [{"role": "user", "content": "hi"}]}]).save_to_disk(str(saved))
+    (saved / "state.json").unlink()
+    return saved
+
+
+@pytest.mark.parametrize("tool", ["train", "prep", "regen"])
+def test_a_save_to_disk_directory_without_state_json_is_one_line_naming_it(tmp_path, tiny_chat_dir, tool):
+    """Not read as JSON records (where dataset_info.json would be blamed for holding none): every
+    tool that reads conversations refuses it through the one reader, naming the directory and the
+    missing file."""
+    saved = incomplete_saved_dataset(tmp_path)
+    expected = f"{saved}: a datasets save_to_disk directory (data-00000-of-00001.arrow) without state.json"
+    inputs = (
+        [f"input=[{saved}]", f"output={tmp_path / 'out.jsonl'}"]
+        if tool == "regen"
+        else ["data=conversations", f"data.files=[{saved}]"]
+    )
+    common = [
+        f"target.path={tiny_chat_dir}",
+        f"hydra.run.dir={tmp_path / 'run'}",
+        f"paths.cache_dir={tmp_path}",
+    ]
+    result = run_tool(
+        [
+            sys.executable,
+            "-m",
+            f"dflash.tools.{tool}" if tool != "train" else "dflash.train",
+            *inputs,
+            *common,
+        ]
+    )
+    assert result.returncode == 2, result.stderr
+    # regen loads its target before reading: the loader's progress bar may come first.
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 or tool == "regen", result.stderr
+    assert expected in lines[-1] and "dataset_info.json:" not in result.stderr
+
+
+def test_masking_secrets_in_hydras_files_never_leaves_half_a_file(tmp_path, monkeypatch):
+    """.hydra/config.yaml is rewritten with secrets masked as the job starts: a Ctrl-C in the
+    middle of that write leaves the file as Hydra wrote it, and no temporary beside it."""
+    from dflash.run.record import mask_hydra_files
+
+    hydra_dir = tmp_path / ".hydra"
+    hydra_dir.mkdir()
+    original = "logger:\n  api_key: sk-secret\n  project: p\n"
+    (hydra_dir / "config.yaml").write_text(original)
+    write_text = Path.write_text
+
+    def cut_short(self, text, *args, **kwargs):
+        write_text(self, text[: len(text) // 2])
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(Path, "write_text", cut_short)
+    with pytest.raises(KeyboardInterrupt):
+        mask_hydra_files(tmp_path, ".hydra")
+    monkeypatch.undo()
+    assert (hydra_dir / "config.yaml").read_text() == original
+    assert [p.name for p in hydra_dir.iterdir()] == ["config.yaml"]
+    mask_hydra_files(tmp_path, ".hydra")
+    assert "sk-secret" not in (hydra_dir / "config.yaml").read_text()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -48,7 +49,9 @@ def test_train_writes_metrics_checkpoints_and_summary(make_cfg):
     assert "eval/tau" in rows[-1] and rows[-1]["eval/tau"] >= 1.0
     ckpts = run_dir / "checkpoints"
     assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_0000004", "step_0000008"]
-    assert (ckpts / "last").resolve() == (ckpts / "step_0000008").resolve()
+    assert not (ckpts / "last").is_symlink() and checkpoint_module.checkpoint_behind_last(ckpts) == (
+        ckpts / "step_0000008"
+    )
     assert summary["eval/lossless_frac"] == 1.0
     assert json.loads((run_dir / "summary.json").read_text())["steps"] == 8
     # The wait before the first step (with torch.compile, its compile), within the run's time.
@@ -95,8 +98,37 @@ def test_failed_checkpoint_write_keeps_the_previous_one(make_cfg, monkeypatch):
     ):
         run.execute()
     assert sorted(p.name for p in ckpts.glob("step_*")) == ["step_0000002"]
-    assert (ckpts / "last").resolve().name == "step_0000002"
+    assert checkpoint_module.checkpoint_behind_last(ckpts).name == "step_0000002"
     assert torch.load(ckpts / "last" / "trainer_state.pt", weights_only=True)["position"]["step"] == 2
+
+
+def test_a_step_written_again_and_cut_off_keeps_the_earlier_copy_and_last(make_cfg, monkeypatch, tmp_path):
+    """The same step saved again (a resume from an earlier step): a signal between moving the old
+    directory aside and renaming the new one in leaves `last` whole, and the next save clears up."""
+    run = build_run(make_cfg(["train.total_steps=2"]))
+    root = tmp_path / "checkpoints"
+
+    def save():
+        return checkpoint_module.save_checkpoint(
+            root, 2, run.trainer.drafter, {"n": 1}, "run: 1\n", keep_last=2
+        )
+
+    save()
+    real_replace = checkpoint_module.os.replace
+
+    def cut_off(source, destination):
+        if Path(source).name.startswith(".tmp-"):  # the new step going in
+            raise KeyboardInterrupt
+        real_replace(source, destination)
+
+    monkeypatch.setattr(checkpoint_module.os, "replace", cut_off)
+    with pytest.raises(KeyboardInterrupt):
+        save()
+    monkeypatch.undo()
+    assert load_drafter(root / "last").block_size == 4
+    assert torch.load(root / "last" / checkpoint_module.STATE_FILE, weights_only=True) == {"n": 1}
+    assert save() == root / "step_0000002"
+    assert sorted(p.name for p in root.iterdir()) == ["last", "step_0000002"]
 
 
 def test_corrupt_checkpoint_is_refused_naming_the_path(make_cfg, tmp_path):
@@ -256,3 +288,71 @@ def test_init_from_starts_a_fresh_run_from_a_drafters_weights(make_cfg, tmp_path
         build_run(make_cfg([f"drafter.init_from={last}", "drafter.num_layers=3"], tmp_path / "other"))
     with pytest.raises(ValueError, match=r"drafter.init_from=.*missing: no such drafter directory"):
         build_run(make_cfg([f"drafter.init_from={tmp_path / 'missing'}"], tmp_path / "none"))
+
+
+def test_training_reads_a_save_to_disk_directory_and_records_its_digest(
+    make_cfg, tmp_path, tiny_chat_dir, tiny_conversations
+):
+    """A `datasets` save_to_disk directory in data.files trains like its records, and data.json
+    names it with one digest over its files' names and contents (the same each time it is read)."""
+    import datasets
+
+    from dflash.data.files import source_digest
+    from tests.conftest import conversation_overrides
+
+    saved = tmp_path / "saved"
+    rows = [json.loads(line) for line in tiny_conversations.read_text().splitlines()]
+    datasets.Dataset.from_list(rows).save_to_disk(str(saved))
+    summary = train(make_cfg(conversation_overrides(tiny_chat_dir, [saved]) + ["train.total_steps=2"]))
+    recorded = json.loads((Path(summary["checkpoint"]) / "data.json").read_text())
+    assert recorded["files"] == [{"path": str(saved), "sha256": source_digest(saved)}]
+    assert recorded["samples"] > 0
+
+
+def test_cp_r_of_last_is_a_checkpoint_that_loads_and_resumes(make_cfg, tmp_path):
+    """`last` is a directory of hard links to the newest step's files, not a symlink: `cp -r`
+    copies a checkpoint (a relative link would arrive dangling), which loads and resumes."""
+    cfg = make_cfg(["train.total_steps=4", "checkpoint.every_steps=2"])
+    train(cfg)
+    ckpts = Path(cfg.paths.output_dir) / "checkpoints"
+    last, step = ckpts / "last", ckpts / "step_0000004"
+    assert last.is_dir() and not last.is_symlink()
+    assert sorted(p.name for p in last.iterdir()) == sorted(p.name for p in step.iterdir())
+    assert all((last / p.name).samefile(p) for p in step.iterdir())  # no bytes copied
+    # The final evaluation's card, in the step and in last alike.
+    assert "**tau " in (last / "README.md").read_text() == (step / "README.md").read_text()
+    copy = tmp_path / "copied"
+    subprocess.run(["cp", "-r", str(last), str(copy)], check=True, timeout=60)
+    shutil.rmtree(Path(cfg.paths.output_dir))  # the copy stands alone
+    assert load_drafter(copy).block_size == 4
+    resumed = build_run(make_cfg([f"resume={copy}", "train.total_steps=6"], tmp_path / "resumed"))
+    assert resumed.trainer.position.step == 4
+    resumed.execute()
+    assert (
+        checkpoint_module.checkpoint_behind_last(tmp_path / "resumed" / "checkpoints").name == "step_0000006"
+    )
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_last_is_swapped_whole_and_replaces_the_symlink_older_runs_left(tmp_path, monkeypatch, exchange):
+    """publish_last builds the new `last` beside the old one and swaps it in: an older run's
+    symlink gives way to a directory, a later step replaces the earlier one, nothing staged stays;
+    the same where the C library has no renameat2 (the old `last` moved aside first)."""
+    if not exchange:
+
+        class NoRenameat2:
+            def __init__(self, *args, **kwargs):
+                pass
+
+        monkeypatch.setattr(checkpoint_module.ctypes, "CDLL", NoRenameat2)
+    root = tmp_path / "checkpoints"
+    for step in (2, 4):
+        (root / f"step_{step:07d}").mkdir(parents=True)
+        (root / f"step_{step:07d}" / checkpoint_module.STATE_FILE).write_text(str(step))
+    (root / "last").symlink_to("step_0000002")
+    checkpoint_module.publish_last(root, root / "step_0000002")
+    assert not (root / "last").is_symlink()
+    assert checkpoint_module.checkpoint_behind_last(root) == root / "step_0000002"
+    checkpoint_module.publish_last(root, root / "step_0000004")
+    assert (root / "last" / checkpoint_module.STATE_FILE).read_text() == "4"
+    assert sorted(p.name for p in root.iterdir()) == ["last", "step_0000002", "step_0000004"]

@@ -2,7 +2,9 @@
 
 A record file is `.jsonl`, `.json` or `.parquet` (any case), the JSON ones also compressed as
 `.gz` or `.zst`. A directory written by `datasets`' `save_to_disk` (a Dataset or a DatasetDict)
-is one record source, read whole. Any other directory is read recursively: every record file
+is one record source, read whole; one whose Arrow shards lack the JSON files `save_to_disk`
+writes beside them (state.json, dataset_info.json) is refused, naming the missing file, rather
+than read as JSON records. Any other directory is read recursively: every record file
 and saved dataset under it, sorted by path; hidden files and directories (a name starting with
 '.', e.g. a lock) are passed over, and any other file is named in a warning with its count,
 never read and never silently dropped.
@@ -21,6 +23,8 @@ from typing import BinaryIO
 log = logging.getLogger(__name__)
 
 RECORD_SUFFIXES = (".jsonl", ".json", ".parquet")
+# What `Dataset.save_to_disk` writes beside its Arrow shards (data-00000-of-00001.arrow, ...).
+SAVED_DATASET_FILES = ("state.json", "dataset_info.json")
 COMPRESSIONS = (".gz", ".zst")
 
 
@@ -47,9 +51,24 @@ def is_saved_dataset(path: Path) -> bool:
     path = Path(path)
     if not path.is_dir():
         return False
-    return (path / "dataset_dict.json").is_file() or (
-        (path / "state.json").is_file() and (path / "dataset_info.json").is_file()
+    return (path / "dataset_dict.json").is_file() or all(
+        (path / name).is_file() for name in SAVED_DATASET_FILES
     )
+
+
+def refuse_incomplete_saved_dataset(directory: Path) -> None:
+    """A directory holding `save_to_disk`'s Arrow shards without one of the JSON files written
+    beside them: `load_from_disk` cannot open it, and read as a plain directory its
+    dataset_info.json would be taken for records and blamed for not holding any."""
+    if is_saved_dataset(directory):
+        return
+    shards = sorted(directory.glob("data-*-of-*.arrow"))
+    missing = [name for name in SAVED_DATASET_FILES if not (directory / name).is_file()]
+    if shards:
+        raise ValueError(
+            f"{directory}: a datasets save_to_disk directory ({shards[0].name}) without "
+            f"{' and '.join(missing)}; save the dataset again with save_to_disk"
+        )
 
 
 def source_digest(path: Path) -> str:
@@ -72,7 +91,11 @@ def _hidden(path: Path, root: Path) -> bool:
 
 def files_under(directory: Path) -> list[Path]:
     """Every record file and saved dataset under `directory` (recursively, sorted); the other
-    files are named in a warning with their count."""
+    files are named in a warning with their count. A directory of Arrow shards that is not a
+    whole saved dataset is refused (`refuse_incomplete_saved_dataset`)."""
+    for candidate in (directory, *sorted(p for p in directory.rglob("*") if p.is_dir())):
+        if not _hidden(candidate, directory) and not any(is_saved_dataset(d) for d in candidate.parents):
+            refuse_incomplete_saved_dataset(candidate)
     saved = sorted(p for p in directory.rglob("*") if is_saved_dataset(p) and not _hidden(p, directory))
     # The outermost only: a DatasetDict's splits are saved Datasets of their own, read through it.
     datasets = [p for p in saved if not any(p != d and p.is_relative_to(d) for d in saved)]

@@ -157,7 +157,8 @@ def _evaluation(figures: dict[str, Any]) -> list[str]:
             "(the last checkpoint of a run carries its final evaluation)."
         ]
     lines = [
-        f"Greedy decoding over {int(figures.get('eval/num_prompts', 0))} held-out prompts: "
+        # eval/prompts: what the run decoded, in the summary's words (random tokens or benchmarks)
+        f"Greedy decoding over {int(figures.get('eval/num_prompts', 0))} {figures.get('eval/prompts', 'prompts')}: "
         f"**tau {figures['eval/tau']:.3f}** tokens per target forward (acceptance length)"
         + (
             f", output identical to plain greedy decoding on {100 * figures['eval/lossless_frac']:.0f}% of prompts."

@@ -13,14 +13,14 @@ from pathlib import Path
 import torch
 
 from dflash.config.components import check_buildable
-from dflash.config.schema import Config, DataKind, TargetConfig
+from dflash.config.schema import Config, DataKind, EvalConfig, TargetConfig
 from dflash.data.chat import ChatRenderer, load_chat_renderer
 from dflash.data.conversations import expand_files
 from dflash.data.dataset import TokenDataset
+from dflash.data.files import source_digest
 from dflash.data.identity import data_identity
 from dflash.data.prepare import PrepStats, load_or_prepare
 from dflash.data.synthetic import load_or_generate
-from dflash.digest import file_digest
 from dflash.errors import exit_for_user_error
 from dflash.eval.prompts import PromptSet, load_prompt_sets
 from dflash.models.gguf import local_target
@@ -135,9 +135,19 @@ def training_data_identity(cfg: Config, dataset: TokenDataset) -> dict:
     files, template = None, None
     if cfg.data.kind is DataKind.conversations:
         paths = expand_files(list(cfg.data.files), "data.files")
-        files = [{"path": str(path), "sha256": file_digest(path)} for path in paths]
+        # A save_to_disk directory is one source: its files' names and digests, hashed in order.
+        files = [{"path": str(path), "sha256": source_digest(path)} for path in paths]
         template = load_chat_renderer(local_target_config(cfg), "data.kind=conversations").fingerprint()
     return data_identity(dataset, kind=cfg.data.kind.value, files=files, template=template)
+
+
+def eval_prompts_description(eval_cfg: EvalConfig) -> str:
+    """What the evaluation decodes, in the words the run summary, summary.json (`eval/prompts`)
+    and the model card use: the benchmarks' names (eval.benchmarks), else random-token prompts
+    (`load_prompt_sets`), which are new to the drafter but unlike any conversation trained on."""
+    if eval_cfg.benchmarks:
+        return "prompts of " + ", ".join(sorted(eval_cfg.benchmarks))
+    return "random-token prompts"
 
 
 def eval_prompt_sets(
@@ -148,7 +158,7 @@ def eval_prompt_sets(
     limit: int,
     context_len: int | None = None,
 ) -> list[PromptSet]:
-    """The held-out prompts: `eval.benchmarks` files (the target's chat template), else random
+    """The evaluation prompts: `eval.benchmarks` files (the target's chat template), else random
     token prompts (never holding the drafter's mask id). context_len: the target's positions
     (max_position_embeddings); the longest prompt + eval.max_new_tokens must fit in it."""
     eval_cfg = cfg.eval
@@ -166,8 +176,9 @@ def eval_prompt_sets(
 
     if not eval_cfg.benchmarks and cfg.data.kind is DataKind.conversations:
         log.warning(
-            "eval.benchmarks is empty: tau is measured on random token prompts, unlike the "
-            "conversations in data.files; set 'eval.benchmarks={name: prompts.jsonl}'"
+            "eval.benchmarks is empty: tau is measured on %s, unlike the conversations in "
+            "data.files; set 'eval.benchmarks={name: prompts.jsonl}'",
+            eval_prompts_description(eval_cfg),
         )
 
     sets = load_prompt_sets(eval_cfg, renderer, vocab_size, [mask_token_id], limit)

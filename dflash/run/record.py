@@ -92,7 +92,19 @@ def mask_hydra_files(output_dir: Path, subdir: str | None) -> None:
         original = yaml.safe_load(path.read_text())
         hidden = masked(original)
         if hidden != original:
-            path.write_text(yaml.safe_dump(hidden, sort_keys=False))
+            replace_text(path, yaml.safe_dump(hidden, sort_keys=False))
+
+
+def replace_text(path: Path, text: str) -> None:
+    """`path` holds `text` afterwards or, where a signal or a full disk cuts the write, what it
+    held before: written to a hidden sibling renamed over it, and the sibling never stays."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    try:
+        tmp.write_text(text)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
 
 
 def read_json(path: Path) -> dict[str, Any]:
@@ -349,12 +361,9 @@ def expand_home_dir(config: DictConfig, mode: str) -> str:
 def write_record(path: Path, record: dict[str, Any]) -> None:
     """run.json, atomically; when it cannot be written (a full disk), no temporary file stays and
     the record's status and error go to stderr instead, so the outcome is never lost."""
-    tmp = path.with_name(f".{path.name}.tmp")
     try:
-        tmp.write_text(json.dumps(record, indent=2, default=str) + "\n")
-        tmp.replace(path)
+        replace_text(path, json.dumps(record, indent=2, default=str) + "\n")
     except OSError as exc:
-        tmp.unlink(missing_ok=True)
         print(
             f"{tool_name()}: cannot write the run record {path} ({exc.strerror or exc}); "
             f"status {record['status']}" + (f": {record['error']}" if record.get("error") else ""),

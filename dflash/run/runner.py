@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -23,7 +24,10 @@ from dflash.models.compile import CompileCounter
 from dflash.models.target import faster_target_settings
 from dflash.monitor.callbacks import TrainingCallbacks
 from dflash.pipeline.roles import role_lines
+from dflash.run.inputs import eval_prompts_description
+from dflash.run.record import replace_text
 from dflash.step.loss import VARIANT_FIGURES
+from dflash.trainer.checkpoint import LAST, checkpoint_behind_last, publish_last
 from dflash.trainer.lifecycle import Trainer
 from dflash.trainer.signals import StopRequested, stop_on_signals
 from dflash.trainer.validation import Validation
@@ -77,10 +81,12 @@ class Run:
                 )
                 eval_metrics = report.metrics()
                 self.trainer.monitor.log(eval_metrics, self.trainer.position.step)
-                self._card_with_evaluation(eval_metrics)
+                # What was decoded, named once for the summary and the card (not a metric).
+                described = {**eval_metrics, "eval/prompts": eval_prompts_description(self.cfg.eval)}
+                self._card_with_evaluation(described)
                 self.callbacks.on_eval(self.trainer.position.step, eval_metrics)
                 summary = self._summary(
-                    {**val_metrics, **eval_metrics},
+                    {**val_metrics, **described},
                     wall_s=time.perf_counter() - started,
                     first_step=first_step,
                 )
@@ -105,13 +111,19 @@ class Run:
             self.process_group.close()
 
     def _card_with_evaluation(self, eval_metrics: dict[str, float]) -> None:
-        """The last checkpoint's model card, rewritten with the final evaluation's figures."""
+        """The last checkpoint's model card, rewritten with the final evaluation's figures: in
+        its step directory, then `last` published again with it."""
         settings = self.trainer.checkpoints
-        last = settings.directory / "last"
+        last = settings.directory / LAST
         if settings.card is None or not last.is_dir():
             return
         facts = dataclasses.replace(settings.card, steps=self.trainer.position.step, evaluation=eval_metrics)
-        write_model_card(last, facts, served_from=str(last.resolve()))
+        checkpoint = checkpoint_behind_last(settings.directory)
+        if checkpoint is None:  # `last` holds copies: its card alone changes
+            write_model_card(last, facts)
+            return
+        write_model_card(checkpoint, facts, served_from=str(checkpoint.resolve()))
+        publish_last(settings.directory, checkpoint)
 
     def _summary(self, eval_metrics: dict[str, float], *, wall_s: float, first_step: int) -> dict[str, Any]:
         """wall_s, the first window and the throughput are this process's: from `first_step`,
@@ -120,7 +132,7 @@ class Run:
         first, last = history[0], history[-1]
         return {
             "run_dir": str(self.run_dir),
-            "checkpoint": str(self.trainer.checkpoints.directory / "last"),
+            "checkpoint": str(self.trainer.checkpoints.directory / LAST),
             "pipeline": pipeline_name(self.cfg.pipeline),
             "steps": self.trainer.position.step,
             **({"resumed_from_step": first_step} if first_step else {}),
@@ -171,9 +183,45 @@ class Run:
 
 def write_summary(path: Path, summary: dict[str, Any]) -> None:
     """Atomically: a reader (or the run record) sees the whole summary or none."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(summary, indent=2) + "\n")
-    tmp.replace(path)
+    replace_text(path, json.dumps(summary, indent=2) + "\n")
+
+
+# Why a summary figure can be undefined, by its name: each is a ratio over what a window (or the
+# held-out split) counted, and a short run can count none (dflash/step/loss.py divides by zero
+# into NaN). Figures not named here are losses: NaN there means the loss itself was not finite.
+UNDEFINED_BECAUSE = {
+    **dict.fromkeys(
+        (
+            "tau_block",
+            "tau_decode",
+            "tau_prob",
+            "unary_tau_block",
+            "unary_tau_decode",
+            "oracle_tau_block",
+            "oracle_tau_decode",
+        ),
+        "no block measured",
+    ),
+    **dict.fromkeys(
+        ("acc", "acc_first_window", "candidate_recall", "candidate_mass", "selector_changed", "unary_acc"),
+        "no supervised position",
+    ),
+    "selector_changed_correct": "the selector changed no pick",
+}
+
+
+def is_defined(value: Any) -> bool:
+    return isinstance(value, (int, float)) and math.isfinite(value)
+
+
+def figure(summary: dict[str, Any], key: str) -> str:
+    """A summary figure to 3 decimals, or `n/a (why)` where it is undefined (never `nan`)."""
+    value = summary.get(key)
+    if is_defined(value):
+        return f"{value:.3f}"
+    if value is None:
+        return "n/a (not measured)"
+    return f"n/a ({UNDEFINED_BECAUSE.get(key.rsplit('/', 1)[-1], 'not finite')})"
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -194,36 +242,42 @@ def format_summary(summary: dict[str, Any]) -> str:
         # With torch.compile the first step carries the graphs' compile: the wait a user sees.
         + (f", first step after {summary['first_step_s']:.1f} s" if "first_step_s" in summary else "")
         + f", pipeline={summary['pipeline']})",
-        f"train loss        {summary['train/loss_first_window']:.3f} -> {summary['train/loss']:.3f}{since}",
-        f"train accuracy    {summary['train/acc_first_window']:.3f} -> {summary['train/acc']:.3f}{since}",
-        f"tau (simulated)   {summary['train/tau_sim']:.3f} (block runs {summary['train/tau_block']:.3f},"
-        f" as decoding meets them {summary['train/tau_decode']:.3f})"
+        f"train loss        {figure(summary, 'train/loss_first_window')} -> {figure(summary, 'train/loss')}{since}",
+        f"train accuracy    {figure(summary, 'train/acc_first_window')} -> {figure(summary, 'train/acc')}{since}",
+        f"tau (simulated)   {figure(summary, 'train/tau_sim')} (block runs {figure(summary, 'train/tau_block')},"
+        f" as decoding meets them {figure(summary, 'train/tau_decode')})"
         + (
-            f" on training batches; {summary['val/tau_sim']:.3f} ({summary['val/tau_block']:.3f},"
-            f" {summary['val/tau_decode']:.3f}) on {summary['val_samples']} held-out samples"
+            f" on training batches; {figure(summary, 'val/tau_sim')} ({figure(summary, 'val/tau_block')},"
+            f" {figure(summary, 'val/tau_decode')}) on {summary['val_samples']} held-out samples"
             if "val/tau_sim" in summary
             else ""
         ),
         *(
             [
-                f"dspark            ce {summary['train/ce']:.3f}, l1 {summary['train/l1']:.3f}, confidence "
-                f"{summary['train/confidence_loss']:.3f} (|error| {summary['train/confidence_abs_error']:.3f}); "
-                f"tau from the target's probabilities {summary['train/tau_prob']:.3f}"
-                + (f" ({summary['val/tau_prob']:.3f} held out)" if "val/tau_prob" in summary else "")
+                f"dspark            ce {figure(summary, 'train/ce')}, l1 {figure(summary, 'train/l1')}, confidence "
+                f"{figure(summary, 'train/confidence_loss')} (|error| {figure(summary, 'train/confidence_abs_error')}); "
+                f"tau from the target's probabilities {figure(summary, 'train/tau_prob')}"
+                + (f" ({figure(summary, 'val/tau_prob')} held out)" if "val/tau_prob" in summary else "")
             ]
             if "train/tau_prob" in summary
             else []
         ),
         *(
             [
-                f"dflash2           unary ce {summary['train/ce']:.3f}, selector ce "
-                f"{summary['train/selector_ce']:.3f}; candidates recall {summary['train/candidate_recall']:.3f}, "
-                f"mass {summary['train/candidate_mass']:.3f}; selector changed "
-                f"{summary['train/selector_changed']:.3f} of picks ({summary['train/selector_changed_correct']:.3f} "
-                f"of them right); tau_decode unary {summary['train/unary_tau_decode']:.3f}, oracle "
-                f"{summary['train/oracle_tau_decode']:.3f}"
+                f"dflash2           unary ce {figure(summary, 'train/ce')}, selector ce "
+                f"{figure(summary, 'train/selector_ce')}; candidates recall {figure(summary, 'train/candidate_recall')}, "
+                f"mass {figure(summary, 'train/candidate_mass')}; selector changed "
+                f"{figure(summary, 'train/selector_changed')} of picks"
+                # A share of the changed picks: none changed (a short run), nothing to score.
                 + (
-                    f" ({summary['val/unary_tau_decode']:.3f}, {summary['val/oracle_tau_decode']:.3f} held out)"
+                    f" ({figure(summary, 'train/selector_changed_correct')} of them right)"
+                    if is_defined(summary.get("train/selector_changed_correct"))
+                    else ""
+                )
+                + f"; tau_decode unary {figure(summary, 'train/unary_tau_decode')}, oracle "
+                f"{figure(summary, 'train/oracle_tau_decode')}"
+                + (
+                    f" ({figure(summary, 'val/unary_tau_decode')}, {figure(summary, 'val/oracle_tau_decode')} held out)"
                     if "val/oracle_tau_decode" in summary
                     else ""
                 )
@@ -251,7 +305,8 @@ def format_summary(summary: dict[str, Any]) -> str:
         )
     if "eval/tau" in summary:
         lines.append(
-            f"tau (spec decode) {summary['eval/tau']:.3f} over {int(summary['eval/num_prompts'])} held-out prompts"
+            f"tau (spec decode) {summary['eval/tau']:.3f} over {int(summary['eval/num_prompts'])} "
+            f"{summary.get('eval/prompts', 'prompts')}"
             + (" (evaluation interrupted)" if summary.get("eval/interrupted") else "")
         )
     else:

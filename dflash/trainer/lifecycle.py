@@ -42,6 +42,7 @@ from dflash.pipeline.replicas import check_replicas_identical
 from dflash.pipeline.roles import role_summary
 from dflash.step.step import DrafterStep
 from dflash.trainer import state
+from dflash.trainer.checkpoint import publish_last
 from dflash.trainer.periodic_eval import PeriodicEval
 from dflash.trainer.signals import StopRequested, StopSignal, compile_cut_by_stop, stop_on_signals
 from dflash.trainer.state import CheckpointSettings, DataPosition
@@ -132,7 +133,10 @@ class Trainer(ABC):
     def save(self):
         if self.process_group.is_main:  # every rank holds the same weights; one writes them
             path = state.save(self.checkpoints, self.step_fn, self.position)
-            self.callbacks.on_checkpoint(self.position.step, path)
+            if self.callbacks:
+                self.callbacks.on_checkpoint(self.position.step, path)
+                # `last` again, with the files the hooks added (the trackers' run records).
+                publish_last(self.checkpoints.directory, path)
             return path
         return None
 
