@@ -23,22 +23,29 @@ from dflash.monitor.sinks.base import (
 from dflash.monitor.sinks.console import ConsoleSink
 from dflash.monitor.sinks.jsonl import JsonlSink
 from dflash.monitor.sinks.mlflow import (
-    MLFLOW,
     MLFLOW_PARAM_CHARS,
-    MLFLOW_RUN_FILE,
     MLFLOW_TAG_CHARS,
     MlflowSink,
     config_params,
-    default_mlflow_store,
-    is_local_mlflow_store,
     mlflow_artifact_location,
     mlflow_name,
     mlflow_sink,
     mlflow_value,
+)
+from dflash.monitor.sinks.mlflow_store import (
+    MLFLOW,
+    MLFLOW_RUN_FILE,
+    default_mlflow_store,
+    is_local_mlflow_store,
     resumed_mlflow_run,
 )
 from dflash.monitor.sinks.progress import ProgressSink
-from dflash.monitor.sinks.registry import SINK_LIBRARIES, build_sinks
+from dflash.monitor.sinks.registry import (
+    SINK_DESTINATIONS,
+    SINK_LIBRARIES,
+    build_sinks,
+    check_sink_destinations,
+)
 from dflash.monitor.sinks.tensorboard import TENSORBOARD, TensorBoardSink
 from dflash.monitor.sinks.wandb import (
     EVAL_STEP,
@@ -56,6 +63,7 @@ __all__ = [
     "MLFLOW_PARAM_CHARS",
     "MLFLOW_RUN_FILE",
     "MLFLOW_TAG_CHARS",
+    "SINK_DESTINATIONS",
     "SINK_LIBRARIES",
     "TENSORBOARD",
     "WANDB_RUN_FILE",
@@ -70,6 +78,7 @@ __all__ = [
     "TensorBoardSink",
     "WandbSink",
     "build_sinks",
+    "check_sink_destinations",
     "config_params",
     "default_mlflow_store",
     "hydra_choice",

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
@@ -71,3 +72,19 @@ def hydra_choice(group: str) -> str | None:
     if not HydraConfig.initialized():
         return None
     return HydraConfig.get().runtime.choices.get(group)
+
+
+def refuse_unwritable_dir(directory: Path, key: str) -> None:
+    """A directory a sink will create and write, checked before any weights load: its nearest
+    existing ancestor must be a directory that takes a file (a permission bit can say yes to
+    root on a read-only mount, so a file is written and removed instead of asking)."""
+    existing = directory
+    while not existing.exists() and existing != existing.parent:
+        existing = existing.parent
+    if not existing.is_dir():
+        raise ValueError(f"{key}: {directory} cannot be a directory ({existing} is a file)")
+    try:
+        with tempfile.TemporaryFile(dir=existing):
+            pass
+    except OSError as exc:
+        raise ValueError(f"{key}: cannot write {directory} ({exc.strerror or exc})") from exc

@@ -13,13 +13,20 @@ from pathlib import Path
 from typing import Any
 
 from dflash.monitor.sinks.background import BackgroundSink
-from dflash.monitor.sinks.base import OptionalLibrary, SinkContext, hydra_choice, sweep_naming
+from dflash.monitor.sinks.base import SinkContext, hydra_choice, sweep_naming
+from dflash.monitor.sinks.mlflow_store import (
+    CONNECT_TIMEOUT_S,
+    MLFLOW_RUN_FILE,
+    check_store,
+    import_mlflow,
+    resumed_mlflow_run,
+    tracking_store,
+)
 
 log = logging.getLogger(__name__)
 
-MLFLOW = OptionalLibrary(module="mlflow", extra="mlflow", option="mlflow")
-# Kept in every checkpoint: the MLflow run a `resume=` of that checkpoint continues, and its store.
-MLFLOW_RUN_FILE = "mlflow_run.json"
+# The sink's config key, in its messages (the checks before loading name the entry's own key).
+SINK_KEY = "logger.sinks.mlflow"
 # MLflow's limits (mlflow.utils.validation): a param value of at most 6000 characters, a tag value
 # of at most 8000; names of letters, digits and `_ - . / space` (a colon too, except on Windows).
 MLFLOW_PARAM_CHARS = 6000
@@ -55,14 +62,6 @@ def config_params(config: dict[str, Any], prefix: str = "") -> dict[str, str]:
     return params
 
 
-def default_mlflow_store(run_dir: Path) -> str:
-    """A SQLite file in the run dir. MLflow 3 refuses its file store (`<dir>/mlruns`) unless
-    MLFLOW_ALLOW_FILE_STORE=true is set (it is in maintenance mode, kept for old data): SQLite
-    is MLflow's own local backend, on the standard library's sqlite3 (the `mlflow` extra brings
-    the SQLAlchemy and alembic it drives it with)."""
-    return f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
-
-
 def mlflow_artifact_location(tracking_uri: str) -> str | None:
     """Where a new experiment of a SQLite store keeps its artifacts: `mlartifacts` beside the
     database (MLflow's own default, `./mlruns`, depends on the working directory). None for
@@ -71,23 +70,6 @@ def mlflow_artifact_location(tracking_uri: str) -> str | None:
         return None
     database = Path(tracking_uri[len("sqlite:///") :])
     return (database.resolve().parent / "mlartifacts").as_uri()
-
-
-def is_local_mlflow_store(tracking_uri: str) -> bool:
-    """A SQLite file or a directory (a bare word such as `databricks` names a service)."""
-    return tracking_uri.startswith(("sqlite:", "file:", "/", "."))
-
-
-def resumed_mlflow_run(resume_dir: Path | None) -> dict[str, str] | None:
-    """The MLflow run a resumed checkpoint keeps (`run_id`, `tracking_uri`; None: a fresh run, or
-    a checkpoint written without MLflow)."""
-    if resume_dir is None or not (Path(resume_dir) / MLFLOW_RUN_FILE).is_file():
-        return None
-    try:
-        record = json.loads((Path(resume_dir) / MLFLOW_RUN_FILE).read_text())
-        return {"run_id": str(record["run_id"]), "tracking_uri": str(record["tracking_uri"])}
-    except (json.JSONDecodeError, KeyError, TypeError) as exc:
-        raise ValueError(f"resume={resume_dir}: {MLFLOW_RUN_FILE} names no MLflow run ({exc})") from exc
 
 
 class MlflowSink:
@@ -113,21 +95,21 @@ class MlflowSink:
         run_name: str | None = None,
         tags: dict[str, Any] | None = None,
         finish_timeout_s: float = 30.0,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
     ):
         resumed = resumed_mlflow_run(context.resume_dir)
-        self.tracking_uri = (
-            tracking_uri
-            or (resumed or {}).get("tracking_uri")
-            or os.environ.get("MLFLOW_TRACKING_URI")
-            or default_mlflow_store(context.run_dir)
+        store = tracking_store(
+            key=SINK_KEY,
+            tracking_uri=tracking_uri,
+            resumed=resumed,
+            resume_dir=context.resume_dir,
+            run_dir=context.run_dir,
         )
-        if is_local_mlflow_store(self.tracking_uri):
-            # MLflow sends usage events to its own servers unless told not to (read when mlflow
-            # is imported); a local store is chosen to keep a run on this machine.
-            os.environ.setdefault("MLFLOW_DISABLE_TELEMETRY", "true")
-        MLFLOW.load("logger.sinks.mlflow")
+        MlflowClient = import_mlflow(store, SINK_KEY)
+        # Checked before any weights load too; again here, as the store may have gone since.
+        check_store(store, key=SINK_KEY, connect_timeout_s=connect_timeout_s)
+        self.tracking_uri = store.uri
         from mlflow.entities import Metric, Param, RunTag
-        from mlflow.tracking import MlflowClient
 
         self._metric, self._param, self._tag = Metric, Param, RunTag
         self.timeout_s = finish_timeout_s
@@ -254,10 +236,11 @@ def mlflow_sink(
     tags: dict[str, Any] | None = None,
     queue_size: int = 100,
     finish_timeout_s: float = 30.0,
+    connect_timeout_s: float = CONNECT_TIMEOUT_S,
 ):
     """logger.sinks.mlflow: an MlflowSink on its own thread (BackgroundSink), `queue_size` ticks
     deep (the oldest dropped, and counted, when the store stalls), given `finish_timeout_s` to
-    finish the run."""
+    finish the run; a store that does not answer within `connect_timeout_s` is refused."""
     sink = MlflowSink(
         context=context,
         tracking_uri=tracking_uri,
@@ -265,5 +248,6 @@ def mlflow_sink(
         run_name=run_name,
         tags=tags,
         finish_timeout_s=finish_timeout_s,
+        connect_timeout_s=connect_timeout_s,
     )
     return BackgroundSink("mlflow", sink, queue_size=queue_size, close_timeout_s=finish_timeout_s)

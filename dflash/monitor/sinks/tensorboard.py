@@ -3,10 +3,26 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
-from dflash.monitor.sinks.base import OptionalLibrary, SinkContext
+from dflash.monitor.sinks.base import OptionalLibrary, SinkContext, refuse_unwritable_dir
 
 TENSORBOARD = OptionalLibrary(module="tensorboard", extra="tensorboard", option="tensorboard")
+SINK_KEY = "logger.sinks.tensorboard"
+
+
+def check_tensorboard_destination(
+    *,
+    key: str,
+    run_dir: Path,
+    resume_dir: Path | None,
+    subdir: str = "tensorboard",
+    **_settings_not_checked_here,
+) -> None:
+    """logger.sinks.NAME of a TensorBoard sink, before any weights load: its event files' directory
+    (`subdir`, under the run dir unless absolute) takes files. Left to the writer, a directory it
+    cannot create is a traceback after the weights load."""
+    refuse_unwritable_dir(run_dir / subdir, f"{key}.subdir")
 
 
 class TensorBoardSink:
@@ -17,8 +33,9 @@ class TensorBoardSink:
 
     def __init__(self, *, context: SinkContext, subdir: str = "tensorboard", flush_secs: float = 30.0):
         # torch's writer needs the tensorboard package
-        SummaryWriter = TENSORBOARD.load("logger.sinks.tensorboard", "torch.utils.tensorboard").SummaryWriter
+        SummaryWriter = TENSORBOARD.load(SINK_KEY, "torch.utils.tensorboard").SummaryWriter
         self.log_dir = context.run_dir / subdir
+        refuse_unwritable_dir(self.log_dir, f"{SINK_KEY}.subdir")  # checked before loading too
         self.writer = SummaryWriter(log_dir=str(self.log_dir), flush_secs=flush_secs)
 
     def log(self, metrics: dict[str, float], step: int) -> None:

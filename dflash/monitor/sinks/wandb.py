@@ -6,13 +6,21 @@ import json
 import logging
 import os
 import threading
+import urllib.error
+import urllib.request
 from pathlib import Path
 from typing import Any
 
 from dflash.monitor.sinks.background import BackgroundSink
-from dflash.monitor.sinks.base import SinkContext, sweep_naming
+from dflash.monitor.sinks.base import SinkContext, refuse_unwritable_dir, sweep_naming
 
 log = logging.getLogger(__name__)
+
+# The sink's config key, in its messages (the checks before loading name the entry's own key).
+SINK_KEY = "logger.sinks.wandb"
+# How long the check waits for the W&B server to answer (logger.sinks.wandb.connect_timeout_s);
+# left to W&B, a server that does not answer costs its init_timeout (90 s) after the weights load.
+CONNECT_TIMEOUT_S = 10.0
 
 
 def wandb_mode(mode: str | None) -> str:
@@ -23,6 +31,61 @@ def wandb_mode(mode: str | None) -> str:
     if os.environ.get("WANDB_MODE"):
         return os.environ["WANDB_MODE"]
     return "online" if os.environ.get("WANDB_API_KEY") else "offline"
+
+
+def wandb_server() -> str:
+    """The server an online run talks to, as W&B resolves it: WANDB_BASE_URL, else the host
+    `wandb login --host` saved in W&B's settings file, else W&B's default."""
+    from wandb.sdk.wandb_settings import Settings
+
+    settings = Settings()
+    settings.update_from_system_settings()
+    settings.update_from_env_vars(dict(os.environ))
+    return settings.base_url
+
+
+def http_failure(url: str, timeout_s: float) -> str | None:
+    """Why `url` gives no HTTP answer within `timeout_s` (None: it answered, any status)."""
+    try:
+        with urllib.request.urlopen(url, timeout=timeout_s):
+            return None
+    except urllib.error.HTTPError:
+        return None  # an answer: the server is there
+    except urllib.error.URLError as exc:
+        if isinstance(exc.reason, TimeoutError):
+            return f"does not answer within {timeout_s:g} s"
+        return f"does not answer ({getattr(exc.reason, 'strerror', None) or exc.reason})"
+    except TimeoutError:
+        return f"does not answer within {timeout_s:g} s"
+    except OSError as exc:
+        return f"does not answer ({exc.strerror or exc})"
+
+
+def check_wandb_destination(
+    *,
+    key: str,
+    run_dir: Path,
+    resume_dir: Path | None,
+    mode: str | None = None,
+    connect_timeout_s: float = CONNECT_TIMEOUT_S,
+    **_settings_not_checked_here,
+) -> None:
+    """logger.sinks.NAME of a W&B sink, before any weights load: the run's W&B directory takes
+    files (offline and online), and online, the server answers."""
+    refuse_unwritable_dir(run_dir / "wandb", key)
+    check_wandb_server(key=key, mode=wandb_mode(mode), connect_timeout_s=connect_timeout_s)
+
+
+def check_wandb_server(*, key: str, mode: str, connect_timeout_s: float) -> None:
+    if mode != "online":
+        return
+    url = wandb_server()
+    reason = http_failure(url, connect_timeout_s)
+    if reason is not None:
+        raise ValueError(
+            f"{key} (mode=online): the W&B server {url} {reason}; set WANDB_BASE_URL to one that "
+            f"answers, or {key}.mode=offline (`wandb sync` uploads the run later)"
+        )
 
 
 EVAL_STEP = "snapshot_step"
@@ -49,6 +112,7 @@ class WandbSink:
         tags: list[str] | None = None,
         finish_timeout_s: float = 30.0,
         log_checkpoints: bool = False,
+        connect_timeout_s: float = CONNECT_TIMEOUT_S,
     ):
         import wandb
 
@@ -56,19 +120,26 @@ class WandbSink:
         self.log_checkpoints = log_checkpoints
         sweep_group, job_name = sweep_naming()
         resumed = resumed_wandb_run(context.resume_dir)
-        self.run = wandb.init(
-            id=resumed,
-            resume="allow" if resumed else None,
-            project=project,
-            entity=entity,
-            group=group or sweep_group,  # runs of one sweep share a group
-            name=name or job_name,  # ... and are named by the overrides that differ
-            tags=list(tags or []),
-            config=context.config,
-            dir=str(context.run_dir),
-            mode=wandb_mode(mode),
-            reinit="finish_previous",
-        )
+        mode = wandb_mode(mode)
+        # Checked before any weights load too; again here, as the server may have gone since.
+        check_wandb_server(key=SINK_KEY, mode=mode, connect_timeout_s=connect_timeout_s)
+        try:
+            self.run = wandb.init(
+                id=resumed,
+                resume="allow" if resumed else None,
+                project=project,
+                entity=entity,
+                group=group or sweep_group,  # runs of one sweep share a group
+                name=name or job_name,  # ... and are named by the overrides that differ
+                tags=list(tags or []),
+                config=context.config,
+                dir=str(context.run_dir),
+                mode=mode,
+                reinit="finish_previous",
+            )
+        except (wandb.errors.Error, OSError) as exc:  # no key, a server that refuses, a dir
+            reason = (str(exc).splitlines() or [type(exc).__name__])[0]
+            raise ValueError(f"{SINK_KEY} (mode={mode}): W&B could not start the run ({reason})") from exc
 
         self._defined: set[str] = set()
         # An evaluation measures a snapshot of step N and finishes after rows of later steps were
