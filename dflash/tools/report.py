@@ -107,8 +107,8 @@ def has_points(ax) -> bool:
 
 
 def explain_empty(ax, reason: str) -> None:
-    """A panel with nothing to draw says why, in place of blank axes."""
-    if has_points(ax):
+    """A panel with nothing to draw says why, in place of blank axes (once)."""
+    if has_points(ax) or ax.texts:
         return
     ax.set_xticks([])
     ax.set_yticks([])
