@@ -1,5 +1,6 @@
 """The monitor: every metric family reaches the sinks with plausible values, a stalled sink never
-holds up training, and missing NVML costs only its own metrics and one warning."""
+holds up training, and missing NVML costs only its own metrics and one warning; dflash-report
+draws each drafter variant's own figures and leaves no panel blank."""
 
 from __future__ import annotations
 
@@ -441,3 +442,84 @@ def test_a_target_bound_run_names_the_faster_target_settings_it_left_off():
     ]
     drafter_bound = {**summary, "roles/target_s_per_batch": 0.2}
     assert not [line for line in role_lines(drafter_bound) if line.startswith("faster target")]
+
+
+# -- dflash-report: every variant's own figures drawn, no blank panel ---------------------------
+
+
+def variant_rows(variant: str, steps: int = 4) -> list[dict]:
+    """metrics.jsonl rows of a CPU run of `variant` (no gpu/ or queue/ families): its train/ figures
+    as the step computes them (loss.objective_figures over the variant's metric fields), with
+    an evaluation at the last step."""
+    import numpy as np
+
+    from dflash.step.loss import objective_figures
+    from dflash.step.metrics import MetricLayout
+
+    rng = np.random.default_rng([steps, len(variant)])
+    layout = MetricLayout(block_size=4, num_buckets=2, variant=variant)
+    written = []
+    for step in range(1, steps + 1):
+        sums: dict = {}
+        for field in layout.fields:
+            width = layout[field.name].stop - layout[field.name].start
+            values = (rng.uniform(1.0, 2.0, width) * (4.0 if field.name == "counted" else 1.0)).tolist()
+            sums[field.name] = values if field.width != "one" else values[0]
+        figures = objective_figures(sums)
+        written.append(
+            {"step": step, **{f"train/{k}": v for k, v in figures.items()}, "train/grad_norm": 1.0}
+        )
+    written.append({"step": steps, "eval/tau": 2.0, "eval/heldout/tau": 2.0, "eval/accept_len_1_frac": 1.0})
+    return written
+
+
+def report_figures(tmp_path: Path, monkeypatch, rows: list[dict]) -> dict[str, object]:
+    """dflash-report on a run dir holding `rows`: its figures, by the name of the file written."""
+    from matplotlib.figure import Figure
+
+    from dflash.tools import report
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "metrics.jsonl").write_text("".join(json.dumps(row) + "\n" for row in rows))
+    figures: dict[str, object] = {}
+    real_savefig = Figure.savefig
+
+    def savefig(fig, path, *args, **kwargs):
+        figures[Path(path).stem] = fig
+        return real_savefig(fig, path, *args, **kwargs)
+
+    monkeypatch.setattr(Figure, "savefig", savefig)
+    report.main([str(run_dir)])
+    assert {f"{name}.png" for name in figures} <= {p.name for p in (run_dir / "report").iterdir()}
+    return figures
+
+
+@pytest.mark.parametrize("variant", ["dspark", "dflash2"])
+def test_the_report_draws_each_variant_figure_and_no_blank_panel(variant, tmp_path, monkeypatch):
+    from dflash.step.loss import VARIANT_FIGURES
+    from dflash.tools.report import has_points
+
+    figures = report_figures(tmp_path, monkeypatch, variant_rows(variant))
+    page = figures["variant_figures"]
+    drawn = {line.get_label() for ax in page.axes for line in ax.lines if has_points(ax)}
+    titles = {ax.get_title() for ax in page.axes}
+    for name in VARIANT_FIGURES[variant]:  # each of the variant's figures, on a panel of its kind
+        assert f"train/{name}" in drawn, (name, sorted(drawn))
+    if variant == "dspark":  # per-position families: one panel each, values against the position
+        assert {"accept by block position", "confidence by block position"} <= titles
+    own = {k for k in variant_rows(variant)[0] if k.startswith("train/")} - set(variant_rows("dflash")[0])
+    positions = {k for k in own if "_pos_" in k}
+    assert own - positions <= drawn  # every figure of the rows, none left out
+    for name, fig in figures.items():
+        for ax in fig.axes:  # every panel holds data, or says why it has none
+            assert has_points(ax) or [t.get_text() for t in ax.texts], (name, ax.get_title())
+    gpu_panels = figures["gpus"].axes
+    assert all(t.get_text() == "no NVML telemetry in this run" for ax in gpu_panels for t in ax.texts)
+    report_md = (tmp_path / "run" / "report" / "report.md").read_text()
+    assert f"| train/{VARIANT_FIGURES[variant][-1]} |" in report_md and "](variant_figures.png)" in report_md
+
+
+def test_a_dflash_run_has_no_variant_page(tmp_path, monkeypatch):
+    figures = report_figures(tmp_path, monkeypatch, variant_rows("dflash"))
+    assert "variant_figures" not in figures and "loss_accuracy" in figures

@@ -3,11 +3,15 @@ with TensorBoard's own reader hold every row metrics.jsonl holds, at the same st
 read back with MLflow's own client holds every row, the config and the summary, a resumed
 checkpoint continues its MLflow run and a crash marks the run failed; a resumed checkpoint
 continues its W&B run, and checkpoints are logged as W&B artifacts. A tracker's missing library
-is one line naming the extra, before anything loads."""
+is one line naming the extra, before anything loads; so is a tracker that cannot take the run (an
+MLflow or W&B server that does not answer, a read-only SQLite store, a directory that cannot be
+written), refused in seconds naming the key."""
 
 from __future__ import annotations
 
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -51,15 +55,17 @@ def test_a_missing_tracker_library_is_one_line_naming_the_extra(sink, hidden, ex
         getattr(sinks, sink)(context=sinks.SinkContext(run_dir=tmp_path, config={}, total_steps=1))
 
 
-def test_logger_mlflow_without_mlflow_exits_2_in_one_line_before_anything_loads(tmp_path):
-    hide_mlflow = "import sys; sys.modules['mlflow'] = None; from dflash.cli import main; main()"
+def refusal_of_train(tmp_path: Path, *overrides: str, prelude: str = "") -> str:
+    """`dflash train logger=mlflow debug=fast OVERRIDES` in a process of its own (after `prelude`):
+    it must exit 2 with one line on stderr, before any checkpoint; that line."""
     result = subprocess.run(
         [
             sys.executable,
             "-c",
-            hide_mlflow,
+            f"{prelude}from dflash.cli import main; main()",
             "train",
             "logger=mlflow",
+            *overrides,
             "debug=fast",
             f"hydra.run.dir={tmp_path}",
         ],
@@ -69,11 +75,17 @@ def test_logger_mlflow_without_mlflow_exits_2_in_one_line_before_anything_loads(
     )
     assert result.returncode == 2, result.stderr
     lines = result.stderr.strip().splitlines()
-    assert len(lines) == 1 and lines[0].startswith(
+    assert len(lines) == 1, result.stderr
+    assert not (tmp_path / "checkpoints").exists()
+    return lines[0]
+
+
+def test_logger_mlflow_without_mlflow_exits_2_in_one_line_before_anything_loads(tmp_path):
+    line = refusal_of_train(tmp_path, prelude="import sys; sys.modules['mlflow'] = None; ")
+    assert line.startswith(
         "dflash train: error: logger.sinks.mlflow (logger=mlflow) needs the mlflow package: "
         "pip install 'dflash[mlflow]'"
-    ), result.stderr
-    assert not (tmp_path / "checkpoints").exists()
+    ), line
 
 
 def mlflow_store(run_dir: Path):
@@ -226,3 +238,178 @@ def test_resuming_into_an_mlflow_store_that_is_gone_is_refused_before_anything_l
     with pytest.raises(ValueError, match=r"which does not exist; set logger.sinks.mlflow.tracking_uri"):
         train(make_cfg([*common, f"resume={checkpoint}"], second_dir))
     assert not (second_dir / "config_resolved.yaml").exists()
+
+
+# -- a tracker that cannot take the run is refused in seconds, before any weights load ----------
+
+
+@pytest.fixture
+def no_weights_load(monkeypatch):
+    """Loading the target fails the test: every refusal below must come before it."""
+    from dflash.models.target import FrozenTarget
+
+    def no_load(*args, **kwargs):
+        raise AssertionError("the target was loaded before the tracker was checked")
+
+    monkeypatch.setattr(FrozenTarget, "from_config", no_load)
+
+
+@pytest.fixture(params=["closed", "silent"])
+def dead_server(request):
+    """A loopback address where no HTTP answer comes: a port nothing listens on (refused at
+    once), or a listening socket that never accepts (the request waits for the timeout)."""
+    import socket
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    if request.param == "closed":
+        sock.close()
+        yield f"http://127.0.0.1:{port}", "does not answer"
+        return
+    sock.listen(8)
+    yield f"http://127.0.0.1:{port}", "does not answer within 1 s"
+    sock.close()
+
+
+def test_an_mlflow_server_that_does_not_answer_is_refused_before_anything_loads(
+    make_cfg, dead_server, no_weights_load
+):
+    pytest.importorskip("mlflow")
+    from dflash.run.launch import build_run
+
+    uri, reason = dead_server
+    cfg = make_cfg(
+        [
+            "logger=mlflow",
+            f"logger.sinks.mlflow.tracking_uri={uri}",
+            "logger.sinks.mlflow.connect_timeout_s=1",
+        ]
+    )
+    with pytest.raises(
+        ValueError, match=rf"^logger.sinks.mlflow.tracking_uri={uri}: the MLflow store {reason}"
+    ):
+        build_run(cfg)
+
+
+def test_an_mlflow_server_in_the_environment_that_does_not_answer_is_named_with_the_key(
+    make_cfg, dead_server, no_weights_load, monkeypatch
+):
+    pytest.importorskip("mlflow")
+    from dflash.run.launch import build_run
+
+    uri, reason = dead_server
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", uri)
+    cfg = make_cfg(["logger=mlflow", "logger.sinks.mlflow.connect_timeout_s=1"])
+    with pytest.raises(
+        ValueError,
+        match=rf"^MLFLOW_TRACKING_URI={uri}: the MLflow store {reason}.*"
+        r"set logger.sinks.mlflow.tracking_uri",
+    ):
+        build_run(cfg)
+
+
+@pytest.mark.slow  # a CLI process: ~25 s on a busy 2-core machine
+def test_an_unreachable_mlflow_server_exits_2_in_one_line_naming_the_key(tmp_path):
+    import socket
+
+    with socket.socket() as sock:  # a port that was free a moment ago: nothing listens there
+        sock.bind(("127.0.0.1", 0))
+        uri = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    line = refusal_of_train(tmp_path, f"logger.sinks.mlflow.tracking_uri={uri}")
+    assert line.startswith(
+        f"dflash train: error: logger.sinks.mlflow.tracking_uri={uri}: the MLflow store does not answer ("
+    ), line
+
+
+def test_a_read_only_sqlite_store_is_refused_before_anything_loads(make_cfg, tmp_path, no_weights_load):
+    """A SQLite store opened read-only: MLflow's engine retries it for 110 s, then fails."""
+    pytest.importorskip("mlflow")
+    import sqlite3
+
+    from dflash.run.launch import build_run
+
+    database = tmp_path / "shared" / "mlflow.db"
+    database.parent.mkdir()
+    with sqlite3.connect(database) as connection:
+        connection.execute("CREATE TABLE runs (id TEXT)")
+    uri = f"sqlite:///file:{database}?mode=ro&uri=true"
+    cfg = make_cfg(["logger=mlflow", f"logger.sinks.mlflow.tracking_uri='{uri}'"])
+    with pytest.raises(
+        ValueError,
+        match=rf"^logger.sinks.mlflow.tracking_uri={re.escape(uri)}: the MLflow store cannot be written "
+        r"\(.*readonly database\)",
+    ):
+        build_run(cfg)
+    missing = f"sqlite:///file:{tmp_path / 'none.db'}?mode=ro&uri=true"
+    with pytest.raises(ValueError, match=r"the MLflow store does not exist, and is opened read-only"):
+        build_run(make_cfg(["logger=mlflow", f"logger.sinks.mlflow.tracking_uri='{missing}'"]))
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root writes a file whatever its mode")
+def test_a_sqlite_store_without_write_permission_is_refused(make_cfg, tmp_path, no_weights_load):
+    pytest.importorskip("mlflow")
+    import sqlite3
+
+    from dflash.run.launch import build_run
+
+    database = tmp_path / "mlflow.db"
+    with sqlite3.connect(database) as connection:
+        connection.execute("CREATE TABLE runs (id TEXT)")
+    database.chmod(0o444)
+    cfg = make_cfg(["logger=mlflow", f"logger.sinks.mlflow.tracking_uri=sqlite:///{database}"])
+    with pytest.raises(
+        ValueError, match=r"logger.sinks.mlflow.tracking_uri=.*: the MLflow store cannot be written"
+    ):
+        build_run(cfg)
+
+
+def test_a_tensorboard_dir_that_cannot_be_written_is_refused_before_anything_loads(
+    make_cfg, tmp_path, no_weights_load
+):
+    pytest.importorskip("tensorboard")
+    from dflash.run.launch import build_run
+
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    cfg = make_cfg(["logger=tensorboard", f"logger.sinks.tensorboard.subdir={blocker / 'tb'}"])
+    with pytest.raises(
+        ValueError, match=rf"^logger.sinks.tensorboard.subdir: {blocker / 'tb'} cannot be a directory"
+    ):
+        build_run(cfg)
+
+
+def test_a_wandb_server_that_does_not_answer_is_refused_before_anything_loads(
+    make_cfg, dead_server, no_weights_load, monkeypatch
+):
+    from dflash.run.launch import build_run
+
+    uri, reason = dead_server
+    monkeypatch.setenv("WANDB_BASE_URL", uri)
+    monkeypatch.setenv("WANDB_API_KEY", "0" * 40)
+    cfg = make_cfg(
+        ["logger=wandb", "logger.sinks.wandb.mode=online", "logger.sinks.wandb.connect_timeout_s=1"]
+    )
+    with pytest.raises(
+        ValueError, match=rf"^logger.sinks.wandb \(mode=online\): the W&B server {uri} {reason}"
+    ):
+        build_run(cfg)
+
+
+def test_an_offline_wandb_run_that_cannot_start_is_one_line_naming_the_key(
+    make_cfg, tmp_path, no_weights_load
+):
+    """W&B's directory in the run dir is taken by a file: refused before loading, and by the sink
+    itself (W&B's own error, in one line) when it comes to that later."""
+    from dflash.monitor.sinks import SinkContext, WandbSink
+    from dflash.run.launch import build_run
+
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "wandb").write_text("")
+    with pytest.raises(ValueError, match=r"^logger.sinks.wandb: .*wandb cannot be a directory"):
+        build_run(make_cfg(["logger=wandb", "logger.sinks.wandb.mode=offline"], run_dir))
+    with pytest.raises(
+        ValueError, match=r"^logger.sinks.wandb \(mode=offline\): W&B could not start the run"
+    ):
+        WandbSink(context=SinkContext(run_dir=run_dir, config={}, total_steps=1), mode="offline")

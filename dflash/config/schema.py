@@ -615,7 +615,7 @@ class MonitorConfig:
 class LoggerConfig:
     # Metric sinks, name -> {_target_: a sink class or factory, its keyword arguments}; each is
     # built with `context=` (the run dir, the resolved config, the step count, the start step:
-    # dflash/monitor/sinks.py). The logger options fill it (jsonl, console, wandb, tensorboard,
+    # dflash/monitor/sinks/). The logger options fill it (jsonl, console, wandb, tensorboard,
     # mlflow; a list of them, logger=[tensorboard,mlflow], fills it with each); a user adds
     # one with +logger.sinks.mine._target_=my_module.MySink, drops one with ~logger.sinks.NAME.
     sinks: dict[str, Any] = field(default_factory=dict)

@@ -53,7 +53,7 @@ class TrainingCallbacks:
     def on_train_end(self, summary: dict[str, Any]) -> None:
         self._call("on_train_end", dict(summary))
 
-    # The metric-sink side (dflash/monitor/sinks.py): the monitor hands it every logged row.
+    # The metric-sink side (dflash/monitor/sinks/): the monitor hands it every logged row.
     def log(self, metrics: dict[str, float], step: int) -> None:
         self._call("on_log", step, dict(metrics))
 

@@ -31,7 +31,14 @@ from dflash.distributed import (
 from dflash.eval.prompts import PromptSet
 from dflash.models.identity import target_identity
 from dflash.models.target import load_target_config
-from dflash.monitor.sinks import MLFLOW_RUN_FILE, SINK_LIBRARIES, MlflowSink, mlflow_sink, resumed_mlflow_run
+from dflash.monitor.sinks import (
+    MLFLOW_RUN_FILE,
+    SINK_LIBRARIES,
+    MlflowSink,
+    check_sink_destinations,
+    mlflow_sink,
+    resumed_mlflow_run,
+)
 from dflash.run.checks import resolve_layer_ids, validate
 from dflash.run.inputs import eval_prompt_sets, local_target_config
 from dflash.run.ownership import refuse_earlier_run, set_aside_untrained_attempt
@@ -179,6 +186,7 @@ def check_before_loading(composed: DictConfig) -> Checked:
     identity = target_identity(target_cfg)
     resume_dir = checked_drafter_dir(cfg.resume, run_drafter, resolved["target"], "resume", identity)
     check_resumed_stores(cfg, resume_dir)
+    check_sink_destinations(cfg.logger.sinks, run_dir=Path(cfg.paths.output_dir), resume_dir=resume_dir)
     init_dir = None
     if resume_dir is None:  # a resumed run continues from its checkpoint's weights
         init_dir = checked_drafter_dir(

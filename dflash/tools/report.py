@@ -4,7 +4,10 @@ Writes RUN_DIR/report/*.png and RUN_DIR/report/report.md:
 loss and accuracy (loss per bucket as colored points: a bucket-driven, "fluffy" loss shows as
 separated bands), bucket mix per tick, longest same-bucket run, grad norm, queue depths,
 per-drafter loss and optimizer step, eval tau against tau_sim with the acceptance histogram,
-GPU utilization and power per device (when the run had NVML telemetry). With --compare, the main curves of two runs overlaid.
+GPU utilization and power per device (when the run had NVML telemetry), and the figures a
+drafter variant adds (DSpark's, DFlash2's: every other `train/` key, grouped by kind). A panel
+with nothing logged for it says so instead of staying blank. With --compare, the main curves of
+two runs overlaid.
 """
 
 from __future__ import annotations
@@ -96,6 +99,99 @@ def plot_series(ax, steps: np.ndarray, values: np.ndarray, *, label: str) -> Non
         ax.plot(steps, values, label=label, **series_style(len(ax.lines), len(values)))
 
 
+def has_points(ax) -> bool:
+    """Whether anything with data was drawn on `ax` (an empty line or scatter does not count)."""
+    lines = any(len(line.get_xdata()) for line in ax.lines)
+    collections = any(c.get_offsets().size or c.get_paths() for c in ax.collections)
+    return lines or collections or bool(ax.patches)
+
+
+def explain_empty(ax, reason: str) -> None:
+    """A panel with nothing to draw says why, in place of blank axes (once)."""
+    if has_points(ax) or ax.texts:
+        return
+    ax.set_xticks([])
+    ax.set_yticks([])
+    ax.text(0.5, 0.5, reason, ha="center", va="center", wrap=True, transform=ax.transAxes)
+
+
+# The train/ keys the standard panels draw, and bookkeeping no panel needs. Every other train/
+# key of metrics.jsonl is a figure of the drafter variant's own (dflash/step/loss.py:
+# VARIANT_FIGURES and its per-position families), drawn on the variant page.
+STANDARD_TRAIN = re.compile(
+    r"train/(loss|acc|tau_sim|tau_block|tau_decode|grad_norm|lr|window_steps|nonfinite_steps|opt_step"
+    r"|loss_bucket_\d+|acc_pos_\d+)"
+)
+
+
+def variant_groups(rows: list[dict]) -> dict[str, list[str]]:
+    """The variant's own figures present in `rows`, by panel: a per-position family (`NAME_pos_j`)
+    each, acceptance lengths, loss terms, the other rates; evaluation figures per benchmark other
+    than acceptance lengths (those join the acceptance page)."""
+    groups: dict[str, list[str]] = {}
+    for key in keys_matching(rows, r"train/.+"):
+        if STANDARD_TRAIN.fullmatch(key):
+            continue
+        name = key.split("/", 1)[1]
+        family = re.fullmatch(r"(.+)_pos_\d+", name)
+        if family:
+            title = f"{family.group(1)} by block position"
+        elif "tau" in name:
+            title = "acceptance length (tokens per round)"
+        elif name.endswith(("ce", "l1", "loss")):
+            title = "loss terms (per unit of weight)"
+        else:
+            title = "rates and calibration"
+        groups.setdefault(title, []).append(key)
+    evaluation = [k for k in keys_matching(rows, r"eval/[^/]+/[^/]+") if "tau" not in k.rsplit("/", 1)[1]]
+    if evaluation:
+        groups["evaluation, per benchmark"] = evaluation
+    return groups
+
+
+def plot_variant_figures(rows: list[dict], save) -> None:
+    """One panel per group of variant_groups: each figure against the step (with the held-out
+    split's `val/` twin where logged), a per-position family as its values by position at the
+    first and the last logged window."""
+    import matplotlib.pyplot as plt
+
+    groups = variant_groups(rows)
+    if not groups:
+        return  # a plain DFlash run: the standard pages hold every figure
+    columns = min(3, len(groups))
+    panels = -(-len(groups) // columns)
+    fig, axes = plt.subplots(panels, columns, figsize=(6 * columns, 4.2 * panels), squeeze=False)
+    cells = list(axes.flat)
+    for ax in cells[len(groups) :]:
+        fig.delaxes(ax)  # no blank cell in the grid
+    for ax, (title, keys) in zip(cells, groups.items()):
+        if title.endswith("by block position"):
+            plot_by_position(ax, rows, keys)
+        else:
+            for key in keys:
+                plot_series(ax, *series(rows, key), label=key)
+                if key.startswith("train/"):  # the held-out split's figure of the same name
+                    twin = "val/" + key.removeprefix("train/")
+                    plot_series(ax, *series(rows, twin), label=twin)
+            ax.set(xlabel="optimizer step")
+        ax.set(title=title)
+        if len(ax.lines) > 1:
+            ax.legend(fontsize=7)
+        explain_empty(ax, "logged, but never a finite value")
+    save(fig, "variant_figures")
+
+
+def plot_by_position(ax, rows: list[dict], keys: list[str]) -> None:
+    """`NAME_pos_j` against j, at the first and the last window that logged the family."""
+    positions = [int(k.rsplit("_", 1)[1]) for k in keys]
+    logged = [r for r in rows if all(r.get(k) is not None for k in keys)]
+    for row in logged[:1] + logged[1:][-1:]:  # the first window, and the last when it is another
+        values = np.asarray([row[k] for k in keys])
+        plot_series(ax, np.asarray(positions, float), values, label=f"step {row['step']}")
+    ax.set(xlabel="block position (tokens after the anchor)", ylabel=keys[0].rsplit("_pos_", 1)[0])
+    ax.set_xticks(positions)
+
+
 def plot_run(rows: list[dict], out: Path, title: str) -> list[str]:
     import matplotlib
 
@@ -104,7 +200,10 @@ def plot_run(rows: list[dict], out: Path, title: str) -> list[str]:
 
     written = []
 
-    def save(fig, name: str) -> None:
+    def save(fig, name: str, empty: dict | None = None) -> None:
+        """Write `fig`; a panel with nothing drawn says why (`empty`: its reason, per axis)."""
+        for ax in fig.axes:
+            explain_empty(ax, (empty or {}).get(ax, "nothing logged for this panel"))
         fig.suptitle(f"{title}: {name.replace('_', ' ')}")
         fig.tight_layout()
         fig.savefig(out / f"{name}.png", dpi=110)
@@ -146,7 +245,8 @@ def plot_run(rows: list[dict], out: Path, title: str) -> list[str]:
     steps, values = series(rows, "batch/same_bucket_run_max")
     ax_run.step(steps, values, where="post")
     ax_run.set(xlabel="optimizer step", ylabel="batches", title="longest same-bucket run per tick")
-    save(fig, "buckets")
+    no_batches = "no batch/ statistics in this run"
+    save(fig, "buckets", {ax_mix: no_batches, ax_run: no_batches})
 
     fig, (ax_grad, ax_queue) = plt.subplots(1, 2, figsize=(12, 4.2))
     steps, values = series(rows, "train/grad_norm")
@@ -157,9 +257,7 @@ def plot_run(rows: list[dict], out: Path, title: str) -> list[str]:
     ax_queue.set(xlabel="optimizer step", ylabel="items", title="queue depths")
     if ax_queue.lines:
         ax_queue.legend(fontsize=8)
-    else:
-        ax_queue.text(0.5, 0.5, "no queues (pipeline=sync)", ha="center", transform=ax_queue.transAxes)
-    save(fig, "grad_norm_queues")
+    save(fig, "grad_norm_queues", {ax_queue: "no queues (pipeline=sync)"})
 
     fig, (ax_dl, ax_ds) = plt.subplots(1, 2, figsize=(12, 4.2))
     for key in keys_matching(rows, r"drafter\d+/loss"):
@@ -171,10 +269,12 @@ def plot_run(rows: list[dict], out: Path, title: str) -> list[str]:
     for ax in (ax_dl, ax_ds):
         if ax.lines:
             ax.legend(fontsize=8)
-    save(fig, "drafters")
+    no_replicas = "no drafter{i}/ rows in this run"
+    save(fig, "drafters", {ax_dl: no_replicas, ax_ds: no_replicas})
 
     if series(rows, "eval/tau")[0].size:
         plot_acceptance(rows, save)
+    plot_variant_figures(rows, save)
 
     util_keys = keys_matching(rows, r"gpu/cuda\d+/util_pct")
     fig, (ax_util, ax_power) = plt.subplots(1, 2, figsize=(12, 4.2))
@@ -187,9 +287,8 @@ def plot_run(rows: list[dict], out: Path, title: str) -> list[str]:
     for ax in (ax_util, ax_power):
         if ax.lines:
             ax.legend(fontsize=8)
-        else:
-            ax.text(0.5, 0.5, "no NVML telemetry in this run", ha="center", transform=ax.transAxes)
-    save(fig, "gpus")
+    no_nvml = "no NVML telemetry in this run"
+    save(fig, "gpus", {ax_util: no_nvml, ax_power: no_nvml})
     return written
 
 
@@ -214,7 +313,9 @@ def plot_acceptance(rows: list[dict], save) -> None:
         plot_series(
             ax_tau, *series(rows, key), label=key + (" (all benchmarks)" if key == "eval/tau" else "")
         )
-    for key in keys_matching(rows, r"eval/[^/]+/tau"):
+    # Per benchmark: tau, and a variant's own acceptance lengths (DSpark's confidence_tau,
+    # its confidence head's prediction, beside accepted_tau, the one measured).
+    for key in keys_matching(rows, r"eval/[^/]+/\w*tau"):
         plot_series(ax_tau, *series(rows, key), label=key)
     ax_tau.set(xlabel="optimizer step", ylabel="tokens per target forward", title="acceptance length")
     ax_tau.legend(fontsize=8)
@@ -228,7 +329,7 @@ def plot_acceptance(rows: list[dict], save) -> None:
         ylabel="share of verifications",
         title=f"acceptance histogram at step {last['step']}",
     )
-    save(fig, "acceptance")
+    save(fig, "acceptance", {ax_hist: "no eval/accept_len_* histogram in the last evaluation"})
 
 
 def plot_compare(rows_a: list[dict], rows_b: list[dict], name_a: str, name_b: str, out: Path) -> str:
@@ -243,7 +344,9 @@ def plot_compare(rows_a: list[dict], rows_b: list[dict], name_a: str, name_b: st
         for rows, name in ((rows_a, name_a), (rows_b, name_b)):
             plot_series(ax, *series(rows, key), label=name)
         ax.set(xlabel="optimizer step", title=key)
-        ax.legend(fontsize=7)
+        if ax.lines:
+            ax.legend(fontsize=7)
+        explain_empty(ax, f"{key} in neither run")
     fig.tight_layout()
     fig.savefig(out / "compare.png", dpi=110)
     plt.close(fig)
@@ -284,6 +387,16 @@ def summary_markdown(
         "batch/padding_efficiency",
         "batch/bucket_entropy",
     ]
+    # The variant's own figures too (DSpark's, DFlash2's), one number each: per-position
+    # families are on the variant page only.
+    keys += [
+        key
+        for each in ([rows] + ([compare[1]] if compare else []))
+        for group in variant_groups(each).values()
+        for key in group
+        if "_pos_" not in key
+    ]
+    keys = list(dict.fromkeys(keys))
     lines = [f"# dflash run report: `{run_dir}`", ""]
     if compare:
         other = final_values(compare[1])

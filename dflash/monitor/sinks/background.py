@@ -1,0 +1,79 @@
+"""A slow sink (a tracker on the network) on its own thread, so it never holds up training."""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections import deque
+from pathlib import Path
+from typing import Any
+
+from dflash.monitor.sinks.base import MetricSink
+
+log = logging.getLogger(__name__)
+
+
+class BackgroundSink:
+    """Runs a slow sink (W&B) on its own thread behind a bounded queue that drops the oldest tick.
+
+    The monitor only enqueues, so a stalled network can never hold up training; dropped ticks are
+    counted and reported as `monitor/<name>_dropped` in later ticks.
+    """
+
+    def __init__(self, name: str, sink: MetricSink, *, queue_size: int, close_timeout_s: float):
+        self.name, self.sink = name, sink
+        self.close_timeout_s = close_timeout_s
+        self._items: deque = deque()
+        self._queue_size = queue_size
+        self._cond = threading.Condition()
+        self._closed = False
+        self.dropped = 0
+        self._thread = threading.Thread(target=self._run, name=f"dflash-sink-{name}", daemon=True)
+        self._thread.start()
+
+    def health(self) -> dict[str, float]:
+        return {f"monitor/{self.name}_dropped": float(self.dropped)}
+
+    def on_checkpoint(self, step: int, path: Path) -> None:
+        """The wrapped sink's checkpoint hook, where it has one (on the checkpoint's thread)."""
+        hook = getattr(self.sink, "on_checkpoint", None)
+        if hook is not None:
+            hook(step, path)
+
+    def log_summary(self, summary: dict[str, Any]) -> None:
+        """The wrapped sink's summary hook, where it has one (on the caller's thread)."""
+        hook = getattr(self.sink, "log_summary", None)
+        if hook is not None:
+            hook(summary)
+
+    def log(self, metrics: dict[str, float], step: int) -> None:
+        with self._cond:
+            if len(self._items) >= self._queue_size:
+                self._items.popleft()
+                self.dropped += 1
+            self._items.append((dict(metrics), step))
+            self._cond.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while not self._items and not self._closed:
+                    self._cond.wait()
+                if not self._items:
+                    return
+                metrics, step = self._items.popleft()
+            try:
+                self.sink.log(metrics, step)
+            except Exception as exc:  # a sink failure must not take the run down
+                log.warning("%s sink: dropped a tick (%s)", self.name, exc)
+
+    def close(self, ok: bool) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify()
+        self._thread.join(self.close_timeout_s)
+        if self._thread.is_alive():
+            log.warning(
+                "%s sink: still busy after %.0f s; closing with ticks unsent", self.name, self.close_timeout_s
+            )
+        self.sink.close(ok)
