@@ -45,8 +45,9 @@ def option_overrides(group: str, option: str, request) -> list[str]:
         ("target", "qwen3_next_80b"): lambda: [
             f"target.path={request.getfixturevalue('tiny_qwen3_next_dir')}"
         ],
-        ("drafter", "b16"): lambda: ["drafter.mask_token_id=511", "target.arch.num_hidden_layers=12"],
-        ("drafter", "b16_sliding"): lambda: ["drafter.mask_token_id=511", "target.arch.num_hidden_layers=12"],
+        # The paper drafter's 5 features on the tiny 6-layer target: the default ids fit it.
+        ("drafter", "b16"): lambda: ["drafter.mask_token_id=511"],
+        ("drafter", "b16_sliding"): lambda: ["drafter.mask_token_id=511"],
         # Qwen3-8B's shape would not fit this machine: the option's own keys, at the tiny sizes.
         ("target", "qwen3_8b_random"): lambda: [
             f"target.arch.{key}={value}" for key, value in TINY_ARCH.items()
@@ -272,6 +273,12 @@ def test_gpu_split_from_config():
             "eval.max_new_tokens=1000000000 .* exceeds the target's 4096 positions .* at most 4080",
         ),
         (["objective=foo"], "objective='foo' is not a summary metric"),
+        # More features than the target has layers: the default ids cannot be distinct.
+        (
+            ["drafter=b16", "drafter.mask_token_id=511", "target.arch.num_hidden_layers=4"],
+            "the target has 4 layers and the drafter asks for 5 features .drafter.num_features=5., one "
+            "distinct layer each: set drafter.num_features <= 4, or drafter.target_layer_ids",
+        ),
         (
             ["target.path=/models/Qwen3-8B", "target.fp8=true"],
             "target.fp8=true quantizes a random-weight target",
@@ -366,3 +373,63 @@ def test_a_single_field_rule_sits_beside_its_field(build, message):
 
     with pytest.raises(ValueError, match=message):
         build(schema)
+
+
+def formula_layer_ids(num_layers: int, num_features: int) -> list[int]:
+    """docs/ARCHITECTURE.md §1's formula as released drafters were trained with it."""
+    if num_features == 1:
+        return [num_layers // 2]
+    return [round(1 + i * (num_layers - 4) / (num_features - 1)) for i in range(num_features)]
+
+
+def test_default_layer_ids_are_the_formulas_wherever_it_gives_distinct_ids():
+    from dflash.models.layer_ids import default_target_layer_ids
+
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B, the released drafters
+    assert default_target_layer_ids(6, 2) == [1, 3]  # the tiny target, drafter=tiny
+    kept = 0
+    for layers in range(1, 130):
+        for features in range(1, layers + 1):
+            formula = formula_layer_ids(layers, features)
+            if len(set(formula)) == features and all(0 <= i < layers for i in formula):
+                assert default_target_layer_ids(layers, features) == formula, (layers, features)
+                kept += 1
+    assert kept > 7000
+
+
+def test_default_layer_ids_on_shallow_targets_are_distinct_and_inside_the_target():
+    from dflash.models.layer_ids import default_target_layer_ids
+
+    assert default_target_layer_ids(6, 5) == [1, 2, 3, 4, 5]  # the formula: [1, 2, 2, 2, 3]
+    assert default_target_layer_ids(4, 2) == [1, 3]  # the formula: [1, 1]
+    assert default_target_layer_ids(4, 4) == [0, 1, 2, 3]
+    for layers in range(1, 130):
+        for features in range(1, layers + 1):
+            ids = default_target_layer_ids(layers, features)
+            assert len(set(ids)) == features and all(0 <= i < layers for i in ids), (layers, features, ids)
+    with pytest.raises(ValueError) as refused:
+        default_target_layer_ids(4, 5)
+    assert str(refused.value) == (
+        "the target has 4 layers and the drafter asks for 5 features (drafter.num_features=5), one distinct "
+        "layer each: set drafter.num_features <= 4, or drafter.target_layer_ids to distinct ids in 0..3"
+    )
+
+
+def test_the_quickstart_train_command_on_the_demo_target_passes_the_checks(
+    tmp_path, tiny_chat_dir, tiny_conversations, data_cache
+):
+    """docs/quickstart.md step 3 (target=hf, conversations, drafter=b16) on `dflash demo`'s
+    6-layer target: the paper drafter's 5 features get distinct layers without a key set."""
+    from dflash.run.preflight import check_before_loading
+
+    overrides = ["target=hf", "drafter=b16", "drafter.mask_token_id=511"]
+    overrides += conversation_overrides(tiny_chat_dir, [tiny_conversations])
+    checked = check_before_loading(compose_config(overrides, tmp_path / "run", data_cache))
+    assert checked.target_config.num_hidden_layers == 6 and checked.layer_ids == [1, 2, 3, 4, 5]
+
+
+def test_a_four_layer_target_passes_the_checks_with_the_default_drafter(tmp_path, data_cache):
+    from dflash.run.preflight import check_before_loading
+
+    cfg = compose_config(["target.arch.num_hidden_layers=4"], tmp_path / "run", data_cache)
+    assert check_before_loading(cfg).layer_ids == [1, 3]
