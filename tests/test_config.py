@@ -3,9 +3,11 @@ input fails with a message that names the key."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 from hydra.errors import ConfigCompositionException
@@ -273,6 +275,12 @@ def test_gpu_split_from_config():
             "eval.max_new_tokens=1000000000 .* exceeds the target's 4096 positions .* at most 4080",
         ),
         (["objective=foo"], "objective='foo' is not a summary metric"),
+        # nan and inf as the command line spells them (every float field: test_every_float_setting_...).
+        (["variant=dspark", "variant.ce_weight=nan"], "variant.ce_weight=nan: must be a finite number"),
+        (["variant=dflash2", "variant.selector_alpha=nan"], "variant.selector_alpha=nan: must be a finite"),
+        (["variant=dflash2", "variant.selector_alpha=inf"], "variant.selector_alpha=inf: must be a finite"),
+        (["optimizer.lr=-inf"], "optimizer.lr=-inf: must be a finite number"),
+        (["eval.temperatures=[0.0,nan]"], "eval.temperatures[1]=nan: must be a finite number"),
         # More features than the target has layers: the default ids cannot be distinct.
         (
             ["drafter=b16", "drafter.mask_token_id=511", "target.arch.num_hidden_layers=4"],
@@ -362,6 +370,12 @@ def test_regen_refuses_an_unknown_key(tmp_path):
     [
         (lambda s: s.LossConfig(gamma=0.0), "loss.gamma must be > 0"),
         (lambda s: s.AdamWConfig(betas=[0.9, 1.0]), r"optimizer.betas must be two numbers in \[0, 1\)"),
+        # Built directly (no typed conversion before it), nan still fails the field's own rule.
+        (lambda s: s.DSparkVariantConfig(ce_weight=float("nan")), "variant.ce_weight=nan: must be >= 0"),
+        (
+            lambda s: s.DFlash2VariantConfig(selector_alpha=float("nan")),
+            "variant.selector_alpha=nan: must be >= 0",
+        ),
         (lambda s: s.MaskRampNoiseConfig(warmup_steps=0), "noise=mask_ramp needs noise.warmup_steps >= 1"),
         (lambda s: s.TrainConfig(epochs=0), "train.epochs must be >= 1"),
     ],
@@ -373,6 +387,75 @@ def test_a_single_field_rule_sits_beside_its_field(build, message):
 
     with pytest.raises(ValueError, match=message):
         build(schema)
+
+
+def float_fields(schema: type, prefix: str) -> list[tuple[str, bool]]:
+    """(dotted path, is a list) of every float field of a schema dataclass tree."""
+    import dataclasses
+    import typing
+
+    found = []
+    hints = typing.get_type_hints(schema)
+    for field in dataclasses.fields(schema):
+        kind, path = hints[field.name], f"{prefix}{field.name}"
+        if dataclasses.is_dataclass(kind):
+            found += float_fields(kind, f"{path}.")
+        elif kind in (float, Optional[float], list[float]):
+            found.append((path, kind == list[float]))
+    return found
+
+
+def option_float_settings() -> list[tuple[list[str], str, bool]]:
+    """(overrides choosing the option, float path, is a list) for every group option's schema
+    and the fixed groups' fields: every float a run config can hold."""
+    from dflash.config.schema import COMPONENT_OPTIONS, Config
+
+    fixed = [(path, is_list) for path, is_list in float_fields(Config, "") if path.split(".")[0] not in COMPONENT_OPTIONS]  # fmt: skip
+    cases = [([], path, is_list) for path, is_list in fixed]
+    for group, options in COMPONENT_OPTIONS.items():
+        for option, schema in options.items():
+            fields = float_fields(schema, f"{group}.")
+            cases += [([f"{group}={option}"], path, is_list) for path, is_list in fields]
+    return cases
+
+
+def test_every_float_setting_refuses_nan_and_inf(tmp_path):
+    """Hydra reads `nan` and `inf` as floats; no setting means either. Every float field of every
+    option (the variants' weights, optimizer, LR schedule, loss, noise, pipeline, monitor, eval)
+    is refused at the typed conversion, naming its key, before any field's own rule runs."""
+    import copy
+
+    from dflash.config.typed import typed_config
+
+    cases = option_float_settings()
+    paths = {path for _, path, _ in cases}
+    assert {"variant.ce_weight", "variant.selector_alpha", "optimizer.lr", "eval.temperatures"} <= paths
+    composed = {}
+    for choice, path, is_list in cases:
+        key = tuple(choice)
+        if key not in composed:
+            composed[key] = compose_config(choice, tmp_path / "run", tmp_path / "cache")
+        typed_config(copy.deepcopy(composed[key]))  # the option's defaults are finite
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            cfg = copy.deepcopy(composed[key])
+            OmegaConf.update(cfg, path, [bad] if is_list else bad, merge=False)
+            shown = f"{path}[0]" if is_list else path
+            with pytest.raises(ValueError, match=re.escape(f"{shown}={bad}: must be a finite number")):
+                typed_config(cfg)
+
+
+def test_regen_refuses_a_non_finite_float(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from dflash.config.schema import register_configs
+    from dflash.tools.regen import regen
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        overrides = ["input=[a.jsonl]", "output=o.jsonl", "sampling.top_p=nan"]
+        cfg = compose(config_name="regen", overrides=overrides)
+    with pytest.raises(ValueError, match="sampling.top_p=nan: must be a finite number"):
+        regen(cfg)
 
 
 def formula_layer_ids(num_layers: int, num_features: int) -> list[int]:

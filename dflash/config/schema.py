@@ -471,7 +471,7 @@ class DSparkVariantConfig(VariantConfig):
                 "set variant.confidence_with_markov=false"
             )
         for key in ("ce_weight", "tv_weight", "confidence_weight"):
-            if getattr(self, key) < 0:
+            if not getattr(self, key) >= 0:  # `not >=`: nan fails too
                 raise ValueError(f"variant.{key}={getattr(self, key)}: must be >= 0")
         if self.confidence_head != (self.confidence_weight > 0):
             # The reference builds the head exactly when its loss weight is positive: a head with
@@ -507,7 +507,7 @@ class DFlash2VariantConfig(VariantConfig):
         for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
             if getattr(self, key) < 1:
                 raise ValueError(f"variant.{key}={getattr(self, key)}: must be >= 1")
-        if self.selector_alpha < 0:
+        if not self.selector_alpha >= 0:  # `not >=`: nan fails too
             raise ValueError(f"variant.selector_alpha={self.selector_alpha}: must be >= 0")
 
 
