@@ -275,6 +275,19 @@ def test_gpu_split_from_config():
             "eval.max_new_tokens=1000000000 .* exceeds the target's 4096 positions .* at most 4080",
         ),
         (["objective=foo"], "objective='foo' is not a summary metric"),
+        # A loss with no term trains nothing and would report success.
+        (
+            [
+                "variant=dspark",
+                "variant.ce_weight=0",
+                "variant.tv_weight=0",
+                "variant.confidence_weight=0",
+                "variant.confidence_head=false",
+            ],
+            "variant=dspark with variant.ce_weight, variant.tv_weight and variant.confidence_weight all 0 "
+            "has no loss term",
+        ),
+        (["variant=dspark", "variant.tv_weight=-0.5"], "variant.tv_weight=-0.5: must be >= 0"),
         # nan and inf as the command line spells them (every float field: test_every_float_setting_...).
         (["variant=dspark", "variant.ce_weight=nan"], "variant.ce_weight=nan: must be a finite number"),
         (["variant=dflash2", "variant.selector_alpha=nan"], "variant.selector_alpha=nan: must be a finite"),
@@ -370,8 +383,16 @@ def test_regen_refuses_an_unknown_key(tmp_path):
     [
         (lambda s: s.LossConfig(gamma=0.0), "loss.gamma must be > 0"),
         (lambda s: s.AdamWConfig(betas=[0.9, 1.0]), r"optimizer.betas must be two numbers in \[0, 1\)"),
+        (lambda s: s.AdamWConfig(weight_decay=-0.1), "optimizer.weight_decay must be >= 0, got -0.1"),
+        (lambda s: s.AdamWConfig(eps=-1e-8), "optimizer.eps must be >= 0"),
         # Built directly (no typed conversion before it), nan still fails the field's own rule.
         (lambda s: s.DSparkVariantConfig(ce_weight=float("nan")), "variant.ce_weight=nan: must be >= 0"),
+        (
+            lambda s: s.DSparkVariantConfig(
+                ce_weight=0, tv_weight=0, confidence_weight=0, confidence_head=False
+            ),
+            "variant=dspark with .* all 0 has no loss term",
+        ),
         (
             lambda s: s.DFlash2VariantConfig(selector_alpha=float("nan")),
             "variant.selector_alpha=nan: must be >= 0",

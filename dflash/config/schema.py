@@ -355,6 +355,10 @@ class AdamWConfig(OptimizerConfig):
     def __post_init__(self) -> None:
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"optimizer.betas must be two numbers in [0, 1), got {list(self.betas)}")
+        # torch refuses these too, but only once the drafter is built, and without the key.
+        for key in ("weight_decay", "eps"):
+            if not getattr(self, key) >= 0:
+                raise ValueError(f"optimizer.{key} must be >= 0, got {getattr(self, key)}")
         super().__post_init__()
 
 
@@ -470,9 +474,16 @@ class DSparkVariantConfig(VariantConfig):
                 "variant.confidence_with_markov=true needs a Markov head (variant.markov_rank > 0); "
                 "set variant.confidence_with_markov=false"
             )
-        for key in ("ce_weight", "tv_weight", "confidence_weight"):
+        weights = ("ce_weight", "tv_weight", "confidence_weight")
+        for key in weights:
             if not getattr(self, key) >= 0:  # `not >=`: nan fails too
                 raise ValueError(f"variant.{key}={getattr(self, key)}: must be >= 0")
+        if not any(getattr(self, key) > 0 for key in weights):
+            # The loss would be 0 at every step: a run that trains nothing and reports success.
+            raise ValueError(
+                "variant=dspark with variant.ce_weight, variant.tv_weight and variant.confidence_weight "
+                "all 0 has no loss term and trains nothing: set one of them > 0 (the reference's: 0.1, 0.9, 1.0)"
+            )
         if self.confidence_head != (self.confidence_weight > 0):
             # The reference builds the head exactly when its loss weight is positive: a head with
             # no loss would be exported untrained, a weight without a head would train nothing.
