@@ -537,3 +537,34 @@ def test_a_four_layer_target_passes_the_checks_with_the_default_drafter(tmp_path
 
     cfg = compose_config(["target.arch.num_hidden_layers=4"], tmp_path / "run", data_cache)
     assert check_before_loading(cfg).layer_ids == [1, 3]
+
+
+@pytest.mark.parametrize(
+    ("hidden", "top_k", "group"),
+    [(64, 7, 16), (100, 9, 10), (271, 15, 1), (272, 16, 16), (576, 16, 16), (4096, 16, 16)],
+)
+def test_dflash2_defaults_follow_the_hidden_size_and_stay_servable(hidden, top_k, group):
+    """variant.selector_top_k and conv_group_size null: the released 16 where it fits, else the
+    nearest value every reader takes (llama.cpp: hidden >= K (K + 1); a group divides hidden)."""
+    from transformers import Qwen3Config
+
+    from dflash.config.shape_defaults import default_conv_group_size, default_selector_top_k
+    from dflash.export.dflash2 import reader_limits
+    from dflash.step.variant import DFlash2Variant
+
+    def backbone(hidden_size: int) -> Qwen3Config:
+        config = Qwen3Config(hidden_size=hidden_size, vocab_size=512)
+        config.dflash_config = {"mask_token_id": 511, "target_layer_ids": [1]}
+        return config
+
+    assert (default_selector_top_k(hidden, 151936), default_conv_group_size(hidden)) == (top_k, group)
+    config = DFlash2Variant().drafter_config(backbone(hidden))
+    fields = config.dflash_config
+    assert (fields["selector_top_k"], fields["conv_group_size"]) == (top_k, group)
+    assert reader_limits(config.to_dict()) == []  # the export check's rule agrees
+    if top_k < 16:  # the largest that fits: one more is what llama.cpp refuses
+        assert reader_limits({"hidden_size": hidden, "dflash_config": {"selector_top_k": top_k + 1}})
+    set_by_user = DFlash2Variant(selector_top_k=16, conv_group_size=4).drafter_config(backbone(hidden * 4))
+    fields = set_by_user.dflash_config
+    assert (fields["selector_top_k"], fields["conv_group_size"]) == (16, 4)
+    assert default_selector_top_k(hidden, 3) == 3  # never above the vocabulary

@@ -505,19 +505,24 @@ class DFlash2VariantConfig(VariantConfig):
     _target_: str = "dflash.step.variant.DFlash2Variant"
     # Taps of each convolution (tap 0: the position itself, tap t: t positions back in the block).
     conv_kernel_size: int = 2
-    # Channels sharing one dynamic coefficient; must divide the hidden size.
-    conv_group_size: int = 16
+    # Channels sharing one dynamic coefficient; must divide the hidden size. null: 16 where it
+    # divides the target's hidden size, else its largest divisor below 16
+    # (dflash/config/shape_defaults.py: default_conv_group_size).
+    conv_group_size: Optional[int] = None
     # Rank r of the selector's codebooks ([vocab, r] each) and hidden projection.
     selector_rank: int = 256
-    # Candidates per draft position: the unary logits' top-K.
-    selector_top_k: int = 16
+    # Candidates per draft position: the unary logits' top-K. null: 16 where the target's hidden
+    # size is >= 16 x 17, else the largest K with K (K + 1) <= hidden size, which llama.cpp requires
+    # (dflash/config/shape_defaults.py: default_selector_top_k).
+    selector_top_k: Optional[int] = None
     # Weight of the selector's K-way CE beside the unary CE (0: the selector does not train).
     selector_alpha: float = 1.0
 
     def __post_init__(self) -> None:
         for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"variant.{key}={getattr(self, key)}: must be >= 1")
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ValueError(f"variant.{key}={value}: must be >= 1")
         if not self.selector_alpha >= 0:  # `not >=`: nan fails too
             raise ValueError(f"variant.selector_alpha={self.selector_alpha}: must be >= 0")
 
