@@ -3,9 +3,11 @@ input fails with a message that names the key."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Optional
 
 import pytest
 from hydra.errors import ConfigCompositionException
@@ -45,8 +47,9 @@ def option_overrides(group: str, option: str, request) -> list[str]:
         ("target", "qwen3_next_80b"): lambda: [
             f"target.path={request.getfixturevalue('tiny_qwen3_next_dir')}"
         ],
-        ("drafter", "b16"): lambda: ["drafter.mask_token_id=511", "target.arch.num_hidden_layers=12"],
-        ("drafter", "b16_sliding"): lambda: ["drafter.mask_token_id=511", "target.arch.num_hidden_layers=12"],
+        # The paper drafter's 5 features on the tiny 6-layer target: the default ids fit it.
+        ("drafter", "b16"): lambda: ["drafter.mask_token_id=511"],
+        ("drafter", "b16_sliding"): lambda: ["drafter.mask_token_id=511"],
         # Qwen3-8B's shape would not fit this machine: the option's own keys, at the tiny sizes.
         ("target", "qwen3_8b_random"): lambda: [
             f"target.arch.{key}={value}" for key, value in TINY_ARCH.items()
@@ -272,6 +275,31 @@ def test_gpu_split_from_config():
             "eval.max_new_tokens=1000000000 .* exceeds the target's 4096 positions .* at most 4080",
         ),
         (["objective=foo"], "objective='foo' is not a summary metric"),
+        # A loss with no term trains nothing and would report success.
+        (
+            [
+                "variant=dspark",
+                "variant.ce_weight=0",
+                "variant.tv_weight=0",
+                "variant.confidence_weight=0",
+                "variant.confidence_head=false",
+            ],
+            "variant=dspark with variant.ce_weight, variant.tv_weight and variant.confidence_weight all 0 "
+            "has no loss term",
+        ),
+        (["variant=dspark", "variant.tv_weight=-0.5"], "variant.tv_weight=-0.5: must be >= 0"),
+        # nan and inf as the command line spells them (every float field: test_every_float_setting_...).
+        (["variant=dspark", "variant.ce_weight=nan"], "variant.ce_weight=nan: must be a finite number"),
+        (["variant=dflash2", "variant.selector_alpha=nan"], "variant.selector_alpha=nan: must be a finite"),
+        (["variant=dflash2", "variant.selector_alpha=inf"], "variant.selector_alpha=inf: must be a finite"),
+        (["optimizer.lr=-inf"], "optimizer.lr=-inf: must be a finite number"),
+        (["eval.temperatures=[0.0,nan]"], "eval.temperatures[1]=nan: must be a finite number"),
+        # More features than the target has layers: the default ids cannot be distinct.
+        (
+            ["drafter=b16", "drafter.mask_token_id=511", "target.arch.num_hidden_layers=4"],
+            "the target has 4 layers and the drafter asks for 5 features .drafter.num_features=5., one "
+            "distinct layer each: set drafter.num_features <= 4, or drafter.target_layer_ids",
+        ),
         (
             ["target.path=/models/Qwen3-8B", "target.fp8=true"],
             "target.fp8=true quantizes a random-weight target",
@@ -355,6 +383,20 @@ def test_regen_refuses_an_unknown_key(tmp_path):
     [
         (lambda s: s.LossConfig(gamma=0.0), "loss.gamma must be > 0"),
         (lambda s: s.AdamWConfig(betas=[0.9, 1.0]), r"optimizer.betas must be two numbers in \[0, 1\)"),
+        (lambda s: s.AdamWConfig(weight_decay=-0.1), "optimizer.weight_decay must be >= 0, got -0.1"),
+        (lambda s: s.AdamWConfig(eps=-1e-8), "optimizer.eps must be >= 0"),
+        # Built directly (no typed conversion before it), nan still fails the field's own rule.
+        (lambda s: s.DSparkVariantConfig(ce_weight=float("nan")), "variant.ce_weight=nan: must be >= 0"),
+        (
+            lambda s: s.DSparkVariantConfig(
+                ce_weight=0, tv_weight=0, confidence_weight=0, confidence_head=False
+            ),
+            "variant=dspark with .* all 0 has no loss term",
+        ),
+        (
+            lambda s: s.DFlash2VariantConfig(selector_alpha=float("nan")),
+            "variant.selector_alpha=nan: must be >= 0",
+        ),
         (lambda s: s.MaskRampNoiseConfig(warmup_steps=0), "noise=mask_ramp needs noise.warmup_steps >= 1"),
         (lambda s: s.TrainConfig(epochs=0), "train.epochs must be >= 1"),
     ],
@@ -366,3 +408,163 @@ def test_a_single_field_rule_sits_beside_its_field(build, message):
 
     with pytest.raises(ValueError, match=message):
         build(schema)
+
+
+def float_fields(schema: type, prefix: str) -> list[tuple[str, bool]]:
+    """(dotted path, is a list) of every float field of a schema dataclass tree."""
+    import dataclasses
+    import typing
+
+    found = []
+    hints = typing.get_type_hints(schema)
+    for field in dataclasses.fields(schema):
+        kind, path = hints[field.name], f"{prefix}{field.name}"
+        if dataclasses.is_dataclass(kind):
+            found += float_fields(kind, f"{path}.")
+        elif kind in (float, Optional[float], list[float]):
+            found.append((path, kind == list[float]))
+    return found
+
+
+def option_float_settings() -> list[tuple[list[str], str, bool]]:
+    """(overrides choosing the option, float path, is a list) for every group option's schema
+    and the fixed groups' fields: every float a run config can hold."""
+    from dflash.config.schema import COMPONENT_OPTIONS, Config
+
+    fixed = [(path, is_list) for path, is_list in float_fields(Config, "") if path.split(".")[0] not in COMPONENT_OPTIONS]  # fmt: skip
+    cases = [([], path, is_list) for path, is_list in fixed]
+    for group, options in COMPONENT_OPTIONS.items():
+        for option, schema in options.items():
+            fields = float_fields(schema, f"{group}.")
+            cases += [([f"{group}={option}"], path, is_list) for path, is_list in fields]
+    return cases
+
+
+def test_every_float_setting_refuses_nan_and_inf(tmp_path):
+    """Hydra reads `nan` and `inf` as floats; no setting means either. Every float field of every
+    option (the variants' weights, optimizer, LR schedule, loss, noise, pipeline, monitor, eval)
+    is refused at the typed conversion, naming its key, before any field's own rule runs."""
+    import copy
+
+    from dflash.config.typed import typed_config
+
+    cases = option_float_settings()
+    paths = {path for _, path, _ in cases}
+    assert {"variant.ce_weight", "variant.selector_alpha", "optimizer.lr", "eval.temperatures"} <= paths
+    composed = {}
+    for choice, path, is_list in cases:
+        key = tuple(choice)
+        if key not in composed:
+            composed[key] = compose_config(choice, tmp_path / "run", tmp_path / "cache")
+        typed_config(copy.deepcopy(composed[key]))  # the option's defaults are finite
+        for bad in (float("nan"), float("inf"), float("-inf")):
+            cfg = copy.deepcopy(composed[key])
+            OmegaConf.update(cfg, path, [bad] if is_list else bad, merge=False)
+            shown = f"{path}[0]" if is_list else path
+            with pytest.raises(ValueError, match=re.escape(f"{shown}={bad}: must be a finite number")):
+                typed_config(cfg)
+
+
+def test_regen_refuses_a_non_finite_float(tmp_path):
+    from hydra import compose, initialize_config_dir
+
+    from dflash.config.schema import register_configs
+    from dflash.tools.regen import regen
+
+    register_configs()
+    with initialize_config_dir(config_dir=str(CONF_DIR), version_base="1.3"):
+        overrides = ["input=[a.jsonl]", "output=o.jsonl", "sampling.top_p=nan"]
+        cfg = compose(config_name="regen", overrides=overrides)
+    with pytest.raises(ValueError, match="sampling.top_p=nan: must be a finite number"):
+        regen(cfg)
+
+
+def formula_layer_ids(num_layers: int, num_features: int) -> list[int]:
+    """docs/ARCHITECTURE.md §1's formula as released drafters were trained with it."""
+    if num_features == 1:
+        return [num_layers // 2]
+    return [round(1 + i * (num_layers - 4) / (num_features - 1)) for i in range(num_features)]
+
+
+def test_default_layer_ids_are_the_formulas_wherever_it_gives_distinct_ids():
+    from dflash.models.layer_ids import default_target_layer_ids
+
+    assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B, the released drafters
+    assert default_target_layer_ids(6, 2) == [1, 3]  # the tiny target, drafter=tiny
+    kept = 0
+    for layers in range(1, 130):
+        for features in range(1, layers + 1):
+            formula = formula_layer_ids(layers, features)
+            if len(set(formula)) == features and all(0 <= i < layers for i in formula):
+                assert default_target_layer_ids(layers, features) == formula, (layers, features)
+                kept += 1
+    assert kept > 7000
+
+
+def test_default_layer_ids_on_shallow_targets_are_distinct_and_inside_the_target():
+    from dflash.models.layer_ids import default_target_layer_ids
+
+    assert default_target_layer_ids(6, 5) == [1, 2, 3, 4, 5]  # the formula: [1, 2, 2, 2, 3]
+    assert default_target_layer_ids(4, 2) == [1, 3]  # the formula: [1, 1]
+    assert default_target_layer_ids(4, 4) == [0, 1, 2, 3]
+    for layers in range(1, 130):
+        for features in range(1, layers + 1):
+            ids = default_target_layer_ids(layers, features)
+            assert len(set(ids)) == features and all(0 <= i < layers for i in ids), (layers, features, ids)
+    with pytest.raises(ValueError) as refused:
+        default_target_layer_ids(4, 5)
+    assert str(refused.value) == (
+        "the target has 4 layers and the drafter asks for 5 features (drafter.num_features=5), one distinct "
+        "layer each: set drafter.num_features <= 4, or drafter.target_layer_ids to distinct ids in 0..3"
+    )
+
+
+def test_the_quickstart_train_command_on_the_demo_target_passes_the_checks(
+    tmp_path, tiny_chat_dir, tiny_conversations, data_cache
+):
+    """docs/quickstart.md step 3 (target=hf, conversations, drafter=b16) on `dflash demo`'s
+    6-layer target: the paper drafter's 5 features get distinct layers without a key set."""
+    from dflash.run.preflight import check_before_loading
+
+    overrides = ["target=hf", "drafter=b16", "drafter.mask_token_id=511"]
+    overrides += conversation_overrides(tiny_chat_dir, [tiny_conversations])
+    checked = check_before_loading(compose_config(overrides, tmp_path / "run", data_cache))
+    assert checked.target_config.num_hidden_layers == 6 and checked.layer_ids == [1, 2, 3, 4, 5]
+
+
+def test_a_four_layer_target_passes_the_checks_with_the_default_drafter(tmp_path, data_cache):
+    from dflash.run.preflight import check_before_loading
+
+    cfg = compose_config(["target.arch.num_hidden_layers=4"], tmp_path / "run", data_cache)
+    assert check_before_loading(cfg).layer_ids == [1, 3]
+
+
+@pytest.mark.parametrize(
+    ("hidden", "top_k", "group"),
+    [(64, 7, 16), (100, 9, 10), (271, 15, 1), (272, 16, 16), (576, 16, 16), (4096, 16, 16)],
+)
+def test_dflash2_defaults_follow_the_hidden_size_and_stay_servable(hidden, top_k, group):
+    """variant.selector_top_k and conv_group_size null: the released 16 where it fits, else the
+    nearest value every reader takes (llama.cpp: hidden >= K (K + 1); a group divides hidden)."""
+    from transformers import Qwen3Config
+
+    from dflash.config.shape_defaults import default_conv_group_size, default_selector_top_k
+    from dflash.export.dflash2 import reader_limits
+    from dflash.step.variant import DFlash2Variant
+
+    def backbone(hidden_size: int) -> Qwen3Config:
+        config = Qwen3Config(hidden_size=hidden_size, vocab_size=512)
+        config.dflash_config = {"mask_token_id": 511, "target_layer_ids": [1]}
+        return config
+
+    assert (default_selector_top_k(hidden, 151936), default_conv_group_size(hidden)) == (top_k, group)
+    config = DFlash2Variant().drafter_config(backbone(hidden))
+    fields = config.dflash_config
+    assert (fields["selector_top_k"], fields["conv_group_size"]) == (top_k, group)
+    assert reader_limits(config.to_dict()) == []  # the export check's rule agrees
+    if top_k < 16:  # the largest that fits: one more is what llama.cpp refuses
+        assert reader_limits({"hidden_size": hidden, "dflash_config": {"selector_top_k": top_k + 1}})
+    set_by_user = DFlash2Variant(selector_top_k=16, conv_group_size=4).drafter_config(backbone(hidden * 4))
+    fields = set_by_user.dflash_config
+    assert (fields["selector_top_k"], fields["conv_group_size"]) == (16, 4)
+    assert default_selector_top_k(hidden, 3) == 3  # never above the vocabulary

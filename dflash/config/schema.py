@@ -355,6 +355,10 @@ class AdamWConfig(OptimizerConfig):
     def __post_init__(self) -> None:
         if len(self.betas) != 2 or not all(0.0 <= b < 1.0 for b in self.betas):
             raise ValueError(f"optimizer.betas must be two numbers in [0, 1), got {list(self.betas)}")
+        # torch refuses these too, but only once the drafter is built, and without the key.
+        for key in ("weight_decay", "eps"):
+            if not getattr(self, key) >= 0:
+                raise ValueError(f"optimizer.{key} must be >= 0, got {getattr(self, key)}")
         super().__post_init__()
 
 
@@ -470,9 +474,16 @@ class DSparkVariantConfig(VariantConfig):
                 "variant.confidence_with_markov=true needs a Markov head (variant.markov_rank > 0); "
                 "set variant.confidence_with_markov=false"
             )
-        for key in ("ce_weight", "tv_weight", "confidence_weight"):
-            if getattr(self, key) < 0:
+        weights = ("ce_weight", "tv_weight", "confidence_weight")
+        for key in weights:
+            if not getattr(self, key) >= 0:  # `not >=`: nan fails too
                 raise ValueError(f"variant.{key}={getattr(self, key)}: must be >= 0")
+        if not any(getattr(self, key) > 0 for key in weights):
+            # The loss would be 0 at every step: a run that trains nothing and reports success.
+            raise ValueError(
+                "variant=dspark with variant.ce_weight, variant.tv_weight and variant.confidence_weight "
+                "all 0 has no loss term and trains nothing: set one of them > 0 (the reference's: 0.1, 0.9, 1.0)"
+            )
         if self.confidence_head != (self.confidence_weight > 0):
             # The reference builds the head exactly when its loss weight is positive: a head with
             # no loss would be exported untrained, a weight without a head would train nothing.
@@ -494,20 +505,25 @@ class DFlash2VariantConfig(VariantConfig):
     _target_: str = "dflash.step.variant.DFlash2Variant"
     # Taps of each convolution (tap 0: the position itself, tap t: t positions back in the block).
     conv_kernel_size: int = 2
-    # Channels sharing one dynamic coefficient; must divide the hidden size.
-    conv_group_size: int = 16
+    # Channels sharing one dynamic coefficient; must divide the hidden size. null: 16 where it
+    # divides the target's hidden size, else its largest divisor below 16
+    # (dflash/config/shape_defaults.py: default_conv_group_size).
+    conv_group_size: Optional[int] = None
     # Rank r of the selector's codebooks ([vocab, r] each) and hidden projection.
     selector_rank: int = 256
-    # Candidates per draft position: the unary logits' top-K.
-    selector_top_k: int = 16
+    # Candidates per draft position: the unary logits' top-K. null: 16 where the target's hidden
+    # size is >= 16 x 17, else the largest K with K (K + 1) <= hidden size, which llama.cpp requires
+    # (dflash/config/shape_defaults.py: default_selector_top_k).
+    selector_top_k: Optional[int] = None
     # Weight of the selector's K-way CE beside the unary CE (0: the selector does not train).
     selector_alpha: float = 1.0
 
     def __post_init__(self) -> None:
         for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
-            if getattr(self, key) < 1:
-                raise ValueError(f"variant.{key}={getattr(self, key)}: must be >= 1")
-        if self.selector_alpha < 0:
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ValueError(f"variant.{key}={value}: must be >= 1")
+        if not self.selector_alpha >= 0:  # `not >=`: nan fails too
             raise ValueError(f"variant.selector_alpha={self.selector_alpha}: must be >= 0")
 
 

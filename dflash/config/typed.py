@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 import os
 
 from omegaconf import DictConfig, ListConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
+from omegaconf.nodes import FloatNode
 
 from dflash.config.schema import Config
 
@@ -16,10 +18,31 @@ def typed_config(cfg: DictConfig) -> Config:
     a DictConfig or re-wraps an enum."""
     expand_home(cfg)
     try:
+        refuse_non_finite(cfg)
         return OmegaConf.to_object(cfg)
     except MissingMandatoryValue as exc:
         key = exc.full_key
         raise ValueError(f"{key} has no value ('???' in its config group): set it, e.g. {key}=...") from exc
+
+
+def refuse_non_finite(node: DictConfig | ListConfig, prefix: str = "") -> None:
+    """ValueError naming the first float setting (a schema field typed float, or a list of them)
+    that is nan or +-inf. Hydra reads `nan` and `inf` as floats, and no dflash setting means
+    either: a nan loss weight or LR trains a few steps and then fails on a non-finite loss,
+    blaming the LR. Checked here, once for every field, before any single-field rule (`x < 0`
+    is false for nan). Free-form entries (target.arch, callbacks' arguments) are left to their
+    readers."""
+    in_list = isinstance(node, ListConfig)
+    for key in range(len(node)) if in_list else node.keys():
+        path = f"{prefix}[{key}]" if in_list else f"{prefix}.{key}".lstrip(".")
+        child = node._get_node(key)
+        if isinstance(child, (DictConfig, ListConfig)):
+            if not (child._is_none() or child._is_missing()):
+                refuse_non_finite(child, path)
+        elif isinstance(child, FloatNode) and not child._is_missing():
+            value = node[key]  # resolved (an interpolation reads its source)
+            if value is not None and not math.isfinite(value):
+                raise ValueError(f"{path}={value}: must be a finite number")
 
 
 def expand_home(cfg: DictConfig) -> None:

@@ -26,6 +26,7 @@ from torch import nn
 from transformers import Qwen3Config
 
 from dflash.config.schema import FusedTerms, MarkovHeadType
+from dflash.config.shape_defaults import default_conv_group_size, default_selector_top_k
 from dflash.models.dflash2 import DFlash2Drafter, add_dflash2_fields
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.dspark import DSparkDrafter, add_dspark_fields
@@ -157,18 +158,22 @@ class DFlash2Variant(DFlashVariant):
     needs_prev_ids: ClassVar[bool] = True
 
     conv_kernel_size: int = 2
-    conv_group_size: int = 16
+    # None: by the drafter's hidden size (the target's), dflash/config/shape_defaults.py.
+    conv_group_size: int | None = None
     selector_rank: int = 256
-    selector_top_k: int = 16
+    selector_top_k: int | None = None
     selector_alpha: float = 1.0
 
     def drafter_config(self, config: Qwen3Config) -> Qwen3Config:
+        group, top_k = self.conv_group_size, self.selector_top_k
         return add_dflash2_fields(
             config,
             conv_kernel_size=self.conv_kernel_size,
-            conv_group_size=self.conv_group_size,
+            conv_group_size=default_conv_group_size(config.hidden_size) if group is None else group,
             selector_rank=self.selector_rank,
-            selector_top_k=self.selector_top_k,
+            selector_top_k=(
+                default_selector_top_k(config.hidden_size, config.vocab_size) if top_k is None else top_k
+            ),
         )
 
     def drafter(self, config: Qwen3Config) -> DFlash2Drafter:

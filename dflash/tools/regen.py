@@ -91,9 +91,11 @@ def regen(cfg: DictConfig):
     from pathlib import Path
 
     from dflash.config.keys import refuse_unknown_keys
+    from dflash.config.typed import refuse_non_finite
     from dflash.regen.regenerate import RegenStats, refuse_output_among_inputs, regenerate
 
     refuse_unknown_keys(cfg, RegenConfig)
+    refuse_non_finite(cfg)
     typed: RegenConfig = OmegaConf.to_object(cfg)
     if typed.batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {typed.batch_size}")
