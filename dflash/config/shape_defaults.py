@@ -19,13 +19,19 @@ def selector_fits_llama_cpp(hidden_size: int, top_k: int) -> bool:
     return hidden_size >= top_k * (top_k + 1)
 
 
+def largest_servable_top_k(hidden_size: int) -> int:
+    """The largest K with K (K + 1) <= hidden_size: what llama.cpp still loads (hidden 64 -> 7)."""
+    top_k = 1
+    while selector_fits_llama_cpp(hidden_size, top_k + 1):
+        top_k += 1
+    return top_k
+
+
 def default_selector_top_k(hidden_size: int, vocab_size: int) -> int:
     """variant.selector_top_k=null: 16, the released drafters' K, where the hidden size holds its
-    lattice (>= 16 x 17 = 272); below that the largest K that llama.cpp still loads (hidden 64 ->
-    7), so a small target's drafter stays servable everywhere. Never above the vocabulary."""
-    top_k = RELEASED_SELECTOR_TOP_K
-    while top_k > 1 and not selector_fits_llama_cpp(hidden_size, top_k):
-        top_k -= 1
+    lattice (>= 16 x 17 = 272); below that the largest K that llama.cpp still loads, so a small
+    target's drafter stays servable everywhere. Never above the vocabulary."""
+    top_k = min(RELEASED_SELECTOR_TOP_K, largest_servable_top_k(hidden_size))
     return max(1, min(top_k, vocab_size))
 
 

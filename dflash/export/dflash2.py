@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from dflash.config.shape_defaults import largest_servable_top_k, selector_fits_llama_cpp
 from dflash.models.dflash2 import DFLASH2_ARCHITECTURE, DFLASH2_KEYS, UNARY_KEYS
 
 SPECULATORS_TYPE = "dflash2"
@@ -174,11 +175,9 @@ def lattice_problems(config: dict[str, Any]) -> list[str]:
     the selector lattice"). A rule of the z-lab layout, which llama.cpp's converter reads (a
     drafter it refuses is not written or passed); a note in the speculators layout (reader_limits)."""
     hidden, top_k = config.get("hidden_size"), _settings(config).get("selector_top_k")
-    if not (positive_int(hidden) and positive_int(top_k)) or hidden >= top_k * (top_k + 1):
+    if not (positive_int(hidden) and positive_int(top_k)) or selector_fits_llama_cpp(hidden, top_k):
         return []
-    fits = 0  # the largest k with k (k + 1) <= hidden (below top_k: a few steps)
-    while (fits + 1) * (fits + 2) <= hidden:
-        fits += 1
+    fits = largest_servable_top_k(hidden)
     return [
         f"dflash_config.selector_top_k {top_k}: hidden_size {hidden} < {top_k} x {top_k + 1} = "
         f"{top_k * (top_k + 1)}, which llama.cpp refuses ('hidden size is too small for the selector "
