@@ -1,4 +1,4 @@
-"""`dflash-train` / `python -m dflash.train`: the Hydra entry point.
+"""`dflash train` (alias `dflash-train`, or `python -m dflash.train`): the Hydra entry point.
 
 Imports nothing heavy at module level (no torch, no transformers): `--help`, `--cfg job`,
 `--info defaults-tree` and shell completion stay fast. `train(cfg)` is a plain function
@@ -47,10 +47,11 @@ COMMON_OVERRIDES = (
     "gpu=single target=hf target.path=/models/MyModel   a target of your own, on one GPU",
     "data=conversations data.files=[chat.jsonl]         your conversations (docs/real-data.md)",
     "experiment=qwen3_8b                                a whole recipe (the experiment group)",
-    "train.epochs=6 | train.total_steps=N               how long; logger.every_steps=10: how often it logs",
-    "drafter=b16 optimizer.lr=6e-4 loss.gamma=7         the drafter's shape and the objective",
+    "train.epochs=6 logger.every_steps=10               how long (or train.total_steps=N), how often it logs",
+    "drafter=b16 drafter.mask_token_id=151669           the paper's drafter; its mask: an unused token of the target",
+    "optimizer.lr=6e-4 loss.gamma=7                     the learning rate and the objective",
     "resume=outputs/RUN/checkpoints/last                continue a run where it stopped",
-    "logger=wandb | tensorboard | mlflow                metrics to W&B, TensorBoard or MLflow too",
+    "logger=wandb                                       metrics to W&B too (logger=tensorboard, logger=mlflow)",
     "debug=fast                                         a few steps through every stage",
 )
 

@@ -145,7 +145,9 @@ def test_user_errors_are_one_line_with_exit_code_2_and_the_traceback_is_kept(tmp
     bad = run_tool([*train_cli, "drafter.mask_token_id=900", f"hydra.run.dir={tmp_path / 'bad'}"])
     assert bad.returncode == 2
     assert bad.stderr.strip().count("\n") == 0, bad.stderr  # one line, no traceback
-    assert bad.stderr.startswith("dflash: error: drafter.mask_token_id=900 is outside the target's embedding")
+    assert bad.stderr.startswith(
+        "dflash train: error: drafter.mask_token_id=900 is outside the target's embedding"
+    )
     record = json.loads((tmp_path / "bad" / "run.json").read_text())
     assert record["status"] == "FAILED" and "Traceback" in record["traceback"]  # nothing lost
     full = run_tool(
@@ -154,15 +156,15 @@ def test_user_errors_are_one_line_with_exit_code_2_and_the_traceback_is_kept(tmp
     )
     # HYDRA_FULL_ERROR=1 adds the traceback; a user error still exits 2 (the outcome scripts read).
     assert full.returncode == 2 and "Traceback" in full.stderr and "run/checks.py" in full.stderr
-    assert full.stderr.strip().splitlines()[-1].startswith("dflash: error: drafter.mask_token_id=900")
+    assert full.stderr.strip().splitlines()[-1].startswith("dflash train: error: drafter.mask_token_id=900")
     unwritable = run_tool([*train_cli, "hydra.run.dir=/proc/dflash-test"])
     assert unwritable.returncode == 2 and unwritable.stderr.strip().count("\n") == 0
     assert "cannot write the run dir /proc/dflash-test" in unwritable.stderr
     missing = run_tool([sys.executable, "-m", "dflash.tools.diff", str(tmp_path / "nowhere")])
     assert missing.returncode == 2
-    assert missing.stderr == f"dflash-diff: error: {tmp_path / 'nowhere'}: no such run directory\n"
+    assert missing.stderr == f"dflash diff: error: {tmp_path / 'nowhere'}: no such run directory\n"
     no_report = run_tool([sys.executable, "-m", "dflash.tools.report", str(tmp_path / "nowhere")])
-    assert no_report.returncode == 2 and no_report.stderr.startswith("dflash-report: error: ")
+    assert no_report.returncode == 2 and no_report.stderr.startswith("dflash report: error: ")
     assert no_report.stderr.count("\n") == 1
 
 

@@ -93,7 +93,7 @@ def test_dflash_val_refuses_a_missing_checkpoint_before_loading_the_target(tmp_p
     def never(*args, **kwargs):
         raise AssertionError("the target was built before --ckpt was checked")
 
-    monkeypatch.setattr(val, "script_target", never)
+    monkeypatch.setattr("dflash.run.inputs.script_target", never)
     with pytest.raises(SystemExit) as stopped:
         val.main(["--ckpt", str(tmp_path / "missing"), "gpu=cpu"])
     assert stopped.value.code == 2

@@ -11,10 +11,11 @@ The tests build their checkpoints from the same pieces (tests/tiny_assets.py).
 
 from __future__ import annotations
 
-import argparse
 import json
 import random
 from pathlib import Path
+
+from dflash.tools.arguments import command_parser
 
 # The tiny target's architecture (conf/target/tiny.yaml uses the same numbers).
 TINY_ARCH = dict(
@@ -116,16 +117,25 @@ def save_demo_target(directory: Path, **arch: int) -> Path:
     return directory
 
 
+def architecture_fields(parser, items: list[str]) -> dict[str, int]:
+    """`--arch hidden_size=1024 ...` as Qwen3 config fields; a malformed one is a usage error."""
+    fields = {}
+    for item in items:
+        key, _, value = item.partition("=")
+        if not key or not value.isdigit():
+            parser.error(f"--arch {item}: give FIELD=INTEGER, e.g. hidden_size=1024")
+        fields[key] = int(value)
+    return fields
+
+
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        prog="dflash demo", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = command_parser("demo", __doc__)
     parser.add_argument("directory", type=Path)
     parser.add_argument("--conversations", type=int, default=600, help="ShareGPT conversations to write")
     parser.add_argument("--heldout", type=int, default=16, help="held-out prompts to write")
     parser.add_argument("--arch", nargs="*", default=[], help="Qwen3 config fields, e.g. hidden_size=1024")
     args = parser.parse_args(argv)
-    arch = {key: int(value) for key, value in (item.split("=", 1) for item in args.arch)}
+    arch = architecture_fields(parser, args.arch)
     args.directory.mkdir(parents=True, exist_ok=True)
     save_demo_target(args.directory / "target", **arch)
     write_conversations(args.directory / "chat.jsonl", args.conversations, "sharegpt", seed=11)

@@ -1,9 +1,9 @@
-"""`dflash-diff A B [C ...]`: what differs between runs, for experiment reviews.
+"""`dflash diff A B [C ...]`: what differs between runs, for experiment reviews.
 
-    dflash-diff outputs/runA outputs/runB            # two runs
-    dflash-diff multirun/2026-11-29/11-16-24         # a sweep: each job against the sweep's common base
-    dflash-diff outputs/runA --defaults              # a run against the default config
-    dflash-diff A B --format markdown --all          # a table to paste; identical keys too
+    dflash diff outputs/runA outputs/runB            # two runs
+    dflash diff multirun/2026-11-29/11-16-24         # a sweep: each job against the sweep's common base
+    dflash diff outputs/runA --defaults              # a run against the default config
+    dflash diff A B --format markdown --all          # a table to paste; identical keys too
 
 A run is a run dir (run.json, or .hydra/ + config_resolved.yaml), a sweep dir (its job dirs), or a
 checkpoint dir (its config.yaml). Printed: group choices first (`scheduler: shuffle -> interleave`,
@@ -24,6 +24,7 @@ from typing import Any
 import yaml
 
 from dflash.errors import exit_for_user_error
+from dflash.tools.arguments import command_name, command_parser
 
 DEFAULT_IGNORE = (
     "paths.*",
@@ -241,9 +242,7 @@ def sweep_deltas(runs: list[RunInfo], ignore: list[str], markdown: bool) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = command_parser("diff", __doc__)
     parser.add_argument("paths", nargs="+", type=Path)
     parser.add_argument("--format", choices=("text", "markdown"), default="text")
     parser.add_argument("--all", action="store_true", help="also list keys that are identical")
@@ -253,7 +252,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         compare(args)
     except (ValueError, OSError) as exc:  # a missing or unreadable run: one line, exit 2
-        exit_for_user_error("dflash-diff", str(exc))
+        exit_for_user_error(command_name("diff"), str(exc))
 
 
 def compare(args: argparse.Namespace) -> None:

@@ -1,7 +1,7 @@
-"""`dflash-eval`: a target and an exported drafter -> tau, acceptance histogram, losslessness and
+"""`dflash eval`: a target and an exported drafter -> tau, acceptance histogram, losslessness and
 speedup per benchmark; a console table and a JSON report.
 
-    dflash-eval ckpt=outputs/.../checkpoints/last gpu=single \\
+    dflash eval ckpt=outputs/.../checkpoints/last gpu=single \\
         'eval.benchmarks={gsm8k: prompts/gsm8k.jsonl, humaneval: prompts/humaneval.jsonl}' \\
         'eval.temperatures=[0,1]'
 
@@ -31,7 +31,6 @@ import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from dflash.config.schema import Config, TargetConfig, VerifyRule, register_configs
-from dflash.eval.journal import EvalJournal, journal_path
 from dflash.tools.compose import CONF_PATH
 from dflash.tools.hydra_app import run_hydra_app
 
@@ -115,7 +114,7 @@ class PromptProgress:
         if (benchmark, temperature) != self.key:
             self.close()
             self.key = (benchmark, temperature)
-            self.bar = tqdm(total=total, desc=f"dflash-eval {benchmark} t={temperature:g}", unit="prompt", mininterval=2.0)  # fmt: skip
+            self.bar = tqdm(total=total, desc=f"dflash eval {benchmark} t={temperature:g}", unit="prompt", mininterval=2.0)  # fmt: skip
         self.bar.update(done - self.bar.n)
 
     def close(self) -> None:
@@ -157,6 +156,7 @@ def run_eval(
     from dflash.config.typed import typed_config
     from dflash.distributed import visible_cuda_devices
     from dflash.eval.evaluate import Decoders, evaluate, planned_decodings
+    from dflash.eval.journal import EvalJournal, journal_path
     from dflash.export.zlab import load_drafter, read_drafter_config
     from dflash.models.target import FrozenTarget, load_target_config
     from dflash.run.inputs import eval_prompt_sets
@@ -165,7 +165,7 @@ def run_eval(
     refuse_unknown_keys(cfg, Config)
     composed, cfg = cfg, typed_config(cfg)
     if not cfg.ckpt:
-        raise ValueError("dflash-eval needs ckpt=DIR, a drafter directory (config.json + model.safetensors)")
+        raise ValueError("dflash eval needs ckpt=DIR, a drafter directory (config.json + model.safetensors)")
     drafter_dir = Path(cfg.ckpt)
     drafter_config = read_drafter_config(drafter_dir)
     target_cfg, target_source = target_for(
@@ -177,7 +177,7 @@ def run_eval(
     )
     target_config = load_target_config(target_cfg)
     target_key = f"target={target_cfg.name}" + (f", target.path={target_cfg.path}" if target_cfg.path else "")
-    log.info("dflash-eval: %s (from %s)", target_key, target_source)
+    log.info("dflash eval: %s (from %s)", target_key, target_source)
     check_pairing(drafter_config, target_config, drafter_dir, target_key)
     if cfg.eval.check_target:
         check_same_target(drafter_dir, target_cfg, target_key)
@@ -206,7 +206,7 @@ def run_eval(
         if journal.resumed:
             if cfg.eval.timing:
                 raise ValueError("eval.resume: a resumed evaluation measures no time; set eval.timing=false")
-            log.info("dflash-eval: %d prompt outcomes taken from %s", journal.resumed, journal.path)
+            log.info("dflash eval: %d prompt outcomes taken from %s", journal.resumed, journal.path)
         if device.type == "cpu":
             torch.set_num_threads(cfg.gpu.cpu_threads)
         target = FrozenTarget.from_config(
@@ -264,7 +264,7 @@ def run_eval(
     output.parent.mkdir(parents=True, exist_ok=True)
     payload = report.to_json()
     output.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"\n=== dflash-eval: {drafter_dir} on {target_key} ({report.meta['device_name']}) ===")
+    print(f"\n=== dflash eval: {drafter_dir} on {target_key} ({report.meta['device_name']}) ===")
     print(report.table())
     print(
         f"evaluation: {report.meta['decoded_here']} prompt decodings in {report.meta['wall_s']:.1f} s"
@@ -276,7 +276,7 @@ def run_eval(
     print(f"report: {output} (each prompt's outcome: {journal.path})", flush=True)
     if report.interrupted:
         log.warning(
-            "dflash-eval: stopped by a signal after %d of %d prompt decodings; %s holds what was evaluated",
+            "dflash eval: stopped by a signal after %d of %d prompt decodings; %s holds what was evaluated",
             report.decodings(),
             planned_decodings(prompt_sets, cfg.eval),
             output,

@@ -127,10 +127,15 @@ def run_hydra_app(
     # Hydra reads the name at call time (hydra/_internal/utils.py: _run_hydra), so the wrapper
     # sees every error of composition before Hydra prints it.
     hydra_utils.run_and_report = run_and_report
+    # The errors a job raises are named after sys.argv[0] (dflash/run/record.py: tool_name):
+    # `dflash train`, as the front door names it, also when the alias dflash-train started it.
+    program = sys.argv[0]
+    sys.argv[0] = tool
     try:
         return hydra_main()
     finally:
         hydra_utils.run_and_report = hydra_report
+        sys.argv[0] = program
 
 
 def composition_error(exc: BaseException, *, config_name: str = "config") -> str | None:

@@ -1,7 +1,7 @@
-"""`dflash-prep`: build (or find) the tokenized training data a `dflash-train` with the same
+"""`dflash prep`: build (or find) the tokenized training data a `dflash train` with the same
 overrides will use, and print what went in and what was skipped.
 
-    dflash-prep data=conversations data.files=[chat.jsonl] target=qwen3_8b target.path=/models/Qwen3-8B
+    dflash prep data=conversations data.files=[chat.jsonl] target=qwen3_8b target.path=/models/Qwen3-8B
 
 Takes the training config (same data, target and paths groups), so the cache it writes is the
 one training reads: the training run then starts without tokenizing anything.
@@ -25,7 +25,7 @@ def prep(cfg: DictConfig) -> dict:
 
     config = typed_config(cfg)
     dataset, stats = load_training_data(config)
-    print(f"\n=== dflash-prep: data={config.data.name} ({config.data.kind.value}) ===")
+    print(f"\n=== dflash prep: data={config.data.name} ({config.data.kind.value}) ===")
     if stats is not None:
         print("\n".join(stats.lines()))
     print(f"samples              {len(dataset)}, longest {int(dataset.lengths.max())} tokens", flush=True)
@@ -48,7 +48,7 @@ def main() -> None:
         overrides=(
             "data=conversations data.files=[chat.jsonl]   conversation files (JSON, JSONL, Parquet, .zst)",
             "target=hf target.path=/models/MyModel        the target whose tokenizer and template apply",
-            "data.max_len=4096                            longer samples are cut",
+            "data.max_length=4096                         longer samples are cut",
         ),
     )
 

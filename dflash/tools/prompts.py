@@ -1,7 +1,7 @@
-"""Training prompts that no one here wrote, for `dflash-regen` to have a target answer.
+"""Training prompts that no one here wrote, for `dflash regen` to have a target answer.
 
-    dflash prompts OUT.jsonl[.gz] [--seed 0] [--limit N]
-        [--sources A,B] [--exclude EARLIER.jsonl[.gz]]
+    dflash prompts prompts.jsonl.gz --limit 20000
+    dflash prompts more.jsonl.gz --seed 1 --sources "wordnet senses,fortunes" --exclude prompts.jsonl.gz
 
 Each prompt is a fixed request wrapped around text that ships with this machine's software:
 - the Python standard library: every public function, method and class with a docstring, in four
@@ -24,8 +24,8 @@ Each prompt is a fixed request wrapped around text that ships with this machine'
   followed by a second turn that reworks the first reply (shorter, for an expert, as a table,
   checked another way, with type hints), as MT-Bench's second turns do.
 
-Every record is a conversation (OpenAI `messages`) whose assistant turn is a placeholder: dflash-
-regen replaces it with the target's reply, so the text trained on is the target's own. Records
+Every record is a conversation (OpenAI `messages`) whose assistant turn is a placeholder: `dflash
+regen` replaces it with the target's reply, so the text trained on is the target's own. Records
 are deduplicated, and any whose text shares a 13-word window with a HumanEval or MT-Bench prompt
 (the evaluation benchmarks) is dropped and counted: benchmarks never enter training data.
 The set depends on the Python version and the installed packages (both printed): a source
@@ -38,7 +38,6 @@ shares, renormalised), --exclude drops every record that opens with an ask of th
 
 from __future__ import annotations
 
-import argparse
 import ast
 import gzip
 import importlib
@@ -56,6 +55,7 @@ import numpy as np
 
 from dflash.data.benchmarks import PACKAGED, packaged_prompts
 from dflash.data.conversations import MalformedRecord, normalize
+from dflash.tools.arguments import command_parser
 
 PLACEHOLDER = "(the target writes this reply: run dflash regen on this file)"
 # Modules with side effects on import (a browser, a GUI, printing) or that are not libraries.
@@ -542,9 +542,7 @@ def mix(kept: dict[str, list[dict]], limit: int | None, rng: np.random.Generator
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = command_parser("prompts", __doc__)
     parser.add_argument("output", type=Path)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--limit", type=int, default=None, help="keep at most this many records")

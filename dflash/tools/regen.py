@@ -1,4 +1,4 @@
-"""`dflash-regen`: the target writes the replies of a conversation set (conf/regen.yaml).
+"""`dflash regen`: the target writes the replies of a conversation set (conf/regen.yaml).
 
 Resumable: rerun the same command after an interruption and it continues where it stopped.
 """
@@ -44,7 +44,7 @@ def build_backend(cfg: RegenConfig):
     from dflash.models.target import FrozenTarget, load_target_config
 
     target_cfg = local_target(cfg.target, cfg.paths.cache_dir)  # cfg: the typed RegenConfig
-    renderer = load_chat_renderer(target_cfg, "dflash-regen")
+    renderer = load_chat_renderer(target_cfg, "dflash regen")
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     num_layers = load_target_config(target_cfg).num_hidden_layers
     target = FrozenTarget.from_config(target_cfg, [num_layers - 1], device)
@@ -122,7 +122,7 @@ def regen(cfg: DictConfig):
             )
     finally:  # the counts reach the run record however regen ends
         write_summary(stats)
-    print(f"\n=== dflash-regen -> {typed.output} (backend={backend.name}; {backend.describe()}) ===")
+    print(f"\n=== dflash regen -> {typed.output} (backend={backend.name}; {backend.describe()}) ===")
     print("\n".join(stats.lines()), flush=True)
     if stats.attempted() and stats.failed > typed.max_failed_frac * stats.attempted():
         raise ValueError(
@@ -148,8 +148,8 @@ def main() -> None:
         config_name="regen",
         overrides=(
             "target=hf target.path=/models/MyModel input=[chat.jsonl] output=regen.jsonl",
-            "backend=http url=http://localhost:8000/v1 model=NAME   a running vLLM / SGLang server",
-            "batch_size=64 sampling.max_new_tokens=1024 limit=N",
+            "backend=http url=http://localhost:8000/v1 model=NAME     a running vLLM / SGLang server",
+            "batch_size=64 sampling.max_new_tokens=1024 limit=1000   replies at once, their length, how many",
         ),
     )
 

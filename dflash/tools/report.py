@@ -1,4 +1,4 @@
-"""`dflash-report RUN_DIR [--compare RUN_DIR2]`: plots and a one-page summary from metrics.jsonl.
+"""`dflash report RUN_DIR [--compare RUN_DIR2]`: plots and a one-page summary from metrics.jsonl.
 
 Writes RUN_DIR/report/*.png and RUN_DIR/report/report.md:
 loss and accuracy (loss per bucket as colored points: a bucket-driven, "fluffy" loss shows as
@@ -32,7 +32,7 @@ def load_rows(run_dir: Path) -> list[dict]:
         try:
             rows.append(json.loads(line))
         except json.JSONDecodeError:
-            print(f"dflash-report: skipping unreadable line {path}:{number}")
+            print(f"dflash report: skipping unreadable line {path}:{number}")
     return rows
 
 
@@ -419,7 +419,7 @@ def summary_markdown(
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+        prog="dflash report", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("run_dir", type=Path)
     parser.add_argument("--compare", type=Path, help="a second run dir whose main curves are overlaid")
@@ -428,7 +428,7 @@ def main(argv: list[str] | None = None) -> None:
     try:
         write_report(args)
     except (ValueError, OSError) as exc:  # a missing or unreadable run: one line, exit 2
-        exit_for_user_error("dflash-report", str(exc))
+        exit_for_user_error("dflash report", str(exc))
 
 
 def write_report(args: argparse.Namespace) -> None:
@@ -442,7 +442,7 @@ def write_report(args: argparse.Namespace) -> None:
         name_a, name_b = run_labels(args.run_dir, args.compare)
         images.append(plot_compare(rows, compare[1], name_a, name_b, out))
     (out / "report.md").write_text(summary_markdown(args.run_dir, rows, images, compare))
-    print(f"dflash-report: wrote {len(images)} plots and report.md to {out}")
+    print(f"dflash report: wrote {len(images)} plots and report.md to {out}")
 
 
 if __name__ == "__main__":

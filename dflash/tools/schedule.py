@@ -1,6 +1,9 @@
-"""`dflash-schedule`: what each batch order does to bucket runs, before any GPU time is spent.
+"""`dflash schedule`: what each batch order does to bucket runs, before any GPU time is spent.
 
-    dflash-schedule [--window 8] [--epoch 0] [hydra overrides ...]
+    dflash schedule data=conversations data.files=[chat.jsonl] target=hf target.path=/models/MyModel
+    dflash schedule --window 16 --epoch 1 data.num_samples=4096
+
+The overrides are a training run's (the data, target and bucket edges it uses).
 
 For the configured data and bucket edges, prints for `shuffle` and `interleave`: each bucket's
 share of batches, the distribution of same-bucket run lengths (runs of consecutive long batches
@@ -10,12 +13,13 @@ mixes all buckets evenly).
 
 from __future__ import annotations
 
-import argparse
 import itertools
 import math
 from collections import Counter
 
 import numpy as np
+
+from dflash.tools.arguments import command_parser, composed_or_refused, flags_and_overrides
 
 
 def run_lengths(buckets: list[int]) -> Counter:
@@ -50,19 +54,16 @@ def report(orders: dict[str, list[int]], num_buckets: int, window: int) -> str:
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(
-        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
-    )
+    parser = command_parser("schedule", __doc__, usage="%(prog)s [--window N] [--epoch N] [OVERRIDE ...]")
     parser.add_argument("--window", type=int, default=8, help="batches per entropy window")
     parser.add_argument("--epoch", type=int, default=0)
-    args, overrides = parser.parse_known_args(argv)
+    args, overrides = flags_and_overrides(parser, argv)
 
     from dflash.config.schema import InterleaveSchedulerConfig, ShuffleSchedulerConfig
     from dflash.data.schedule import build_planner
     from dflash.run.inputs import load_training_data
-    from dflash.tools.compose import compose_typed
 
-    cfg = compose_typed(overrides)
+    cfg = composed_or_refused("schedule", overrides)
     dataset, _ = load_training_data(cfg)
     # The two built-in orders over the run's buckets and budgets, and the run's own if it is another.
     nodes = {"shuffle": ShuffleSchedulerConfig(), "interleave": InterleaveSchedulerConfig()}
