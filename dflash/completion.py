@@ -34,12 +34,16 @@ SUBCOMMANDS: dict[str, tuple[str, ...]] = {
 _BASH = """\
 _dflash_complete()
 {{
-    local line="${{COMP_LINE:0:COMP_POINT}}" current="" query choices prefix="" i
-    local -a words replies=()
-    read -r -a words <<< "$line"
+    # zsh (bashcompinit) runs this body too: as ksh does, arrays from 0 and words split at blanks.
+    if [[ -n "${{ZSH_VERSION-}}" ]]; then emulate -L ksh; else local -; fi
+    set -f  # the options are the function's own: the line's words are split, never globbed
+    local line="${{COMP_LINE:0:$COMP_POINT}}" current="" query choices prefix="" i
+    local -a words replies
+    words=($line)
+    replies=()
     if [[ -n "$line" && "$line" != *[[:space:]] ]]; then
         current="${{words[${{#words[@]}}-1]}}"
-        unset 'words[${{#words[@]}}-1]'
+        words=("${{words[@]:0:${{#words[@]}}-1}}")
     fi
     if (( ${{#words[@]}} <= 1 )); then
         replies=($(compgen -W "{commands} --help --version" -- "$current"))
@@ -56,8 +60,8 @@ _dflash_complete()
     # Bash replaces the part of the word after its last COMP_WORDBREAKS character (`=` and `:`
     # by default), so each reply starts there.
     for (( i = ${{#current}} - 1; i >= 0; i-- )); do
-        if [[ "${{COMP_WORDBREAKS-}}" == *"${{current:i:1}}"* ]]; then
-            prefix="${{current:0:i+1}}"
+        if [[ "${{COMP_WORDBREAKS-}}" == *"${{current:$i:1}}"* ]]; then
+            prefix="${{current:0:$((i + 1))}}"
             break
         fi
     done
@@ -78,7 +82,11 @@ _SUBCOMMAND_CASE = """\
                 fi
                 ;;"""
 
-_ZSH_PREAMBLE = "autoload -U +X bashcompinit && bashcompinit\n"
+# bashcompinit's `complete` registers through compinit's compdef, which a bare zsh lacks.
+_ZSH_PREAMBLE = (
+    "(( ${+functions[compdef]} )) || { autoload -U +X compinit && compinit; }\n"
+    "autoload -U +X bashcompinit && bashcompinit\n"
+)
 
 
 def script(shell: str) -> str:

@@ -10,6 +10,7 @@ import argparse
 import importlib
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -164,6 +165,35 @@ def test_shell_completion_offers_a_commands_subcommands_not_the_files_that_match
     assert complete("dflash export con", tmp_path) == ["convert"]
     assert complete("dflash completion ", tmp_path) == ["bash", "zsh"]
     assert complete("dflash export check ", tmp_path) == []  # then the shell's own file names
+
+
+@pytest.mark.skipif(shutil.which("zsh") is None, reason="no zsh on this machine")
+def test_the_zsh_script_runs_the_same_completion_under_zsh(tmp_path):
+    """zsh reads the script through bashcompinit and runs the same body; its words break at
+    blanks only (no COMP_WORDBREAKS), so a reply is the whole `key=value` word. zsh's compgen
+    leaves filtering by the typed prefix to zsh's completion system, so only replies that are
+    all of their kind are compared here."""
+    script = dflash("completion", "zsh")
+    program = tmp_path / "dflash"
+    program.write_text(f'#!/bin/sh\nexec {sys.executable} -m dflash "$@"\n')
+    program.chmod(0o755)
+    driver = (
+        f"{script.stdout}\n"
+        "for line in 'dflash export c' 'dflash train scheduler='; do\n"
+        '  COMP_LINE="$line"; COMP_POINT=${#line}; COMPREPLY=(); _dflash_complete; print -r -- "${COMPREPLY[*]}"\n'
+        "done\n"
+    )
+    env = {"PATH": f"{tmp_path}:/usr/bin:/bin", "HOME": str(tmp_path)}
+    result = subprocess.run(
+        ["zsh", "-c", driver],
+        capture_output=True,
+        text=True,
+        env=env,
+        cwd=tmp_path,
+        timeout=SLOW_MACHINE_TIMEOUT_S,
+    )
+    assert result.returncode == 0 and not result.stderr, result.stderr
+    assert result.stdout.splitlines() == ["check convert", "scheduler=interleave scheduler=shuffle"]
 
 
 def test_the_subcommands_completed_are_the_commands_own(monkeypatch, capsys):
