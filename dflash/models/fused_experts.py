@@ -113,6 +113,51 @@ def _scale_arguments(scale: Optional[torch.Tensor], placeholder: torch.Tensor) -
     return dict(s_ptr=scale, stride_se=scale.stride(0), stride_sn=scale.stride(1), stride_sk=scale.stride(2))
 
 
+def _check_launchable(tiling: ExpertsTiling, *, fp8: bool, hidden: int, inter: int) -> None:
+    """A ValueError for tiles the kernels cannot run, or FP8 sizes off the 128-wide scale blocks:
+    refused before the kernels are imported."""
+    refusal = tiling.refusal(fp8)
+    if refusal is not None:
+        raise ValueError(f"fused experts: {tiling}: {refusal}")
+    if fp8 and (inter % FP8_BLOCK or hidden % FP8_BLOCK):
+        raise ValueError(
+            f"fused FP8 experts need hidden ({hidden}) and intermediate ({inter}) sizes that are "
+            f"multiples of {FP8_BLOCK}; use target.experts=grouped_mm"
+        )
+
+
+def _launch_arguments(kernel_tiling: KernelTiling) -> dict:
+    """One kernel's launch shape as Triton's launch keywords."""
+    return dict(
+        BLOCK_N=kernel_tiling.block_n,
+        BLOCK_K=kernel_tiling.block_k,
+        num_warps=kernel_tiling.warps,
+        num_stages=kernel_tiling.stages,
+    )
+
+
+def _shared_arguments(
+    route: Routing,
+    gate_up_proj: torch.Tensor,
+    *,
+    hidden: int,
+    fp8: bool,
+    a8: bool,
+    dtype: torch.dtype,
+    block_m: int,
+) -> dict:
+    """The launch keywords both kernels take: the routing tables, the sizes, the numerics."""
+    num_experts, two_inter, _ = gate_up_proj.shape
+    # fp32 weights (a test's exact reference) multiply in full precision, not TF32
+    precision = "ieee" if dtype == torch.float32 else "tf32"
+    tables = dict(row_pair_ptr=route.row_pair, tile_expert_ptr=route.tile_expert, pairs=route.pairs)
+    sizes = dict(
+        num_experts=num_experts, hidden=hidden, inter=two_inter // 2, stride_wn=gate_up_proj.stride(1)
+    )
+    numerics = dict(FP8=fp8, SCALE_BLOCK=FP8_BLOCK, PRECISION=precision, A8=a8, BLOCK_M=block_m)
+    return {**tables, **sizes, **numerics}
+
+
 def fused_experts(
     hidden_states: torch.Tensor,
     top_k_index: torch.Tensor,
@@ -134,48 +179,19 @@ def fused_experts(
     fp8 = gate_up_scale is not None
     a8 = fp8 and fp8_activations
     tiling = tiling or default_tiling(gate_up_proj.dtype)
-    refusal = tiling.refusal(fp8)
-    if refusal is not None:
-        raise ValueError(f"fused experts: {tiling}: {refusal}")
-    triton, gate_up_kernel, down_kernel = _kernels()
     tokens, hidden = hidden_states.shape
     top_k = top_k_index.shape[-1]
     num_experts, two_inter, _ = gate_up_proj.shape
     inter = two_inter // 2
-    if fp8 and (inter % FP8_BLOCK or hidden % FP8_BLOCK):
-        raise ValueError(
-            f"fused FP8 experts need hidden ({hidden}) and intermediate ({inter}) sizes that are "
-            f"multiples of {FP8_BLOCK}; use target.experts=grouped_mm"
-        )
+    _check_launchable(tiling, fp8=fp8, hidden=hidden, inter=inter)
+    triton, gate_up_kernel, down_kernel = _kernels()
     x = hidden_states.contiguous()
     gate_up_proj, down_proj = gate_up_proj.contiguous(), down_proj.contiguous()
     route = routing(top_k_index, num_experts, tiling.block_m)
     tiles = route.tile_expert.numel()
-    # fp32 weights (a test's exact reference) multiply in full precision, not TF32
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"
-    shared = dict(
-        row_pair_ptr=route.row_pair,
-        tile_expert_ptr=route.tile_expert,
-        pairs=route.pairs,
-        num_experts=num_experts,
-        hidden=hidden,
-        inter=inter,
-        stride_wn=gate_up_proj.stride(1),
-        FP8=fp8,
-        SCALE_BLOCK=FP8_BLOCK,
-        PRECISION=precision,
-        A8=a8,
-        BLOCK_M=tiling.block_m,
+    shared = _shared_arguments(
+        route, gate_up_proj, hidden=hidden, fp8=fp8, a8=a8, dtype=x.dtype, block_m=tiling.block_m
     )
-
-    def launch(kernel_tiling: KernelTiling) -> dict:
-        return dict(
-            BLOCK_N=kernel_tiling.block_n,
-            BLOCK_K=kernel_tiling.block_k,
-            num_warps=kernel_tiling.warps,
-            num_stages=kernel_tiling.stages,
-        )
-
     x_in, x_scale = quantize_groups(x) if a8 else (x, x)  # (bf16: a placeholder pointer, never read)
     # Rows no pair fills stay unwritten; A8 quantizes every row, so they must hold finite values.
     rows = route.row_pair.numel()
@@ -191,7 +207,7 @@ def fused_experts(
         stride_we=gate_up_proj.stride(0),
         **_scale_arguments(gate_up_scale, x),
         **shared,
-        **launch(tiling.gate_up),
+        **_launch_arguments(tiling.gate_up),
     )
     h_in, h_scale = quantize_groups(activated) if a8 else (activated, activated)
     per_pair = torch.empty(route.pairs, hidden, dtype=x.dtype, device=x.device)
@@ -205,7 +221,7 @@ def fused_experts(
         stride_we=down_proj.stride(0),
         **_scale_arguments(down_scale, x),
         **{**shared, "stride_wn": down_proj.stride(1)},
-        **launch(tiling.down),
+        **_launch_arguments(tiling.down),
     )
     # One reduction kernel: CUDA sums bf16 in fp32 and rounds once, as sum(dtype=float32).to()
     # does, without writing and re-reading the fp32 [T, H] in between.

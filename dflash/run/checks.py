@@ -2,7 +2,7 @@
 
 Each failure is a ValueError naming the dotted config key(s) involved. The schema already
 rejects unknown keys, wrong types and unknown enum values at compose time, and a rule on one
-field sits beside it (`__post_init__` of its dataclass in dflash/config/schema.py, run when the
+field sits beside it (`__post_init__` of its dataclass in dflash/config/*_schema.py, run when the
 composed config becomes typed); these are the rules that involve several fields, the target's
 architecture or the visible devices.
 """

@@ -210,6 +210,28 @@ def plot_run(rows: list[dict], out: Path, title: str) -> list[str]:
         plt.close(fig)
         written.append(f"{name}.png")
 
+    plot_loss_accuracy(rows, save)
+    plot_buckets(rows, save)
+    plot_grad_norm_queues(rows, save)
+    plot_drafters(rows, save)
+    if series(rows, "eval/tau")[0].size:
+        plot_acceptance(rows, save)
+    plot_variant_figures(rows, save)
+    plot_gpus(rows, save)
+    return written
+
+
+def legend_where_drawn(*axes, fontsize: int = 8) -> None:
+    """A legend on each axis that has lines (an empty one would only warn)."""
+    for ax in axes:
+        if ax.lines:
+            ax.legend(fontsize=fontsize)
+
+
+def plot_loss_accuracy(rows: list[dict], save) -> None:
+    """The loss, its points colored by length bucket, beside accuracy and tau_sim per block."""
+    import matplotlib.pyplot as plt
+
     fig, (ax_loss, ax_acc) = plt.subplots(1, 2, figsize=(12, 4.2))
     for index, key in enumerate(keys_matching(rows, r"train/loss_bucket_\d+")):
         steps, values = series(rows, key)
@@ -236,6 +258,11 @@ def plot_run(rows: list[dict], out: Path, title: str) -> list[str]:
     ax_acc.legend(fontsize=8)
     save(fig, "loss_accuracy")
 
+
+def plot_buckets(rows: list[dict], save) -> None:
+    """Each tick's bucket mix beside its longest run of same-bucket batches."""
+    import matplotlib.pyplot as plt
+
     fig, (ax_mix, ax_run) = plt.subplots(1, 2, figsize=(12, 4.2))
     steps, shares = bucket_mix_per_tick(rows)
     if shares:
@@ -248,6 +275,11 @@ def plot_run(rows: list[dict], out: Path, title: str) -> list[str]:
     no_batches = "no batch/ statistics in this run"
     save(fig, "buckets", {ax_mix: no_batches, ax_run: no_batches})
 
+
+def plot_grad_norm_queues(rows: list[dict], save) -> None:
+    """The pre-clip gradient norm beside the pipeline's queue depths."""
+    import matplotlib.pyplot as plt
+
     fig, (ax_grad, ax_queue) = plt.subplots(1, 2, figsize=(12, 4.2))
     steps, values = series(rows, "train/grad_norm")
     ax_grad.plot(steps, values)
@@ -255,9 +287,13 @@ def plot_run(rows: list[dict], out: Path, title: str) -> list[str]:
     for key in keys_matching(rows, r"queue/(hs_depth|prefetch_target\d+_depth)"):
         plot_series(ax_queue, *series(rows, key), label=key.split("/")[1])
     ax_queue.set(xlabel="optimizer step", ylabel="items", title="queue depths")
-    if ax_queue.lines:
-        ax_queue.legend(fontsize=8)
+    legend_where_drawn(ax_queue)
     save(fig, "grad_norm_queues", {ax_queue: "no queues (pipeline=sync)"})
+
+
+def plot_drafters(rows: list[dict], save) -> None:
+    """Each drafter replica's loss, and how far its optimizer step runs from the logged step."""
+    import matplotlib.pyplot as plt
 
     fig, (ax_dl, ax_ds) = plt.subplots(1, 2, figsize=(12, 4.2))
     for key in keys_matching(rows, r"drafter\d+/loss"):
@@ -266,15 +302,14 @@ def plot_run(rows: list[dict], out: Path, title: str) -> list[str]:
         plot_series(ax_ds, steps, opt - steps, label=key.split("/")[0])
     ax_dl.set(xlabel="optimizer step", ylabel="loss", title="loss per drafter replica")
     ax_ds.set(xlabel="optimizer step", ylabel="drafter step - logged step", title="drafter step skew")
-    for ax in (ax_dl, ax_ds):
-        if ax.lines:
-            ax.legend(fontsize=8)
+    legend_where_drawn(ax_dl, ax_ds)
     no_replicas = "no drafter{i}/ rows in this run"
     save(fig, "drafters", {ax_dl: no_replicas, ax_ds: no_replicas})
 
-    if series(rows, "eval/tau")[0].size:
-        plot_acceptance(rows, save)
-    plot_variant_figures(rows, save)
+
+def plot_gpus(rows: list[dict], save) -> None:
+    """Each GPU's utilization and power from the NVML telemetry."""
+    import matplotlib.pyplot as plt
 
     util_keys = keys_matching(rows, r"gpu/cuda\d+/util_pct")
     fig, (ax_util, ax_power) = plt.subplots(1, 2, figsize=(12, 4.2))
@@ -284,12 +319,9 @@ def plot_run(rows: list[dict], out: Path, title: str) -> list[str]:
         plot_series(ax_power, *series(rows, f"gpu/{device}/power_w"), label=device)
     ax_util.set(xlabel="optimizer step", ylabel="%", title="GPU utilization", ylim=(0, 100))
     ax_power.set(xlabel="optimizer step", ylabel="W", title="GPU power")
-    for ax in (ax_util, ax_power):
-        if ax.lines:
-            ax.legend(fontsize=8)
+    legend_where_drawn(ax_util, ax_power)
     no_nvml = "no NVML telemetry in this run"
     save(fig, "gpus", {ax_util: no_nvml, ax_power: no_nvml})
-    return written
 
 
 def plot_acceptance(rows: list[dict], save) -> None:
@@ -344,8 +376,7 @@ def plot_compare(rows_a: list[dict], rows_b: list[dict], name_a: str, name_b: st
         for rows, name in ((rows_a, name_a), (rows_b, name_b)):
             plot_series(ax, *series(rows, key), label=name)
         ax.set(xlabel="optimizer step", title=key)
-        if ax.lines:
-            ax.legend(fontsize=7)
+        legend_where_drawn(ax, fontsize=7)
         explain_empty(ax, f"{key} in neither run")
     fig.tight_layout()
     fig.savefig(out / "compare.png", dpi=110)

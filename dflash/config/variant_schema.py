@@ -1,0 +1,135 @@
+"""The drafter variants' config group (`variant`): one structured config per variant, each naming
+the variant class it builds (dflash/step/variant.py) and holding that variant's own options.
+
+No torch here: see dflash/config/schema.py."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Optional
+
+from omegaconf import MISSING
+
+
+class FusedTerms(str, Enum):
+    """How DSpark's fused LM-head loss computes its vocabulary-wide terms per chunk of rows
+    (dflash/step/dspark_loss.py)."""
+
+    auto = "auto"  # triton on CUDA where triton is installed, else inductor
+    inductor = "inductor"  # the PyTorch formula (compiled with the drafter; eager when it is not)
+    triton = "triton"  # one Triton kernel, three passes over the vocabulary per row (CUDA)
+
+
+class MarkovHeadType(str, Enum):
+    """DSpark's sequential head (deepseek-ai/DeepSpec `markov_head_type`; dflash/models/dspark.py)."""
+
+    vanilla = "vanilla"  # bias W2(W1[x_{k-1}]): rank-r transition from the previous token
+    gated = "gated"  # W1[x_{k-1}] scaled by a gate read from [h_k; W1[x_{k-1}]]
+    rnn = "rnn"  # a gated recurrent state over the block
+
+
+@dataclass
+class VariantConfig:
+    """`_target_`: the drafter variant (dflash/step/variant.py): which drafter is built, which
+    block position predicts which token, the loss over them, and what the target must hand over.
+    Orthogonal to `drafter` (depth, block size, windows) and `loss` (position weights, chunking)."""
+
+    _target_: str = MISSING
+
+
+@dataclass
+class DFlashVariantConfig(VariantConfig):
+    """Plain DFlash: block position k >= 1 predicts token a + k, hard-label CE."""
+
+    _target_: str = "dflash.step.variant.DFlashVariant"
+
+
+@dataclass
+class DSparkVariantConfig(VariantConfig):
+    """DSpark (deepseek-ai/DeepSpec): every block position k predicts token a + k + 1, a Markov
+    head biases each position by the token before it, a confidence head predicts acceptance; the
+    loss is ce_weight CE + tv_weight |p_draft - p_target|_1 + confidence_weight BCE, each weighted
+    by the position decay (docs/ARCHITECTURE.md §1, DSpark). Defaults: the reference's."""
+
+    _target_: str = "dflash.step.variant.DSparkVariant"
+    # Rank r of the Markov head's factorised transition (0: no Markov head).
+    markov_rank: int = 256
+    markov_head_type: MarkovHeadType = MarkovHeadType.vanilla
+    # Import path of a head class of your own (dflash.models.dspark.MarkovHead's interface, built
+    # with vocab_size=, markov_rank=, hidden_size=); overrides markov_head_type. null: the built-in.
+    markov_head_class: Optional[str] = None
+    # The confidence head (built iff confidence_weight > 0, as the reference does).
+    confidence_head: bool = True
+    # The confidence head also reads the previous token's Markov embedding [h_k; W1[x_{k-1}]].
+    confidence_with_markov: bool = True
+    # Loss weights: CE against the data token, L1 distance |p_draft - p_target|_1 (twice the total
+    # variation), BCE of the confidence head against 1 - TV (the soft acceptance).
+    ce_weight: float = 0.1
+    tv_weight: float = 0.9
+    confidence_weight: float = 1.0
+    # The fused loss's vocabulary-wide terms (CE, L1, the soft acceptance and their gradient):
+    # inductor (the compiled PyTorch formula) or triton (dflash/step/dspark_kernel.py, CUDA only;
+    # the paper-shape step 167.3 instead of 174.1 ms and 0.8 GiB less: benchmarks/RESULTS.md);
+    # auto: triton where it runs.
+    fused_terms: FusedTerms = FusedTerms.auto
+
+    def __post_init__(self) -> None:
+        if self.markov_rank < 0:
+            raise ValueError(f"variant.markov_rank={self.markov_rank}: must be >= 0 (0: no Markov head)")
+        if self.confidence_head and self.confidence_with_markov and self.markov_rank == 0:
+            raise ValueError(
+                "variant.confidence_with_markov=true needs a Markov head (variant.markov_rank > 0); "
+                "set variant.confidence_with_markov=false"
+            )
+        weights = ("ce_weight", "tv_weight", "confidence_weight")
+        for key in weights:
+            if not getattr(self, key) >= 0:  # `not >=`: nan fails too
+                raise ValueError(f"variant.{key}={getattr(self, key)}: must be >= 0")
+        if not any(getattr(self, key) > 0 for key in weights):
+            # The loss would be 0 at every step: a run that trains nothing and reports success.
+            raise ValueError(
+                "variant=dspark with variant.ce_weight, variant.tv_weight and variant.confidence_weight "
+                "all 0 has no loss term and trains nothing: set one of them > 0 (the reference's: 0.1, 0.9, 1.0)"
+            )
+        if self.confidence_head != (self.confidence_weight > 0):
+            # The reference builds the head exactly when its loss weight is positive: a head with
+            # no loss would be exported untrained, a weight without a head would train nothing.
+            raise ValueError(
+                f"variant.confidence_head={str(self.confidence_head).lower()} needs "
+                f"variant.confidence_weight {'> 0' if self.confidence_head else '= 0'} "
+                f"(got {self.confidence_weight})"
+            )
+
+
+@dataclass
+class DFlash2VariantConfig(VariantConfig):
+    """DFlash2 (z-lab): block position k >= 1 predicts token a + k as in DFlash; a grouped dynamic
+    depthwise causal convolution around every draft sublayer (identity at init) and a selector
+    over the unary logits' top-K; loss CE + selector_alpha x the selector's K-way CE, the gold token
+    injected when the top-K misses it (docs/ARCHITECTURE.md §1, DFlash2). Defaults: the released
+    drafters' (z-lab/Qwen3.8-27B-DFlash2) and the public trainers' alpha."""
+
+    _target_: str = "dflash.step.variant.DFlash2Variant"
+    # Taps of each convolution (tap 0: the position itself, tap t: t positions back in the block).
+    conv_kernel_size: int = 2
+    # Channels sharing one dynamic coefficient; must divide the hidden size. null: 16 where it
+    # divides the target's hidden size, else its largest divisor below 16
+    # (dflash/config/shape_defaults.py: default_conv_group_size).
+    conv_group_size: Optional[int] = None
+    # Rank r of the selector's codebooks ([vocab, r] each) and hidden projection.
+    selector_rank: int = 256
+    # Candidates per draft position: the unary logits' top-K. null: 16 where the target's hidden
+    # size is >= 16 x 17, else the largest K with K (K + 1) <= hidden size, which llama.cpp requires
+    # (dflash/config/shape_defaults.py: default_selector_top_k).
+    selector_top_k: Optional[int] = None
+    # Weight of the selector's K-way CE beside the unary CE (0: the selector does not train).
+    selector_alpha: float = 1.0
+
+    def __post_init__(self) -> None:
+        for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ValueError(f"variant.{key}={value}: must be >= 1")
+        if not self.selector_alpha >= 0:  # `not >=`: nan fails too
+            raise ValueError(f"variant.selector_alpha={self.selector_alpha}: must be >= 0")
