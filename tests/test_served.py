@@ -1,6 +1,6 @@
 """Served acceptance (dflash/serving): dflash's own rounds re-counted by llama.cpp's cap rules,
-dflash's exports of every variant read by llama.cpp's own converter, a missing build named with
-the command that makes it."""
+the server's /metrics counters read per request, a missing build named with the command that
+makes it."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 from dflash.decoding.reference import DecodeResult
 from dflash.serving.agreement import RoundCount, engine_count
 from dflash.serving.llamacpp import BUILD_COMMAND, find_build
+from dflash.serving.server import speculation_counters
 from tests.test_gguf import needs_smollm2
 
 
@@ -46,6 +47,33 @@ def test_one_token_left_is_a_plain_decode_not_a_verification():
     assert result.acceptance_lengths == [4, 4, 1]
     count = engine_count(result, max_new_tokens=10, drafts_per_round=3)
     assert count == RoundCount(accepted=6, verifications=2, accepted_per_position=(2, 2, 2))
+
+
+METRICS_PAGE = """\
+# HELP llamacpp:tokens_predicted_total Number of generation tokens processed
+# TYPE llamacpp:tokens_predicted_total counter
+llamacpp:tokens_predicted_total 40
+# HELP llamacpp:spec_decode_num_draft_tokens_total Speculative: Total draft tokens generated
+# TYPE llamacpp:spec_decode_num_draft_tokens_total counter
+llamacpp:spec_decode_num_draft_tokens_total 30
+llamacpp:spec_decode_num_accepted_tokens_total 12
+llamacpp:spec_decode_num_drafts_total 10
+# TYPE llamacpp:spec_decode_num_accepted_tokens_per_pos_total counter
+llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="0"} 7
+llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="1"} 4
+llamacpp:spec_decode_num_accepted_tokens_per_pos_total{position="2"} 1
+"""
+
+
+def test_the_speculation_counters_of_a_metrics_page():
+    assert speculation_counters(METRICS_PAGE) == {
+        "spec_decode_num_draft_tokens_total": 30.0,
+        "spec_decode_num_accepted_tokens_total": 12.0,
+        "spec_decode_num_drafts_total": 10.0,
+        "spec_decode_num_accepted_tokens_per_pos_total/0": 7.0,
+        "spec_decode_num_accepted_tokens_per_pos_total/1": 4.0,
+        "spec_decode_num_accepted_tokens_per_pos_total/2": 1.0,
+    }
 
 
 def test_a_missing_build_names_the_command_that_makes_it(tmp_path):
@@ -113,3 +141,38 @@ def test_a_checkpoint_the_converter_refuses_is_named_with_its_reason(tmp_path):
     (tmp_path / "config.json").write_text('{"architectures": ["DFlashDraftModel"]}')
     with pytest.raises(ValueError, match=f"{tmp_path}: llama.cpp's converter refused it: "):
         build.convert(tmp_path, tmp_path / "out.gguf")
+
+
+@needs_smollm2
+@pytest.mark.slow
+def test_dflash_served_puts_llama_cpps_acceptance_beside_dflashs(tmp_path, make_cfg):
+    """A tiny DSpark drafter (the variant whose first slot a few steps already teach: DFlash and
+    DFlash2 accept nothing this early on a 49152-token vocabulary, and equal zeros test nothing)
+    served by llama-server beside dflash's decoder: where the two target outputs are the same,
+    the accepted drafts and verifications are the same once counted by the engine's cap rules."""
+    import json
+
+    from dflash.serving.llamacpp import find_build
+    from dflash.train import train
+    from tests.conftest import run_module
+    from tests.tiny_assets import save_tiny_target_with_smollm2_tokenizer
+
+    try:
+        find_build()
+    except ValueError as exc:
+        pytest.skip(str(exc))
+    target_dir = save_tiny_target_with_smollm2_tokenizer(tmp_path / "target")
+    run = ["target=hf", f"target.path={target_dir}", "drafter.mask_token_id=16", "variant=dspark"]
+    train(make_cfg([*run, "data.num_samples=256", "train.total_steps=20"], output_dir=tmp_path / "run"))
+    done = run_module(
+        "dflash.tools.served",
+        f"ckpt={tmp_path / 'run' / 'checkpoints' / 'last'}",
+        "eval.num_prompts=4",
+        "eval.max_new_tokens=40",
+        f"paths.output_dir={tmp_path / 'served'}",
+        f"paths.cache_dir={tmp_path / 'cache'}",
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    (report,) = json.loads((tmp_path / "served" / "served.json").read_text())["benchmarks"]
+    assert report["same_output"] >= 1 and report["same_output_drafts_agree"] == report["same_output"]
+    assert report["served_tau"] > 1.2 and report["within_tolerance"], report
