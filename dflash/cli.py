@@ -32,12 +32,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "dflash.tools.schedule",
         "bucket runs of the batch orders on your data, before any GPU time",
     ),
+    "served": (
+        "dflash.tools.served",
+        "serve a drafter with llama.cpp beside dflash's own decoder: served tau, per-prompt agreement",
+    ),
     "val": ("dflash.tools.val", "a checkpoint's held-out figures on its run's validation split"),
     "prompts": ("dflash.tools.prompts", "training prompts from text installed on this machine, for regen"),
     "demo": ("dflash.tools.demo", "a tiny target and conversation files to try the real-data commands on"),
     "completion": ("dflash.completion", 'shell completion: eval "$(dflash completion bash)"'),
 }
-HYDRA_COMMANDS = ("train", "eval", "regen", "prep")
+HYDRA_COMMANDS = ("train", "eval", "regen", "prep", "served")
 
 
 def usage() -> str:

@@ -33,6 +33,7 @@ LAYERS: list[list[str]] = [
     ["dflash.export"],
     ["dflash.decoding"],
     ["dflash.eval"],
+    ["dflash.serving"],
     ["dflash.regen"],
     ["dflash.pipeline"],
     ["dflash.monitor"],

@@ -24,6 +24,7 @@ from __future__ import annotations
 import json
 import logging
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +101,54 @@ def target_for(
     return local_target(OmegaConf.to_object(merged), typed.paths.cache_dir), source
 
 
+@dataclass(frozen=True)
+class EvalInputs:
+    drafter_dir: Path
+    drafter_config: Any
+    target_cfg: TargetConfig
+    target_key: str
+    target_source: str  # where the target was chosen: the command line or the run's config.yaml
+    prompt_sets: list
+
+
+def eval_inputs(
+    composed: DictConfig, cfg: Config, *, tool: str, target_overridden: bool, target_fields: tuple[str, ...]
+) -> EvalInputs:
+    """The drafter (`ckpt`), the target it is paired with (checked) and the prompt sets to
+    decode: what `dflash eval` and `dflash served` read from the same overrides."""
+    from dflash.export.zlab import read_drafter_config
+    from dflash.models.target import load_target_config
+    from dflash.run.inputs import eval_prompt_sets
+
+    if not cfg.ckpt:
+        raise ValueError(f"{tool} needs ckpt=DIR, a drafter directory (config.json + model.safetensors)")
+    drafter_dir = Path(cfg.ckpt)
+    drafter_config = read_drafter_config(drafter_dir)
+    target_cfg, target_source = target_for(
+        composed,
+        typed=cfg,
+        ckpt=drafter_dir,
+        target_overridden=target_overridden,
+        target_fields=target_fields,
+    )
+    target_config = load_target_config(target_cfg)
+    target_key = f"target={target_cfg.name}" + (f", target.path={target_cfg.path}" if target_cfg.path else "")
+    log.info("%s: %s (from %s)", tool, target_key, target_source)
+    check_pairing(drafter_config, target_config, drafter_dir, target_key)
+    if cfg.eval.check_target:
+        check_same_target(drafter_dir, target_cfg, target_key)
+    mask_id = drafter_config.dflash_config["mask_token_id"]
+    prompt_sets = eval_prompt_sets(
+        cfg,
+        target_cfg,
+        target_config.vocab_size,
+        mask_id,
+        cfg.eval.num_prompts,
+        getattr(target_config, "max_position_embeddings", None),
+    )
+    return EvalInputs(drafter_dir, drafter_config, target_cfg, target_key, target_source, prompt_sets)
+
+
 class PromptProgress:
     """One tqdm bar per benchmark and temperature on stderr (`evaluate`'s on_prompt): a long
     evaluation shows that it moves and how far it got."""
@@ -157,39 +206,17 @@ def run_eval(
     from dflash.distributed import visible_cuda_devices
     from dflash.eval.evaluate import Decoders, evaluate, planned_decodings
     from dflash.eval.journal import EvalJournal, journal_path
-    from dflash.export.zlab import load_drafter, read_drafter_config
-    from dflash.models.target import FrozenTarget, load_target_config
-    from dflash.run.inputs import eval_prompt_sets
+    from dflash.export.zlab import load_drafter
+    from dflash.models.target import FrozenTarget
     from dflash.trainer.signals import StopRequested, stop_on_signals
 
     refuse_unknown_keys(cfg, Config)
     composed, cfg = cfg, typed_config(cfg)
-    if not cfg.ckpt:
-        raise ValueError("dflash eval needs ckpt=DIR, a drafter directory (config.json + model.safetensors)")
-    drafter_dir = Path(cfg.ckpt)
-    drafter_config = read_drafter_config(drafter_dir)
-    target_cfg, target_source = target_for(
-        composed,
-        typed=cfg,
-        ckpt=drafter_dir,
-        target_overridden=target_overridden,
-        target_fields=target_fields,
+    inputs = eval_inputs(
+        composed, cfg, tool="dflash eval", target_overridden=target_overridden, target_fields=target_fields
     )
-    target_config = load_target_config(target_cfg)
-    target_key = f"target={target_cfg.name}" + (f", target.path={target_cfg.path}" if target_cfg.path else "")
-    log.info("dflash eval: %s (from %s)", target_key, target_source)
-    check_pairing(drafter_config, target_config, drafter_dir, target_key)
-    if cfg.eval.check_target:
-        check_same_target(drafter_dir, target_cfg, target_key)
-    mask_id = drafter_config.dflash_config["mask_token_id"]
-    prompt_sets = eval_prompt_sets(
-        cfg,
-        target_cfg,
-        target_config.vocab_size,
-        mask_id,
-        cfg.eval.num_prompts,
-        getattr(target_config, "max_position_embeddings", None),
-    )
+    drafter_dir, drafter_config, target_cfg = inputs.drafter_dir, inputs.drafter_config, inputs.target_cfg
+    target_key, prompt_sets = inputs.target_key, inputs.prompt_sets
     device = torch.device(resolve_device_split(cfg, visible_cuda_devices())[0][0])
     output = Path(cfg.eval.output) if cfg.eval.output else Path(cfg.paths.output_dir) / "eval.json"
     journal = EvalJournal(
@@ -244,7 +271,7 @@ def run_eval(
     report.meta = {
         "drafter": str(drafter_dir),
         "target": target_key,
-        "target_from": target_source,
+        "target_from": inputs.target_source,
         "device": str(device),
         "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         "dtype": str(target.lm_head.weight.dtype).removeprefix("torch."),
@@ -286,7 +313,7 @@ def run_eval(
 
 
 def main() -> None:
-    """`dflash eval` / `dflash-eval`."""
+    """`dflash eval` / `dflash eval`."""
     run_hydra_app(
         hydra_main,
         tool="dflash eval",
@@ -302,16 +329,21 @@ def main() -> None:
     )
 
 
-@hydra.main(version_base="1.3", config_path=CONF_PATH, config_name="config")
-def hydra_main(cfg: DictConfig) -> None:
+def target_overrides() -> dict[str, Any]:
+    """What the command line says of the target (`target_for`'s target_overridden and
+    target_fields), read from Hydra's record of the overrides."""
     from hydra.core.hydra_config import HydraConfig
 
     keys = [o.split("=", 1)[0].lstrip("+~") for o in HydraConfig.get().overrides.task]
-    run_eval(
-        cfg,
-        target_overridden="target" in keys,
-        target_fields=tuple(k.removeprefix("target.") for k in keys if k.startswith("target.")),
-    )
+    return {
+        "target_overridden": "target" in keys,
+        "target_fields": tuple(k.removeprefix("target.") for k in keys if k.startswith("target.")),
+    }
+
+
+@hydra.main(version_base="1.3", config_path=CONF_PATH, config_name="config")
+def hydra_main(cfg: DictConfig) -> None:
+    run_eval(cfg, **target_overrides())
 
 
 if __name__ == "__main__":
