@@ -213,6 +213,7 @@ REFUSALS = {
     "eval": (["nosuchkey=1"], "unknown config key 'nosuchkey'"),
     "regen": (["nosuchkey=1"], "unknown config key 'nosuchkey'"),
     "prep": (["nosuchkey=1"], "unknown config key 'nosuchkey'"),
+    "served": (["nosuchkey=1"], "unknown config key 'nosuchkey'"),
     "export": (["check", "/nonexistent/drafter"], "/nonexistent/drafter: no such directory"),
     "report": (["/nonexistent/run"], "/nonexistent/run/metrics.jsonl not found"),
     "diff": (["/nonexistent/run", "/nonexistent/other"], "/nonexistent/run: no such run directory"),

@@ -138,7 +138,9 @@ def main() -> None:
         config_name="config",
         overrides=(
             "ckpt=outputs/RUN/checkpoints/last                 the drafter (its run's target by default)",
+            "target=hf target.path=/models/MyModel             a drafter exported by other tools",
             "eval=humaneval_mtbench eval.num_prompts=80        benchmarks and how many prompts",
+            "gpu.cpu_threads=8                                 threads for llama.cpp and dflash's decoder",
         ),
     )
 
