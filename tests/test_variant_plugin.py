@@ -8,6 +8,7 @@ not written for as plain DFlash without an error; one that asks the drafter obje
 from __future__ import annotations
 
 import ast
+import re
 from pathlib import Path
 
 import pytest
@@ -18,8 +19,8 @@ from dflash.models.variants import register_drafter, registered_drafters
 PACKAGE = Path(__file__).resolve().parent.parent / "dflash"
 
 # Where variants are listed by name: the drafter registry, the training side's variant classes
-# (each its own `name`) and the config group's options.
-REGISTRIES = {"models/variants.py", "step/variant.py", "config/schema.py"}
+# (each its own `name`) and the config group's options with their dataclasses.
+REGISTRIES = {"models/variants.py", "step/variant.py", "config/schema.py", "config/variant_schema.py"}
 # A variant's own files besides those whose name carries the variant's (dspark.py, dspark_loss.py).
 OWN_FILES = {"dspark": {"export/deepspec.py"}}
 # Still branching on a variant's name, to move onto the variant objects: each entry names what
@@ -27,6 +28,7 @@ OWN_FILES = {"dspark": {"export/deepspec.py"}}
 NOT_YET_MOVED = {
     "step/metrics.py",  # _VARIANT_FIELDS and a "position" field's width, by name
     "step/loss.py",  # VARIANT_FIGURES, by name
+    "run/checks.py",  # noise=mask_ramp refused for DSpark's config, its message naming it
 }
 
 
@@ -38,6 +40,25 @@ def is_own(relative: str, name: str) -> bool:
     return name in Path(relative).stem or relative in OWN_FILES.get(name, set())
 
 
+def docstrings(tree: ast.AST) -> set[int]:
+    """The ids of the tree's docstring nodes (prose may name any variant)."""
+    found = set()
+    for node in ast.walk(tree):
+        body = getattr(node, "body", None)
+        if isinstance(node, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef)) and body:
+            first = body[0]
+            if isinstance(first, ast.Expr) and isinstance(first.value, ast.Constant):
+                found.add(id(first.value))
+    return found
+
+
+def names_in(text: str) -> list[str]:
+    """The variant names a string spells as words (`dspark`, `variant=dspark`, an f-string's
+    `dspark   ce ...`), not inside a longer name, a dotted path (`dflash.models.dspark`) or another
+    program's hyphenated word (llama.cpp's `draft-dspark`)."""
+    return [name for name in variants() if re.search(rf"(?<![\w./-]){re.escape(name)}(?![\w./-])", text)]
+
+
 def offences(source: str, relative: str) -> list[str]:
     """What the module at `relative` (under dflash/) does that only a variant's own files and the
     registries may: an `isinstance`/`issubclass` on a variant's drafter class, or a variant's
@@ -46,9 +67,13 @@ def offences(source: str, relative: str) -> list[str]:
         return []
     found = []
     classes = {cls.__name__: name for name, cls in variants().items()}
-    for node in ast.walk(ast.parse(source, filename=relative)):
-        if isinstance(node, ast.Constant) and node.value in variants() and not is_own(relative, node.value):
-            found.append(f"{relative}:{node.lineno}: the variant name {node.value!r}")
+    tree = ast.parse(source, filename=relative)
+    prose = docstrings(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose:
+            for name in names_in(node.value):
+                if not is_own(relative, name):
+                    found.append(f"{relative}:{node.lineno}: the variant name {name!r}")
         is_type_test = isinstance(node, ast.Call) and getattr(node.func, "id", None) in (
             "isinstance",
             "issubclass",
@@ -84,6 +109,9 @@ def test_the_guard_sees_a_type_test_and_a_name():
     assert any("isinstance on DSparkDrafter" in line for line in found), found
     assert any("'dflash2'" in line for line in found), found
     assert offences(probe.replace("dflash2", "dspark"), "models/dspark.py") == []
+    summary_line = 'def line(ce):\n    return f"dspark            ce {ce}"\n'
+    assert offences(summary_line, "run/runner.py") == ["run/runner.py:2: the variant name 'dspark'"]
+    assert offences('"""How dspark drafts."""\nPATH = "dflash.models.dspark"\n', "run/runner.py") == []
 
 
 def test_the_registry_refuses_a_second_class_under_a_taken_name():
@@ -92,3 +120,37 @@ def test_the_registry_refuses_a_second_class_under_a_taken_name():
 
     with pytest.raises(ValueError, match="'dspark' is registered already"):
         register_drafter(Impostor)
+
+
+def test_each_training_variant_is_a_registered_drafter_variant_and_prints_its_summary_line():
+    """The training side's variants (dflash/step/variant.py) go by the registered drafters' names,
+    and a run summary holding a variant's figures prints that variant's own line, word for word
+    as before the lines moved onto the variants."""
+    from dflash.run.runner import format_summary
+    from dflash.step.variant import TRAINING_VARIANTS
+
+    assert {variant.name for variant in TRAINING_VARIANTS} <= set(registered_drafters())
+    summary = {"run_dir": "r", "checkpoint": "c", "steps": 3, "wall_s": 1.0, "pipeline": "sync"}
+    figures = ("ce", "l1", "confidence_loss", "confidence_abs_error", "tau_prob", "selector_ce")
+    figures += (
+        "candidate_recall",
+        "candidate_mass",
+        "selector_changed",
+        "unary_tau_decode",
+        "oracle_tau_decode",
+    )
+    summary.update({f"train/{name}": 0.5 for name in figures})
+    summary["train/selector_changed_correct"] = float("nan")  # no changed pick: no share printed
+    lines = format_summary(summary).splitlines()
+    assert (
+        "dspark            ce 0.500, l1 0.500, confidence 0.500 (|error| 0.500); "
+        "tau from the target's probabilities 0.500"
+    ) in lines
+    assert (
+        "dflash2           unary ce 0.500, selector ce 0.500; candidates recall 0.500, mass 0.500; "
+        "selector changed 0.500 of picks; tau_decode unary 0.500, oracle 0.500"
+    ) in lines
+    plain = {key: value for key, value in summary.items() if not key.startswith("train/")}
+    assert not [
+        line for line in format_summary(plain).splitlines() if line.startswith(("dspark ", "dflash2 "))
+    ]
