@@ -428,10 +428,14 @@ class DFlashDrafter(nn.Module):
         value, run value): what resuming a checkpoint refuses (dflash/run/resume.py)."""
         return []
 
+    @classmethod
+    def drafts_for(cls, block_size: int) -> int:
+        """Tokens drafted per block of `block_size`: every position after the anchor."""
+        return block_size - 1
+
     @property
     def drafts_per_block(self) -> int:
-        """Tokens drafted per block: every position after the anchor."""
-        return self.block_size - 1
+        return self.drafts_for(self.block_size)
 
     @property
     def verify_len(self) -> int:

@@ -302,10 +302,10 @@ class DSparkDrafter(DFlashDrafter):
             logits.append(step_logits)
         return torch.stack(tokens, 1), torch.stack(logits, 1)
 
-    @property
-    def drafts_per_block(self) -> int:
+    @classmethod
+    def drafts_for(cls, block_size: int) -> int:
         """Every block slot drafts, the anchor's too (slot k proposes the token at anchor + k + 1)."""
-        return self.block_size
+        return block_size
 
     @torch.no_grad()
     def draft_block(
