@@ -97,11 +97,7 @@ def static_rows(target, drafter, prompt, measure, reps, compile):
     # With compile, the decoder's caches hold the compiled per-layer steps: these graphs replay them.
     verify_graph = GraphedFunction(prepared.verify, enabled=decoder.graphs_on)
     # The variant's own draft (greedy): DSpark's Markov walk, DFlash2's selector walk, DFlash's argmax.
-    cache = decoder.drafter_cache
-    draft_fn = (
-        cache.draft_dspark if decoder.dspark else cache.draft_dflash2 if decoder.dflash2 else cache.draft
-    )
-    draft_graph = GraphedFunction(draft_fn, enabled=decoder.graphs_on)
+    draft_graph = GraphedFunction(decoder.drafter_cache.round_draft, enabled=decoder.graphs_on)
 
     verified = prepared.block_ids.shape[1]
     verify_label = f"verify (B={block})" if verified == block else f"verify (B+1={verified})"

@@ -10,14 +10,12 @@ DeltaNet layers then keep the state after the accepted tokens (`commit`, one mor
 Exactness is the algorithm's (dflash.decoding.reference): every committed token is the target's own
 choice given the committed prefix, so greedy output equals plain greedy output.
 
-A DSpark round is the same graph with the DSpark draft (B drafts left to right with the Markov
-bias, dflash.decoding.static_drafter) and a verification of B + 1 tokens; its sampled drafts read
-Gumbel noise the host draws into an input buffer before the replay (a graph cannot draw it). The
-confidence head's survival probabilities stay on the device until the decode ends.
-
-A DFlash2 round is a DFlash round (B tokens verified) whose drafts the candidate selector picks
-inside the graph, greedy or from the same noise buffer; the unary argmax comes back beside the
-drafts, in the round's one transfer, for the selector's figures.
+A variant's round is the same graph with the variant's own draft (`draft_block`: DSpark's B
+drafts left to right with the Markov bias, DFlash2's selector walk) and a verification of the
+drafter's `verify_len` tokens; sampled drafts read Gumbel noise the host draws into an input
+buffer before the replay (a graph cannot draw it). The draft's per-round extra (DSpark's
+survival probabilities, DFlash2's unary argmax) stays on the device until the decode ends, when
+the drafter turns each round's into its figures (`add_round_figures`).
 """
 
 from __future__ import annotations
@@ -38,9 +36,7 @@ from dflash.decoding.reference import (
 )
 from dflash.decoding.static_drafter import StaticCacheDrafter
 from dflash.decoding.static_target import StaticCacheTarget, static_decoding_refusal
-from dflash.models.dflash2 import DFlash2Drafter
 from dflash.models.drafter import DFlashDrafter
-from dflash.models.dspark import DSparkDrafter
 from dflash.models.target import FrozenTarget
 
 log = logging.getLogger(__name__)
@@ -65,10 +61,8 @@ class StaticDecoder:
     ):
         self.target = target
         self.block_size = drafter.block_size if drafter is not None else 1
-        self.dspark = isinstance(drafter, DSparkDrafter)
-        self.dflash2 = isinstance(drafter, DFlash2Drafter)
-        # Tokens a round verifies ([anchor, drafts]): a DFlash block, or a DSpark block + 1.
-        self.verify_len = self.block_size + 1 if self.dspark else self.block_size
+        # Tokens a round verifies ([anchor, drafts]).
+        self.verify_len = drafter.verify_len if drafter is not None else 1
         capacity = max_len + self.verify_len  # a round verifies past the output
         backend = "inductor" if compile else None
         self.target_cache = StaticCacheTarget(
@@ -94,18 +88,14 @@ class StaticDecoder:
         self.stream = torch.cuda.Stream(device=target.device) if enabled else None
         graphed = {"enabled": enabled, "pool": pool, "stream": self.stream}
         self._plain_step = GraphedFunction(self._plain_fn, **graphed)
-        # DSpark and DFlash2 pick their drafts left to right (argmax or sampled from `_noise`), and
-        # their rounds return a third tensor: survival probabilities, or the unary argmax.
-        self.sequential = self.dspark or self.dflash2
-        round_fn = self._sequential_round_fn if self.sequential else self._round_fn
-        self._round = GraphedFunction(round_fn, **graphed)
+        self._round = GraphedFunction(self._round_fn, **graphed)
         self._commit = GraphedFunction(self.target_cache.commit, **graphed)
         device = target.device
         self._ids = torch.zeros((1, 1), dtype=torch.long, device=device)
         self._pos = torch.zeros((1, 1), dtype=torch.long, device=device)
         self._taken = torch.zeros(1, dtype=torch.long, device=device)
         self._noise = None
-        if self.sequential:  # sampled drafts: one Gumbel row per block position
+        if drafter is not None and drafter.samples_drafts:  # one Gumbel row per block position
             vocab = target.lm_head.weight.shape[0]
             self._noise = torch.zeros((self.block_size, vocab), dtype=torch.float32, device=device)
 
@@ -150,7 +140,7 @@ class StaticDecoder:
         step eagerly a few times, and inside a timed decode it would be charged to the prompt
         that first reached the bucket. Run before any prompt: the dummy tokens it writes at
         positions 0..block-1 are overwritten by the next prefill. `sampled_temperatures`: a
-        DSpark or DFlash2 drafter's sampled rounds at these temperatures too (one graph each). Returns the
+        drafter's sampled rounds at these temperatures too, where it samples its drafts (one graph each). Returns the
         number of graphs captured (0 with graphs off)."""
         if not self.graphs_on:
             return 0
@@ -161,7 +151,7 @@ class StaticDecoder:
             self._plain_step(self._ids, self._pos, kv_len=kv_len)
             if self.drafter_cache is not None:
                 self._round(self._ids, self._pos, kv_len=kv_len)
-            for temperature in sampled_temperatures if self.sequential else ():
+            for temperature in sampled_temperatures if self._noise is not None else ():
                 self._round(self._ids, self._pos, self._noise, kv_len=kv_len, temperature=temperature)
         if self.target_cache.recurrent:
             self.keep(0)  # the commit's graph (one shape); 0 keeps every state as it is
@@ -172,15 +162,7 @@ class StaticDecoder:
         logits, _ = self.target_cache.step(ids_11, pos_11, kv_len=kv_len)
         return logits[0]
 
-    def _round_fn(self, anchor_11: torch.Tensor, pos_11: torch.Tensor, *, kv_len: int):
-        drafts = self.drafter_cache.draft(anchor_11[0], pos_11[0], kv_len=kv_len)
-        ids = torch.cat([anchor_11[0], drafts]).view(1, -1)
-        positions = pos_11 + self.drafter_cache.offsets
-        logits, features = self.target_cache.step(ids, positions, kv_len=kv_len)
-        self.drafter_cache.write(features, positions)
-        return drafts, logits[0]
-
-    def _sequential_round_fn(
+    def _round_fn(
         self,
         anchor_11: torch.Tensor,
         pos_11: torch.Tensor,
@@ -189,10 +171,11 @@ class StaticDecoder:
         kv_len: int,
         temperature: float = 0.0,
     ):
-        """A DSpark round (B drafts, B + 1 verified; the third output the survival probabilities
-        or None) or a DFlash2 round (B - 1 drafts, B verified; the third the unary argmax)."""
-        draft = self.drafter_cache.draft_dspark if self.dspark else self.drafter_cache.draft_dflash2
-        drafts, extra = draft(anchor_11[0], pos_11[0], noise_BV, kv_len=kv_len, temperature=temperature)
+        """One round: the drafts, the target's logits over [anchor, drafts], and the draft's
+        per-round extra (None where the variant has none)."""
+        drafts, extra = self.drafter_cache.round_draft(
+            anchor_11[0], pos_11[0], noise_BV, kv_len=kv_len, temperature=temperature
+        )
         ids = torch.cat([anchor_11[0], drafts]).view(1, -1)
         positions = pos_11 + self.drafter_cache.verify_offsets
         logits, features = self.target_cache.step(ids, positions, kv_len=kv_len)
@@ -264,8 +247,9 @@ class StaticDecoder:
         stop_ids: frozenset[int] = frozenset(),
         sampled_drafts: bool = False,
     ) -> DecodeResult:
-        """`sampled_drafts`: a DSpark or DFlash2 drafter samples its drafts at `temperature` (> 0)
-        instead of taking their argmax (dflash.decoding.reference.speculative_generate)."""
+        """`sampled_drafts`: a drafter that can sample its drafts (DSpark, DFlash2) samples them at
+        `temperature` (> 0) instead of taking their argmax
+        (dflash.decoding.reference.speculative_generate)."""
         if self.drafter_cache is None:
             raise ValueError("StaticDecoder built without a drafter cannot decode speculatively")
         self._check_room(prompt, max_new_tokens)
@@ -280,52 +264,45 @@ class StaticDecoder:
         output = choose(logits)  # the first anchor comes from the target
         committed = len(prompt)  # positions with valid keys in both caches; the anchor goes next
         result = DecodeResult(output_ids=output)
-        survival: list[torch.Tensor] = []  # per round, on the device (read once, at the end)
+        # Per round with an extra: the extra on the device (read once, at the end) and the
+        # round's outcome, for the drafter's figures.
+        extras: list[torch.Tensor] = []
+        outcomes: list[dict] = []
         while len(output) < max_new_tokens and output[-1] not in stop_ids:
             self._set(output[-1], committed)
             kv_len = self.target_cache.kv_len_for(committed + self.verify_len)
-            # DSpark: the confidence head's survival probabilities [B] (None without one);
-            # DFlash2: the unary argmax [B-1].
-            extra = None
-            if not self.sequential:
-                drafts, logits = self._round(self._ids, self._pos, kv_len=kv_len)
-            elif noise is None:
+            if noise is None:
                 drafts, logits, extra = self._round(self._ids, self._pos, kv_len=kv_len)
             else:
                 self._noise.copy_(gumbel_noise(noise, tuple(self._noise.shape), self.target.device))
                 drafts, logits, extra = self._round(
                     self._ids, self._pos, self._noise, kv_len=kv_len, temperature=temperature
                 )
-            if self.dspark and extra is not None:
-                survival.append(extra.clone())  # the graph's output buffer is reused
-            unary = extra if self.dflash2 else None
-            draft, choices, unary_tokens = self._read(drafts, logits, choose, unary)
+            draft, choices = self._read(drafts, logits, choose)
             room = max_new_tokens - len(output)
             produced, accepted, stopped = settle_round(draft, choices, room, stop_ids)
             output += produced
             result.acceptance_lengths.append(len(produced))
             result.accepted_drafts.append(accepted)
-            if unary_tokens is not None:
-                result.add_selector_round(draft=draft, unary=unary_tokens, choices=choices, accepted=accepted)
+            if extra is not None:
+                extras.append(extra.clone())  # the graph's output buffer is reused
+                outcomes.append({"draft": draft, "choices": choices, "accepted": accepted})
             if stopped:
                 break
             committed += accepted + 1
             self.keep(accepted + 1)
-        if survival:
-            result.confidence = torch.stack(survival).tolist()
+        if extras:
+            for extra, outcome in zip(torch.stack(extras).tolist(), outcomes):
+                self.drafter_cache.drafter.add_round_figures(result, extra, **outcome)
         return result
 
     @staticmethod
     def _read(
-        drafts: torch.Tensor, logits: torch.Tensor, choose: TokenChooser, unary: torch.Tensor | None = None
-    ) -> tuple[list[int], list[int], list[int] | None]:
-        """Drafts, the target's choices and a DFlash2 round's unary argmax (None without) on the
-        host; greedy reads them all in one transfer."""
+        drafts: torch.Tensor, logits: torch.Tensor, choose: TokenChooser
+    ) -> tuple[list[int], list[int]]:
+        """Drafts and the target's choices on the host; greedy reads both in one transfer."""
         count = len(drafts)
-        drafted = torch.cat([drafts] if unary is None else [drafts, unary])
         if choose.temperature <= 0:
-            both = torch.cat([drafted, logits.argmax(-1)]).tolist()
-            choices = both[len(drafted) :]
-        else:
-            both, choices = drafted.tolist(), choose(logits)
-        return both[:count], choices, None if unary is None else both[count : 2 * count]
+            both = torch.cat([drafts, logits.argmax(-1)]).tolist()
+            return both[:count], both[count:]
+        return drafts.tolist(), choose(logits)

@@ -53,9 +53,7 @@ import torch
 from transformers import DynamicCache
 
 from dflash.decoding.verify import VerifyRule, rejection_round
-from dflash.models.dflash2 import DFlash2Drafter
 from dflash.models.drafter import DFlashDrafter
-from dflash.models.dspark import DSparkDrafter
 from dflash.models.target import FrozenTarget
 from dflash.step.blocks import layer_masks
 
@@ -110,9 +108,8 @@ def selector_outcome(
 
 
 def drafts_per_round(drafter: DFlashDrafter) -> int:
-    """Tokens a drafter proposes per block: DSpark's every slot (B), DFlash's (and DFlash2's) all
-    but the anchor."""
-    return drafter.block_size if isinstance(drafter, DSparkDrafter) else drafter.block_size - 1
+    """Tokens a drafter proposes per block (its `drafts_per_block`)."""
+    return drafter.drafts_per_block
 
 
 def gumbel_noise(generator: torch.Generator, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -168,44 +165,6 @@ class DraftChooser:
     def drafted_distributions(self) -> torch.Tensor:
         """The recorded draft distributions of the first sequence, one row per position [P, V]."""
         return torch.stack([self.distributions[k][0] for k in sorted(self.distributions)])
-
-
-def dspark_block(
-    drafter: DSparkDrafter,
-    target: FrozenTarget,
-    *,
-    hidden_1BH: torch.Tensor,
-    anchor_1: torch.Tensor,
-    choose: DraftChooser,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """A DSpark block's drafts [B] from its hidden states, left to right with the Markov bias,
-    and each draft's survival probability [B] from the confidence head (None without one).
-    Device tensors in and out, no host reads: both decoders run it, the static one in a graph."""
-    # The drafter may run in fp32 (master weights) in front of a bf16 target head.
-    base_1BV = target.lm_head(hidden_1BH.to(target.lm_head.weight.dtype))
-    tokens_1B, _ = drafter.sample_block(base_1BV, hidden_1BH, anchor_1.view(1), choose)
-    if drafter.confidence_head is None:
-        return tokens_1B[0], None
-    previous = torch.cat([anchor_1.view(1), tokens_1B[0, :-1]])  # the token before each draft
-    return tokens_1B[0], torch.sigmoid(drafter.confidence_logits(hidden_1BH[0], previous))
-
-
-def dflash2_block(
-    drafter: DFlash2Drafter,
-    target: FrozenTarget,
-    *,
-    hidden_1BH: torch.Tensor,
-    anchor_1: torch.Tensor,
-    choose: DraftChooser,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """A DFlash2 block's drafts [B-1], walked by the candidate selector from the anchor over the
-    hidden states of block positions 1..B-1, and the unary argmax there [B-1] (plain DFlash's
-    drafts). Device tensors in and out, no host reads: both decoders run it, the static one in a
-    graph."""
-    hidden_1PH = hidden_1BH[:, 1:]
-    logits_1PV = target.lm_head(hidden_1PH.to(target.lm_head.weight.dtype))
-    tokens_1P, unary_1P = drafter.propose(logits_1PV, hidden_1PH, anchor_1.view(1), choose.among)
-    return tokens_1P[0], unary_1P[0]
 
 
 class TokenChooser:
@@ -272,12 +231,21 @@ class DrafterContext:
         self.drafter = drafter
         self.kv: list[tuple[torch.Tensor, torch.Tensor]] | None = None
         self.length = 0
-        # DSpark: how the next draft picks its tokens (None: argmax), set per round.
+        # How the next draft picks its tokens (None: argmax), set per round.
         self.choose: DraftChooser | None = None
-        # DSpark with a confidence head: the last draft's survival probabilities (else None).
-        self.confidence: list[float] | None = None
-        # DFlash2: the last draft's unary argmax tokens (else None).
-        self.unary: list[int] | None = None
+        # The last draft's per-round extra (`draft_block`'s second output, on the host; None
+        # when the variant returns none): DSpark's survival probabilities, DFlash2's unary argmax.
+        self.extra: list | None = None
+
+    @property
+    def confidence(self) -> list[float] | None:
+        """The last draft's survival probabilities (a DSpark drafter with a confidence head)."""
+        return self.extra if self.drafter.round_extra == "confidence" else None
+
+    @property
+    def unary(self) -> list[int] | None:
+        """The last draft's unary argmax tokens (a DFlash2 drafter)."""
+        return self.extra if self.drafter.round_extra == "unary" else None
 
     def extend(self, features_1NF: torch.Tensor) -> None:
         count = features_1NF.shape[1]
@@ -294,9 +262,9 @@ class DrafterContext:
 
     @torch.no_grad()
     def draft(self, target: FrozenTarget, anchor_token: int) -> list[int]:
-        """The drafter's guesses for the tokens after the anchor at position `length`: a DFlash
-        drafter's B-1 argmaxes, a DSpark drafter's B tokens left to right (picked by `choose`), a
-        DFlash2 drafter's B-1 tokens picked among its candidates (by `choose.among`)."""
+        """The drafter's guesses for the tokens after the anchor at position `length`
+        (`draft_block`: a DFlash drafter's B-1 argmaxes, a variant's own walk picked by
+        `choose`)."""
         device = target.device
         anchor_pos, block_size = self.length, self.drafter.block_size
         block_ids = torch.full((1, block_size), self.drafter.mask_token_id, device=device)
@@ -310,28 +278,11 @@ class DrafterContext:
             windows=self.drafter.windows,
         )
         hidden = self.drafter.draft(self.kv, target.embed_tokens(block_ids), positions, mask)
-        if isinstance(self.drafter, DSparkDrafter):
-            tokens, survival = dspark_block(
-                self.drafter,
-                target,
-                hidden_1BH=hidden,
-                anchor_1=block_ids[0, :1],
-                choose=self.choose or DraftChooser(),
-            )
-            self.confidence = None if survival is None else survival.tolist()
-            return tokens.tolist()
-        if isinstance(self.drafter, DFlash2Drafter):
-            tokens, unary = dflash2_block(
-                self.drafter,
-                target,
-                hidden_1BH=hidden,
-                anchor_1=block_ids[0, :1],
-                choose=self.choose or DraftChooser(),
-            )
-            self.unary = unary.tolist()
-            return tokens.tolist()
-        # fp32 drafter (master weights) in front of a bf16 target head on GPU.
-        return target.lm_head(hidden.to(target.lm_head.weight.dtype))[0, 1:].argmax(-1).tolist()
+        tokens, extra = self.drafter.draft_block(
+            target.lm_head, hidden, block_ids[0, :1], self.choose or DraftChooser()
+        )
+        self.extra = None if extra is None else extra.tolist()
+        return tokens.tolist()
 
 
 def cut_at_stop(tokens: list[int], stop_ids: frozenset[int]) -> tuple[list[int], bool]:
@@ -384,9 +335,9 @@ def plain_generate(
 
 
 def samples_drafts(drafter: DFlashDrafter, temperature: float, sampled_drafts: bool) -> bool:
-    """Whether the drafts of a round are sampled: a DSpark or DFlash2 drafter asked to, at a
-    temperature > 0. A DFlash drafter proposes its argmax at every temperature."""
-    return sampled_drafts and temperature > 0 and isinstance(drafter, (DSparkDrafter, DFlash2Drafter))
+    """Whether the drafts of a round are sampled: a drafter that can sample them (DSpark, DFlash2)
+    asked to, at a temperature > 0. A DFlash drafter proposes its argmax at every temperature."""
+    return sampled_drafts and temperature > 0 and drafter.samples_drafts
 
 
 @torch.no_grad()
@@ -438,10 +389,7 @@ def speculative_generate(
         output += produced
         result.acceptance_lengths.append(len(produced))
         result.accepted_drafts.append(accepted)
-        if context.confidence is not None:
-            result.confidence.append(context.confidence)
-        if context.unary is not None:
-            result.add_selector_round(draft=draft, unary=context.unary, choices=choices, accepted=accepted)
+        drafter.add_round_figures(result, context.extra, draft=draft, choices=choices, accepted=accepted)
         if stopped:
             break
         # The anchor and the accepted drafts are committed; their features came from this forward.

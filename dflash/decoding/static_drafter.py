@@ -7,11 +7,10 @@ that commits p), at their absolute positions. A draft reads the cache up to a bu
 anchor, the whole block bidirectionally), so entries at or after the anchor — features of
 rejected drafts, or stale ones from an earlier sequence — are never seen.
 
-A DSpark drafter drafts its B tokens left to right with the Markov bias inside the same
-capturable function (dflash.decoding.reference.dspark_block, the reference decoder's code), and
-returns the confidence head's survival probabilities beside them. A DFlash2 drafter's selector
-walks its B-1 draft positions the same way (dflash.decoding.reference.dflash2_block), the unary
-argmax returned beside the drafts.
+The block's drafts come from the drafter's own `draft_block` (the code the reference decoder
+runs), inside the same capturable function: DFlash's argmax, DSpark's B tokens left to right with
+the Markov bias (its survival probabilities beside them), DFlash2's selector walk (the unary
+argmax beside it).
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ import torch
 from torch import nn
 
 from dflash.decoding.kv_cache import StaticKV
-from dflash.decoding.reference import DraftChooser, dflash2_block, drafts_per_round, dspark_block
+from dflash.decoding.reference import DraftChooser
 from dflash.models.compile import compile_shared
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import FrozenTarget
@@ -53,16 +52,20 @@ class StaticCacheDrafter(nn.Module):
         mask_row = torch.full((1, self.block_size), drafter.mask_token_id, device=device)
         self.register_buffer("mask_row", mask_row, persistent=False)
         self.register_buffer("offsets", torch.arange(self.block_size, device=device), persistent=False)
-        # A round verifies [anchor, drafts]: B positions after a DFlash block, B + 1 after DSpark's.
-        self.drafts = drafts_per_round(drafter)
-        self.register_buffer("verify_offsets", torch.arange(self.drafts + 1, device=device), persistent=False)
-        self._write, self._draft, self._hidden = self._write_eager, self._draft_eager, self._hidden_eager
+        # A round verifies [anchor, drafts] (the drafter's `verify_len`).
+        self.drafts = drafter.drafts_per_block
+        self.register_buffer(
+            "verify_offsets", torch.arange(drafter.verify_len, device=device), persistent=False
+        )
+        self._write, self._hidden = self._write_eager, self._hidden_eager
         if compile_backend is not None:
             self._write = compile_shared(self._write_eager, backend=compile_backend, dynamic=True)
-            self._draft = compile_shared(self._draft_eager, backend=compile_backend, dynamic=True)
-            # DSpark and DFlash2: the layers compiled; the left-to-right loop after them (Markov
-            # head, candidate selector) stays eager (a graph captures it all the same).
+            # The layers compiled; a variant's left-to-right walk after them (Markov head,
+            # candidate selector) stays eager (a graph captures it all the same).
             self._hidden = compile_shared(self._hidden_eager, backend=compile_backend, dynamic=True)
+        # The round's draft entry: the variant's own name for it where it has one (what a
+        # benchmark patches to see whose walk ran), else `draft_block`.
+        self.walk = getattr(self, f"draft_{drafter.variant_name}", self.draft_block)
 
     @torch.no_grad()
     def write(self, features_1QF: torch.Tensor, positions_1Q: torch.Tensor) -> None:
@@ -71,12 +74,12 @@ class StaticCacheDrafter(nn.Module):
 
     @torch.no_grad()
     def draft(self, anchor_1: torch.Tensor, anchor_pos_1: torch.Tensor, *, kv_len: int) -> torch.Tensor:
-        """The drafter's B-1 argmax guesses [B-1] after the anchor token at `anchor_pos_1`, from
-        the context before it. Capturable: device tensors in, no host reads."""
-        return self._draft(anchor_1, anchor_pos_1, kv_len=kv_len)
+        """The drafter's greedy drafts [drafts_per_block] after the anchor token at `anchor_pos_1`,
+        from the context before it. Capturable: device tensors in, no host reads."""
+        return self.draft_block(anchor_1, anchor_pos_1, kv_len=kv_len)[0]
 
     @torch.no_grad()
-    def draft_dspark(
+    def draft_block(
         self,
         anchor_1: torch.Tensor,
         anchor_pos_1: torch.Tensor,
@@ -85,39 +88,33 @@ class StaticCacheDrafter(nn.Module):
         kv_len: int,
         temperature: float = 0.0,
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """A DSpark drafter's B drafts [B], left to right with the Markov bias (argmax, or with
-        `noise_BV` Gumbel-max samples at `temperature`), and their survival probabilities [B]
-        (None without a confidence head). Capturable."""
+        """The drafter's drafts [drafts_per_block] (argmax, or with `noise_BV` Gumbel-max samples
+        at `temperature` where the variant samples) and its per-round extra beside them
+        (`DFlashDrafter.draft_block`). Capturable."""
         hidden = self._hidden(anchor_1, anchor_pos_1, kv_len=kv_len)
         choose = DraftChooser() if noise_BV is None else DraftChooser(temperature, noise_BV)
-        return dspark_block(self.drafter, self.target, hidden_1BH=hidden, anchor_1=anchor_1, choose=choose)
+        return self.drafter.draft_block(self.target.lm_head, hidden, anchor_1, choose)
 
-    @torch.no_grad()
-    def draft_dflash2(
+    # The entries by the variants' names (tests and benchmarks call and patch them).
+    draft_dspark = draft_block
+    draft_dflash2 = draft_block
+
+    def round_draft(
         self,
         anchor_1: torch.Tensor,
         anchor_pos_1: torch.Tensor,
         noise_BV: torch.Tensor | None = None,
-        *,
-        kv_len: int,
-        temperature: float = 0.0,
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A DFlash2 drafter's B-1 drafts [B-1], picked by its selector among each position's
-        top-K candidates (the best score, or with `noise_BV` a Gumbel-max sample at
-        `temperature`), and the unary argmax [B-1] beside them. Capturable."""
-        hidden = self._hidden(anchor_1, anchor_pos_1, kv_len=kv_len)
-        choose = DraftChooser() if noise_BV is None else DraftChooser(temperature, noise_BV)
-        return dflash2_block(self.drafter, self.target, hidden_1BH=hidden, anchor_1=anchor_1, choose=choose)
+        **kwargs,
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A decoding round's draft (`draft_block`'s arguments): `draft` when it is greedy with
+        nothing beside it (what a test's oracle replaces), else the variant's walk. Capturable."""
+        if noise_BV is None and self.drafter.round_extra is None:
+            return self.draft(anchor_1, anchor_pos_1, kv_len=kwargs["kv_len"]), None
+        return self.walk(anchor_1, anchor_pos_1, noise_BV, **kwargs)
 
     def _write_eager(self, features_1QF: torch.Tensor, positions_1Q: torch.Tensor) -> None:
         for index, (k, v) in enumerate(self.drafter.context_kv(features_1QF, positions_1Q)):
             self.kv.write(index, positions_1Q, k, v)
-
-    def _draft_eager(
-        self, anchor_1: torch.Tensor, anchor_pos_1: torch.Tensor, *, kv_len: int
-    ) -> torch.Tensor:
-        hidden = self._hidden_eager(anchor_1, anchor_pos_1, kv_len=kv_len)
-        return self.target.lm_head(hidden.to(self.target.lm_head.weight.dtype))[0, 1:].argmax(-1)
 
     def _hidden_eager(
         self, anchor_1: torch.Tensor, anchor_pos_1: torch.Tensor, *, kv_len: int

@@ -22,6 +22,9 @@ from typing import Any
 
 from dflash.models.dspark import MARKOV_HEAD_TYPES, markov_head_class
 
+# speculators' name for a DSpark drafter (`speculators_model_type`, `speculators_config.algorithm`).
+SPECULATORS_TYPE = "dspark"
+
 DEEPSPEC_ARCHITECTURE = "Qwen3DSparkModel"  # deepspec/modeling/dspark/qwen3/config.py
 # The heads' config.json keys, the reference's names (deepspec/modeling/dspark/qwen3/modeling.py).
 HEAD_FIELDS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")

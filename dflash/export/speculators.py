@@ -36,12 +36,12 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from dflash.export import dflash2
+from dflash.export import deepspec, dflash2
 from dflash.export.deepspec import HEAD_FIELDS, head_problems, is_dspark
 
 SPECULATORS_TYPE = "dflash"
 SPECULATORS_ARCHITECTURE = "DFlashDraftModel"  # the class speculators saves a DFlash drafter as
-DSPARK_TYPE = "dspark"
+DSPARK_TYPE = deepspec.SPECULATORS_TYPE
 DSPARK_ARCHITECTURE = "DSparkDraftModel"  # the class speculators saves a DSpark drafter as
 DFLASH2_TYPE = dflash2.SPECULATORS_TYPE
 # speculators_model_type -> the class speculators saves such a drafter as.

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -33,7 +34,6 @@ from transformers import Qwen3Config
 from dflash.export import deepspec, dflash2, speculators
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.drafter_class import drafter_from_config
-from dflash.models.dspark import DSparkDrafter
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -87,16 +87,21 @@ def _drafter_tensors(drafter: DFlashDrafter) -> dict[str, torch.Tensor]:
     return {name: tensor.detach().contiguous().cpu() for name, tensor in exported_state(drafter).items()}
 
 
+# Each native layout's config.json from the z-lab fields (a drafter's `native_layout`).
+NATIVE_LAYOUTS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "zlab": lambda config: config,
+    "deepspec": deepspec.to_deepspec,
+}
+
+
 def export_drafter(drafter: DFlashDrafter, directory: Path) -> None:
     """Write config.json + model.safetensors in the layout inference engines load: z-lab for a
     DFlash or DFlash2 drafter, DeepSpec's for a DSpark one."""
-    config = _exported_config(drafter)
-    if isinstance(drafter, DSparkDrafter):
-        config = deepspec.to_deepspec(config)
+    config = NATIVE_LAYOUTS[drafter.native_layout](_exported_config(drafter))
     _write(Path(directory), config, _drafter_tensors(drafter))
 
 
-def export_deepspec(drafter: DSparkDrafter, directory: Path, *, target_dir: Path) -> None:
+def export_deepspec(drafter: DFlashDrafter, directory: Path, *, target_dir: Path) -> None:
     """A DSpark drafter in DeepSpec's layout with the target's embedding and LM head bundled (in
     the drafter's dtype): what DeepSpec's own loader needs (it takes both from the drafter
     directory; the engines take the target's)."""

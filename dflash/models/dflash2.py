@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen3Config
 
-from dflash.models.drafter import DFlashDrafter
+from dflash.models.drafter import DFlashDrafter, differing_fields
 
 DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
 # dflash_config keys of a DFlash2 drafter (the released config.json's names), beside DFlash's.
@@ -50,6 +50,15 @@ def dflash2_settings(config: Any) -> dict[str, Any]:
     raw = config if isinstance(config, dict) else vars(config)
     nested = raw.get("dflash_config") or {}
     return {key: nested[key] for key in (*DFLASH2_KEYS, *UNARY_KEYS) if nested.get(key) is not None}
+
+
+# The dflash_config fields a checkpoint must share with the run resuming it, by the run config
+# key that sets each (variant=dflash2).
+RESUME_FIELDS = {
+    **{key: f"variant.{key}" for key in DFLASH2_KEYS},
+    # A released drafter's transforms of its unary logits: a run trains without them.
+    **{key: f"dflash_config.{key} (variant=dflash2 trains without it)" for key in UNARY_KEYS},
+}
 
 
 def is_dflash2_config(config: Any) -> bool:
@@ -279,6 +288,10 @@ class DFlash2Drafter(DFlashDrafter):
     return the hidden states the selector reads; the convolutions run inside the layers."""
 
     added_modules = ("attention_conv", "mlp_conv", "candidate_selector")
+    variant_name = "dflash2"
+    display_name = "DFlash2"
+    samples_drafts = True
+    round_extra = "unary"
 
     def __init__(self, config: Qwen3Config):
         # The backbone first, initialised exactly as a DFlash drafter of the same seed is.
@@ -325,3 +338,28 @@ class DFlash2Drafter(DFlashDrafter):
         positions (block positions 1..B-1), walked by the selector from the anchor; and the unary
         argmax [N, P] beside them."""
         return self.candidate_selector.walk(self.unary_logits(head_logits_NPV), hidden_NPH, anchor_N, choose)
+
+    @torch.no_grad()
+    def draft_block(
+        self, lm_head: nn.Module, hidden_1BH: torch.Tensor, anchor_1: torch.Tensor, choose: Callable
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """B-1 drafts [B-1] walked by the candidate selector from the anchor over the hidden states
+        of block positions 1..B-1 (`choose.among` picks each), and the unary argmax there [B-1]
+        (plain DFlash's drafts)."""
+        hidden_1PH = hidden_1BH[:, 1:]
+        logits_1PV = lm_head(hidden_1PH.to(lm_head.weight.dtype))
+        tokens_1P, unary_1P = self.propose(logits_1PV, hidden_1PH, anchor_1.view(1), choose.among)
+        return tokens_1P[0], unary_1P[0]
+
+    def add_round_figures(self, result: Any, extra: list | None, **outcome: Any) -> None:
+        """Where the selector changed the unary argmax, and how those drafts fared."""
+        if extra is not None:
+            result.add_selector_round(unary=extra, **outcome)
+
+    @classmethod
+    def describes(cls, config: Any) -> bool:
+        return is_dflash2_config(config)
+
+    @classmethod
+    def config_differences(cls, saved: Any, run: Any) -> list[tuple[str, Any, Any]]:
+        return differing_fields(RESUME_FIELDS, saved.dflash_config, run.dflash_config)

@@ -210,7 +210,38 @@ class DFlashDecoderLayer(nn.Module):
         return hidden_BQH + self._around(self.mlp_conv, self.mlp, self.post_attention_layernorm(hidden_BQH))
 
 
+def differing_fields(
+    fields: Mapping[str, str], saved: Mapping[str, Any], run: Mapping[str, Any]
+) -> list[tuple[str, Any, Any]]:
+    """(run config key, saved value, run value) for each of `fields` (name -> key) whose values
+    differ between two configs' field mappings."""
+    return [
+        (key, saved.get(name), run.get(name))
+        for name, key in fields.items()
+        if saved.get(name) != run.get(name)
+    ]
+
+
 class DFlashDrafter(nn.Module):
+    """The DFlash backbone, and the decoding interface every drafter variant answers (a variant
+    subclasses it and overrides what it drafts differently; the decoders, export and reports ask
+    the object, never its class): `drafts_per_block`, `verify_len`, `samples_drafts`,
+    `draft_block` and `add_round_figures`."""
+
+    # The variant's registered name (dflash.models.variants).
+    variant_name: ClassVar[str] = "dflash"
+    # Whether drafts can be sampled at a temperature (`draft_block` reads its chooser's noise);
+    # a DFlash drafter proposes its argmax at every temperature.
+    samples_drafts: ClassVar[bool] = False
+    # The layout its export takes (dflash/export/zlab.py `NATIVE_LAYOUTS`), and how it is named
+    # to a user.
+    native_layout: ClassVar[str] = "zlab"
+    display_name: ClassVar[str] = "DFlash"
+    # Its export's reader asserts `num_anchors` in config.json (DeepSpec's).
+    records_num_anchors: ClassVar[bool] = False
+    # What the second output of `draft_block` is, by the name the reference decoder's context
+    # exposes it under (None: the variant returns none).
+    round_extra: ClassVar[str | None] = None
     # Submodules a subclass adds to the DFlash backbone, by attribute name (found anywhere in a
     # parameter's dotted name): a DFlash drafter's weights warm-starting the subclass
     # (drafter.init_from) hold none of them, and they keep their fresh init.
@@ -385,6 +416,46 @@ class DFlashDrafter(nn.Module):
         """Hidden states of the block positions (after the final norm), [B, Q, H]; eager."""
         hidden, block_rope, masks = self._block_inputs(block_emb_BQH, block_pos_BQ, attn_masks)
         return self._layers(hidden, ctx_kv, block_rope, masks)
+
+    @classmethod
+    def describes(cls, config: Any) -> bool:
+        """Whether a drafter config carries this variant's fields (the backbone: any config)."""
+        return True
+
+    @classmethod
+    def config_differences(cls, saved: Any, run: Any) -> list[tuple[str, Any, Any]]:
+        """The variant's fields where two drafter configs differ, as (run config key, saved
+        value, run value): what resuming a checkpoint refuses (dflash/run/resume.py)."""
+        return []
+
+    @classmethod
+    def drafts_for(cls, block_size: int) -> int:
+        """Tokens drafted per block of `block_size`: every position after the anchor."""
+        return block_size - 1
+
+    @property
+    def drafts_per_block(self) -> int:
+        return self.drafts_for(self.block_size)
+
+    @property
+    def verify_len(self) -> int:
+        """Tokens a decoding round verifies: the anchor and the drafts."""
+        return self.drafts_per_block + 1
+
+    @torch.no_grad()
+    def draft_block(
+        self, lm_head: nn.Module, hidden_1BH: torch.Tensor, anchor_1: torch.Tensor, choose: Callable
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """A block's drafts [drafts_per_block] from its hidden states [1, B, H] (`draft`), and the
+        variant's per-round extra beside them (None here). `choose` picks a position's token from
+        its logits (dflash.decoding.reference.DraftChooser); DFlash takes the argmax. Device
+        tensors in and out, no host reads: both decoders run it, the static one in a graph."""
+        # The drafter may run in fp32 (master weights) in front of a bf16 target head.
+        return lm_head(hidden_1BH.to(lm_head.weight.dtype))[0, 1:].argmax(-1), None
+
+    def add_round_figures(self, result: Any, extra: list | None, **outcome: Any) -> None:
+        """Record a round's variant figures on the decode `result` from `draft_block`'s extra
+        (read to the host) and the round's `draft`, `choices` and `accepted`. None here."""
 
     def forward(
         self,

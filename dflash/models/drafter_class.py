@@ -4,16 +4,11 @@ from __future__ import annotations
 
 from transformers import Qwen3Config
 
-from dflash.models.dflash2 import DFlash2Drafter, is_dflash2_config
 from dflash.models.drafter import DFlashDrafter
-from dflash.models.dspark import DSparkDrafter, is_dspark_config
+from dflash.models.variants import drafter_class_for
 
 
 def drafter_from_config(config: Qwen3Config) -> DFlashDrafter:
-    """DSpark when the config carries `markov_rank`, DFlash2 when its dflash_config sets the
-    selector, else DFlash."""
-    if is_dspark_config(config):
-        return DSparkDrafter(config)
-    if is_dflash2_config(config):
-        return DFlash2Drafter(config)
-    return DFlashDrafter(config)
+    """The registered variant's drafter whose fields the config carries (DSpark: `markov_rank`;
+    DFlash2: the selector in its dflash_config), else DFlash."""
+    return drafter_class_for(config)(config)

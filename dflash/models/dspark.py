@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from transformers import Qwen3Config
 
-from dflash.models.drafter import DFlashDrafter
+from dflash.models.drafter import DFlashDrafter, differing_fields
 
 # The reference's head types; any other `markov_head_type` is the import path of a user's class.
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
@@ -172,6 +172,16 @@ class ConfidenceHead(nn.Module):
         return self.proj(features).squeeze(-1)
 
 
+# The heads' config fields a checkpoint must share with the run resuming it, by the run config
+# key that sets each (variant=dspark).
+RESUME_FIELDS = {
+    "markov_rank": "variant.markov_rank",
+    "markov_head_type": "variant.markov_head_type",
+    "enable_confidence_head": "variant.confidence_head",
+    "confidence_head_with_markov": "variant.confidence_with_markov",
+}
+
+
 def is_dspark_config(config: Any) -> bool:
     """A drafter config (Qwen3Config or config.json dict) of a DSpark drafter."""
     keys = config if isinstance(config, dict) else vars(config)
@@ -202,6 +212,12 @@ class DSparkDrafter(DFlashDrafter):
     hidden states h_k [B, Q, H] the heads read."""
 
     added_modules = ("markov_head", "confidence_head")
+    variant_name = "dspark"
+    native_layout = "deepspec"
+    display_name = "DSpark"
+    records_num_anchors = True
+    samples_drafts = True
+    round_extra = "confidence"
 
     def __init__(self, config: Qwen3Config):
         super().__init__(config)
@@ -285,3 +301,35 @@ class DSparkDrafter(DFlashDrafter):
             tokens.append(prev)
             logits.append(step_logits)
         return torch.stack(tokens, 1), torch.stack(logits, 1)
+
+    @classmethod
+    def drafts_for(cls, block_size: int) -> int:
+        """Every block slot drafts, the anchor's too (slot k proposes the token at anchor + k + 1)."""
+        return block_size
+
+    @torch.no_grad()
+    def draft_block(
+        self, lm_head: nn.Module, hidden_1BH: torch.Tensor, anchor_1: torch.Tensor, choose: Callable
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """B drafts [B] left to right with the Markov bias, and each draft's survival probability
+        [B] from the confidence head (None without one)."""
+        # The drafter may run in fp32 (master weights) in front of a bf16 target head.
+        base_1BV = lm_head(hidden_1BH.to(lm_head.weight.dtype))
+        tokens_1B, _ = self.sample_block(base_1BV, hidden_1BH, anchor_1.view(1), choose)
+        if self.confidence_head is None:
+            return tokens_1B[0], None
+        previous = torch.cat([anchor_1.view(1), tokens_1B[0, :-1]])  # the token before each draft
+        return tokens_1B[0], torch.sigmoid(self.confidence_logits(hidden_1BH[0], previous))
+
+    def add_round_figures(self, result: Any, extra: list | None, **outcome: Any) -> None:
+        """The round's survival probabilities, beside the acceptance measured."""
+        if extra is not None:
+            result.confidence.append(extra)
+
+    @classmethod
+    def describes(cls, config: Any) -> bool:
+        return is_dspark_config(config)
+
+    @classmethod
+    def config_differences(cls, saved: Any, run: Any) -> list[tuple[str, Any, Any]]:
+        return differing_fields(RESUME_FIELDS, vars(saved), vars(run))

@@ -15,9 +15,8 @@ from transformers import Qwen3Config
 from dflash.data.dataset import TokenDataset
 from dflash.data.identity import appended, data_changes, read_data_identity
 from dflash.export.zlab import read_drafter_config
-from dflash.models.dflash2 import DFLASH2_KEYS, UNARY_KEYS, is_dflash2_config
-from dflash.models.dspark import is_dspark_config
 from dflash.models.identity import identity_differences, read_identity
+from dflash.models.variants import extends_backbone, registered_drafters
 from dflash.trainer.checkpoint import RUN_CONFIG_FILE
 
 log = logging.getLogger(__name__)
@@ -36,31 +35,16 @@ RESUME_FIELDS = {
     "num_target_layers": "target layer count",
 }
 RESUME_TARGET_FIELDS = ("name", "path", "model_type", "init_seed", "arch")
+
+
 # What a variant adds to the DFlash backbone: DSpark's heads (variant=dspark), DFlash2's
 # convolutions and selector (variant=dflash2, fields in dflash_config). A plain DFlash drafter
 # may start such a run (drafter.init_from: its backbone loads, the added parts start fresh);
 # otherwise they must agree.
-DSPARK_FIELDS = {
-    "markov_rank": "variant.markov_rank",
-    "markov_head_type": "variant.markov_head_type",
-    "enable_confidence_head": "variant.confidence_head",
-    "confidence_head_with_markov": "variant.confidence_with_markov",
-}
-DFLASH2_FIELDS = {
-    **{key: f"variant.{key}" for key in DFLASH2_KEYS},
-    # A released drafter's transforms of its unary logits: a run trains without them.
-    **{key: f"dflash_config.{key} (variant=dflash2 trains without it)" for key in UNARY_KEYS},
-}
-
-
-def _extends_dflash(config: Qwen3Config) -> bool:
-    return is_dspark_config(config) or is_dflash2_config(config)
-
-
 def warm_starts_new_parts(saved: Qwen3Config, run_config: Qwen3Config, key: str) -> bool:
     """A DFlash drafter starting a DSpark or DFlash2 run (drafter.init_from): what the variant
     adds (heads; convolutions and selector) starts fresh."""
-    return key == "drafter.init_from" and not _extends_dflash(saved) and _extends_dflash(run_config)
+    return key == "drafter.init_from" and not extends_backbone(saved) and extends_backbone(run_config)
 
 
 def _target_differences(
@@ -112,16 +96,8 @@ def check_resume_matches(
         if name not in unrecorded and getattr(saved, name, None) != getattr(run_config, name, None)
     ]
     if not warm_starts_new_parts(saved, run_config, key):
-        differences += [
-            (field, getattr(saved, name, None), getattr(run_config, name, None))
-            for name, field in DSPARK_FIELDS.items()
-            if getattr(saved, name, None) != getattr(run_config, name, None)
-        ]
-        differences += [
-            (field, saved.dflash_config.get(name), run_config.dflash_config.get(name))
-            for name, field in DFLASH2_FIELDS.items()
-            if saved.dflash_config.get(name) != run_config.dflash_config.get(name)
-        ]
+        for drafter_class in registered_drafters().values():
+            differences += drafter_class.config_differences(saved, run_config)
     for name in ("target_layer_ids", "mask_token_id"):
         if saved.dflash_config.get(name) != run_config.dflash_config[name]:
             differences.append(

@@ -27,6 +27,7 @@ from dflash.pipeline.roles import role_lines
 from dflash.run.inputs import eval_prompts_description
 from dflash.run.record import replace_text
 from dflash.step.loss import VARIANT_FIGURES
+from dflash.step.variant import TRAINING_VARIANTS
 from dflash.trainer.checkpoint import LAST, checkpoint_behind_last, publish_last
 from dflash.trainer.lifecycle import Trainer
 from dflash.trainer.signals import StopRequested, stop_on_signals
@@ -252,38 +253,11 @@ def format_summary(summary: dict[str, Any]) -> str:
             if "val/tau_sim" in summary
             else ""
         ),
+        # Each variant's own line, where the summary holds its figures (dflash/step/variant.py).
         *(
-            [
-                f"dspark            ce {figure(summary, 'train/ce')}, l1 {figure(summary, 'train/l1')}, confidence "
-                f"{figure(summary, 'train/confidence_loss')} (|error| {figure(summary, 'train/confidence_abs_error')}); "
-                f"tau from the target's probabilities {figure(summary, 'train/tau_prob')}"
-                + (f" ({figure(summary, 'val/tau_prob')} held out)" if "val/tau_prob" in summary else "")
-            ]
-            if "train/tau_prob" in summary
-            else []
-        ),
-        *(
-            [
-                f"dflash2           unary ce {figure(summary, 'train/ce')}, selector ce "
-                f"{figure(summary, 'train/selector_ce')}; candidates recall {figure(summary, 'train/candidate_recall')}, "
-                f"mass {figure(summary, 'train/candidate_mass')}; selector changed "
-                f"{figure(summary, 'train/selector_changed')} of picks"
-                # A share of the changed picks: none changed (a short run), nothing to score.
-                + (
-                    f" ({figure(summary, 'train/selector_changed_correct')} of them right)"
-                    if is_defined(summary.get("train/selector_changed_correct"))
-                    else ""
-                )
-                + f"; tau_decode unary {figure(summary, 'train/unary_tau_decode')}, oracle "
-                f"{figure(summary, 'train/oracle_tau_decode')}"
-                + (
-                    f" ({figure(summary, 'val/unary_tau_decode')}, {figure(summary, 'val/oracle_tau_decode')} held out)"
-                    if "val/oracle_tau_decode" in summary
-                    else ""
-                )
-            ]
-            if "train/selector_ce" in summary
-            else []
+            line
+            for variant in TRAINING_VARIANTS
+            for line in variant.summary_lines(summary, figure, is_defined)
         ),
         *(
             [

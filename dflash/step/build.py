@@ -24,8 +24,8 @@ from dflash.config.schema import (
     VariantConfig,
 )
 from dflash.models.drafter import DFlashDrafter, drafter_config
-from dflash.models.dspark import is_dspark_config
 from dflash.models.target_head import TargetHead
+from dflash.models.variants import drafter_class_for
 from dflash.step.loss import BlockLoss
 from dflash.step.noise import NoiseSchedule
 from dflash.step.step import BlockSettings, DrafterStep
@@ -44,7 +44,7 @@ def run_drafter_config(
     config = variant.drafter_config(drafter_config(cfg, target_config, layer_ids))
     if variant.init_std_from_target and getattr(target_config, "initializer_range", None) is not None:
         config.initializer_range = target_config.initializer_range
-    if is_dspark_config(config):
+    if drafter_class_for(config).records_num_anchors:
         # DeepSpec's loader asserts it in config.json (dflash/export/deepspec.py).
         config.num_anchors = cfg.num_anchors
     return config

@@ -17,6 +17,7 @@ from typing import Literal
 import torch
 
 from dflash.data.collate import Batch
+from dflash.models.variants import registered_drafters
 from dflash.step.loss import LossStats
 
 Width = Literal["one", "position", "bucket"]
@@ -136,7 +137,7 @@ class MetricLayout:
     def positions(self) -> int:
         """Entries of a "position" field: index j = the j-th token after the anchor (DFlash: block
         position j, 0 the anchor; DSpark: block position j - 1)."""
-        return self.block_size + (1 if self.variant == "dspark" else 0)
+        return registered_drafters()[self.variant].drafts_for(self.block_size) + 1
 
     def __getitem__(self, name: str) -> slice:
         return self.slices[name]

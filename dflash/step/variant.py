@@ -18,8 +18,9 @@ cross-field rule is (dflash/run/checks.py).
 
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -57,6 +58,24 @@ class DFlashVariant:
     def drafter(self, config: Qwen3Config) -> DFlashDrafter:
         return DFlashDrafter(config)
 
+    # The figure whose presence in a run summary means it holds the variant's own (None: the
+    # variant prints no line of its own).
+    summary_key: ClassVar[str | None] = None
+
+    @classmethod
+    def summary_lines(cls, summary: Mapping[str, Any], figure: Callable, defined: Callable) -> list[str]:
+        """The variant's own lines in the run summary (dflash/run/runner.py), where `summary`
+        holds its figures; `figure(summary, key)` formats one, `defined(value)` says whether a
+        value is a finite number."""
+        if cls.summary_key is None or cls.summary_key not in summary:
+            return []
+        return [cls.summary_line(summary, figure, defined)]
+
+    @classmethod
+    def summary_line(cls, summary: Mapping[str, Any], figure: Callable, defined: Callable) -> str:
+        """The line `summary_lines` prints (a variant with a `summary_key` writes it)."""
+        return ""
+
     def device_refusal(self, device: torch.device) -> str | None:
         """Why this variant's settings cannot train on `device` (None: they can); asked when the
         drafter is built, before any step."""
@@ -83,6 +102,7 @@ class DSparkVariant(DFlashVariant):
     confidence_weight BCE against the target's own distribution (dflash/step/dspark_loss.py)."""
 
     name: ClassVar[str] = "dspark"
+    summary_key: ClassVar[str | None] = "train/tau_prob"
     label_offset: ClassVar[int] = 1
     needs_final_state: ClassVar[bool] = True
     needs_prev_ids: ClassVar[bool] = True
@@ -147,6 +167,15 @@ class DSparkVariant(DFlashVariant):
             fused_terms=resolve_fused_terms(FusedTerms(self.fused_terms), hidden_BQH.device),
         )
 
+    @classmethod
+    def summary_line(cls, summary, figure, defined):
+        return (
+            f"dspark            ce {figure(summary, 'train/ce')}, l1 {figure(summary, 'train/l1')}, confidence "
+            f"{figure(summary, 'train/confidence_loss')} (|error| {figure(summary, 'train/confidence_abs_error')}); "
+            f"tau from the target's probabilities {figure(summary, 'train/tau_prob')}"
+            + (f" ({figure(summary, 'val/tau_prob')} held out)" if "val/tau_prob" in summary else "")
+        )
+
 
 @dataclass(frozen=True)
 class DFlash2Variant(DFlashVariant):
@@ -155,6 +184,7 @@ class DFlash2Variant(DFlashVariant):
     the selector's K-way CE with gold injection (dflash/step/dflash2_loss.py)."""
 
     name: ClassVar[str] = "dflash2"
+    summary_key: ClassVar[str | None] = "train/selector_ce"
     needs_prev_ids: ClassVar[bool] = True
 
     conv_kernel_size: int = 2
@@ -189,3 +219,29 @@ class DFlash2Variant(DFlashVariant):
             logits_chunk=logits_chunk,
             compiled=compiled,
         )
+
+    @classmethod
+    def summary_line(cls, summary, figure, defined):
+        return (
+            f"dflash2           unary ce {figure(summary, 'train/ce')}, selector ce "
+            f"{figure(summary, 'train/selector_ce')}; candidates recall {figure(summary, 'train/candidate_recall')}, "
+            f"mass {figure(summary, 'train/candidate_mass')}; selector changed "
+            f"{figure(summary, 'train/selector_changed')} of picks"
+            # A share of the changed picks: none changed (a short run), nothing to score.
+            + (
+                f" ({figure(summary, 'train/selector_changed_correct')} of them right)"
+                if defined(summary.get("train/selector_changed_correct"))
+                else ""
+            )
+            + f"; tau_decode unary {figure(summary, 'train/unary_tau_decode')}, oracle "
+            f"{figure(summary, 'train/oracle_tau_decode')}"
+            + (
+                f" ({figure(summary, 'val/unary_tau_decode')}, {figure(summary, 'val/oracle_tau_decode')} held out)"
+                if "val/oracle_tau_decode" in summary
+                else ""
+            )
+        )
+
+
+# Every variant's training side, in the order its summary lines print.
+TRAINING_VARIANTS = (DFlashVariant, DSparkVariant, DFlash2Variant)

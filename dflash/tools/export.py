@@ -55,14 +55,23 @@ from dflash.config.schema import TargetConfig
 from dflash.errors import USER_ERROR_EXIT, exit_for_user_error
 from dflash.export.card import TrainingFacts, write_model_card
 from dflash.export.contract import check_export, reader_limits, trained_block_problems
-from dflash.export.zlab import export_deepspec, export_drafter, export_speculators, load_drafter
-from dflash.models.dflash2 import DFlash2Drafter
-from dflash.models.dspark import DSparkDrafter
+from dflash.export.zlab import (
+    NATIVE_LAYOUTS,
+    export_deepspec,
+    export_drafter,
+    export_speculators,
+    load_drafter,
+)
 from dflash.models.families import IMAGE_TEXT_TYPES
 from dflash.models.identity import pairing_differences
 from dflash.trainer.checkpoint import RUN_CONFIG_FILE, STATE_FILE, load_trainer_state
 
 TOOL = "dflash export"  # the command users type: `dflash export check DIR`
+# Why a drafter cannot take a native layout other than its own, by the layout asked for.
+NATIVE_REFUSALS = {
+    "zlab": "a {name} drafter; the z-lab layout has no heads",
+    "deepspec": "a {name} drafter (no Markov head)",
+}
 
 
 def target_text_config(directory: Path) -> dict[str, Any]:
@@ -181,15 +190,13 @@ def convert(args: argparse.Namespace, target: dict[str, Any] | None) -> None:
         drafter = load_drafter(args.source)
     except ValueError as exc:
         exit_for_user_error(TOOL, str(exc))
-    dspark = isinstance(drafter, DSparkDrafter)
-    if dspark and args.layout == "zlab":
+    native = drafter.native_layout
+    if args.layout in NATIVE_LAYOUTS and args.layout != native:
         exit_for_user_error(
-            TOOL, f"{args.source}: a DSpark drafter; the z-lab layout has no heads: --layout deepspec"
+            TOOL,
+            f"{args.source}: {NATIVE_REFUSALS[args.layout].format(name=drafter.display_name)}: --layout {native}",
         )
-    if not dspark and args.layout == "deepspec":
-        kind = "DFlash2" if isinstance(drafter, DFlash2Drafter) else "DFlash"
-        exit_for_user_error(TOOL, f"{args.source}: a {kind} drafter (no Markov head): --layout zlab")
-    if args.layout in ("zlab", "deepspec"):
+    if args.layout in NATIVE_LAYOUTS:
         if getattr(drafter.config, "num_target_layers", None) is None:
             # The speculators layout records no target depth; SGLang resolves layer ids by it.
             if target is None:
@@ -197,7 +204,7 @@ def convert(args: argparse.Namespace, target: dict[str, Any] | None) -> None:
                     TOOL, f"{args.source} records no target depth (num_target_layers): give --target DIR"
                 )
             drafter.config.num_target_layers = target["num_hidden_layers"]
-        if dspark and getattr(drafter.config, "num_anchors", None) is None:
+        if drafter.records_num_anchors and getattr(drafter.config, "num_anchors", None) is None:
             if args.num_anchors is None:
                 exit_for_user_error(
                     TOOL,
@@ -217,7 +224,7 @@ def convert(args: argparse.Namespace, target: dict[str, Any] | None) -> None:
         try:
             if args.layout == "speculators":
                 export_speculators(drafter, tmp, verifier=verifier, target_dir=args.target)
-            elif dspark and args.target is not None:
+            elif native == "deepspec" and args.target is not None:
                 export_deepspec(drafter, tmp, target_dir=args.target)
             else:
                 export_drafter(drafter, tmp)
