@@ -444,12 +444,9 @@ def test_a_refused_example_fails_the_check(monkeypatch):
 
 # -- help and completion load no torch ---------------------------------------------------------
 
-# `dflash export` builds its parser in the module that imports the converters (torch): its help
-# still loads them.
-HELP_IMPORTS_TORCH = {"export"}
 
 
-@pytest.mark.parametrize("command", [c for c in COMMANDS if c not in HELP_IMPORTS_TORCH])
+@pytest.mark.parametrize("command", list(COMMANDS))
 def test_help_and_completion_load_no_torch(command):
     """`dflash COMMAND --help` and, for a Hydra command, its completion query (what TAB runs)
     import neither torch nor transformers: they answer in a fraction of a second."""

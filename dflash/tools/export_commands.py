@@ -1,0 +1,205 @@
+"""The work of `dflash export` (dflash/tools/export.py parses its arguments): checking a drafter
+directory against the export contract, and converting it to another layout."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import secrets
+import shutil
+import signal
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import yaml
+from safetensors import SafetensorError
+
+from dflash.config.schema import TargetConfig
+from dflash.errors import USER_ERROR_EXIT, exit_for_user_error
+from dflash.export.card import TrainingFacts, write_model_card
+from dflash.export.contract import check_export, reader_limits, trained_block_problems
+from dflash.export.zlab import (
+    NATIVE_LAYOUTS,
+    export_deepspec,
+    export_drafter,
+    export_speculators,
+    load_drafter,
+)
+from dflash.models.families import IMAGE_TEXT_TYPES
+from dflash.models.identity import pairing_differences
+from dflash.tools.export import TOOL
+from dflash.trainer.checkpoint import RUN_CONFIG_FILE, STATE_FILE, load_trainer_state
+
+# Why a drafter cannot take a native layout other than its own, by the layout asked for.
+NATIVE_REFUSALS = {
+    "zlab": "a {name} drafter; the z-lab layout has no heads",
+    "deepspec": "a {name} drafter (no Markov head)",
+}
+
+
+def target_text_config(directory: Path) -> dict[str, Any]:
+    path = directory / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        exit_for_user_error(TOOL, f"--target {directory}: no readable config.json ({exc})")
+    if config.get("model_type") in IMAGE_TEXT_TYPES:
+        config = config.get("text_config", {})
+    missing = [k for k in ("num_hidden_layers", "hidden_size", "vocab_size") if k not in config]
+    if missing:
+        exit_for_user_error(TOOL, f"--target {path}: no {', '.join(missing)} in the (text) config")
+    return config
+
+
+def refuse_another_target(drafter_dir: Path, target_dir: Path) -> None:
+    """The pairing rule dflash eval and resume apply (dflash/models/identity.py): a drafter that
+    records its target (target.json, or a speculators verifier directory) is paired with that
+    target only; a same-shape target with other weights or another tokenizer passes every shape
+    rule and accepts about nothing."""
+    differences = pairing_differences(drafter_dir, TargetConfig(name="export", path=str(target_dir)))
+    if differences:
+        exit_for_user_error(
+            TOOL,
+            f"{drafter_dir} was made for another target than --target {target_dir} "
+            f"({', '.join(differences)}); pair it with the target it was trained on",
+        )
+
+
+def verifier_of(target: Path, name: str | None) -> dict[str, Any]:
+    """speculators_config.verifier: the target's name (--verifier, else its path) and architectures."""
+    architectures = json.loads((target / "config.json").read_text()).get("architectures") or []
+    return {"name_or_path": name or str(target), "architectures": architectures}
+
+
+def source_facts(source: Path, target: Path | None) -> TrainingFacts | None:
+    """The training facts of a dflash checkpoint (its run's config.yaml and trainer state), for
+    the converted directory's model card; None for a drafter trained elsewhere."""
+    run_yaml = source / RUN_CONFIG_FILE
+    if not run_yaml.is_file():
+        return None
+    run = yaml.safe_load(run_yaml.read_text()) or {}
+    step = None
+    if (source / STATE_FILE).is_file():
+        step = load_trainer_state(source).get("position", {}).get("step")
+    data = run.get("data") or {}
+    files = ", ".join(data.get("files") or [])
+    target_path = str(target) if target is not None else (run.get("target") or {}).get("path")
+    return TrainingFacts(
+        target=target_path or "its target",
+        target_path=target_path,
+        data=f"data={data.get('name')}" + (f": {files}" if files else ""),
+        samples=None,  # not kept with a checkpoint; the source's README.md says it
+        steps=step if step is not None else 0,
+        seed=run.get("seed"),
+    )
+
+
+def report(directory: Path, target: dict[str, Any] | None) -> None:
+    fail_on_problems(check_export(directory, target=target))
+    print(f"ok: {directory} keeps the export contract (docs/EXPORT.md)")
+    for limit in reader_limits(directory):
+        print(f"note: {limit}")
+
+
+def fail_on_problems(problems: list[str], shown_as: tuple[Path, Path] | None = None) -> None:
+    """Each problem on its own line (a staged directory named by its destination), exit 2."""
+    for problem in problems:
+        if shown_as is not None:
+            problem = problem.replace(str(shown_as[0]), str(shown_as[1]))
+        print(f"{TOOL}: {problem}", file=sys.stderr)
+    if problems:
+        raise SystemExit(USER_ERROR_EXIT)
+
+
+@contextmanager
+def staged(destination: Path) -> Iterator[Path]:
+    """A temporary directory beside `destination`, renamed onto it once the body succeeds: a
+    convert interrupted (SIGTERM, Ctrl-C, a full disk) leaves no destination, never a config
+    without weights. SIGTERM is turned into SystemExit here so the temporary is removed too."""
+    try:
+        destination.parent.mkdir(parents=True, exist_ok=True)
+        # A plain mkdir, not mkdtemp (0700): the directory renamed into place gets the mode a
+        # checkpoint gets from the umask, so a server running as another user can read it.
+        tmp = destination.parent / f".{destination.name}.tmp-{secrets.token_hex(8)}"
+        tmp.mkdir()
+    except OSError as exc:
+        exit_for_user_error(TOOL, f"{destination}: cannot write there ({exc.strerror or exc})")
+
+    def stop(signum, frame):
+        raise SystemExit(128 + signum)
+
+    previous = signal.signal(signal.SIGTERM, stop)
+    try:
+        yield tmp
+        if destination.exists():
+            destination.rmdir()  # empty (checked before the write)
+        os.replace(tmp, destination)
+    except (OSError, SafetensorError) as exc:
+        filename = getattr(exc, "filename", None)
+        exit_for_user_error(
+            TOOL,
+            f"{destination}: writing {Path(filename).name if filename else 'it'} failed "
+            f"({getattr(exc, 'strerror', None) or exc}); nothing was left there",
+        )
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+        signal.signal(signal.SIGTERM, previous)
+
+
+def convert(args: argparse.Namespace, target: dict[str, Any] | None) -> None:
+    if args.destination.exists() and (not args.destination.is_dir() or any(args.destination.iterdir())):
+        exit_for_user_error(TOOL, f"{args.destination}: not empty; convert writes a new directory")
+    try:
+        drafter = load_drafter(args.source)
+    except ValueError as exc:
+        exit_for_user_error(TOOL, str(exc))
+    native = drafter.native_layout
+    if args.layout in NATIVE_LAYOUTS and args.layout != native:
+        exit_for_user_error(
+            TOOL,
+            f"{args.source}: {NATIVE_REFUSALS[args.layout].format(name=drafter.display_name)}: --layout {native}",
+        )
+    if args.layout in NATIVE_LAYOUTS:
+        if getattr(drafter.config, "num_target_layers", None) is None:
+            # The speculators layout records no target depth; SGLang resolves layer ids by it.
+            if target is None:
+                exit_for_user_error(
+                    TOOL, f"{args.source} records no target depth (num_target_layers): give --target DIR"
+                )
+            drafter.config.num_target_layers = target["num_hidden_layers"]
+        if drafter.records_num_anchors and getattr(drafter.config, "num_anchors", None) is None:
+            if args.num_anchors is None:
+                exit_for_user_error(
+                    TOOL,
+                    f"{args.source} records no num_anchors, which DeepSpec's loader asserts: give "
+                    "--num-anchors N (the anchors per sample it was trained with)",
+                )
+            drafter.config.num_anchors = args.num_anchors
+    if args.layout == "speculators" and args.target is None:
+        exit_for_user_error(
+            TOOL,
+            "--layout speculators needs --target DIR: speculators' loader reads the target's embedding "
+            "and LM head from the drafter directory (its own save_pretrained writes both)",
+        )
+    fail_on_problems(trained_block_problems(args.source, drafter.config.block_size))
+    verifier = verifier_of(args.target, args.verifier) if args.layout == "speculators" else None
+    with staged(args.destination) as tmp:
+        try:
+            if args.layout == "speculators":
+                export_speculators(drafter, tmp, verifier=verifier, target_dir=args.target)
+            elif native == "deepspec" and args.target is not None:
+                export_deepspec(drafter, tmp, target_dir=args.target)
+            else:
+                export_drafter(drafter, tmp)
+            write_model_card(tmp, source_facts(args.source, args.target), served_from=str(args.destination))
+        except ValueError as exc:
+            exit_for_user_error(TOOL, str(exc))
+        # Checked before it is renamed into place: a destination that exists keeps the contract.
+        fail_on_problems(check_export(tmp, target=target), shown_as=(tmp, args.destination))
+    print(f"ok: {args.destination} keeps the export contract (docs/EXPORT.md)")
+    for limit in reader_limits(args.destination):
+        print(f"note: {limit}")
