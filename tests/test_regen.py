@@ -333,7 +333,7 @@ def test_a_second_regen_on_the_same_output_is_refused_while_the_first_lives(tmp_
     try:
         with pytest.raises(
             ValueError,
-            match=f"regen.output={out} is being written by another dflash-regen \\(pid {os.getpid()}",
+            match=f"regen.output={out} is being written by another dflash regen \\(pid {os.getpid()}",
         ):
             regenerate(backend, [str(source)], out, batch_size=2)
         assert not out.exists() or out.read_text() == ""

@@ -190,11 +190,11 @@ def test_a_line_regen_did_not_write_in_its_output_is_named_by_file_and_line(tmp_
     output = tmp_path / "out.jsonl"
     output.write_text('{"source": "a.jsonl:1", "messages": []}\nnot json at all\n')
     with pytest.raises(
-        ValueError, match=rf"^{output}:2: not a record dflash-regen wrote \(Expecting value\)"
+        ValueError, match=rf"^{output}:2: not a record dflash regen wrote \(Expecting value\)"
     ):
         finished_sources(output)
     output.write_text('{"source": "a.jsonl:1"}\n[1, 2]\n')
-    with pytest.raises(ValueError, match=rf"^{output}:2: not a record dflash-regen wrote \(no source"):
+    with pytest.raises(ValueError, match=rf"^{output}:2: not a record dflash regen wrote \(no source"):
         finished_sources(output)
 
 

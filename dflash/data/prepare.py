@@ -123,7 +123,7 @@ def _tokenize_all(conversations: list, renderer: ChatRenderer, cfg: DataConfig) 
                 num_proc=cfg.num_proc,
                 fn_kwargs={"renderer": renderer, "max_length": cfg.max_length},
                 remove_columns=["messages"],
-                desc="dflash-prep: tokenizing",
+                desc="dflash prep: tokenizing",
             )
         )
     out = _tokenize_batch(columns, renderer, cfg.max_length)

@@ -1,6 +1,6 @@
 """Training callbacks: user objects named in the `callbacks:` config node, told what a run does.
 
-    dflash-train +callbacks.mine._target_=my_module.MyCallback +callbacks.mine.path=/tmp/x
+    dflash train +callbacks.mine._target_=my_module.MyCallback +callbacks.mine.path=/tmp/x
 
 Each node of `callbacks` is built with `hydra.utils.instantiate` (its other keys are the
 constructor's keyword arguments). A callback defines any subset of these hooks:

@@ -117,7 +117,7 @@ def finished_sources(output: Path) -> set[str]:
         except (ValueError, KeyError, TypeError, AttributeError) as exc:
             reason = exc.msg if isinstance(exc, json.JSONDecodeError) else "no source or source_digest"
             raise ValueError(
-                f"{output}:{line_no}: not a record dflash-regen wrote ({reason}); regen.output is read "
+                f"{output}:{line_no}: not a record dflash regen wrote ({reason}); regen.output is read "
                 "to skip finished conversations: fix or remove that line, or write another output"
             ) from exc
     return done
@@ -269,7 +269,7 @@ def regenerate(
     lock = FileLock(
         output.with_name(f".{output.name}.lock"),
         lambda holder: ValueError(
-            f"regen.output={output} is being written by another dflash-regen ({holder}); "
+            f"regen.output={output} is being written by another dflash regen ({holder}); "
             "wait for it, or write another output"
         ),
     )
@@ -315,7 +315,7 @@ class _Writer:
 
         self.handle, self.stats, self.sync_every_s = handle, stats, sync_every_s
         self.last_sync = time.monotonic()
-        self.progress = tqdm(desc="dflash-regen", unit="conv", initial=stats.already_done, mininterval=2.0)
+        self.progress = tqdm(desc="dflash regen", unit="conv", initial=stats.already_done, mininterval=2.0)
 
     def __call__(self, records: list[dict | None]) -> None:
         with self._naming_the_output():
