@@ -316,24 +316,23 @@ def stop_after_parsing(monkeypatch) -> None:
     real = argparse.ArgumentParser.parse_known_args
     depth = 0
 
-    def parse_known_args(self, args=None, namespace=None):
+    def outermost(parse):
+        """(namespace, rest) of `parse`, and whether no other parse encloses this one."""
         nonlocal depth
         depth += 1
         try:
-            namespace, rest = real(self, args, namespace)
+            return parse(), depth == 1
         finally:
             depth -= 1
-        if depth == 0:
+
+    def parse_known_args(self, args=None, namespace=None):
+        (namespace, rest), done = outermost(lambda: real(self, args, namespace))
+        if done:
             raise Parsed(rest)
         return namespace, rest
 
     def parse_args(self, args=None, namespace=None):
-        nonlocal depth
-        depth += 1
-        try:
-            _, rest = real(self, args, namespace)
-        finally:
-            depth -= 1
+        (_, rest), _ = outermost(lambda: real(self, args, namespace))
         if rest:
             self.error(f"unrecognized arguments: {' '.join(rest)}")
         raise Parsed([])
@@ -443,7 +442,6 @@ def test_a_refused_example_fails_the_check(monkeypatch):
 
 
 # -- help and completion load no torch ---------------------------------------------------------
-
 
 
 @pytest.mark.parametrize("command", list(COMMANDS))

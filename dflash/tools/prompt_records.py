@@ -1,5 +1,5 @@
 """The asks of `dflash prompts` as conversations: each ask wrapped as a one-turn record whose reply
-dflash regen writes, a share of them carried on to a second turn, records compared with the
+dflash regen writes, a share of them continued into a second turn, records compared with the
 evaluation benchmarks by 13-word windows (benchmarks never enter training data) and with an
 earlier file's opening asks, and the kept records mixed by each source's share."""
 
