@@ -23,6 +23,7 @@ from tests.test_dflash2_export import tiny_dflash2
 from tests.test_dflash_rules import tiny_drafter, tiny_drafter_config, tiny_target
 from tests.test_dspark_export import tiny_dspark
 from tests.test_export_bytes import moved
+from tests.test_lilicorr import tiny_lilicorr
 
 
 @register_drafter
@@ -60,6 +61,7 @@ MAKERS = {
     "dflash": lambda target: moved(tiny_drafter(target)),
     "dspark": tiny_dspark,
     "dflash2": tiny_dflash2,
+    "lilicorr": tiny_lilicorr,
     "test_margin": margin_drafter,
 }
 

@@ -81,6 +81,7 @@ from dflash.config.variant_schema import (
     DFlashVariantConfig,
     DSparkVariantConfig,
     FusedTerms,
+    LiLiCorrVariantConfig,
     MarkovHeadType,
     VariantConfig,
 )
@@ -97,6 +98,7 @@ __all__ = [
     "ConversationLayoutConfig",
     "CosineLrScheduleConfig",
     "DFlash2VariantConfig",
+    "LiLiCorrVariantConfig",
     "DFlashVariantConfig",
     "DSparkVariantConfig",
     "DataConfig",
@@ -190,6 +192,7 @@ COMPONENT_OPTIONS: dict[str, dict[str, type]] = {
         "dflash": DFlashVariantConfig,
         "dspark": DSparkVariantConfig,
         "dflash2": DFlash2VariantConfig,
+        "lilicorr": LiLiCorrVariantConfig,
     },
     "noise": {"none": NoNoiseConfig, "mask_ramp": MaskRampNoiseConfig, "feature": FeatureNoiseConfig},
     "pipeline": {"sync": SyncPipelineConfig, "async": AsyncPipelineConfig},

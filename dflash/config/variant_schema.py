@@ -133,3 +133,59 @@ class DFlash2VariantConfig(VariantConfig):
                 raise ValueError(f"variant.{key}={value}: must be >= 1")
         if not self.selector_alpha >= 0:  # `not >=`: nan fails too
             raise ValueError(f"variant.selector_alpha={self.selector_alpha}: must be >= 0")
+
+
+@dataclass
+class LiLiCorrVariantConfig(VariantConfig):
+    """LiLiCorr (arXiv 2608.20530; NVIDIA Model-Optimizer): the DFlash backbone, its top-K
+    candidates per draft slot scored by a small transformer over the lattice, drafts by a greedy
+    walk; loss DFlash's CE + ce_weight lattice CE + margin_weight hinge + penalty_weight distractor
+    penalty (dflash/step/lilicorr_loss.py). Defaults: ModelOpt's lilicorr.yaml (`base`)."""
+
+    _target_: str = "dflash.step.lilicorr_variant.LiLiCorrVariant"
+    # Candidates per draft slot (a power of two: SGLang's and vLLM's loaders refuse others).
+    candidate_topk: int = 8
+    # Width of the lattice transformer and of its factor vectors. null: the drafter's hidden size
+    # (the recipe's 1024 is for a 4096-wide Qwen3-8B drafter).
+    hidden_size: Optional[int] = None
+    factor_dim: Optional[int] = None
+    num_layers: int = 2
+    num_heads: int = 8
+    mlp_ratio: float = 2.0
+    # The factors are cosines times this fixed scale; vector_eps floors the vectors' norms.
+    logit_scale: float = 8.0
+    vector_eps: float = 1.0e-4
+    # Absolute weights of the lattice terms beside DFlash's CE (no outer factor); `margin` is the
+    # hinge's width in log-factor units (the recipe's `margin` composition: 0.125 / 0.125 / 0.25).
+    ce_weight: float = 0.25
+    margin_weight: float = 0.0
+    penalty_weight: float = 0.25
+    margin: float = 2.0
+
+    def __post_init__(self) -> None:
+        topk = self.candidate_topk
+        if topk < 1 or topk & (topk - 1):
+            raise ValueError(
+                f"variant.candidate_topk={topk}: must be a power of two (SGLang's and vLLM's rule)"
+            )
+        for key in ("num_layers", "num_heads", "hidden_size", "factor_dim"):
+            value = getattr(self, key)
+            if value is not None and value < 1:
+                raise ValueError(f"variant.{key}={value}: must be >= 1")
+        for key in ("mlp_ratio", "logit_scale"):
+            if not getattr(self, key) > 0:  # `not >`: nan fails too
+                raise ValueError(f"variant.{key}={getattr(self, key)}: must be > 0")
+        if not 0.0 < self.vector_eps < 0.5:
+            raise ValueError(f"variant.vector_eps={self.vector_eps}: must be in (0, 0.5)")
+        weights = ("ce_weight", "margin_weight", "penalty_weight")
+        for key in weights:
+            if not getattr(self, key) >= 0:
+                raise ValueError(f"variant.{key}={getattr(self, key)}: must be >= 0")
+        if not any(getattr(self, key) > 0 for key in weights):
+            # The head would get no gradient and be exported at its random init.
+            raise ValueError(
+                "variant=lilicorr with variant.ce_weight, variant.margin_weight and variant.penalty_weight "
+                "all 0 never trains the lattice head: set one > 0 (the recipe's: 0.25, 0, 0.25)"
+            )
+        if self.margin_weight > 0 and not self.margin > 0:
+            raise ValueError(f"variant.margin={self.margin}: must be > 0 when variant.margin_weight > 0")

@@ -236,6 +236,9 @@ class DrafterContext:
         # The last draft's per-round extra (`draft_block`'s second output, on the host; None
         # when the variant returns none): DSpark's survival probabilities, DFlash2's unary argmax.
         self.extra: list | None = None
+        # The projected context row before the next anchor [1, H] (a drafter that
+        # `reads_anchor_row`): the last committed position's, as `extend` receives committed rows only.
+        self.anchor_row: torch.Tensor | None = None
 
     @property
     def confidence(self) -> list[float] | None:
@@ -251,6 +254,8 @@ class DrafterContext:
         count = features_1NF.shape[1]
         positions = torch.arange(self.length, self.length + count, device=features_1NF.device)
         new = self.drafter.context_kv(features_1NF, positions.unsqueeze(0))
+        if self.drafter.reads_anchor_row:
+            self.anchor_row = self.drafter.context(features_1NF[:, -1])
         if self.kv is None:
             self.kv = new
         else:
@@ -278,8 +283,11 @@ class DrafterContext:
             windows=self.drafter.windows,
         )
         hidden = self.drafter.draft(self.kv, target.embed_tokens(block_ids), positions, mask)
+        inputs = {}
+        if self.drafter.reads_anchor_row:
+            inputs = {"embed_tokens": target.embed_tokens, "anchor_row_1H": self.anchor_row}
         tokens, extra = self.drafter.draft_block(
-            target.lm_head, hidden, block_ids[0, :1], self.choose or DraftChooser()
+            target.lm_head, hidden, block_ids[0, :1], self.choose or DraftChooser(), **inputs
         )
         self.extra = None if extra is None else extra.tolist()
         return tokens.tolist()

@@ -57,6 +57,12 @@ class StaticCacheDrafter(nn.Module):
         self.register_buffer(
             "verify_offsets", torch.arange(drafter.verify_len, device=device), persistent=False
         )
+        # Each position's projected context row, for a drafter that reads the one before its
+        # anchor; written with the keys/values, so a rejected draft's row is overwritten in turn.
+        rows = None
+        if drafter.reads_anchor_row:
+            rows = torch.zeros(max_len, config.hidden_size, dtype=drafter.fc.weight.dtype, device=device)
+        self.register_buffer("anchor_rows", rows, persistent=False)
         self._write, self._hidden = self._write_eager, self._hidden_eager
         if compile_backend is not None:
             self._write = compile_shared(self._write_eager, backend=compile_backend, dynamic=True)
@@ -93,7 +99,11 @@ class StaticCacheDrafter(nn.Module):
         (`DFlashDrafter.draft_block`). Capturable."""
         hidden = self._hidden(anchor_1, anchor_pos_1, kv_len=kv_len)
         choose = DraftChooser() if noise_BV is None else DraftChooser(temperature, noise_BV)
-        return self.drafter.draft_block(self.target.lm_head, hidden, anchor_1, choose)
+        inputs = {}
+        if self.anchor_rows is not None:
+            row = self.anchor_rows.index_select(0, anchor_pos_1.view(1) - 1)
+            inputs = {"embed_tokens": self.target.embed_tokens, "anchor_row_1H": row}
+        return self.drafter.draft_block(self.target.lm_head, hidden, anchor_1, choose, **inputs)
 
     # The entries by the variants' names (tests and benchmarks call and patch them).
     draft_dspark = draft_block
@@ -115,6 +125,8 @@ class StaticCacheDrafter(nn.Module):
     def _write_eager(self, features_1QF: torch.Tensor, positions_1Q: torch.Tensor) -> None:
         for index, (k, v) in enumerate(self.drafter.context_kv(features_1QF, positions_1Q)):
             self.kv.write(index, positions_1Q, k, v)
+        if self.anchor_rows is not None:
+            self.anchor_rows.index_copy_(0, positions_1Q[0], self.drafter.context(features_1QF)[0])
 
     def _hidden_eager(
         self, anchor_1: torch.Tensor, anchor_pos_1: torch.Tensor, *, kv_len: int

@@ -246,6 +246,10 @@ class DFlashDrafter(nn.Module):
     # parameter's dotted name): a DFlash drafter's weights warm-starting the subclass
     # (drafter.init_from) hold none of them, and they keep their fresh init.
     added_modules: ClassVar[tuple[str, ...]] = ()
+    # Whether `draft_block` also takes the target's `embed_tokens=` and `anchor_row_1H=`, the
+    # projected context row before the anchor (`context` of the features at anchor - 1): the
+    # decoders keep those rows for a drafter that reads them.
+    reads_anchor_row: ClassVar[bool] = False
 
     def __init__(self, config: Qwen3Config):
         super().__init__()

@@ -15,6 +15,7 @@ from typing import Any
 from dflash.models.dflash2 import DFlash2Drafter
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.dspark import DSparkDrafter
+from dflash.models.lilicorr import LiLiCorrDrafter
 
 _DRAFTERS: dict[str, type[DFlashDrafter]] = {}
 
@@ -48,5 +49,5 @@ def extends_backbone(config: Any) -> bool:
     return drafter_class_for(config) is not DFlashDrafter
 
 
-for _drafter_class in (DFlashDrafter, DSparkDrafter, DFlash2Drafter):
+for _drafter_class in (DFlashDrafter, DSparkDrafter, DFlash2Drafter, LiLiCorrDrafter):
     register_drafter(_drafter_class)

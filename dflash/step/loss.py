@@ -292,6 +292,8 @@ def objective_figures(sums: Mapping[str, Any]) -> dict[str, float]:
         figures.update(dspark_figures(sums))
     if "selector_ce" in sums:  # a DFlash2 run's sums (dflash/step/dflash2_loss.py)
         figures.update(dflash2_figures(sums))
+    if "lattice_ce" in sums:  # a LiLiCorr run's sums (dflash/step/lilicorr_loss.py)
+        figures.update(lilicorr_figures(sums))
     return figures
 
 
@@ -310,6 +312,16 @@ VARIANT_FIGURES: dict[str, tuple[str, ...]] = {
         "unary_acc",
         "unary_tau_block",
         "unary_tau_decode",
+        "oracle_tau_block",
+        "oracle_tau_decode",
+    ),
+    "lilicorr": (
+        "ce",
+        "lattice_ce",
+        "lattice_margin",
+        "lattice_penalty",
+        "top1_tau_block",
+        "top1_tau_decode",
         "oracle_tau_block",
         "oracle_tau_decode",
     ),
@@ -342,6 +354,25 @@ def dflash2_figures(sums: Mapping[str, Any]) -> dict[str, float]:
         "unary_acc": share(sum(sums["unary_correct"][1:]), supervised),
         "unary_tau_block": tau_from_runs(sums["unary_accepted"], sums["blocks"]),
         "unary_tau_decode": tau_from_rounds(sums["blocks"], sums["unary_rounds"]),
+        "oracle_tau_block": tau_from_runs(sums["oracle_accepted"], sums["blocks"]),
+        "oracle_tau_decode": tau_from_rounds(sums["blocks"], sums["oracle_rounds"]),
+    }
+
+
+def lilicorr_figures(sums: Mapping[str, Any]) -> dict[str, float]:
+    """LiLiCorr's figures: `ce`, DFlash's term per unit of position weight; the lattice's CE,
+    hinge and distractor penalty per supervised slot; `top1_tau_*`, what the backbone's argmax
+    would reach, and `oracle_tau_*`, every slot of the prefix with its label among the
+    candidates. The standard acc and tau_* score the greedy walk's picks."""
+    slots = sums["lattice_slots"]
+    return {
+        "ce": sums["ce"] / sums["weight"] if sums["weight"] > 0 else float("nan"),
+        **{
+            name: sums[name] / slots if slots > 0 else float("nan")
+            for name in ("lattice_ce", "lattice_margin", "lattice_penalty")
+        },
+        "top1_tau_block": tau_from_runs(sums["top1_accepted"], sums["blocks"]),
+        "top1_tau_decode": tau_from_rounds(sums["blocks"], sums["top1_rounds"]),
         "oracle_tau_block": tau_from_runs(sums["oracle_accepted"], sums["blocks"]),
         "oracle_tau_decode": tau_from_rounds(sums["blocks"], sums["oracle_rounds"]),
     }

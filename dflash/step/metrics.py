@@ -97,7 +97,24 @@ DFLASH2_FIELDS: tuple[Field, ...] = (
     Field("unary_correct", width="position"),
 )
 
-_VARIANT_FIELDS = {"dspark": DSPARK_FIELDS, "dflash2": DFLASH2_FIELDS}
+# A LiLiCorr run's sums after DFlash's (dflash/step/lilicorr_loss.py: LiLiCorrLossStats); their
+# figures are `loss.lilicorr_figures`'.
+LILICORR_FIELDS: tuple[Field, ...] = tuple(
+    Field(name)
+    for name in (
+        "ce",
+        "lattice_ce",
+        "lattice_margin",
+        "lattice_penalty",
+        "lattice_slots",
+        "top1_accepted",
+        "top1_rounds",
+        "oracle_accepted",
+        "oracle_rounds",
+    )
+)
+
+_VARIANT_FIELDS = {"dspark": DSPARK_FIELDS, "dflash2": DFLASH2_FIELDS, "lilicorr": LILICORR_FIELDS}
 
 
 def metric_fields(variant: str = "dflash") -> tuple[Field, ...]:

@@ -98,6 +98,9 @@ def drafter_forward_loss(
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device_type == "cuda" else nullcontext()
     with autocast:
         hidden = drafter(features_BSF, block_emb, blocks.positions, mask, feature_noise_std, noise_generator)
+        context = (
+            {"embed_tokens": head.embed_tokens, "features_BSF": features_BSF} if variant.needs_context else {}
+        )
         return variant.block_loss(
             hidden,
             lm_head=head.lm_head,
@@ -106,6 +109,7 @@ def drafter_forward_loss(
             final_BSH=final_BSH,
             logits_chunk=logits_chunk,
             compiled=compiled_loss,
+            **context,
         )
 
 

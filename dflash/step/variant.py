@@ -47,6 +47,8 @@ class DFlashVariant:
     needs_final_state: ClassVar[bool] = False
     # The blocks carry each label's true previous token (DraftBlocks.prev_ids).
     needs_prev_ids: ClassVar[bool] = False
+    # `block_loss` also takes the target's `embed_tokens=` and the fused `features_BSF=`.
+    needs_context: ClassVar[bool] = False
     # The drafter's weights start at the target's init std (its config's initializer_range)
     # rather than Qwen3Config's 0.02.
     init_std_from_target: ClassVar[bool] = False
