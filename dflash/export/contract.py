@@ -21,7 +21,7 @@ import torch
 import yaml
 from safetensors import SafetensorError, safe_open
 
-from dflash.export import deepspec, dflash2, speculators
+from dflash.export import deepspec, dflash2, lilicorr, speculators
 from dflash.export.dflash2 import positive_int
 from dflash.export.zlab import exported_state, nonfinite_problem, read_drafter_config
 from dflash.models.drafter_class import drafter_from_config
@@ -79,6 +79,8 @@ def expected_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         shapes.update(deepspec.head_tensors(config))
     if dflash2.is_dflash2(config):
         shapes.update(dflash2.tensor_shapes(config))
+    if lilicorr.is_lilicorr(config):
+        shapes.update(lilicorr.tensor_shapes(config))
     return shapes
 
 
@@ -102,6 +104,8 @@ def config_problems(
     is_dflash2 = dflash2.is_dflash2(config)
     problems = []
     architectures = [dflash2.DFLASH2_ARCHITECTURE if is_dflash2 else "DFlashDraftModel"]
+    if lilicorr.is_lilicorr(config):
+        architectures = [lilicorr.ARCHITECTURE]
     if layout == "zlab" and config.get("architectures") != architectures:
         problems.append(
             f"architectures is {config.get('architectures')!r}, not {architectures!r} "
@@ -168,6 +172,8 @@ def config_problems(
         problems += dflash2.field_problems(config)
         if layout == "zlab":
             problems += dflash2.lattice_problems(config)
+    if lilicorr.is_lilicorr(config):
+        problems += lilicorr.field_problems(config)
     if target is not None:
         problems += pairing_problems(config, target, records_depth=records_depth)
     return problems
@@ -420,7 +426,11 @@ def _describes_tensors(config: dict[str, Any]) -> bool:
     described = all(isinstance(config.get(k), int) and config[k] > 0 for k in sizes) and isinstance(
         layer_ids, list
     )
-    return described and (not dflash2.is_dflash2(config) or dflash2.describes_tensors(config))
+    return (
+        described
+        and (not dflash2.is_dflash2(config) or dflash2.describes_tensors(config))
+        and (not lilicorr.is_lilicorr(config) or lilicorr.describes_tensors(config))
+    )
 
 
 def reader_limits(directory: Path) -> list[str]:

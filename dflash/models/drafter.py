@@ -237,6 +237,8 @@ class DFlashDrafter(nn.Module):
     # to a user.
     native_layout: ClassVar[str] = "zlab"
     display_name: ClassVar[str] = "DFlash"
+    # Layouts besides its native one that some reader loads it in (`dflash export convert`).
+    foreign_layouts: ClassVar[tuple[str, ...]] = ("speculators",)
     # Its export's reader asserts `num_anchors` in config.json (DeepSpec's).
     records_num_anchors: ClassVar[bool] = False
     # What the second output of `draft_block` is, by the name the reference decoder's context

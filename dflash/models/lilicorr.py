@@ -310,6 +310,8 @@ class LiLiCorrDrafter(DFlashDrafter):
     display_name = "LiLiCorr"
     round_extra = "unary"
     reads_anchor_row = True
+    # SGLang and vLLM read it in the z-lab layout only (dflash/export/lilicorr.py).
+    foreign_layouts = ()
 
     def __init__(self, config: Qwen3Config):
         super().__init__(config)

@@ -163,6 +163,11 @@ def convert(args: argparse.Namespace, target: dict[str, Any] | None) -> None:
             TOOL,
             f"{args.source}: {NATIVE_REFUSALS[args.layout].format(name=drafter.display_name)}: --layout {native}",
         )
+    if args.layout not in NATIVE_LAYOUTS and args.layout not in drafter.foreign_layouts:
+        exit_for_user_error(
+            TOOL,
+            f"{args.source}: no reader loads a {drafter.display_name} drafter in the {args.layout} layout: --layout {native}",
+        )
     if args.layout in NATIVE_LAYOUTS:
         if getattr(drafter.config, "num_target_layers", None) is None:
             # The speculators layout records no target depth; SGLang resolves layer ids by it.

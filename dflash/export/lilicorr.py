@@ -1,0 +1,87 @@
+"""A LiLiCorr drafter's export: the z-lab layout with `architectures: [LiLiCorrDraftModel]`, the
+head's geometry as `lilicorr_*` keys (and `lilicorr_enabled: true`) inside `dflash_config`, and the
+head's `lilicorr.*` tensors beside the backbone's in model.safetensors. It is the layout SGLang's
+LiLiCorr loader (`sglang/srt/models/lilicorr.py`, PR #37462: selected by the architecture, served
+as DFlash with the head) and vLLM's (`qwen3_lilicorr`) read; both require every geometry key and a
+power-of-two `lilicorr_candidate_topk`. No other layout holds the head: the speculators and
+DeepSpec layouts are refused for it (dflash/tools/export_commands.py)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from dflash.models.lilicorr import (
+    LILICORR_ARCHITECTURE,
+    NUM_CANDIDATE_FEATURES,
+    is_lilicorr_config,
+    lattice_problems,
+    lilicorr_settings,
+)
+
+ARCHITECTURE = LILICORR_ARCHITECTURE
+
+
+def is_lilicorr(config: dict[str, Any]) -> bool:
+    return is_lilicorr_config(config)
+
+
+def field_problems(config: dict[str, Any]) -> list[str]:
+    """The readers' rules on the head's geometry, one line each naming the key."""
+    return lattice_problems(config)
+
+
+def describes_tensors(config: dict[str, Any]) -> bool:
+    """Whether the config gives every head tensor's shape (its geometry keeps the rules)."""
+    return not field_problems(config)
+
+
+def tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+    """The head's tensors by name and shape (dflash/models/lilicorr.py's LatticeHead)."""
+    settings = lilicorr_settings(config)
+    model = config["hidden_size"]
+    width = settings["hidden_size"] or model
+    slots = (config.get("block_size") or config["dflash_config"]["block_size"]) - 1
+    heads, factor, topk = settings["num_heads"], settings["factor_dim"], settings["candidate_topk"]
+    inner = int(width * settings["mlp_ratio"])
+    head = "lilicorr"
+    shapes: dict[str, tuple[int, ...]] = {
+        f"{head}.slot_embedding": (1, 1, slots, 1, width),
+        f"{head}.rank_embedding": (1, 1, 1, topk, width),
+        f"{head}.relative_slot_bias": (heads, 2 * slots + 1),
+        f"{head}.same_slot_bias": (heads,),
+        f"{head}.pass_hidden_proj.weight": (width, model),
+        f"{head}.pass_hidden_proj.bias": (width,),
+        f"{head}.feature_mlp.0.weight": (NUM_CANDIDATE_FEATURES,),
+        f"{head}.feature_mlp.0.bias": (NUM_CANDIDATE_FEATURES,),
+        f"{head}.feature_mlp.1.weight": (width, NUM_CANDIDATE_FEATURES),
+        f"{head}.feature_mlp.1.bias": (width,),
+        f"{head}.feature_mlp.3.weight": (width, width),
+        f"{head}.feature_mlp.3.bias": (width,),
+        f"{head}.context_proj.weight": (width, model),
+        f"{head}.context_proj.bias": (width,),
+        f"{head}.output_norm.weight": (width,),
+        f"{head}.anchor_norm.weight": (width,),
+        f"{head}.factor_input_proj.weight": (width, 3 * width),
+        f"{head}.factor_input_proj.bias": (width,),
+    }
+    if width != model:
+        shapes.update({f"{head}.token_proj.weight": (width, model), f"{head}.token_proj.bias": (width,)})
+    for name in ("out_head", "in_head", "anchor_out_head"):
+        shapes.update({f"{head}.{name}.weight": (factor, width), f"{head}.{name}.bias": (factor,)})
+    for i in range(settings["num_layers"]):
+        layer = f"{head}.layers.{i}"
+        shapes.update(
+            {
+                f"{layer}.attn_norm.weight": (width,),
+                f"{layer}.attn.in_proj_weight": (3 * width, width),
+                f"{layer}.attn.in_proj_bias": (3 * width,),
+                f"{layer}.attn.out_proj.weight": (width, width),
+                f"{layer}.attn.out_proj.bias": (width,),
+                f"{layer}.mlp_norm.weight": (width,),
+                f"{layer}.mlp.0.weight": (inner, width),
+                f"{layer}.mlp.0.bias": (inner,),
+                f"{layer}.mlp.2.weight": (width, inner),
+                f"{layer}.mlp.2.bias": (width,),
+            }
+        )
+    return shapes

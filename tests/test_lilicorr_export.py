@@ -1,0 +1,90 @@
+"""A LiLiCorr drafter's export (dflash/export/lilicorr.py): the z-lab layout SGLang's and vLLM's
+LiLiCorr loaders read (`architectures: [LiLiCorrDraftModel]`, the `lilicorr_*` geometry in
+dflash_config, the `lilicorr.*` tensors), checked by the export contract; a broken geometry named
+one line each; every other layout refused in one line with exit code 2."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dflash.export.contract import check_export
+from dflash.export.zlab import export_drafter, load_drafter
+from dflash.models.lilicorr import LiLiCorrDrafter
+from dflash.tools.export import main as export_main
+from tests.test_dflash2_export import TINY_TARGET
+from tests.test_dflash_rules import tiny_target
+from tests.test_export_contract import edit_config
+from tests.test_lilicorr import tiny_lilicorr
+
+
+@pytest.fixture
+def export(tmp_path):
+    directory = tmp_path / "lilicorr"
+    export_drafter(tiny_lilicorr(tiny_target()), directory)
+    return directory
+
+
+def test_the_export_is_the_layout_the_served_loaders_read(export):
+    config = json.loads((export / "config.json").read_text())
+    assert config["architectures"] == ["LiLiCorrDraftModel"]
+    assert config["dflash_config"]["lilicorr_enabled"] is True
+    assert {
+        key: config["dflash_config"][f"lilicorr_{key}"]
+        for key in ("candidate_topk", "num_layers", "factor_dim")
+    } == {
+        "candidate_topk": 4,
+        "num_layers": 1,
+        "factor_dim": 8,
+    }
+    assert check_export(export, target=TINY_TARGET) == []
+    loaded = load_drafter(export)
+    assert isinstance(loaded, LiLiCorrDrafter)
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (
+            lambda c: c["dflash_config"].update(lilicorr_candidate_topk=3),
+            "lilicorr_candidate_topk=3: must be a power of two",
+        ),
+        (
+            lambda c: c["dflash_config"].pop("lilicorr_logit_scale"),
+            "needs dflash_config.lilicorr_logit_scale",
+        ),
+        (lambda c: c.update(architectures=["DFlashDraftModel"]), "not ['LiLiCorrDraftModel']"),
+    ],
+)
+def test_a_broken_lilicorr_export_is_named_one_line_each(export, capsys, edit, expected):
+    edit_config(export, edit)
+    with pytest.raises(SystemExit) as stopped:
+        export_main(["check", str(export)])
+    assert stopped.value.code == 2
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert any(expected in line for line in lines), lines
+
+
+@pytest.mark.parametrize("layout", ["speculators", "deepspec"])
+def test_layouts_no_reader_loads_it_in_are_refused_in_one_line(
+    export, tmp_path, tiny_qwen3_dir, capsys, layout
+):
+    destination = tmp_path / layout
+    with pytest.raises(SystemExit) as stopped:
+        export_main(
+            ["convert", str(export), str(destination), "--layout", layout, "--target", str(tiny_qwen3_dir)]
+        )
+    assert stopped.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()
+    assert len(error) == 1 and "LiLiCorr drafter" in error[0] and "--layout zlab" in error[0], error
+    assert not destination.exists()
+
+
+def test_converting_to_its_own_layout_keeps_every_weight(export, tmp_path, tiny_qwen3_dir):
+    export_main(
+        ["convert", str(export), str(tmp_path / "again"), "--layout", "zlab", "--target", str(tiny_qwen3_dir)]
+    )
+    before, after = load_drafter(export).state_dict(), load_drafter(tmp_path / "again").state_dict()
+    assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
