@@ -261,3 +261,54 @@ def test_the_head_reads_the_anchor_row_it_is_given():
     _, start_b, _ = drafter.score(anchor_row_NH=torch.randn(1, 64), **inputs)
     assert not torch.allclose(start_a, start_b)
     assert F.softmax(start_a, -1).sum().item() == pytest.approx(1.0)
+
+
+# -- decoding -----------------------------------------------------------------------------------
+
+
+def test_both_decoders_draft_the_walk_from_the_context_row_before_each_anchor(monkeypatch):
+    """Lossless in both decoders; each round's lattice is scored with the projected target row
+    at anchor - 1 (checked against the full sequence's features), and the drafts are the walk's
+    picks: they differ from the backbone's argmax in some rounds (the selector figures count it)."""
+    from dflash.decoding.engine import StaticDecoder
+    from dflash.decoding.reference import plain_generate, speculative_generate
+    from tests.test_dflash_rules import tiny_target as plain_target
+
+    target = plain_target()
+    drafter = tiny_lilicorr(target).eval()
+    rows: list[torch.Tensor] = []
+    draft_block = LiLiCorrDrafter.draft_block
+
+    def recording(self, lm_head, hidden, anchor, choose, *, embed_tokens, anchor_row_1H):
+        rows.append(anchor_row_1H.detach().clone())
+        return draft_block(
+            self, lm_head, hidden, anchor, choose, embed_tokens=embed_tokens, anchor_row_1H=anchor_row_1H
+        )
+
+    monkeypatch.setattr(LiLiCorrDrafter, "draft_block", recording)
+    prompt = torch.randint(0, 500, (9,), generator=torch.Generator().manual_seed(4)).tolist()
+    plain = plain_generate(target, prompt, 16).output_ids
+    decoder = StaticDecoder(target, drafter, max_len=64, graphs=False, kv_bucket=16)
+    for decode in (
+        lambda: speculative_generate(target, drafter, prompt, 16),
+        lambda: decoder.speculative(prompt, 16),
+    ):
+        rows.clear()
+        result = decode()
+        assert result.output_ids == plain
+        assert sum(result.selector_changed) > 0
+        with torch.no_grad():
+            context = drafter.context(target.features(torch.tensor([prompt + plain])))[0]
+        anchors = [len(prompt) + sum(result.acceptance_lengths[:r]) for r in range(len(rows))]
+        assert len(rows) == len(result.acceptance_lengths)
+        for row, anchor in zip(rows, anchors):
+            torch.testing.assert_close(row[0], context[anchor - 1], rtol=1e-4, atol=1e-5)
+
+
+def test_drafts_stay_the_walks_argmax_at_a_temperature():
+    """As SGLang serves it: deterministic drafts, verified as point masses; no draft noise is
+    drawn even when sampled drafts are asked for."""
+    from dflash.decoding.reference import samples_drafts
+
+    drafter = tiny_lilicorr(tiny_target())
+    assert not samples_drafts(drafter, 0.8, sampled_drafts=True)
