@@ -230,6 +230,38 @@ def test_a_dflash_checkpoint_warm_starts_the_backbone_and_the_head_starts_fresh(
     assert added == {name for name in state if name.startswith("lilicorr.")} and added
 
 
+DFLASH2_RUN = ["variant=dflash2", "variant.selector_rank=16", "variant.selector_top_k=7"]
+CONV = ["variant.conv_kernel_size=2", "variant.conv_group_size=16"]  # DFlash2's defaults at hidden 64
+
+
+def test_a_dflash2_checkpoint_warm_starts_the_backbone_and_convolutions_without_its_selector(
+    make_cfg, tmp_path
+):
+    """drafter.init_from a DFlash2 checkpoint into LiLiCorr with the same convolutions: the
+    backbone and every convolution load, DFlash2's selector is left out (the lattice head replaces
+    it) and the head starts fresh; without the convolutions the checkpoint is refused, naming them."""
+    from dflash.run.launch import build_models
+    from dflash.run.preflight import check_before_loading
+
+    source_run = train(make_cfg(DFLASH2_RUN + ["train.total_steps=2"], output_dir=tmp_path / "dflash2"))
+    source = load_drafter(source_run["checkpoint"]).state_dict()
+    warm_cfg = make_cfg(
+        LILICORR + CONV + [f"drafter.init_from={source_run['checkpoint']}"], tmp_path / "warm"
+    )
+    warm = build_models(check_before_loading(warm_cfg)).drafters[0]
+    assert isinstance(warm, LiLiCorrDrafter)
+    state = warm.state_dict()
+    shared = {name for name in source if not name.startswith("candidate_selector.")}
+    assert any("_conv." in name for name in shared)
+    assert all(torch.equal(state[name], source[name]) for name in shared)
+    assert {name for name in state if name not in source} == {
+        name for name in state if name.startswith("lilicorr.")
+    }
+    plain_cfg = make_cfg(LILICORR + [f"drafter.init_from={source_run['checkpoint']}"], tmp_path / "plain")
+    with pytest.raises(ValueError, match="unexpected: .*attention_conv"):
+        build_models(check_before_loading(plain_cfg))
+
+
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
@@ -240,6 +272,11 @@ def test_a_dflash_checkpoint_warm_starts_the_backbone_and_the_head_starts_fresh(
             "never trains the lattice head",
         ),
         (["variant.vector_eps=0.7"], r"variant.vector_eps=0.7: must be in \(0, 0.5\)"),
+        (["variant.conv_kernel_size=2"], "variant.conv_kernel_size and variant.conv_group_size: set both"),
+        (
+            CONV[:1] + ["variant.conv_group_size=7"],
+            r"variant.conv_group_size=7 must divide the hidden size \(64\)",
+        ),
     ],
 )
 def test_bad_lilicorr_settings_are_refused_naming_the_key(make_cfg, overrides, message):

@@ -27,6 +27,21 @@ def export(tmp_path):
     return directory
 
 
+def test_the_convolutions_export_under_dflash2s_names_and_keep_the_contract(tmp_path):
+    from tests.test_lilicorr import lilicorr_config
+
+    target = tiny_target()
+    config = lilicorr_config(target, conv_kernel_size=2, conv_group_size=16)
+    drafter = LiLiCorrDrafter(config)
+    export_drafter(drafter, tmp_path / "conv")
+    assert check_export(tmp_path / "conv", target=TINY_TARGET) == []
+    loaded = load_drafter(tmp_path / "conv")
+    assert loaded.layers[0].attention_conv.base_kernel.shape == (2, 2, 64)
+    assert (
+        json.loads((tmp_path / "conv" / "config.json").read_text())["dflash_config"]["conv_group_size"] == 16
+    )
+
+
 def test_the_export_is_the_layout_the_served_loaders_read(export):
     config = json.loads((export / "config.json").read_text())
     assert config["architectures"] == ["LiLiCorrDraftModel"]

@@ -161,6 +161,10 @@ class LiLiCorrVariantConfig(VariantConfig):
     margin_weight: float = 0.0
     penalty_weight: float = 0.25
     margin: float = 2.0
+    # DFlash2's block-local convolutions around every draft sublayer (ModelOpt's LiLiCorr+conv,
+    # identity at init; what a DFlash2 checkpoint warm-starting the run brings): both or neither.
+    conv_kernel_size: Optional[int] = None
+    conv_group_size: Optional[int] = None
 
     def __post_init__(self) -> None:
         topk = self.candidate_topk
@@ -168,7 +172,16 @@ class LiLiCorrVariantConfig(VariantConfig):
             raise ValueError(
                 f"variant.candidate_topk={topk}: must be a power of two (SGLang's and vLLM's rule)"
             )
-        for key in ("num_layers", "num_heads", "hidden_size", "factor_dim"):
+        if (self.conv_kernel_size is None) != (self.conv_group_size is None):
+            raise ValueError("variant.conv_kernel_size and variant.conv_group_size: set both or neither")
+        for key in (
+            "num_layers",
+            "num_heads",
+            "hidden_size",
+            "factor_dim",
+            "conv_kernel_size",
+            "conv_group_size",
+        ):
             value = getattr(self, key)
             if value is not None and value < 1:
                 raise ValueError(f"variant.{key}={value}: must be >= 1")

@@ -23,6 +23,7 @@ from typing import Any
 
 from dflash.config.shape_defaults import largest_servable_top_k, selector_fits_llama_cpp
 from dflash.models.dflash2 import DFLASH2_ARCHITECTURE, DFLASH2_KEYS, UNARY_KEYS
+from dflash.models.lilicorr import is_lilicorr_config
 
 SPECULATORS_TYPE = "dflash2"
 # DFlash2SpeculatorConfig's defaults (speculators/models/dflash2/config.py): a field a
@@ -49,7 +50,10 @@ _PART_OF = {
 
 def is_dflash2(config: dict[str, Any]) -> bool:
     """A DFlash2 drafter's config (z-lab form): its architecture, or a DFlash2 field inside
-    dflash_config or at the top level (a misplaced field is a DFlash2 export to check)."""
+    dflash_config or at the top level (a misplaced field is a DFlash2 export to check); not a
+    LiLiCorr drafter's, whose convolutions take DFlash2's keys (dflash/export/lilicorr.py)."""
+    if is_lilicorr_config(config):
+        return False
     nested = _settings(config)
     return DFLASH2_ARCHITECTURE in (config.get("architectures") or []) or any(
         key in nested or key in config for key in DFLASH2_KEYS

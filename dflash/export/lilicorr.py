@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from dflash.models.lilicorr import (
+    CONV_MODULES,
     LILICORR_ARCHITECTURE,
     NUM_CANDIDATE_FEATURES,
     is_lilicorr_config,
@@ -68,6 +69,12 @@ def tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         shapes.update({f"{head}.token_proj.weight": (width, model), f"{head}.token_proj.bias": (width,)})
     for name in ("out_head", "in_head", "anchor_out_head"):
         shapes.update({f"{head}.{name}.weight": (factor, width), f"{head}.{name}.bias": (factor,)})
+    if "conv_kernel_size" in settings:  # DFlash2's tensors (dflash/export/dflash2.py)
+        kernel, groups = settings["conv_kernel_size"], model // settings["conv_group_size"]
+        for i in range(config["num_hidden_layers"]):
+            for conv in CONV_MODULES:
+                shapes[f"layers.{i}.{conv}.base_kernel"] = (2, kernel, model)
+                shapes[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * kernel * groups, model)
     for i in range(settings["num_layers"]):
         layer = f"{head}.layers.{i}"
         shapes.update(

@@ -34,6 +34,7 @@ from transformers import Qwen3Config
 from dflash.export import deepspec, dflash2, speculators
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.drafter_class import drafter_from_config
+from dflash.models.variants import drafter_class_for
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -220,6 +221,10 @@ def load_drafter_weights(drafter: DFlashDrafter, directory: Path, *, new_parts: 
     if new_parts:
         added = set(drafter.added_modules)
         missing = [name for name in missing if added.isdisjoint(name.split("."))]
+        # A variant it warm-starts from (`warm_starts_from`) brings modules of its own this one
+        # replaces (DFlash2's selector): left out. A module both have must still fit.
+        left_out = set(drafter_class_for(read_drafter_config(directory)).added_modules) - added
+        unexpected = [name for name in unexpected if left_out.isdisjoint(name.split("."))]
     if missing or unexpected:
         raise ValueError(
             f"{path}: weights do not fit the drafter (missing: {missing or 'none'}; "

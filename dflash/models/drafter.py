@@ -248,6 +248,9 @@ class DFlashDrafter(nn.Module):
     # parameter's dotted name): a DFlash drafter's weights warm-starting the subclass
     # (drafter.init_from) hold none of them, and they keep their fresh init.
     added_modules: ClassVar[tuple[str, ...]] = ()
+    # Variants (by name) whose checkpoints may start this one too (drafter.init_from): the parts
+    # both have load, the source's other added modules are left out, this one's own start fresh.
+    warm_starts_from: ClassVar[tuple[str, ...]] = ()
     # Whether `draft_block` also takes the target's `embed_tokens=` and `anchor_row_1H=`, the
     # projected context row before the anchor (`context` of the features at anchor - 1): the
     # decoders keep those rows for a drafter that reads them.

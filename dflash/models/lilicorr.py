@@ -42,7 +42,10 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
+from dflash.models.dflash2 import DFlash2Drafter, GroupedDynamicConv
 from dflash.models.drafter import DFlashDrafter, differing_fields
+
+CONV_MODULES = ("attention_conv", "mlp_conv")
 
 LILICORR_ARCHITECTURE = "LiLiCorrDraftModel"
 # The head's geometry, each a `lilicorr_<name>` key of dflash_config (the served readers require
@@ -58,6 +61,9 @@ GEOMETRY = (
     "logit_scale",
 )
 ENABLED_KEY = "lilicorr_enabled"
+# The optional block-local convolutions around every draft sublayer (ModelOpt's LiLiCorr+conv;
+# DFlash2's GroupedDynamicConv, under DFlash2's key and tensor names): both keys or neither.
+CONV_KEYS = ("conv_kernel_size", "conv_group_size")
 NUM_CANDIDATE_FEATURES = 5
 _FLOAT_FIELDS = ("mlp_ratio", "vector_eps", "logit_scale")
 
@@ -69,7 +75,8 @@ def lilicorr_settings(config: Any) -> dict[str, Any]:
     nested = raw.get("dflash_config") or {}
     if not nested.get(ENABLED_KEY):
         return {}
-    return {name: nested[f"lilicorr_{name}"] for name in GEOMETRY if f"lilicorr_{name}" in nested}
+    settings = {name: nested[f"lilicorr_{name}"] for name in GEOMETRY if f"lilicorr_{name}" in nested}
+    return settings | {key: nested[key] for key in CONV_KEYS if nested.get(key) is not None}
 
 
 def is_lilicorr_config(config: Any) -> bool:
@@ -106,12 +113,37 @@ def lattice_problems(config: Any, prefix: str = "dflash_config.lilicorr_") -> li
             problems.append(f"{prefix}{name}={settings[name]}: must be > 0")
     if topk > raw["vocab_size"]:
         problems.append(f"{prefix}candidate_topk={topk}: more than the vocabulary ({raw['vocab_size']})")
+    return problems + conv_problems(settings, raw, prefix=prefix.removesuffix("lilicorr_"))
+
+
+def conv_problems(settings: dict[str, Any], raw: dict[str, Any], *, prefix: str) -> list[str]:
+    """The convolutions' keys: both or neither, the group dividing the hidden size, the taps
+    inside the block (the rules of DFlash2's readers, whose convolution this is)."""
+    present = [key for key in CONV_KEYS if key in settings]
+    if not present:
+        return []
+    if len(present) == 1:
+        missing = next(key for key in CONV_KEYS if key not in settings)
+        return [f"{prefix}{present[0]} is set without {prefix}{missing}: the convolutions need both"]
+    kernel, group, block = settings["conv_kernel_size"], settings["conv_group_size"], raw.get("block_size")
+    problems = []
+    if kernel < 1 or (block is not None and kernel > block):
+        problems.append(f"{prefix}conv_kernel_size={kernel}: must be in 1..block_size ({block})")
+    if group < 1 or raw["hidden_size"] % group:
+        problems.append(f"{prefix}conv_group_size={group} must divide the hidden size ({raw['hidden_size']})")
     return problems
 
 
-def add_lilicorr_fields(config: Qwen3Config, **geometry: Any) -> Qwen3Config:
+def add_lilicorr_fields(
+    config: Qwen3Config,
+    *,
+    conv_kernel_size: int | None = None,
+    conv_group_size: int | None = None,
+    **geometry: Any,
+) -> Qwen3Config:
     """Mark a drafter config as LiLiCorr with the served config.json's keys (in place); `geometry`
-    holds every name of GEOMETRY (hidden_size / factor_dim None: the drafter's / the head's width)."""
+    holds every name of GEOMETRY (hidden_size / factor_dim None: the drafter's / the head's width);
+    the two conv sizes add the convolutions (None: none)."""
     values = dict(geometry)
     values["hidden_size"] = int(values["hidden_size"] or config.hidden_size)
     values["factor_dim"] = int(values["factor_dim"] or values["hidden_size"])
@@ -119,6 +151,8 @@ def add_lilicorr_fields(config: Qwen3Config, **geometry: Any) -> Qwen3Config:
         f"lilicorr_{name}": float(values[name]) if name in _FLOAT_FIELDS else int(values[name])
         for name in GEOMETRY
     }
+    convs = {"conv_kernel_size": conv_kernel_size, "conv_group_size": conv_group_size}
+    fields.update({key: int(value) for key, value in convs.items() if value is not None})
     config.dflash_config = {**config.dflash_config, ENABLED_KEY: True, **fields}
     config.architectures = [LILICORR_ARCHITECTURE]
     problems = lattice_problems(config, prefix="variant.")
@@ -305,13 +339,16 @@ class LiLiCorrDrafter(DFlashDrafter):
     backbone's; the head reads their hidden states, the target head's logits on them and the
     projected context row before the anchor."""
 
-    added_modules = ("lilicorr",)
+    added_modules = ("lilicorr", *CONV_MODULES)
     variant_name = "lilicorr"
     display_name = "LiLiCorr"
     round_extra = "unary"
     reads_anchor_row = True
     # SGLang and vLLM read it in the z-lab layout only (dflash/export/lilicorr.py).
     foreign_layouts = ()
+    # A DFlash2 checkpoint starts it too (drafter.init_from): its backbone and convolutions load,
+    # its candidate selector, which the lattice head replaces, is left out.
+    warm_starts_from = (DFlash2Drafter.variant_name,)
 
     def __init__(self, config: Qwen3Config):
         super().__init__(config)
@@ -319,6 +356,18 @@ class LiLiCorrDrafter(DFlashDrafter):
         if problems:
             raise ValueError(problems[0])
         self.settings = lilicorr_settings(config)
+        if "conv_kernel_size" in self.settings:
+            # Identity at init (DFlash2's rule, and the reference's for LiLiCorr+conv): a fresh
+            # drafter drafts as the backbone it was built from.
+            for layer in self.layers:
+                for name in CONV_MODULES:
+                    conv = GroupedDynamicConv(
+                        hidden_size=config.hidden_size,
+                        kernel_size=self.settings["conv_kernel_size"],
+                        group_size=self.settings["conv_group_size"],
+                        block_size=self.block_size,
+                    )
+                    setattr(layer, name, conv)
         self.lilicorr = LatticeHead(
             model_width=config.hidden_size,
             block_size=self.block_size,
@@ -403,4 +452,5 @@ class LiLiCorrDrafter(DFlashDrafter):
         fields = {ENABLED_KEY: "variant (lilicorr)"} | {
             f"lilicorr_{name}": f"variant.{name}" for name in GEOMETRY
         }
+        fields |= {key: f"variant.{key}" for key in CONV_KEYS}
         return differing_fields(fields, saved.dflash_config, run.dflash_config)

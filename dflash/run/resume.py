@@ -16,7 +16,7 @@ from dflash.data.dataset import TokenDataset
 from dflash.data.identity import appended, data_changes, read_data_identity
 from dflash.export.zlab import read_drafter_config
 from dflash.models.identity import identity_differences, read_identity
-from dflash.models.variants import extends_backbone, registered_drafters
+from dflash.models.variants import drafter_class_for, extends_backbone, registered_drafters
 from dflash.trainer.checkpoint import RUN_CONFIG_FILE
 
 log = logging.getLogger(__name__)
@@ -44,7 +44,13 @@ RESUME_TARGET_FIELDS = ("name", "path", "model_type", "init_seed", "arch")
 def warm_starts_new_parts(saved: Qwen3Config, run_config: Qwen3Config, key: str) -> bool:
     """A DFlash drafter starting a DSpark or DFlash2 run (drafter.init_from): what the variant
     adds (heads; convolutions and selector) starts fresh."""
-    return key == "drafter.init_from" and not extends_backbone(saved) and extends_backbone(run_config)
+    if key != "drafter.init_from":
+        return False
+    from_backbone = not extends_backbone(saved) and extends_backbone(run_config)
+    return (
+        from_backbone
+        or drafter_class_for(saved).variant_name in drafter_class_for(run_config).warm_starts_from
+    )
 
 
 def _target_differences(

@@ -37,9 +37,16 @@ class LiLiCorrVariant(DFlashVariant):
     margin_weight: float = 0.0
     penalty_weight: float = 0.25
     margin: float = 2.0
+    conv_kernel_size: int | None = None
+    conv_group_size: int | None = None
 
     def drafter_config(self, config: Qwen3Config) -> Qwen3Config:
-        return add_lilicorr_fields(config, **{name: getattr(self, name) for name in GEOMETRY})
+        return add_lilicorr_fields(
+            config,
+            conv_kernel_size=self.conv_kernel_size,
+            conv_group_size=self.conv_group_size,
+            **{name: getattr(self, name) for name in GEOMETRY},
+        )
 
     def drafter(self, config: Qwen3Config) -> LiLiCorrDrafter:
         return LiLiCorrDrafter(config)
