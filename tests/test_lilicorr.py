@@ -197,9 +197,9 @@ LILICORR = ["variant=lilicorr", "variant.candidate_topk=4", "variant.num_heads=2
 
 
 def test_variant_lilicorr_trains_end_to_end_and_its_loss_falls(make_cfg):
-    cfg = make_cfg(LILICORR + ["train.total_steps=30", "logger.every_steps=10", "data.val_samples=16"])
+    cfg = make_cfg(LILICORR + ["train.total_steps=12", "logger.every_steps=4", "data.val_samples=16"])
     summary = train(cfg)
-    assert summary["steps"] == 30 and summary["eval/lossless_frac"] == 1.0
+    assert summary["steps"] == 12 and summary["eval/lossless_frac"] == 1.0
     rows = [
         json.loads(line) for line in (Path(cfg.paths.output_dir) / "metrics.jsonl").read_text().splitlines()
     ]
