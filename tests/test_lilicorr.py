@@ -182,6 +182,31 @@ def test_the_loss_is_dflash_ce_plus_the_weighted_lattice_terms_and_scores_the_wa
     assert not torch.equal(top1, hits)  # the head's picks are not the backbone's argmax here
 
 
+def test_the_penalty_weights_are_the_targets_logit_gaps_at_the_slots_own_positions():
+    """relu(T[gold] - T[c]) with T the target's full logits at position a + s (the ones that
+    predict slot s's token a + s + 1), worked block by block from the LM head on the final state."""
+    from dflash.step.lilicorr_loss import _rejection_weights
+
+    target, _, blocks, _, features = loss_inputs()
+    final = features[..., -64:]
+    slots = BLOCK - 1
+    n = blocks.anchors.numel()
+    ids = torch.randint(0, 512, (n, slots, 4), generator=torch.Generator().manual_seed(2))
+    gold = torch.randint(0, 4, (n, slots), generator=torch.Generator().manual_seed(3))
+    weights = _rejection_weights(
+        final_BSH=final, lm_head=target.lm_head, blocks=blocks, ids_NSK=ids, gold_NS=gold
+    )
+    per_sample = blocks.anchors.shape[1]
+    for block in range(n):
+        b, anchor = block // per_sample, int(blocks.anchors.flatten()[block])
+        for slot in range(slots):
+            position = min(anchor + slot, final.shape[1] - 1)
+            logits = target.lm_head(final[b, position])
+            gold_logit = logits[ids[block, slot, gold[block, slot]]]
+            expected = (gold_logit - logits[ids[block, slot]]).clamp_min(0.0)
+            torch.testing.assert_close(weights[block, slot], expected, rtol=1e-5, atol=1e-5)
+
+
 def test_a_block_without_its_anchors_row_zeroes_the_anchor_and_trains():
     target = tiny_target()
     drafter = tiny_lilicorr(target)
