@@ -42,8 +42,9 @@ RESUME_TARGET_FIELDS = ("name", "path", "model_type", "init_seed", "arch")
 # may start such a run (drafter.init_from: its backbone loads, the added parts start fresh);
 # otherwise they must agree.
 def warm_starts_new_parts(saved: Qwen3Config, run_config: Qwen3Config, key: str) -> bool:
-    """A DFlash drafter starting a DSpark or DFlash2 run (drafter.init_from): what the variant
-    adds (heads; convolutions and selector) starts fresh."""
+    """A DFlash drafter starting a DSpark, DFlash2 or LiLiCorr run, or a drafter of a variant the
+    run's lists in `warm_starts_from` (a DFlash2 one starting LiLiCorr), by drafter.init_from: what
+    the run's variant adds starts fresh, what only the source has is left out."""
     if key != "drafter.init_from":
         return False
     from_backbone = not extends_backbone(saved) and extends_backbone(run_config)
