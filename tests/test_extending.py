@@ -1,8 +1,9 @@
 """User code plugged in by config alone: the examples of docs/extending.md, written into modules
 outside the package, run: a callback receives every hook in a normal run; a batch order, a noise
 schedule and a metric sink replace or join the built-ins by overrides alone; a training metric
-added to `FIELDS` reaches every sink; a component or callback that cannot be built is refused
-before anything loads."""
+added to `FIELDS` reaches every sink; a drafter variant of one's own (its options, drafter class
+and training side) composes, trains, decodes and loads back as itself; a component or callback
+that cannot be built is refused before anything loads."""
 
 from __future__ import annotations
 
@@ -21,10 +22,14 @@ from tests.conftest import FAST, SLOW_MACHINE_TIMEOUT_S, one_sample_batch, recor
 DOC = Path(__file__).resolve().parent.parent / "docs" / "extending.md"
 
 
+def doc_blocks() -> list[str]:
+    """The python blocks of docs/extending.md."""
+    return re.findall(r"```python\n(.*?)```", DOC.read_text(), re.DOTALL)
+
+
 def doc_example(defines: str) -> str:
     """The python block of docs/extending.md that defines `defines` (a class or a name)."""
-    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.DOTALL)
-    return next(block for block in blocks if f"class {defines}" in block or f"\n{defines} = " in block)
+    return next(block for block in doc_blocks() if f"class {defines}" in block or f"\n{defines} = " in block)
 
 
 def test_the_documented_batch_order_noise_and_sink_run_from_overrides_alone(tmp_path, make_cfg, monkeypatch):
@@ -115,6 +120,76 @@ def test_the_documented_training_metric_reaches_every_sink(make_cfg, monkeypatch
     ]
     console = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
     assert len(console) == 2 and all("weight_per_block=" in line for line in console)
+
+
+@pytest.fixture
+def user_variant(tmp_path, monkeypatch):
+    """docs/extending.md's variant written into `my_variants.py` outside the package and imported,
+    as its launcher does; the drafter registry and Hydra's ConfigStore get back their entries
+    afterwards (other tests iterate every registered variant)."""
+    from hydra.core.config_store import ConfigStore
+
+    from dflash.models import variants
+
+    (tmp_path / "my_variants.py").write_text(doc_example("TemperedConfig"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(variants, "_DRAFTERS", dict(variants._DRAFTERS))
+    repo = ConfigStore.instance().repo  # group -> option file -> node
+    monkeypatch.setitem(repo, "variant", dict(repo.get("variant", {})))
+    monkeypatch.delitem(sys.modules, "my_variants", raising=False)
+    import my_variants
+
+    yield my_variants
+    sys.modules.pop("my_variants", None)
+
+
+def test_the_documented_drafter_variant_trains_decodes_and_reloads_as_itself(
+    user_variant, make_cfg, monkeypatch
+):
+    """`variant=tempered` composes from the user's dataclass (options and their rule), trains
+    with its loss, decodes in the final evaluation, and its checkpoint loads back as its own
+    drafter class through the registry."""
+    import torch
+
+    from dflash.export.zlab import load_drafter
+    from dflash.models.target import FrozenTarget
+
+    with monkeypatch.context() as patch:
+        patch.setattr(FrozenTarget, "from_config", lambda *args, **kwargs: pytest.fail("a model loaded"))
+        with pytest.raises(ValueError, match=r"variant\.temperature=0\.0: must be > 0"):
+            build_run(make_cfg(["variant=tempered", "variant.temperature=0"]))
+    cfg = make_cfg(["variant=tempered", "variant.temperature=1.5", "train.total_steps=4"])
+    run = build_run(cfg)
+    variant = run.trainer.step_fn.block_settings.variant
+    assert type(variant) is user_variant.TemperedVariant and variant.temperature == 1.5
+    # Its loss: DFlash's CE of the logits at the temperature (the hidden states divided).
+    seen = []
+    hidden = torch.randn(1, 4, 8)
+    with monkeypatch.context() as patch:
+        patch.setattr(user_variant, "draft_loss", lambda hidden, *args, **kwargs: seen.append(hidden))
+        variant.block_loss(
+            hidden, lm_head=None, drafter=None, blocks=None, final_BSH=None, logits_chunk=0, compiled=False
+        )
+    assert torch.equal(seen[0], hidden / 1.5)
+    summary = run.execute()
+    assert summary["eval/tau"] >= 1.0 and summary["train/loss"] > 0
+    saved = json.loads((Path(summary["checkpoint"]) / "config.json").read_text())
+    assert saved["train_temperature"] == 1.5
+    assert type(load_drafter(Path(summary["checkpoint"]))) is user_variant.TemperedDrafter
+
+
+def test_the_documented_variant_launcher_composes_the_users_option(user_variant, tmp_path):
+    """The launcher of docs/extending.md: `dflash train` with the user's module imported first
+    composes `variant=tempered` and its option from the command line."""
+    (launcher,) = [block for block in doc_blocks() if "from dflash.train import main" in block]
+    (tmp_path / "train_tempered.py").write_text(launcher)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    result = subprocess.run(
+        [sys.executable, str(tmp_path / "train_tempered.py"), "variant=tempered", "variant.temperature=1.5", "--cfg", "job"],
+        capture_output=True, text=True, env=env, timeout=SLOW_MACHINE_TIMEOUT_S,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "variant:\n  _target_: my_variants.TemperedVariant\n  temperature: 1.5\n" in result.stdout
 
 
 @pytest.mark.parametrize(
