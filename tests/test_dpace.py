@@ -115,12 +115,12 @@ def read_losses(cfg) -> list[float]:
     [["variant=dflash"], ["variant=dflash2", "variant.selector_rank=16", "variant.selector_top_k=8"]],
 )
 def test_dflash_and_dflash2_train_under_dpace(make_cfg, variant):
-    cfg = make_cfg(
-        [*variant, "loss=dpace", "train.total_steps=24", "logger.every_steps=4", "optimizer.lr=3e-3"]
-    )
+    overrides = ["loss=dpace", "train.total_steps=24", "logger.every_steps=4", "optimizer.lr=3e-3"]
+    cfg = make_cfg([*variant, *overrides, "data.val_samples=16"])
     summary = train(cfg)
     losses = read_losses(cfg)
     assert summary["steps"] == 24 and all(math.isfinite(value) for value in losses)
+    assert math.isfinite(summary["val/loss"])  # the held-out split is scored under the same weights
     assert sum(losses[-2:]) < 0.95 * sum(losses[:2]), losses
 
 
@@ -130,6 +130,12 @@ def test_an_alpha_out_of_range_is_refused_naming_the_key(make_cfg, alpha):
         train(make_cfg(["loss=dpace", f"loss.alpha={alpha}"]))
 
 
+def test_dpace_with_dspark_is_refused_before_it_trains(make_cfg):
+    with pytest.raises(ValueError, match="loss=dpace .* with variant=dspark use loss=default"):
+        train(make_cfg(["variant=dspark", "loss=dpace"]))
+
+
+@pytest.mark.slow
 def test_dpace_with_dspark_is_one_line_and_exit_2(tmp_path):
     result = dflash(
         "train", "variant=dspark", "loss=dpace", "debug=fast", f"hydra.run.dir={tmp_path / 'run'}"
