@@ -393,6 +393,8 @@ def test_regen_refuses_an_unknown_key(tmp_path):
         ),
         (lambda s: s.MaskRampNoiseConfig(warmup_steps=0), "noise=mask_ramp needs noise.warmup_steps >= 1"),
         (lambda s: s.TrainConfig(epochs=0), "train.epochs must be >= 1"),
+        (lambda s: s.GpuConfig(cpu_threads=0), "gpu.cpu_threads must be >= 1, got 0"),
+        (lambda s: s.LoggerConfig(every_steps=0), "logger.every_steps must be >= 1, got 0"),
     ],
 )
 def test_a_single_field_rule_sits_beside_its_field(build, message):

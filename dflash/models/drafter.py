@@ -246,8 +246,12 @@ class DFlashDrafter(nn.Module):
     # parameter's dotted name): a DFlash drafter's weights warm-starting the subclass
     # (drafter.init_from) hold none of them, and they keep their fresh init.
     added_modules: ClassVar[tuple[str, ...]] = ()
+    # The fields a config lacks when `describes` refuses it, as the refusal names them.
+    described_by: ClassVar[str] = ""
 
     def __init__(self, config: Qwen3Config):
+        if not self.describes(config):
+            raise ValueError(f"a {self.display_name} drafter config needs {self.described_by}")
         super().__init__()
         self.config = config
         self.block_size: int = config.block_size
