@@ -50,6 +50,29 @@ def table(results: list) -> str:
     return "\n".join(rows)
 
 
+def write_report(cfg: DictConfig, *, engine: str, drafter_dir: Path, target_key: str, results: list) -> dict:
+    """served.json and the printed table with each benchmark's verdict."""
+    from dflash.serving.measure import DRAFT_TOLERANCE, TAU_TOLERANCE
+
+    payload = {
+        "engine": engine,
+        "drafter": str(drafter_dir),
+        "target": target_key,
+        "max_new_tokens": cfg.eval.max_new_tokens,
+        "tolerance": {"differing_drafts_share": DRAFT_TOLERANCE, "tau_relative": TAU_TOLERANCE},
+        "benchmarks": [r.to_json() for r in results],
+    }
+    output = Path(cfg.paths.output_dir) / "served.json"
+    output.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"\n=== dflash served: {drafter_dir} on {target_key}, {engine} ===")
+    print(table(results))
+    for r in results:
+        verdict = "within tolerance" if r.within_tolerance else "OUTSIDE tolerance: a fault on one side"
+        print(f"{r.benchmark}: {verdict}")
+    print(f"report: {output}", flush=True)
+    return payload
+
+
 def run_served(cfg: DictConfig, *, target_overridden: bool, target_fields: tuple[str, ...]) -> dict:
     import torch
 
@@ -62,7 +85,7 @@ def run_served(cfg: DictConfig, *, target_overridden: bool, target_fields: tuple
     from dflash.export.zlab import load_drafter
     from dflash.models.target import FrozenTarget
     from dflash.serving.llamacpp import find_build
-    from dflash.serving.measure import DRAFT_TOLERANCE, TAU_TOLERANCE, measure_benchmark
+    from dflash.serving.measure import measure_benchmark
     from dflash.serving.server import LlamaServer
     from dflash.tools.eval import eval_inputs
 
@@ -121,23 +144,13 @@ def run_served(cfg: DictConfig, *, target_overridden: bool, target_fields: tuple
                     stop_ids=target_eos_ids(target),
                 )
             )
-    payload = {
-        "engine": f"llama.cpp {build.root.name}",
-        "drafter": str(drafter_dir),
-        "target": target_key,
-        "max_new_tokens": cfg.eval.max_new_tokens,
-        "tolerance": {"differing_drafts_share": DRAFT_TOLERANCE, "tau_relative": TAU_TOLERANCE},
-        "benchmarks": [r.to_json() for r in results],
-    }
-    output = Path(cfg.paths.output_dir) / "served.json"
-    output.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"\n=== dflash served: {drafter_dir} on {target_key}, llama.cpp {build.root.name} ===")
-    print(table(results))
-    for r in results:
-        verdict = "within tolerance" if r.within_tolerance else "OUTSIDE tolerance: a fault on one side"
-        print(f"{r.benchmark}: {verdict}")
-    print(f"report: {output}", flush=True)
-    return payload
+    return write_report(
+        cfg,
+        engine=f"llama.cpp {build.root.name}",
+        drafter_dir=drafter_dir,
+        target_key=target_key,
+        results=results,
+    )
 
 
 def main() -> None:
