@@ -16,7 +16,6 @@ MAX_FUNCTION_LINES = 80
 LONG_FUNCTIONS: dict[str, int] = {
     "dflash/eval/evaluate.py:evaluate_set": 168,
     "dflash/eval/evaluate.py:build": 81,
-    "dflash/export/contract.py:config_problems": 84,
     "dflash/run/runner.py:format_summary": 91,
     "dflash/step/blocks.py:build_blocks": 106,
     "dflash/step/dspark_loss.py:dspark_loss": 93,
