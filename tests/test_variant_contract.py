@@ -33,6 +33,7 @@ from dflash.export.zlab import (
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.variants import register_drafter, registered_drafters
 from dflash.run.resume import warm_starts_new_parts
+from dflash.tools.export import LAYOUTS
 from dflash.tools.export import main as export_main
 from tests.test_dflash2_decoding import RoundRecorder, prompt_of
 from tests.test_dflash2_export import same_weights, tiny_dflash2
@@ -175,6 +176,10 @@ def test_every_declared_layout_round_trips_through_export_init_from_and_convert(
     name, layout, tmp_path, tiny_qwen3_dir
 ):
     round_trip(MAKERS[name](tiny_target()), layout, tmp_path, tiny_qwen3_dir)
+
+
+def test_convert_offers_every_registered_layout():
+    assert set(LAYOUTS) == set(registry._LAYOUTS)
 
 
 @pytest.mark.parametrize("name", sorted(MAKERS))
