@@ -223,3 +223,54 @@ def test_a_drafter_variant_without_export_rules_is_refused_at_its_export(tmp_pat
     with pytest.raises(ValueError, match="registers no export rules: register them with .*register_export"):
         export_drafter(Unexported(tiny_drafter_config(target)), tmp_path / "d")
     assert not (tmp_path / "d").exists()
+
+
+def test_export_and_serving_reach_a_variants_export_code_through_the_registry_only():
+    """Past the registry, export, `dflash export` and serving import no variant's own module
+    (dflash/export/deepspec.py, dflash/export/dflash2.py, dflash/models/dspark.py, ...): what
+    they need of a variant they ask its registered rules, so a variant they were not written
+    for is served alike."""
+    from tests.test_variant_plugin import PACKAGE, is_own, variants
+
+    own_modules = {
+        path.relative_to(PACKAGE).as_posix(): name
+        for path in PACKAGE.rglob("*.py")
+        for name in variants()
+        if is_own(path.relative_to(PACKAGE).as_posix(), name)
+    }
+    scanned = [*PACKAGE.glob("export/*.py"), *PACKAGE.glob("tools/export*.py"), *PACKAGE.glob("serving/*.py")]
+    found = []
+    for path in scanned:
+        relative = path.relative_to(PACKAGE).as_posix()
+        if relative == "export/registry.py" or relative in own_modules:
+            continue
+        for line, module in imports_of(path):
+            for candidate in (module, *(f"{module}.{name}" for name in imported_names(path, line))):
+                where = candidate.removeprefix("dflash.").replace(".", "/") + ".py"
+                if where in own_modules:
+                    found.append(f"{relative}:{line} imports {candidate}")
+    assert not found, found
+
+
+def imports_of(path: Path) -> list[tuple[int, str]]:
+    import ast
+
+    tree = ast.parse(path.read_text())
+    found = [(node.lineno, node.module) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+    found += [
+        (node.lineno, alias.name)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    ]
+    return [(line, module) for line, module in found if module and module.startswith("dflash")]
+
+
+def imported_names(path: Path, line: int) -> list[str]:
+    """The names a `from package import a, b` at `line` imports (modules among them)."""
+    import ast
+
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.lineno == line:
+            return [alias.name for alias in node.names]
+    return []

@@ -21,8 +21,8 @@ import torch
 import yaml
 from safetensors import SafetensorError, safe_open
 
-from dflash.export.dflash2 import positive_int
 from dflash.export.registry import ZLAB, bundled_tables, export_for_config, layout_named, layout_of
+from dflash.export.rules import positive_int
 from dflash.export.zlab import exported_state, nonfinite_problem, read_drafter_config
 from dflash.models.drafter_class import drafter_from_config
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from dflash.config.shape_defaults import largest_servable_top_k, selector_fits_llama_cpp
-from dflash.export.rules import VariantExport
+from dflash.export.rules import VariantExport, positive_int
 from dflash.models.dflash2 import DFLASH2_ARCHITECTURE, DFLASH2_KEYS, UNARY_KEYS, DFlash2Drafter
 
 # DFlash2SpeculatorConfig's defaults (speculators/models/dflash2/config.py): a field a
@@ -54,10 +54,6 @@ def is_dflash2(config: dict[str, Any]) -> bool:
     return DFLASH2_ARCHITECTURE in (config.get("architectures") or []) or any(
         key in nested or key in config for key in DFLASH2_KEYS
     )
-
-
-def positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _number(value: Any) -> bool:

@@ -25,6 +25,10 @@ from dflash.models.drafter import DFlashDrafter
 Config = dict[str, Any]
 
 
+def positive_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
+
+
 def _no_problems(config: Config) -> list[str]:
     return []
 
