@@ -14,7 +14,6 @@ MAX_FUNCTION_LINES = 80
 # shrink, and its entry goes once it is cut by job (a stale entry fails nothing, so that parts cut
 # elsewhere merge cleanly; delete it then). At most 3 may stay for good.
 LONG_FUNCTIONS: dict[str, int] = {
-    "dflash/export/contract.py:config_problems": 84,
     "dflash/run/runner.py:format_summary": 91,
 }
 

@@ -8,7 +8,7 @@ import pytest
 
 from dflash.decoding.reference import DecodeResult
 from dflash.serving.agreement import RoundCount, engine_count
-from dflash.serving.llamacpp import BUILD_COMMAND, find_build
+from dflash.serving.llamacpp import BUILD_COMMAND, find_build, speculation_flags
 from dflash.serving.server import speculation_counters
 from tests.test_gguf import needs_smollm2
 
@@ -74,6 +74,20 @@ def test_the_speculation_counters_of_a_metrics_page():
         "spec_decode_num_accepted_tokens_per_pos_total/1": 4.0,
         "spec_decode_num_accepted_tokens_per_pos_total/2": 1.0,
     }
+
+
+def test_each_variant_is_served_with_its_spec_type_and_its_drafts_per_block():
+    """llama-server's --spec-type and --spec-draft-n-max come from the drafter's registered export
+    rules and its block: B-1 drafts for DFlash and DFlash2 (draft-dflash: the server finds the
+    selector in the GGUF), B for DSpark's anchor-first block (draft-dspark)."""
+    from tests.test_dflash2_export import tiny_dflash2
+    from tests.test_dflash_rules import tiny_drafter, tiny_target
+    from tests.test_dspark_export import tiny_dspark
+
+    target = tiny_target()
+    assert speculation_flags(tiny_drafter(target)) == ("draft-dflash", 3)
+    assert speculation_flags(tiny_dspark(target, block_size=4)) == ("draft-dspark", 4)
+    assert speculation_flags(tiny_dflash2(target)) == ("draft-dflash", 3)
 
 
 def test_a_missing_build_names_the_command_that_makes_it(tmp_path):

@@ -233,7 +233,7 @@ class DFlashDrafter(nn.Module):
     # Whether drafts can be sampled at a temperature (`draft_block` reads its chooser's noise);
     # a DFlash drafter proposes its argmax at every temperature.
     samples_drafts: ClassVar[bool] = False
-    # The layout its export takes (dflash/export/zlab.py `NATIVE_LAYOUTS`), and how it is named
+    # The layout its export takes (a layout of dflash/export/registry.py), and how it is named
     # to a user.
     native_layout: ClassVar[str] = "zlab"
     display_name: ClassVar[str] = "DFlash"

@@ -42,6 +42,9 @@ from pathlib import Path
 from dflash.errors import exit_for_user_error
 
 TOOL = "dflash export"  # the command users type: `dflash export check DIR`
+# The registered layouts' names (dflash/export/registry.py; tests/test_variant_contract.py keeps
+# the two equal), spelled here so that `--help` and a usage error import no torch.
+LAYOUTS = ("speculators", "zlab", "deepspec")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -57,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     conversion.add_argument("source", type=Path)
     conversion.add_argument("destination", type=Path)
-    conversion.add_argument("--layout", choices=("speculators", "zlab", "deepspec"), required=True)
+    conversion.add_argument("--layout", choices=LAYOUTS, required=True)
     conversion.add_argument("--target", type=Path, help="the target's checkpoint directory")
     conversion.add_argument(
         "--verifier", help="the target's name in speculators_config (default: --target's path)"

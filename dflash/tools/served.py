@@ -79,12 +79,11 @@ def run_served(cfg: DictConfig, *, target_overridden: bool, target_fields: tuple
     from dflash.config.devices import resolve_device_split
     from dflash.config.keys import refuse_unknown_keys
     from dflash.config.typed import typed_config
-    from dflash.decoding.reference import drafts_per_round
     from dflash.distributed import visible_cuda_devices
     from dflash.eval.evaluate import target_eos_ids
     from dflash.export.zlab import load_drafter
     from dflash.models.target import FrozenTarget
-    from dflash.serving.llamacpp import find_build
+    from dflash.serving.llamacpp import find_build, speculation_flags
     from dflash.serving.measure import measure_benchmark
     from dflash.serving.server import LlamaServer
     from dflash.tools.eval import eval_inputs
@@ -117,15 +116,14 @@ def run_served(cfg: DictConfig, *, target_overridden: bool, target_fields: tuple
     target_cfg = dataclasses.replace(target_cfg, dtype="float32")
     target = FrozenTarget.from_config(target_cfg, drafter_config.dflash_config["target_layer_ids"], device)
     drafter = load_drafter(drafter_dir, device).float().eval()
-    drafts = drafts_per_round(drafter)
+    spec_type, drafts = speculation_flags(drafter)
     longest = max(len(p) for s in prompt_sets for p in s.prompts)
     results = []
     with LlamaServer(
         build,
         target_gguf=target_gguf,
         drafter_gguf=drafter_gguf,
-        # DFlash2 is draft-dflash too: the server finds the selector in the GGUF.
-        spec_type="draft-dspark" if drafter.block_size == drafts else "draft-dflash",
+        spec_type=spec_type,
         draft_max=drafts,
         context=longest + cfg.eval.max_new_tokens + drafts + 2,
         threads=cfg.gpu.cpu_threads,
