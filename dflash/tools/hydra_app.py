@@ -19,6 +19,7 @@ from importlib import resources
 from typing import Any
 
 from dflash import __version__
+from dflash.config.plugins import load_plugins_or_exit
 from dflash.errors import exit_for_user_error, full_errors_requested, refuse_unquoted_home
 from dflash.tools.compose import CONF_MODULE
 
@@ -106,6 +107,8 @@ def run_hydra_app(
         print(f"dflash {__version__}")
         raise SystemExit(0)
     refuse_unquoted_home(tool, args)  # Hydra's lexer error for `key=~/path` names no fix
+    # Before composing: a plug-in's `variant=NAME` option and drafter class are registered by then.
+    load_plugins_or_exit(tool)
     from hydra._internal import utils as hydra_utils
 
     hydra_report = hydra_utils.run_and_report
