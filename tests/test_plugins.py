@@ -1,10 +1,13 @@
 """Plug-ins (dflash/config/plugins.py): a module declared by an installed package's
 `dflash.plugins` entry point or by DFLASH_PLUGINS is imported by every command that composes a
 config or reads a checkpoint, so its `variant=NAME` composes in the real `dflash train`; one that
-fails to import is one line naming it, where it was declared and its error, exit 2."""
+fails to import is one line naming it, where it was declared and its error, exit 2; and a
+checkpoint of a plug-in's drafter variant names the variant and its module, so a process without
+the plug-in refuses it instead of reading it as plain DFlash, and reads it as its own with it."""
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -199,3 +202,93 @@ def test_a_training_job_loads_the_plugins_itself(plugin_dir, registry, make_cfg,
     monkeypatch.setenv(ENV_VAR, "broken_plugin")
     with pytest.raises(PluginError, match="plug-in broken_plugin .* needs the frobnicator"):
         train(cfg)
+
+
+@pytest.fixture
+def echo_checkpoint(plugin_dir, registry, tmp_path):
+    """A drafter of the echo variant exported as a checkpoint's drafter is, then the plug-in
+    forgotten: this process is one that never imported it."""
+    from dflash.export.zlab import export_drafter
+    from tests.test_dflash_rules import tiny_drafter_config, tiny_target
+
+    load_plugins({ENV_VAR: "echo_variant"})
+    drafter_class = registry.registered_drafters()["echo"]
+    config = tiny_drafter_config(tiny_target())
+    config.echo = 2
+    directory = tmp_path / "echo-checkpoint"
+    export_drafter(drafter_class(config), directory)
+    del registry._DRAFTERS["echo"]
+    del sys.modules["echo_variant"]
+    return directory
+
+
+REFUSAL = "drafter variant echo (from module echo_variant) is not registered: install/enable the plug-in"
+
+
+def test_a_plugin_checkpoint_names_its_variant_and_module(echo_checkpoint):
+    config = json.loads((echo_checkpoint / "config.json").read_text())
+    assert config["dflash_variant"] == {"name": "echo", "module": "echo_variant"}
+
+
+@pytest.mark.parametrize("reader", ["load_drafter", "resume", "export check"])
+def test_a_plugin_checkpoint_is_refused_without_the_plugin_and_read_with_it(reader, echo_checkpoint):
+    """Each way a checkpoint is read (eval, served, val and export convert load it; a resume and
+    drafter.init_from compare it first; export check runs the loader's checks) refuses it naming
+    the variant and its module; with the plug-in loaded it is the variant's own drafter."""
+    from dflash.export.contract import check_export
+    from dflash.export.zlab import load_drafter
+    from dflash.run.resume import check_resume_matches
+    from tests.test_dflash_rules import tiny_drafter_config, tiny_target
+
+    run_config = tiny_drafter_config(tiny_target())  # the resuming run's: the checkpoint's own
+    run_config.echo = 2
+
+    def read():
+        if reader == "load_drafter":
+            return load_drafter(echo_checkpoint)
+        if reader == "export check":
+            return check_export(echo_checkpoint, target=None)
+        return check_resume_matches(echo_checkpoint, run_config, {})
+
+    if reader == "export check":
+        (problem,) = read()
+        assert problem == f"{echo_checkpoint / 'config.json'}: {REFUSAL} (DFLASH_PLUGINS=echo_variant, or the dflash.plugins entry point of its package)"  # fmt: skip
+    else:
+        with pytest.raises(ValueError, match=REFUSAL.replace("(", r"\(").replace(")", r"\)")):
+            read()
+    load_plugins({ENV_VAR: "echo_variant"})
+    if reader == "load_drafter":
+        drafter = read()
+        assert type(drafter).variant_name == "echo" and drafter.config.echo == 2
+    elif reader == "export check":
+        assert read() == []
+    else:
+        read()  # the same drafter and target: nothing to refuse
+
+
+def test_dflash_export_check_refuses_it_in_one_line_and_passes_with_the_plugin(
+    echo_checkpoint, monkeypatch, capsys
+):
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["export", "check", str(echo_checkpoint)])
+    assert stopped.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith(f"dflash export: {echo_checkpoint / 'config.json'}: {REFUSAL}")
+    monkeypatch.setenv(ENV_VAR, "echo_variant")
+    cli.main(["export", "check", str(echo_checkpoint)])
+    assert capsys.readouterr().out.startswith(f"ok: {echo_checkpoint} keeps the export contract")
+
+
+def test_the_built_in_variants_record_nothing():
+    """Their checkpoints stay byte for byte what they were (tests/test_export_bytes.py); a
+    subclass that only instruments a variant is that variant, and records nothing either."""
+    from dflash.models.drafter import DFlashDrafter
+    from dflash.models.plugin_record import variant_record
+    from dflash.models.variants import registered_drafters
+
+    class Instrumented(DFlashDrafter):
+        calls = 0
+
+    assert [variant_record(c) for c in registered_drafters().values()] == [{}] * len(registered_drafters())
+    assert variant_record(Instrumented) == {}

@@ -13,7 +13,8 @@ An environment variable rather than a flag: every process of a command inherits 
 ranks, a sweep launcher's jobs, `dflash-train` and `python -m dflash.train`), and no command's
 parser has to keep a flag of its own apart from Hydra's overrides.
 
-Only names the user declared are imported.
+Only names the user declared are imported: a checkpoint names the plug-in it needs
+(dflash/models/plugin_record.py) but is never allowed to import code itself.
 """
 
 from __future__ import annotations

@@ -34,6 +34,7 @@ from transformers import Qwen3Config
 from dflash.export import deepspec, dflash2, speculators
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.drafter_class import drafter_from_config
+from dflash.models.plugin_record import unregistered_variant, variant_record
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -63,6 +64,7 @@ def readable_by_every_transformers(config: dict[str, Any]) -> dict[str, Any]:
 def _exported_config(drafter: DFlashDrafter) -> dict[str, Any]:
     """The drafter's config.json in memory form (z-lab fields, plus a DSpark drafter's heads)."""
     config = drafter.config.to_dict()
+    config.update(variant_record(type(drafter)))  # a plug-in's variant names itself; {} for ours
     config["dtype"] = str(next(drafter.parameters()).dtype).removeprefix("torch.")
     return readable_by_every_transformers(config)
 
@@ -141,9 +143,14 @@ def export_speculators(
 def _raw_config(directory: Path) -> dict[str, Any]:
     path = Path(directory) / CONFIG_FILE
     try:
-        return json.loads(path.read_text())
+        config = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: not a readable drafter config ({exc})") from exc
+    # Before any reader takes it for the DFlash backbone: a plug-in's variant this process lacks.
+    unregistered = unregistered_variant(config) if isinstance(config, dict) else None
+    if unregistered:
+        raise ValueError(f"{path}: {unregistered}")
+    return config
 
 
 def read_drafter_config(directory: Path) -> Qwen3Config:
