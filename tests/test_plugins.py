@@ -280,6 +280,25 @@ def test_dflash_export_check_refuses_it_in_one_line_and_passes_with_the_plugin(
     assert capsys.readouterr().out.startswith(f"ok: {echo_checkpoint} keeps the export contract")
 
 
+def test_a_plugin_drafter_converted_to_speculators_is_refused_without_the_plugin_too(
+    echo_checkpoint, registry, tmp_path
+):
+    """The speculators layout nests the record with the layer's fields; read back, it still
+    names the variant: refused without the plug-in, the variant's drafter with it."""
+    from dflash.export.zlab import export_speculators, load_drafter
+    from tests.test_export_bytes import VERIFIER, target_dir
+
+    load_plugins({ENV_VAR: "echo_variant"})
+    converted = tmp_path / "echo-speculators"
+    export_speculators(
+        load_drafter(echo_checkpoint), converted, verifier=VERIFIER, target_dir=target_dir(tmp_path)
+    )
+    assert type(load_drafter(converted)).variant_name == "echo"
+    del registry._DRAFTERS["echo"]
+    with pytest.raises(ValueError, match="drafter variant echo .* is not registered"):
+        load_drafter(converted)
+
+
 def test_the_built_in_variants_record_nothing():
     """Their checkpoints stay byte for byte what they were (tests/test_export_bytes.py); a
     subclass that only instruments a variant is that variant, and records nothing either."""

@@ -143,14 +143,9 @@ def export_speculators(
 def _raw_config(directory: Path) -> dict[str, Any]:
     path = Path(directory) / CONFIG_FILE
     try:
-        config = json.loads(path.read_text())
+        return json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"{path}: not a readable drafter config ({exc})") from exc
-    # Before any reader takes it for the DFlash backbone: a plug-in's variant this process lacks.
-    unregistered = unregistered_variant(config) if isinstance(config, dict) else None
-    if unregistered:
-        raise ValueError(f"{path}: {unregistered}")
-    return config
 
 
 def read_drafter_config(directory: Path) -> Qwen3Config:
@@ -182,6 +177,11 @@ def read_drafter_config(directory: Path) -> Qwen3Config:
         raise ValueError(
             f"{path}: not a DFlash drafter config (missing {missing or ['dflash_config.mask_token_id']})"
         )
+    # In z-lab form, whichever layout it was read from (speculators nests the record): a plug-in's
+    # variant this process lacks is refused here, before any reader takes it for the backbone.
+    unregistered = unregistered_variant(raw)
+    if unregistered:
+        raise ValueError(f"{path}: {unregistered}")
     return Qwen3Config.from_dict(raw)
 
 
