@@ -191,6 +191,16 @@ def test_the_real_dflash_train_composes_a_plugins_variant(plugin_dir):
     assert "variant:\n  _target_: echo_variant.EchoVariant\n  echo: 3\n" in result.stdout
 
 
+def test_a_plugins_option_asked_for_without_the_plugin_points_at_plug_ins(plugin_dir, monkeypatch, capsys):
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["train", "variant=echo", "--cfg", "job"])
+    assert stopped.value.code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("dflash train: error: variant=echo: no such option (options: dflash, ")
+    assert line.endswith("needs its plug-in (DFLASH_PLUGINS, or a dflash.plugins entry point)")
+
+
 def test_a_training_job_loads_the_plugins_itself(plugin_dir, registry, make_cfg, monkeypatch):
     """A sweep launcher's job in a process of its own never passed the command's start: `train`
     imports the plug-ins before anything loads (a ValueError there: the job's one-line error)."""

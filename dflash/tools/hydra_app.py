@@ -23,6 +23,11 @@ from dflash.config.plugins import load_plugins_or_exit
 from dflash.errors import exit_for_user_error, full_errors_requested, refuse_unquoted_home
 from dflash.tools.compose import CONF_MODULE
 
+# The end of the line for a group option nothing resembles: it may be a plug-in's, not given here.
+PLUGIN_OPTION_HINT = (
+    "an option of your own needs its plug-in (DFLASH_PLUGINS, or a dflash.plugins entry point)"
+)
+
 # Guides, in the source repository's docs/ (README.md links them all).
 GUIDES = (
     "docs/quickstart.md (your model on one GPU), README.md (set-up, configuration),\n"
@@ -197,7 +202,7 @@ def _missing_option(exc) -> str:
         return _first_line(str(exc))
     options = sorted(o for o in (exc.options or []) if not o.startswith("_"))
     close = difflib.get_close_matches(option, options, n=1, cutoff=0.5)
-    hint = f"; did you mean {group}={close[0]}?" if close else ""
+    hint = f"; did you mean {group}={close[0]}?" if close else f"; {PLUGIN_OPTION_HINT}"
     return f"{group}={option}: no such option (options: {', '.join(options)}){hint}"
 
 
