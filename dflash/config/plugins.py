@@ -49,7 +49,7 @@ class Plugin:
                 for name in attribute.split("."):
                     loaded = getattr(loaded, name.strip())
         except Exception as exc:  # whatever the module raises on import: a missing dependency, a typo
-            # The plug-in itself not found (not a module it imports): where Python looked.
+            # The plug-in itself is nowhere on the path (not a module it imports): say where to put it.
             missing = getattr(exc, "name", None) if isinstance(exc, ModuleNotFoundError) else None
             unfound = missing is not None and f"{module}.".startswith(f"{missing}.")
             hint = " (put its directory on PYTHONPATH, or install its package)" if unfound else ""
@@ -95,11 +95,11 @@ def load_plugins(environ: Mapping[str, str] = os.environ) -> list[Plugin]:
     return plugins
 
 
-def load_plugins_or_exit(tool: str) -> list[Plugin]:
+def load_plugins_or_exit(tool: str) -> None:
     """`load_plugins` for a command: a plug-in that fails ends it in one line and exit 2 (the
     traceback first with HYDRA_FULL_ERROR=1, as for every user error)."""
     try:
-        return load_plugins()
+        load_plugins()
     except PluginError as exc:
         if full_errors_requested():
             traceback.print_exc()

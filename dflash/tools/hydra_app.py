@@ -1,5 +1,6 @@
-"""How the Hydra commands (`dflash train|eval|regen|prep`) start: their help, `--version`, and one
-line with exit 2 for a mistake in the overrides, Hydra's composition errors included.
+"""How the Hydra commands (`dflash train|eval|regen|prep|served`) start: their help, `--version`,
+the plug-ins (dflash/config/plugins.py) imported before the config is composed, and one line with
+exit 2 for a mistake in the overrides, Hydra's composition errors included.
 
 Hydra reports a composition error (an unknown key, an option that does not exist, a value of the
 wrong type) in several lines with exit 1, and for an unknown key it suggests the `+key=value` form
