@@ -2,14 +2,17 @@
 outside the package, run: a callback receives every hook in a normal run; a batch order, a noise
 schedule and a metric sink replace or join the built-ins by overrides alone; a training metric
 added to `FIELDS` reaches every sink; a drafter variant of one's own (its options, drafter class
-and training side) composes, trains, decodes and loads back as itself; a component or callback
-that cannot be built is refused before anything loads."""
+and training side), loaded as the plug-in the doc declares (DFLASH_PLUGINS or an entry point),
+composes in the real `dflash train`, trains, decodes and loads back as itself, and is refused in
+the doc's line without the plug-in; a component or callback that cannot be built is refused
+before anything loads."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -122,13 +125,21 @@ def test_the_documented_training_metric_reaches_every_sink(make_cfg, monkeypatch
     assert len(console) == 2 and all("weight_per_block=" in line for line in console)
 
 
+def doc_snippet(language: str, containing: str) -> str:
+    """The block of docs/extending.md in `language` that holds `containing`."""
+    blocks = re.findall(rf"```{language}\n(.*?)```", DOC.read_text(), re.DOTALL)
+    return next(block for block in blocks if containing in block)
+
+
 @pytest.fixture
 def user_variant(tmp_path, monkeypatch):
-    """docs/extending.md's variant written into `my_variants.py` outside the package and imported,
-    as its launcher does; the drafter registry and Hydra's ConfigStore get back their entries
-    afterwards (other tests iterate every registered variant)."""
+    """docs/extending.md's variant written into `my_variants.py` outside the package and loaded
+    as the plug-in the doc declares (`DFLASH_PLUGINS=my_variants`); the drafter registry and
+    Hydra's ConfigStore get back their entries afterwards (other tests iterate every registered
+    variant)."""
     from hydra.core.config_store import ConfigStore
 
+    from dflash.config.plugins import ENV_VAR, load_plugins
     from dflash.models import variants
 
     (tmp_path / "my_variants.py").write_text(doc_example("TemperedConfig"))
@@ -137,9 +148,10 @@ def user_variant(tmp_path, monkeypatch):
     repo = ConfigStore.instance().repo  # group -> option file -> node
     monkeypatch.setitem(repo, "variant", dict(repo.get("variant", {})))
     monkeypatch.delitem(sys.modules, "my_variants", raising=False)
-    import my_variants
+    assert f"{ENV_VAR}=my_variants" in doc_snippet("bash", "variant=tempered")
+    load_plugins({ENV_VAR: "my_variants"})
 
-    yield my_variants
+    yield sys.modules["my_variants"]
     sys.modules.pop("my_variants", None)
 
 
@@ -152,6 +164,7 @@ def test_the_documented_drafter_variant_trains_decodes_and_reloads_as_itself(
     import torch
 
     from dflash.export.zlab import load_drafter
+    from dflash.models import variants
     from dflash.models.target import FrozenTarget
 
     with monkeypatch.context() as patch:
@@ -173,23 +186,68 @@ def test_the_documented_drafter_variant_trains_decodes_and_reloads_as_itself(
     assert torch.equal(seen[0], hidden / 1.5)
     summary = run.execute()
     assert summary["eval/tau"] >= 1.0 and summary["train/loss"] > 0
-    saved = json.loads((Path(summary["checkpoint"]) / "config.json").read_text())
+    checkpoint = Path(summary["checkpoint"])
+    saved = json.loads((checkpoint / "config.json").read_text())
     assert saved["train_temperature"] == 1.5
-    assert type(load_drafter(Path(summary["checkpoint"]))) is user_variant.TemperedDrafter
+    assert json.dumps(saved["dflash_variant"], sort_keys=True) in DOC.read_text()  # as the doc shows it
+    assert type(load_drafter(checkpoint)) is user_variant.TemperedDrafter
+    # Without the plug-in: refused in the doc's line, not read as a DFlash drafter.
+    monkeypatch.delitem(variants._DRAFTERS, "tempered")  # the fixture's copy of the registry
+    refusal = doc_snippet("text", "is not registered").strip().split(".json: ", 1)[1]
+    with pytest.raises(ValueError) as refused:
+        load_drafter(checkpoint)
+    assert str(refused.value) == f"{checkpoint / 'config.json'}: {refusal}"
 
 
-def test_the_documented_variant_launcher_composes_the_users_option(user_variant, tmp_path):
-    """The launcher of docs/extending.md: `dflash train` with the user's module imported first
-    composes `variant=tempered` and its option from the command line."""
-    (launcher,) = [block for block in doc_blocks() if "from dflash.train import main" in block]
-    (tmp_path / "train_tempered.py").write_text(launcher)
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+def test_the_documented_plugin_composes_the_users_option_in_the_real_dflash_train(tmp_path):
+    """The doc's commands as a shell runs them, from the directory holding `my_variants.py`:
+    `dflash train` imports the plug-in DFLASH_PLUGINS names and composes `variant=tempered` and
+    its option, no launcher script."""
+    (tmp_path / "my_variants.py").write_text(doc_example("TemperedConfig"))
+    setting, command = doc_snippet("bash", "variant=tempered").strip().splitlines()
+    env = dict(os.environ)
+    for assignment in shlex.split(setting.removeprefix("export ")):
+        name, value = assignment.split("=", 1)
+        env[name] = value.replace("$PWD", str(tmp_path))
+    # This checkout's dflash after the doc's directory (an installed dflash needs nothing more).
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], os.environ.get("PYTHONPATH", "")])
+    args = shlex.split(command)
+    assert args[:2] == ["dflash", "train"]
     result = subprocess.run(
-        [sys.executable, str(tmp_path / "train_tempered.py"), "variant=tempered", "variant.temperature=1.5", "--cfg", "job"],
-        capture_output=True, text=True, env=env, timeout=SLOW_MACHINE_TIMEOUT_S,
+        [sys.executable, "-m", "dflash", *args[1:], "--cfg", "job"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=SLOW_MACHINE_TIMEOUT_S,
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
     assert "variant:\n  _target_: my_variants.TemperedVariant\n  temperature: 1.5\n" in result.stdout
+
+
+def test_a_plugin_that_cannot_be_imported_is_the_documented_line(monkeypatch, capsys):
+    from dflash import cli
+
+    monkeypatch.setenv("DFLASH_PLUGINS", "my_variants")  # not on the path here
+    monkeypatch.delitem(sys.modules, "my_variants", raising=False)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["train", "--cfg", "job"])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == doc_snippet("text", "cannot be imported")
+
+
+def test_the_documented_entry_point_declares_the_plugin(tmp_path, monkeypatch):
+    """The doc's pyproject.toml table, installed (its dist-info: all importlib.metadata reads),
+    declares `my_variants` to every command with no variable set."""
+    import tomllib
+
+    from dflash.config.plugins import ENTRY_POINT_GROUP, declared_plugins
+    from tests.test_plugins import install_distribution
+
+    table = tomllib.loads(doc_snippet("toml", ENTRY_POINT_GROUP))["project"]["entry-points"][
+        ENTRY_POINT_GROUP
+    ]
+    install_distribution(tmp_path, "my-variants", table)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    declared = [(p.module, p.declared_by) for p in declared_plugins({})]
+    assert ("my_variants", "entry point tempered of my-variants") in declared
 
 
 @pytest.mark.parametrize(

@@ -34,6 +34,7 @@ from dflash.export import speculators
 from dflash.export.registry import export_for, export_for_config, layout_named, layout_of
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.drafter_class import drafter_from_config
+from dflash.models.plugin_record import unregistered_variant, variant_record
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -63,6 +64,7 @@ def readable_by_every_transformers(config: dict[str, Any]) -> dict[str, Any]:
 def _exported_config(drafter: DFlashDrafter) -> dict[str, Any]:
     """The drafter's config.json in memory form (z-lab fields, plus a DSpark drafter's heads)."""
     config = drafter.config.to_dict()
+    config.update(variant_record(type(drafter)))  # a plug-in's variant names itself; {} for ours
     config["dtype"] = str(next(drafter.parameters()).dtype).removeprefix("torch.")
     return readable_by_every_transformers(config)
 
@@ -186,6 +188,11 @@ def read_drafter_config(directory: Path) -> Qwen3Config:
         raise ValueError(
             f"{path}: not a DFlash drafter config (missing {missing or ['dflash_config.mask_token_id']})"
         )
+    # In z-lab form, whichever layout it was read from (speculators nests the record): a plug-in's
+    # variant this process lacks is refused here, before any reader takes it for the backbone.
+    unregistered = unregistered_variant(raw)
+    if unregistered:
+        raise ValueError(f"{path}: {unregistered}")
     return Qwen3Config.from_dict(raw)
 
 

@@ -39,6 +39,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dflash.config.plugins import load_plugins_or_exit
 from dflash.errors import exit_for_user_error
 
 TOOL = "dflash export"  # the command users type: `dflash export check DIR`
@@ -69,6 +70,7 @@ def main(argv: list[str] | None = None) -> None:
         "--num-anchors", type=int, help="deepspec: num_anchors of a DSpark drafter that does not record it"
     )
     args = parser.parse_args(argv)
+    load_plugins_or_exit(TOOL)  # before the directory is read: a plug-in's variant is known
     # The converters import torch: loaded once the arguments parse, so `--help` and a usage
     # error answer at once.
     from dflash.tools.export_commands import convert, refuse_another_target, report, target_text_config
