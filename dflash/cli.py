@@ -5,6 +5,11 @@ reads the same arguments whether it is started as `dflash train ...` or by its o
 `dflash-train ...` (pyproject.toml's [project.scripts] keeps those names; tests/test_cli.py holds
 the two lists to each other). Hydra commands take `key=value` overrides and `group=option`
 choices; the others take flags (`dflash COMMAND --help` says which).
+
+Plug-ins (dflash/config/plugins.py: a package's `dflash.plugins` entry points, DFLASH_PLUGINS)
+are imported by each command that composes a config or reads a checkpoint, right before it does,
+whichever name started it: `dflash COMMAND --help` stays immediate, and a plug-in that fails is
+that command's one-line error.
 """
 
 from __future__ import annotations
@@ -55,6 +60,7 @@ def usage() -> str:
         *(f"  {name:<{width}}  {line}" for name, (_, line) in COMMANDS.items()),
         "",
         f"{', '.join(HYDRA_COMMANDS)} take Hydra overrides (key=value, group=option); the others take flags.",
+        "Plug-ins (a drafter variant of yours): DFLASH_PLUGINS=module,... or a dflash.plugins entry point.",
         "Start with docs/quickstart.md (your model on one GPU) and the README.",
     ]
     return "\n".join(lines)

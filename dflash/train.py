@@ -12,6 +12,7 @@ from typing import Any
 import hydra
 from omegaconf import DictConfig
 
+from dflash.config.plugins import load_plugins
 from dflash.config.schema import register_configs
 from dflash.models.model_dirs import refuse_missing_target_dirs
 from dflash.tools.compose import CONF_PATH
@@ -22,6 +23,9 @@ register_configs()
 
 def train(cfg: DictConfig) -> dict[str, Any]:
     """Run one training job described by `cfg`; returns the final summary (floats and paths)."""
+    # A sweep launcher's job may run in a process of its own, where the command's start loaded
+    # no plug-in (one that fails here is a PluginError: one line, exit 2, as a config mistake).
+    load_plugins()
     # A mistyped local target path is refused now, not after the model code has loaded.
     refuse_missing_target_dirs(cfg)
     from dflash.run.launch import build_run

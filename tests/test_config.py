@@ -23,6 +23,7 @@ from tests.conftest import (
     conversation_overrides,
     run_module,
     tiny_hybrid_arch,
+    yaml_leaves,
 )
 
 SNAPSHOT = Path(__file__).parent / "snapshots" / "default_config_keys.txt"
@@ -132,14 +133,7 @@ def test_every_experiment_composes(experiment, tmp_path):
         from_user.append(f"data.files=[{conversations}]")
     cfg = compose_config([f"experiment={experiment}", *output, *from_user])
 
-    def leaves(node, prefix=""):
-        for key, value in node.items():
-            if isinstance(value, dict):
-                yield from leaves(value, f"{prefix}{key}.")
-            else:
-                yield f"{prefix}{key}", value
-
-    set_by_file = dict(leaves({k: v for k, v in spec.items() if k not in ("defaults", "hydra")}))
+    set_by_file = dict(yaml_leaves({k: v for k, v in spec.items() if k not in ("defaults", "hydra")}))
     assert set_by_file or "hydra" in spec  # a search experiment sets only its sweeper
     for key, value in set_by_file.items():
         assert OmegaConf.to_container(OmegaConf.create({"v": OmegaConf.select(cfg, key)}))["v"] == value, key
@@ -399,6 +393,8 @@ def test_regen_refuses_an_unknown_key(tmp_path):
         ),
         (lambda s: s.MaskRampNoiseConfig(warmup_steps=0), "noise=mask_ramp needs noise.warmup_steps >= 1"),
         (lambda s: s.TrainConfig(epochs=0), "train.epochs must be >= 1"),
+        (lambda s: s.GpuConfig(cpu_threads=0), "gpu.cpu_threads must be >= 1, got 0"),
+        (lambda s: s.LoggerConfig(every_steps=0), "logger.every_steps must be >= 1, got 0"),
     ],
 )
 def test_a_single_field_rule_sits_beside_its_field(build, message):

@@ -17,6 +17,7 @@ from dflash.export.zlab import load_drafter
 from dflash.models.dflash2 import DFlash2Drafter, GroupedDynamicConv, add_dflash2_fields
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.drafter_class import drafter_from_config
+from dflash.models.dspark import DSparkDrafter
 from dflash.step.blocks import layer_masks
 from dflash.step.dflash2_loss import dflash2_loss
 from dflash.step.loss import objective_figures
@@ -50,6 +51,21 @@ def tiny_dflash2(target, *, scale: float = 0.3, **shape) -> DFlash2Drafter:
             if "conv" in name or name.startswith("candidate_selector."):
                 param.add_(torch.randn_like(param) * scale)
     return drafter
+
+
+@pytest.mark.parametrize(
+    "variant, needs",
+    [
+        (DFlash2Drafter, "a DFlash2 drafter config needs dflash_config.selector_top_k (add_dflash2_fields)"),
+        (DSparkDrafter, "a DSpark drafter config needs markov_rank (dflash.models.dspark.add_dspark_fields)"),
+    ],
+)
+def test_a_variant_refuses_a_config_without_its_fields_by_naming_them(variant, needs):
+    """The backbone asks the variant whether the config describes it (`describes`), and the
+    refusal names the fields it lacks, before any layer is built."""
+    with pytest.raises(ValueError) as refused:
+        variant(tiny_configs(tiny_target())[0])
+    assert str(refused.value) == needs
 
 
 def dflash2_blocks(ids, loss_mask, *, num_anchors=8, gamma=4.0):

@@ -24,9 +24,10 @@ from dflash.decoding.reference import (
     speculative_generate,
 )
 from dflash.decoding.static_drafter import StaticCacheDrafter
-from dflash.eval.evaluate import Decoders, SelectorTally, evaluate_set
+from dflash.eval.evaluate import Decoders, evaluate_set
 from dflash.eval.prompts import PromptSet
 from dflash.eval.report import EvalReport
+from dflash.eval.tally import SelectorTally
 from dflash.models.dflash2 import DFlash2Drafter, add_dflash2_fields
 from dflash.models.drafter import DFlashDrafter, drafter_config
 from dflash.run.checks import is_summary_metric
@@ -114,10 +115,12 @@ def test_the_selector_walk_is_the_formula_written_out(softcap):
     unary = head_logits[0] if softcap is None else torch.tanh(head_logits[0] / softcap) * softcap
     with torch.no_grad():
         expected = walk_by_hand(drafter, unary, hidden[0], 7)
-        tokens, unary_argmax = drafter.propose(head_logits, hidden, torch.tensor([7]), DraftChooser().among)
+        walk = drafter.candidate_selector.walk
+        unary_logits = drafter.unary_logits(head_logits)
+        tokens, unary_argmax = walk(unary_logits, hidden, torch.tensor([7]), DraftChooser().among)
         noise = gumbel_noise(torch.Generator().manual_seed(4), (5, 512), torch.device("cpu"))
         sampled = walk_by_hand(drafter, unary, hidden[0], 7, noise, temperature=0.7)
-        drawn, _ = drafter.propose(head_logits, hidden, torch.tensor([7]), DraftChooser(0.7, noise).among)
+        drawn, _ = walk(unary_logits, hidden, torch.tensor([7]), DraftChooser(0.7, noise).among)
     assert tokens[0].tolist() == expected
     assert unary_argmax[0].tolist() == unary.argmax(-1).tolist()
     assert drawn[0].tolist() == sampled

@@ -20,9 +20,10 @@ from dflash.decoding.reference import (
     speculative_generate,
 )
 from dflash.decoding.static_drafter import StaticCacheDrafter
-from dflash.eval.evaluate import ConfidenceTally, Decoders, evaluate_set
+from dflash.eval.evaluate import Decoders, evaluate_set
 from dflash.eval.prompts import PromptSet
 from dflash.eval.report import EvalReport
+from dflash.eval.tally import ConfidenceTally
 from dflash.run.checks import is_summary_metric
 from dflash.step.blocks import layer_masks
 from tests.test_dflash_rules import MASK_ID, tiny_target

@@ -16,9 +16,11 @@ from safetensors.torch import save_file
 
 from dflash.export.zlab import export_deepspec, export_drafter, export_speculators
 from dflash.models.drafter import DFlashDrafter
+from dflash.models.lilicorr import LiLiCorrDrafter
 from tests.test_dflash2_export import tiny_dflash2
 from tests.test_dflash_rules import tiny_drafter, tiny_target
 from tests.test_dspark_export import tiny_dspark
+from tests.test_lilicorr import lilicorr_config, tiny_lilicorr
 
 VERIFIER = {"name_or_path": "tiny", "architectures": ["Qwen3ForCausalLM"]}
 
@@ -35,6 +37,11 @@ DRAFTERS = {
     "dflash": lambda target: moved(tiny_drafter(target)),
     "dspark": lambda target: tiny_dspark(target),
     "dflash2": lambda target: tiny_dflash2(target),
+    "lilicorr": lambda target: moved(tiny_lilicorr(target)),
+    # LiLiCorr+conv: DFlash2's convolution keys and tensors beside the head's.
+    "lilicorr-conv": lambda target: moved(
+        LiLiCorrDrafter(lilicorr_config(target, conv_kernel_size=2, conv_group_size=16))
+    ),
 }
 
 
@@ -83,6 +90,9 @@ EXPECTED = {
     ("dspark", "speculators"): "459baf28fd6800f7eee6caf5451d0e050bd45604c92967a690eab74e4e1533c1",
     ("dflash2", "native"): "6885a1bc342fa3fc5fab1706ec51b95654209a2b5f0466e09dff34a22c2ba9c6",
     ("dflash2", "speculators"): "5a3c98520dad4281b5e63523fd9a0ce7c770f25c9cb07a016616f54e29d32ea4",
+    # z-lab only: no other reader loads the lattice head (dflash/export/lilicorr.py).
+    ("lilicorr", "native"): "c237e98dd00c77c9a4f7fcd1fc8186e009392dd50e403ae49819b7b8ae088243",
+    ("lilicorr-conv", "native"): "e72ef15aba8dfb136707f31551f1939fb35bceb64f63063cce1849a97aded4c7",
 }
 
 

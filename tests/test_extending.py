@@ -1,7 +1,10 @@
 """User code plugged in by config alone: the examples of docs/extending.md, written into modules
 outside the package, run: a callback receives every hook in a normal run; a batch order, a noise
 schedule and a metric sink replace or join the built-ins by overrides alone; a training metric
-added to `FIELDS` reaches every sink; a component or callback that cannot be built is refused
+added to `FIELDS` reaches every sink; a drafter variant of one's own (its options, drafter class
+and training side), loaded as the plug-in the doc declares (DFLASH_PLUGINS or an entry point),
+composes in the real `dflash train`, trains, decodes and loads back as itself, and is refused in
+the doc's line without the plug-in; a component or callback that cannot be built is refused
 before anything loads."""
 
 from __future__ import annotations
@@ -9,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -21,10 +25,14 @@ from tests.conftest import FAST, SLOW_MACHINE_TIMEOUT_S, one_sample_batch, recor
 DOC = Path(__file__).resolve().parent.parent / "docs" / "extending.md"
 
 
+def doc_blocks() -> list[str]:
+    """The python blocks of docs/extending.md."""
+    return re.findall(r"```python\n(.*?)```", DOC.read_text(), re.DOTALL)
+
+
 def doc_example(defines: str) -> str:
     """The python block of docs/extending.md that defines `defines` (a class or a name)."""
-    blocks = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.DOTALL)
-    return next(block for block in blocks if f"class {defines}" in block or f"\n{defines} = " in block)
+    return next(block for block in doc_blocks() if f"class {defines}" in block or f"\n{defines} = " in block)
 
 
 def test_the_documented_batch_order_noise_and_sink_run_from_overrides_alone(tmp_path, make_cfg, monkeypatch):
@@ -115,6 +123,131 @@ def test_the_documented_training_metric_reaches_every_sink(make_cfg, monkeypatch
     ]
     console = [line for line in capsys.readouterr().out.splitlines() if line.startswith("step ")]
     assert len(console) == 2 and all("weight_per_block=" in line for line in console)
+
+
+def doc_snippet(language: str, containing: str) -> str:
+    """The block of docs/extending.md in `language` that holds `containing`."""
+    blocks = re.findall(rf"```{language}\n(.*?)```", DOC.read_text(), re.DOTALL)
+    return next(block for block in blocks if containing in block)
+
+
+@pytest.fixture
+def user_variant(tmp_path, monkeypatch):
+    """docs/extending.md's variant written into `my_variants.py` outside the package and loaded
+    as the plug-in the doc declares (`DFLASH_PLUGINS=my_variants`); the drafter registry and
+    Hydra's ConfigStore get back their entries afterwards (other tests iterate every registered
+    variant)."""
+    from hydra.core.config_store import ConfigStore
+
+    from dflash.config.plugins import ENV_VAR, load_plugins
+    from dflash.models import variants
+
+    (tmp_path / "my_variants.py").write_text(doc_example("TemperedConfig"))
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.setattr(variants, "_DRAFTERS", dict(variants._DRAFTERS))
+    repo = ConfigStore.instance().repo  # group -> option file -> node
+    monkeypatch.setitem(repo, "variant", dict(repo.get("variant", {})))
+    monkeypatch.delitem(sys.modules, "my_variants", raising=False)
+    assert f"{ENV_VAR}=my_variants" in doc_snippet("bash", "variant=tempered")
+    load_plugins({ENV_VAR: "my_variants"})
+
+    yield sys.modules["my_variants"]
+    sys.modules.pop("my_variants", None)
+
+
+def test_the_documented_drafter_variant_trains_decodes_and_reloads_as_itself(
+    user_variant, make_cfg, monkeypatch
+):
+    """`variant=tempered` composes from the user's dataclass (options and their rule), trains
+    with its loss, decodes in the final evaluation, and its checkpoint loads back as its own
+    drafter class through the registry."""
+    import torch
+
+    from dflash.export.zlab import load_drafter
+    from dflash.models import variants
+    from dflash.models.target import FrozenTarget
+
+    with monkeypatch.context() as patch:
+        patch.setattr(FrozenTarget, "from_config", lambda *args, **kwargs: pytest.fail("a model loaded"))
+        with pytest.raises(ValueError, match=r"variant\.temperature=0\.0: must be > 0"):
+            build_run(make_cfg(["variant=tempered", "variant.temperature=0"]))
+    cfg = make_cfg(["variant=tempered", "variant.temperature=1.5", "train.total_steps=4"])
+    run = build_run(cfg)
+    variant = run.trainer.step_fn.block_settings.variant
+    assert type(variant) is user_variant.TemperedVariant and variant.temperature == 1.5
+    # Its loss: DFlash's CE of the logits at the temperature (the hidden states divided).
+    seen = []
+    hidden = torch.randn(1, 4, 8)
+    with monkeypatch.context() as patch:
+        patch.setattr(user_variant, "draft_loss", lambda hidden, *args, **kwargs: seen.append(hidden))
+        variant.block_loss(
+            hidden, lm_head=None, drafter=None, blocks=None, final_BSH=None, logits_chunk=0, compiled=False
+        )
+    assert torch.equal(seen[0], hidden / 1.5)
+    summary = run.execute()
+    assert summary["eval/tau"] >= 1.0 and summary["train/loss"] > 0
+    checkpoint = Path(summary["checkpoint"])
+    saved = json.loads((checkpoint / "config.json").read_text())
+    assert saved["train_temperature"] == 1.5
+    assert json.dumps(saved["dflash_variant"], sort_keys=True) in DOC.read_text()  # as the doc shows it
+    assert type(load_drafter(checkpoint)) is user_variant.TemperedDrafter
+    # Without the plug-in: refused in the doc's line, not read as a DFlash drafter.
+    monkeypatch.delitem(variants._DRAFTERS, "tempered")  # the fixture's copy of the registry
+    refusal = doc_snippet("text", "is not registered").strip().split(".json: ", 1)[1]
+    with pytest.raises(ValueError) as refused:
+        load_drafter(checkpoint)
+    assert str(refused.value) == f"{checkpoint / 'config.json'}: {refusal}"
+
+
+def test_the_documented_plugin_composes_the_users_option_in_the_real_dflash_train(tmp_path):
+    """The doc's commands as a shell runs them, from the directory holding `my_variants.py`:
+    `dflash train` imports the plug-in DFLASH_PLUGINS names and composes `variant=tempered` and
+    its option, no launcher script."""
+    (tmp_path / "my_variants.py").write_text(doc_example("TemperedConfig"))
+    setting, command = doc_snippet("bash", "variant=tempered").strip().splitlines()
+    env = dict(os.environ)
+    for assignment in shlex.split(setting.removeprefix("export ")):
+        name, value = assignment.split("=", 1)
+        env[name] = value.replace("$PWD", str(tmp_path))
+    # This checkout's dflash after the doc's directory (an installed dflash needs nothing more).
+    env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], os.environ.get("PYTHONPATH", "")])
+    args = shlex.split(command)
+    assert args[:2] == ["dflash", "train"]
+    result = subprocess.run(
+        [sys.executable, "-m", "dflash", *args[1:], "--cfg", "job"],
+        capture_output=True, text=True, env=env, cwd=tmp_path, timeout=SLOW_MACHINE_TIMEOUT_S,
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "variant:\n  _target_: my_variants.TemperedVariant\n  temperature: 1.5\n" in result.stdout
+
+
+def test_a_plugin_that_cannot_be_imported_is_the_documented_line(monkeypatch, capsys):
+    from dflash import cli
+
+    monkeypatch.setenv("DFLASH_PLUGINS", "my_variants")  # not on the path here
+    monkeypatch.delitem(sys.modules, "my_variants", raising=False)
+    monkeypatch.setattr(sys, "argv", list(sys.argv))
+    with pytest.raises(SystemExit) as stopped:
+        cli.main(["train", "--cfg", "job"])
+    assert stopped.value.code == 2
+    assert capsys.readouterr().err == doc_snippet("text", "cannot be imported")
+
+
+def test_the_documented_entry_point_declares_the_plugin(tmp_path, monkeypatch):
+    """The doc's pyproject.toml table, installed (its dist-info: all importlib.metadata reads),
+    declares `my_variants` to every command with no variable set."""
+    import tomllib
+
+    from dflash.config.plugins import ENTRY_POINT_GROUP, declared_plugins
+    from tests.test_plugins import install_distribution
+
+    table = tomllib.loads(doc_snippet("toml", ENTRY_POINT_GROUP))["project"]["entry-points"][
+        ENTRY_POINT_GROUP
+    ]
+    install_distribution(tmp_path, "my-variants", table)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    declared = [(p.module, p.declared_by) for p in declared_plugins({})]
+    assert ("my_variants", "entry point tempered of my-variants") in declared
 
 
 @pytest.mark.parametrize(

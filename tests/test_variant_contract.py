@@ -2,11 +2,15 @@
 (dflash/models/drafter.py) and the registry (dflash/models/variants.py): both decoders lossless
 at fp32 greedy, drafting the same tokens round by round and reporting the same per-round
 figures; its native export read back as the same class with the same weights and the same
-drafts. Among them a variant defined here, outside the package and registered through the public
-`register_drafter`: a new head needs nothing edited inside dflash/ to decode and export."""
+drafts; every layout it declares (dflash/export/registry.py) written, checked, read back, warm
+started from (`drafter.init_from`) and converted to its other layouts and back. Among them a
+variant defined here, outside the package and registered through the public `register_drafter`
+and `register_export`: a new head needs nothing edited inside dflash/ to decode and export."""
 
 from __future__ import annotations
 
+import copy
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
@@ -15,11 +19,24 @@ import torch
 from dflash.decoding import engine, reference
 from dflash.decoding.engine import StaticDecoder
 from dflash.decoding.reference import plain_generate, speculative_generate
-from dflash.export.zlab import export_drafter, load_drafter
+from dflash.export import registry
+from dflash.export.contract import check_export
+from dflash.export.registry import export_for, register_export, registered_exports
+from dflash.export.rules import VariantExport
+from dflash.export.zlab import (
+    export_drafter,
+    load_drafter,
+    load_drafter_weights,
+    read_drafter_config,
+    write_layout,
+)
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.variants import register_drafter, registered_drafters
+from dflash.run.resume import warm_starts_new_parts
+from dflash.tools.export import LAYOUTS
+from dflash.tools.export import main as export_main
 from tests.test_dflash2_decoding import RoundRecorder, prompt_of
-from tests.test_dflash2_export import tiny_dflash2
+from tests.test_dflash2_export import same_weights, tiny_dflash2
 from tests.test_dflash_rules import tiny_drafter, tiny_drafter_config, tiny_target
 from tests.test_dspark_export import tiny_dspark
 from tests.test_export_bytes import moved
@@ -50,6 +67,17 @@ class MarginDrafter(DFlashDrafter):
             result.__dict__.setdefault("margins", []).append(extra)
 
 
+class MarginExport(VariantExport):
+    """Its export rules: the backbone's z-lab layout alone (no speculators model type names it)."""
+
+    drafter = MarginDrafter
+    other_layouts: ClassVar[tuple[str, ...]] = ()
+    speculators_type: ClassVar[str | None] = None
+
+
+register_export(MarginExport())
+
+
 def margin_drafter(target) -> MarginDrafter:
     config = tiny_drafter_config(target)
     config.dflash_config["margin_drafts"] = True
@@ -68,6 +96,7 @@ MAKERS = {
 
 def test_every_registered_variant_is_in_the_contract():
     assert set(registered_drafters()) == set(MAKERS)
+    assert set(registered_exports()) == set(MAKERS), "a drafter variant without its export rules"
 
 
 def decode(target, drafter, monkeypatch, prompts) -> tuple[list, list]:
@@ -113,3 +142,137 @@ def test_a_variant_decodes_losslessly_alike_and_exports_round_trip(name, monkeyp
     for prompt in prompts:
         speculative_generate(target, loaded, prompt, 20)
     assert recorder.rounds == rounds
+
+
+VERIFIER = {"name_or_path": "tiny", "architectures": ["Qwen3ForCausalLM"]}
+
+
+def round_trip(drafter: DFlashDrafter, layout: str, tmp_path: Path, target_dir: Path) -> None:
+    """`drafter` written in `layout`, checked against the readers' rules, read back, warm started
+    from as a run's `drafter.init_from` does (dflash/run/launch.py), and converted to each other
+    layout its variant declares: the same class and weights every way."""
+    directory = tmp_path / layout
+    write_layout(drafter, directory, layout, target_dir=target_dir, verifier=VERIFIER)
+    assert check_export(directory) == []
+    loaded = load_drafter(directory)
+    assert type(loaded) is type(drafter) and same_weights(loaded, drafter)
+    fresh = type(drafter)(copy.deepcopy(drafter.config))
+    new_parts = warm_starts_new_parts(read_drafter_config(directory), fresh.config, "drafter.init_from")
+    load_drafter_weights(fresh, directory, new_parts=new_parts)
+    assert not new_parts and same_weights(fresh, drafter)
+    pairing = ["--target", str(target_dir), "--num-anchors", "8"]
+    for other in export_for(drafter).layouts:
+        if other == layout:
+            continue
+        converted = tmp_path / f"{layout}-as-{other}"
+        export_main(["convert", str(directory), str(converted), "--layout", other, *pairing])
+        back = load_drafter(converted)
+        assert type(back) is type(drafter) and same_weights(back, drafter)
+
+
+@pytest.mark.parametrize(
+    "name, layout",
+    [(name, layout) for name in sorted(MAKERS) for layout in registered_exports()[name].layouts],
+)
+def test_every_declared_layout_round_trips_through_export_init_from_and_convert(
+    name, layout, tmp_path, tiny_qwen3_dir
+):
+    round_trip(MAKERS[name](tiny_target()), layout, tmp_path, tiny_qwen3_dir)
+
+
+def test_convert_offers_every_registered_layout():
+    assert set(LAYOUTS) == set(registry._LAYOUTS)
+
+
+@pytest.mark.parametrize("name", sorted(MAKERS))
+def test_convert_refuses_a_layout_the_variant_does_not_declare(name, tmp_path, tiny_qwen3_dir, capsys):
+    drafter = MAKERS[name](tiny_target())
+    declared = export_for(drafter).layouts
+    export_drafter(drafter, tmp_path / "native")
+    for layout in sorted(set(registry._LAYOUTS) - set(declared)):
+        arguments = ["convert", str(tmp_path / "native"), str(tmp_path / layout), "--layout", layout]
+        with pytest.raises(SystemExit) as stopped:
+            export_main([*arguments, "--target", str(tiny_qwen3_dir)])
+        assert stopped.value.code == 2 and not (tmp_path / layout).exists()
+        message = capsys.readouterr().err
+        assert f"is not written in the {layout} layout: --layout {' or '.join(declared)}" in message
+
+
+class Overclaiming(MarginExport):
+    """The Margin head claiming layouts it cannot be written in: DeepSpec's (which asserts the
+    heads' fields) and speculators' (which has no model type for it)."""
+
+    other_layouts = ("deepspec", "speculators")
+
+
+@pytest.mark.parametrize("layout", Overclaiming.other_layouts)
+def test_a_variant_declaring_a_layout_it_cannot_write_fails_the_round_trip(
+    layout, tmp_path, tiny_qwen3_dir, monkeypatch
+):
+    monkeypatch.setitem(registry._EXPORTS, MarginDrafter.variant_name, Overclaiming())
+    drafter = margin_drafter(tiny_target())
+    with pytest.raises((AssertionError, ValueError)) as failure:
+        round_trip(drafter, layout, tmp_path, tiny_qwen3_dir)
+    expected = "markov_rank" if layout == "deepspec" else "no speculators model type"
+    assert expected in str(failure.value) or expected in str(check_export(tmp_path / layout))
+
+
+def test_a_drafter_variant_without_export_rules_is_refused_at_its_export(tmp_path):
+    class Unexported(DFlashDrafter):
+        variant_name: ClassVar[str] = "test_unexported"
+
+    target = tiny_target()
+    with pytest.raises(ValueError, match="registers no export rules: register them with .*register_export"):
+        export_drafter(Unexported(tiny_drafter_config(target)), tmp_path / "d")
+    assert not (tmp_path / "d").exists()
+
+
+def test_export_and_serving_reach_a_variants_export_code_through_the_registry_only():
+    """Past the registry, export, `dflash export` and serving import no variant's own module
+    (dflash/export/deepspec.py, dflash/export/dflash2.py, dflash/models/dspark.py, ...): what
+    they need of a variant they ask its registered rules, so a variant they were not written
+    for is served alike."""
+    from tests.test_variant_plugin import PACKAGE, is_own, variants
+
+    own_modules = {
+        path.relative_to(PACKAGE).as_posix(): name
+        for path in PACKAGE.rglob("*.py")
+        for name in variants()
+        if is_own(path.relative_to(PACKAGE).as_posix(), name)
+    }
+    scanned = [*PACKAGE.glob("export/*.py"), *PACKAGE.glob("tools/export*.py"), *PACKAGE.glob("serving/*.py")]
+    found = []
+    for path in scanned:
+        relative = path.relative_to(PACKAGE).as_posix()
+        if relative == "export/registry.py" or relative in own_modules:
+            continue
+        for line, module in imports_of(path):
+            for candidate in (module, *(f"{module}.{name}" for name in imported_names(path, line))):
+                where = candidate.removeprefix("dflash.").replace(".", "/") + ".py"
+                if where in own_modules:
+                    found.append(f"{relative}:{line} imports {candidate}")
+    assert not found, found
+
+
+def imports_of(path: Path) -> list[tuple[int, str]]:
+    import ast
+
+    tree = ast.parse(path.read_text())
+    found = [(node.lineno, node.module) for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)]
+    found += [
+        (node.lineno, alias.name)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Import)
+        for alias in node.names
+    ]
+    return [(line, module) for line, module in found if module and module.startswith("dflash")]
+
+
+def imported_names(path: Path, line: int) -> list[str]:
+    """The names a `from package import a, b` at `line` imports (modules among them)."""
+    import ast
+
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.ImportFrom) and node.lineno == line:
+            return [alias.name for alias in node.names]
+    return []

@@ -124,6 +124,21 @@ class LossConfig:
 
 
 @dataclass
+class DPaceLossConfig(LossConfig):
+    """loss=dpace (dflash/step/dpace.py): position weights from the drafter's confidence in each
+    label; `gamma` stays for the drafter options that set it, unread."""
+
+    _target_: str = "dflash.step.dpace.DPaceLoss"
+    # Smoothing of the confidences toward 1, s = alpha + (1 - alpha) q; the references' 0.5.
+    alpha: float = 0.5
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if not 0.0 < self.alpha <= 1.0:
+            raise ValueError(f"loss.alpha must be in (0, 1], got {self.alpha}")
+
+
+@dataclass
 class NoiseConfig:
     """`_target_`: a noise schedule (dflash/step/noise.py): per optimizer step, the share of
     block positions that keep their true token and the std of the feature noise."""

@@ -8,6 +8,8 @@ from dataclasses import dataclass, field
 from enum import Enum
 from typing import Optional
 
+from dflash.config.bounds import at_least
+
 
 class VerifyRule(str, Enum):
     """How sampled decoding keeps drafts (dflash/decoding/verify.py has the rules' formulas)."""
@@ -90,7 +92,5 @@ class EvalConfig:
     decode_streams: int = 1
 
     def __post_init__(self) -> None:
-        if self.reference_slots < 1:
-            raise ValueError(f"eval.reference_slots must be >= 1, got {self.reference_slots}")
-        if self.decode_streams < 1:
-            raise ValueError(f"eval.decode_streams must be >= 1, got {self.decode_streams}")
+        at_least("eval.reference_slots", self.reference_slots, 1)
+        at_least("eval.decode_streams", self.decode_streams, 1)

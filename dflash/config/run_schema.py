@@ -11,6 +11,8 @@ from typing import Any, Optional
 
 from omegaconf import MISSING
 
+from dflash.config.bounds import at_least
+
 
 class DeviceKind(str, Enum):
     cpu = "cpu"
@@ -31,8 +33,7 @@ class GpuConfig:
     cpu_threads: int = 1
 
     def __post_init__(self) -> None:
-        if self.cpu_threads < 1:
-            raise ValueError(f"gpu.cpu_threads must be >= 1, got {self.cpu_threads}")
+        at_least("gpu.cpu_threads", self.cpu_threads, 1)
 
 
 @dataclass
@@ -46,8 +47,7 @@ class LoggerConfig:
     every_steps: int = 10
 
     def __post_init__(self) -> None:
-        if self.every_steps < 1:
-            raise ValueError(f"logger.every_steps must be >= 1, got {self.every_steps}")
+        at_least("logger.every_steps", self.every_steps, 1)
 
 
 @dataclass
@@ -85,7 +85,6 @@ class TrainConfig:
     total_steps: Optional[int] = None
 
     def __post_init__(self) -> None:
-        if self.epochs < 1:
-            raise ValueError(f"train.epochs must be >= 1, got {self.epochs}")
+        at_least("train.epochs", self.epochs, 1)
         if self.total_steps is not None and self.total_steps < 1:
             raise ValueError(f"train.total_steps must be >= 1 or null, got {self.total_steps}")

@@ -1,13 +1,20 @@
 """The drafter variants' config group (`variant`): one structured config per variant, each naming
 the variant class it builds (dflash/step/variant.py) and holding that variant's own options.
 
+A variant's options are written once, here: the field, its type, its default and the comment that
+says what it does. The YAML option (conf/variant/NAME.yaml) starts from the dataclass and repeats
+none of them; the training side's class takes them with `variant_options`. `dflash train
+variant=NAME --cfg job` prints them composed.
+
 No torch here: see dflash/config/schema.py."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import MISSING as NO_DEFAULT
+from dataclasses import dataclass, field, fields
 from enum import Enum
-from typing import Optional
+from typing import Optional, TypeVar, get_type_hints
 
 from omegaconf import MISSING
 
@@ -36,6 +43,43 @@ class VariantConfig:
     Orthogonal to `drafter` (depth, block size, windows) and `loss` (position weights, chunking)."""
 
     _target_: str = MISSING
+
+
+VariantClass = TypeVar("VariantClass", bound=type)
+
+
+def variant_options(config_class: type[VariantConfig]) -> Callable[[VariantClass], VariantClass]:
+    """A class decorator for a variant's training side, applied under `@dataclass`: the class
+    gains `config_class`'s options (every field but `_target_`) as fields of its own, with their
+    types and defaults, in their order. A variant built without a config (a test, a tool) then
+    has the same defaults a composed `variant=NAME` has, and adding an option is one field here.
+
+        @dataclass(frozen=True)
+        @variant_options(DSparkVariantConfig)
+        class DSparkVariant(DFlashVariant): ...
+    """
+    hints = get_type_hints(config_class)  # resolved: the class's module need not import them
+
+    def take(cls: VariantClass) -> VariantClass:
+        own = dict(cls.__dict__.get("__annotations__", {}))
+        for option in fields(config_class):
+            if option.name == "_target_":
+                continue
+            if option.name in own:
+                # Two declarations of one option would drift apart: the point of this decorator.
+                raise TypeError(
+                    f"{cls.__qualname__}.{option.name} is an option of {config_class.__qualname__}: "
+                    "declare it there only"
+                )
+            own[option.name] = hints[option.name]
+            if option.default is not NO_DEFAULT:
+                setattr(cls, option.name, option.default)
+            elif option.default_factory is not NO_DEFAULT:
+                setattr(cls, option.name, field(default_factory=option.default_factory))
+        cls.__annotations__ = own
+        return cls
+
+    return take
 
 
 @dataclass
@@ -146,7 +190,8 @@ class LiLiCorrVariantConfig(VariantConfig):
     # Candidates per draft slot (a power of two: SGLang's and vLLM's loaders refuse others).
     candidate_topk: int = 8
     # Width of the lattice transformer and of its factor vectors. null: the drafter's hidden size
-    # (the recipe's 1024 is for a 4096-wide Qwen3-8B drafter).
+    # (the recipe's lilicorr_hidden_size and lilicorr_factor_dim, 1024, are for a 4096-wide
+    # Qwen3-8B drafter).
     hidden_size: Optional[int] = None
     factor_dim: Optional[int] = None
     num_layers: int = 2
@@ -157,10 +202,10 @@ class LiLiCorrVariantConfig(VariantConfig):
     vector_eps: float = 1.0e-4
     # Absolute weights of the lattice terms beside DFlash's CE (no outer factor); `margin` is the
     # hinge's width in log-factor units (the recipe's `margin` composition: 0.125 / 0.125 / 0.25).
-    ce_weight: float = 0.25
-    margin_weight: float = 0.0
-    penalty_weight: float = 0.25
-    margin: float = 2.0
+    ce_weight: float = 0.25  # dflash_lilicorr_w_ce
+    margin_weight: float = 0.0  # dflash_lilicorr_w_margin
+    penalty_weight: float = 0.25  # dflash_lilicorr_w_pen
+    margin: float = 2.0  # dflash_lilicorr_margin
     # DFlash2's block-local convolutions around every draft sublayer (ModelOpt's LiLiCorr+conv,
     # identity at init; what a DFlash2 checkpoint warm-starting the run brings): both or neither.
     conv_kernel_size: Optional[int] = None

@@ -28,7 +28,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Generic, TypeVar
 
-import numpy as np
 import torch
 
 from dflash.config.schema import EvalConfig, VerifyRule
@@ -39,7 +38,8 @@ from dflash.decoding.sampling import Sampler
 from dflash.decoding.side_by_side import SideBySideDecoders
 from dflash.eval.journal import EvalJournal, PromptOutcome
 from dflash.eval.prompts import PromptSet
-from dflash.eval.report import BenchmarkResult, EvalReport, acceptance_figures
+from dflash.eval.report import BenchmarkResult, EvalReport
+from dflash.eval.tally import DecodeTimes, OutcomeTally
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import FrozenTarget
 from dflash.stopwatch import Stopwatch
@@ -140,47 +140,25 @@ class Decoders:
         `decode_streams` > 1: untimed DFlash decodings that many prompts at a time, one static
         decoder each (static-cache targets; timed decoding uses the first alone).
         `verify=rejection` at a temperature > 0: the reference decoder, which verifies that way."""
-        rejection = VerifyRule(verify) is VerifyRule.rejection and any(t > 0 for t in temperatures)
-        static = None
-        if rejection:
+        if VerifyRule(verify) is VerifyRule.rejection and any(t > 0 for t in temperatures):
             log.info("eval.verify=rejection: decoding on the reference decoder (dflash.decoding.reference)")
         else:
             static = StaticDecoder.for_target(
                 target, drafter, max_len=max_len, graphs=graphs, compile=compile
             )
-        if static is not None:
-            sampled = tuple(t for t in temperatures if t > 0) if sampled_drafts else ()
-            static.capture_every_shape(sampled)  # outside every timed decode
-
-            def static_speculative(prompt, max_new, temperature, seed, stop_ids):
-                return static.speculative(
-                    prompt, max_new, temperature, seed, stop_ids, sampled_drafts=sampled_drafts
+            if static is not None:
+                return cls._static(
+                    target,
+                    drafter,
+                    static,
+                    max_len=max_len,
+                    graphs=graphs,
+                    compile=compile,
+                    sampled_drafts=sampled_drafts,
+                    temperatures=temperatures,
+                    reference_slots=reference_slots,
+                    decode_streams=decode_streams,
                 )
-
-            references = None
-            if reference_slots > 1:
-                references = BatchedReferences(
-                    target, slots=reference_slots, max_len=max_len, graphs=graphs, compile=compile
-                )
-            side_by_side = None
-            if decode_streams > 1:
-                more = [
-                    StaticDecoder(target, drafter, max_len=max_len, graphs=graphs, compile=compile)
-                    for _ in range(decode_streams - 1)
-                ]
-                for decoder in more:
-                    decoder.capture_every_shape(sampled)
-                side_by_side = SideBySideDecoders([static, *more], sampled_drafts=sampled_drafts)
-            return cls(
-                static_speculative,
-                static.plain,
-                side_by_side.load_drafter_weights
-                if side_by_side is not None
-                else static.load_drafter_weights,
-                static.prefill_only,
-                references,
-                side_by_side,
-            )
         current = {"drafter": drafter}
 
         def speculative(prompt, max_new, temperature, seed, stop_ids):
@@ -201,6 +179,53 @@ class Decoders:
             return plain_generate(target, prompt, max_new, temperature, seed, None, stop_ids)
 
         return cls(speculative, plain, lambda new: current.update(drafter=new))
+
+    @classmethod
+    def _static(
+        cls,
+        target: FrozenTarget,
+        drafter: DFlashDrafter,
+        static: StaticDecoder,
+        *,
+        max_len: int,
+        graphs: bool | None,
+        compile: bool,
+        sampled_drafts: bool,
+        temperatures: tuple[float, ...],
+        reference_slots: int,
+        decode_streams: int,
+    ) -> Decoders:
+        """Decoders on the static decoder `static` (`build`'s arguments), every shape captured."""
+        sampled = tuple(t for t in temperatures if t > 0) if sampled_drafts else ()
+        static.capture_every_shape(sampled)  # outside every timed decode
+
+        def static_speculative(prompt, max_new, temperature, seed, stop_ids):
+            return static.speculative(
+                prompt, max_new, temperature, seed, stop_ids, sampled_drafts=sampled_drafts
+            )
+
+        references = None
+        if reference_slots > 1:
+            references = BatchedReferences(
+                target, slots=reference_slots, max_len=max_len, graphs=graphs, compile=compile
+            )
+        side_by_side = None
+        if decode_streams > 1:
+            more = [
+                StaticDecoder(target, drafter, max_len=max_len, graphs=graphs, compile=compile)
+                for _ in range(decode_streams - 1)
+            ]
+            for decoder in more:
+                decoder.capture_every_shape(sampled)
+            side_by_side = SideBySideDecoders([static, *more], sampled_drafts=sampled_drafts)
+        return cls(
+            static_speculative,
+            static.plain,
+            side_by_side.load_drafter_weights if side_by_side is not None else static.load_drafter_weights,
+            static.prefill_only,
+            references,
+            side_by_side,
+        )
 
     @classmethod
     def for_prompts(
@@ -253,150 +278,140 @@ def evaluate_set(
     from it instead of decoded (a resumed evaluation: its time figures would cover only the
     prompts decoded here, so dflash-eval refuses a resume with timing)."""
     drafts = block_size - 1 if drafts is None else drafts
-    greedy = temperature <= 0
-    need_plain = greedy or timing
     stop = prompt_set.stop_ids | target_eos_ids(target)
     for prompt in prompt_set.prompts[:warmup_prompts] if timing else []:
         decoders.speculative(prompt, max_new_tokens, temperature, seed, stop)
         decoders.plain(prompt, max_new_tokens, temperature, seed, stop)
-    stopwatch = Stopwatch(target.device)
-    lengths: list[int] = []
-    confidence = ConfidenceTally(drafts)
-    selector = SelectorTally(drafts)
-    # Each path's time is divided by its own output: in bf16 a greedy DFlash output may differ
-    # from the plain one (near-ties) and stop at another length.
-    identical, output_tokens, plain_tokens, plain_s, dflash_s, prefill_s = 0, 0, 0, 0.0, 0.0, 0.0
-    divergences: list[tuple[int, float]] = []
-
-    def seed_of(index: int) -> int:
-        return seed + index
-
-    def undecoded(index: int, count: int) -> dict[int, list[int]]:
-        return _undecoded(prompt_set, temperature, journal, start=index, count=count)
-
-    # Untimed: the greedy references decoded together, and the DFlash decodings side by side,
-    # each a batch of the upcoming prompts the journal lacks at a time.
-    batched = decoders.references if greedy and not timing else None
-    references = None
-    if batched is not None:
-        references = _Ahead(batched.slots, undecoded, lambda prompts: batched(prompts, max_new_tokens, stop))
-    side_by_side = decoders.side_by_side if not timing else None
-    decoded = None
-    if side_by_side is not None:
-        unchecked = True
-
-        def decode_together(prompts: dict[int, list[int]]) -> dict[int, DecodeResult]:
-            nonlocal unchecked
-            results = dict(
-                zip(
-                    prompts,
-                    side_by_side.speculative(
-                        list(prompts.values()),
-                        [seed_of(index) for index in prompts],
-                        max_new_tokens=max_new_tokens,
-                        temperature=temperature,
-                        stop_ids=stop,
-                    ),
-                )
-            )
-            if unchecked:
-                _check_side_by_side(
-                    decoders,
-                    benchmark=prompt_set.name,
-                    prompts=prompts,
-                    results=results,
-                    seeds=[seed_of(index) for index in prompts],
-                    max_new_tokens=max_new_tokens,
-                    temperature=temperature,
-                    stop=stop,
-                )
-                unchecked = False
-            return results
-
-        decoded = _Ahead(side_by_side.width, undecoded, decode_together)
-
-    def reference_of(index: int, prompt: list[int]) -> list[int]:
-        """The prompt's plain output: decoded now (timed), or taken from the batch holding it."""
-        nonlocal plain_s
-        if references is not None:
-            return references.take(index)
-        reference, seconds = stopwatch(
-            decoders.plain, prompt, max_new_tokens, temperature, seed_of(index), stop
-        )
-        plain_s += seconds
-        return reference.output_ids
-
-    def decode(index: int, prompt: list[int]) -> DecodeResult:
-        """The prompt's DFlash decoding: now (timed), or taken from the side-by-side batch holding it."""
-        nonlocal dflash_s
-        if decoded is not None:
-            return decoded.take(index)
-        result, seconds = stopwatch(
-            decoders.speculative, prompt, max_new_tokens, temperature, seed_of(index), stop
-        )
-        dflash_s += seconds
-        return result
-
-    evaluated = 0
+    decoding = _SetDecoding(
+        target,
+        decoders,
+        prompt_set,
+        max_new_tokens=max_new_tokens,
+        temperature=temperature,
+        seed=seed,
+        stop=stop,
+        timing=timing,
+        journal=journal,
+    )
+    tally = OutcomeTally(drafts)
     for index, prompt in enumerate(prompt_set.prompts):
         if should_stop is not None and should_stop():
             break
-        evaluated += 1
         recorded = (
             journal.outcome(prompt_set.name, temperature, index, prompt) if journal is not None else None
         )
         if recorded is None:
-            result = decode(index, prompt)
-            outcome = PromptOutcome(result)
-            if need_plain:
-                reference_ids = reference_of(index, prompt)
-                plain_tokens += len(reference_ids)
-                outcome.identical = reference_ids == result.output_ids
-                if greedy and not outcome.identical:
-                    outcome.divergence = first_divergence(target, prompt, reference_ids, result.output_ids)
-            if timing and decoders.prefill is not None:
-                prefill_s += stopwatch(decoders.prefill, prompt)[1]
+            recorded = decoding.outcome(index, prompt)
             if journal is not None:
-                journal.record(prompt_set.name, temperature, index, prompt, outcome)
-        else:
-            outcome = recorded
-        result = outcome.result
-        lengths += result.acceptance_lengths
-        confidence.add(result)
-        selector.add(result)
-        output_tokens += len(result.output_ids)
-        identical += bool(outcome.identical)
-        if outcome.divergence is not None:
-            divergences.append(outcome.divergence)
+                journal.record(prompt_set.name, temperature, index, prompt, recorded)
+        tally.add(recorded)
         if on_prompt is not None:
-            on_prompt(prompt_set.name, temperature, evaluated, len(prompt_set.prompts))
-    tau, histogram = acceptance_figures(lengths, slots=drafts + 2)
-    report = BenchmarkResult(
-        benchmark=prompt_set.name,
-        temperature=temperature,
-        num_prompts=evaluated,
-        output_tokens=output_tokens,
-        verifications=len(lengths),
-        tau=tau,
-        acceptance_histogram=histogram,
-        lossless_frac=identical / evaluated if greedy and evaluated else None,
-        divergences=divergences,
-        **confidence.fields(),
-        **selector.fields(),
-    )
-    if timing and output_tokens and plain_tokens:
-        report.plain_ms_per_token = 1000.0 * plain_s / plain_tokens
-        report.dflash_ms_per_token = 1000.0 * dflash_s / output_tokens
-        report.speedup = report.plain_ms_per_token / report.dflash_ms_per_token
-        # A DFlash round (draft + verify + bookkeeping) in plain decoding steps, both without the
-        # prefill (its first token included): what scripts/bench_decode.py's round measures.
-        # speedup ~ tau / round_cost when prefills are short beside the decoding, so this says
-        # whether a low speedup is tau, the decoder, or prefills.
-        report.prefill_ms = 1000.0 * prefill_s / evaluated if prefill_s else None
-        steps = max(1, plain_tokens - evaluated)
-        report.round_cost = ((dflash_s - prefill_s) / max(1, len(lengths))) / ((plain_s - prefill_s) / steps)
-        report.timing_device = str(target.device)
+            on_prompt(prompt_set.name, temperature, tally.prompts, len(prompt_set.prompts))
+    report = tally.result(benchmark=prompt_set.name, temperature=temperature)
+    if timing:
+        decoding.times.fill(report, device=str(target.device))
     return report
+
+
+class _SetDecoding:
+    """Each prompt's outcome, decoded: DFlash, and plain where a greedy reference or timing
+    needs it. Timed, one prompt at a time on the stopwatch (`times`); untimed, the greedy
+    references decoded together and the DFlash decodings side by side where the decoders offer
+    them, each a batch of the upcoming prompts the journal lacks at a time."""
+
+    def __init__(
+        self,
+        target: FrozenTarget,
+        decoders: Decoders,
+        prompt_set: PromptSet,
+        *,
+        max_new_tokens: int,
+        temperature: float,
+        seed: int,
+        stop: frozenset[int],
+        timing: bool,
+        journal: EvalJournal | None,
+    ):
+        self.target, self.decoders, self.prompt_set = target, decoders, prompt_set
+        self.max_new_tokens, self.temperature, self.seed, self.stop = max_new_tokens, temperature, seed, stop
+        self.timing, self.journal = timing, journal
+        self.greedy = temperature <= 0
+        self.stopwatch = Stopwatch(target.device)
+        self.times = DecodeTimes()
+        batched = decoders.references if self.greedy and not timing else None
+        self.references = None
+        if batched is not None:
+            self.references = _Ahead(
+                batched.slots, self._undecoded, lambda prompts: batched(prompts, max_new_tokens, stop)
+            )
+        side_by_side = decoders.side_by_side if not timing else None
+        self.decoded = (
+            None if side_by_side is None else _Ahead(side_by_side.width, self._undecoded, self._together)
+        )
+        self.unchecked = True
+
+    def _undecoded(self, index: int, count: int) -> dict[int, list[int]]:
+        return _undecoded(self.prompt_set, self.temperature, self.journal, start=index, count=count)
+
+    def _together(self, prompts: dict[int, list[int]]) -> dict[int, DecodeResult]:
+        """DFlash decodings of `prompts` side by side; the first batch checked against decoding alone."""
+        seeds = [self.seed + index for index in prompts]
+        decoded = self.decoders.side_by_side.speculative(
+            list(prompts.values()),
+            seeds,
+            max_new_tokens=self.max_new_tokens,
+            temperature=self.temperature,
+            stop_ids=self.stop,
+        )
+        results = dict(zip(prompts, decoded))
+        if self.unchecked:
+            _check_side_by_side(
+                self.decoders,
+                benchmark=self.prompt_set.name,
+                prompts=prompts,
+                results=results,
+                seeds=seeds,
+                max_new_tokens=self.max_new_tokens,
+                temperature=self.temperature,
+                stop=self.stop,
+            )
+            self.unchecked = False
+        return results
+
+    def _timed(
+        self, decode: Callable[..., DecodeResult], index: int, prompt: list[int]
+    ) -> tuple[DecodeResult, float]:
+        args = (prompt, self.max_new_tokens, self.temperature, self.seed + index, self.stop)
+        return self.stopwatch(decode, *args)
+
+    def _reference(self, index: int, prompt: list[int]) -> list[int]:
+        """The prompt's plain output: decoded now (timed), or taken from the batch holding it."""
+        if self.references is not None:
+            return self.references.take(index)
+        reference, seconds = self._timed(self.decoders.plain, index, prompt)
+        self.times.plain_s += seconds
+        return reference.output_ids
+
+    def _speculative(self, index: int, prompt: list[int]) -> DecodeResult:
+        """The prompt's DFlash decoding: now (timed), or taken from the side-by-side batch holding it."""
+        if self.decoded is not None:
+            return self.decoded.take(index)
+        result, seconds = self._timed(self.decoders.speculative, index, prompt)
+        self.times.dflash_s += seconds
+        return result
+
+    def outcome(self, index: int, prompt: list[int]) -> PromptOutcome:
+        result = self._speculative(index, prompt)
+        outcome = PromptOutcome(result)
+        if self.greedy or self.timing:
+            reference_ids = self._reference(index, prompt)
+            self.times.plain_tokens += len(reference_ids)
+            outcome.identical = reference_ids == result.output_ids
+            if self.greedy and not outcome.identical:
+                outcome.divergence = first_divergence(self.target, prompt, reference_ids, result.output_ids)
+        if self.timing and self.decoders.prefill is not None:
+            self.times.prefill_s += self.stopwatch(self.decoders.prefill, prompt)[1]
+        return outcome
 
 
 def _check_side_by_side(
@@ -455,69 +470,6 @@ def _undecoded(
             if len(upcoming) == count:
                 break
     return upcoming
-
-
-class ConfidenceTally:
-    """A DSpark confidence head's predictions against the acceptance measured, over rounds: per
-    block position k, the predicted probability that draft k is accepted (the product of the
-    head's survival probabilities c_0..c_k, DeepSpec's reading of it) and the share of rounds that
-    accepted at least k + 1 drafts."""
-
-    def __init__(self, drafts: int):
-        self.predicted = np.zeros(drafts)
-        self.accepted = np.zeros(drafts)
-        self.rounds = 0
-
-    def add(self, result: DecodeResult) -> None:
-        if not result.confidence:
-            return
-        survival = np.cumprod(np.asarray(result.confidence, dtype=np.float64), axis=1)
-        self.predicted += survival.sum(axis=0)
-        drafted = np.arange(len(self.accepted))
-        self.accepted += (np.asarray(result.accepted_drafts)[: len(survival), None] > drafted).sum(axis=0)
-        self.rounds += len(survival)
-
-    def fields(self) -> dict:
-        """BenchmarkResult's confidence fields ({} without a confidence head)."""
-        if not self.rounds:
-            return {}
-        predicted, accepted = self.predicted / self.rounds, self.accepted / self.rounds
-        return {
-            "confidence_by_position": [round(float(p), 4) for p in predicted],
-            "accepted_by_position": [round(float(a), 4) for a in accepted],
-            # 1 + expected accepted drafts, as predicted and as measured (rounds uncut by the
-            # output's end, so beside each other rather than beside tau).
-            "confidence_tau": float(1 + predicted.sum()),
-            "accepted_tau": float(1 + accepted.sum()),
-        }
-
-
-class SelectorTally:
-    """A DFlash2 candidate selector against the unary argmax it may override, over rounds
-    (`DecodeResult.selector_changed` ...): the share of draft positions where it drafted another
-    token; of those drafts, the share accepted and the share rejected where the unary token was
-    the target's choice (keeping it would have had that draft accepted)."""
-
-    def __init__(self, drafts: int):
-        self.drafts = drafts
-        self.rounds = self.changed = self.accepted = self.unary_right = 0
-
-    def add(self, result: DecodeResult) -> None:
-        self.rounds += len(result.selector_changed)
-        self.changed += sum(result.selector_changed)
-        self.accepted += sum(result.selector_changed_accepted)
-        self.unary_right += sum(result.selector_changed_unary_right)
-
-    def fields(self) -> dict:
-        """BenchmarkResult's selector fields ({} without a DFlash2 drafter; the two shares of
-        changes None when the selector changed nothing)."""
-        if not self.rounds:
-            return {}
-        return {
-            "selector_change_frac": round(self.changed / (self.rounds * self.drafts), 4),
-            "selector_change_accepted_frac": round(self.accepted / self.changed, 4) if self.changed else None,
-            "selector_change_unary_frac": round(self.unary_right / self.changed, 4) if self.changed else None,
-        }
 
 
 def planned_decodings(prompt_sets: list[PromptSet], cfg: EvalConfig) -> int:

@@ -31,14 +31,14 @@ class BenchmarkResult:
     round_cost: float | None = None  # a DFlash round's time in plain decoding steps (no prefill)
     prefill_ms: float | None = None  # the target's prefill of a prompt, the mean, timed apart
     timing_device: str | None = None
-    # A DSpark drafter with a confidence head (dflash.eval.evaluate.ConfidenceTally), per block
+    # A DSpark drafter with a confidence head (dflash.eval.tally.ConfidenceTally), per block
     # position k: the head's predicted probability that draft k is accepted, and the share of
     # rounds that accepted it; and 1 + the expected accepted drafts by each.
     confidence_by_position: list[float] | None = None
     accepted_by_position: list[float] | None = None
     confidence_tau: float | None = None
     accepted_tau: float | None = None
-    # A DFlash2 drafter (dflash.eval.evaluate.SelectorTally): the share of draft positions where
+    # A DFlash2 drafter (dflash.eval.tally.SelectorTally): the share of draft positions where
     # its candidate selector drafted another token than the unary argmax; of those drafts, the
     # share accepted and the share rejected where the unary token was the target's choice.
     selector_change_frac: float | None = None

@@ -21,8 +21,8 @@ import torch
 import yaml
 from safetensors import SafetensorError, safe_open
 
-from dflash.export import deepspec, dflash2, lilicorr, speculators
-from dflash.export.dflash2 import positive_int
+from dflash.export.registry import ZLAB, bundled_tables, export_for_config, layout_named, layout_of
+from dflash.export.rules import positive_int
 from dflash.export.zlab import exported_state, nonfinite_problem, read_drafter_config
 from dflash.models.drafter_class import drafter_from_config
 
@@ -75,12 +75,7 @@ def expected_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
                 f"{layer}.mlp.down_proj.weight": (hidden, inner),
             }
         )
-    if deepspec.is_dspark(config):
-        shapes.update(deepspec.head_tensors(config))
-    if dflash2.is_dflash2(config):
-        shapes.update(dflash2.tensor_shapes(config))
-    if lilicorr.is_lilicorr(config):
-        shapes.update(lilicorr.tensor_shapes(config))
+    shapes.update(export_for_config(config).tensor_shapes(config))
     return shapes
 
 
@@ -99,14 +94,13 @@ def config_problems(
     layout="deepspec" (converted to z-lab fields): its own rules (architecture, top-level keys,
     heads) are `deepspec.deepspec_problems`, checked on the file as written; its readers run
     transformers 5 (DeepSpec pins 5.10.2) or read `rope_parameters` themselves: DeepSpec's
-    released checkpoints carry no `rope_theta`, and every engine serves them."""
-    records_depth = layout != "speculators"
-    is_dflash2 = dflash2.is_dflash2(config)
+    released checkpoints carry no `rope_theta`, and every engine serves them. The variant's own
+    rules are its registered ones (dflash/export/registry.py)."""
+    records_depth = layout_named(layout).records_depth
+    spec = export_for_config(config)
     problems = []
-    architectures = [dflash2.DFLASH2_ARCHITECTURE if is_dflash2 else "DFlashDraftModel"]
-    if lilicorr.is_lilicorr(config):
-        architectures = [lilicorr.ARCHITECTURE]
-    if layout == "zlab" and config.get("architectures") != architectures:
+    architectures = [spec.zlab_architecture]
+    if layout == ZLAB.name and config.get("architectures") != architectures:
         problems.append(
             f"architectures is {config.get('architectures')!r}, not {architectures!r} "
             "(SGLang and vLLM pick the drafter class by it)"
@@ -126,11 +120,27 @@ def config_problems(
         problems.append("num_attention_heads is not a multiple of num_key_value_heads")
     if config.get("hidden_act", "silu") != "silu":
         problems.append(f"hidden_act is {config['hidden_act']!r}; SGLang's DFlash MLP runs silu only")
-    dflash = config.get("dflash_config")
-    if not isinstance(dflash, dict):
+    if not isinstance(config.get("dflash_config"), dict):
         return problems + ["dflash_config is missing (mask_token_id, target_layer_ids)"]
+    problems += dflash_config_problems(config, target=target, records_depth=records_depth)
+    if layout == ZLAB.name and spec.needs_rope_theta(config):
+        problems += rope_problems(config)
+    problems += layer_type_problems(config)
+    problems += spec.field_problems(config) + spec.layout_problems(config, layout=layout)
+    if target is not None:
+        problems += pairing_problems(config, target, records_depth=records_depth)
+    return problems
+
+
+def dflash_config_problems(
+    config: dict[str, Any], *, target: dict[str, Any] | None, records_depth: bool
+) -> list[str]:
+    """The DFlash fields: the mask token and the vocabulary, the target layers and the target's
+    depth, the block size (top level or inside dflash_config)."""
+    dflash = config["dflash_config"]
     mask_id, layer_ids = dflash.get("mask_token_id"), dflash.get("target_layer_ids")
     vocab = config.get("vocab_size")
+    problems = []
     if not positive_int(vocab):
         # Without it transformers' Qwen3Config reads 151936: a mask id past the target's
         # vocabulary would pass, and every masked position embed out of range.
@@ -162,20 +172,6 @@ def config_problems(
             f"block_size {config['block_size']!r} differs from dflash_config.block_size {nested_block!r}: "
             "readers would serve blocks of either size"
         )
-    # The released DFlash2 configs (written by transformers 5.15) carry the rotary base in
-    # rope_parameters alone, so a DFlash2 drafter is not asked for rope_theta; one beside it
-    # must still agree (dflash writes both).
-    if layout == "zlab" and (not is_dflash2 or "rope_theta" in config):
-        problems += rope_problems(config)
-    problems += layer_type_problems(config)
-    if is_dflash2:
-        problems += dflash2.field_problems(config)
-        if layout == "zlab":
-            problems += dflash2.lattice_problems(config)
-    if lilicorr.is_lilicorr(config):
-        problems += lilicorr.field_problems(config)
-    if target is not None:
-        problems += pairing_problems(config, target, records_depth=records_depth)
     return problems
 
 
@@ -285,7 +281,7 @@ def weight_problems(
     """Names, shapes, dtypes and values of model.safetensors against the config. `tables`: the
     target's embedding and LM head a layout may also hold (DeepSpec's) or must hold (speculators',
     `tables_required`). A DSpark drafter's head of the user's own: its `markov_head.*` tensors
-    are its own (dtype rules only)."""
+    are its own (dtype rules only): a variant's `own_tensors`."""
     try:
         with safe_open(str(path), "pt") as handle:
             found = {name: handle.get_slice(name) for name in handle.keys()}
@@ -301,11 +297,10 @@ def weight_problems(
         if name not in shapes
     ]
     expected = {**required, **{name: shape for name, shape in tables.items() if name in shapes}}
-    if deepspec.is_dspark(config) and deepspec.own_head(config):
-        expected.update({name: shape for name, shape in shapes.items() if name.startswith("markov_head.")})
-    reason = dflash2.unexpected_tensor_reason if dflash2.is_dflash2(config) else lambda name: None
+    spec = export_for_config(config)
+    expected.update(spec.own_tensors(config, shapes))
     for name in sorted(set(shapes) - set(expected)):
-        why = reason(name) or "SGLang would skip it silently, vLLM would refuse it"
+        why = spec.unexpected_tensor_reason(name) or "SGLang would skip it silently, vLLM would refuse it"
         problems.append(f"{path}: unexpected tensor {name} ({why})")
     for name, shape in expected.items():
         if name in shapes and shapes[name] != shape:
@@ -352,35 +347,35 @@ def check_export(directory: Path, *, target: dict[str, Any] | None = None) -> li
         return [f"{config_path}: not a readable config ({exc})"]
     if not isinstance(config, dict):
         return [f"{config_path}: not a readable config (a JSON object is needed)"]
-    layout, tables, serving = "zlab", {}, []
-    if speculators.is_speculators(config):
-        layout_problems = speculators.speculators_problems(config)
-        if layout_problems:
-            return [f"{config_path}: {p}" for p in layout_problems]
-        serving = speculators.serving_problems(config)
-        if config["speculators_model_type"] == speculators.DFLASH2_TYPE:
-            serving += dflash2.speculators_serving_problems(config)
-        config, layout = speculators.from_speculators(config), "speculators"
-        bundled = speculators.BUNDLED_TENSORS
-    elif deepspec.is_deepspec(config) or deepspec.is_dspark(config):
-        layout_problems = deepspec.deepspec_problems(config)
-        if layout_problems:
-            return [f"{config_path}: {p}" for p in layout_problems]
-        config, layout = deepspec.from_deepspec(config), "deepspec"
-        bundled = deepspec.BUNDLED_TENSORS
-    if layout != "zlab" and _describes_tensors(config) and isinstance(config.get("vocab_size"), int):
+    layout = layout_of(config)
+    if layout is ZLAB:
+        # A variant's config in the z-lab form, which its readers do not load (a DSpark drafter's):
+        # held to its own layout's rules.
+        layout = layout_named(_written_layout(export_for_config(config).layouts))
+    layout_problems = layout.problems(config)
+    if layout_problems:
+        return [f"{config_path}: {p}" for p in layout_problems]
+    serving = layout.serving_problems(config)
+    config, tables = layout.to_zlab(config), {}
+    if layout.bundled and _describes_tensors(config) and isinstance(config.get("vocab_size"), int):
         table = (config["vocab_size"], config["hidden_size"])
-        tables = {name: table for name in bundled}
+        tables = {name: table for name in layout.bundled}
     problems = [
-        f"{config_path}: {p}" for p in serving + config_problems(config, target=target, layout=layout)
+        f"{config_path}: {p}" for p in serving + config_problems(config, target=target, layout=layout.name)
     ]
     problems += trained_block_problems(Path(directory), _field(config, "block_size"))
     if not weights_path.is_file():
         return problems + [f"{weights_path}: missing"]
     if not _describes_tensors(config):
         return problems  # which tensors belong there cannot be said from this config
-    problems += weight_problems(weights_path, config, tables, tables_required=layout == "speculators")
+    problems += weight_problems(
+        weights_path, config, tables, tables_required=layout.tables_required is not None
+    )
     return problems or loader_problems(Path(directory))
+
+
+def _written_layout(layouts: tuple[str, ...]) -> str:
+    return ZLAB.name if ZLAB.name in layouts else layouts[0]
 
 
 def loader_problems(directory: Path) -> list[str]:
@@ -397,7 +392,7 @@ def loader_problems(directory: Path) -> list[str]:
     # The tensors it loads, both ways (a head class of the user's own has its own: see weight_problems).
     path = Path(directory) / WEIGHTS_FILE
     with safe_open(str(path), "pt") as handle:
-        tables = speculators.BUNDLED_TENSORS + deepspec.BUNDLED_TENSORS
+        tables = bundled_tables()
         found = {
             name: tuple(handle.get_slice(name).get_shape()) for name in handle.keys() if name not in tables
         }
@@ -421,37 +416,24 @@ def loader_problems(directory: Path) -> list[str]:
 
 def _describes_tensors(config: dict[str, Any]) -> bool:
     layer_ids = (config.get("dflash_config") or {}).get("target_layer_ids")
-    # The heads' shapes and a bundled table's are vocabulary-wide.
-    sizes = SIZE_FIELDS + (("vocab_size",) if deepspec.is_dspark(config) else ())
+    spec = export_for_config(config)
+    sizes = SIZE_FIELDS + spec.size_fields
     described = all(isinstance(config.get(k), int) and config[k] > 0 for k in sizes) and isinstance(
         layer_ids, list
     )
-    return (
-        described
-        and (not dflash2.is_dflash2(config) or dflash2.describes_tensors(config))
-        and (not lilicorr.is_lilicorr(config) or lilicorr.describes_tensors(config))
-    )
+    return described and spec.describes_tensors(config)
 
 
 def reader_limits(directory: Path) -> list[str]:
     """Readers that refuse a drafter directory that keeps the contract (a DSpark drafter whose
     heads some engine does not build, a DFlash2 drafter too narrow for llama.cpp or in a layout
-    SGLang does not read), one line each; [] for every DFlash drafter."""
+    SGLang does not read), one line each, as its variant's rules say; [] for every DFlash drafter."""
     try:
         config = json.loads((Path(directory) / CONFIG_FILE).read_text())
     except (OSError, json.JSONDecodeError):
         return []
-    if config.get("speculators_model_type") == speculators.DFLASH2_TYPE:
-        return [
-            "the speculators layout of a DFlash2 drafter: vLLM serves it; SGLang and llama.cpp's converter read "
-            "the z-lab layout (dflash export convert DIR DST --layout zlab --target TARGET)"
-        ] + dflash2.reader_limits(speculators.from_speculators(config))
-    if dflash2.is_dflash2(config):
-        return []  # llama.cpp's limit is a contract rule in this layout (dflash2.lattice_problems)
-    if speculators.is_speculators(config):
-        if config.get("speculators_model_type") != speculators.DSPARK_TYPE:
-            return []
-        return ["the speculators layout of a DSpark drafter: SGLang refuses it (it reads DeepSpec's)"] + (
-            deepspec.reader_limits({**speculators.DSPARK_DEFAULTS, **config})
-        )
-    return deepspec.reader_limits(config) if deepspec.is_dspark(config) else []
+    layout = layout_of(config)
+    if layout.problems(config):
+        return []  # not a drafter its readers could be asked about (check_export says why)
+    zlab = layout.to_zlab(config)
+    return export_for_config(zlab).reader_limits(zlab, layout=layout.name)

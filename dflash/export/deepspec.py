@@ -18,17 +18,24 @@ A drafter's config inside dflash is the z-lab one plus the heads' fields; `to_de
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
-from dflash.models.dspark import MARKOV_HEAD_TYPES, markov_head_class
-
-# speculators' name for a DSpark drafter (`speculators_model_type`, `speculators_config.algorithm`).
-SPECULATORS_TYPE = "dspark"
+from dflash.export.rules import DFLASH_FIELDS, Layout, VariantExport
+from dflash.models.dspark import MARKOV_HEAD_TYPES, DSparkDrafter, markov_head_class
 
 DEEPSPEC_ARCHITECTURE = "Qwen3DSparkModel"  # deepspec/modeling/dspark/qwen3/config.py
 # The heads' config.json keys, the reference's names (deepspec/modeling/dspark/qwen3/modeling.py).
 HEAD_FIELDS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
 BUNDLED_TENSORS = ("embed_tokens.weight", "lm_head.weight")  # the target's, [vocab, hidden]
+# DSparkSpeculatorConfig's defaults (speculators/models/dspark/config.py): a field it left out
+# of config.json reads as these.
+SPECULATORS_DEFAULTS = {
+    "sample_from_anchor": True,
+    "markov_rank": 256,
+    "markov_head_type": "vanilla",
+    "enable_confidence_head": True,
+    "confidence_head_with_markov": True,
+}
 
 
 def is_dspark(config: dict[str, Any]) -> bool:
@@ -176,3 +183,64 @@ def reader_limits(config: dict[str, Any]) -> list[str]:
             "to be hidden + markov_rank wide and refuses the directory"
         )
     return limits
+
+
+def _to_deepspec(zlab: dict[str, Any], **_: Any) -> dict[str, Any]:
+    return to_deepspec(zlab)
+
+
+DEEPSPEC = Layout(
+    name="deepspec",
+    recognises=is_deepspec,
+    problems=deepspec_problems,
+    to_zlab=from_deepspec,
+    from_zlab=_to_deepspec,
+    described="a DSpark config",
+    bundled=BUNDLED_TENSORS,
+)
+
+
+class DSparkExport(VariantExport):
+    """A DSpark drafter's export rules: DeepSpec's layout natively, speculators' `dspark`
+    (speculators/models/dspark/config.py): the DFlash speculators config plus `sample_from_anchor`
+    (true: every block slot predicts, block_size proposals), the heads' fields at the top level
+    and their tensors under DeepSpec's names."""
+
+    drafter = DSparkDrafter
+    speculators_type: ClassVar[str | None] = "dspark"
+    speculators_architecture: ClassVar[str | None] = "DSparkDraftModel"  # the class speculators saves
+    speculators_defaults: ClassVar[dict[str, Any]] = SPECULATORS_DEFAULTS
+    speculators_top_fields = DFLASH_FIELDS + HEAD_FIELDS + ("mask_token_id", "target_layer_ids")
+    llama_cpp_spec_type = "draft-dspark"
+    size_fields = ("vocab_size",)  # the heads' shapes are vocabulary-wide
+
+    def describes(self, config: dict[str, Any]) -> bool:
+        return is_dspark(config)
+
+    def tensor_shapes(self, config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+        return head_tensors(config)
+
+    def own_tensors(
+        self, config: dict[str, Any], found: dict[str, tuple[int, ...]]
+    ) -> dict[str, tuple[int, ...]]:
+        if not own_head(config):
+            return {}
+        return {name: shape for name, shape in found.items() if name.startswith("markov_head.")}
+
+    def reader_limits(self, config: dict[str, Any], *, layout: str) -> list[str]:
+        refused = (
+            ["the speculators layout of a DSpark drafter: SGLang refuses it (it reads DeepSpec's)"]
+            if layout == "speculators"
+            else []
+        )
+        return refused + reader_limits(config)
+
+    def speculators_problems(self, config: dict[str, Any]) -> list[str]:
+        return head_problems(config)
+
+    def speculators_fields(self, zlab: dict[str, Any]) -> dict[str, Any]:
+        # Every block slot predicts (the anchor's too).
+        return {"sample_from_anchor": True, **{key: zlab[key] for key in HEAD_FIELDS}}
+
+    def zlab_from_speculators(self, config: dict[str, Any], zlab: dict[str, Any]) -> None:
+        zlab.update({key: config[key] for key in HEAD_FIELDS})

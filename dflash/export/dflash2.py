@@ -19,13 +19,12 @@ speculators config converted by dflash/export/speculators.py) unless a name says
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
 from dflash.config.shape_defaults import largest_servable_top_k, selector_fits_llama_cpp
-from dflash.models.dflash2 import DFLASH2_ARCHITECTURE, DFLASH2_KEYS, UNARY_KEYS
-from dflash.models.lilicorr import is_lilicorr_config
+from dflash.export.rules import VariantExport, positive_int
+from dflash.models.dflash2 import DFLASH2_ARCHITECTURE, DFLASH2_KEYS, UNARY_KEYS, DFlash2Drafter
 
-SPECULATORS_TYPE = "dflash2"
 # DFlash2SpeculatorConfig's defaults (speculators/models/dflash2/config.py): a field a
 # speculators config.json leaves out reads as these there.
 SPECULATORS_DEFAULTS = {
@@ -50,18 +49,11 @@ _PART_OF = {
 
 def is_dflash2(config: dict[str, Any]) -> bool:
     """A DFlash2 drafter's config (z-lab form): its architecture, or a DFlash2 field inside
-    dflash_config or at the top level (a misplaced field is a DFlash2 export to check); not a
-    LiLiCorr drafter's, whose convolutions take DFlash2's keys (dflash/export/lilicorr.py)."""
-    if is_lilicorr_config(config):
-        return False
+    dflash_config or at the top level (a misplaced field is a DFlash2 export to check)."""
     nested = _settings(config)
     return DFLASH2_ARCHITECTURE in (config.get("architectures") or []) or any(
         key in nested or key in config for key in DFLASH2_KEYS
     )
-
-
-def positive_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 1
 
 
 def _number(value: Any) -> bool:
@@ -264,3 +256,61 @@ def speculators_serving_problems(config: dict[str, Any]) -> list[str]:
             "to the top level and reads is_causal first; without false it runs sliding layers causally"
         ]
     return []
+
+
+class DFlash2Export(VariantExport):
+    """A DFlash2 drafter's export rules: the released checkpoints' z-lab layout natively,
+    speculators' `dflash2` (speculators/models/dflash2/config.py): the DFlash speculators config
+    plus the four DFlash2 fields at the top level, `sample_from_anchor: false`,
+    `sliding_window_non_causal: true`, architectures `["DFlash2DraftModel"]`; no field for the
+    unary logits' transforms, so a drafter with them is not written there."""
+
+    drafter = DFlash2Drafter
+    zlab_architecture = DFLASH2_ARCHITECTURE
+    speculators_type: ClassVar[str | None] = "dflash2"
+    speculators_architecture: ClassVar[str | None] = DFLASH2_ARCHITECTURE
+    speculators_defaults: ClassVar[dict[str, Any]] = SPECULATORS_DEFAULTS
+    speculators_class_reason = "vLLM serves it as DFlash, without the selector, otherwise"
+
+    def describes(self, config: dict[str, Any]) -> bool:
+        return is_dflash2(config)
+
+    def field_problems(self, config: dict[str, Any]) -> list[str]:
+        return field_problems(config)
+
+    def layout_problems(self, config: dict[str, Any], *, layout: str) -> list[str]:
+        return lattice_problems(config) if layout == "zlab" else []
+
+    def needs_rope_theta(self, config: dict[str, Any]) -> bool:
+        # The released DFlash2 configs (written by transformers 5.15) carry the rotary base in
+        # rope_parameters alone; one beside it must still agree (dflash writes both).
+        return "rope_theta" in config
+
+    def tensor_shapes(self, config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+        return tensor_shapes(config)
+
+    def unexpected_tensor_reason(self, name: str) -> str | None:
+        return unexpected_tensor_reason(name)
+
+    def describes_tensors(self, config: dict[str, Any]) -> bool:
+        return describes_tensors(config)
+
+    def reader_limits(self, config: dict[str, Any], *, layout: str) -> list[str]:
+        if layout != "speculators":
+            return []  # llama.cpp's limit is a contract rule in the z-lab layout (lattice_problems)
+        return [
+            "the speculators layout of a DFlash2 drafter: vLLM serves it; SGLang and llama.cpp's converter read "
+            "the z-lab layout (dflash export convert DIR DST --layout zlab --target TARGET)"
+        ] + reader_limits(config)
+
+    def speculators_problems(self, config: dict[str, Any]) -> list[str]:
+        return speculators_problems(config)
+
+    def speculators_fields(self, zlab: dict[str, Any]) -> dict[str, Any]:
+        return speculators_fields(zlab)
+
+    def zlab_from_speculators(self, config: dict[str, Any], zlab: dict[str, Any]) -> None:
+        zlab["dflash_config"].update(zlab_fields(config))
+
+    def speculators_serving_problems(self, config: dict[str, Any]) -> list[str]:
+        return speculators_serving_problems(config)

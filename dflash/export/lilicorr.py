@@ -3,27 +3,24 @@ head's geometry as `lilicorr_*` keys (and `lilicorr_enabled: true`) inside `dfla
 head's `lilicorr.*` tensors beside the backbone's in model.safetensors. It is the layout SGLang's
 LiLiCorr loader (`sglang/srt/models/lilicorr.py`, PR #37462: selected by the architecture, served
 as DFlash with the head) and vLLM's (`qwen3_lilicorr`) read; both require every geometry key and a
-power-of-two `lilicorr_candidate_topk`. No other layout holds the head: the speculators and
-DeepSpec layouts are refused for it (dflash/tools/export_commands.py)."""
+power-of-two `lilicorr_candidate_topk`. No other layout holds the head: `LiLiCorrExport`
+declares no layout beside its native one, so `dflash export convert` refuses the speculators and
+DeepSpec layouts for it."""
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, ClassVar
 
+from dflash.export.rules import VariantExport
 from dflash.models.lilicorr import (
     CONV_MODULES,
     LILICORR_ARCHITECTURE,
     NUM_CANDIDATE_FEATURES,
+    LiLiCorrDrafter,
     is_lilicorr_config,
     lattice_problems,
     lilicorr_settings,
 )
-
-ARCHITECTURE = LILICORR_ARCHITECTURE
-
-
-def is_lilicorr(config: dict[str, Any]) -> bool:
-    return is_lilicorr_config(config)
 
 
 def field_problems(config: dict[str, Any]) -> list[str]:
@@ -92,3 +89,27 @@ def tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
             }
         )
     return shapes
+
+
+class LiLiCorrExport(VariantExport):
+    """A LiLiCorr drafter's export rules: the z-lab layout only (SGLang's and vLLM's LiLiCorr
+    loaders), `architectures: [LiLiCorrDraftModel]`, the head's geometry and tensors above."""
+
+    drafter = LiLiCorrDrafter
+    # Neither speculators nor DeepSpec has a LiLiCorr config: no reader loads the head there.
+    other_layouts: ClassVar[tuple[str, ...]] = ()
+    zlab_architecture = LILICORR_ARCHITECTURE
+    speculators_type: ClassVar[str | None] = None
+    speculators_architecture: ClassVar[str | None] = None
+
+    def describes(self, config: dict[str, Any]) -> bool:
+        return is_lilicorr_config(config)
+
+    def field_problems(self, config: dict[str, Any]) -> list[str]:
+        return field_problems(config)
+
+    def tensor_shapes(self, config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
+        return tensor_shapes(config)
+
+    def describes_tensors(self, config: dict[str, Any]) -> bool:
+        return describes_tensors(config)

@@ -13,76 +13,46 @@ What differs from the z-lab layout (docs/EXPORT.md, "The speculators layout"):
   self-contained drafter); a reduced draft vocabulary (`d2t` / `t2d` maps) is refused: a dflash
   drafter scores with the target's whole LM head.
 
-A DSpark drafter (`speculators_model_type: dspark`, speculators/models/dspark/config.py) is the
-same config plus `sample_from_anchor` (true: every block slot predicts, block_size proposals),
-the heads' fields (`markov_rank`, `markov_head_type`, `enable_confidence_head`,
-`confidence_head_with_markov`) and their tensors under DeepSpec's names
-(dflash/export/deepspec.py).
-
-A DFlash2 drafter (`speculators_model_type: dflash2`, speculators/models/dflash2/config.py) is
-the DFlash config plus `conv_kernel_size`, `conv_group_size`, `selector_rank`, `selector_top_k`
-at the top level (the z-lab layout keeps them in `dflash_config`), `sample_from_anchor: false`,
-`sliding_window_non_causal: true`, architectures `["DFlash2DraftModel"]`; the tensors are the
-z-lab layout's (dflash/export/dflash2.py). It has no field for the unary logits' transforms, so
-a drafter with them is not written here.
+A variant's model type, class, fields and refusals here are its registered export rules
+(`VariantExport.speculators_*`, dflash/export/rules.py): DSpark's in dflash/export/deepspec.py,
+DFlash2's in dflash/export/dflash2.py; the number of tokens a block proposes is the drafter
+class's `drafts_for`.
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors import safe_open
 
-from dflash.export import deepspec, dflash2
-from dflash.export.deepspec import HEAD_FIELDS, head_problems, is_dspark
+from dflash.export.rules import VariantExport
 
-SPECULATORS_TYPE = "dflash"
-SPECULATORS_ARCHITECTURE = "DFlashDraftModel"  # the class speculators saves a DFlash drafter as
-DSPARK_TYPE = deepspec.SPECULATORS_TYPE
-DSPARK_ARCHITECTURE = "DSparkDraftModel"  # the class speculators saves a DSpark drafter as
-DFLASH2_TYPE = dflash2.SPECULATORS_TYPE
-# speculators_model_type -> the class speculators saves such a drafter as.
-ARCHITECTURES = {
-    SPECULATORS_TYPE: SPECULATORS_ARCHITECTURE,
-    DSPARK_TYPE: DSPARK_ARCHITECTURE,
-    DFLASH2_TYPE: dflash2.DFLASH2_ARCHITECTURE,
-}
-KNOWN_TYPES = tuple(ARCHITECTURES)
-# DSparkSpeculatorConfig's defaults (speculators/models/dspark/config.py): a field it left out
-# of config.json reads as these.
-DSPARK_DEFAULTS = {
-    "sample_from_anchor": True,
-    "markov_rank": 256,
-    "markov_head_type": "vanilla",
-    "enable_confidence_head": True,
-    "confidence_head_with_markov": True,
-}
 BUNDLED_TENSORS = ("embed_tokens.weight", "lm_head.weight")  # the target's, [vocab, hidden]
 VOCAB_MAPS = ("d2t", "t2d")
-# z-lab top-level fields that speculators keeps outside transformer_layer_config.
-DFLASH_FIELDS = ("architectures", "block_size", "num_target_layers", "dflash_config", "num_anchors")
-DSPARK_FIELDS = DFLASH_FIELDS + HEAD_FIELDS + ("mask_token_id", "target_layer_ids")
+# speculators_model_type -> the registered variant's rules (dflash/export/registry.py).
+Known = Mapping[str, VariantExport]
 
 
 def is_speculators(config: dict[str, Any]) -> bool:
     return "speculators_model_type" in config
 
 
-def speculators_problems(config: dict[str, Any]) -> list[str]:
+def speculators_problems(config: dict[str, Any], known: Known) -> list[str]:
     """What keeps a speculators config from being a DFlash drafter dflash can read."""
     problems = []
     kind = config.get("speculators_model_type")
-    if kind not in KNOWN_TYPES:
-        known = ", ".join(map(repr, KNOWN_TYPES[:-1])) + f" or {KNOWN_TYPES[-1]!r}"
-        problems.append(f"speculators_model_type {kind!r} is not {known}")
-    elif kind == DSPARK_TYPE:
-        problems += head_problems({**DSPARK_DEFAULTS, **config})
-    elif kind == DFLASH2_TYPE:
-        problems += dflash2.speculators_problems(config)
-        config = {**dflash2.SPECULATORS_DEFAULTS, **config}
+    spec = known.get(kind)
+    if spec is None:
+        types = list(known)
+        listed = ", ".join(map(repr, types[:-1])) + f" or {types[-1]!r}"
+        problems.append(f"speculators_model_type {kind!r} is not {listed}")
+    else:
+        config = {**spec.speculators_defaults, **config}
+        problems += spec.speculators_problems(config)
     layer = config.get("transformer_layer_config")
     if not isinstance(layer, dict):
         return problems + ["no transformer_layer_config (the draft layers' Qwen3 config)"]
@@ -115,22 +85,17 @@ def speculators_problems(config: dict[str, Any]) -> list[str]:
     return problems
 
 
-# Why a wrong `architectures` misleads the serving readers, by kind.
-_CLASS_REASONS = {
-    DFLASH2_TYPE: "vLLM serves it as DFlash, without the selector, otherwise",
-}
-
-
-def serving_problems(config: dict[str, Any]) -> list[str]:
+def serving_problems(config: dict[str, Any], known: Known) -> list[str]:
     """What speculators' loader and vLLM's speculators path read beyond what dflash reads (a
     config speculators_problems accepts): the class, and `speculators_config`, which vLLM's
     config reader indexes (the algorithm, the first proposal method's length, the verifier's
     name) and fails without."""
     kind = config["speculators_model_type"]
+    spec = known[kind]
     problems = []
-    architecture = ARCHITECTURES[kind]
+    architecture = spec.speculators_architecture
     if config.get("architectures") != [architecture]:
-        why = _CLASS_REASONS.get(kind, "the class speculators builds and vLLM maps")
+        why = spec.speculators_class_reason
         problems.append(f"architectures is {config.get('architectures')!r}, not [{architecture!r}] ({why})")
     settings = config.get("speculators_config")
     if not isinstance(settings, dict):
@@ -143,12 +108,10 @@ def serving_problems(config: dict[str, Any]) -> list[str]:
     block, methods = config.get("block_size"), settings.get("proposal_methods")
     proposed = [m.get("speculative_tokens") if isinstance(m, dict) else m for m in methods or []]
     if isinstance(block, int):
-        # DSpark: every block slot predicts (the anchor's too); DFlash and DFlash2: slot 0 is the given token.
-        drafted, why = (
-            (block, "every slot predicts")
-            if kind == DSPARK_TYPE
-            else (block - 1, "position 0 is the given token")
-        )
+        # A variant whose every block slot predicts drafts the whole block; otherwise slot 0 is
+        # the given token.
+        drafted = spec.drafter.drafts_for(block)
+        why = "every slot predicts" if drafted == block else "position 0 is the given token"
         if proposed != [drafted]:
             problems.append(
                 f"speculators_config proposes {proposed} tokens; a block of {block} drafts {drafted} ({why})"
@@ -158,49 +121,44 @@ def serving_problems(config: dict[str, Any]) -> list[str]:
         problems.append(
             "speculators_config.verifier.name_or_path is missing: vLLM refuses the config without it"
         )
-    return problems
+    return problems + spec.speculators_serving_problems(config)
 
 
-def from_speculators(config: dict[str, Any]) -> dict[str, Any]:
+def from_speculators(config: dict[str, Any], known: Known) -> dict[str, Any]:
     """The z-lab config.json of a speculators DFlash config (speculators_problems must be [])."""
-    kind = config.get("speculators_model_type")
-    if kind == DFLASH2_TYPE:
-        config = {**dflash2.SPECULATORS_DEFAULTS, **config}
+    spec = known[config["speculators_model_type"]]
+    config = {**spec.speculators_defaults, **config}
     zlab = dict(config["transformer_layer_config"])
-    zlab["architectures"] = [dflash2.DFLASH2_ARCHITECTURE if kind == DFLASH2_TYPE else "DFlashDraftModel"]
+    zlab["architectures"] = [spec.zlab_architecture]
     zlab["block_size"] = config["block_size"]
     zlab["dflash_config"] = {
         "mask_token_id": config["mask_token_id"],
         "target_layer_ids": [i - 1 for i in config["aux_hidden_state_layer_ids"]],
     }
-    if kind == DFLASH2_TYPE:
-        zlab["dflash_config"].update(dflash2.zlab_fields(config))
     if config.get("sliding_window_non_causal"):
         zlab["is_causal"] = False
     # The speculators layout records no target depth; pairing with a target checks the ids.
     zlab.pop("num_target_layers", None)
-    if config.get("speculators_model_type") == DSPARK_TYPE:
-        with_defaults = {**DSPARK_DEFAULTS, **config}
-        zlab.update({key: with_defaults[key] for key in HEAD_FIELDS})
+    spec.zlab_from_speculators(config, zlab)
     return zlab
 
 
-def to_speculators(zlab: dict[str, Any], *, verifier: dict[str, Any]) -> dict[str, Any]:
+def to_speculators(zlab: dict[str, Any], *, spec: VariantExport, verifier: dict[str, Any]) -> dict[str, Any]:
     """The speculators config.json of a z-lab DFlash config; verifier: {name_or_path, architectures}.
-    A DFlash2 drafter that transforms its unary logits is refused (ValueError): no field holds that."""
-    dspark = is_dspark(zlab)
-    algorithm = DSPARK_TYPE if dspark else DFLASH2_TYPE if dflash2.is_dflash2(zlab) else SPECULATORS_TYPE
-    fields = dflash2.speculators_fields(zlab) if algorithm == DFLASH2_TYPE else {}
-    layer = {
-        key: value for key, value in zlab.items() if key not in (DSPARK_FIELDS if dspark else DFLASH_FIELDS)
-    }
+    ValueError when the variant has no speculators form (or this drafter none: `speculators_fields`)."""
+    algorithm = spec.speculators_type
+    if algorithm is None:
+        raise ValueError(
+            f"a {spec.drafter.display_name} drafter has no speculators model type: the speculators layout "
+            "cannot name it"
+        )
+    fields = spec.speculators_fields(zlab)
+    layer = {key: value for key, value in zlab.items() if key not in spec.speculators_top_fields}
     dflash = zlab["dflash_config"]
     sliding = "sliding_attention" in (zlab.get("layer_types") or [])
-    # DSpark: every block slot predicts (the anchor's too), so a block proposes block_size tokens.
-    proposals = zlab["block_size"] if dspark else zlab["block_size"] - 1
-    config = {
+    return {
         "speculators_model_type": algorithm,
-        "architectures": [ARCHITECTURES[algorithm]],
+        "architectures": [spec.speculators_architecture],
         "transformer_layer_config": layer,
         "block_size": zlab["block_size"],
         "mask_token_id": dflash["mask_token_id"],
@@ -213,15 +171,13 @@ def to_speculators(zlab: dict[str, Any], *, verifier: dict[str, Any]) -> dict[st
         "speculators_config": {
             "algorithm": algorithm,
             "default_proposal_method": "greedy",
-            "proposal_methods": [{"proposal_type": "greedy", "speculative_tokens": proposals}],
+            "proposal_methods": [
+                {"proposal_type": "greedy", "speculative_tokens": spec.drafter.drafts_for(zlab["block_size"])}
+            ],
             "verifier": verifier,
         },
+        **fields,
     }
-    if dspark:
-        config["sample_from_anchor"] = True
-        config.update({key: zlab[key] for key in HEAD_FIELDS})
-    config.update(fields)
-    return config
 
 
 def drafter_state(path: Path, config: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -31,9 +30,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
-from dflash.export import deepspec, dflash2, speculators
+from dflash.export import speculators
+from dflash.export.registry import export_for, export_for_config, layout_named, layout_of
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.drafter_class import drafter_from_config
+from dflash.models.plugin_record import unregistered_variant, variant_record
 from dflash.models.variants import drafter_class_for
 
 CONFIG_FILE = "config.json"
@@ -64,6 +65,7 @@ def readable_by_every_transformers(config: dict[str, Any]) -> dict[str, Any]:
 def _exported_config(drafter: DFlashDrafter) -> dict[str, Any]:
     """The drafter's config.json in memory form (z-lab fields, plus a DSpark drafter's heads)."""
     config = drafter.config.to_dict()
+    config.update(variant_record(type(drafter)))  # a plug-in's variant names itself; {} for ours
     config["dtype"] = str(next(drafter.parameters()).dtype).removeprefix("torch.")
     return readable_by_every_transformers(config)
 
@@ -88,27 +90,45 @@ def _drafter_tensors(drafter: DFlashDrafter) -> dict[str, torch.Tensor]:
     return {name: tensor.detach().contiguous().cpu() for name, tensor in exported_state(drafter).items()}
 
 
-# Each native layout's config.json from the z-lab fields (a drafter's `native_layout`).
-NATIVE_LAYOUTS: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
-    "zlab": lambda config: config,
-    "deepspec": deepspec.to_deepspec,
-}
+def write_layout(
+    drafter: DFlashDrafter,
+    directory: Path,
+    layout: str,
+    *,
+    target_dir: Path | None = None,
+    verifier: dict[str, Any] | None = None,
+) -> None:
+    """The drafter in one of the layouts its variant declares (dflash/export/registry.py), with
+    the target's embedding and LM head bundled (in the drafter's dtype) where the layout holds
+    them and `target_dir` gives them; a layout that must hold them refuses to be written
+    without. ValueError for a layout the variant does not declare."""
+    spec = export_for(drafter)
+    if layout not in spec.layouts:
+        raise ValueError(
+            f"a {drafter.display_name} drafter is not written in the {layout} layout (it declares "
+            f"{', '.join(spec.layouts)})"
+        )
+    chosen = layout_named(layout)
+    state = _drafter_tensors(drafter)
+    if chosen.bundled and target_dir is not None:
+        state.update(_target_tables(drafter, Path(target_dir), next(iter(state.values())).dtype))
+    elif chosen.tables_required:
+        raise ValueError(f"the {layout} layout needs the target's tables: {chosen.tables_required}")
+    config = chosen.from_zlab(_exported_config(drafter), spec=spec, verifier=verifier)
+    _write(Path(directory), config, state)
 
 
 def export_drafter(drafter: DFlashDrafter, directory: Path) -> None:
-    """Write config.json + model.safetensors in the layout inference engines load: z-lab for a
-    DFlash or DFlash2 drafter, DeepSpec's for a DSpark one."""
-    config = NATIVE_LAYOUTS[drafter.native_layout](_exported_config(drafter))
-    _write(Path(directory), config, _drafter_tensors(drafter))
+    """Write config.json + model.safetensors in the layout inference engines load: the drafter's
+    `native_layout` (z-lab for a DFlash or DFlash2 drafter, DeepSpec's for a DSpark one)."""
+    write_layout(drafter, directory, drafter.native_layout)
 
 
 def export_deepspec(drafter: DFlashDrafter, directory: Path, *, target_dir: Path) -> None:
     """A DSpark drafter in DeepSpec's layout with the target's embedding and LM head bundled (in
     the drafter's dtype): what DeepSpec's own loader needs (it takes both from the drafter
     directory; the engines take the target's)."""
-    state = _drafter_tensors(drafter)
-    state.update(_target_tables(drafter, Path(target_dir), next(iter(state.values())).dtype))
-    _write(Path(directory), deepspec.to_deepspec(_exported_config(drafter)), state)
+    write_layout(drafter, directory, "deepspec", target_dir=target_dir)
 
 
 def _target_tables(drafter: DFlashDrafter, target_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
@@ -133,10 +153,7 @@ def export_speculators(
     tables uninitialised and fills them from the verifier only when they read as NaN, which
     memory transformers leaves uninitialised does not, so a directory without them drafts
     from garbage tables without an error."""
-    state = _drafter_tensors(drafter)
-    state.update(_target_tables(drafter, Path(target_dir), next(iter(state.values())).dtype))
-    config = speculators.to_speculators(_exported_config(drafter), verifier=verifier)
-    _write(Path(directory), config, state)
+    write_layout(drafter, directory, "speculators", target_dir=target_dir, verifier=verifier)
 
 
 def _raw_config(directory: Path) -> dict[str, Any]:
@@ -153,29 +170,30 @@ def read_drafter_config(directory: Path) -> Qwen3Config:
     the speculators one (any of them)."""
     path = Path(directory) / CONFIG_FILE
     raw = _raw_config(directory)
-    if speculators.is_speculators(raw):
-        problems = speculators.speculators_problems(raw)
-        if problems:
-            raise ValueError(f"{path}: a speculators config dflash cannot read ({'; '.join(problems)})")
-        raw = speculators.from_speculators(raw)
-    elif deepspec.is_deepspec(raw):
-        problems = deepspec.deepspec_problems(raw)
-        if problems:
-            raise ValueError(f"{path}: a DSpark config dflash cannot read ({'; '.join(problems)})")
-        raw = deepspec.from_deepspec(raw)
+    layout = layout_of(raw)
+    problems = layout.problems(raw)
+    if problems:
+        raise ValueError(f"{path}: {layout.described} dflash cannot read ({'; '.join(problems)})")
+    raw = layout.to_zlab(raw)
     nested = raw.get("dflash_config") or {}
     if "block_size" not in raw and "block_size" in nested:
         # The released DFlash2 configs keep it there; the reference and SGLang read either place.
         raw = {**raw, "block_size": nested["block_size"]}
-    if dflash2.is_dflash2(raw):
-        problems = dflash2.field_problems(raw)
-        if problems:
-            raise ValueError(f"{path}: a DFlash2 config dflash cannot read ({'; '.join(problems)})")
+    spec = export_for_config(raw)
+    problems = spec.field_problems(raw)
+    if problems:
+        name = spec.drafter.display_name
+        raise ValueError(f"{path}: a {name} config dflash cannot read ({'; '.join(problems)})")
     missing = [key for key in ("block_size", "dflash_config") if key not in raw]
     if missing or "mask_token_id" not in raw.get("dflash_config", {}):
         raise ValueError(
             f"{path}: not a DFlash drafter config (missing {missing or ['dflash_config.mask_token_id']})"
         )
+    # In z-lab form, whichever layout it was read from (speculators nests the record): a plug-in's
+    # variant this process lacks is refused here, before any reader takes it for the backbone.
+    unregistered = unregistered_variant(raw)
+    if unregistered:
+        raise ValueError(f"{path}: {unregistered}")
     return Qwen3Config.from_dict(raw)
 
 
@@ -199,14 +217,13 @@ def load_drafter_weights(drafter: DFlashDrafter, directory: Path, *, new_parts: 
     the identity, so the warm-started drafter starts as the DFlash it was)."""
     path = Path(directory) / WEIGHTS_FILE
     raw = _raw_config(directory)
+    layout = layout_of(raw)
     try:
-        if speculators.is_speculators(raw):
-            state = speculators.drafter_state(path, raw)
+        if layout.read_state is not None:
+            state = layout.read_state(path, raw)
         else:
-            state = load_file(str(path))
-            if deepspec.is_deepspec(raw):
-                # DeepSpec bundles the target's tables; the run's target provides them.
-                state = {name: t for name, t in state.items() if name not in deepspec.BUNDLED_TENSORS}
+            # A layout bundling the target's tables: the run's target provides them.
+            state = {name: t for name, t in load_file(str(path)).items() if name not in layout.bundled}
     except (OSError, SafetensorError) as exc:
         raise ValueError(f"{path}: unreadable drafter weights ({exc})") from exc
     nonfinite = [

@@ -292,14 +292,11 @@ class DFlash2Drafter(DFlashDrafter):
     display_name = "DFlash2"
     samples_drafts = True
     round_extra = "unary"
+    described_by = "dflash_config.selector_top_k (add_dflash2_fields)"
 
     def __init__(self, config: Qwen3Config):
         # The backbone first, initialised exactly as a DFlash drafter of the same seed is.
         super().__init__(config)
-        if not is_dflash2_config(config):
-            raise ValueError(
-                "a DFlash2 drafter config needs dflash_config.selector_top_k (add_dflash2_fields)"
-            )
         check_dflash2_shape(config)
         self.settings = dflash2_settings(config)
         for layer in self.layers:
@@ -327,19 +324,6 @@ class DFlash2Drafter(DFlashDrafter):
         return apply_unary_transforms(logits, self.settings)
 
     @torch.no_grad()
-    def propose(
-        self,
-        head_logits_NPV: torch.Tensor,
-        hidden_NPH: torch.Tensor,
-        anchor_N: torch.Tensor,
-        choose: Callable[[torch.Tensor, torch.Tensor, int], torch.Tensor],
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """A block's drafts [N, P] from the head's logits and the hidden states of its P draft
-        positions (block positions 1..B-1), walked by the selector from the anchor; and the unary
-        argmax [N, P] beside them."""
-        return self.candidate_selector.walk(self.unary_logits(head_logits_NPV), hidden_NPH, anchor_N, choose)
-
-    @torch.no_grad()
     def draft_block(
         self, lm_head: nn.Module, hidden_1BH: torch.Tensor, anchor_1: torch.Tensor, choose: Callable
     ) -> tuple[torch.Tensor, torch.Tensor]:
@@ -348,7 +332,9 @@ class DFlash2Drafter(DFlashDrafter):
         (plain DFlash's drafts)."""
         hidden_1PH = hidden_1BH[:, 1:]
         logits_1PV = lm_head(hidden_1PH.to(lm_head.weight.dtype))
-        tokens_1P, unary_1P = self.propose(logits_1PV, hidden_1PH, anchor_1.view(1), choose.among)
+        tokens_1P, unary_1P = self.candidate_selector.walk(
+            self.unary_logits(logits_1PV), hidden_1PH, anchor_1.view(1), choose.among
+        )
         return tokens_1P[0], unary_1P[0]
 
     def add_round_figures(self, result: Any, extra: list | None, **outcome: Any) -> None:

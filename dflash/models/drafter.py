@@ -233,12 +233,10 @@ class DFlashDrafter(nn.Module):
     # Whether drafts can be sampled at a temperature (`draft_block` reads its chooser's noise);
     # a DFlash drafter proposes its argmax at every temperature.
     samples_drafts: ClassVar[bool] = False
-    # The layout its export takes (dflash/export/zlab.py `NATIVE_LAYOUTS`), and how it is named
+    # The layout its export takes (a layout of dflash/export/registry.py), and how it is named
     # to a user.
     native_layout: ClassVar[str] = "zlab"
     display_name: ClassVar[str] = "DFlash"
-    # Layouts besides its native one that some reader loads it in (`dflash export convert`).
-    foreign_layouts: ClassVar[tuple[str, ...]] = ("speculators",)
     # Its export's reader asserts `num_anchors` in config.json (DeepSpec's).
     records_num_anchors: ClassVar[bool] = False
     # What the second output of `draft_block` is, by the name the reference decoder's context
@@ -255,8 +253,12 @@ class DFlashDrafter(nn.Module):
     # projected context row before the anchor (`context` of the features at anchor - 1): the
     # decoders keep those rows for a drafter that reads them.
     reads_anchor_row: ClassVar[bool] = False
+    # The fields a config lacks when `describes` refuses it, as the refusal names them.
+    described_by: ClassVar[str] = ""
 
     def __init__(self, config: Qwen3Config):
+        if not self.describes(config):
+            raise ValueError(f"a {self.display_name} drafter config needs {self.described_by}")
         super().__init__()
         self.config = config
         self.block_size: int = config.block_size

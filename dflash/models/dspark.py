@@ -218,13 +218,10 @@ class DSparkDrafter(DFlashDrafter):
     records_num_anchors = True
     samples_drafts = True
     round_extra = "confidence"
+    described_by = "markov_rank (dflash.models.dspark.add_dspark_fields)"
 
     def __init__(self, config: Qwen3Config):
         super().__init__(config)
-        if not is_dspark_config(config):
-            raise ValueError(
-                "a DSpark drafter config needs markov_rank (dflash.models.dspark.add_dspark_fields)"
-            )
         self.markov_rank: int = int(config.markov_rank)
         self.markov_head: nn.Module | None = None
         if self.markov_rank > 0:

@@ -118,36 +118,23 @@ def configured(cfg: Any) -> bool:
 # consumer cards; 36 KiB). FP8 (tiles inside a 128-wide scale block; not swept): 144 KiB under
 # bf16 activations, then 32 KiB. fp32 (exact-reference targets, e.g. dflash-eval's fp32
 # lossless check): 4-byte tiles, so fewer rows and stages (72 KiB).
-_SMALL = ExpertsTiling(
-    block_m=16,
-    gate_up=KernelTiling(block_n=64, block_k=32, warps=4, stages=2),
-    down=KernelTiling(block_n=128, block_k=64, warps=4, stages=2),
-)
+def _tiles(
+    block_m: int, gate_up: tuple[int, int, int, int], down: tuple[int, int, int, int]
+) -> ExpertsTiling:
+    """An ExpertsTiling from each kernel's (block_n, block_k, warps, stages)."""
+    return ExpertsTiling(block_m=block_m, gate_up=KernelTiling(*gate_up), down=KernelTiling(*down))
+
+
+_SMALL = _tiles(16, gate_up=(64, 32, 4, 2), down=(128, 64, 4, 2))
 _DEFAULTS = {
     torch.bfloat16: (
-        ExpertsTiling(
-            block_m=128,
-            gate_up=KernelTiling(block_n=128, block_k=64, warps=8, stages=4),
-            down=KernelTiling(block_n=128, block_k=64, warps=4, stages=3),
-        ),
-        ExpertsTiling(
-            block_m=64,
-            gate_up=KernelTiling(block_n=128, block_k=64, warps=4, stages=3),
-            down=KernelTiling(block_n=128, block_k=64, warps=4, stages=3),
-        ),
+        _tiles(128, gate_up=(128, 64, 8, 4), down=(128, 64, 4, 3)),
+        _tiles(64, gate_up=(128, 64, 4, 3), down=(128, 64, 4, 3)),
         _SMALL,
     ),
     torch.float8_e4m3fn: (
-        ExpertsTiling(
-            block_m=64,
-            gate_up=KernelTiling(block_n=128, block_k=128, warps=8, stages=3),
-            down=KernelTiling(block_n=128, block_k=128, warps=8, stages=3),
-        ),
-        ExpertsTiling(
-            block_m=64,
-            gate_up=KernelTiling(block_n=64, block_k=64, warps=4, stages=2),
-            down=KernelTiling(block_n=64, block_k=64, warps=4, stages=2),
-        ),
+        _tiles(64, gate_up=(128, 128, 8, 3), down=(128, 128, 8, 3)),
+        _tiles(64, gate_up=(64, 64, 4, 2), down=(64, 64, 4, 2)),
     ),
     torch.float32: (_SMALL,),
 }

@@ -344,8 +344,6 @@ class LiLiCorrDrafter(DFlashDrafter):
     display_name = "LiLiCorr"
     round_extra = "unary"
     reads_anchor_row = True
-    # SGLang and vLLM read it in the z-lab layout only (dflash/export/lilicorr.py).
-    foreign_layouts = ()
     # A DFlash2 checkpoint starts it too (drafter.init_from): its backbone and convolutions load,
     # its candidate selector, which the lattice head replaces, is left out.
     warm_starts_from = (DFlash2Drafter.variant_name,)

@@ -11,7 +11,8 @@ import heapq
 import threading
 import time
 from collections import Counter
-from typing import Any, Generic, TypeVar
+from collections.abc import Callable
+from typing import Generic, TypeVar
 
 T = TypeVar("T")
 
@@ -20,7 +21,55 @@ class QueueClosed(Exception):
     """The queue was closed: the pipeline is stopping."""
 
 
-class HiddenStateQueue(Generic[T]):
+class _KeyWindow(Generic[T]):
+    """A heap of `(key, ...)` entries released strictly in key order (0, 1, 2, ...), whichever
+    order producers finish in; its capacity is a window over keys: key k may enter once
+    k < next_key_to_release + capacity, so a producer holding the next key is never blocked
+    behind later ones. Closing it wakes every waiter."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self._heap: list[tuple] = []
+        self._next = 0
+        self._cond = threading.Condition()
+        self._closed = False
+
+    def _has_room(self, key: int) -> bool:
+        return key < self._next + self.capacity
+
+    def _ready(self) -> bool:
+        return bool(self._heap) and self._heap[0][0] == self._next
+
+    def _wait(self, until: Callable[[], bool]) -> float:
+        """Under the lock: wait until `until()` holds or the queue closes; the seconds waited."""
+        if until() or self._closed:
+            return 0.0
+        started = time.perf_counter()
+        while not until() and not self._closed:
+            self._cond.wait()
+        return time.perf_counter() - started
+
+    def _push(self, entry: tuple) -> None:
+        heapq.heappush(self._heap, entry)
+        self._cond.notify_all()
+
+    def _pop(self) -> tuple:
+        entry = heapq.heappop(self._heap)
+        self._next += 1
+        self._cond.notify_all()
+        return entry
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+    def qsize(self) -> int:
+        with self._cond:
+            return len(self._heap)
+
+
+class HiddenStateQueue(_KeyWindow[T]):
     """From target workers to drafter loops, released in dispatch order, bounded at `capacity`.
 
     Packets carry the dispatch index the prefetcher gave their batch (0, 1, 2, ... in this
@@ -36,66 +85,39 @@ class HiddenStateQueue(Generic[T]):
 
     def __init__(self, capacity: int, num_buckets: int):
         assert capacity >= 1
-        self.capacity = capacity
-        self._heap: list[tuple[int, int, T]] = []  # (key, bucket, item)
-        self._next = 0
+        super().__init__(capacity)
         self._buckets = Counter()
         self._num_buckets = num_buckets
-        self._lock = threading.Lock()
-        self._changed = threading.Condition(self._lock)
-        self._closed = False
         self.producer_wait_s = 0.0
         self.consumer_wait_s = 0.0
 
     def put(self, key: int, item: T, bucket: int) -> None:
-        with self._lock:
-            if key >= self._next + self.capacity and not self._closed:
-                started = time.perf_counter()
-                while key >= self._next + self.capacity and not self._closed:
-                    self._changed.wait()
-                self.producer_wait_s += time.perf_counter() - started
+        with self._cond:
+            self.producer_wait_s += self._wait(lambda: self._has_room(key))
             if self._closed:
                 raise QueueClosed
-            heapq.heappush(self._heap, (key, bucket, item))
             self._buckets[bucket] += 1
-            self._changed.notify_all()
-
-    def _ready(self) -> bool:
-        return bool(self._heap) and self._heap[0][0] == self._next
+            self._push((key, bucket, item))
 
     def get(self) -> T:
-        with self._lock:
-            if not self._ready() and not self._closed:
-                started = time.perf_counter()
-                while not self._ready() and not self._closed:
-                    self._changed.wait()
-                self.consumer_wait_s += time.perf_counter() - started
+        """The next item; after `close`, the items whose turn has come still come out."""
+        with self._cond:
+            self.consumer_wait_s += self._wait(self._ready)
             if not self._ready():
                 raise QueueClosed
-            _, bucket, item = heapq.heappop(self._heap)
-            self._next += 1
+            _, bucket, item = self._pop()
             self._buckets[bucket] -= 1
-            self._changed.notify_all()
             return item
 
-    def close(self) -> None:
-        with self._lock:
-            self._closed = True
-            self._changed.notify_all()
-
-    def qsize(self) -> int:
-        with self._lock:
-            return len(self._heap)
-
     def bucket_sizes(self) -> list[int]:
-        with self._lock:
+        with self._cond:
             return [self._buckets[b] for b in range(self._num_buckets)]
 
     def fill_ratio(self) -> float:
         return self.qsize() / self.capacity
 
 
-class OrderedQueue(Generic[T]):
+class OrderedQueue(_KeyWindow[T]):
     """Releases items strictly in key order (0, 1, 2, ...), whichever order producers finish in.
 
     Several collate workers feed one target device; the device must still see its batches in
@@ -104,38 +126,18 @@ class OrderedQueue(Generic[T]):
     holding the next key is never blocked behind later ones.
     """
 
-    def __init__(self, capacity: int):
-        self.capacity = capacity
-        self._heap: list[tuple[int, Any]] = []
-        self._next = 0
-        self._cond = threading.Condition()
-        self._closed = False
-
     def put(self, key: int, item: T) -> None:
         with self._cond:
-            while key >= self._next + self.capacity and not self._closed:
-                self._cond.wait()
+            self._wait(lambda: self._has_room(key))
             if self._closed:
                 raise QueueClosed
-            heapq.heappush(self._heap, (key, item))
-            self._cond.notify_all()
+            self._push((key, item))
 
     def get(self) -> T:
+        """The next item; none after `close`."""
         with self._cond:
-            while not (self._heap and self._heap[0][0] == self._next) and not self._closed:
-                self._cond.wait()
+            self._wait(self._ready)
             if self._closed:
                 raise QueueClosed
-            _, item = heapq.heappop(self._heap)
-            self._next += 1
-            self._cond.notify_all()
+            _, item = self._pop()
             return item
-
-    def close(self) -> None:
-        with self._cond:
-            self._closed = True
-            self._cond.notify_all()
-
-    def qsize(self) -> int:
-        with self._cond:
-            return len(self._heap)

@@ -17,6 +17,7 @@ from dflash.config.schema import (
     AttentionKind,
     DataKind,
     DeviceKind,
+    DPaceLossConfig,
     DSparkVariantConfig,
     LayerType,
     MaskRampNoiseConfig,
@@ -202,6 +203,8 @@ def _validate_variant(cfg: Any) -> None:
     variant = cfg.variant
     if not isinstance(variant, DSparkVariantConfig):
         return
+    if isinstance(cfg.loss, DPaceLossConfig):  # its references train DSpark with the static decay only
+        raise ValueError("loss=dpace weighs DFlash's and DFlash2's CE; with variant=dspark use loss=default")
     if variant.markov_head_class:
         try:
             markov_head_class(variant.markov_head_class)

@@ -12,6 +12,9 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash.export.registry import export_for
+from dflash.models.drafter import DFlashDrafter
+
 VERSION = "11434.0.0"
 BUILD_COMMAND = "bash scripts/build_llamacpp.sh"
 
@@ -56,6 +59,13 @@ class LlamaCppBuild:
             tail = " | ".join(done.stderr.strip().splitlines()[-3:])
             raise ValueError(f"{checkpoint}: llama.cpp's converter refused it: {tail}")
         return out
+
+
+def speculation_flags(drafter: DFlashDrafter) -> tuple[str, int]:
+    """llama-server's `--spec-type` for the drafter (its variant's registered export rules:
+    draft-dflash for DFlash and DFlash2, draft-dspark for DSpark) and `--spec-draft-n-max`, its
+    drafts per block (B-1, or B for DSpark's anchor-first block; the server's default is 3)."""
+    return export_for(drafter).llama_cpp_spec_type, drafter.drafts_per_block
 
 
 def find_build(root: Path | None = None) -> LlamaCppBuild:

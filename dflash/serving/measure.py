@@ -87,6 +87,16 @@ class ServedBenchmark:
             "same_output_drafts_agree": sum(p.drafts_agree for p in same),
             "accepted_differences": [p.accepted_difference for p in self.prompts],
             "within_tolerance": self.within_tolerance,
+            # Per prompt, in the benchmark's order: where a difference lies, and on which side.
+            "per_prompt": [
+                {
+                    "same_output": p.same_output,
+                    "drafts_agree": p.drafts_agree,
+                    "own": {"accepted": p.own.accepted, "verifications": p.own.verifications},
+                    "served": {"accepted": p.served.accepted, "verifications": p.served.verifications},
+                }
+                for p in self.prompts
+            ],
         }
 
 

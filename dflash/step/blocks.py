@@ -133,10 +133,99 @@ def build_blocks(
     """
     ids_np = input_ids.numpy()
     mask_np = loss_mask.numpy()
-    batch = ids_np.shape[0]
+    batch, seq_len = ids_np.shape
+    rngs = [sample_rng(seed, epoch, sample_id) for sample_id in sample_ids]
+    anchors, anchor_valid, keep = _draw_anchors(
+        mask_np, lengths, rngs, block_size=block_size, num_anchors=num_anchors, keep_fraction=keep_fraction
+    )
+    num_blocks = anchors.shape[1]
+    positions = anchors[:, :, None] + np.arange(block_size)  # [B, A, Bs]
+    sample_lengths = lengths.numpy()[:, None, None]
+    in_range = positions < sample_lengths
+    gather_pos = np.minimum(positions, seq_len - 1)
+    true_ids = _take(ids_np, gather_pos)
+    keep &= in_range
+    block_ids = np.where(keep, true_ids, mask_token_id)
+    block_ids[:, :, 0] = true_ids[:, :, 0]
+
+    labels, valid = _labels(
+        ids_np,
+        mask_np,
+        positions,
+        sample_lengths,
+        anchor_valid=anchor_valid,
+        keep=keep,
+        label_offset=label_offset,
+    )
+    weights = weights.numpy()[None, None, :] * valid
+
+    flat = (batch, num_blocks * block_size)
+    loss_rows = np.flatnonzero(valid.reshape(-1))
+    extra = _shifted_label_fields(
+        ids_np,
+        positions,
+        sample_lengths,
+        gather_pos,
+        loss_rows=loss_rows,
+        label_offset=label_offset,
+        with_prev_ids=with_prev_ids,
+    )
+    return DraftBlocks(
+        block_ids=torch.from_numpy(block_ids.reshape(flat)),
+        positions=torch.from_numpy(positions.reshape(flat)),
+        labels=torch.from_numpy(labels.reshape(flat)),
+        weights=torch.from_numpy(weights.reshape(flat).astype(np.float32)),
+        valid=torch.from_numpy(valid.reshape(flat)),
+        anchors=torch.from_numpy(anchors),
+        anchor_valid=torch.from_numpy(anchor_valid),
+        loss_rows=torch.from_numpy(loss_rows),
+        block_size=block_size,
+        **extra,
+    )
+
+
+def _take(rows: np.ndarray, positions: np.ndarray) -> np.ndarray:
+    """`rows[b, positions[b, ...]]` for each row b: [B, S] at [B, A, Bs] positions."""
+    batch = rows.shape[0]
+    return np.take_along_axis(rows, positions.reshape(batch, -1), axis=1).reshape(positions.shape)
+
+
+def _labels(
+    ids_np: np.ndarray,
+    mask_np: np.ndarray,
+    positions: np.ndarray,
+    sample_lengths: np.ndarray,
+    *,
+    anchor_valid: np.ndarray,
+    keep: np.ndarray,
+    label_offset: int,
+) -> tuple[np.ndarray, np.ndarray]:
+    """Each block position's label (0 where none) and whether it is supervised ([B, A, Bs]
+    each): in its sample, a loss-masked token, its block a real anchor's and not kept true."""
+    label_pos = np.minimum(positions + label_offset, ids_np.shape[1] - 1)
+    label_in_range = positions + label_offset < sample_lengths
+    valid = label_in_range & _take(mask_np, label_pos).astype(bool) & anchor_valid[:, :, None] & ~keep
+    if label_offset == 0:
+        valid[:, :, 0] = False  # position 0 is the anchor itself: nothing to predict
+    else:
+        valid = np.cumprod(valid, axis=2).astype(bool)  # a contiguous supervised prefix
+    return np.where(valid, _take(ids_np, label_pos), 0), valid
+
+
+def _draw_anchors(
+    mask_np: np.ndarray,
+    lengths: torch.Tensor,
+    rngs: list[np.random.Generator],
+    *,
+    block_size: int,
+    num_anchors: int,
+    keep_fraction: float,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Each sample's anchors from its own stream (`rngs`, `sample_rng`'s), padded to the batch's
+    most: (anchors [B, A], which are real [B, A], block positions keeping their true token [B, A, Bs])."""
+    batch = mask_np.shape[0]
     per_sample, keep_draws = [], []
-    for row, sample_id in enumerate(sample_ids):
-        rng = sample_rng(seed, epoch, sample_id)
+    for row, rng in enumerate(rngs):
         length = int(lengths[row])
         anchors = sample_anchors(mask_np[row, :length], num_anchors, rng)
         per_sample.append(anchors)
@@ -152,42 +241,29 @@ def build_blocks(
         anchor_valid[row, : len(sample_anchors_)] = True
         keep[row, : len(sample_anchors_)] = keep_draws[row] < keep_fraction
     keep[:, :, 0] = False
+    return anchors, anchor_valid, keep
 
-    offsets = np.arange(block_size)
-    positions = anchors[:, :, None] + offsets  # [B, A, Bs]
-    seq_len = ids_np.shape[1]
-    sample_lengths = lengths.numpy()[:, None, None]
-    in_range = positions < sample_lengths
-    gather_pos = np.minimum(positions, seq_len - 1)
-    true_ids = np.take_along_axis(ids_np, gather_pos.reshape(batch, -1), axis=1).reshape(positions.shape)
-    keep &= in_range
-    block_ids = np.where(keep, true_ids, mask_token_id)
-    block_ids[:, :, 0] = true_ids[:, :, 0]
 
-    if label_offset == 0:
-        label_ids, label_in_range, label_pos = true_ids, in_range, gather_pos
-    else:
-        label_pos = np.minimum(positions + label_offset, seq_len - 1)
-        label_in_range = positions + label_offset < sample_lengths
-        label_ids = np.take_along_axis(ids_np, label_pos.reshape(batch, -1), axis=1).reshape(positions.shape)
-    supervised = np.take_along_axis(mask_np, label_pos.reshape(batch, -1), axis=1).reshape(positions.shape)
-    valid = label_in_range & supervised.astype(bool) & anchor_valid[:, :, None] & ~keep
-    if label_offset == 0:
-        valid[:, :, 0] = False  # position 0 is the anchor itself: nothing to predict
-    else:
-        valid = np.cumprod(valid, axis=2).astype(bool)  # a contiguous supervised prefix
-    labels = np.where(valid, label_ids, 0)
-    weights = weights.numpy()[None, None, :] * valid
-
-    flat = (batch, num_blocks * block_size)
-    loss_rows = np.flatnonzero(valid.reshape(-1))
+def _shifted_label_fields(
+    ids_np: np.ndarray,
+    positions: np.ndarray,
+    sample_lengths: np.ndarray,
+    gather_pos: np.ndarray,
+    *,
+    loss_rows: np.ndarray,
+    label_offset: int,
+    with_prev_ids: bool,
+) -> dict[str, torch.Tensor]:
+    """DraftBlocks' optional fields: `prev_ids` (the token before each position's label) at a
+    label_offset or with_prev_ids, and at a label_offset where each labelled row's target
+    distribution is read (`final_positions`, `final_index`, `final_index_host`)."""
+    batch, seq_len = ids_np.shape
+    flat = (batch, positions.shape[1] * positions.shape[2])
     extra = {}
     if label_offset != 0 or with_prev_ids:
         prev_pos = positions + label_offset - 1
         prev_in_range = (prev_pos >= 0) & (prev_pos < sample_lengths)
-        prev_ids = np.take_along_axis(
-            ids_np, np.clip(prev_pos, 0, seq_len - 1).reshape(batch, -1), axis=1
-        ).reshape(positions.shape)
+        prev_ids = _take(ids_np, np.clip(prev_pos, 0, seq_len - 1))
         extra["prev_ids"] = torch.from_numpy(np.where(prev_in_range, prev_ids, 0).reshape(flat))
     if label_offset != 0:
         sample_start = (np.arange(batch) * seq_len)[:, None, None]
@@ -196,18 +272,7 @@ def build_blocks(
         extra["final_positions"] = torch.from_numpy(final_positions)
         extra["final_index"] = torch.from_numpy(final_index.reshape(-1))
         extra["final_index_host"] = extra["final_index"]  # `to` moves the other, not this one
-    return DraftBlocks(
-        block_ids=torch.from_numpy(block_ids.reshape(flat)),
-        positions=torch.from_numpy(positions.reshape(flat)),
-        labels=torch.from_numpy(labels.reshape(flat)),
-        weights=torch.from_numpy(weights.reshape(flat).astype(np.float32)),
-        valid=torch.from_numpy(valid.reshape(flat)),
-        anchors=torch.from_numpy(anchors),
-        anchor_valid=torch.from_numpy(anchor_valid),
-        loss_rows=torch.from_numpy(loss_rows),
-        block_size=block_size,
-        **extra,
-    )
+    return extra
 
 
 def block_attention_mask(

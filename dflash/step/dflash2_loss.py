@@ -9,10 +9,12 @@ C = top-K(U) sorted by U, p the true token before g (ids[a + k - 1]; the anchor 
                     its own unary logit U[g]; j* = the index of g among the candidates
     SEL_k   = -log softmax_j(score_j)[j*]                     (K-way CE)
     numerator = sum_k w_k (CE_k + alpha SEL_k), divided once by sum_k w_k
-The references differ (their rules side by side: docs/ARCHITECTURE.md §1, DFlash2): the gold
-injection and the un-detached unary scores are vllm-project/speculators' (every supervised
-position trains the selector, as the issue states the objective); one denominator for both terms,
-the backbone's sum of position weights, is SpecForge's (and what dflash's one-division-per-step
+The references differ: speculators injects the gold this way and divides by the count of
+supervised positions; SpecForge and NeMo drop uncovered positions from the selector term,
+SpecForge sharing the backbone's denominator, NeMo its own. The gold injection and the
+un-detached unary scores here are vllm-project/speculators' (every supervised position trains
+the selector, as the issue states the objective); one denominator for both terms, the
+backbone's sum of position weights, is SpecForge's (and what dflash's one-division-per-step
 reduction needs, docs/ARCHITECTURE.md §1). The selector's gradient reaches the backbone through
 U[C_j] and h_k. Softmax and both CEs in fp32.
 

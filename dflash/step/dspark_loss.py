@@ -20,12 +20,20 @@ and the fused one (labelled rows only, chunk by chunk, each chunk's gradients co
 forward; the [rows, vocab] logits of draft and target never exist at once). The fused path's
 vocabulary-wide terms run as the PyTorch formula (`_chunk_terms_and_grads`, compiled with the
 drafter) or as one Triton kernel (`variant.fused_terms=triton`, dflash/step/dspark_kernel.py).
+
+Metrics: `acc_pos_j` and the taus count the anchor slot's prediction as the first draft; the
+confidence head's calibration beside the mean `acc` of each draft. The top-1 `acc` is
+teacher-forced: each position's Markov bias reads the true previous token, also after a miss,
+where a decoder would have drafted another prefix; so it reads higher than DFlash's (SmolLM2,
+800 steps: val/acc 0.363 vs 0.210) while the taus, which stop at a block's first miss, are what
+compares across variants (val/tau_decode 1.400 vs 1.457).
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 import torch.nn.functional as F
@@ -65,6 +73,19 @@ class DSparkLossStats(LossStats):
     confidence_predicted: torch.Tensor  # [block_size] sum of sigmoid(c_k) over supervised positions
 
 
+class _Batch(NamedTuple):
+    """A batch's inputs to the per-row terms: the drafter's hidden states at the block
+    positions, the target's LM head, the drafter, the blocks, the target's final hidden states
+    and the Markov head's latents (None without one)."""
+
+    hidden_BQH: torch.Tensor
+    lm_head: nn.Module
+    drafter: DSparkDrafter
+    blocks: DraftBlocks
+    final_BSH: torch.Tensor
+    latent_BQR: torch.Tensor | None
+
+
 def _terms(
     draft_logits: torch.Tensor, target_logits: torch.Tensor, labels: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -82,16 +103,9 @@ def _markov_bias(drafter: DSparkDrafter, latent: torch.Tensor | None) -> torch.T
     return drafter.markov_head.bias(latent)
 
 
-def _reference_rows(
-    hidden_BQH: torch.Tensor,
-    *,
-    lm_head: nn.Module,
-    drafter: DSparkDrafter,
-    blocks: DraftBlocks,
-    final_BSH: torch.Tensor,
-    latent_BQR: torch.Tensor | None,
-) -> tuple[torch.Tensor, ...]:
+def _reference_rows(batch: _Batch) -> tuple[torch.Tensor, ...]:
     """The reference: every position's draft and target logits through autograd."""
+    hidden_BQH, lm_head, drafter, blocks, final_BSH, latent_BQR = batch
     draft_logits = lm_head(hidden_BQH) + _markov_bias(drafter, latent_BQR)
     bsz, seq_len, _ = final_BSH.shape
     gather = blocks.positions.clamp(max=seq_len - 1)  # positions past a sample's end carry no weight
@@ -228,20 +242,10 @@ class _FusedDSparkHead(torch.autograd.Function):
         return grad_hidden, grad_latent, grad_w2, None, None, None, None, None, None
 
 
-def _fused_rows(
-    hidden_BQH: torch.Tensor,
-    *,
-    lm_head: nn.Module,
-    drafter: DSparkDrafter,
-    blocks: DraftBlocks,
-    final_BSH: torch.Tensor,
-    latent_BQR: torch.Tensor | None,
-    weights: DSparkWeights,
-    chunk: int,
-    per_chunk,
-) -> tuple[torch.Tensor, ...]:
+def _fused_rows(batch: _Batch, *, weights: DSparkWeights, chunk: int, per_chunk) -> tuple[torch.Tensor, ...]:
     """The fused path over `blocks.loss_rows` only, each chunk's terms by `per_chunk`; returns
     (numerator of the CE and L1 terms, then CE, L1, acc, hit per labelled row)."""
+    hidden_BQH, lm_head, drafter, blocks, final_BSH, latent_BQR = batch
     compute_dtype = fused_head_dtype(hidden_BQH, lm_head)
     device_type = hidden_BQH.device.type
 
@@ -278,6 +282,72 @@ def _scatter_rows(values_N: torch.Tensor, blocks: DraftBlocks, fill: float | boo
     return full.index_put_((blocks.loss_rows,), values_N).view_as(blocks.valid)
 
 
+def _weighted_terms(
+    batch: _Batch, *, weights: DSparkWeights, logits_chunk: int, per_chunk
+) -> tuple[torch.Tensor, ...]:
+    """(the CE and L1 terms' numerator, sum_k w_k CE_k, sum_k w_k L1_k, the soft acceptance and
+    the argmax hit [B, Q]) by the fused path (`logits_chunk` > 0, each chunk by `per_chunk`) or
+    the reference."""
+    w = batch.blocks.weights
+    if logits_chunk > 0:
+        objective, ce_n, l1_n, acc_n, hit_n = _fused_rows(
+            batch, weights=weights, chunk=logits_chunk, per_chunk=per_chunk
+        )
+        labelled_w = w.flatten().index_select(0, batch.blocks.loss_rows)
+        acc = _scatter_rows(acc_n, batch.blocks, 0.0)
+        hit = _scatter_rows(hit_n, batch.blocks, False)
+        return objective, (ce_n * labelled_w).sum(), (l1_n * labelled_w).sum(), acc, hit
+    ce, l1, acc_flat, hit_flat = _reference_rows(batch)
+    ce_sum, l1_sum = (ce * w.flatten()).sum(), (l1 * w.flatten()).sum()
+    objective = weights.ce * ce_sum + weights.tv * l1_sum
+    return objective, ce_sum, l1_sum, acc_flat.view_as(w).detach(), hit_flat.view_as(w)
+
+
+class _ConfidenceTerms(NamedTuple):
+    """The confidence head's BCE numerator and its figures (zeros without a head)."""
+
+    logits: torch.Tensor | None
+    loss: torch.Tensor
+    abs_error: torch.Tensor
+    bias: torch.Tensor
+    cumprod_bias: torch.Tensor
+    predicted: torch.Tensor
+
+
+def _confidence_terms(
+    drafter: DSparkDrafter,
+    hidden_BQH: torch.Tensor,
+    *,
+    blocks: DraftBlocks,
+    acc: torch.Tensor,
+    valid: torch.Tensor,
+) -> _ConfidenceTerms:
+    """sum_k w_k BCE_k of the head's logits against the soft acceptance `acc`, and how far its
+    predictions fall from it (dspark_loss's DSparkLossStats fields)."""
+    w = blocks.weights
+    zero = w.new_zeros(())
+    confidence = drafter.confidence_logits(hidden_BQH, blocks.prev_ids)
+    if confidence is None:
+        return _ConfidenceTerms(None, zero, zero, zero, zero, valid.new_zeros(valid.shape))
+    # The target is the soft acceptance, detached: the BCE trains the head (and, through its
+    # input, the backbone) to predict it, never the draft to move it.
+    bce = F.binary_cross_entropy_with_logits(confidence, acc.detach(), reduction="none")
+    loss = (bce * w).sum()
+    with torch.no_grad():
+        prob = torch.sigmoid(confidence)
+        per_block = (-1, drafter.block_size)
+        cum_prob = (prob * valid).view(per_block).cumprod(-1).view_as(w)
+        cum_acc = (acc * valid).view(per_block).cumprod(-1).view_as(w)
+        return _ConfidenceTerms(
+            logits=confidence,
+            loss=loss,
+            abs_error=((prob - acc).abs() * w).sum(),
+            bias=((prob - acc) * w).sum(),
+            cumprod_bias=((cum_prob - cum_acc) * w).sum(),
+            predicted=prob * valid,
+        )
+
+
 def dspark_loss(
     hidden_BQH: torch.Tensor,
     *,
@@ -296,55 +366,17 @@ def dspark_loss(
     if blocks.prev_ids is None or blocks.final_positions is None:
         raise ValueError("DSpark blocks need prev_ids and final_positions (build_blocks with label_offset=1)")
     latent_BQR = drafter.block_latents(blocks.prev_ids, hidden_BQH)
+    objective, ce_sum, l1_sum, acc, hit = _weighted_terms(
+        _Batch(hidden_BQH, lm_head, drafter, blocks, final_BSH, latent_BQR),
+        weights=weights,
+        logits_chunk=logits_chunk,
+        per_chunk=chunk_terms_function(fused_terms, compiled) if logits_chunk > 0 else None,
+    )
     w = blocks.weights
-    if logits_chunk > 0:
-        objective, ce_n, l1_n, acc_n, hit_n = _fused_rows(
-            hidden_BQH,
-            lm_head=lm_head,
-            drafter=drafter,
-            blocks=blocks,
-            final_BSH=final_BSH,
-            latent_BQR=latent_BQR,
-            weights=weights,
-            chunk=logits_chunk,
-            per_chunk=chunk_terms_function(fused_terms, compiled),
-        )
-        acc = _scatter_rows(acc_n, blocks, 0.0)
-        hit = _scatter_rows(hit_n, blocks, False)
-        ce_sum = (ce_n * w.flatten().index_select(0, blocks.loss_rows)).sum()
-        l1_sum = (l1_n * w.flatten().index_select(0, blocks.loss_rows)).sum()
-    else:
-        ce, l1, acc_flat, hit_flat = _reference_rows(
-            hidden_BQH,
-            lm_head=lm_head,
-            drafter=drafter,
-            blocks=blocks,
-            final_BSH=final_BSH,
-            latent_BQR=latent_BQR,
-        )
-        ce_sum, l1_sum = (ce * w.flatten()).sum(), (l1 * w.flatten()).sum()
-        objective = weights.ce * ce_sum + weights.tv * l1_sum
-        acc, hit = acc_flat.view_as(w).detach(), hit_flat.view_as(w)
     valid = blocks.valid.float()
-    zero = w.new_zeros(())
-    confidence_loss = abs_error = bias = cumprod_bias = zero
-    predicted = valid.new_zeros(valid.shape)
-    confidence = drafter.confidence_logits(hidden_BQH, blocks.prev_ids)
-    if confidence is not None:
-        # The target is the soft acceptance, detached: the BCE trains the head (and, through its
-        # input, the backbone) to predict it, never the draft to move it.
-        bce = F.binary_cross_entropy_with_logits(confidence, acc.detach(), reduction="none")
-        confidence_loss = (bce * w).sum()
-        objective = objective + weights.confidence * confidence_loss
-        with torch.no_grad():
-            prob = torch.sigmoid(confidence)
-            abs_error = ((prob - acc).abs() * w).sum()
-            bias = ((prob - acc) * w).sum()
-            per_block = (-1, drafter.block_size)
-            cum_prob = (prob * valid).view(per_block).cumprod(-1).view_as(w)
-            cum_acc = (acc * valid).view(per_block).cumprod(-1).view_as(w)
-            cumprod_bias = ((cum_prob - cum_acc) * w).sum()
-            predicted = prob * valid
+    confidence = _confidence_terms(drafter, hidden_BQH, blocks=blocks, acc=acc, valid=valid)
+    if confidence.logits is not None:
+        objective = objective + weights.confidence * confidence.loss
     with torch.no_grad():
         per_position = (blocks.labels.shape[0], -1, blocks.block_size)
         accepted, counted_blocks, rounds = block_acceptance(
@@ -362,12 +394,12 @@ def dspark_loss(
             rounds=rounds,
             ce=ce_sum.detach(),
             l1=l1_sum.detach(),
-            confidence_loss=confidence_loss.detach(),
+            confidence_loss=confidence.loss.detach(),
             soft_accepted=soft.sum(dim=(0, 1)),
             prob_accepted=prob_accepted,
-            confidence_abs_error=abs_error,
-            confidence_bias=bias,
-            confidence_cumprod_bias=cumprod_bias,
-            confidence_predicted=predicted.view(per_position).sum(dim=(0, 1)),
+            confidence_abs_error=confidence.abs_error,
+            confidence_bias=confidence.bias,
+            confidence_cumprod_bias=confidence.cumprod_bias,
+            confidence_predicted=confidence.predicted.view(per_position).sum(dim=(0, 1)),
         )
     return stats

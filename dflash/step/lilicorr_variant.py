@@ -11,34 +11,22 @@ from typing import ClassVar
 
 from transformers import Qwen3Config
 
+from dflash.config.variant_schema import LiLiCorrVariantConfig, variant_options
 from dflash.models.lilicorr import GEOMETRY, LiLiCorrDrafter, add_lilicorr_fields
 from dflash.step.lilicorr_loss import LatticeWeights, lilicorr_loss
 from dflash.step.variant import DFlashVariant
 
 
 @dataclass(frozen=True)
+@variant_options(LiLiCorrVariantConfig)  # its options, their types and defaults
 class LiLiCorrVariant(DFlashVariant):
     """LiLiCorr (arXiv 2608.20530): DFlash's positions and CE plus the lattice's CE, hinge and
-    distractor penalty. Defaults: ModelOpt's `lilicorr.yaml` (its `base` composition)."""
+    distractor penalty. Its options and defaults (ModelOpt's `lilicorr.yaml`, its `base`
+    composition) are LiLiCorrVariantConfig's (dflash/config/variant_schema.py)."""
 
     name: ClassVar[str] = "lilicorr"
     needs_final_state: ClassVar[bool] = True
     needs_context: ClassVar[bool] = True
-
-    candidate_topk: int = 8
-    hidden_size: int | None = None
-    num_layers: int = 2
-    num_heads: int = 8
-    mlp_ratio: float = 2.0
-    factor_dim: int | None = None
-    logit_scale: float = 8.0
-    vector_eps: float = 1e-4
-    ce_weight: float = 0.25
-    margin_weight: float = 0.0
-    penalty_weight: float = 0.25
-    margin: float = 2.0
-    conv_kernel_size: int | None = None
-    conv_group_size: int | None = None
 
     def drafter_config(self, config: Qwen3Config) -> Qwen3Config:
         return add_lilicorr_fields(

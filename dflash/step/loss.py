@@ -39,6 +39,12 @@ class BlockLoss:
         anchor) is never scored. label_offset: the variant's (dflash/step/variant.py)."""
         return position_weights(block_size, self.gamma, label_offset)
 
+    def weigh(self, hidden_BQH: torch.Tensor, lm_head: nn.Module, blocks: DraftBlocks) -> DraftBlocks:
+        """The blocks as the loss scores them, once the drafter's hidden states exist: these
+        static weights as they are; a loss whose weights follow the drafter's own predictions
+        replaces them (loss=dpace, dflash/step/dpace.py)."""
+        return blocks
+
 
 @dataclass
 class LossStats:

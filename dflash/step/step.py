@@ -73,11 +73,13 @@ def drafter_forward_loss(
     tiles: dict[int | None, KvTiles] | None = None,
     compiled_loss: bool = False,
     variant: DFlashVariant | None = None,
+    block_loss: BlockLoss | None = None,
 ) -> LossStats:
     """tiles: the block-sparse tables of `blocks` per window of the drafter's layers
     (dflash.step.block_mask.tiles_by_window, on the drafter's device) for flex_attention; None: SDPA
     with the dense masks. variant (None: DFlash): the loss; one that `needs_final_state` reads
-    the target's final hidden state from the last columns of `features_BSF`."""
+    the target's final hidden state from the last columns of `features_BSF`. block_loss: asked
+    for the blocks' weights once the drafter's hidden states exist (`BlockLoss.weigh`)."""
     variant = variant or DFlashVariant()
     final_BSH = None
     if variant.needs_final_state:
@@ -98,6 +100,8 @@ def drafter_forward_loss(
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if device_type == "cuda" else nullcontext()
     with autocast:
         hidden = drafter(features_BSF, block_emb, blocks.positions, mask, feature_noise_std, noise_generator)
+        if block_loss is not None:  # weights that follow the drafter's own predictions (loss=dpace)
+            blocks = block_loss.weigh(hidden, head.lm_head, blocks)
         context = (
             {"embed_tokens": head.embed_tokens, "features_BSF": features_BSF} if variant.needs_context else {}
         )
@@ -170,6 +174,7 @@ class DrafterStep:
             tiles=tiles,
             compiled_loss=settings.compiled_loss,
             variant=settings.variant,
+            block_loss=settings.loss,
         )
         with compiled_calls():  # the first backward through a compiled graph compiles it
             stats.weighted_ce.backward()

@@ -28,6 +28,7 @@ from transformers import Qwen3Config
 
 from dflash.config.schema import FusedTerms, MarkovHeadType
 from dflash.config.shape_defaults import default_conv_group_size, default_selector_top_k
+from dflash.config.variant_schema import DFlash2VariantConfig, DSparkVariantConfig, variant_options
 from dflash.models.dflash2 import DFlash2Drafter, add_dflash2_fields
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.dspark import DSparkDrafter, add_dspark_fields
@@ -98,6 +99,7 @@ class DFlashVariant:
 
 
 @dataclass(frozen=True)
+@variant_options(DSparkVariantConfig)  # its options, their types and defaults
 class DSparkVariant(DFlashVariant):
     """DSpark (deepseek-ai/DeepSpec): the DFlash backbone with a Markov head and a confidence
     head; every position predicts the token after it; loss ce_weight CE + tv_weight L1 +
@@ -111,16 +113,6 @@ class DSparkVariant(DFlashVariant):
     # DeepSpec's draft config is a deep copy of the target's, initializer_range included
     # (SmolLM2-135M's 1/sqrt(576) = 0.042).
     init_std_from_target: ClassVar[bool] = True
-
-    markov_rank: int = 256
-    markov_head_type: MarkovHeadType | str = MarkovHeadType.vanilla
-    markov_head_class: str | None = None
-    confidence_head: bool = True
-    confidence_with_markov: bool = True
-    ce_weight: float = 0.1
-    tv_weight: float = 0.9
-    confidence_weight: float = 1.0
-    fused_terms: FusedTerms | str = FusedTerms.auto
 
     @property
     def head_type(self) -> str:
@@ -180,6 +172,7 @@ class DSparkVariant(DFlashVariant):
 
 
 @dataclass(frozen=True)
+@variant_options(DFlash2VariantConfig)
 class DFlash2Variant(DFlashVariant):
     """DFlash2 (z-lab): the DFlash backbone with block-local convolutions around every sublayer and
     a selector over the unary top-K; positions predict as in DFlash; loss CE + selector_alpha x
@@ -188,13 +181,6 @@ class DFlash2Variant(DFlashVariant):
     name: ClassVar[str] = "dflash2"
     summary_key: ClassVar[str | None] = "train/selector_ce"
     needs_prev_ids: ClassVar[bool] = True
-
-    conv_kernel_size: int = 2
-    # None: by the drafter's hidden size (the target's), dflash/config/shape_defaults.py.
-    conv_group_size: int | None = None
-    selector_rank: int = 256
-    selector_top_k: int | None = None
-    selector_alpha: float = 1.0
 
     def drafter_config(self, config: Qwen3Config) -> Qwen3Config:
         group, top_k = self.conv_group_size, self.selector_top_k

@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 from typing import TYPE_CHECKING
 
+from dflash.config.plugins import load_plugins_or_exit
 from dflash.errors import exit_for_user_error, refuse_unquoted_home
 
 if TYPE_CHECKING:
@@ -57,6 +58,7 @@ def composed_or_refused(command: str, overrides: list[str]) -> Config:
     from dflash.tools.hydra_app import composition_error
 
     refuse_unquoted_home(command_name(command), overrides)
+    load_plugins_or_exit(command_name(command))  # a plug-in's options compose, its checkpoints read
     try:
         return compose_typed(overrides)
     except Exception as exc:

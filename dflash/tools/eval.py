@@ -26,14 +26,23 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import hydra
 from omegaconf import DictConfig, OmegaConf
 
-from dflash.config.schema import Config, TargetConfig, VerifyRule, register_configs
+from dflash.config.schema import Config, EvalConfig, TargetConfig, VerifyRule, register_configs
 from dflash.tools.compose import CONF_PATH
 from dflash.tools.hydra_app import run_hydra_app
+
+if TYPE_CHECKING:  # torch and the evaluation load once the arguments parse
+    import torch
+
+    from dflash.eval.evaluate import Decoders
+    from dflash.eval.journal import EvalJournal
+    from dflash.eval.report import EvalReport
+    from dflash.models.drafter import DFlashDrafter
+    from dflash.models.target import FrozenTarget
 
 register_configs()
 log = logging.getLogger(__name__)
@@ -195,6 +204,99 @@ def journal_settings(
     }
 
 
+def _refuse_with_timing(eval_cfg: EvalConfig, journal: EvalJournal) -> None:
+    """Options that measure no time of one decoder refused beside eval.timing; a resumed journal logged."""
+    if eval_cfg.timing and eval_cfg.decode_streams > 1:
+        raise ValueError(
+            f"eval.decode_streams={eval_cfg.decode_streams} decodes prompts side by side, so no time "
+            "would be one decoder's; set eval.timing=false (or eval.decode_streams=1 to time)"
+        )
+    if journal.resumed:
+        if eval_cfg.timing:
+            raise ValueError("eval.resume: a resumed evaluation measures no time; set eval.timing=false")
+        log.info("dflash eval: %d prompt outcomes taken from %s", journal.resumed, journal.path)
+
+
+def _report_meta(
+    cfg: Config,
+    inputs: EvalInputs,
+    *,
+    device: torch.device,
+    dtype: torch.dtype,
+    block_size: int,
+    decoded_here: int,
+    journal: EvalJournal,
+    seconds: float,
+) -> dict[str, Any]:
+    """What the report measured and on what: the drafter, target, device and decoding settings,
+    and this process's share of the decoding."""
+    import torch
+
+    return {
+        "drafter": str(inputs.drafter_dir),
+        "target": inputs.target_key,
+        "target_from": inputs.target_source,
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": str(dtype).removeprefix("torch."),
+        "block_size": block_size,
+        "max_new_tokens": cfg.eval.max_new_tokens,
+        # what a temperature > 0 result measures: sampled or argmax drafts, and the verification rule
+        "sampled_drafts": cfg.eval.sampled_drafts,
+        "verify": VerifyRule(cfg.eval.verify).value,
+        "kv_cache": "target KV cache + drafter context cache",
+        "timing": "CUDA events" if device.type == "cuda" else "wall clock (CPU)",
+        # This process's decoding (not the prompts taken from the journal): its wall time, warm-up
+        # and reference batches included; what an evaluation costs, not a speed of either decoder.
+        "decoded_here": decoded_here,
+        "taken_from_journal": journal.taken,
+        "wall_s": round(seconds, 2),
+    }
+
+
+def _write_report(
+    report: EvalReport, output: Path, *, drafter_dir: Path, target_key: str, journal: EvalJournal
+) -> dict[str, Any]:
+    """The report written to `output` as JSON (returned) and printed as a table."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    payload = report.to_json()
+    output.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"\n=== dflash eval: {drafter_dir} on {target_key} ({report.meta['device_name']}) ===")
+    print(report.table())
+    print(
+        f"evaluation: {report.meta['decoded_here']} prompt decodings in {report.meta['wall_s']:.1f} s"
+        + (f", {journal.taken} taken from {journal.path}" if journal.taken else "")
+    )
+    line = report.lossless_line()
+    if line is not None:
+        print(f"lossless: {line}")
+    print(f"report: {output} (each prompt's outcome: {journal.path})", flush=True)
+    return payload
+
+
+def _load_decoders(
+    cfg: Config, inputs: EvalInputs, device: torch.device
+) -> tuple[FrozenTarget, DFlashDrafter, Decoders]:
+    """The target, the drafter in the target's dtype, and decoders sized for the prompt sets."""
+    from dflash.eval.evaluate import Decoders
+    from dflash.export.zlab import load_drafter
+    from dflash.models.target import FrozenTarget
+
+    target = FrozenTarget.from_config(
+        inputs.target_cfg, inputs.drafter_config.dflash_config["target_layer_ids"], device
+    )
+    drafter = load_drafter(inputs.drafter_dir, device).to(target.lm_head.weight.dtype).eval()
+    decoders = Decoders.for_prompts(
+        target,
+        drafter,
+        inputs.prompt_sets,
+        cfg.eval,
+        reference_slots=cfg.eval.reference_slots,
+        decode_streams=cfg.eval.decode_streams,
+    )
+    return target, drafter, decoders
+
+
 def run_eval(
     cfg: DictConfig, target_overridden: bool = False, target_fields: tuple[str, ...] = ()
 ) -> dict[str, Any]:
@@ -204,10 +306,8 @@ def run_eval(
     from dflash.config.keys import refuse_unknown_keys
     from dflash.config.typed import typed_config
     from dflash.distributed import visible_cuda_devices
-    from dflash.eval.evaluate import Decoders, evaluate, planned_decodings
+    from dflash.eval.evaluate import evaluate, planned_decodings
     from dflash.eval.journal import EvalJournal, journal_path
-    from dflash.export.zlab import load_drafter
-    from dflash.models.target import FrozenTarget
     from dflash.trainer.signals import StopRequested, stop_on_signals
 
     refuse_unknown_keys(cfg, Config)
@@ -215,7 +315,7 @@ def run_eval(
     inputs = eval_inputs(
         composed, cfg, tool="dflash eval", target_overridden=target_overridden, target_fields=target_fields
     )
-    drafter_dir, drafter_config, target_cfg = inputs.drafter_dir, inputs.drafter_config, inputs.target_cfg
+    drafter_dir, target_cfg = inputs.drafter_dir, inputs.target_cfg
     target_key, prompt_sets = inputs.target_key, inputs.prompt_sets
     device = torch.device(resolve_device_split(cfg, visible_cuda_devices())[0][0])
     output = Path(cfg.eval.output) if cfg.eval.output else Path(cfg.paths.output_dir) / "eval.json"
@@ -225,29 +325,10 @@ def run_eval(
         resume=cfg.eval.resume,
     )
     try:
-        if cfg.eval.timing and cfg.eval.decode_streams > 1:
-            raise ValueError(
-                f"eval.decode_streams={cfg.eval.decode_streams} decodes prompts side by side, so no time "
-                "would be one decoder's; set eval.timing=false (or eval.decode_streams=1 to time)"
-            )
-        if journal.resumed:
-            if cfg.eval.timing:
-                raise ValueError("eval.resume: a resumed evaluation measures no time; set eval.timing=false")
-            log.info("dflash eval: %d prompt outcomes taken from %s", journal.resumed, journal.path)
+        _refuse_with_timing(cfg.eval, journal)
         if device.type == "cpu":
             torch.set_num_threads(cfg.gpu.cpu_threads)
-        target = FrozenTarget.from_config(
-            target_cfg, drafter_config.dflash_config["target_layer_ids"], device
-        )
-        drafter = load_drafter(drafter_dir, device).to(target.lm_head.weight.dtype).eval()
-        decoders = Decoders.for_prompts(
-            target,
-            drafter,
-            prompt_sets,
-            cfg.eval,
-            reference_slots=cfg.eval.reference_slots,
-            decode_streams=cfg.eval.decode_streams,
-        )
+        target, drafter, decoders = _load_decoders(cfg, inputs, device)
         progress = PromptProgress()
         started = time.perf_counter()
         with stop_on_signals() as stop:
@@ -268,39 +349,17 @@ def run_eval(
         seconds = time.perf_counter() - started
     finally:
         journal.close()
-    report.meta = {
-        "drafter": str(drafter_dir),
-        "target": target_key,
-        "target_from": inputs.target_source,
-        "device": str(device),
-        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-        "dtype": str(target.lm_head.weight.dtype).removeprefix("torch."),
-        "block_size": drafter.block_size,
-        "max_new_tokens": cfg.eval.max_new_tokens,
-        # what a temperature > 0 result measures: sampled or argmax drafts, and the verification rule
-        "sampled_drafts": cfg.eval.sampled_drafts,
-        "verify": VerifyRule(cfg.eval.verify).value,
-        "kv_cache": "target KV cache + drafter context cache",
-        "timing": "CUDA events" if device.type == "cuda" else "wall clock (CPU)",
-        # This process's decoding (not the prompts taken from the journal): its wall time, warm-up
-        # and reference batches included; what an evaluation costs, not a speed of either decoder.
-        "decoded_here": report.decodings() - journal.taken,
-        "taken_from_journal": journal.taken,
-        "wall_s": round(seconds, 2),
-    }
-    output.parent.mkdir(parents=True, exist_ok=True)
-    payload = report.to_json()
-    output.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"\n=== dflash eval: {drafter_dir} on {target_key} ({report.meta['device_name']}) ===")
-    print(report.table())
-    print(
-        f"evaluation: {report.meta['decoded_here']} prompt decodings in {report.meta['wall_s']:.1f} s"
-        + (f", {journal.taken} taken from {journal.path}" if journal.taken else "")
+    report.meta = _report_meta(
+        cfg,
+        inputs,
+        device=device,
+        dtype=target.lm_head.weight.dtype,
+        block_size=drafter.block_size,
+        decoded_here=report.decodings() - journal.taken,
+        journal=journal,
+        seconds=seconds,
     )
-    line = report.lossless_line()
-    if line is not None:
-        print(f"lossless: {line}")
-    print(f"report: {output} (each prompt's outcome: {journal.path})", flush=True)
+    payload = _write_report(report, output, drafter_dir=drafter_dir, target_key=target_key, journal=journal)
     if report.interrupted:
         log.warning(
             "dflash eval: stopped by a signal after %d of %d prompt decodings; %s holds what was evaluated",

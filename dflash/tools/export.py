@@ -39,9 +39,13 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from dflash.config.plugins import load_plugins_or_exit
 from dflash.errors import exit_for_user_error
 
 TOOL = "dflash export"  # the command users type: `dflash export check DIR`
+# The registered layouts' names (dflash/export/registry.py; tests/test_variant_contract.py keeps
+# the two equal), spelled here so that `--help` and a usage error import no torch.
+LAYOUTS = ("speculators", "zlab", "deepspec")
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -57,7 +61,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     conversion.add_argument("source", type=Path)
     conversion.add_argument("destination", type=Path)
-    conversion.add_argument("--layout", choices=("speculators", "zlab", "deepspec"), required=True)
+    conversion.add_argument("--layout", choices=LAYOUTS, required=True)
     conversion.add_argument("--target", type=Path, help="the target's checkpoint directory")
     conversion.add_argument(
         "--verifier", help="the target's name in speculators_config (default: --target's path)"
@@ -66,6 +70,7 @@ def main(argv: list[str] | None = None) -> None:
         "--num-anchors", type=int, help="deepspec: num_anchors of a DSpark drafter that does not record it"
     )
     args = parser.parse_args(argv)
+    load_plugins_or_exit(TOOL)  # before the directory is read: a plug-in's variant is known
     # The converters import torch: loaded once the arguments parse, so `--help` and a usage
     # error answer at once.
     from dflash.tools.export_commands import convert, refuse_another_target, report, target_text_config

@@ -22,23 +22,12 @@ from dflash.config.schema import TargetConfig
 from dflash.errors import USER_ERROR_EXIT, exit_for_user_error
 from dflash.export.card import TrainingFacts, write_model_card
 from dflash.export.contract import check_export, reader_limits, trained_block_problems
-from dflash.export.zlab import (
-    NATIVE_LAYOUTS,
-    export_deepspec,
-    export_drafter,
-    export_speculators,
-    load_drafter,
-)
+from dflash.export.registry import export_for, layout_named
+from dflash.export.zlab import load_drafter, write_layout
 from dflash.models.families import IMAGE_TEXT_TYPES
 from dflash.models.identity import pairing_differences
 from dflash.tools.export import TOOL
 from dflash.trainer.checkpoint import RUN_CONFIG_FILE, STATE_FILE, load_trainer_state
-
-# Why a drafter cannot take a native layout other than its own, by the layout asked for.
-NATIVE_REFUSALS = {
-    "zlab": "a {name} drafter; the z-lab layout has no heads",
-    "deepspec": "a {name} drafter (no Markov head)",
-}
 
 
 def target_text_config(directory: Path) -> dict[str, Any]:
@@ -157,49 +146,22 @@ def convert(args: argparse.Namespace, target: dict[str, Any] | None) -> None:
         drafter = load_drafter(args.source)
     except ValueError as exc:
         exit_for_user_error(TOOL, str(exc))
-    native = drafter.native_layout
-    if args.layout in NATIVE_LAYOUTS and args.layout != native:
+    layouts, layout = export_for(drafter).layouts, layout_named(args.layout)
+    if args.layout not in layouts:
         exit_for_user_error(
             TOOL,
-            f"{args.source}: {NATIVE_REFUSALS[args.layout].format(name=drafter.display_name)}: --layout {native}",
+            f"{args.source}: a {drafter.display_name} drafter is not written in the {args.layout} layout: "
+            f"--layout {' or '.join(layouts)}",
         )
-    if args.layout not in NATIVE_LAYOUTS and args.layout not in drafter.foreign_layouts:
-        exit_for_user_error(
-            TOOL,
-            f"{args.source}: no reader loads a {drafter.display_name} drafter in the {args.layout} layout: --layout {native}",
-        )
-    if args.layout in NATIVE_LAYOUTS:
-        if getattr(drafter.config, "num_target_layers", None) is None:
-            # The speculators layout records no target depth; SGLang resolves layer ids by it.
-            if target is None:
-                exit_for_user_error(
-                    TOOL, f"{args.source} records no target depth (num_target_layers): give --target DIR"
-                )
-            drafter.config.num_target_layers = target["num_hidden_layers"]
-        if drafter.records_num_anchors and getattr(drafter.config, "num_anchors", None) is None:
-            if args.num_anchors is None:
-                exit_for_user_error(
-                    TOOL,
-                    f"{args.source} records no num_anchors, which DeepSpec's loader asserts: give "
-                    "--num-anchors N (the anchors per sample it was trained with)",
-                )
-            drafter.config.num_anchors = args.num_anchors
-    if args.layout == "speculators" and args.target is None:
-        exit_for_user_error(
-            TOOL,
-            "--layout speculators needs --target DIR: speculators' loader reads the target's embedding "
-            "and LM head from the drafter directory (its own save_pretrained writes both)",
-        )
+    if layout.records_depth:
+        complete_recorded_fields(args, drafter, target)
+    if layout.tables_required and args.target is None:
+        exit_for_user_error(TOOL, f"--layout {args.layout} needs --target DIR: {layout.tables_required}")
     fail_on_problems(trained_block_problems(args.source, drafter.config.block_size))
-    verifier = verifier_of(args.target, args.verifier) if args.layout == "speculators" else None
+    verifier = verifier_of(args.target, args.verifier) if layout.tables_required else None
     with staged(args.destination) as tmp:
         try:
-            if args.layout == "speculators":
-                export_speculators(drafter, tmp, verifier=verifier, target_dir=args.target)
-            elif native == "deepspec" and args.target is not None:
-                export_deepspec(drafter, tmp, target_dir=args.target)
-            else:
-                export_drafter(drafter, tmp)
+            write_layout(drafter, tmp, args.layout, target_dir=args.target, verifier=verifier)
             write_model_card(tmp, source_facts(args.source, args.target), served_from=str(args.destination))
         except ValueError as exc:
             exit_for_user_error(TOOL, str(exc))
@@ -208,3 +170,24 @@ def convert(args: argparse.Namespace, target: dict[str, Any] | None) -> None:
     print(f"ok: {args.destination} keeps the export contract (docs/EXPORT.md)")
     for limit in reader_limits(args.destination):
         print(f"note: {limit}")
+
+
+def complete_recorded_fields(args: argparse.Namespace, drafter: Any, target: dict[str, Any] | None) -> None:
+    """The fields a layout that records them needs and a source in another layout may lack:
+    the target's depth (SGLang resolves layer ids by it), and `num_anchors` for a drafter whose
+    readers assert it (`records_num_anchors`)."""
+    if getattr(drafter.config, "num_target_layers", None) is None:
+        # The speculators layout records no target depth.
+        if target is None:
+            exit_for_user_error(
+                TOOL, f"{args.source} records no target depth (num_target_layers): give --target DIR"
+            )
+        drafter.config.num_target_layers = target["num_hidden_layers"]
+    if drafter.records_num_anchors and getattr(drafter.config, "num_anchors", None) is None:
+        if args.num_anchors is None:
+            exit_for_user_error(
+                TOOL,
+                f"{args.source} records no num_anchors, which DeepSpec's loader asserts: give "
+                "--num-anchors N (the anchors per sample it was trained with)",
+            )
+        drafter.config.num_anchors = args.num_anchors

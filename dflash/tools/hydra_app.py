@@ -1,5 +1,6 @@
-"""How the Hydra commands (`dflash train|eval|regen|prep`) start: their help, `--version`, and one
-line with exit 2 for a mistake in the overrides, Hydra's composition errors included.
+"""How the Hydra commands (`dflash train|eval|regen|prep|served`) start: their help, `--version`,
+the plug-ins (dflash/config/plugins.py) imported before the config is composed, and one line with
+exit 2 for a mistake in the overrides, Hydra's composition errors included.
 
 Hydra reports a composition error (an unknown key, an option that does not exist, a value of the
 wrong type) in several lines with exit 1, and for an unknown key it suggests the `+key=value` form
@@ -19,8 +20,14 @@ from importlib import resources
 from typing import Any
 
 from dflash import __version__
+from dflash.config.plugins import load_plugins_or_exit
 from dflash.errors import exit_for_user_error, full_errors_requested, refuse_unquoted_home
 from dflash.tools.compose import CONF_MODULE
+
+# The end of the line for a group option nothing resembles: it may be a plug-in's, not given here.
+PLUGIN_OPTION_HINT = (
+    "an option of your own needs its plug-in (DFLASH_PLUGINS, or a dflash.plugins entry point)"
+)
 
 # Guides, in the source repository's docs/ (README.md links them all).
 GUIDES = (
@@ -106,6 +113,8 @@ def run_hydra_app(
         print(f"dflash {__version__}")
         raise SystemExit(0)
     refuse_unquoted_home(tool, args)  # Hydra's lexer error for `key=~/path` names no fix
+    # Before composing: a plug-in's `variant=NAME` option and drafter class are registered by then.
+    load_plugins_or_exit(tool)
     from hydra._internal import utils as hydra_utils
 
     hydra_report = hydra_utils.run_and_report
@@ -194,7 +203,7 @@ def _missing_option(exc) -> str:
         return _first_line(str(exc))
     options = sorted(o for o in (exc.options or []) if not o.startswith("_"))
     close = difflib.get_close_matches(option, options, n=1, cutoff=0.5)
-    hint = f"; did you mean {group}={close[0]}?" if close else ""
+    hint = f"; did you mean {group}={close[0]}?" if close else f"; {PLUGIN_OPTION_HINT}"
     return f"{group}={option}: no such option (options: {', '.join(options)}){hint}"
 
 

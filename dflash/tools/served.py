@@ -9,12 +9,15 @@ target outputs and the accepted drafts agree.
 The drafter and target are converted by llama.cpp's own converter (the drafter with
 `--target-model-dir`) into <run dir>/served/, and `llama-server` serves them on 127.0.0.1 with
 `--spec-draft-n-max` set to the drafter's block (B-1 drafts for DFlash and DFlash2, B for DSpark).
-Greedy only (eval.temperatures is not read), float32 on both sides, one prompt at a time;
-`gpu.cpu_threads` threads for both. The JSON goes to <run dir>/served.json.
+Greedy only (eval.temperatures is not read), float32 on both sides, one prompt at a time. The
+engine runs on the CPU with `gpu.cpu_threads` threads; dflash's decoder runs where `gpu` says
+(gpu=cpu, the default, with the same threads; gpu=single on a GPU, float32 matmuls without TF32).
+The JSON goes to <run dir>/served.json.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -47,17 +50,41 @@ def table(results: list) -> str:
     return "\n".join(rows)
 
 
+def write_report(cfg: DictConfig, *, engine: str, drafter_dir: Path, target_key: str, results: list) -> dict:
+    """served.json and the printed table with each benchmark's verdict."""
+    from dflash.serving.measure import DRAFT_TOLERANCE, TAU_TOLERANCE
+
+    payload = {
+        "engine": engine,
+        "drafter": str(drafter_dir),
+        "target": target_key,
+        "max_new_tokens": cfg.eval.max_new_tokens,
+        "tolerance": {"differing_drafts_share": DRAFT_TOLERANCE, "tau_relative": TAU_TOLERANCE},
+        "benchmarks": [r.to_json() for r in results],
+    }
+    output = Path(cfg.paths.output_dir) / "served.json"
+    output.write_text(json.dumps(payload, indent=2) + "\n")
+    print(f"\n=== dflash served: {drafter_dir} on {target_key}, {engine} ===")
+    print(table(results))
+    for r in results:
+        verdict = "within tolerance" if r.within_tolerance else "OUTSIDE tolerance: a fault on one side"
+        print(f"{r.benchmark}: {verdict}")
+    print(f"report: {output}", flush=True)
+    return payload
+
+
 def run_served(cfg: DictConfig, *, target_overridden: bool, target_fields: tuple[str, ...]) -> dict:
     import torch
 
+    from dflash.config.devices import resolve_device_split
     from dflash.config.keys import refuse_unknown_keys
     from dflash.config.typed import typed_config
-    from dflash.decoding.reference import drafts_per_round
+    from dflash.distributed import visible_cuda_devices
     from dflash.eval.evaluate import target_eos_ids
     from dflash.export.zlab import load_drafter
     from dflash.models.target import FrozenTarget
-    from dflash.serving.llamacpp import find_build
-    from dflash.serving.measure import DRAFT_TOLERANCE, TAU_TOLERANCE, measure_benchmark
+    from dflash.serving.llamacpp import find_build, speculation_flags
+    from dflash.serving.measure import measure_benchmark
     from dflash.serving.server import LlamaServer
     from dflash.tools.eval import eval_inputs
 
@@ -66,6 +93,8 @@ def run_served(cfg: DictConfig, *, target_overridden: bool, target_fields: tuple
     inputs = eval_inputs(
         composed, cfg, tool="dflash served", target_overridden=target_overridden, target_fields=target_fields
     )
+    # Before the conversions: a device this machine lacks is named at once.
+    device = torch.device(resolve_device_split(cfg, visible_cuda_devices())[0][0])
     build = find_build()
     drafter_dir, drafter_config, target_cfg = inputs.drafter_dir, inputs.drafter_config, inputs.target_cfg
     target_key, prompt_sets = inputs.target_key, inputs.prompt_sets
@@ -77,20 +106,24 @@ def run_served(cfg: DictConfig, *, target_overridden: bool, target_fields: tuple
     work.mkdir(parents=True, exist_ok=True)
     target_gguf = build.convert(Path(target_cfg.path), work / "target.gguf")
     drafter_gguf = build.convert(drafter_dir, work / "drafter.gguf", target_dir=Path(target_cfg.path))
-    torch.set_num_threads(cfg.gpu.cpu_threads)
-    device = torch.device("cpu")
+    if device.type == "cpu":
+        torch.set_num_threads(cfg.gpu.cpu_threads)
+    # The engine's float32 is full float32: TF32 matmuls on a GPU would part the two target
+    # outputs at every near-tie.
+    torch.backends.cuda.matmul.allow_tf32 = False
+    torch.backends.cudnn.allow_tf32 = False
+    # Loaded in float32, not rounded through target.dtype=auto's bfloat16 on a GPU.
+    target_cfg = dataclasses.replace(target_cfg, dtype="float32")
     target = FrozenTarget.from_config(target_cfg, drafter_config.dflash_config["target_layer_ids"], device)
-    target.model.float()
     drafter = load_drafter(drafter_dir, device).float().eval()
-    drafts = drafts_per_round(drafter)
+    spec_type, drafts = speculation_flags(drafter)
     longest = max(len(p) for s in prompt_sets for p in s.prompts)
     results = []
     with LlamaServer(
         build,
         target_gguf=target_gguf,
         drafter_gguf=drafter_gguf,
-        # DFlash2 is draft-dflash too: the server finds the selector in the GGUF.
-        spec_type="draft-dspark" if drafter.block_size == drafts else "draft-dflash",
+        spec_type=spec_type,
         draft_max=drafts,
         context=longest + cfg.eval.max_new_tokens + drafts + 2,
         threads=cfg.gpu.cpu_threads,
@@ -109,23 +142,13 @@ def run_served(cfg: DictConfig, *, target_overridden: bool, target_fields: tuple
                     stop_ids=target_eos_ids(target),
                 )
             )
-    payload = {
-        "engine": f"llama.cpp {build.root.name}",
-        "drafter": str(drafter_dir),
-        "target": target_key,
-        "max_new_tokens": cfg.eval.max_new_tokens,
-        "tolerance": {"differing_drafts_share": DRAFT_TOLERANCE, "tau_relative": TAU_TOLERANCE},
-        "benchmarks": [r.to_json() for r in results],
-    }
-    output = Path(cfg.paths.output_dir) / "served.json"
-    output.write_text(json.dumps(payload, indent=2) + "\n")
-    print(f"\n=== dflash served: {drafter_dir} on {target_key}, llama.cpp {build.root.name} ===")
-    print(table(results))
-    for r in results:
-        verdict = "within tolerance" if r.within_tolerance else "OUTSIDE tolerance: a fault on one side"
-        print(f"{r.benchmark}: {verdict}")
-    print(f"report: {output}", flush=True)
-    return payload
+    return write_report(
+        cfg,
+        engine=f"llama.cpp {build.root.name}",
+        drafter_dir=drafter_dir,
+        target_key=target_key,
+        results=results,
+    )
 
 
 def main() -> None:
@@ -140,7 +163,8 @@ def main() -> None:
             "ckpt=outputs/RUN/checkpoints/last                 the drafter (its run's target by default)",
             "target=hf target.path=/models/MyModel             a drafter exported by other tools",
             "eval=humaneval_mtbench eval.num_prompts=80        benchmarks and how many prompts",
-            "gpu.cpu_threads=8                                 threads for llama.cpp and dflash's decoder",
+            "gpu.cpu_threads=8                                 threads for llama.cpp (and dflash's decoder on a CPU)",
+            "gpu=single                                        dflash's decoder on the GPU (the engine stays on the CPU)",
         ),
     )
 

@@ -87,17 +87,10 @@ class PeriodicEval:
             # before it is freed and that stream reuses it.
             torch.cuda.current_stream(self.target.device).synchronize()
         del weights
+        subject = (self.target, self.eval_drafter, self.prompt_sets, self.cfg)
         if self._decoders is None:
-            self._decoders = Decoders.for_prompts(self.target, self.eval_drafter, self.prompt_sets, self.cfg)
-        report = evaluate(
-            self.target,
-            self.eval_drafter,
-            self.prompt_sets,
-            self.cfg,
-            timing=False,
-            should_stop=should_stop,
-            decoders=self._decoders,
-        )
+            self._decoders = Decoders.for_prompts(*subject)
+        report = evaluate(*subject, timing=False, should_stop=should_stop, decoders=self._decoders)
         if report.interrupted:
             log.warning("evaluation of the step %d snapshot abandoned: stop requested", step)
             return

@@ -83,6 +83,7 @@ class Validation:
                 logits_chunk=self.settings.loss.logits_chunk,
                 tiles=tiles,
                 variant=variant,
+                block_loss=self.settings.loss,
             )
             sums.add(stats, no_grad_norm, batch, anchors=0)
         window = sums.publish(end_step=0, lr=0.0)
