@@ -134,17 +134,19 @@ def doc_snippet(language: str, containing: str) -> str:
 @pytest.fixture
 def user_variant(tmp_path, monkeypatch):
     """docs/extending.md's variant written into `my_variants.py` outside the package and loaded
-    as the plug-in the doc declares (`DFLASH_PLUGINS=my_variants`); the drafter registry and
-    Hydra's ConfigStore get back their entries afterwards (other tests iterate every registered
+    as the plug-in the doc declares (`DFLASH_PLUGINS=my_variants`); the drafter and export
+    registries and Hydra's ConfigStore get back their entries afterwards (other tests iterate every registered
     variant)."""
     from hydra.core.config_store import ConfigStore
 
     from dflash.config.plugins import ENV_VAR, load_plugins
+    from dflash.export import registry as exports
     from dflash.models import variants
 
     (tmp_path / "my_variants.py").write_text(doc_example("TemperedConfig"))
     monkeypatch.syspath_prepend(str(tmp_path))
     monkeypatch.setattr(variants, "_DRAFTERS", dict(variants._DRAFTERS))
+    monkeypatch.setattr(exports, "_EXPORTS", dict(exports._EXPORTS))  # its export rules too
     repo = ConfigStore.instance().repo  # group -> option file -> node
     monkeypatch.setitem(repo, "variant", dict(repo.get("variant", {})))
     monkeypatch.delitem(sys.modules, "my_variants", raising=False)
@@ -368,10 +370,11 @@ def test_the_documented_trainer_inputs_are_the_ones_a_trainer_receives():
 def test_a_component_whose_constructor_raises_is_one_line_naming_the_key(
     key, tmp_path, make_cfg, monkeypatch
 ):
-    (tmp_path / "broken_plugin.py").write_text(
+    # Its own module name: tests/test_plugins.py imports a `broken_plugin` that must fail to.
+    (tmp_path / "broken_component.py").write_text(
         "class Broken:\n    def __init__(self, **kwargs):\n        raise RuntimeError('no licence server')\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     prefix = "+" if key.startswith("logger") else ""
-    with pytest.raises(ValueError, match=rf"^{re.escape(key)}: building broken_plugin.Broken failed \(RuntimeError: no licence server\)"):  # fmt: skip
-        build_run(make_cfg([f"{prefix}{key}._target_=broken_plugin.Broken"]))
+    with pytest.raises(ValueError, match=rf"^{re.escape(key)}: building broken_component.Broken failed \(RuntimeError: no licence server\)"):  # fmt: skip
+        build_run(make_cfg([f"{prefix}{key}._target_=broken_component.Broken"]))

@@ -27,6 +27,8 @@ from dataclasses import dataclass
 from hydra.core.config_store import ConfigStore
 
 from dflash.config.variant_schema import VariantConfig, variant_options
+from dflash.export.registry import register_export
+from dflash.export.rules import VariantExport
 from dflash.models.drafter import DFlashDrafter
 from dflash.models.variants import register_drafter
 from dflash.step.variant import DFlashVariant
@@ -45,6 +47,14 @@ class EchoDrafter(DFlashDrafter):
     @classmethod
     def describes(cls, config) -> bool:
         return "echo" in (config if isinstance(config, dict) else vars(config))
+
+
+# Its export rules: the backbone's, under its own drafter (written as a DFlash drafter is).
+class EchoExport(VariantExport):
+    drafter = EchoDrafter
+
+
+register_export(EchoExport())
 
 
 @dataclass(frozen=True)
@@ -69,13 +79,16 @@ NEITHER_CONFIG_NOR_CHECKPOINT = {"report", "diff", "prompts", "demo", "completio
 
 @pytest.fixture
 def registry(monkeypatch):
-    """The drafter registry and Hydra's ConfigStore get back their entries afterwards, and a
-    plug-in module imported here is forgotten (other tests iterate every registered variant)."""
+    """The drafter and export registries and Hydra's ConfigStore get back their entries
+    afterwards, and a plug-in module imported here is forgotten (other tests iterate every
+    registered variant)."""
     from hydra.core.config_store import ConfigStore
 
+    from dflash.export import registry as exports
     from dflash.models import variants
 
     monkeypatch.setattr(variants, "_DRAFTERS", dict(variants._DRAFTERS))
+    monkeypatch.setattr(exports, "_EXPORTS", dict(exports._EXPORTS))
     repo = ConfigStore.instance().repo
     monkeypatch.setitem(repo, "variant", dict(repo.get("variant", {})))
     before = set(sys.modules)
@@ -227,9 +240,17 @@ def echo_checkpoint(plugin_dir, registry, tmp_path):
     config.echo = 2
     directory = tmp_path / "echo-checkpoint"
     export_drafter(drafter_class(config), directory)
-    del registry._DRAFTERS["echo"]
-    del sys.modules["echo_variant"]
+    forget_echo(registry)
     return directory
+
+
+def forget_echo(registry) -> None:
+    """This process as one that never imported the plug-in: no drafter, no export rules, no module."""
+    from dflash.export import registry as exports
+
+    del registry._DRAFTERS["echo"]
+    del exports._EXPORTS["echo"]
+    del sys.modules["echo_variant"]
 
 
 REFUSAL = "drafter variant echo (from module echo_variant) is not registered: install/enable the plug-in"
