@@ -17,7 +17,6 @@ LONG_FUNCTIONS: dict[str, int] = {
     "dflash/eval/evaluate.py:evaluate_set": 168,
     "dflash/eval/evaluate.py:build": 81,
     "dflash/export/contract.py:config_problems": 84,
-    "dflash/run/runner.py:format_summary": 91,
     "dflash/step/blocks.py:build_blocks": 106,
     "dflash/step/dspark_loss.py:dspark_loss": 93,
     "dflash/tools/eval.py:run_eval": 136,
