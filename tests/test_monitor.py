@@ -458,7 +458,7 @@ def variant_rows(variant: str, steps: int = 4) -> list[dict]:
     from dflash.step.variant_registry import registered_variants
 
     rng = np.random.default_rng([steps, len(variant)])
-    layout = MetricLayout(block_size=4, num_buckets=2, variant=registered_variants()[variant])
+    layout = MetricLayout(block_size=4, num_buckets=2, variant=registered_variants()[variant]())
     written = []
     for step in range(1, steps + 1):
         sums: dict = {}

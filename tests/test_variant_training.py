@@ -60,6 +60,7 @@ class MarginVariant(DFlashVariant):
     figure_names: ClassVar[tuple[str, ...]] = ("confident_frac",)
     undefined_because: ClassVar[dict[str, str]] = {"confident_frac": "no supervised position"}
     summary_key: ClassVar[str | None] = "train/confident_frac"
+    console_figures: ClassVar[tuple[str, ...]] = ("confident_frac",)
 
     confident_margin: float = 1.0
 
@@ -95,6 +96,7 @@ class MarginVariant(DFlashVariant):
 # --- every registered variant through training -------------------------------------------------
 
 EVERY = [
+    "logger=console",
     "train.total_steps=4",
     "logger.every_steps=1",
     "checkpoint.every_steps=2",
@@ -126,6 +128,12 @@ def test_a_variant_trains_resumes_exactly_and_reports_its_own_figures(name, make
     own += [f"train/{field.name}" for field in variant.metric_fields if field.per is not None]
     assert all(key in row for row in full.values() for key in own), (own, sorted(full[4]))
     assert all(f"train/{figure_name}" in summary for figure_name in variant.figure_names)
+
+    # Its console figures on each window's console line.
+    console = [line for line in printed if line.startswith("step ")]
+    assert len(console) == 4 and all(
+        f" {shown}=" in line for line in console for shown in variant.console_figures
+    )
 
     # Its own summary line prints (none for a variant without one), and no other variant's.
     lines = variant.summary_lines(summary, figure, is_defined)
@@ -181,12 +189,16 @@ def test_a_registration_that_forgets_or_takes_a_piece_is_refused_and_registers_n
     class Mute(Forgetful):  # a summary figure but no line of its own
         summary_line = classmethod(DFlashVariant.summary_line.__func__)
 
+    class Loud(Forgetful):  # a console figure it never reports
+        console_figures: ClassVar[tuple[str, ...]] = ("confident_share",)
+
     for variant_class, message in (
         (Impostor, "variant 'dspark' is registered already"),
         (Unnamed, "its drafter_class ForgetfulDrafter is registered as 'test_forgetful'"),
         (Unbuilt, "its options ForgetfulConfig build 'tests.test_variant_training.Forgetful', not "),
         (Silent, "its summary_key 'train/confident_share' is none of its figure_names"),
         (Mute, "it has a summary_key but no summary_line of its own"),
+        (Loud, "its console_figures ['confident_share'] are none of its figure_names"),
     ):
         with pytest.raises(ValueError, match=re.escape(message)):
             register_variant(variant_class)

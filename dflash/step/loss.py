@@ -15,7 +15,7 @@ import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,9 @@ from torch import nn
 
 from dflash.models.compile import compile_shared
 from dflash.step.blocks import DraftBlocks, position_weights
+
+if TYPE_CHECKING:  # the variants' losses build on this module's: they import it
+    from dflash.step.variant import DFlashVariant
 
 
 @dataclass(frozen=True)
@@ -273,7 +276,7 @@ def tau_from_accuracy(acc_per_position: list[float]) -> float:
     return tau
 
 
-def objective_figures(sums: Mapping[str, Any], variant: Any = None) -> dict[str, float]:
+def objective_figures(sums: Mapping[str, Any], variant: DFlashVariant | None = None) -> dict[str, float]:
     """loss, acc, tau_sim, tau_block, tau_decode and acc_pos_k from summed `LossStats` fields
     (host floats; `correct` and `counted` per block position), each divided once over the whole
     sum: a batch or replica with few supervised positions weighs what it holds. Training

@@ -14,12 +14,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from dflash.data.collate import Batch
 from dflash.step.loss import LossStats
+
+if TYPE_CHECKING:  # the variants declare their fields with `Field`: they import this module
+    from dflash.step.variant import DFlashVariant
 
 Width = Literal["one", "position", "bucket"]
 
@@ -67,7 +70,7 @@ FIELDS: tuple[Field, ...] = (
 )
 
 
-def metric_fields(variant: Any = None) -> tuple[Field, ...]:
+def metric_fields(variant: DFlashVariant | None = None) -> tuple[Field, ...]:
     """The run's fields: `FIELDS` as it is now (read at call time, so an extended tuple reaches
     every reader), then the variant's own (dflash/step/variant.py: `metric_fields`; None: plain
     DFlash, none)."""
@@ -85,7 +88,7 @@ class MetricLayout:
     # DFlash's, and a "position" field is indexed by the predicted token's offset after the
     # anchor, so a variant whose block positions predict the token after them (`label_offset`
     # 1) has one entry more (index 0 stays empty).
-    variant: Any = None
+    variant: DFlashVariant | None = None
     fields: tuple[Field, ...] = ()  # empty: `metric_fields(variant)`
 
     slices: dict[str, slice] = dataclasses.field(init=False, repr=False, compare=False)
@@ -126,7 +129,7 @@ class MetricWindow:
     block_size: int
     num_buckets: int
     values: torch.Tensor
-    variant: Any = None  # the drafter variant (dflash/step/variant.py; None: plain DFlash)
+    variant: DFlashVariant | None = None  # the drafter variant (dflash/step/variant.py; None: plain DFlash)
     ready: torch.cuda.Event | None = None  # set while the device->host copy may be in flight
 
     def is_ready(self) -> bool:
@@ -149,7 +152,9 @@ class StepMetrics:
     buffer plus a CUDA event the reader polls. Only `MetricWindow` values ever reach the host.
     """
 
-    def __init__(self, block_size: int, num_buckets: int, device: torch.device, variant: Any = None):
+    def __init__(
+        self, block_size: int, num_buckets: int, device: torch.device, variant: DFlashVariant | None = None
+    ):
         self.block_size, self.num_buckets, self.device = block_size, num_buckets, device
         self.variant = variant
         self.layout = MetricLayout(block_size, num_buckets, variant)

@@ -78,6 +78,8 @@ class DFlashVariant:
     metric_fields: ClassVar[tuple[Field, ...]] = ()
     figure_names: ClassVar[tuple[str, ...]] = ()
     undefined_because: ClassVar[Mapping[str, str]] = {}
+    # Its figures the console line shows after DFlash's (dflash/monitor/sinks/console.py).
+    console_figures: ClassVar[tuple[str, ...]] = ()
 
     def drafter_config(self, config: Qwen3Config) -> Qwen3Config:
         """The variant's fields added to a backbone config (in place)."""
@@ -158,6 +160,7 @@ class DSparkVariant(DFlashVariant):
     metric_fields: ClassVar[tuple[Field, ...]] = DSPARK_FIELDS
     figure_names: ClassVar[tuple[str, ...]] = DSPARK_FIGURES
     undefined_because: ClassVar[Mapping[str, str]] = {"tau_prob": "no block measured"}
+    console_figures: ClassVar[tuple[str, ...]] = ("tau_prob", "l1", "confidence_abs_error")
 
     markov_rank: int = 256
     markov_head_type: MarkovHeadType | str = MarkovHeadType.vanilla

@@ -9,7 +9,7 @@ variant's name, by one public call.
         name = "mine"                      # == MyDrafter.variant_name
         drafter_class = MyDrafter          # a DFlashDrafter subclass (dflash/models/drafter.py)
         options = MyVariantConfig          # a VariantConfig dataclass, _target_ naming MyVariant
-        metric_fields = (...)              # and figure_names, figures, summary_key, summary_line
+        metric_fields = (...)              # figure_names, figures, summary_key, summary_line, ...
 
 `register_variant` puts the drafter class in the models floor's registry
 (dflash/models/variants.py `register_drafter`: decoding, export and resume find it there), the
@@ -57,6 +57,11 @@ def _refusal(variant_class: type[DFlashVariant]) -> str | None:
         variant_class.figure_names
     ):
         return f"variant {name!r}: its summary_key {variant_class.summary_key!r} is none of its figure_names"
+    unreported = [
+        figure for figure in variant_class.console_figures if figure not in variant_class.figure_names
+    ]
+    if unreported:
+        return f"variant {name!r}: its console_figures {unreported} are none of its figure_names"
     if variant_class.summary_key is not None and (
         variant_class.summary_line.__func__ is DFlashVariant.summary_line.__func__
     ):
