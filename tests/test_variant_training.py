@@ -205,3 +205,21 @@ def test_a_registration_that_forgets_or_takes_a_piece_is_refused_and_registers_n
     assert registered_variants() == variants and registered_drafters() == drafters
     assert register_variant(MarginVariant) is MarginVariant  # the same class again: nothing new
     assert registered_variants() == variants
+
+
+def test_the_checks_ask_the_variant_which_noise_it_refuses():
+    """A variant whose positions predict the token after them refuses noise that keeps positions
+    unmasked (a kept token is the label of the position before it), naming itself; DFlash's own
+    positions take it."""
+    from dflash.config.schema import MaskRampNoiseConfig, NoNoiseConfig
+
+    @dataclasses.dataclass(frozen=True)
+    class Shifted(MarginVariant):
+        label_offset: ClassVar[int] = 1
+
+    ramp, options = MaskRampNoiseConfig(), MarginVariantConfig()
+    assert Shifted.run_refusal(variant=options, noise=ramp) == (
+        "noise=mask_ramp is DFlash's: with variant=test_margin use noise=none or noise=feature"
+    )
+    assert Shifted.run_refusal(variant=options, noise=NoNoiseConfig()) is None
+    assert MarginVariant.run_refusal(variant=options, noise=ramp) is None
