@@ -22,6 +22,7 @@ from dflash.step.blocks import layer_masks
 from dflash.step.dflash2_loss import dflash2_loss
 from dflash.step.loss import objective_figures
 from dflash.step.metrics import StepMetrics
+from dflash.step.variant import DFlash2Variant
 from dflash.train import train
 from tests.test_dflash_rules import blocks_for, tiny_drafter_config
 from tests.test_dspark import tiny_target
@@ -292,11 +293,11 @@ def test_figures_read_the_sums_the_step_adds():
     against the unary argmax (index 0 of the sorted candidates)."""
     target, drafter, blocks, hidden = loss_inputs(top_k=3)
     stats = dflash2_loss(hidden, lm_head=target.lm_head, drafter=drafter, blocks=blocks, selector_alpha=1.0)
-    metrics = StepMetrics(BLOCK, num_buckets=1, device=torch.device("cpu"), variant="dflash2")
+    metrics = StepMetrics(BLOCK, num_buckets=1, device=torch.device("cpu"), variant=DFlash2Variant())
     from tests.conftest import one_sample_batch
 
     metrics.add(stats, torch.tensor(1.0), one_sample_batch(), anchors=6)
-    figures = objective_figures(metrics.publish(end_step=1, lr=0.0).sums())
+    figures = objective_figures(metrics.publish(end_step=1, lr=0.0).sums(), metrics.variant)
     supervised = float(blocks.valid.sum())
     assert figures["candidate_recall"] == pytest.approx(float(stats.candidate_hits) / supervised)
     assert 1.0 <= figures["unary_tau_block"] <= figures["oracle_tau_block"]

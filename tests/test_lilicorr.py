@@ -21,7 +21,9 @@ from dflash.models.lilicorr import (
     candidate_features,
     greedy_walk,
 )
+from dflash.run.runner import figure, format_summary, is_defined
 from dflash.step.lilicorr_loss import LatticeWeights, lattice_terms, lilicorr_loss, node_factors
+from dflash.step.lilicorr_variant import LiLiCorrVariant
 from dflash.train import train
 from tests.test_dflash_rules import blocks_for, tiny_drafter_config
 from tests.test_dspark import tiny_target
@@ -235,6 +237,27 @@ def test_variant_lilicorr_trains_end_to_end_and_its_loss_falls(make_cfg):
     checkpoint = load_drafter(summary["checkpoint"])
     assert isinstance(checkpoint, LiLiCorrDrafter)
     assert checkpoint.config.dflash_config["lilicorr_candidate_topk"] == 4
+    # The run summary's own line sets the walk's tau (the served path) beside the argmax's.
+    (line,) = [line for line in format_summary(summary).splitlines() if line.startswith("lilicorr ")]
+    walk, top1 = f"{summary['train/tau_decode']:.3f}", f"{summary['train/top1_tau_decode']:.3f}"
+    assert f"tau_decode walk {walk}, backbone argmax {top1}" in line
+    assert f"({summary['val/tau_decode']:.3f}, {summary['val/top1_tau_decode']:.3f}," in line
+
+
+def test_dpace_with_lilicorr_is_refused_before_it_trains(make_cfg):
+    """ModelOpt's lilicorr.yaml trains with the static decay only: loss=dpace is refused."""
+    with pytest.raises(ValueError, match="loss=dpace .* with variant=lilicorr use loss=default"):
+        train(make_cfg(LILICORR + ["loss=dpace"]))
+
+
+def test_the_summary_line_is_lilicorrs_only_and_says_why_a_figure_is_missing():
+    """Only a summary holding LiLiCorr's figures gets its line; an undefined argmax tau reads as
+    LiLiCorr states it, never `nan`."""
+    summary = {"train/tau_decode": 1.5, "train/top1_tau_decode": float("nan"), "train/ce": 2.0}
+    lines = LiLiCorrVariant.summary_lines(summary, figure, is_defined)
+    assert len(lines) == 1 and "walk 1.500, backbone argmax n/a (no block measured)" in lines[0]
+    assert "held out" not in lines[0] and "nan" not in lines[0]
+    assert LiLiCorrVariant.summary_lines({"train/tau_decode": 1.5}, figure, is_defined) == []
 
 
 def test_a_dflash_checkpoint_warm_starts_the_backbone_and_the_head_starts_fresh(make_cfg, tmp_path):

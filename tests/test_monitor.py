@@ -455,9 +455,10 @@ def variant_rows(variant: str, steps: int = 4) -> list[dict]:
 
     from dflash.step.loss import objective_figures
     from dflash.step.metrics import MetricLayout
+    from dflash.step.variant_registry import registered_variants
 
     rng = np.random.default_rng([steps, len(variant)])
-    layout = MetricLayout(block_size=4, num_buckets=2, variant=variant)
+    layout = MetricLayout(block_size=4, num_buckets=2, variant=registered_variants()[variant]())
     written = []
     for step in range(1, steps + 1):
         sums: dict = {}
@@ -465,7 +466,7 @@ def variant_rows(variant: str, steps: int = 4) -> list[dict]:
             width = layout[field.name].stop - layout[field.name].start
             values = (rng.uniform(1.0, 2.0, width) * (4.0 if field.name == "counted" else 1.0)).tolist()
             sums[field.name] = values if field.width != "one" else values[0]
-        figures = objective_figures(sums)
+        figures = objective_figures(sums, layout.variant)
         written.append(
             {"step": step, **{f"train/{k}": v for k, v in figures.items()}, "train/grad_norm": 1.0}
         )
@@ -497,14 +498,15 @@ def report_figures(tmp_path: Path, monkeypatch, rows: list[dict]) -> dict[str, o
 
 @pytest.mark.parametrize("variant", ["dspark", "dflash2"])
 def test_the_report_draws_each_variant_figure_and_no_blank_panel(variant, tmp_path, monkeypatch):
-    from dflash.step.loss import VARIANT_FIGURES
+    from dflash.step.variant_registry import registered_variants
     from dflash.tools.report import has_points
 
+    figure_names = registered_variants()[variant].figure_names
     figures = report_figures(tmp_path, monkeypatch, variant_rows(variant))
     page = figures["variant_figures"]
     drawn = {line.get_label() for ax in page.axes for line in ax.lines if has_points(ax)}
     titles = {ax.get_title() for ax in page.axes}
-    for name in VARIANT_FIGURES[variant]:  # each of the variant's figures, on a panel of its kind
+    for name in figure_names:  # each of the variant's figures, on a panel of its kind
         assert f"train/{name}" in drawn, (name, sorted(drawn))
     if variant == "dspark":  # per-position families: one panel each, values against the position
         assert {"accept by block position", "confidence by block position"} <= titles
@@ -517,7 +519,7 @@ def test_the_report_draws_each_variant_figure_and_no_blank_panel(variant, tmp_pa
     gpu_panels = figures["gpus"].axes
     assert all(t.get_text() == "no NVML telemetry in this run" for ax in gpu_panels for t in ax.texts)
     report_md = (tmp_path / "run" / "report" / "report.md").read_text()
-    assert f"| train/{VARIANT_FIGURES[variant][-1]} |" in report_md and "](variant_figures.png)" in report_md
+    assert f"| train/{figure_names[-1]} |" in report_md and "](variant_figures.png)" in report_md
 
 
 def test_a_dflash_run_has_no_variant_page(tmp_path, monkeypatch):

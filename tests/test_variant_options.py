@@ -19,7 +19,13 @@ from dflash.config.variant_schema import DSparkVariantConfig, VariantConfig, var
 from dflash.tools.compose import CONF_DIR
 from tests.conftest import compose_config
 
-VARIANT_OPTIONS = COMPONENT_OPTIONS["variant"]
+# The package's own options: a variant a test module registers (tests/test_variant_training.py's,
+# at import) joins COMPONENT_OPTIONS for the rest of the process, and ships no YAML or pin.
+VARIANT_OPTIONS = {
+    name: config_class
+    for name, config_class in COMPONENT_OPTIONS["variant"].items()
+    if config_class.__module__.startswith("dflash.")
+}
 
 # `dflash train variant=NAME --cfg job`'s variant node, as every earlier release composed it.
 PINNED = {

@@ -17,6 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from dflash.models.drafter import DFlashDrafter
+from dflash.models.variants import drafter_class_for
+
 CARD_FILE = "README.md"
 # A Hugging Face Hub model id (`org/name`), as opposed to a local path: what `base_model` takes.
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
@@ -41,7 +44,8 @@ class TrainingFacts:
 def model_card(drafter_config: dict[str, Any], facts: TrainingFacts | None, *, directory: str) -> str:
     """The card of a drafter whose config.json is `drafter_config`, stored at `directory`
     (the path the serving commands name)."""
-    shape = _shape(drafter_config)
+    drafter_class = _drafter_class(drafter_config)
+    shape = _shape(drafter_config, drafter_class)
     target = facts.target if facts is not None else "its target (trained elsewhere)"
     front = ["---", "library_name: transformers", "pipeline_tag: text-generation"]
     front += ["tags:", "- dflash", "- speculative-decoding", "- block-diffusion", "- draft-model"]
@@ -49,26 +53,16 @@ def model_card(drafter_config: dict[str, Any], facts: TrainingFacts | None, *, d
         front.append(f"base_model: {facts.target}")
     front.append("---")
     block = shape["block_size"]
-    dflash2 = "selector top-K" in shape
     lines = [
         *front,
         "",
-        f"# {'DFlash2' if dflash2 else 'DFlash'} drafter for {target}",
+        f"# {drafter_class.card_name} drafter for {target}",
         "",
         f"A block-diffusion speculative-decoding drafter: each round it proposes {block - 1 if block else '?'} "
         f"tokens at once for {target} to verify in one forward pass, so the output stays exactly the "
         "target's (greedy or sampled), only faster. It has no embedding or LM head of its own: it "
         "uses the target's.",
-        *(
-            [
-                "",
-                "DFlash2: a convolution within the block around each draft layer's attention and MLP, "
-                "and a selector that picks each proposed token among the LM head's top candidates "
-                "given the token proposed before it.",
-            ]
-            if dflash2
-            else []
-        ),
+        *(["", drafter_class.card_words] if drafter_class.card_words else []),
         "",
         "## Shape",
         "",
@@ -115,7 +109,13 @@ def write_model_card(directory: Path, facts: TrainingFacts | None, *, served_fro
     return path
 
 
-def _shape(config: dict[str, Any]) -> dict[str, Any]:
+def _drafter_class(config: dict[str, Any]) -> type[DFlashDrafter]:
+    """The registered drafter class a config.json describes, in either layout: z-lab's keeps a
+    variant's fields in `dflash_config`, speculators' at the top level."""
+    return drafter_class_for({**config, "dflash_config": {**config, **(config.get("dflash_config") or {})}})
+
+
+def _shape(config: dict[str, Any], drafter_class: type[DFlashDrafter]) -> dict[str, Any]:
     """The shape a card shows, from either layout's config.json (z-lab or speculators)."""
     transformer = config.get("transformer_layer_config", config)  # speculators nests the layers' config
     dflash = config.get("dflash_config", {})
@@ -136,15 +136,10 @@ def _shape(config: dict[str, Any]) -> dict[str, Any]:
         if sliding
         else None,
         "vocabulary": transformer.get("vocab_size"),
-        # DFlash2 (dflash_config in the z-lab layout, top level in speculators')
+        # The variant's own (dflash_config in the z-lab layout, top level in speculators')
         **{
             label: dflash.get(key, config.get(key))
-            for label, key in (
-                ("convolution taps", "conv_kernel_size"),
-                ("convolution channels per group", "conv_group_size"),
-                ("selector top-K", "selector_top_k"),
-                ("selector rank", "selector_rank"),
-            )
+            for label, key in drafter_class.card_fields
             if dflash.get(key, config.get(key)) is not None
         },
     }

@@ -290,6 +290,18 @@ class DFlash2Drafter(DFlashDrafter):
     added_modules = ("attention_conv", "mlp_conv", "candidate_selector")
     variant_name = "dflash2"
     display_name = "DFlash2"
+    card_name = "DFlash2"
+    card_words = (
+        "DFlash2: a convolution within the block around each draft layer's attention and MLP, "
+        "and a selector that picks each proposed token among the LM head's top candidates "
+        "given the token proposed before it."
+    )
+    card_fields = (
+        ("convolution taps", "conv_kernel_size"),
+        ("convolution channels per group", "conv_group_size"),
+        ("selector top-K", "selector_top_k"),
+        ("selector rank", "selector_rank"),
+    )
     samples_drafts = True
     round_extra = "unary"
     described_by = "dflash_config.selector_top_k (add_dflash2_fields)"

@@ -237,6 +237,11 @@ class DFlashDrafter(nn.Module):
     # to a user.
     native_layout: ClassVar[str] = "zlab"
     display_name: ClassVar[str] = "DFlash"
+    # Its model card's words (dflash/export/card.py): the name in the title, a paragraph beside
+    # the backbone's (None: none) and the config.json fields its shape table adds, (label, key).
+    card_name: ClassVar[str] = "DFlash"
+    card_words: ClassVar[str | None] = None
+    card_fields: ClassVar[tuple[tuple[str, str], ...]] = ()
     # Its export's reader asserts `num_anchors` in config.json (DeepSpec's).
     records_num_anchors: ClassVar[bool] = False
     # What the second output of `draft_block` is, by the name the reference decoder's context

@@ -22,7 +22,8 @@ def train_metrics(groups: list[list[MetricWindow]]) -> dict[str, float]:
     Reduced as docs/ARCHITECTURE.md §1 says: sums of weighted-CE numerators and of weights, divided once, so a
     replica or a window with few supervised positions weighs what it holds and no more.
     """
-    fields = metric_fields(groups[0][0].variant)  # DSpark adds its sums (step/metrics.py)
+    variant = groups[0][0].variant  # a variant adds its own sums and figures (step/variant.py)
+    fields = metric_fields(variant)
     total: dict[str, float | list[float]] = {}
     per_replica: dict[int, dict[str, float]] = {}
     steps = run_max = 0
@@ -48,7 +49,7 @@ def train_metrics(groups: list[list[MetricWindow]]) -> dict[str, float]:
     # Every replica skips the same steps (they share the summed gradient): count them once.
     nonfinite = sum(max(window.sums()["nonfinite_steps"] for window in group) for group in groups)
     last = groups[-1][0]
-    figures = objective_figures(total)
+    figures = objective_figures(total, variant)
     metrics = {f"train/{name}": value for name, value in figures.items()}
     replica_steps = max(1, steps * len(groups[0]))
     for field in fields:

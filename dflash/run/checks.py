@@ -12,22 +12,20 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from dflash.config.components import check_buildable
 from dflash.config.devices import ProcessSlot, resolve_device_split
 from dflash.config.schema import (
     AttentionKind,
     DataKind,
     DeviceKind,
     DPaceLossConfig,
-    DSparkVariantConfig,
     LayerType,
-    MaskRampNoiseConfig,
     pipeline_name,
 )
 from dflash.data.conversations import expand_files
 from dflash.data.files import is_saved_dataset
-from dflash.models.dspark import markov_head_class
 from dflash.models.layer_ids import default_target_layer_ids
-from dflash.step.loss import VARIANT_FIGURES
+from dflash.step.variant_registry import variant_figure_names
 
 # The numeric keys of summary.json (the run summary, the evaluation report's metrics, the role
 # figures): what `objective` may name. tests/test_train.py checks a real summary against them.
@@ -36,8 +34,6 @@ OBJECTIVE_PATTERNS = (
     r"perf/(samples|tokens)_per_s",
     r"train/(loss|acc)(_first_window)?|train/tau_(sim|block|decode)",
     r"val/(loss|acc|tau_sim|tau_block|tau_decode)|val_samples",
-    # The variants' own figures (dflash/step/loss.py: VARIANT_FIGURES).
-    r"(train|val)/(" + "|".join(sorted({name for names in VARIANT_FIGURES.values() for name in names})) + ")",
     r"eval/(tau|num_prompts|lossless_frac|divergence_max_logit_gap)",
     r"eval/accept_len_\d+_frac",
     r"eval/[^/]+/(tau|speedup|round_cost|prefill_ms|confidence_tau|accepted_tau)(_t[0-9.e+-]+)?",
@@ -47,6 +43,8 @@ OBJECTIVE_PATTERNS = (
 
 
 def is_summary_metric(key: str) -> bool:
+    if key.startswith(("train/", "val/")) and key.split("/", 1)[1] in variant_figure_names():
+        return True  # a registered variant's own figure (dflash/step/variant.py: figure_names)
     return any(re.fullmatch(pattern, key) for pattern in OBJECTIVE_PATTERNS)
 
 
@@ -198,19 +196,16 @@ def validate_drafter(cfg: Any, *, num_target_layers: int, target_vocab_size: int
 
 
 def _validate_variant(cfg: Any) -> None:
-    """variant=dspark's rules that reach outside its node (its own are in
-    DSparkVariantConfig.__post_init__; a user's own variant class checks its own)."""
-    variant = cfg.variant
-    if not isinstance(variant, DSparkVariantConfig):
-        return
-    if isinstance(cfg.loss, DPaceLossConfig):  # its references train DSpark with the static decay only
-        raise ValueError("loss=dpace weighs DFlash's and DFlash2's CE; with variant=dspark use loss=default")
-    if variant.markov_head_class:
-        try:
-            markov_head_class(variant.markov_head_class)
-        except ValueError as exc:
-            raise ValueError(f"variant.markov_head_class: {exc}") from exc
-    if isinstance(cfg.noise, MaskRampNoiseConfig):
-        # A kept position shows its true token, which is the label of the position before it in
-        # a DSpark block (every position predicts the token after it): that label would leak.
-        raise ValueError("noise=mask_ramp is DFlash's: with variant=dspark use noise=none or noise=feature")
+    """The variant's rules that reach outside its node, as its class states them
+    (dflash/step/variant.py: `run_refusal`; those on its own keys are in its options'
+    `__post_init__`). A class of the user's own without the hook has none."""
+    variant_class = check_buildable(cfg.variant, "variant")
+    asked = getattr(variant_class, "run_refusal", None)
+    refusal = asked(variant=cfg.variant, noise=cfg.noise) if asked is not None else None
+    if refusal is not None:
+        raise ValueError(refusal)
+    if isinstance(cfg.loss, DPaceLossConfig) and not getattr(variant_class, "dpace_applies", True):
+        # Its references train it with the static decay only (DeepSpec, ModelOpt's dspark.yaml).
+        raise ValueError(
+            f"loss=dpace weighs DFlash's and DFlash2's CE; with variant={variant_class.name} use loss=default"
+        )

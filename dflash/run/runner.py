@@ -26,8 +26,7 @@ from dflash.monitor.callbacks import TrainingCallbacks
 from dflash.pipeline.roles import role_lines
 from dflash.run.inputs import eval_prompts_description
 from dflash.run.record import replace_text
-from dflash.step.loss import VARIANT_FIGURES
-from dflash.step.variant import TRAINING_VARIANTS
+from dflash.step.variant_registry import registered_variants, variant_figure_names
 from dflash.trainer.checkpoint import LAST, checkpoint_behind_last, publish_last
 from dflash.trainer.lifecycle import Trainer
 from dflash.trainer.signals import StopRequested, stop_on_signals
@@ -151,11 +150,10 @@ class Run:
             "train/tau_sim": last["train/tau_sim"],
             "train/tau_block": last["train/tau_block"],
             "train/tau_decode": last["train/tau_decode"],
-            # The variant's own figures (dspark: its loss terms and the figures from the target's
-            # probabilities; dflash2: the selector's and the candidates')
+            # The variant's own figures (dflash/step/variant.py: figure_names)
             **{
                 f"train/{name}": last[f"train/{name}"]
-                for name in {name for names in VARIANT_FIGURES.values() for name in names}
+                for name in variant_figure_names()
                 if f"train/{name}" in last
             },
             **({"val_samples": self.validation.num_samples} if self.validation is not None else {}),
@@ -189,26 +187,19 @@ def write_summary(path: Path, summary: dict[str, Any]) -> None:
 
 # Why a summary figure can be undefined, by its name: each is a ratio over what a window (or the
 # held-out split) counted, and a short run can count none (dflash/step/loss.py divides by zero
-# into NaN). Figures not named here are losses: NaN there means the loss itself was not finite.
+# into NaN); a variant names its own (dflash/step/variant.py: undefined_because). Figures not
+# named are losses: NaN there means the loss itself was not finite.
 UNDEFINED_BECAUSE = {
-    **dict.fromkeys(
-        (
-            "tau_block",
-            "tau_decode",
-            "tau_prob",
-            "unary_tau_block",
-            "unary_tau_decode",
-            "oracle_tau_block",
-            "oracle_tau_decode",
-        ),
-        "no block measured",
-    ),
-    **dict.fromkeys(
-        ("acc", "acc_first_window", "candidate_recall", "candidate_mass", "selector_changed", "unary_acc"),
-        "no supervised position",
-    ),
-    "selector_changed_correct": "the selector changed no pick",
+    **dict.fromkeys(("tau_block", "tau_decode"), "no block measured"),
+    **dict.fromkeys(("acc", "acc_first_window"), "no supervised position"),
 }
+
+
+def undefined_because(name: str) -> str:
+    for variant in registered_variants().values():
+        if name in variant.undefined_because:
+            return variant.undefined_because[name]
+    return UNDEFINED_BECAUSE.get(name, "not finite")
 
 
 def is_defined(value: Any) -> bool:
@@ -222,7 +213,7 @@ def figure(summary: dict[str, Any], key: str) -> str:
         return f"{value:.3f}"
     if value is None:
         return "n/a (not measured)"
-    return f"n/a ({UNDEFINED_BECAUSE.get(key.rsplit('/', 1)[-1], 'not finite')})"
+    return f"n/a ({undefined_because(key.rsplit('/', 1)[-1])})"
 
 
 def format_summary(summary: dict[str, Any]) -> str:
@@ -234,6 +225,30 @@ def format_summary(summary: dict[str, Any]) -> str:
         "=== dflash run summary ===",
         f"run dir           {summary['run_dir']}",
         f"drafter           {summary['checkpoint']}",
+        _steps_line(summary),
+        f"train loss        {figure(summary, 'train/loss_first_window')} -> {figure(summary, 'train/loss')}{since}",
+        f"train accuracy    {figure(summary, 'train/acc_first_window')} -> {figure(summary, 'train/acc')}{since}",
+        _tau_line(summary),
+        # Each variant's own line, where the summary holds its figures (dflash/step/variant.py).
+        *(
+            line
+            for variant in registered_variants().values()
+            for line in variant.summary_lines(summary, figure, is_defined)
+        ),
+    ]
+    if "perf/samples_per_s" in summary:
+        lines.append(
+            f"throughput        {summary['perf/samples_per_s']:.2f} samples/s, {summary['perf/tokens_per_s']:.0f} tokens/s (after the first log window)"
+        )
+    lines += _memory_lines(summary)
+    lines += _evaluation_lines(summary)
+    lines.extend(role_lines(summary))
+    return "\n".join(lines)
+
+
+def _steps_line(summary: dict[str, Any]) -> str:
+    resumed = summary.get("resumed_from_step")
+    return (
         f"steps             {summary['steps']}  ("
         + (
             f"resumed at step {resumed}: {summary['wall_s']:.1f} s in this process"
@@ -242,9 +257,12 @@ def format_summary(summary: dict[str, Any]) -> str:
         )
         # With torch.compile the first step carries the graphs' compile: the wait a user sees.
         + (f", first step after {summary['first_step_s']:.1f} s" if "first_step_s" in summary else "")
-        + f", pipeline={summary['pipeline']})",
-        f"train loss        {figure(summary, 'train/loss_first_window')} -> {figure(summary, 'train/loss')}{since}",
-        f"train accuracy    {figure(summary, 'train/acc_first_window')} -> {figure(summary, 'train/acc')}{since}",
+        + f", pipeline={summary['pipeline']})"
+    )
+
+
+def _tau_line(summary: dict[str, Any]) -> str:
+    return (
         f"tau (simulated)   {figure(summary, 'train/tau_sim')} (block runs {figure(summary, 'train/tau_block')},"
         f" as decoding meets them {figure(summary, 'train/tau_decode')})"
         + (
@@ -252,40 +270,33 @@ def format_summary(summary: dict[str, Any]) -> str:
             f" {figure(summary, 'val/tau_decode')}) on {summary['val_samples']} held-out samples"
             if "val/tau_sim" in summary
             else ""
-        ),
-        # Each variant's own line, where the summary holds its figures (dflash/step/variant.py).
-        *(
-            line
-            for variant in TRAINING_VARIANTS
-            for line in variant.summary_lines(summary, figure, is_defined)
-        ),
-        *(
-            [
-                f"throughput        {summary['perf/samples_per_s']:.2f} samples/s, {summary['perf/tokens_per_s']:.0f} tokens/s (after the first log window)"
-            ]
-            if "perf/samples_per_s" in summary
-            else []
-        ),
-    ]
-    peaks = {k: v for k, v in summary.items() if k.startswith("memory/") and k.endswith("_peak_allocated_gb")}
-    if peaks:
-        lines.append(
-            "peak memory       "
-            + ", ".join(
-                f"{key.removeprefix('memory/').removesuffix('_peak_allocated_gb')} {gb:.1f} GB"
-                for key, gb in sorted(peaks.items())
-            )
-            + " allocated at most, per device, up to the last training step"
         )
+    )
+
+
+def _memory_lines(summary: dict[str, Any]) -> list[str]:
+    peaks = {k: v for k, v in summary.items() if k.startswith("memory/") and k.endswith("_peak_allocated_gb")}
+    if not peaks:
+        return []
+    return [
+        "peak memory       "
+        + ", ".join(
+            f"{key.removeprefix('memory/').removesuffix('_peak_allocated_gb')} {gb:.1f} GB"
+            for key, gb in sorted(peaks.items())
+        )
+        + " allocated at most, per device, up to the last training step"
+    ]
+
+
+def _evaluation_lines(summary: dict[str, Any]) -> list[str]:
     if "eval/tau" in summary:
-        lines.append(
+        lines = [
             f"tau (spec decode) {summary['eval/tau']:.3f} over {int(summary['eval/num_prompts'])} "
             f"{summary.get('eval/prompts', 'prompts')}"
             + (" (evaluation interrupted)" if summary.get("eval/interrupted") else "")
-        )
+        ]
     else:
-        lines.append("tau (spec decode) not measured: the evaluation was interrupted before its first prompt")
+        lines = ["tau (spec decode) not measured: the evaluation was interrupted before its first prompt"]
     if "eval/lossless_frac" in summary:
         lines.append(f"lossless          {lossless_line(summary)}")
-    lines.extend(role_lines(summary))
-    return "\n".join(lines)
+    return lines

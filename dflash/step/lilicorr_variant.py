@@ -2,18 +2,23 @@
 lattice head added to the drafter, and the loss of dflash/step/lilicorr_loss.py. Its distractor
 penalty reads the target's logits, so the target hands over its final hidden state
 (`needs_final_state`, as for DSpark); the head reads the target's embeddings and the context row
-before each anchor (`needs_context`)."""
+before each anchor (`needs_context`). Registered once, with its drafter class and options
+(dflash/step/variant_registry.py); its figures are dflash/step/lilicorr_metrics.py's."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import ClassVar
 
 from transformers import Qwen3Config
 
-from dflash.config.variant_schema import LiLiCorrVariantConfig, variant_options
+from dflash.config.variant_schema import LiLiCorrVariantConfig, VariantConfig, variant_options
+from dflash.models.drafter import DFlashDrafter
 from dflash.models.lilicorr import GEOMETRY, LiLiCorrDrafter, add_lilicorr_fields
 from dflash.step.lilicorr_loss import LatticeWeights, lilicorr_loss
+from dflash.step.lilicorr_metrics import LILICORR_FIELDS, LILICORR_FIGURES, lilicorr_figures
+from dflash.step.metrics import Field
 from dflash.step.variant import DFlashVariant
 
 
@@ -27,6 +32,25 @@ class LiLiCorrVariant(DFlashVariant):
     name: ClassVar[str] = "lilicorr"
     needs_final_state: ClassVar[bool] = True
     needs_context: ClassVar[bool] = True
+    # ModelOpt's lilicorr.yaml trains it with the static decay (dflash_loss_decay_factor 7.0) and
+    # no D-PACE weighting; the lattice's terms are per slot, outside the weights D-PACE sets, so
+    # loss=dpace would reweigh only the backbone's CE against a recipe that never did.
+    dpace_applies: ClassVar[bool] = False
+    drafter_class: ClassVar[type[DFlashDrafter]] = LiLiCorrDrafter
+    options: ClassVar[type[VariantConfig]] = LiLiCorrVariantConfig
+    metric_fields: ClassVar[tuple[Field, ...]] = LILICORR_FIELDS
+    figure_names: ClassVar[tuple[str, ...]] = LILICORR_FIGURES
+    undefined_because: ClassVar[Mapping[str, str]] = {
+        **dict.fromkeys(
+            ("top1_tau_block", "top1_tau_decode", "oracle_tau_block", "oracle_tau_decode"),
+            "no block measured",
+        ),
+        **dict.fromkeys(("lattice_ce", "lattice_margin", "lattice_penalty"), "no supervised slot"),
+    }
+    # The served decision path's tau is the standard tau_decode (the walk's picks); the summary
+    # sets it beside what the backbone's argmax alone would reach.
+    summary_key: ClassVar[str | None] = "train/top1_tau_decode"
+    console_figures: ClassVar[tuple[str, ...]] = ("top1_tau_decode", "lattice_ce")
 
     def drafter_config(self, config: Qwen3Config) -> Qwen3Config:
         return add_lilicorr_fields(
@@ -36,8 +60,24 @@ class LiLiCorrVariant(DFlashVariant):
             **{name: getattr(self, name) for name in GEOMETRY},
         )
 
-    def drafter(self, config: Qwen3Config) -> LiLiCorrDrafter:
-        return LiLiCorrDrafter(config)
+    @classmethod
+    def figures(cls, sums):
+        return lilicorr_figures(sums)
+
+    @classmethod
+    def summary_line(cls, summary, figure, defined):
+        return (
+            f"lilicorr          ce {figure(summary, 'train/ce')}, lattice ce {figure(summary, 'train/lattice_ce')}, "
+            f"penalty {figure(summary, 'train/lattice_penalty')}; tau_decode walk "
+            f"{figure(summary, 'train/tau_decode')}, backbone argmax {figure(summary, 'train/top1_tau_decode')}, "
+            f"oracle {figure(summary, 'train/oracle_tau_decode')}"
+            + (
+                f" ({figure(summary, 'val/tau_decode')}, {figure(summary, 'val/top1_tau_decode')}, "
+                f"{figure(summary, 'val/oracle_tau_decode')} held out)"
+                if "val/top1_tau_decode" in summary
+                else ""
+            )
+        )
 
     @property
     def weights(self) -> LatticeWeights:

@@ -15,7 +15,7 @@ import functools
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,9 @@ from torch import nn
 
 from dflash.models.compile import compile_shared
 from dflash.step.blocks import DraftBlocks, position_weights
+
+if TYPE_CHECKING:  # the variants' losses build on this module's: they import it
+    from dflash.step.variant import DFlashVariant
 
 
 @dataclass(frozen=True)
@@ -279,11 +282,13 @@ def tau_from_accuracy(acc_per_position: list[float]) -> float:
     return tau
 
 
-def objective_figures(sums: Mapping[str, Any]) -> dict[str, float]:
+def objective_figures(sums: Mapping[str, Any], variant: DFlashVariant | None = None) -> dict[str, float]:
     """loss, acc, tau_sim, tau_block, tau_decode and acc_pos_k from summed `LossStats` fields
     (host floats; `correct` and `counted` per block position), each divided once over the whole
     sum: a batch or replica with few supervised positions weighs what it holds. Training
-    (train/, per log window) and the held-out split (val/) both report these."""
+    (train/, per log window) and the held-out split (val/) both report these, then the figures
+    of the run's `variant` (dflash/step/variant.py: `figures`, from the sums it added; None:
+    plain DFlash, none)."""
     correct, counted = sums["correct"], sums["counted"]
     acc = [c / n if n > 0 else float("nan") for c, n in zip(correct, counted)]
     figures = {
@@ -294,127 +299,11 @@ def objective_figures(sums: Mapping[str, Any]) -> dict[str, float]:
         "tau_decode": tau_from_rounds(sums["blocks"], sums["rounds"]),
         **{f"acc_pos_{k}": acc[k] for k in range(1, len(acc))},
     }
-    if "l1" in sums:  # a DSpark run's sums (dflash/step/dspark_loss.py)
-        figures.update(dspark_figures(sums))
-    if "selector_ce" in sums:  # a DFlash2 run's sums (dflash/step/dflash2_loss.py)
-        figures.update(dflash2_figures(sums))
-    if "lattice_ce" in sums:  # a LiLiCorr run's sums (dflash/step/lilicorr_loss.py)
-        figures.update(lilicorr_figures(sums))
+    if variant is not None:
+        figures.update(variant.figures(sums))
     return figures
 
 
-# Each variant's own figures (besides `VAL_FIGURES`'): reported as train/ and val/ keys, in the
-# run summary, and what `objective` may name (dflash/run/checks.py).
-VARIANT_FIGURES: dict[str, tuple[str, ...]] = {
-    "dflash": (),
-    "dspark": ("ce", "l1", "confidence_loss", "confidence_abs_error", "confidence_bias", "tau_prob"),
-    "dflash2": (
-        "ce",
-        "selector_ce",
-        "candidate_recall",
-        "candidate_mass",
-        "selector_changed",
-        "selector_changed_correct",
-        "unary_acc",
-        "unary_tau_block",
-        "unary_tau_decode",
-        "oracle_tau_block",
-        "oracle_tau_decode",
-    ),
-    "lilicorr": (
-        "ce",
-        "lattice_ce",
-        "lattice_margin",
-        "lattice_penalty",
-        "top1_tau_block",
-        "top1_tau_decode",
-        "oracle_tau_block",
-        "oracle_tau_decode",
-    ),
-}
-# The figures every variant reports for a held-out split.
+# The figures every variant reports for a held-out split (each variant adds its own
+# `figure_names`, dflash/step/variant.py).
 VAL_FIGURES = ("loss", "acc", "tau_sim", "tau_block", "tau_decode")
-
-
-def dflash2_figures(sums: Mapping[str, Any]) -> dict[str, float]:
-    """DFlash2's terms per unit of position weight (`ce`, the unary CE; `selector_ce`, the K-way
-    CE), and over supervised positions: `candidate_recall` (label in the unary top-K),
-    `candidate_mass` (the drafter's softmax mass on its top-K), `selector_changed` (share of picks
-    that are not the unary argmax) and `selector_changed_correct` (share of those that are the
-    label); `unary_acc` and `unary_tau_*` (what the unary argmax, plain DFlash's draft, would
-    reach); `oracle_tau_*` (every position of the prefix with its label among the candidates: the
-    most a selector over these candidates can reach). The standard acc and tau_* score the
-    selector's picks (dflash/step/dflash2_loss.py)."""
-    weight, supervised = sums["weight"], sum(sums["counted"][1:])
-
-    def share(value: float, total: float) -> float:
-        return value / total if total > 0 else float("nan")
-
-    return {
-        "ce": share(sums["ce"], weight),
-        "selector_ce": share(sums["selector_ce"], weight),
-        "candidate_recall": share(sums["candidate_hits"], supervised),
-        "candidate_mass": share(sums["candidate_mass"], supervised),
-        "selector_changed": share(sums["selector_changed"], supervised),
-        "selector_changed_correct": share(sums["selector_changed_correct"], sums["selector_changed"]),
-        "unary_acc": share(sum(sums["unary_correct"][1:]), supervised),
-        "unary_tau_block": tau_from_runs(sums["unary_accepted"], sums["blocks"]),
-        "unary_tau_decode": tau_from_rounds(sums["blocks"], sums["unary_rounds"]),
-        "oracle_tau_block": tau_from_runs(sums["oracle_accepted"], sums["blocks"]),
-        "oracle_tau_decode": tau_from_rounds(sums["blocks"], sums["oracle_rounds"]),
-    }
-
-
-def lilicorr_figures(sums: Mapping[str, Any]) -> dict[str, float]:
-    """LiLiCorr's figures: `ce`, DFlash's term per unit of position weight; the lattice's CE,
-    hinge and distractor penalty per supervised slot; `top1_tau_*`, what the backbone's argmax
-    would reach, and `oracle_tau_*`, every slot of the prefix with its label among the
-    candidates. The standard acc and tau_* score the greedy walk's picks."""
-    slots = sums["lattice_slots"]
-    return {
-        "ce": sums["ce"] / sums["weight"] if sums["weight"] > 0 else float("nan"),
-        **{
-            name: sums[name] / slots if slots > 0 else float("nan")
-            for name in ("lattice_ce", "lattice_margin", "lattice_penalty")
-        },
-        "top1_tau_block": tau_from_runs(sums["top1_accepted"], sums["blocks"]),
-        "top1_tau_decode": tau_from_rounds(sums["blocks"], sums["top1_rounds"]),
-        "oracle_tau_block": tau_from_runs(sums["oracle_accepted"], sums["blocks"]),
-        "oracle_tau_decode": tau_from_rounds(sums["blocks"], sums["oracle_rounds"]),
-    }
-
-
-def dspark_figures(sums: Mapping[str, Any]) -> dict[str, float]:
-    """DSpark's terms and the figures computed from the target's probabilities (DeepSpec's
-    training metrics), each divided once over the whole sum: `ce`, `l1` (the loss's distance term,
-    2 TV) and `confidence_loss` per unit of position weight (`loss` is their weighted sum);
-    `accept_pos_j`, the mean soft acceptance 1 - TV of the j-th draft; `tau_prob`, 1 + the
-    expected accepted drafts per block under those acceptances; the confidence head's
-    calibration: weighted mean |sigmoid(c) - acceptance| and its signed bias, the same for the
-    prefix products, and `confidence_pos_j`, its mean prediction per position (beside accept_pos_j)."""
-    weight, counted = sums["weight"], sums["counted"]
-
-    def per_weight(name: str) -> float:
-        return sums[name] / weight if weight > 0 else float("nan")
-
-    def per_position(name: str, label: str) -> dict[str, float]:
-        return {
-            f"{label}_pos_{j}": value / n if n > 0 else float("nan")
-            for j, (value, n) in enumerate(zip(sums[name], counted))
-            if j >= 1
-        }
-
-    names = (
-        "ce",
-        "l1",
-        "confidence_loss",
-        "confidence_abs_error",
-        "confidence_bias",
-        "confidence_cumprod_bias",
-    )
-    return {
-        **{name: per_weight(name) for name in names},
-        "tau_prob": 1.0 + sums["prob_accepted"] / sums["blocks"] if sums["blocks"] > 0 else float("nan"),
-        **per_position("soft_accepted", "accept"),
-        **per_position("confidence_predicted", "confidence"),
-    }

@@ -4,7 +4,9 @@
 vector (laid out by `MetricLayout` from `FIELDS`); `publish()` copies it into a pinned host buffer
 with a non-blocking copy and returns a `MetricWindow`, which the logger reads once its event
 completed. A new training metric is one `Field` in `FIELDS` (docs/extending.md, "Add a training
-metric"): its place in the vector, its window sum and its `train/` key all follow from it.
+metric"): its place in the vector, its window sum and its `train/` key all follow from it. A
+drafter variant's own sums follow DFlash's, declared on the variant (dflash/step/variant.py:
+`metric_fields`); nothing here knows a variant by name.
 """
 
 from __future__ import annotations
@@ -12,13 +14,15 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from dflash.data.collate import Batch
-from dflash.models.variants import registered_drafters
 from dflash.step.loss import LossStats
+
+if TYPE_CHECKING:  # the variants declare their fields with `Field`: they import this module
+    from dflash.step.variant import DFlashVariant
 
 Width = Literal["one", "position", "bucket"]
 
@@ -66,61 +70,11 @@ FIELDS: tuple[Field, ...] = (
 )
 
 
-# A DSpark run's sums after DFlash's (dflash/step/dspark_loss.py: DSparkLossStats); their
-# figures (per unit of weight, per position, tau_prob) are `loss.dspark_figures`'.
-DSPARK_FIELDS: tuple[Field, ...] = (
-    Field("ce"),  # sum_k w_k CE_k
-    Field("l1"),  # sum_k w_k L1_k (2 TV)
-    Field("confidence_loss"),
-    Field("prob_accepted"),  # expected accepted drafts per block, summed over blocks
-    Field("confidence_abs_error"),
-    Field("confidence_bias"),
-    Field("confidence_cumprod_bias"),
-    Field("soft_accepted", width="position"),
-    Field("confidence_predicted", width="position"),
-)
-
-
-# A DFlash2 run's sums after DFlash's (dflash/step/dflash2_loss.py: DFlash2LossStats); their
-# figures are `loss.dflash2_figures`'.
-DFLASH2_FIELDS: tuple[Field, ...] = (
-    Field("ce"),  # sum_k w_k CE_k (the unary term)
-    Field("selector_ce"),  # sum_k w_k SEL_k
-    Field("candidate_hits"),
-    Field("candidate_mass"),
-    Field("selector_changed"),
-    Field("selector_changed_correct"),
-    Field("unary_accepted"),
-    Field("unary_rounds"),
-    Field("oracle_accepted"),
-    Field("oracle_rounds"),
-    Field("unary_correct", width="position"),
-)
-
-# A LiLiCorr run's sums after DFlash's (dflash/step/lilicorr_loss.py: LiLiCorrLossStats); their
-# figures are `loss.lilicorr_figures`'.
-LILICORR_FIELDS: tuple[Field, ...] = tuple(
-    Field(name)
-    for name in (
-        "ce",
-        "lattice_ce",
-        "lattice_margin",
-        "lattice_penalty",
-        "lattice_slots",
-        "top1_accepted",
-        "top1_rounds",
-        "oracle_accepted",
-        "oracle_rounds",
-    )
-)
-
-_VARIANT_FIELDS = {"dspark": DSPARK_FIELDS, "dflash2": DFLASH2_FIELDS, "lilicorr": LILICORR_FIELDS}
-
-
-def metric_fields(variant: str = "dflash") -> tuple[Field, ...]:
-    """The variant's fields: `FIELDS` as it is now (read at call time, so an extended tuple
-    reaches every reader), then the variant's own."""
-    return FIELDS + _VARIANT_FIELDS.get(variant, ())
+def metric_fields(variant: DFlashVariant | None = None) -> tuple[Field, ...]:
+    """The run's fields: `FIELDS` as it is now (read at call time, so an extended tuple reaches
+    every reader), then the variant's own (dflash/step/variant.py: `metric_fields`; None: plain
+    DFlash, none)."""
+    return FIELDS + (variant.metric_fields if variant is not None else ())
 
 
 @dataclass(frozen=True)
@@ -130,10 +84,11 @@ class MetricLayout:
 
     block_size: int
     num_buckets: int
-    # The drafter variant's name (dflash/step/variant.py): `dspark` predicts from every block
-    # position, so a "position" field is indexed by the predicted token's offset after the
-    # anchor, 1..block_size (index 0 stays empty), and its own fields follow DFlash's.
-    variant: str = "dflash"
+    # The drafter variant (dflash/step/variant.py; None: plain DFlash): its own fields follow
+    # DFlash's, and a "position" field is indexed by the predicted token's offset after the
+    # anchor, so a variant whose block positions predict the token after them (`label_offset`
+    # 1) has one entry more (index 0 stays empty).
+    variant: DFlashVariant | None = None
     fields: tuple[Field, ...] = ()  # empty: `metric_fields(variant)`
 
     slices: dict[str, slice] = dataclasses.field(init=False, repr=False, compare=False)
@@ -152,9 +107,9 @@ class MetricLayout:
 
     @property
     def positions(self) -> int:
-        """Entries of a "position" field: index j = the j-th token after the anchor (DFlash: block
-        position j, 0 the anchor; DSpark: block position j - 1)."""
-        return registered_drafters()[self.variant].drafts_for(self.block_size) + 1
+        """Entries of a "position" field: index j = the j-th token after the anchor (block position
+        j - label_offset; with label_offset 0, position 0 is the anchor)."""
+        return self.block_size + (self.variant.label_offset if self.variant is not None else 0)
 
     def __getitem__(self, name: str) -> slice:
         return self.slices[name]
@@ -174,7 +129,7 @@ class MetricWindow:
     block_size: int
     num_buckets: int
     values: torch.Tensor
-    variant: str = "dflash"
+    variant: DFlashVariant | None = None  # the drafter variant (dflash/step/variant.py; None: plain DFlash)
     ready: torch.cuda.Event | None = None  # set while the device->host copy may be in flight
 
     def is_ready(self) -> bool:
@@ -197,7 +152,9 @@ class StepMetrics:
     buffer plus a CUDA event the reader polls. Only `MetricWindow` values ever reach the host.
     """
 
-    def __init__(self, block_size: int, num_buckets: int, device: torch.device, variant: str = "dflash"):
+    def __init__(
+        self, block_size: int, num_buckets: int, device: torch.device, variant: DFlashVariant | None = None
+    ):
         self.block_size, self.num_buckets, self.device = block_size, num_buckets, device
         self.variant = variant
         self.layout = MetricLayout(block_size, num_buckets, variant)
@@ -219,7 +176,7 @@ class StepMetrics:
         kept["grad_norm"] = torch.where(finite, grad_norm.detach(), 0.0)
         kept["nonfinite_steps"] = 1.0 - finite.to(sums.dtype)
         # A step's per-position vectors are [block_size]; they sit at the predicted token's offset
-        # (DSpark's position k at k + 1).
+        # (position k at k + label_offset).
         shift = at.positions - self.block_size
         for field in at.fields:
             where = at[field.name]

@@ -138,7 +138,7 @@ class DrafterStep:
         self.device = next(drafter.parameters()).device
         self.noise_generator = torch.Generator(device=self.device)
         self.metrics = StepMetrics(
-            drafter.block_size, num_buckets, self.device, variant=block_settings.variant.name
+            drafter.block_size, num_buckets, self.device, variant=block_settings.variant
         )
 
     def forward_backward(self, batch: Batch, features_BSF: torch.Tensor, step: int) -> tuple[LossStats, int]:

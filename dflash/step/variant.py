@@ -8,7 +8,14 @@ Not `dflash/step/variants.py` (the step's reference and fast paths by name). A v
 - whether the target must hand over its final hidden state (`needs_final_state`: DSpark's loss
   compares the draft distribution with the target's), and whether the blocks carry each label's
   true previous token (`needs_prev_ids`: DSpark's Markov head, DFlash2's selector);
-- the loss over the block positions (`block_loss`).
+- the loss over the block positions (`block_loss`);
+- what it reports: the sums its loss adds to the metric vector (`metric_fields`), the figures
+  computed from them (`figure_names`, `figures`, `undefined_because`) and its own line in the
+  run summary (`summary_key`, `summary_line`);
+- which run settings outside its own node it refuses (`run_refusal`: a noise schedule, ...).
+
+A variant is registered once, with its drafter class and its config options, by
+dflash/step/variant_registry.py's `register_variant`.
 
 Position weights follow the token predicted, w = exp(-(j - 1) / gamma) for the j-th token after
 the anchor, in both variants (DFlash: j = k; DSpark: j = k + 1; dflash/step/blocks.py:
@@ -26,17 +33,28 @@ import torch
 from torch import nn
 from transformers import Qwen3Config
 
-from dflash.config.schema import FusedTerms, MarkovHeadType
+from dflash.config.schema import (
+    DFlash2VariantConfig,
+    DFlashVariantConfig,
+    DSparkVariantConfig,
+    FusedTerms,
+    MarkovHeadType,
+    MaskRampNoiseConfig,
+    VariantConfig,
+)
 from dflash.config.shape_defaults import default_conv_group_size, default_selector_top_k
-from dflash.config.variant_schema import DFlash2VariantConfig, DSparkVariantConfig, variant_options
+from dflash.config.variant_schema import variant_options
 from dflash.models.dflash2 import DFlash2Drafter, add_dflash2_fields
 from dflash.models.drafter import DFlashDrafter
-from dflash.models.dspark import DSparkDrafter, add_dspark_fields
+from dflash.models.dspark import DSparkDrafter, add_dspark_fields, markov_head_class
 from dflash.models.kernels import installed
 from dflash.step.blocks import DraftBlocks
 from dflash.step.dflash2_loss import dflash2_loss
+from dflash.step.dflash2_metrics import DFLASH2_FIELDS, DFLASH2_FIGURES, dflash2_figures
 from dflash.step.dspark_loss import DSparkWeights, dspark_loss, resolve_fused_terms
+from dflash.step.dspark_metrics import DSPARK_FIELDS, DSPARK_FIGURES, dspark_figures
 from dflash.step.loss import LossStats, draft_loss
+from dflash.step.metrics import Field
 
 
 @dataclass(frozen=True)
@@ -53,13 +71,45 @@ class DFlashVariant:
     # The drafter's weights start at the target's init std (its config's initializer_range)
     # rather than Qwen3Config's 0.02.
     init_std_from_target: ClassVar[bool] = False
+    # The drafter it trains (registered under `name`) and its config group option's schema.
+    drafter_class: ClassVar[type[DFlashDrafter]] = DFlashDrafter
+    options: ClassVar[type[VariantConfig]] = DFlashVariantConfig
+    # The sums its loss statistics add to the metric vector after DFlash's (each a field of the
+    # `LossStats` subclass `block_loss` returns; dflash/step/metrics.py), and the figures
+    # `figures` computes from them: train/ and val/ keys, summary figures, what `objective` may
+    # name. `undefined_because`: why a figure that is a ratio can be undefined, by its name.
+    metric_fields: ClassVar[tuple[Field, ...]] = ()
+    figure_names: ClassVar[tuple[str, ...]] = ()
+    undefined_because: ClassVar[Mapping[str, str]] = {}
+    # Its figures the console line shows after DFlash's (dflash/monitor/sinks/console.py).
+    console_figures: ClassVar[tuple[str, ...]] = ()
 
     def drafter_config(self, config: Qwen3Config) -> Qwen3Config:
         """The variant's fields added to a backbone config (in place)."""
         return config
 
     def drafter(self, config: Qwen3Config) -> DFlashDrafter:
-        return DFlashDrafter(config)
+        return self.drafter_class(config)
+
+    @classmethod
+    def figures(cls, sums: Mapping[str, Any]) -> dict[str, float]:
+        """The variant's own figures from a window's (or the held-out split's) summed fields."""
+        return {}
+
+    @classmethod
+    def run_refusal(cls, *, variant: VariantConfig, noise: Any) -> str | None:
+        """Why the run's settings outside the variant's own node cannot train it (None: they
+        can), in one line naming the config key; asked before any weights load
+        (dflash/run/checks.py). A variant whose positions predict the token after them
+        (`label_offset` 1) refuses a noise schedule that keeps positions unmasked: a kept
+        position shows its true token, the label of the position before it."""
+        if cls.label_offset and isinstance(noise, MaskRampNoiseConfig):
+            return f"noise=mask_ramp is DFlash's: with variant={cls.name} use noise=none or noise=feature"
+        return None
+
+    # Whether loss=dpace (dflash/step/dpace.py) may weigh this variant's block CE; a variant whose
+    # references train it with the static decay only says False and `loss=dpace` is refused.
+    dpace_applies: ClassVar[bool] = True
 
     # The figure whose presence in a run summary means it holds the variant's own (None: the
     # variant prints no line of its own).
@@ -108,11 +158,19 @@ class DSparkVariant(DFlashVariant):
     name: ClassVar[str] = "dspark"
     summary_key: ClassVar[str | None] = "train/tau_prob"
     label_offset: ClassVar[int] = 1
+    # DeepSpec and ModelOpt's dspark.yaml train DSpark with the static decay only.
+    dpace_applies: ClassVar[bool] = False
     needs_final_state: ClassVar[bool] = True
     needs_prev_ids: ClassVar[bool] = True
     # DeepSpec's draft config is a deep copy of the target's, initializer_range included
     # (SmolLM2-135M's 1/sqrt(576) = 0.042).
     init_std_from_target: ClassVar[bool] = True
+    drafter_class: ClassVar[type[DFlashDrafter]] = DSparkDrafter
+    options: ClassVar[type[VariantConfig]] = DSparkVariantConfig
+    metric_fields: ClassVar[tuple[Field, ...]] = DSPARK_FIELDS
+    figure_names: ClassVar[tuple[str, ...]] = DSPARK_FIGURES
+    undefined_because: ClassVar[Mapping[str, str]] = {"tau_prob": "no block measured"}
+    console_figures: ClassVar[tuple[str, ...]] = ("tau_prob", "l1", "confidence_abs_error")
 
     @property
     def head_type(self) -> str:
@@ -130,8 +188,18 @@ class DSparkVariant(DFlashVariant):
             confidence_with_markov=self.confidence_with_markov,
         )
 
-    def drafter(self, config: Qwen3Config) -> DSparkDrafter:
-        return DSparkDrafter(config)
+    @classmethod
+    def figures(cls, sums):
+        return dspark_figures(sums)
+
+    @classmethod
+    def run_refusal(cls, *, variant, noise):
+        if variant.markov_head_class:
+            try:
+                markov_head_class(variant.markov_head_class)
+            except ValueError as exc:
+                return f"variant.markov_head_class: {exc}"
+        return super().run_refusal(variant=variant, noise=noise)
 
     def device_refusal(self, device: torch.device) -> str | None:
         if FusedTerms(self.fused_terms) is not FusedTerms.triton:
@@ -181,6 +249,20 @@ class DFlash2Variant(DFlashVariant):
     name: ClassVar[str] = "dflash2"
     summary_key: ClassVar[str | None] = "train/selector_ce"
     needs_prev_ids: ClassVar[bool] = True
+    drafter_class: ClassVar[type[DFlashDrafter]] = DFlash2Drafter
+    options: ClassVar[type[VariantConfig]] = DFlash2VariantConfig
+    metric_fields: ClassVar[tuple[Field, ...]] = DFLASH2_FIELDS
+    figure_names: ClassVar[tuple[str, ...]] = DFLASH2_FIGURES
+    undefined_because: ClassVar[Mapping[str, str]] = {
+        **dict.fromkeys(
+            ("unary_tau_block", "unary_tau_decode", "oracle_tau_block", "oracle_tau_decode"),
+            "no block measured",
+        ),
+        **dict.fromkeys(
+            ("candidate_recall", "candidate_mass", "selector_changed", "unary_acc"), "no supervised position"
+        ),
+        "selector_changed_correct": "the selector changed no pick",
+    }
 
     def drafter_config(self, config: Qwen3Config) -> Qwen3Config:
         group, top_k = self.conv_group_size, self.selector_top_k
@@ -194,8 +276,9 @@ class DFlash2Variant(DFlashVariant):
             ),
         )
 
-    def drafter(self, config: Qwen3Config) -> DFlash2Drafter:
-        return DFlash2Drafter(config)
+    @classmethod
+    def figures(cls, sums):
+        return dflash2_figures(sums)
 
     def block_loss(self, hidden_BQH, *, lm_head, drafter, blocks, final_BSH, logits_chunk, compiled):
         return dflash2_loss(
@@ -229,7 +312,3 @@ class DFlash2Variant(DFlashVariant):
                 else ""
             )
         )
-
-
-# Every variant's training side, in the order its summary lines print.
-TRAINING_VARIANTS = (DFlashVariant, DSparkVariant, DFlash2Variant)

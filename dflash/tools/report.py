@@ -116,8 +116,8 @@ def explain_empty(ax, reason: str) -> None:
 
 
 # The train/ keys the standard panels draw, and bookkeeping no panel needs. Every other train/
-# key of metrics.jsonl is a figure of the drafter variant's own (dflash/step/loss.py:
-# VARIANT_FIGURES and its per-position families), drawn on the variant page.
+# key of metrics.jsonl is a figure of the drafter variant's own (dflash/step/variant.py:
+# `figure_names` and its per-position families), drawn on the variant page.
 STANDARD_TRAIN = re.compile(
     r"train/(loss|acc|tau_sim|tau_block|tau_decode|grad_norm|lr|window_steps|nonfinite_steps|opt_step"
     r"|loss_bucket_\d+|acc_pos_\d+)"

@@ -27,7 +27,7 @@ from dflash.models.drafter import DFlashDrafter
 from dflash.models.target import FrozenTarget
 from dflash.models.target_head import TargetHead
 from dflash.step.block_mask import tiles_by_window
-from dflash.step.loss import VAL_FIGURES, VARIANT_FIGURES, objective_figures
+from dflash.step.loss import VAL_FIGURES, objective_figures
 from dflash.step.metrics import StepMetrics
 from dflash.step.step import BlockSettings, drafter_forward_loss, make_blocks
 
@@ -62,7 +62,7 @@ class Validation:
         head = TargetHead.of(target)
         # The training step's own accumulator: the same sums, read back once.
         variant = self.settings.variant
-        sums = StepMetrics(block_size=drafter.block_size, num_buckets=1, device=device, variant=variant.name)
+        sums = StepMetrics(block_size=drafter.block_size, num_buckets=1, device=device, variant=variant)
         no_grad_norm = torch.zeros((), device=device)
         for plan in self.batches:
             batch = collate(self.dataset, plan)
@@ -96,6 +96,6 @@ class Validation:
                 "validation: %d held-out batch(es) gave a non-finite loss; left out of val/",
                 totals["nonfinite_steps"],
             )
-        figures = objective_figures(totals)
-        names = VAL_FIGURES + VARIANT_FIGURES[variant.name]
+        figures = objective_figures(totals, variant)
+        names = VAL_FIGURES + variant.figure_names
         return {f"val/{name}": figures[name] for name in names}

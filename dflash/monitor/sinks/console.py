@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dflash.monitor.sinks.progress import ProgressSink
 from dflash.step.metrics import metric_fields
+from dflash.step.variant_registry import registered_variants
 
 
 class ConsoleSink(ProgressSink):
@@ -11,15 +12,17 @@ class ConsoleSink(ProgressSink):
     lines never tear it)."""
 
     FIGURES = ("train/loss", "train/acc", "train/tau_sim", "train/tau_decode")
-    # DSpark's figures (absent from a DFlash run's rows, so not printed there).
-    DSPARK = ("train/tau_prob", "train/l1", "train/confidence_abs_error")
     AFTER = ("train/lr", "perf/tokens_per_s", "perf/data_wait_frac", "queue/hs_fill", "gpu/drafter/util_pct")
 
     @classmethod
     def keys(cls) -> tuple[str, ...]:
-        """The line's keys: the objective's figures, each metric field marked `console`, the rest."""
+        """The line's keys: the objective's figures, each variant's `console_figures` (absent from
+        another variant's rows, so not printed there), each metric field marked `console`, the rest."""
+        variants = tuple(
+            f"train/{name}" for variant in registered_variants().values() for name in variant.console_figures
+        )
         fields = tuple(f"train/{field.name}" for field in metric_fields() if field.console)
-        return cls.FIGURES + cls.DSPARK + fields + cls.AFTER
+        return cls.FIGURES + variants + fields + cls.AFTER
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         if "train/loss" not in metrics:

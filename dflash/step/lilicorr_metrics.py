@@ -1,0 +1,57 @@
+"""LiLiCorr's training figures: the sums its loss adds to the metric vector (after DFlash's) and
+the figures computed from them. The variant hands both to every reader
+(dflash/step/lilicorr_variant.py: `LiLiCorrVariant.metric_fields`, `figures`); nothing else names
+them."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from dflash.step.loss import tau_from_rounds, tau_from_runs
+from dflash.step.metrics import Field
+
+# The sums of dflash/step/lilicorr_loss.py's LiLiCorrLossStats, after DFlash's.
+LILICORR_FIELDS: tuple[Field, ...] = (
+    Field("ce"),  # sum_k w_k CE_k (the backbone's term)
+    Field("lattice_ce"),  # summed over supervised slots
+    Field("lattice_margin"),
+    Field("lattice_penalty"),
+    Field("lattice_slots"),  # supervised slots
+    Field("top1_accepted"),  # leading runs of the backbone's argmax hits
+    Field("top1_rounds"),
+    Field("oracle_accepted"),  # leading runs of slots whose true token is a candidate
+    Field("oracle_rounds"),
+)
+
+# Reported as train/ and val/ keys, in the run summary, and what `objective` may name.
+LILICORR_FIGURES = (
+    "ce",
+    "lattice_ce",
+    "lattice_margin",
+    "lattice_penalty",
+    "top1_tau_block",
+    "top1_tau_decode",
+    "oracle_tau_block",
+    "oracle_tau_decode",
+)
+
+
+def lilicorr_figures(sums: Mapping[str, Any]) -> dict[str, float]:
+    """LiLiCorr's figures: `ce`, DFlash's term per unit of position weight; the lattice's CE,
+    hinge and distractor penalty per supervised slot; `top1_tau_*`, what the backbone's argmax
+    would reach, and `oracle_tau_*`, every slot of the prefix with its label among the
+    candidates. The standard acc and tau_* score the greedy walk's picks (the served decision
+    path)."""
+    slots = sums["lattice_slots"]
+    return {
+        "ce": sums["ce"] / sums["weight"] if sums["weight"] > 0 else float("nan"),
+        **{
+            name: sums[name] / slots if slots > 0 else float("nan")
+            for name in ("lattice_ce", "lattice_margin", "lattice_penalty")
+        },
+        "top1_tau_block": tau_from_runs(sums["top1_accepted"], sums["blocks"]),
+        "top1_tau_decode": tau_from_rounds(sums["blocks"], sums["top1_rounds"]),
+        "oracle_tau_block": tau_from_runs(sums["oracle_accepted"], sums["blocks"]),
+        "oracle_tau_decode": tau_from_rounds(sums["blocks"], sums["oracle_rounds"]),
+    }
