@@ -205,7 +205,7 @@ def _validate_variant(cfg: Any) -> None:
     if refusal is not None:
         raise ValueError(refusal)
     if isinstance(cfg.loss, DPaceLossConfig) and not getattr(variant_class, "dpace_applies", True):
-        # Its references train it with the static decay only (DeepSpec, ModelOpt's dspark.yaml).
+        # Its references train it with the static decay only (the variant's dpace_applies says whose).
         raise ValueError(
             f"loss=dpace weighs DFlash's and DFlash2's CE; with variant={variant_class.name} use loss=default"
         )
