@@ -238,3 +238,45 @@ def record_wandb_rows(run, monkeypatch) -> list[dict]:
         wandb_run, "log", lambda data, step=None: (sent.append(dict(data)), real_log(data, step=step))
     )
     return sent
+
+
+class VariantRegistries:
+    """Every registry a drafter variant enters (its drafter class, training side, options, export
+    rules and Hydra's `variant` group), copied for one test: what the test registers (a plug-in
+    it loads) is gone afterwards, so the tests that iterate every registered variant see the
+    package's and the test modules' own, whatever ran before them."""
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch):
+        from hydra.core.config_store import ConfigStore
+
+        from dflash.config.schema import COMPONENT_OPTIONS
+        from dflash.export import registry as exports
+        from dflash.models import variants
+        from dflash.step import variant_registry
+
+        self._monkeypatch = monkeypatch
+        self._entries = [
+            (variants, "_DRAFTERS", dict(variants._DRAFTERS)),
+            (variant_registry, "_VARIANTS", dict(variant_registry._VARIANTS)),
+            (exports, "_EXPORTS", dict(exports._EXPORTS)),
+        ]
+        self._items = [
+            (COMPONENT_OPTIONS, "variant", dict(COMPONENT_OPTIONS["variant"])),
+            (ConfigStore.instance().repo, "variant", dict(ConfigStore.instance().repo.get("variant", {}))),
+        ]
+        self.forget()
+
+    def forget(self, *modules: str) -> None:
+        """Back to the registries as the test found them, and `modules` unimported: a process
+        that never loaded the plug-ins (loading them again registers them anew)."""
+        for module, name, saved in self._entries:
+            self._monkeypatch.setattr(module, name, dict(saved))
+        for mapping, key, saved in self._items:
+            self._monkeypatch.setitem(mapping, key, dict(saved))
+        for module in modules:  # not monkeypatched: undone, it would come back, registering nothing
+            sys.modules.pop(module, None)
+
+
+@pytest.fixture
+def variant_registries(monkeypatch) -> VariantRegistries:
+    return VariantRegistries(monkeypatch)

@@ -1,10 +1,11 @@
 """User code plugged in by config alone: the examples of docs/extending.md, written into modules
 outside the package, run: a callback receives every hook in a normal run; a batch order, a noise
 schedule and a metric sink replace or join the built-ins by overrides alone; a training metric
-added to `FIELDS` reaches every sink; a drafter variant of one's own (its options, drafter class
-and training side), loaded as the plug-in the doc declares (DFLASH_PLUGINS or an entry point),
-composes in the real `dflash train`, trains, decodes and loads back as itself, and is refused in
-the doc's line without the plug-in; a component or callback that cannot be built is refused
+added to `FIELDS` reaches every sink; a drafter variant of one's own (its options, drafter class,
+training side and export rules, registered by register_variant and register_export), loaded as
+the plug-in the doc declares (DFLASH_PLUGINS or an entry point), trains in the real `dflash
+train`, decodes, exports and loads back as itself, and is refused in the doc's line without the
+plug-in; a component or callback that cannot be built is refused
 before anything loads."""
 
 from __future__ import annotations
@@ -132,24 +133,15 @@ def doc_snippet(language: str, containing: str) -> str:
 
 
 @pytest.fixture
-def user_variant(tmp_path, monkeypatch):
+def user_variant(tmp_path, monkeypatch, variant_registries):
     """docs/extending.md's variant written into `my_variants.py` outside the package and loaded
-    as the plug-in the doc declares (`DFLASH_PLUGINS=my_variants`); the drafter and export
-    registries and Hydra's ConfigStore get back their entries afterwards (other tests iterate every registered
-    variant)."""
-    from hydra.core.config_store import ConfigStore
-
+    as the plug-in the doc declares (`DFLASH_PLUGINS=my_variants`); every variant registry gets
+    back its entries afterwards (other tests iterate every registered variant)."""
     from dflash.config.plugins import ENV_VAR, load_plugins
-    from dflash.export import registry as exports
-    from dflash.models import variants
 
     (tmp_path / "my_variants.py").write_text(doc_example("TemperedConfig"))
     monkeypatch.syspath_prepend(str(tmp_path))
-    monkeypatch.setattr(variants, "_DRAFTERS", dict(variants._DRAFTERS))
-    monkeypatch.setattr(exports, "_EXPORTS", dict(exports._EXPORTS))  # its export rules too
-    repo = ConfigStore.instance().repo  # group -> option file -> node
-    monkeypatch.setitem(repo, "variant", dict(repo.get("variant", {})))
-    monkeypatch.delitem(sys.modules, "my_variants", raising=False)
+    sys.modules.pop("my_variants", None)
     assert f"{ENV_VAR}=my_variants" in doc_snippet("bash", "variant=tempered")
     load_plugins({ENV_VAR: "my_variants"})
 
@@ -158,7 +150,7 @@ def user_variant(tmp_path, monkeypatch):
 
 
 def test_the_documented_drafter_variant_trains_decodes_and_reloads_as_itself(
-    user_variant, make_cfg, monkeypatch
+    user_variant, variant_registries, make_cfg, monkeypatch
 ):
     """`variant=tempered` composes from the user's dataclass (options and their rule), trains
     with its loss, decodes in the final evaluation, and its checkpoint loads back as its own
@@ -166,7 +158,6 @@ def test_the_documented_drafter_variant_trains_decodes_and_reloads_as_itself(
     import torch
 
     from dflash.export.zlab import load_drafter
-    from dflash.models import variants
     from dflash.models.target import FrozenTarget
 
     with monkeypatch.context() as patch:
@@ -194,33 +185,54 @@ def test_the_documented_drafter_variant_trains_decodes_and_reloads_as_itself(
     assert json.dumps(saved["dflash_variant"], sort_keys=True) in DOC.read_text()  # as the doc shows it
     assert type(load_drafter(checkpoint)) is user_variant.TemperedDrafter
     # Without the plug-in: refused in the doc's line, not read as a DFlash drafter.
-    monkeypatch.delitem(variants._DRAFTERS, "tempered")  # the fixture's copy of the registry
+    variant_registries.forget("my_variants")
     refusal = doc_snippet("text", "is not registered").strip().split(".json: ", 1)[1]
     with pytest.raises(ValueError) as refused:
         load_drafter(checkpoint)
     assert str(refused.value) == f"{checkpoint / 'config.json'}: {refusal}"
 
 
-def test_the_documented_plugin_composes_the_users_option_in_the_real_dflash_train(tmp_path):
-    """The doc's commands as a shell runs them, from the directory holding `my_variants.py`:
-    `dflash train` imports the plug-in DFLASH_PLUGINS names and composes `variant=tempered` and
-    its option, no launcher script."""
-    (tmp_path / "my_variants.py").write_text(doc_example("TemperedConfig"))
-    setting, command = doc_snippet("bash", "variant=tempered").strip().splitlines()
+def documented_command(tmp_path: Path, command: str, *args: str, plugin: bool = True):
+    """The doc's `dflash COMMAND` as a shell runs it, from the directory holding `my_variants.py`,
+    with the doc's `export` line (this checkout's dflash after the doc's directory: an installed
+    dflash needs nothing more); `plugin=False`: the variable left out."""
+    setting, train = doc_snippet("bash", "variant=tempered").strip().splitlines()
     env = dict(os.environ)
     for assignment in shlex.split(setting.removeprefix("export ")):
         name, value = assignment.split("=", 1)
         env[name] = value.replace("$PWD", str(tmp_path))
-    # This checkout's dflash after the doc's directory (an installed dflash needs nothing more).
     env["PYTHONPATH"] = os.pathsep.join([env["PYTHONPATH"], os.environ.get("PYTHONPATH", "")])
-    args = shlex.split(command)
-    assert args[:2] == ["dflash", "train"]
-    result = subprocess.run(
-        [sys.executable, "-m", "dflash", *args[1:], "--cfg", "job"],
+    if not plugin:
+        del env["DFLASH_PLUGINS"]
+    words = shlex.split(train) if command == "train" else ["dflash", command]
+    assert words[0] == "dflash" and words[1] == command
+    return subprocess.run(
+        [sys.executable, "-m", "dflash", *words[1:], *args],
         capture_output=True, text=True, env=env, cwd=tmp_path, timeout=SLOW_MACHINE_TIMEOUT_S,
     )  # fmt: skip
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert "variant:\n  _target_: my_variants.TemperedVariant\n  temperature: 1.5\n" in result.stdout
+
+
+def test_the_documented_plugin_trains_and_exports_in_the_real_dflash_commands(tmp_path, data_cache):
+    """The doc's module and commands: `dflash train` imports the plug-in DFLASH_PLUGINS names,
+    composes `variant=tempered` and its option, and trains; its checkpoint records the plug-in,
+    `dflash export check` reads it as the variant's (its registered export rules) and, without
+    the plug-in, refuses it in the doc's line."""
+    (tmp_path / "my_variants.py").write_text(doc_example("TemperedConfig"))
+    run_dir = tmp_path / "run"
+    sized = [*FAST, "train.total_steps=2", f"paths.output_dir={run_dir}", f"paths.cache_dir={data_cache}"]
+    trained = documented_command(tmp_path, "train", *sized)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    assert "=== dflash run summary ===" in trained.stdout
+    resolved = (run_dir / "config_resolved.yaml").read_text()
+    assert "variant:\n  _target_: my_variants.TemperedVariant\n  temperature: 1.5\n" in resolved
+    checkpoint = run_dir / "checkpoints" / "last"
+    saved = json.loads((checkpoint / "config.json").read_text())
+    assert saved["train_temperature"] == 1.5 and saved["dflash_variant"]["module"] == "my_variants"
+    checked = documented_command(tmp_path, "export", "check", str(checkpoint))
+    assert checked.returncode == 0 and checked.stdout.startswith(f"ok: {checkpoint}"), checked.stderr
+    refused = documented_command(tmp_path, "export", "check", str(checkpoint), plugin=False)
+    refusal = doc_snippet("text", "is not registered").strip().split(".json: ", 1)[1]
+    assert refused.returncode == 2 and refusal in refused.stderr
 
 
 def test_a_plugin_that_cannot_be_imported_is_the_documented_line(monkeypatch, capsys):
@@ -370,11 +382,15 @@ def test_the_documented_trainer_inputs_are_the_ones_a_trainer_receives():
 def test_a_component_whose_constructor_raises_is_one_line_naming_the_key(
     key, tmp_path, make_cfg, monkeypatch
 ):
-    # Its own module name: tests/test_plugins.py imports a `broken_plugin` that must fail to.
-    (tmp_path / "broken_component.py").write_text(
+    # A module name of its own, forgotten afterwards: tests/test_plugins.py imports a
+    # `broken_plugin` that must fail, and a cached module of that name would import fine.
+    (tmp_path / "raising_component.py").write_text(
         "class Broken:\n    def __init__(self, **kwargs):\n        raise RuntimeError('no licence server')\n"
     )
     monkeypatch.syspath_prepend(str(tmp_path))
     prefix = "+" if key.startswith("logger") else ""
-    with pytest.raises(ValueError, match=rf"^{re.escape(key)}: building broken_component.Broken failed \(RuntimeError: no licence server\)"):  # fmt: skip
-        build_run(make_cfg([f"{prefix}{key}._target_=broken_component.Broken"]))
+    try:
+        with pytest.raises(ValueError, match=rf"^{re.escape(key)}: building raising_component.Broken failed \(RuntimeError: no licence server\)"):  # fmt: skip
+            build_run(make_cfg([f"{prefix}{key}._target_=raising_component.Broken"]))
+    finally:
+        sys.modules.pop("raising_component", None)

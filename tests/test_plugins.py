@@ -19,19 +19,18 @@ from dflash import cli
 from dflash.config.plugins import ENTRY_POINT_GROUP, ENV_VAR, PluginError, declared_plugins, load_plugins
 from tests.conftest import SLOW_MACHINE_TIMEOUT_S
 
-# A drafter variant of one's own, the least one: DFlash's drafter and loss under another name,
-# its config recording one option (how `describes` finds it again).
+# A drafter variant of one's own, the least one: DFlash's drafter, loss and export rules under
+# another name, its config recording one option (how `describes` finds it again); registered as
+# docs/extending.md shows.
 ECHO_VARIANT = """
 from dataclasses import dataclass
-
-from hydra.core.config_store import ConfigStore
 
 from dflash.config.variant_schema import VariantConfig, variant_options
 from dflash.export.registry import register_export
 from dflash.export.rules import VariantExport
 from dflash.models.drafter import DFlashDrafter
-from dflash.models.variants import register_drafter
 from dflash.step.variant import DFlashVariant
+from dflash.step.variant_registry import register_variant
 
 
 @dataclass
@@ -40,7 +39,6 @@ class EchoConfig(VariantConfig):
     echo: int = 1
 
 
-@register_drafter
 class EchoDrafter(DFlashDrafter):
     variant_name = "echo"
 
@@ -49,7 +47,6 @@ class EchoDrafter(DFlashDrafter):
         return "echo" in (config if isinstance(config, dict) else vars(config))
 
 
-# Its export rules: the backbone's, under its own drafter (written as a DFlash drafter is).
 class EchoExport(VariantExport):
     drafter = EchoDrafter
 
@@ -57,44 +54,37 @@ class EchoExport(VariantExport):
 register_export(EchoExport())
 
 
+@register_variant
 @dataclass(frozen=True)
 @variant_options(EchoConfig)
 class EchoVariant(DFlashVariant):
     name = "echo"
+    drafter_class = EchoDrafter
+    options = EchoConfig
 
     def drafter_config(self, config):
         config.echo = self.echo
         return config
-
-    def drafter(self, config):
-        return EchoDrafter(config)
-
-
-ConfigStore.instance().store(group="variant", name="echo", node=EchoConfig)
 """
 BROKEN = 'raise RuntimeError("needs the frobnicator")\n'
 # The commands that neither compose a run config nor read a drafter: they load no plug-in.
 NEITHER_CONFIG_NOR_CHECKPOINT = {"report", "diff", "prompts", "demo", "completion"}
 
 
-@pytest.fixture
-def registry(monkeypatch):
-    """The drafter and export registries and Hydra's ConfigStore get back their entries
-    afterwards, and a plug-in module imported here is forgotten (other tests iterate every
-    registered variant)."""
-    from hydra.core.config_store import ConfigStore
+PLUGIN_MODULES = ("echo_variant", "broken_plugin", "my_pkg")
 
-    from dflash.export import registry as exports
+
+@pytest.fixture
+def registry(variant_registries):
+    """The drafter registry (dflash/models/variants.py); every variant registry gets back its
+    entries afterwards and a plug-in module imported here is forgotten (other tests iterate every
+    registered variant, and load the plug-in anew)."""
     from dflash.models import variants
 
-    monkeypatch.setattr(variants, "_DRAFTERS", dict(variants._DRAFTERS))
-    monkeypatch.setattr(exports, "_EXPORTS", dict(exports._EXPORTS))
-    repo = ConfigStore.instance().repo
-    monkeypatch.setitem(repo, "variant", dict(repo.get("variant", {})))
     before = set(sys.modules)
     yield variants
     for name in set(sys.modules) - before:
-        if name.startswith(("echo_variant", "broken_plugin", "my_pkg")):
+        if name.startswith(PLUGIN_MODULES):
             del sys.modules[name]
 
 
@@ -228,7 +218,7 @@ def test_a_training_job_loads_the_plugins_itself(plugin_dir, registry, make_cfg,
 
 
 @pytest.fixture
-def echo_checkpoint(plugin_dir, registry, tmp_path):
+def echo_checkpoint(plugin_dir, registry, variant_registries, tmp_path):
     """A drafter of the echo variant exported as a checkpoint's drafter is, then the plug-in
     forgotten: this process is one that never imported it."""
     from dflash.export.zlab import export_drafter
@@ -240,20 +230,10 @@ def echo_checkpoint(plugin_dir, registry, tmp_path):
     config.echo = 2
     directory = tmp_path / "echo-checkpoint"
     export_drafter(drafter_class(config), directory)
-    forget_echo(registry)
+    variant_registries.forget("echo_variant")
     return directory
 
 
-def forget_echo(registry) -> None:
-    """This process as one that never imported the plug-in: no drafter, no export rules, no module."""
-    from dflash.export import registry as exports
-
-    del registry._DRAFTERS["echo"]
-    del exports._EXPORTS["echo"]
-    del sys.modules["echo_variant"]
-
-
-BUILT_IN_VARIANTS = ("dflash", "dspark", "dflash2", "lilicorr")
 REFUSAL = "drafter variant echo (from module echo_variant) is not registered: install/enable the plug-in"
 
 
@@ -313,7 +293,7 @@ def test_dflash_export_check_refuses_it_in_one_line_and_passes_with_the_plugin(
 
 
 def test_a_plugin_drafter_converted_to_speculators_is_refused_without_the_plugin_too(
-    echo_checkpoint, registry, tmp_path
+    echo_checkpoint, variant_registries, tmp_path
 ):
     """The speculators layout nests the record with the layer's fields; read back, it still
     names the variant: refused without the plug-in, the variant's drafter with it."""
@@ -326,22 +306,25 @@ def test_a_plugin_drafter_converted_to_speculators_is_refused_without_the_plugin
         load_drafter(echo_checkpoint), converted, verifier=VERIFIER, target_dir=target_dir(tmp_path)
     )
     assert type(load_drafter(converted)).variant_name == "echo"
-    del registry._DRAFTERS["echo"]
+    variant_registries.forget("echo_variant")
     with pytest.raises(ValueError, match="drafter variant echo .* is not registered"):
         load_drafter(converted)
 
 
 def test_the_built_in_variants_record_nothing():
     """Their checkpoints stay byte for byte what they were (tests/test_export_bytes.py); a
-    subclass that only instruments a variant is that variant, and records nothing either."""
+    subclass that only instruments a variant is that variant, and records nothing either. The
+    built-ins: the package's YAML options (a test module's own variant is a plug-in, and records)."""
     from dflash.models.drafter import DFlashDrafter
     from dflash.models.plugin_record import variant_record
     from dflash.models.variants import registered_drafters
+    from dflash.tools.compose import CONF_DIR
+
+    built_in = sorted(path.stem for path in (CONF_DIR / "variant").glob("*.yaml"))
+    assert built_in and set(built_in) <= set(registered_drafters())
 
     class Instrumented(DFlashDrafter):
         calls = 0
 
-    # By name: other test modules register variants of their own (outside the package) for good.
-    drafters = registered_drafters()
-    assert [variant_record(drafters[name]) for name in BUILT_IN_VARIANTS] == [{}] * len(BUILT_IN_VARIANTS)
+    assert [variant_record(registered_drafters()[name]) for name in built_in] == [{}] * len(built_in)
     assert variant_record(Instrumented) == {}

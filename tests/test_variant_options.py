@@ -19,13 +19,12 @@ from dflash.config.variant_schema import DSparkVariantConfig, VariantConfig, var
 from dflash.tools.compose import CONF_DIR
 from tests.conftest import compose_config
 
-# The package's own options: a variant a test module registers (tests/test_variant_training.py's,
-# at import) joins COMPONENT_OPTIONS for the rest of the process, and ships no YAML or pin.
-VARIANT_OPTIONS = {
-    name: config_class
-    for name, config_class in COMPONENT_OPTIONS["variant"].items()
-    if config_class.__module__.startswith("dflash.")
-}
+VARIANT_OPTIONS = COMPONENT_OPTIONS["variant"]
+# The package's variants: those whose options dflash defines. A test module registers a variant
+# of its own too (tests/test_variant_training.py), or not, by which modules this run collects.
+PACKAGE_VARIANTS = sorted(
+    name for name, options in VARIANT_OPTIONS.items() if options.__module__.partition(".")[0] == "dflash"
+)
 
 # `dflash train variant=NAME --cfg job`'s variant node, as every earlier release composed it.
 PINNED = {
@@ -79,7 +78,7 @@ def composed_variant(name: str, *overrides: str, run_dir=None):
 
 def test_every_variant_option_is_pinned():
     assert (
-        {path.stem for path in (CONF_DIR / "variant").glob("*.yaml")} == set(VARIANT_OPTIONS) == set(PINNED)
+        {path.stem for path in (CONF_DIR / "variant").glob("*.yaml")} == set(PACKAGE_VARIANTS) == set(PINNED)
     )
 
 
@@ -88,7 +87,7 @@ def test_each_variant_composes_to_its_pinned_config(name):
     assert OmegaConf.to_yaml(composed_variant(name).variant) == PINNED[name]
 
 
-@pytest.mark.parametrize("name", sorted(VARIANT_OPTIONS))
+@pytest.mark.parametrize("name", PACKAGE_VARIANTS)
 def test_each_variant_yaml_starts_from_its_dataclass_and_repeats_no_option(name):
     """The YAML option holds its schema's name and nothing else: a value written there too would
     be a second source, free to drift from the dataclass and the training side."""
@@ -98,7 +97,7 @@ def test_each_variant_yaml_starts_from_its_dataclass_and_repeats_no_option(name)
     assert composed == OmegaConf.to_yaml(OmegaConf.structured(VARIANT_OPTIONS[name]))
 
 
-@pytest.mark.parametrize("name", sorted(VARIANT_OPTIONS))
+@pytest.mark.parametrize("name", PACKAGE_VARIANTS)
 def test_each_training_variant_takes_its_config_options_and_defaults(name, tmp_path):
     """The class `_target_` names has the config's options as its fields, same order, same
     defaults: a variant built without a config (a test, a tool) is the composed default one."""
@@ -159,8 +158,9 @@ def test_the_configuration_doc_names_every_option_of_every_variant():
 
     doc = (Path(__file__).resolve().parent.parent / "docs" / "configuration.md").read_text()
     section = doc.split("\n## variant\n", 1)[1].split("\n## ", 1)[0]
-    for name, config_class in VARIANT_OPTIONS.items():
+    for name in PACKAGE_VARIANTS:
         assert f"`{name}`" in section, name
+        config_class = VARIANT_OPTIONS[name]
         for option in dataclasses.fields(config_class):
             if option.name != "_target_":
                 assert f"`{option.name}`" in section, f"variant.{option.name}"
