@@ -14,7 +14,7 @@ from omegaconf import DictConfig
 
 from dflash.config.plugins import load_plugins
 from dflash.config.schema import register_configs
-from dflash.models.model_dirs import refuse_missing_target_dirs
+from dflash.target.model_dirs import refuse_missing_target_dirs
 from dflash.tools.compose import CONF_PATH
 from dflash.tools.hydra_app import run_hydra_app
 

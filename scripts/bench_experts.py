@@ -33,15 +33,15 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dflash.models.experts_tiling import (  # noqa: E402
+from dflash.target.experts_tiling import (  # noqa: E402
     FP8_BLOCK,
     ExpertsTiling,
     KernelTiling,
     default_tiling,
     shared_memory_limit,
 )
-from dflash.models.fp8 import quantize_blockwise  # noqa: E402
-from dflash.models.fused_experts import fused_experts  # noqa: E402
+from dflash.target.fp8 import quantize_blockwise  # noqa: E402
+from dflash.target.fused_experts import fused_experts  # noqa: E402
 from dflash.tools.timing import median_ms  # noqa: E402
 
 

@@ -22,7 +22,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dflash.models.short_conv import FUNCTION, FlaShortConv  # noqa: E402
+from dflash.target.short_conv import FUNCTION, FlaShortConv  # noqa: E402
 from dflash.tools.timing import back_to_back_ms, median_ms  # noqa: E402
 
 

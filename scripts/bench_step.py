@@ -46,18 +46,18 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dflash.data.collate import Batch  # noqa: E402
-from dflash.data.schedule import PlannedBatch  # noqa: E402
-from dflash.models.compile import CompileCounter  # noqa: E402
-from dflash.models.target import FrozenTarget  # noqa: E402
-from dflash.models.target_head import TargetHead  # noqa: E402
+from dflash.data.scheduler import PlannedBatch  # noqa: E402
 from dflash.run.inputs import script_target  # noqa: E402
 from dflash.run.launch import step_fn_for  # noqa: E402
 from dflash.step.build import build_drafter, build_variant, compile_drafter  # noqa: E402
-from dflash.step.variants import STEP_VARIANTS  # noqa: E402
+from dflash.step.step_paths import STEP_VARIANTS  # noqa: E402
+from dflash.target.model import FrozenTarget  # noqa: E402
+from dflash.target.target_head import TargetHead  # noqa: E402
 from dflash.tools.compose import compose_typed, device_default, with_defaults  # noqa: E402
 from dflash.tools.kernel_profile import write_kernel_table  # noqa: E402
 from dflash.tools.target_cost import part_flops  # noqa: E402
 from dflash.tools.timing import back_to_back_ms, median_ms  # noqa: E402
+from dflash.torch_runtime.compile import CompileCounter  # noqa: E402
 
 DEFAULTS = ["target=qwen3_8b_random", "drafter=b16", "drafter.mask_token_id=151669"]
 DENSE_BF16_PEAK_TFLOPS = {"H200": 989.0, "H100": 989.0, "A100": 312.0}

@@ -40,13 +40,13 @@ from torch._dynamo.utils import counters
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from dflash.models import fused_experts  # noqa: E402
-from dflash.models.compile import CompileCounter  # noqa: E402
 from dflash.run.inputs import script_target  # noqa: E402
+from dflash.target import fused_experts  # noqa: E402
 from dflash.tools.compose import compose_typed, with_defaults  # noqa: E402
 from dflash.tools.kernel_profile import write_kernel_table  # noqa: E402
 from dflash.tools.target_cost import PARTS, PartTimer, part_flops  # noqa: E402
 from dflash.tools.timing import median_ms  # noqa: E402
+from dflash.torch_runtime.compile import CompileCounter  # noqa: E402
 
 DEFAULTS = [
     "target=qwen3_next_80b_random",

@@ -15,7 +15,7 @@ models, and this runs that comparison on *your* target, data and shapes.
    planner, epoch 0 order) by the step object a run calls; loss, pre-clip gradient norm and
    position-1 accuracy of each --every-step window, side by side (as a run logs them).
 
-Variants: dflash/step/variants.py (`reference`, then `fused`, `flex`, `compiled`, each adding one
+Variants: dflash/step/step_paths.py (`reference`, then `fused`, `flex`, `compiled`, each adding one
 fast part; `compiled` is the CUDA default). flex_attention has no CPU backward: on CPU compare
 `reference,fused`.
 """
@@ -33,13 +33,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dflash.data.collate import collate  # noqa: E402
 from dflash.data.dataset import TokenDataset  # noqa: E402
-from dflash.models.target import FrozenTarget  # noqa: E402
-from dflash.models.target_head import TargetHead  # noqa: E402
 from dflash.run.inputs import load_training_data, script_target  # noqa: E402
 from dflash.run.launch import plan_batches, step_fn_for  # noqa: E402
 from dflash.step.build import build_drafter, build_variant, compile_drafter, uses_compile  # noqa: E402
 from dflash.step.loss import objective_figures  # noqa: E402
-from dflash.step.variants import STEP_VARIANTS  # noqa: E402
+from dflash.step.step_paths import STEP_VARIANTS  # noqa: E402
+from dflash.target.model import FrozenTarget  # noqa: E402
+from dflash.target.target_head import TargetHead  # noqa: E402
 from dflash.tools.compose import compose_typed  # noqa: E402
 
 

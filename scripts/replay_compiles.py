@@ -5,7 +5,7 @@
         [hydra overrides: the run's own config, e.g. experiment=smollm2_b16 target=...]
 
 A graph compiled mid-run stops the whole pipeline: every thread that calls compiled code waits
-for the compile (dflash/models/compile.py). A SmolLM2 run on an H200 stood still ~50-90 s at a
+for the compile (dflash/torch_runtime/compile.py). A SmolLM2 run on an H200 stood still ~50-90 s at a
 time at a few batches of its schedule. This replays chosen batches of the run's own plan
 (`dflash-prep`'s cache file, the run's planner) through the compiled target and drafter step, in
 order, and prints per batch its shape, the graphs each role compiled and the wall time; torch's
@@ -31,13 +31,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from dflash.config.schema import Config  # noqa: E402
 from dflash.data.collate import collate  # noqa: E402
 from dflash.data.dataset import TokenDataset  # noqa: E402
-from dflash.data.schedule import BatchPlanner, PlannedBatch  # noqa: E402
-from dflash.models.compile import CompileCounter  # noqa: E402
-from dflash.models.target_head import TargetHead  # noqa: E402
+from dflash.data.scheduler import BatchPlanner, PlannedBatch  # noqa: E402
 from dflash.run.inputs import script_target  # noqa: E402
 from dflash.run.launch import plan_batches, step_fn_for  # noqa: E402
 from dflash.step.build import build_drafter, build_variant, compile_drafter  # noqa: E402
+from dflash.target.target_head import TargetHead  # noqa: E402
 from dflash.tools.compose import compose_typed  # noqa: E402
+from dflash.torch_runtime.compile import CompileCounter  # noqa: E402
 
 
 @dataclass

@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from dflash.data.identity import read_data_identity  # noqa: E402
 from dflash.eval.journal import journal_path, read_outcomes  # noqa: E402
-from dflash.eval.report import acceptance_figures  # noqa: E402
+from dflash.eval.results import acceptance_figures  # noqa: E402
 
 GREEDY = 0.0
 
@@ -112,7 +112,7 @@ def read_run(run: Path, eval_dir: str) -> RunFigures:
 
 def _figures_from_journal(figures: RunFigures) -> None:
     """A killed evaluation wrote no report: each benchmark's figures from the greedy outcomes its
-    journal kept, by the report's own rules (tau and histogram: dflash.eval.report's
+    journal kept, by the report's own rules (tau and histogram: dflash.eval.results's
     acceptance_figures; lossless: the share of decoded prompts found identical)."""
     figures.from_journal = True
     for benchmark in dict.fromkeys(b for b, _ in figures.decoded):

@@ -12,7 +12,7 @@ import pytest
 import torch
 from omegaconf import DictConfig
 
-from dflash.models.families import TARGET_FAMILIES
+from dflash.target.families import TARGET_FAMILIES
 from dflash.tools.compose import compose_config as compose_dflash_config
 from dflash.tools.demo import TINY_ARCH  # the tiny target's architecture, written once (tests import it here)
 
@@ -92,7 +92,7 @@ def tiny_hybrid_arch(moe: bool = True) -> list[str]:
     return [f"target.arch.{key}={value}" for key, value in shape.items()]
 
 
-# Every family of the table (dflash/models/families.py), each with a tiny checkpoint below.
+# Every family of the table (dflash/target/families.py), each with a tiny checkpoint below.
 FAMILIES = [family.model_type for family in TARGET_FAMILIES]
 
 
@@ -217,7 +217,7 @@ def pytest_collection_modifyitems(config, items):
 def one_sample_batch():
     """A batch of one 8-token sample in bucket 0 (for metric sums that need only its plan)."""
     from dflash.data.collate import Batch
-    from dflash.data.schedule import PlannedBatch
+    from dflash.data.scheduler import PlannedBatch
 
     return Batch(
         torch.zeros(1, 8, dtype=torch.int64),
@@ -250,8 +250,8 @@ class VariantRegistries:
         from hydra.core.config_store import ConfigStore
 
         from dflash.config.schema import COMPONENT_OPTIONS
+        from dflash.drafters import registry as variants
         from dflash.export import registry as exports
-        from dflash.models import variants
         from dflash.step import variant_registry
 
         self._monkeypatch = monkeypatch

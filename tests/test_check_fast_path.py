@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from dflash.data.schedule import held_out_ids
-from dflash.step.variants import STEP_VARIANTS
+from dflash.data.scheduler import held_out_ids
+from dflash.step.step_paths import STEP_VARIANTS
 from tests.scripts_as_modules import load_script
 
 

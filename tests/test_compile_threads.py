@@ -15,7 +15,7 @@ import pytest
 import torch
 from torch import nn
 
-from dflash.models.compile import compile_shared
+from dflash.torch_runtime.compile import compile_shared
 
 
 def start_thread(
@@ -74,22 +74,22 @@ def test_every_compiled_function_of_the_package_goes_through_the_shared_lock():
     package = pathlib.Path(__file__).resolve().parent.parent / "dflash"
     direct = []
     for path in package.rglob("*.py"):
-        if path.name == "compile.py" and path.parent.name == "models":
+        if path.name == "compile.py" and path.parent.name == "torch_runtime":
             continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.Call) and ast.unparse(node.func) == "torch.compile":
                 direct.append(f"{path.relative_to(package.parent)}:{node.lineno}")
-    assert not direct, f"use dflash.models.compile.compile_shared, not torch.compile: {direct}"
+    assert not direct, f"use dflash.torch_runtime.compile.compile_shared, not torch.compile: {direct}"
 
 
 def test_a_graph_compiled_after_the_first_training_step_is_warned_about(caplog):
     """Before `settle` graphs are the run's start-up; after it a new graph means the pipeline
     stood still while it compiled: a warning that names the role and points at the replay."""
-    from dflash.models.compile import CompileCounter
+    from dflash.torch_runtime.compile import CompileCounter
 
     counter = CompileCounter("drafter", backend=lambda graph_module, example_inputs: graph_module.forward)
     double = compile_shared(lambda x: x * 2, backend=counter, dynamic=True)
-    with caplog.at_level("INFO", logger="dflash.models.compile"):
+    with caplog.at_level("INFO", logger="dflash.torch_runtime.compile"):
         double(torch.ones(3, 4))
         double(torch.ones(5, 4))  # symbolic shapes: no new graph
         counter.settle()
@@ -108,7 +108,7 @@ def test_the_compiled_drafter_holds_no_guard_on_state_transformers_shares_betwee
     global while one is: torch 2.13 holds `torch.compiler.is_compiling()` true in every thread
     for the whole compile (pytorch/pytorch#184614). So a target thread running transformers'
     eager forward while the drafter compiled rewrote that global under the drafter's trace
-    (until dflash/models/thread_records.py kept eager threads off it): a drafter graph that read
+    (until dflash/torch_runtime/thread_records.py kept eager threads off it): a drafter graph that read
     it recompiled on every change, or failed building its guards ("'NoneType' object is not
     subscriptable", seen on a 2-core CPU with four compile threads). The drafter computes its own
     rotary embedding and reads none of it, whatever sets the record."""
@@ -141,7 +141,7 @@ def first_attention_projection(target) -> nn.Module:
 def tiny_family_target(family: str, request):
     from transformers import AutoModelForCausalLM
 
-    from dflash.models.target import FrozenTarget
+    from dflash.target.model import FrozenTarget
 
     return FrozenTarget(
         AutoModelForCausalLM.from_pretrained(request.getfixturevalue(f"tiny_{family}_dir")), [1, 3]
@@ -249,7 +249,7 @@ def test_a_record_of_another_layout_is_left_as_the_library_wrote_it(monkeypatch,
     import sys
     import types
 
-    from dflash.models import thread_records
+    from dflash.torch_runtime import thread_records
 
     class Record:
         def __init__(self):
@@ -259,7 +259,7 @@ def test_a_record_of_another_layout_is_left_as_the_library_wrote_it(monkeypatch,
     library.record = Record()
     monkeypatch.setitem(sys.modules, "later_library", library)
     location = ("later_library", "record", ("context_var", "global_var", "compiling"))
-    with caplog.at_level("WARNING", logger="dflash.models.thread_records"):
+    with caplog.at_level("WARNING", logger="dflash.torch_runtime.thread_records"):
         thread_records._replace(location, thread_records._collector_class)
     assert type(library.record) is Record
     assert "later_library.record has fields" in caplog.text

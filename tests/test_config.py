@@ -301,7 +301,7 @@ def test_gpu_split_from_config():
     ],
 )
 def test_cross_field_errors_name_the_key_before_any_model_loads(overrides, message, make_cfg, monkeypatch):
-    from dflash.models.target import FrozenTarget
+    from dflash.target.model import FrozenTarget
 
     def no_load(*args, **kwargs):
         raise AssertionError("a model was loaded before the config was validated")
@@ -483,7 +483,7 @@ def formula_layer_ids(num_layers: int, num_features: int) -> list[int]:
 
 
 def test_default_layer_ids_are_the_formulas_wherever_it_gives_distinct_ids():
-    from dflash.models.layer_ids import default_target_layer_ids
+    from dflash.drafters.layer_ids import default_target_layer_ids
 
     assert default_target_layer_ids(36, 5) == [1, 9, 17, 25, 33]  # Qwen3-8B, the released drafters
     assert default_target_layer_ids(6, 2) == [1, 3]  # the tiny target, drafter=tiny
@@ -498,7 +498,7 @@ def test_default_layer_ids_are_the_formulas_wherever_it_gives_distinct_ids():
 
 
 def test_default_layer_ids_on_shallow_targets_are_distinct_and_inside_the_target():
-    from dflash.models.layer_ids import default_target_layer_ids
+    from dflash.drafters.layer_ids import default_target_layer_ids
 
     assert default_target_layer_ids(6, 5) == [1, 2, 3, 4, 5]  # the formula: [1, 2, 2, 2, 3]
     assert default_target_layer_ids(4, 2) == [1, 3]  # the formula: [1, 1]
@@ -545,7 +545,7 @@ def test_dflash2_defaults_follow_the_hidden_size_and_stay_servable(hidden, top_k
     from transformers import Qwen3Config
 
     from dflash.config.shape_defaults import default_conv_group_size, default_selector_top_k
-    from dflash.export.dflash2 import reader_limits
+    from dflash.export.dflash2_rules import reader_limits
     from dflash.step.variant import DFlash2Variant
 
     def backbone(hidden_size: int) -> Qwen3Config:

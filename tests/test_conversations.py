@@ -368,7 +368,7 @@ def test_a_directory_is_read_recursively_in_every_supported_form(tmp_path, rende
 
 
 def test_an_eval_prompt_that_is_not_text_is_refused_with_its_line(tmp_path, renderer):
-    from dflash.eval.prompts import read_prompt_file
+    from dflash.eval.prompt_sets import read_prompt_file
 
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"prompt": "hello"}\n{"prompt": null}\n')

@@ -1,4 +1,4 @@
-"""The Gated DeltaNet token mixer of feature forwards (dflash/models/deltanet.py, `FeatureMixer`):
+"""The Gated DeltaNet token mixer of feature forwards (dflash/target/deltanet_mixer.py, `FeatureMixer`):
 transformers' mixer's output, exactly where both run PyTorch; its two kernels opaque to dynamo, so
 a compiled layer keeps them whole; on CUDA, flash-linear-attention's kernels against the
 reference."""
@@ -12,10 +12,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dflash.models.deltanet import FeatureMixer
-from dflash.models.families import is_deltanet_layer
-from dflash.models.fp8 import BlockFP8Linear, quantize_layer
-from dflash.models.target import FrozenTarget
+from dflash.target.deltanet_mixer import FeatureMixer
+from dflash.target.families import is_deltanet_layer
+from dflash.target.fp8 import BlockFP8Linear, quantize_layer
+from dflash.target.model import FrozenTarget
 
 HYBRID_FAMILIES = ["qwen3_next", "qwen3_5", "qwen3_5_moe"]  # both projection layouts, dense and MoE
 

@@ -13,11 +13,11 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflash.drafters.backbone import DFlashDrafter
+from dflash.drafters.dflash2 import DFlash2Drafter, GroupedDynamicConv, add_dflash2_fields
+from dflash.drafters.drafter_class import drafter_from_config
+from dflash.drafters.dspark import DSparkDrafter
 from dflash.export.zlab import load_drafter
-from dflash.models.dflash2 import DFlash2Drafter, GroupedDynamicConv, add_dflash2_fields
-from dflash.models.drafter import DFlashDrafter
-from dflash.models.drafter_class import drafter_from_config
-from dflash.models.dspark import DSparkDrafter
 from dflash.step.blocks import layer_masks
 from dflash.step.dflash2_loss import dflash2_loss
 from dflash.step.loss import objective_figures
@@ -58,7 +58,10 @@ def tiny_dflash2(target, *, scale: float = 0.3, **shape) -> DFlash2Drafter:
     "variant, needs",
     [
         (DFlash2Drafter, "a DFlash2 drafter config needs dflash_config.selector_top_k (add_dflash2_fields)"),
-        (DSparkDrafter, "a DSpark drafter config needs markov_rank (dflash.models.dspark.add_dspark_fields)"),
+        (
+            DSparkDrafter,
+            "a DSpark drafter config needs markov_rank (dflash.drafters.dspark.add_dspark_fields)",
+        ),
     ],
 )
 def test_a_variant_refuses_a_config_without_its_fields_by_naming_them(variant, needs):
@@ -134,7 +137,7 @@ def test_the_convolution_follows_its_formula_and_never_crosses_a_block(kernel):
 def test_the_convolutions_backward_keeps_only_its_inputs_and_equals_autograds(kernel):
     """`_BlockConvolve` recomputes each tap in its backward: its gradients (input, dynamic taps,
     base kernel) equal autograd's through the reference, and match finite differences."""
-    from dflash.models.dflash2 import _BlockConvolve, block_convolve
+    from dflash.drafters.dflash2 import _BlockConvolve, block_convolve
 
     torch.manual_seed(0)
     y = torch.randn(2, 3 * BLOCK, 8, dtype=torch.float64, requires_grad=True)

@@ -24,12 +24,12 @@ from dflash.decoding.reference import (
     speculative_generate,
 )
 from dflash.decoding.static_drafter import StaticCacheDrafter
+from dflash.drafters.backbone import DFlashDrafter, drafter_config
+from dflash.drafters.dflash2 import DFlash2Drafter, add_dflash2_fields
 from dflash.eval.evaluate import Decoders, evaluate_set
-from dflash.eval.prompts import PromptSet
-from dflash.eval.report import EvalReport
+from dflash.eval.prompt_sets import PromptSet
+from dflash.eval.results import EvalReport
 from dflash.eval.tally import SelectorTally
-from dflash.models.dflash2 import DFlash2Drafter, add_dflash2_fields
-from dflash.models.drafter import DFlashDrafter, drafter_config
 from dflash.run.checks import is_summary_metric
 from tests.test_dflash_rules import MASK_ID, tiny_target
 from tests.test_dspark_decoding import block_hidden

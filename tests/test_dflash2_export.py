@@ -13,12 +13,12 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
+from dflash.drafters.backbone import DFlashDrafter
+from dflash.drafters.dflash2 import DFlash2Drafter, GroupedDynamicConv, add_dflash2_fields
 from dflash.export.contract import check_export, reader_limits
 from dflash.export.zlab import export_drafter, export_speculators, load_drafter, load_drafter_weights
-from dflash.models.dflash2 import DFlash2Drafter, GroupedDynamicConv, add_dflash2_fields
-from dflash.models.drafter import DFlashDrafter
-from dflash.models.target import FrozenTarget
 from dflash.run.resume import check_resume_matches, warm_starts_new_parts
+from dflash.target.model import FrozenTarget
 from dflash.tools.export import main as export_main
 from dflash.train import train
 from dflash.trainer.checkpoint import save_checkpoint

@@ -11,9 +11,8 @@ import torch
 from transformers import AutoConfig
 
 from dflash.config.schema import DrafterConfig
-from dflash.models.drafter import DFlashDrafter, drafter_config
-from dflash.models.layer_ids import default_target_layer_ids
-from dflash.models.target import FrozenTarget
+from dflash.drafters.backbone import DFlashDrafter, drafter_config
+from dflash.drafters.layer_ids import default_target_layer_ids
 from dflash.step.blocks import (
     block_attention_mask,
     build_blocks,
@@ -22,6 +21,7 @@ from dflash.step.blocks import (
     sample_rng,
 )
 from dflash.step.loss import block_acceptance, draft_loss, tau_from_accuracy, tau_from_rounds, tau_from_runs
+from dflash.target.model import FrozenTarget
 from tests.conftest import FAMILIES, one_sample_batch
 
 MASK_ID = 511

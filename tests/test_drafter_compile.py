@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from dflash.config.schema import DrafterConfig
-from dflash.models.dflash2 import DFlash2Drafter, add_dflash2_fields
-from dflash.models.drafter import DFlashDrafter, drafter_config
+from dflash.drafters.backbone import DFlashDrafter, drafter_config
+from dflash.drafters.dflash2 import DFlash2Drafter, add_dflash2_fields
 from dflash.step.blocks import block_attention_mask
 from tests.test_dflash_rules import MASK_ID, blocks_for, tiny_target
 

@@ -16,13 +16,13 @@ from hydra.errors import ConfigCompositionException
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from dflash.config.schema import DrafterConfig
+from dflash.drafters.backbone import drafter_config
+from dflash.drafters.drafter_class import drafter_from_config
+from dflash.drafters.dspark import DSparkDrafter, add_dspark_fields
 from dflash.export.zlab import load_drafter
-from dflash.models.drafter import drafter_config
-from dflash.models.drafter_class import drafter_from_config
-from dflash.models.dspark import DSparkDrafter, add_dspark_fields
-from dflash.models.target import FrozenTarget
 from dflash.step.blocks import build_blocks, position_weights
 from dflash.step.dspark_loss import DSparkWeights, dspark_loss
+from dflash.target.model import FrozenTarget
 from dflash.train import train
 from tests.conftest import TINY_ARCH
 from tests.test_dflash_rules import blocks_for

@@ -21,8 +21,8 @@ from dflash.decoding.reference import (
 )
 from dflash.decoding.static_drafter import StaticCacheDrafter
 from dflash.eval.evaluate import Decoders, evaluate_set
-from dflash.eval.prompts import PromptSet
-from dflash.eval.report import EvalReport
+from dflash.eval.prompt_sets import PromptSet
+from dflash.eval.results import EvalReport
 from dflash.eval.tally import ConfidenceTally
 from dflash.run.checks import is_summary_metric
 from dflash.step.blocks import layer_masks
@@ -288,7 +288,7 @@ def test_dflash_eval_of_a_deepspec_checkpoint_reports_its_confidence_head(tmp_pa
     tables bundled): lossless, up to B + 1 tokens a round, the head's predictions beside the
     acceptance."""
     from dflash.config.schema import TargetConfig
-    from dflash.models.target import FrozenTarget
+    from dflash.target.model import FrozenTarget
     from dflash.tools.eval import run_eval
     from tests.test_dspark_export import write_as_deepspec_does
     from tests.test_eval import eval_cfg, write_prompts

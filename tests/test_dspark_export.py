@@ -13,11 +13,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash.config.schema import DrafterConfig
+from dflash.drafters.backbone import drafter_config
+from dflash.drafters.dspark import DSparkDrafter, add_dspark_fields
 from dflash.export.contract import check_export, reader_limits
 from dflash.export.zlab import export_drafter, load_drafter, load_drafter_weights, read_drafter_config
-from dflash.models.drafter import drafter_config
-from dflash.models.dspark import DSparkDrafter, add_dspark_fields
-from dflash.models.target import FrozenTarget
+from dflash.target.model import FrozenTarget
 from dflash.tools.export import main as export_main
 from tests.test_dflash_rules import MASK_ID, tiny_target
 

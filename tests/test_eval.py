@@ -13,10 +13,10 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash.config.schema import DrafterConfig, TargetConfig
+from dflash.drafters.backbone import DFlashDrafter, drafter_config
 from dflash.eval.evaluate import Decoders
 from dflash.export.zlab import export_drafter
-from dflash.models.drafter import DFlashDrafter, drafter_config
-from dflash.models.target import FrozenTarget
+from dflash.target.model import FrozenTarget
 from tests.conftest import compose_config
 from tests.tiny_assets import write_conversations
 
@@ -388,7 +388,7 @@ def test_packaged_humaneval_and_mtbench_prompts_are_rendered_as_chat_requests(ti
     """`eval=humaneval_mtbench`: HumanEval (gzipped, each signature wrapped in the instruction)
     and MT-Bench first turns, read from the installed packages in file order."""
     from dflash.data.chat import load_chat_renderer
-    from dflash.eval.prompts import read_prompt_file
+    from dflash.eval.prompt_sets import read_prompt_file
 
     cfg = compose_config(["eval=humaneval_mtbench", f"target.path={tiny_chat_dir}"])
     renderer = load_chat_renderer(TargetConfig(name="t", path=str(tiny_chat_dir)), "eval")
@@ -425,7 +425,7 @@ def test_speedup_divides_each_paths_time_by_its_own_output_and_reports_the_round
     steps with the prefill (timed apart) taken out of both, as bench_decode measures it."""
     from dflash.decoding.reference import DecodeResult
     from dflash.eval import evaluate as evaluate_module
-    from dflash.eval.prompts import PromptSet
+    from dflash.eval.prompt_sets import PromptSet
 
     seconds = {"speculative": 0.1, "plain": 0.4, "prefill": 0.01}
 
@@ -464,7 +464,7 @@ def test_speedup_divides_each_paths_time_by_its_own_output_and_reports_the_round
     # (100 - 10) ms / 2 rounds against (400 - 10) ms / 19 steps
     assert result.round_cost == pytest.approx((0.09 / 2) / (0.39 / 19))
     # Every figure the report emits is one `objective=` may name.
-    from dflash.eval.report import EvalReport
+    from dflash.eval.results import EvalReport
     from dflash.run.checks import is_summary_metric
 
     metrics = EvalReport(results=[result]).metrics()
@@ -720,7 +720,7 @@ def test_reference_slots_below_one_is_refused_naming_the_key(
 
 
 def test_a_resume_knows_the_target_by_content_not_by_its_path(tmp_path, tiny_chat_dir, exported_drafter, benchmark_files):  # fmt: skip
-    """The journal records the target as resume and pairing compare it (dflash.models.identity):
+    """The journal records the target as resume and pairing compare it (dflash.target.target_identity):
     the same files at another path continue the evaluation; a same-shape target with other
     weights (evaluated with eval.check_target=false) is refused rather than mixed in."""
     import shutil

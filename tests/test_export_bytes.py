@@ -14,9 +14,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from dflash.drafters.backbone import DFlashDrafter
+from dflash.drafters.lilicorr import LiLiCorrDrafter
 from dflash.export.zlab import export_deepspec, export_drafter, export_speculators
-from dflash.models.drafter import DFlashDrafter
-from dflash.models.lilicorr import LiLiCorrDrafter
 from tests.test_dflash2_export import tiny_dflash2
 from tests.test_dflash_rules import tiny_drafter, tiny_target
 from tests.test_dspark_export import tiny_dspark

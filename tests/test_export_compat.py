@@ -17,8 +17,8 @@ from transformers import AutoConfig
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RotaryEmbedding
 
 from dflash.config.schema import DrafterConfig
+from dflash.drafters.backbone import DFlashDrafter, drafter_config
 from dflash.export.zlab import export_drafter, read_drafter_config
-from dflash.models.drafter import DFlashDrafter, drafter_config
 from tests.conftest import SLOW_MACHINE_TIMEOUT_S, TINY_ARCH
 
 COMPAT_TRANSFORMERS = Path(sys.prefix) / "compat" / "transformers-4.57.1"
@@ -96,7 +96,7 @@ def assert_read_alike(directory: Path) -> dict:
 @pytest.mark.slow
 def test_a_smollm2_drafter_export_reads_alike_under_transformers_4_57(tmp_path, data_cache):
     """The real model's rotary base is 100000: under 4.57 it must not fall back to 10000."""
-    from dflash.models.gguf import local_target
+    from dflash.target.gguf import local_target
     from tests.test_gguf import SMOLLM2, needs_smollm2
 
     if needs_smollm2.args[0]:

@@ -158,7 +158,7 @@ def test_the_documented_drafter_variant_trains_decodes_and_reloads_as_itself(
     import torch
 
     from dflash.export.zlab import load_drafter
-    from dflash.models.target import FrozenTarget
+    from dflash.target.model import FrozenTarget
 
     with monkeypatch.context() as patch:
         patch.setattr(FrozenTarget, "from_config", lambda *args, **kwargs: pytest.fail("a model loaded"))
@@ -290,7 +290,7 @@ def test_the_documented_entry_point_declares_the_plugin(tmp_path, monkeypatch):
 def test_a_component_or_callback_that_cannot_serve_is_refused_before_any_model_loads(
     overrides, message, make_cfg, monkeypatch
 ):
-    from dflash.models.target import FrozenTarget
+    from dflash.target.model import FrozenTarget
 
     def no_load(*args, **kwargs):
         raise AssertionError("a model was loaded before the components and callbacks were checked")

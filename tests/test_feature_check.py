@@ -12,8 +12,8 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash.models.feature_check import measure
 from dflash.run.launch import build_run
+from dflash.target.feature_check import measure
 from tests.conftest import SLOW_MACHINE_TIMEOUT_S, save_tiny_model
 
 

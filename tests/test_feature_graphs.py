@@ -1,5 +1,5 @@
 """target.cuda_graphs: the feature forward replayed from a CUDA graph of each batch shape
-(dflash/models/feature_graphs.py). A replay must give the forward's features, whatever the order
+(dflash/target/feature_graphs.py). A replay must give the forward's features, whatever the order
 of shapes, whichever thread calls, and must never overwrite features a caller still holds."""
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ def test_on_cuda_replayed_features_are_the_compiled_forwards_in_any_order_and_th
     two shapes get graphs, a third runs plain; each call's features equal the compiled forward's
     exactly (the same kernels); features a caller holds survive later replays; two threads
     calling at once each get their own input's features."""
-    from dflash.models.compile import CompileCounter
     from dflash.run.inputs import frozen_target
+    from dflash.torch_runtime.compile import CompileCounter
 
     torch.manual_seed(0)
     cfg = typed_config(make_cfg(tiny_moe_target_overrides("gpu=single", "target.experts=fused")))

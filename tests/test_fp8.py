@@ -1,4 +1,4 @@
-"""FP8 targets (dflash/models/fp8.py): the block-wise scale formula against transformers' own
+"""FP8 targets (dflash/target/fp8.py): the block-wise scale formula against transformers' own
 reader, a tiny checkpoint written here in the published layout (Qwen3 dense, Qwen3-Next hybrid
 MoE) loading with `target.path` to the features of the dequantized weights, the FP8-kept path
 (random `target.fp8` targets; transformers' FP8 modules converted) equal to the forward of its
@@ -18,7 +18,7 @@ import pytest
 import torch
 from torch import nn
 
-from dflash.models.fp8 import (
+from dflash.target.fp8 import (
     FP8_DTYPE,
     BlockFP8Experts,
     BlockFP8Linear,
@@ -137,7 +137,7 @@ def dequantized_copy(model: nn.Module) -> nn.Module:
 
 
 def features_of(model: nn.Module, ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
-    from dflash.models.target import FrozenTarget
+    from dflash.target.model import FrozenTarget
 
     return FrozenTarget(model, layer_ids).features(ids)
 
@@ -181,7 +181,7 @@ def test_a_published_layout_fp8_checkpoint_loads_to_the_features_of_its_dequanti
     from omegaconf import OmegaConf
 
     from dflash.config.schema import TargetConfig
-    from dflash.models.target import FrozenTarget
+    from dflash.target.model import FrozenTarget
 
     model = tiny_model(model_type, arch)
     directory = write_fp8_checkpoint(model, tmp_path / "fp8")
@@ -255,8 +255,8 @@ def test_a_random_fp8_target_builds_layer_by_layer_in_fp8(make_cfg):
     from transformers import AutoModelForCausalLM
 
     from dflash.config.typed import typed_config
-    from dflash.models.fp8 import weight_bytes
     from dflash.run.inputs import frozen_target
+    from dflash.target.fp8 import weight_bytes
 
     overrides = ["target=qwen3_next_80b_fp8_random", *(f"target.arch.{k}={v}" for k, v in QWEN3_NEXT.items())]
     overrides += ["drafter=tiny", "drafter.mask_token_id=255", "drafter.target_layer_ids=[0,3]"]
@@ -349,7 +349,7 @@ def test_a_checkpoint_transformers_would_misread_on_the_cpu_is_refused(tmp_path)
     from omegaconf import OmegaConf
 
     from dflash.config.schema import TargetConfig
-    from dflash.models.target import FrozenTarget
+    from dflash.target.model import FrozenTarget
 
     arch = {**QWEN3, "head_dim": 48}  # q_proj: 4 x 48 = 192 rows
     directory = write_fp8_checkpoint(tiny_model("qwen3", arch), tmp_path / "fp8")
@@ -380,7 +380,7 @@ def test_on_cuda_an_fp8_checkpoint_stays_fp8_and_matches_the_bf16_forward_of_its
     from omegaconf import OmegaConf
 
     from dflash.config.schema import TargetConfig
-    from dflash.models.target import FrozenTarget
+    from dflash.target.model import FrozenTarget
 
     device = torch.device("cuda")
     model = tiny_model(model_type, arch)
@@ -426,8 +426,8 @@ def test_on_cuda_a_random_fp8_target_holds_fp8_weights(make_cfg):
     from transformers import AutoModelForCausalLM
 
     from dflash.config.typed import typed_config
-    from dflash.models.fp8 import weight_bytes
     from dflash.run.inputs import frozen_target
+    from dflash.target.fp8 import weight_bytes
 
     overrides = ["target=qwen3_next_80b_fp8_random", *(f"target.arch.{k}={v}" for k, v in QWEN3_NEXT.items())]
     overrides += ["target.arch.num_hidden_layers=8", "drafter=tiny", "drafter.mask_token_id=255"]
@@ -452,8 +452,8 @@ def test_fp8_kept_layers_compile_by_layer_without_graph_breaks(make_cfg):
     from torch._dynamo.utils import counters
 
     from dflash.config.typed import typed_config
-    from dflash.models.compile import CompileCounter
     from dflash.run.inputs import frozen_target
+    from dflash.torch_runtime.compile import CompileCounter
 
     overrides = ["target=qwen3_next_80b_fp8_random", *(f"target.arch.{k}={v}" for k, v in QWEN3_NEXT.items())]
     overrides += ["drafter=tiny", "drafter.mask_token_id=255", "drafter.target_layer_ids=[0,3]"]
@@ -528,8 +528,8 @@ def test_an_fp8_checkpoint_with_a_missing_or_misshapen_scale_is_refused_before_l
     expected shape; so does the config check every run does before it loads (load_target_config)."""
     from safetensors.torch import load_file, save_file
 
-    from dflash.models.fp8 import load_fp8_checkpoint
-    from dflash.models.target import load_target_config
+    from dflash.target.fp8 import load_fp8_checkpoint
+    from dflash.target.model import load_target_config
 
     directory = write_fp8_checkpoint(tiny_model("qwen3", QWEN3), tmp_path / "fp8")
     tensors = load_file(directory / "model.safetensors")
@@ -564,7 +564,7 @@ def test_a_malformed_fp8_quantization_config_is_refused_naming_the_file_and_key(
     ZeroDivisionError; "128": TypeError) or misread (a method transformers does not know: the FP8
     weights load unscaled; a static activation scheme, another float8 format, a skip list given as
     one string) is refused before any load, in one line naming config.json and the dotted key."""
-    from dflash.models.target import load_target_config
+    from dflash.target.model import load_target_config
 
     directory = write_fp8_checkpoint(tiny_model("qwen3", QWEN3), tmp_path / "fp8")
     config = json.loads((directory / "config.json").read_text())
@@ -580,7 +580,7 @@ def test_a_malformed_fp8_quantization_config_is_refused_naming_the_file_and_key(
 def test_a_quantization_config_that_is_not_a_mapping_is_refused_naming_the_file(tmp_path):
     """`"quantization_config": "fp8"` breaks transformers' own config reader (AttributeError while
     it logs the config): refused first, naming the file."""
-    from dflash.models.target import load_target_config
+    from dflash.target.model import load_target_config
 
     directory = write_fp8_checkpoint(tiny_model("qwen3", QWEN3), tmp_path / "fp8")
     config = json.loads((directory / "config.json").read_text())

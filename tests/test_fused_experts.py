@@ -1,4 +1,4 @@
-"""target.experts=fused: dflash's Triton experts for a frozen MoE target (dflash/models/fused_experts.py).
+"""target.experts=fused: dflash's Triton experts for a frozen MoE target (dflash/target/fused_experts.py).
 
 The routing layout is plain torch and is held to a direct construction on the CPU; the kernels
 run on CUDA, where they are held to the experts formula written out, to transformers' own
@@ -12,7 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash.models.fused_experts import BLOCK_M, routing
+from dflash.target.fused_experts import BLOCK_M, routing
 from tests.test_fp8 import QWEN3_NEXT
 
 # The FP8 tests' Qwen3-Next layout with more experts and whole 128 x 128 blocks in the experts'
@@ -97,7 +97,7 @@ def test_fused_experts_on_the_cpu_are_refused_naming_the_key(make_cfg, kind):
 def test_experts_the_kernels_do_not_compute_are_refused_by_what_they_have():
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dflash.models.fused_experts import fused_experts_forward
+    from dflash.target.fused_experts import fused_experts_forward
 
     config = AutoConfig.for_model("qwen3_next", **QWEN3_NEXT_MOE)
     experts = AutoModelForCausalLM.from_config(config).model.layers[0].mlp.experts
@@ -123,7 +123,7 @@ def test_the_override_bench_experts_prints_trains_with_that_tiling(
     """bench_experts prints its best tiling as a `target.experts_tiling=` override: Hydra reads it
     back as the same tiles, and the flat form the compiled op carries round-trips."""
     from dflash.config.typed import typed_config
-    from dflash.models.experts_tiling import ExpertsTiling, default_tiling
+    from dflash.target.experts_tiling import ExpertsTiling, default_tiling
 
     tiling = tiling_of(block_m, gate_up_tiles, down_tiles)
     cfg = typed_config(make_cfg(tiny_moe_target_overrides(tiling.override())))
@@ -136,8 +136,8 @@ def test_the_configured_tiling_reaches_the_kernels_of_every_experts_module(monke
     function then hands those to the fused op, and the default tiles where none were given."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dflash.models import fused_experts as module
-    from dflash.models.experts_tiling import default_tiling, use_tiling
+    from dflash.target import fused_experts as module
+    from dflash.target.experts_tiling import default_tiling, use_tiling
 
     config = AutoConfig.for_model("qwen3_next", **QWEN3_NEXT_MOE)
     model = AutoModelForCausalLM.from_config(config)
@@ -166,9 +166,9 @@ def test_fp8_experts_take_the_fields_set_and_the_defaults_of_the_weights_multipl
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from dflash.config.schema import ExpertsTilingConfig
-    from dflash.models import fused_experts as module
-    from dflash.models.experts_tiling import default_tiling, use_tiling
-    from dflash.models.fp8 import quantize_layer
+    from dflash.target import fused_experts as module
+    from dflash.target.experts_tiling import default_tiling, use_tiling
+    from dflash.target.fp8 import quantize_layer
 
     settings = ExpertsTilingConfig(block_m=32)
     settings.down.warps = 8
@@ -207,7 +207,7 @@ def test_experts_tilings_that_cannot_apply_are_refused_naming_the_key(make_cfg, 
     ):
         build("target.fp8=true", "target.experts_tiling.gate_up.block_n=256")
     from dflash.config.schema import ExpertsTilingConfig
-    from dflash.models.experts_tiling import resolve
+    from dflash.target.experts_tiling import resolve
 
     four_stages = ExpertsTilingConfig(block_m=128)
     four_stages.gate_up.stages = 4  # over the A100 defaults (the tiles before): 4 x 48 KiB
@@ -221,7 +221,7 @@ def test_experts_tilings_that_cannot_apply_are_refused_naming_the_key(make_cfg, 
         ValueError, match=r"but its routed experts run grouped_mm, not the fused kernels \(set target"
     ):
         build("target.experts=grouped_mm", tiling)
-    with caplog.at_level("INFO", logger="dflash.models.target"):
+    with caplog.at_level("INFO", logger="dflash.target.model"):
         target, _ = build("target.experts=auto", tiling)
     assert "target.experts_tiling unused: its routed experts run transformers' default" in caplog.text
     assert not any(hasattr(m, "dflash_experts_tiling") for m in target.model.modules())
@@ -246,7 +246,7 @@ class FP8ExpertsCase:
 
     @classmethod
     def draw(cls, tokens: int, seed: int, *, num_experts=8, top_k=2, hidden=256, inter=256) -> FP8ExpertsCase:
-        from dflash.models.fp8 import quantize_blockwise
+        from dflash.target.fp8 import quantize_blockwise
 
         generator = torch.Generator().manual_seed(seed)
         gate_up, down = random_experts(num_experts, hidden, inter, torch.float32, generator)
@@ -262,7 +262,7 @@ class FP8ExpertsCase:
         )
 
     def run(self, **options) -> torch.Tensor:
-        from dflash.models import fused_experts
+        from dflash.target import fused_experts
 
         return fused_experts.fused_experts(
             self.x, self.top_k_index, self.weights, gate_up_proj=self.gate_up[0], down_proj=self.down[0],
@@ -270,7 +270,7 @@ class FP8ExpertsCase:
         ).float()  # fmt: skip
 
     def dequantized(self) -> tuple[torch.Tensor, torch.Tensor]:
-        from dflash.models.fp8 import dequantize_blockwise
+        from dflash.target.fp8 import dequantize_blockwise
 
         return tuple(
             dequantize_blockwise(w, s, (128, 128), torch.float32) for w, s in (self.gate_up, self.down)
@@ -285,7 +285,7 @@ def test_on_cuda_the_fused_experts_compute_the_formula(tokens):
     weights (which rounds after each projection, where the kernels round once)."""
     from transformers.integrations.moe import grouped_mm_experts_forward
 
-    from dflash.models.fused_experts import fused_experts
+    from dflash.target.fused_experts import fused_experts
 
     generator = torch.Generator().manual_seed(0)
     num_experts, top_k, hidden, inter = 16, 4, 256, 192  # 192: a partial column tile
@@ -336,7 +336,7 @@ OTHER_TILINGS = [
 
 
 def tiling_of(block_m, gate_up, down):
-    from dflash.models.experts_tiling import ExpertsTiling, KernelTiling
+    from dflash.target.experts_tiling import ExpertsTiling, KernelTiling
 
     return ExpertsTiling(block_m=block_m, gate_up=KernelTiling(*gate_up), down=KernelTiling(*down))
 
@@ -344,7 +344,7 @@ def tiling_of(block_m, gate_up, down):
 def test_tilings_the_kernels_cannot_run_are_refused_before_any_kernel(monkeypatch):
     """Not powers of two >= 16 (tl.dot's rule), or FP8 tiles crossing a 128-wide scale block:
     refused by name before the kernels are imported (on CPU too, where no kernel exists)."""
-    from dflash.models import fused_experts as module
+    from dflash.target import fused_experts as module
 
     monkeypatch.setattr(module, "_kernels", lambda: pytest.fail("kernels imported"))
     assert tiling_of(16, (64, 32, 4, 2), (256, 128, 8, 4)).refusal(fp8=False) is None
@@ -418,7 +418,7 @@ def test_the_default_tiles_are_the_fastest_that_fit_the_gpu(weights, activations
     """A target built on a GPU with less shared memory than an H200 (an A100, an L40S) or in
     fp32 (the exact lossless check) gets default tiles Triton can launch there, not an
     out-of-resources error at its first forward."""
-    from dflash.models.experts_tiling import default_tiling
+    from dflash.target.experts_tiling import default_tiling
 
     tiling = default_tiling(weights, activations=activations, shared_memory=gpu)
     assert tiling == tiling_of(*want)
@@ -432,7 +432,7 @@ def test_on_cuda_every_tiling_computes_the_formula(dtype, block_m, gate_up_tiles
     """Other launch shapes, the same products: fp32 within fp32 rounding of the formula, bf16
     within bf16 rounding; FP8 weights (tiles inside the scale blocks) within bf16 rounding of the
     dequantized formula."""
-    from dflash.models.fused_experts import fused_experts
+    from dflash.target.fused_experts import fused_experts
 
     generator = torch.Generator().manual_seed(3)
     num_experts, top_k, hidden, inter = 16, 4, 256, 192
@@ -458,7 +458,7 @@ def test_activation_groups_quantize_as_the_served_fp8_kernels_do():
     """One scale per row and 128 columns, max|x| / 448; the group's largest element lands on
     +-448 exactly, every element within e4m3's rounding (3 mantissa bits: half an ulp is 1/16
     relative); an all-zero group keeps a tiny positive scale and quantizes to zeros."""
-    from dflash.models.fused_experts import quantize_groups
+    from dflash.target.fused_experts import quantize_groups
 
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(5, 384, generator=generator) * torch.tensor([1e-3, 1.0, 300.0]).repeat_interleave(128)
@@ -480,8 +480,8 @@ def test_fused_w8a8_sends_fp8_experts_to_the_kernels_with_quantized_activations(
     experts (no scales) the two are one function."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dflash.models import fused_experts
-    from dflash.models.fp8 import quantize_layer
+    from dflash.target import fused_experts
+    from dflash.target.fp8 import quantize_layer
 
     calls = []
     monkeypatch.setattr(fused_experts, "_fused_experts_op", lambda *args: calls.append(args[7]) or args[0])
@@ -508,7 +508,7 @@ def test_on_cuda_w8a8_experts_compute_the_formula_on_quantized_activations(token
     within what activation quantization explains of the dequantized-weights formula (an e4m3
     step is 1/16 relative, and rows that differ by one bf16 step can quantize a step apart, so
     the formula on the unrounded values is no tight reference)."""
-    from dflash.models import fused_experts as module
+    from dflash.target import fused_experts as module
 
     quantized_inputs = []
 
@@ -559,8 +559,8 @@ def test_on_cuda_a_moe_target_with_fused_experts_gives_the_batched_experts_featu
     from torch._dynamo.utils import counters
 
     from dflash.config.typed import typed_config
-    from dflash.models.compile import CompileCounter
     from dflash.run.inputs import frozen_target
+    from dflash.torch_runtime.compile import CompileCounter
 
     base = ["target=qwen3_next_80b_random", *(f"target.arch.{k}={v}" for k, v in QWEN3_NEXT_MOE.items())]
     base += ["drafter=tiny", "drafter.mask_token_id=255", "drafter.target_layer_ids=[0,3]", "gpu=single"]
@@ -586,7 +586,7 @@ def test_fp8_experts_go_to_the_kernels_as_stored_only_on_whole_scale_blocks(inte
     after the other); otherwise the experts are dequantized first."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dflash.models.fp8 import BlockFP8Experts, quantize_blockwise, quantize_layer
+    from dflash.target.fp8 import BlockFP8Experts, quantize_blockwise, quantize_layer
 
     config = AutoConfig.for_model("qwen3_next", **{**QWEN3_NEXT_MOE, "moe_intermediate_size": inter})
     layer = AutoModelForCausalLM.from_config(config).model.layers[0]
@@ -611,8 +611,10 @@ def test_experts_auto_picks_the_fused_kernels_only_where_they_run_and_compute_th
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from dflash.config.typed import typed_config
-    from dflash.models import fused_experts, kernels, target
     from dflash.run.inputs import frozen_target
+    from dflash.target import fused_experts
+    from dflash.target import model as target
+    from dflash.torch_runtime import kernel_libraries as kernels
 
     moe = AutoModelForCausalLM.from_config(AutoConfig.for_model("qwen3_next", **QWEN3_NEXT_MOE))
     cuda, cpu = torch.device("cuda"), torch.device("cpu")
@@ -631,7 +633,7 @@ def test_experts_auto_picks_the_fused_kernels_only_where_they_run_and_compute_th
         raise ValueError("has_bias")
 
     monkeypatch.setattr(fused_experts, "refuse_unsupported", refuse)
-    with caplog.at_level(logging.INFO, logger="dflash.models.target"):
+    with caplog.at_level(logging.INFO, logger="dflash.target.model"):
         assert target.auto_experts(moe, cuda) is None
     assert "target.experts=auto: transformers' default experts (has_bias)" in caplog.text
     monkeypatch.undo()

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from dflash.config.schema import TargetConfig
-from dflash.models import gguf
-from dflash.models.gguf import local_target
+from dflash.target import gguf
+from dflash.target.gguf import local_target
 
 SMOLLM2 = TargetConfig(name="smollm2_135m", path="package:smollm2-135m-instruct", model_type="llama")
 

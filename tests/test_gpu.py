@@ -99,7 +99,7 @@ def test_bf16_greedy_differences_happen_only_at_near_ties():
     a near-tie between two tokens can resolve differently. Every difference must be such a tie:
     the target's own logit gap between the two tokens is within a few bf16 steps."""
     from dflash.eval.evaluate import Decoders, evaluate_set
-    from dflash.eval.prompts import PromptSet
+    from dflash.eval.prompt_sets import PromptSet
     from tests.test_dflash_rules import tiny_drafter, tiny_target
 
     target = tiny_target()

@@ -9,7 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from dflash.decoding.engine import StaticDecoder
 from dflash.decoding.reference import plain_generate
-from dflash.models.target import FrozenTarget
+from dflash.target.model import FrozenTarget
 from tests.test_dflash_rules import tiny_drafter, tiny_target
 from tests.test_static_decoding import check_continuous_batching_equals_greedy
 

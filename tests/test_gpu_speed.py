@@ -15,10 +15,10 @@ import torch
 import torch.nn.functional as F
 
 from dflash.config.schema import DrafterConfig
-from dflash.models.drafter import DFlashDrafter, drafter_config
+from dflash.drafters.backbone import DFlashDrafter, drafter_config
 from dflash.step.block_mask import flex_block_mask, kv_tiles
 from dflash.step.blocks import block_attention_mask
-from dflash.step.variants import STEP_VARIANTS
+from dflash.step.step_paths import STEP_VARIANTS
 from dflash.train import train
 from tests.conftest import TINY_ARCH
 from tests.test_block_mask import random_anchors

@@ -11,8 +11,8 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from dflash.config.schema import TargetConfig
-from dflash.models.identity import target_identity
 from dflash.run.resume import check_resume_matches
+from dflash.target.target_identity import target_identity
 from dflash.tools.eval import check_same_target
 from dflash.trainer.checkpoint import save_checkpoint
 from tests.test_dflash_rules import tiny_drafter, tiny_target

@@ -8,10 +8,10 @@ import torch
 
 from dflash.config.devices import ProcessSlot, resolve_device_split
 from dflash.distributed import ProcessGroupInfo
-from dflash.models.target_head import TargetHead, heads_for
 from dflash.pipeline.replicas import check_replicas_identical, weights_digest
 from dflash.pipeline.roles import RoleTimes, role_lines
 from dflash.run.launch import build_run
+from dflash.target.target_head import TargetHead, heads_for
 from dflash.train import train
 from tests.conftest import SLOW_MACHINE_TIMEOUT_S, compose_config
 from tests.test_dflash_rules import tiny_drafter, tiny_target
@@ -78,7 +78,7 @@ def test_uneven_processes_per_node_are_refused():
 
 
 def test_torchrun_with_the_sync_pipeline_is_refused_before_any_model_loads(make_cfg, monkeypatch):
-    from dflash.models.target import FrozenTarget
+    from dflash.target.model import FrozenTarget
 
     def no_load(*args, **kwargs):
         raise AssertionError("a model was loaded before the layout was validated")

@@ -1,4 +1,4 @@
-"""variant=lilicorr (dflash/models/lilicorr.py, dflash/step/lilicorr_loss.py): the greedy walk and
+"""variant=lilicorr (dflash/drafters/lilicorr.py, dflash/step/lilicorr_loss.py): the greedy walk and
 the lattice terms against the formulas worked by hand, the head's scores against its formula, the
 figures scoring the walk's picks, training end to end (the loss falls), warm start from a DFlash
 checkpoint, and the config's refusals."""
@@ -14,13 +14,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from dflash.export.zlab import load_drafter
-from dflash.models.lilicorr import (
+from dflash.drafters.lilicorr import (
     LiLiCorrDrafter,
     add_lilicorr_fields,
     candidate_features,
     greedy_walk,
 )
+from dflash.export.zlab import load_drafter
 from dflash.run.runner import figure, format_summary, is_defined
 from dflash.step.lilicorr_loss import LatticeWeights, lattice_terms, lilicorr_loss, node_factors
 from dflash.step.lilicorr_variant import LiLiCorrVariant

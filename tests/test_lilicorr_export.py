@@ -10,11 +10,11 @@ import json
 import pytest
 import torch
 
+from dflash.drafters.lilicorr import LiLiCorrDrafter
 from dflash.export.contract import check_export
 from dflash.export.lilicorr import LiLiCorrExport
 from dflash.export.registry import export_for_config
 from dflash.export.zlab import export_drafter, load_drafter
-from dflash.models.lilicorr import LiLiCorrDrafter
 from dflash.tools.export import main as export_main
 from tests.test_dflash2_export import TINY_TARGET
 from tests.test_dflash_rules import tiny_target

@@ -409,8 +409,8 @@ def test_a_target_bound_run_names_the_faster_target_settings_it_left_off():
     role and ran without the faster options for its kind (fused experts for MoE; the compiled
     stack, one graph per layer kind for MoE and hybrid stacks), the summary names them."""
     from dflash.config.schema import CompileScope, ExpertsKind, TargetConfig
-    from dflash.models.target import faster_target_settings
     from dflash.pipeline.roles import role_lines
+    from dflash.target.model import faster_target_settings
     from tests.conftest import tiny_config
 
     plain = TargetConfig(name="t")

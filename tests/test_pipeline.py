@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file
 
 from dflash.data.dataset import TokenDataset
-from dflash.data.schedule import InterleavePlanner
+from dflash.data.scheduler import InterleavePlanner
 from dflash.pipeline.prefetch import BatchPrefetcher
 from dflash.pipeline.queues import HiddenStateQueue, OrderedQueue, QueueClosed
 from dflash.run.launch import build_run

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 from dflash.config.variant_schema import VariantConfig, variant_options
 from dflash.export.registry import register_export
 from dflash.export.rules import VariantExport
-from dflash.models.drafter import DFlashDrafter
+from dflash.drafters.backbone import DFlashDrafter
 from dflash.step.variant import DFlashVariant
 from dflash.step.variant_registry import register_variant
 
@@ -76,10 +76,10 @@ PLUGIN_MODULES = ("echo_variant", "broken_plugin", "my_pkg")
 
 @pytest.fixture
 def registry(variant_registries):
-    """The drafter registry (dflash/models/variants.py); every variant registry gets back its
+    """The drafter registry (dflash/drafters/registry.py); every variant registry gets back its
     entries afterwards and a plug-in module imported here is forgotten (other tests iterate every
     registered variant, and load the plug-in anew)."""
-    from dflash.models import variants
+    from dflash.drafters import registry as variants
 
     before = set(sys.modules)
     yield variants
@@ -207,7 +207,7 @@ def test_a_plugins_option_asked_for_without_the_plugin_points_at_plug_ins(plugin
 def test_a_training_job_loads_the_plugins_itself(plugin_dir, registry, make_cfg, monkeypatch):
     """A sweep launcher's job in a process of its own never passed the command's start: `train`
     imports the plug-ins before anything loads (a ValueError there: the job's one-line error)."""
-    from dflash.models.target import FrozenTarget
+    from dflash.target.model import FrozenTarget
     from dflash.train import train
 
     cfg = make_cfg()
@@ -315,9 +315,9 @@ def test_the_built_in_variants_record_nothing():
     """Their checkpoints stay byte for byte what they were (tests/test_export_bytes.py); a
     subclass that only instruments a variant is that variant, and records nothing either. The
     built-ins: the package's YAML options (a test module's own variant is a plug-in, and records)."""
-    from dflash.models.drafter import DFlashDrafter
-    from dflash.models.plugin_record import variant_record
-    from dflash.models.variants import registered_drafters
+    from dflash.drafters.backbone import DFlashDrafter
+    from dflash.drafters.plugin_record import variant_record
+    from dflash.drafters.registry import registered_drafters
     from dflash.tools.compose import CONF_DIR
 
     built_in = sorted(path.stem for path in (CONF_DIR / "variant").glob("*.yaml"))

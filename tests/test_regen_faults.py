@@ -18,9 +18,9 @@ from transformers import AutoTokenizer
 
 from dflash.config.schema import SamplingConfig, TargetConfig
 from dflash.data.chat import ChatRenderer
-from dflash.models.target import FrozenTarget
 from dflash.regen.backends import HttpBackend, TransformersBackend
 from dflash.regen.regenerate import regenerate
+from dflash.target.model import FrozenTarget
 from tests.conftest import SLOW_MACHINE_TIMEOUT_S
 from tests.openai_server import LoopbackChatServer
 from tests.tiny_assets import write_conversations

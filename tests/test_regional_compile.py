@@ -8,9 +8,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dflash.models.compile import CompileCounter
-from dflash.models.deltanet import FeatureMixer
-from dflash.models.target import FrozenTarget
+from dflash.target.deltanet_mixer import FeatureMixer
+from dflash.target.model import FrozenTarget
+from dflash.torch_runtime.compile import CompileCounter
 
 
 def compiled_target(directory, layer_ids: list[int], counter: CompileCounter) -> FrozenTarget:
@@ -68,7 +68,7 @@ def test_a_hybrid_stack_compiled_whole_gives_the_eager_stacks_features(tiny_qwen
     stack's within fp32 rounding, the model's own mixers left to decoding."""
     from torch._dynamo.utils import counters
 
-    from dflash.models.deltanet import FeatureMixer
+    from dflash.target.deltanet_mixer import FeatureMixer
 
     torch._dynamo.reset()
     counters.clear()

@@ -558,7 +558,7 @@ def copy_with_config(source: Path, destination: Path, **changes) -> Path:
 def test_an_image_text_config_without_text_config_is_refused_before_loading(tmp_path, tiny_qwen3_5_dir):
     """transformers would build its default 9B language model (22 GB) and be killed for memory."""
     from dflash.config.schema import TargetConfig
-    from dflash.models.target import load_target_config
+    from dflash.target.model import load_target_config
 
     directory = copy_with_config(tiny_qwen3_5_dir, tmp_path / "no_text_config", text_config=None)
     with pytest.raises(ValueError, match=r"config.json \(model_type 'qwen3_5'\) has no text_config"):
@@ -567,7 +567,7 @@ def test_an_image_text_config_without_text_config_is_refused_before_loading(tmp_
 
 def test_a_config_describing_more_than_the_weights_hold_is_refused_before_loading(tmp_path, tiny_qwen3_dir):
     from dflash.config.schema import TargetConfig
-    from dflash.models.target import FrozenTarget
+    from dflash.target.model import FrozenTarget
 
     directory = copy_with_config(tiny_qwen3_dir, tmp_path / "wider", intermediate_size=8192)
     with pytest.raises(ValueError, match=r"describes a language model of [\d.]+M parameters, but its weight"):
@@ -814,8 +814,8 @@ def test_a_chat_template_that_does_not_parse_is_refused_at_start_naming_the_file
 ):
     import shutil
 
-    from dflash.models.target import FrozenTarget
     from dflash.run.launch import build_run
+    from dflash.target.model import FrozenTarget
     from tests.conftest import conversation_overrides
 
     broken = shutil.copytree(tiny_chat_dir, tmp_path / "broken_template")

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from dflash.data.schedule import PlannedBatch
+from dflash.data.scheduler import PlannedBatch
 from dflash.run.inputs import load_training_data
 from dflash.run.launch import plan_batches
 from dflash.tools.compose import compose_typed

@@ -1,4 +1,4 @@
-"""dflash.models.rope.rotate, the rotary embedding the drafter and the static-cache decoder
+"""dflash.drafters.rope.rotate, the rotary embedding the drafter and the static-cache decoder
 apply, against each target family's own `apply_rotary_pos_emb` in transformers: bit for bit,
 partial rotary (Qwen3-Next, Qwen3.5) and Qwen3.5's multimodal positions included. A drafter
 graph calling transformers' function would guard on the `kernels` hub's process-wide record
@@ -11,8 +11,8 @@ import sys
 import pytest
 import torch
 
-from dflash.models.families import is_deltanet_layer
-from dflash.models.rope import rotate
+from dflash.drafters.rope import rotate
+from dflash.target.families import is_deltanet_layer
 from tests.test_static_decoding import SAVED, TARGETS, family_target
 
 

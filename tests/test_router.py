@@ -1,4 +1,4 @@
-"""MoE routers in feature forwards (dflash/models/router.py): transformers' top-k router with the
+"""MoE routers in feature forwards (dflash/target/router.py): transformers' top-k router with the
 top-k as one op (a Triton kernel on CUDA), installed on the compiled copies only."""
 
 from __future__ import annotations
@@ -7,9 +7,9 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dflash.models.compile import CompileCounter
-from dflash.models.router import feature_router_forward, is_top_k_router, router_top_k
-from dflash.models.target import FrozenTarget
+from dflash.target.model import FrozenTarget
+from dflash.target.router import feature_router_forward, is_top_k_router, router_top_k
+from dflash.torch_runtime.compile import CompileCounter
 
 MOE_FAMILIES = ["qwen3_moe", "qwen3_next", "qwen3_5_moe"]
 

@@ -8,7 +8,7 @@ from collections import Counter
 import numpy as np
 import pytest
 
-from dflash.data.schedule import (
+from dflash.data.scheduler import (
     BatchPlanner,
     BlockBudget,
     InterleavePlanner,

@@ -128,7 +128,7 @@ def test_llama_cpps_converter_reads_every_variants_export(tmp_path):
     from transformers import AutoModelForCausalLM
 
     from dflash.export.zlab import export_drafter
-    from dflash.models.target import FrozenTarget
+    from dflash.target.model import FrozenTarget
     from tests.test_dflash_rules import MASK_ID
     from tests.tiny_assets import save_tiny_target_with_smollm2_tokenizer
 

@@ -1,4 +1,4 @@
-"""Hybrid targets' short convolution on flash-linear-attention's kernel (dflash/models/short_conv.py):
+"""Hybrid targets' short convolution on flash-linear-attention's kernel (dflash/target/short_conv.py):
 rebound only where it can serve, back on request; on CUDA equal to transformers' reference."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ import sys
 import pytest
 import torch
 
-from dflash.models import short_conv
-from dflash.models.short_conv import FUNCTION, FlaShortConv, fla_serves, use_fla_short_conv
+from dflash.target import short_conv
+from dflash.target.short_conv import FUNCTION, FlaShortConv, fla_serves, use_fla_short_conv
 from tests.test_fp8 import QWEN3_NEXT, tiny_model
 
 
@@ -80,7 +80,7 @@ def test_the_keywords_a_deltanet_layer_forwards_leave_the_call_to_fla(modeling, 
     `output_hidden_states`, ...) describe no packed sequences: fla's kernel serves the feature
     forward's calls. (Counting every non-None keyword as packing kept every call on the
     reference, 1.9 ms instead of 0.2-0.4 ms per DeltaNet layer at Qwen3-Next-80B's shape.)"""
-    from dflash.models.target import FrozenTarget
+    from dflash.target.model import FrozenTarget
 
     calls = []
     reference = getattr(modeling, FUNCTION)

@@ -12,9 +12,9 @@ import torch.nn.functional as F
 from torch.nn.attention.flex_attention import flex_attention
 
 from dflash.config.schema import DrafterConfig
+from dflash.drafters.backbone import DFlashDrafter, drafter_config
 from dflash.export.contract import check_export
 from dflash.export.zlab import export_drafter, load_drafter
-from dflash.models.drafter import DFlashDrafter, drafter_config
 from dflash.step.block_mask import flex_block_mask, kv_tiles
 from dflash.step.blocks import block_attention_mask, layer_masks
 from tests.test_block_mask import SHAPES, assert_flex_equals_sdpa, assert_tiles_cover, random_anchors

@@ -142,7 +142,7 @@ def test_fp32_drafter_drives_a_bf16_target():
 
 def test_hybrid_targets_fall_back_to_exact_recomputation(tmp_path):
     from dflash.config.schema import TargetConfig
-    from dflash.models.target import FrozenTarget
+    from dflash.target.model import FrozenTarget
     from tests.conftest import save_tiny_model
 
     path = save_tiny_model(tmp_path / "next", "qwen3_next")
@@ -206,7 +206,7 @@ def test_a_sliding_window_target_decodes_past_its_window_with_rejected_drafts():
     the window must still roll back, with the output the full recomputation gives."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dflash.models.target import FrozenTarget
+    from dflash.target.model import FrozenTarget
     from tests.conftest import TINY_ARCH
 
     torch.manual_seed(0)

@@ -14,9 +14,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoConfig
 
 from dflash.config.schema import DrafterConfig
+from dflash.drafters.backbone import DFlashDrafter, drafter_config
 from dflash.export.contract import check_export
 from dflash.export.zlab import export_drafter, load_drafter, read_drafter_config
-from dflash.models.drafter import DFlashDrafter, drafter_config
 from dflash.run.resume import check_resume_matches
 from dflash.tools.export import main as export_main
 from tests.conftest import TINY_ARCH

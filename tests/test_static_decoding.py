@@ -16,8 +16,8 @@ from dflash.decoding.engine import StaticDecoder
 from dflash.decoding.reference import plain_generate, speculative_generate
 from dflash.decoding.sampling import Sampler
 from dflash.decoding.static_target import StaticCacheTarget, static_decoding_refusal
-from dflash.models.families import TARGET_FAMILIES
-from dflash.models.target import FrozenTarget
+from dflash.target.families import TARGET_FAMILIES
+from dflash.target.model import FrozenTarget
 from tests.conftest import TINY_ARCH
 from tests.test_dflash_rules import tiny_drafter, tiny_target
 

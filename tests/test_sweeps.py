@@ -153,7 +153,7 @@ def test_diff_against_defaults_and_a_checkpoint_dir(tmp_path, capsys):
     text = capsys.readouterr().out
     assert "loss.gamma: 4 -> 5" in text
     assert (
-        "scheduler._target_: dflash.data.schedule.InterleavePlanner -> dflash.data.schedule.ShufflePlanner"
+        "scheduler._target_: dflash.data.scheduler.InterleavePlanner -> dflash.data.scheduler.ShufflePlanner"
         in text
     )
 

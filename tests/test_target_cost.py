@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from dflash.models.target import FrozenTarget
+from dflash.target.model import FrozenTarget
 from dflash.tools.target_cost import layer_parts, part_flops
 
 

@@ -1,4 +1,4 @@
-"""Every target family of the table (dflash/models/families.py), from its checkpoint directory as
+"""Every target family of the table (dflash/target/families.py), from its checkpoint directory as
 published: causal LMs and the image-text Qwen3.5 / Qwen3.5-MoE (Qwen3.6) layout, whose language
 model alone is loaded. Anything else is refused before any weights load. The supported list of
 docs/configuration.md and the target presets agree with the table."""
@@ -13,9 +13,9 @@ import torch
 from safetensors import safe_open
 
 from dflash.config.schema import TargetConfig
-from dflash.models.families import TARGET_FAMILIES
-from dflash.models.target import FrozenTarget
 from dflash.run.launch import build_run
+from dflash.target.families import TARGET_FAMILIES
+from dflash.target.model import FrozenTarget
 from dflash.train import train
 from tests.conftest import FAMILIES, TINY_ARCH, conversation_overrides, tiny_hybrid_arch
 
@@ -111,7 +111,7 @@ def test_a_qwen3_5_directory_gives_its_tokenizer_and_chat_template(tmp_path, mak
     directory = save_tiny_target_with_tokenizer(tmp_path / "qwen3_5_chat", model_type="qwen3_5")
     (directory / "preprocessor_config.json").write_text(json.dumps({"processor_class": "Qwen3VLProcessor"}))
     overrides = conversation_overrides(directory, [tiny_conversations])
-    from dflash.models.tokenizer import load_tokenizer
+    from dflash.target.tokenizer import load_tokenizer
 
     tokenizer = load_tokenizer(TargetConfig(name="hf", path=str(directory), model_type=None), "the test")
     rendered = tokenizer.apply_chat_template([{"role": "user", "content": "hello"}], tokenize=False)

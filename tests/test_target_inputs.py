@@ -1,7 +1,7 @@
 """Config values that name a model to load (`target.path`, `target.tokenizer`): a local path that
 does not exist is refused in one line naming the key and the path, before dflash-train imports
 its model code; a value written as a Hugging Face hub id (`namespace/name`) is left to
-transformers (its cache or the hub), as the rule in dflash/models/model_dirs.py says."""
+transformers (its cache or the hub), as the rule in dflash/target/model_dirs.py says."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from dflash.models.model_dirs import is_hub_id, refuse_missing_model_dir
+from dflash.target.model_dirs import is_hub_id, refuse_missing_model_dir
 
 
 @pytest.mark.parametrize(
@@ -73,8 +73,8 @@ def test_every_tool_that_reads_the_target_names_a_missing_directory(tmp_path):
     """The tools that build the target or its tokenizer from a typed config (dflash eval, regen,
     prep, the scripts) go through load_target_config and load_tokenizer: the same one line."""
     from dflash.config.schema import TargetConfig
-    from dflash.models.target import load_target_config
-    from dflash.models.tokenizer import load_tokenizer
+    from dflash.target.model import load_target_config
+    from dflash.target.tokenizer import load_tokenizer
 
     missing = str(tmp_path / "Qwen3-8B")
     with pytest.raises(ValueError, match=r"^target.path=.*Qwen3-8B: no such directory"):

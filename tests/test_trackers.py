@@ -246,7 +246,7 @@ def test_resuming_into_an_mlflow_store_that_is_gone_is_refused_before_anything_l
 @pytest.fixture
 def no_weights_load(monkeypatch):
     """Loading the target fails the test: every refusal below must come before it."""
-    from dflash.models.target import FrozenTarget
+    from dflash.target.model import FrozenTarget
 
     def no_load(*args, **kwargs):
         raise AssertionError("the target was loaded before the tracker was checked")

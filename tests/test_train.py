@@ -221,7 +221,7 @@ def test_resume_into_a_different_drafter_is_refused_naming_the_checkpoint(make_c
 def test_resume_with_another_meaning_is_refused_naming_both_values(
     make_cfg, tmp_path, override, message, monkeypatch
 ):
-    from dflash.models.target import FrozenTarget
+    from dflash.target.model import FrozenTarget
 
     cfg = make_cfg(["train.total_steps=2"])
     train(cfg)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dflash.data.schedule import held_out_ids
+from dflash.data.scheduler import held_out_ids
 from dflash.tools import val
 from dflash.train import train
 from tests.conftest import FAST, compose_config

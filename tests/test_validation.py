@@ -12,7 +12,7 @@ import torch
 
 from dflash.data.collate import collate
 from dflash.data.dataset import TokenDataset
-from dflash.data.schedule import InterleavePlanner, held_out_ids
+from dflash.data.scheduler import InterleavePlanner, held_out_ids
 from dflash.step.blocks import block_attention_mask
 from dflash.step.loss import BlockLoss, tau_from_accuracy
 from dflash.step.step import BlockSettings, make_blocks

@@ -1,5 +1,5 @@
 """Every registered drafter variant through the stages past training, by the one interface
-(dflash/models/drafter.py) and the registry (dflash/models/variants.py): both decoders lossless
+(dflash/drafters/backbone.py) and the registry (dflash/drafters/registry.py): both decoders lossless
 at fp32 greedy, drafting the same tokens round by round and reporting the same per-round
 figures; its native export read back as the same class with the same weights and the same
 drafts; every layout it declares (dflash/export/registry.py) written, checked, read back, warm
@@ -19,6 +19,8 @@ import torch
 from dflash.decoding import engine, reference
 from dflash.decoding.engine import StaticDecoder
 from dflash.decoding.reference import plain_generate, speculative_generate
+from dflash.drafters.backbone import DFlashDrafter
+from dflash.drafters.registry import register_drafter, registered_drafters
 from dflash.export import registry
 from dflash.export.contract import check_export
 from dflash.export.registry import export_for, register_export, registered_exports
@@ -30,8 +32,6 @@ from dflash.export.zlab import (
     read_drafter_config,
     write_layout,
 )
-from dflash.models.drafter import DFlashDrafter
-from dflash.models.variants import register_drafter, registered_drafters
 from dflash.run.resume import warm_starts_new_parts
 from dflash.tools.export import LAYOUTS
 from dflash.tools.export import main as export_main
@@ -229,7 +229,7 @@ def test_a_drafter_variant_without_export_rules_is_refused_at_its_export(tmp_pat
 
 def test_export_and_serving_reach_a_variants_export_code_through_the_registry_only():
     """Past the registry, export, `dflash export` and serving import no variant's own module
-    (dflash/export/deepspec.py, dflash/export/dflash2.py, dflash/models/dspark.py, ...): what
+    (dflash/export/deepspec.py, dflash/export/dflash2_rules.py, dflash/drafters/dspark.py, ...): what
     they need of a variant they ask its registered rules, so a variant they were not written
     for is served alike."""
     from tests.test_variant_plugin import PACKAGE, is_own, variants

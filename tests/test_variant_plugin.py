@@ -2,8 +2,8 @@
 no code runs `isinstance` on a variant's drafter class or spells a variant's name. A consumer
 that branches on the class or the name (a decoder, an exporter, resume) treats a variant it was
 not written for as plain DFlash without an error; one that asks the drafter object
-(dflash/models/drafter.py: `draft_block`, `verify_len`, `native_layout`, ...) or the registry
-(dflash/models/variants.py) serves every registered variant alike."""
+(dflash/drafters/backbone.py: `draft_block`, `verify_len`, `native_layout`, ...) or the registry
+(dflash/drafters/registry.py) serves every registered variant alike."""
 
 from __future__ import annotations
 
@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from dflash.models.drafter import DFlashDrafter
-from dflash.models.variants import register_drafter, registered_drafters
+from dflash.drafters.backbone import DFlashDrafter
+from dflash.drafters.registry import register_drafter, registered_drafters
 
 PACKAGE = Path(__file__).resolve().parent.parent / "dflash"
 
 # Where variants are listed by name: the drafter registry, the training side's variant classes
 # (each its own `name`) and the config group's options with their dataclasses.
-REGISTRIES = {"models/variants.py", "step/variant.py", "config/schema.py", "config/variant_schema.py"}
+REGISTRIES = {"drafters/registry.py", "step/variant.py", "config/schema.py", "config/variant_schema.py"}
 # A variant's own files besides those whose name carries the variant's (dspark.py, dspark_loss.py).
 OWN_FILES = {"dspark": {"export/deepspec.py"}}
 # Still branching on a variant's name, to move onto the variant objects: each entry names what
@@ -50,7 +50,7 @@ def docstrings(tree: ast.AST) -> set[int]:
 
 def names_in(text: str) -> list[str]:
     """The variant names a string spells as words (`dspark`, `variant=dspark`, an f-string's
-    `dspark   ce ...`), not inside a longer name, a dotted path (`dflash.models.dspark`) or another
+    `dspark   ce ...`), not inside a longer name, a dotted path (`dflash.drafters.dspark`) or another
     program's hyphenated word (llama.cpp's `draft-dspark`)."""
     return [name for name in variants() if re.search(rf"(?<![\w./-]){re.escape(name)}(?![\w./-])", text)]
 
@@ -104,10 +104,10 @@ def test_the_guard_sees_a_type_test_and_a_name():
     found = offences(probe, "decoding/reference.py")
     assert any("isinstance on DSparkDrafter" in line for line in found), found
     assert any("'dflash2'" in line for line in found), found
-    assert offences(probe.replace("dflash2", "dspark"), "models/dspark.py") == []
+    assert offences(probe.replace("dflash2", "dspark"), "drafters/dspark.py") == []
     summary_line = 'def line(ce):\n    return f"dspark            ce {ce}"\n'
     assert offences(summary_line, "run/runner.py") == ["run/runner.py:2: the variant name 'dspark'"]
-    assert offences('"""How dspark drafts."""\nPATH = "dflash.models.dspark"\n', "run/runner.py") == []
+    assert offences('"""How dspark drafts."""\nPATH = "dflash.drafters.dspark"\n', "run/runner.py") == []
 
 
 def test_the_registry_refuses_a_second_class_under_a_taken_name():

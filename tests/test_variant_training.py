@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from dflash.config.schema import VariantConfig
+from dflash.drafters.backbone import DFlashDrafter
+from dflash.drafters.registry import registered_drafters
 from dflash.export.zlab import load_drafter
-from dflash.models.drafter import DFlashDrafter
-from dflash.models.variants import registered_drafters
 from dflash.run.runner import figure, is_defined
 from dflash.step.loss import LossStats
 from dflash.step.metrics import Field

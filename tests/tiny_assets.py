@@ -31,7 +31,7 @@ def save_tiny_target_with_smollm2_tokenizer(directory: Path) -> Path:
     llama.cpp's converter recognises ("smollm"), which dflash's own tiny BPE tokenizer is not."""
     from transformers import AutoTokenizer
 
-    from dflash.models.gguf import gguf_file
+    from dflash.target.gguf import gguf_file
     from tests.conftest import save_tiny_model
 
     source = gguf_file("package:smollm2-135m-instruct")

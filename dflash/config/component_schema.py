@@ -21,7 +21,7 @@ from omegaconf import MISSING
 
 @dataclass
 class SchedulerConfig:
-    """The batch order: `_target_` is a BatchPlanner class (dflash/data/schedule.py), whose
+    """The batch order: `_target_` is a BatchPlanner class (dflash/data/scheduler.py), whose
     `order` sorts an epoch's batches; the batches' sizes are the data's (data.bucket_edges,
     data.tokens_per_batch, data.block_tokens_per_batch)."""
 
@@ -31,12 +31,12 @@ class SchedulerConfig:
 
 @dataclass
 class InterleaveSchedulerConfig(SchedulerConfig):
-    _target_: str = "dflash.data.schedule.InterleavePlanner"
+    _target_: str = "dflash.data.scheduler.InterleavePlanner"
 
 
 @dataclass
 class ShuffleSchedulerConfig(SchedulerConfig):
-    _target_: str = "dflash.data.schedule.ShufflePlanner"
+    _target_: str = "dflash.data.scheduler.ShufflePlanner"
 
 
 @dataclass

@@ -14,7 +14,7 @@ ranks, a sweep launcher's jobs, `dflash-train` and `python -m dflash.train`), an
 parser has to keep a flag of its own apart from Hydra's overrides.
 
 Only names the user declared are imported: a checkpoint names the plug-in it needs
-(dflash/models/plugin_record.py) but is never allowed to import code itself.
+(dflash/drafters/plugin_record.py) but is never allowed to import code itself.
 """
 
 from __future__ import annotations

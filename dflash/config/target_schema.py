@@ -23,7 +23,7 @@ class ExpertsKind(str, Enum):
     eager = "eager"  # a Python loop over the experts a batch routes to (host sync per layer)
     grouped_mm = "grouped_mm"  # tokens sorted by expert, one grouped GEMM per projection
     batched_mm = "batched_mm"  # each token's top-k expert weights gathered, batched GEMMs
-    # dflash's forward-only Triton kernels (dflash/models/fused_experts.py): gather + gate/up GEMM
+    # dflash's forward-only Triton kernels (dflash/target/fused_experts.py): gather + gate/up GEMM
     # + SwiGLU in one kernel, down GEMM + routing weight in another, no host sync; FP8 experts
     # read as stored. CUDA only.
     fused = "fused"
@@ -39,7 +39,7 @@ class ExpertsKind(str, Enum):
 
 @dataclass
 class KernelTilingConfig:
-    """One fused experts kernel's launch shape (dflash.models.experts_tiling.KernelTiling); null:
+    """One fused experts kernel's launch shape (dflash.target.experts_tiling.KernelTiling); null:
     the default's."""
 
     block_n: Optional[int] = None  # output columns per program
@@ -50,8 +50,8 @@ class KernelTilingConfig:
 
 @dataclass
 class ExpertsTilingConfig:
-    """The fused experts kernels' launch shapes (dflash.models.experts_tiling.ExpertsTiling); each
-    null field keeps the default's (dflash.models.experts_tiling.default_tiling: by the weights'
+    """The fused experts kernels' launch shapes (dflash.target.experts_tiling.ExpertsTiling); each
+    null field keeps the default's (dflash.target.experts_tiling.default_tiling: by the weights'
     dtype, the fastest that fits the GPU's shared memory)."""
 
     block_m: Optional[int] = None  # the row tile: each expert's run of rows is padded to it
@@ -98,7 +98,7 @@ class TargetConfig:
     # launches (MoE hybrid targets: flash-linear-attention's and the experts' Python launches):
     # the whole forward replays as one launch. Suits data of a few fixed shapes (the paper's
     # 3072-token samples); each graph keeps an input and an output of its shape, and shapes
-    # beyond the count run without one (dflash/models/feature_graphs.py).
+    # beyond the count run without one (dflash/target/feature_graphs.py).
     cuda_graphs: int = 0
     # A MoE target's routed-experts implementation; null: transformers' default (grouped_mm
     # where it can dispatch, else eager). Ignored by dense targets.
@@ -115,6 +115,6 @@ class TargetConfig:
     fla_short_conv: bool = True
     # Random-weight targets only: quantize the random weights block-wise to FP8 (e4m3, one scale
     # per 128 x 128 block, the layout of the published FP8 checkpoints) as each layer is built,
-    # and keep them in FP8 (dflash/models/fp8.py): speed and memory runs at the FP8 size. An
+    # and keep them in FP8 (dflash/target/fp8.py): speed and memory runs at the FP8 size. An
     # FP8 checkpoint at target.path is recognised by its quantization_config, no key needed.
     fp8: bool = False

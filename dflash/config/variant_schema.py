@@ -29,7 +29,7 @@ class FusedTerms(str, Enum):
 
 
 class MarkovHeadType(str, Enum):
-    """DSpark's sequential head (deepseek-ai/DeepSpec `markov_head_type`; dflash/models/dspark.py)."""
+    """DSpark's sequential head (deepseek-ai/DeepSpec `markov_head_type`; dflash/drafters/dspark.py)."""
 
     vanilla = "vanilla"  # bias W2(W1[x_{k-1}]): rank-r transition from the previous token
     gated = "gated"  # W1[x_{k-1}] scaled by a gate read from [h_k; W1[x_{k-1}]]
@@ -100,7 +100,7 @@ class DSparkVariantConfig(VariantConfig):
     # Rank r of the Markov head's factorised transition (0: no Markov head).
     markov_rank: int = 256
     markov_head_type: MarkovHeadType = MarkovHeadType.vanilla
-    # Import path of a head class of your own (dflash.models.dspark.MarkovHead's interface, built
+    # Import path of a head class of your own (dflash.drafters.dspark.MarkovHead's interface, built
     # with vocab_size=, markov_rank=, hidden_size=); overrides markov_head_type. null: the built-in.
     markov_head_class: Optional[str] = None
     # The confidence head (built iff confidence_weight > 0, as the reference does).

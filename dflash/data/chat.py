@@ -33,7 +33,7 @@ from typing import Any
 
 from dflash.config.schema import TargetConfig
 from dflash.data.conversations import MalformedRecord
-from dflash.models.tokenizer import load_tokenizer
+from dflash.target.tokenizer import load_tokenizer
 
 _PROBE_USER = "dflash-probe-user-7c1e"
 _PROBE_ASSISTANT = "dflash-probe-assistant-7c1e"

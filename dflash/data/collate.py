@@ -7,7 +7,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash.data.dataset import TokenDataset
-from dflash.data.schedule import PlannedBatch
+from dflash.data.scheduler import PlannedBatch
 
 
 @dataclass

@@ -17,7 +17,7 @@ from omegaconf import OmegaConf
 
 from dflash.config.schema import PACKING_KEYS, DataConfig, SyntheticText, TargetConfig
 from dflash.data.dataset import TokenDataset
-from dflash.models.target import FrozenTarget
+from dflash.target.model import FrozenTarget
 
 log = logging.getLogger(__name__)
 

@@ -23,7 +23,7 @@ import torch
 from dflash.decoding.graphs import GraphedFunction, graphs_enabled
 from dflash.decoding.sampling import Sampler
 from dflash.decoding.static_target import StaticCacheTarget
-from dflash.models.target import FrozenTarget
+from dflash.target.model import FrozenTarget
 
 
 @dataclass

@@ -42,7 +42,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.models.deltanet import chunked_delta_rule, finish, gates, project, split_heads
+from dflash.target.deltanet_mixer import chunked_delta_rule, finish, gates, project, split_heads
 
 
 def recurrent_rule(module: str, device: torch.device) -> Callable[..., tuple[torch.Tensor, torch.Tensor]]:

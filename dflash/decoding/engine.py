@@ -36,8 +36,8 @@ from dflash.decoding.reference import (
 )
 from dflash.decoding.static_drafter import StaticCacheDrafter
 from dflash.decoding.static_target import StaticCacheTarget, static_decoding_refusal
-from dflash.models.drafter import DFlashDrafter
-from dflash.models.target import FrozenTarget
+from dflash.drafters.backbone import DFlashDrafter
+from dflash.target.model import FrozenTarget
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ runs on dflash.decoding's static caches, which roll such layers back exactly.
 The drafter is called through the same mask builder as in training (one valid anchor, full
 context before it), so a train/inference mismatch in the mask cannot hide here.
 
-A DSpark drafter (dflash.models.dspark) drafts B tokens per block instead of B-1 (every block
+A DSpark drafter (dflash.drafters.dspark) drafts B tokens per block instead of B-1 (every block
 slot predicts, the anchor's too: slot k proposes the token at anchor + k + 1) and drafts them
 left to right: slot k's logits are the base logits (the target's LM head on the slot's hidden
 state) plus the Markov head's bias from the token actually drafted before it (the anchor for
@@ -35,7 +35,7 @@ verifies [anchor, B drafts] and produces up to B + 1 tokens. With a confidence h
 also gets the head's probability that it is accepted given that every draft before it was
 (`DecodeResult.confidence`), to set beside the acceptance measured (`accepted_drafts`).
 
-A DFlash2 drafter (dflash.models.dflash2) drafts B-1 tokens from one block forward as DFlash does,
+A DFlash2 drafter (dflash.drafters.dflash2) drafts B-1 tokens from one block forward as DFlash does,
 then its candidate selector walks the draft positions left to right: each position's top-K
 candidates under the unary logits (the target's LM head on the position's hidden state), scored
 given the token chosen before it (the anchor first), the argmax of the scores or, with
@@ -53,9 +53,9 @@ import torch
 from transformers import DynamicCache
 
 from dflash.decoding.verify import VerifyRule, rejection_round
-from dflash.models.drafter import DFlashDrafter
-from dflash.models.target import FrozenTarget
+from dflash.drafters.backbone import DFlashDrafter
 from dflash.step.blocks import layer_masks
+from dflash.target.model import FrozenTarget
 
 # Layer types whose KV cache can be cut back to a prefix after a rejected draft.
 _CROPPABLE_LAYERS = {"full_attention"}
@@ -124,7 +124,7 @@ def gumbel_noise(generator: torch.Generator, shape: tuple[int, ...], device: tor
 class DraftChooser:
     """Each draft position's token from its logits [N, V]: the argmax, or with `noise_KV` (one
     row per draft position, `gumbel_noise`) a sample at `temperature`. Called once per position,
-    left to right (dflash.models.dspark.DSparkDrafter.sample_block); `among` is the same choice
+    left to right (dflash.drafters.dspark.DSparkDrafter.sample_block); `among` is the same choice
     over a DFlash2 selector's K candidates."""
 
     def __init__(

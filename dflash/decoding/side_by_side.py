@@ -26,7 +26,7 @@ import torch
 
 from dflash.decoding.engine import StaticDecoder
 from dflash.decoding.reference import DecodeResult
-from dflash.models.drafter import DFlashDrafter
+from dflash.drafters.backbone import DFlashDrafter
 
 
 class SideBySideDecoders:

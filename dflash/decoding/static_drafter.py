@@ -22,10 +22,10 @@ from torch import nn
 
 from dflash.decoding.kv_cache import StaticKV
 from dflash.decoding.reference import DraftChooser
-from dflash.models.compile import compile_shared
-from dflash.models.drafter import DFlashDrafter
-from dflash.models.target import FrozenTarget
+from dflash.drafters.backbone import DFlashDrafter
 from dflash.step.blocks import layer_masks
+from dflash.target.model import FrozenTarget
+from dflash.torch_runtime.compile import compile_shared
 
 
 class StaticCacheDrafter(nn.Module):

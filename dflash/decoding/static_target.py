@@ -35,10 +35,10 @@ from torch import nn
 
 from dflash.decoding.deltanet import DeltaNetStates, deltanet_prefill, deltanet_step
 from dflash.decoding.kv_cache import StaticKV, write_layer
-from dflash.models.compile import compile_shared
-from dflash.models.families import TARGET_FAMILIES, is_deltanet_layer
-from dflash.models.rope import rotate
-from dflash.models.target import FrozenTarget
+from dflash.drafters.rope import rotate
+from dflash.target.families import TARGET_FAMILIES, is_deltanet_layer
+from dflash.target.model import FrozenTarget
+from dflash.torch_runtime.compile import compile_shared
 
 # The text model's model_type (an image-text checkpoint's `text_config`): what the static
 # decoder runs (the family table's `static_decoding`). All share the decoder-layer layout

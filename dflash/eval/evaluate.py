@@ -1,5 +1,5 @@
-"""Speculative-decoding evaluation: decode each prompt set (dflash.eval.prompts) with DFlash
-and plainly, and measure (reported by dflash.eval.report).
+"""Speculative-decoding evaluation: decode each prompt set (dflash.eval.prompt_sets) with DFlash
+and plainly, and measure (reported by dflash.eval.results).
 
 Per benchmark and temperature: mean tau (tokens produced per target verification), the
 acceptance-length histogram, and at temperature 0 the fraction of prompts whose DFlash output
@@ -36,13 +36,13 @@ from dflash.decoding.engine import StaticDecoder
 from dflash.decoding.reference import DecodeResult, drafts_per_round, plain_generate, speculative_generate
 from dflash.decoding.sampling import Sampler
 from dflash.decoding.side_by_side import SideBySideDecoders
+from dflash.drafters.backbone import DFlashDrafter
 from dflash.eval.journal import EvalJournal, PromptOutcome
-from dflash.eval.prompts import PromptSet
-from dflash.eval.report import BenchmarkResult, EvalReport
+from dflash.eval.prompt_sets import PromptSet
+from dflash.eval.results import BenchmarkResult, EvalReport
 from dflash.eval.tally import DecodeTimes, OutcomeTally
-from dflash.models.drafter import DFlashDrafter
-from dflash.models.target import FrozenTarget
 from dflash.stopwatch import Stopwatch
+from dflash.target.model import FrozenTarget
 
 log = logging.getLogger(__name__)
 

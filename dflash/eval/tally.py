@@ -13,7 +13,7 @@ import numpy as np
 
 from dflash.decoding.reference import DecodeResult
 from dflash.eval.journal import PromptOutcome
-from dflash.eval.report import BenchmarkResult, acceptance_figures
+from dflash.eval.results import BenchmarkResult, acceptance_figures
 
 
 class RoundFigureTally(Protocol):

@@ -3,7 +3,7 @@ with (the z-lab reference under its pinned transformers 4.57.1, SGLang, vLLM; fo
 drafter DeepSpec, SGLang, vLLM and llama.cpp's converter) to read it the same way.
 docs/EXPORT.md says, reader by reader, why each rule exists; `dflash export check DIR` runs
 `check_export` (and prints `reader_limits`: readers that refuse a well-formed drafter). A DFlash2
-drafter's rules (both its layouts) are dflash/export/dflash2.py's.
+drafter's rules (both its layouts) are dflash/export/dflash2_rules.py's.
 
 Every rule here guards a failure that is silent in at least one reader: SGLang skips weight
 names it does not know, so a renamed tensor is a drafter left at its initial weights; transformers
@@ -21,10 +21,10 @@ import torch
 import yaml
 from safetensors import SafetensorError, safe_open
 
+from dflash.drafters.drafter_class import drafter_from_config
 from dflash.export.registry import ZLAB, bundled_tables, export_for_config, layout_named, layout_of
 from dflash.export.rules import positive_int
 from dflash.export.zlab import exported_state, nonfinite_problem, read_drafter_config
-from dflash.models.drafter_class import drafter_from_config
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -46,7 +46,7 @@ def expected_tensors(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """Tensor name -> shape of a drafter of this config: Qwen3 layers (per-head q/k norms, no
     biases), the context projection `fc` over the fused target features, its `hidden_norm`, and
     the final `norm`; a DSpark drafter's heads (dflash/export/deepspec.py), a DFlash2 drafter's
-    convolutions and selector (dflash/export/dflash2.py). No embedding and no LM head: every
+    convolutions and selector (dflash/export/dflash2_rules.py). No embedding and no LM head: every
     engine takes the target's."""
     hidden = config["hidden_size"]
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]

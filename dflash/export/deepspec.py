@@ -20,8 +20,8 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
+from dflash.drafters.dspark import MARKOV_HEAD_TYPES, DSparkDrafter, markov_head_class
 from dflash.export.rules import DFLASH_FIELDS, Layout, VariantExport
-from dflash.models.dspark import MARKOV_HEAD_TYPES, DSparkDrafter, markov_head_class
 
 DEEPSPEC_ARCHITECTURE = "Qwen3DSparkModel"  # deepspec/modeling/dspark/qwen3/config.py
 # The heads' config.json keys, the reference's names (deepspec/modeling/dspark/qwen3/modeling.py).

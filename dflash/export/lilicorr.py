@@ -11,8 +11,7 @@ from __future__ import annotations
 
 from typing import Any, ClassVar
 
-from dflash.export.rules import VariantExport
-from dflash.models.lilicorr import (
+from dflash.drafters.lilicorr import (
     CONV_MODULES,
     LILICORR_ARCHITECTURE,
     NUM_CANDIDATE_FEATURES,
@@ -21,6 +20,7 @@ from dflash.models.lilicorr import (
     lattice_problems,
     lilicorr_settings,
 )
+from dflash.export.rules import VariantExport
 
 
 def field_problems(config: dict[str, Any]) -> list[str]:
@@ -34,7 +34,7 @@ def describes_tensors(config: dict[str, Any]) -> bool:
 
 
 def tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
-    """The head's tensors by name and shape (dflash/models/lilicorr.py's LatticeHead)."""
+    """The head's tensors by name and shape (dflash/drafters/lilicorr.py's LatticeHead)."""
     settings = lilicorr_settings(config)
     model = config["hidden_size"]
     width = settings["hidden_size"] or model
@@ -66,7 +66,7 @@ def tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         shapes.update({f"{head}.token_proj.weight": (width, model), f"{head}.token_proj.bias": (width,)})
     for name in ("out_head", "in_head", "anchor_out_head"):
         shapes.update({f"{head}.{name}.weight": (factor, width), f"{head}.{name}.bias": (factor,)})
-    if "conv_kernel_size" in settings:  # DFlash2's tensors (dflash/export/dflash2.py)
+    if "conv_kernel_size" in settings:  # DFlash2's tensors (dflash/export/dflash2_rules.py)
         kernel, groups = settings["conv_kernel_size"], model // settings["conv_group_size"]
         for i in range(config["num_hidden_layers"]):
             for conv in CONV_MODULES:

@@ -17,9 +17,10 @@ from functools import partial
 from types import SimpleNamespace
 from typing import Any
 
-from dflash.export import deepspec, dflash2, lilicorr, speculators
+from dflash.drafters.backbone import DFlashDrafter
+from dflash.export import deepspec, lilicorr, speculators
+from dflash.export import dflash2_rules as dflash2
 from dflash.export.rules import Config, Layout, VariantExport
-from dflash.models.drafter import DFlashDrafter
 
 _EXPORTS: dict[str, VariantExport] = {}
 _LAYOUTS: dict[str, Layout] = {}

@@ -15,7 +15,7 @@ What differs from the z-lab layout (docs/EXPORT.md, "The speculators layout"):
 
 A variant's model type, class, fields and refusals here are its registered export rules
 (`VariantExport.speculators_*`, dflash/export/rules.py): DSpark's in dflash/export/deepspec.py,
-DFlash2's in dflash/export/dflash2.py; the number of tokens a block proposes is the drafter
+DFlash2's in dflash/export/dflash2_rules.py; the number of tokens a block proposes is the drafter
 class's `drafts_for`.
 """
 

@@ -15,7 +15,7 @@ A DSpark drafter's directory is written in DeepSpec's layout instead (dflash/exp
 `architectures: [Qwen3DSparkModel]`, the heads' fields and tensors), the one its readers load. A
 DFlash2 drafter's is the z-lab layout of the released DFlash2 checkpoints: `architectures:
 [DFlash2DraftModel]`, its four fields inside `dflash_config`, the convolution and selector
-tensors beside the backbone's (dflash/export/dflash2.py).
+tensors beside the backbone's (dflash/export/dflash2_rules.py).
 """
 
 from __future__ import annotations
@@ -30,12 +30,12 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from transformers import Qwen3Config
 
+from dflash.drafters.backbone import DFlashDrafter
+from dflash.drafters.drafter_class import drafter_from_config
+from dflash.drafters.plugin_record import unregistered_variant, variant_record
+from dflash.drafters.registry import drafter_class_for
 from dflash.export import speculators
 from dflash.export.registry import export_for, export_for_config, layout_named, layout_of
-from dflash.models.drafter import DFlashDrafter
-from dflash.models.drafter_class import drafter_from_config
-from dflash.models.plugin_record import unregistered_variant, variant_record
-from dflash.models.variants import drafter_class_for
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"

@@ -19,7 +19,7 @@ import torch
 
 from dflash.data.collate import Batch, collate
 from dflash.data.dataset import TokenDataset
-from dflash.data.schedule import BatchPlanner
+from dflash.data.scheduler import BatchPlanner
 from dflash.pipeline.queues import OrderedQueue, QueueClosed
 
 

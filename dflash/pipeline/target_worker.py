@@ -8,10 +8,10 @@ from dataclasses import dataclass
 
 import torch
 
-from dflash.models.target import FrozenTarget
 from dflash.pipeline.counters import DeviceSpan, WorkCounters
 from dflash.pipeline.prefetch import Dispatched
 from dflash.pipeline.queues import HiddenStateQueue, OrderedQueue
+from dflash.target.model import FrozenTarget
 
 
 @dataclass

@@ -25,7 +25,7 @@ from dflash.data.chat import ChatRenderer
 from dflash.decoding.continuous import ContinuousBatcher
 from dflash.decoding.sampling import Sampler
 from dflash.decoding.static_target import static_decoding_refusal
-from dflash.models.target import FrozenTarget
+from dflash.target.model import FrozenTarget
 
 log = logging.getLogger(__name__)
 

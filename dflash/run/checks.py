@@ -24,7 +24,7 @@ from dflash.config.schema import (
 )
 from dflash.data.conversations import expand_files
 from dflash.data.files import is_saved_dataset
-from dflash.models.layer_ids import default_target_layer_ids
+from dflash.drafters.layer_ids import default_target_layer_ids
 from dflash.step.variant_registry import variant_figure_names
 
 # The numeric keys of summary.json (the run summary, the evaluation report's metrics, the role

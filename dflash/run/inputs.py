@@ -22,10 +22,10 @@ from dflash.data.identity import data_identity
 from dflash.data.prepare import PrepStats, load_or_prepare
 from dflash.data.synthetic import load_or_generate
 from dflash.errors import exit_for_user_error
-from dflash.eval.prompts import PromptSet, load_prompt_sets
-from dflash.models.gguf import local_target
-from dflash.models.target import FrozenTarget, load_target_config, resolve_dtype
+from dflash.eval.prompt_sets import PromptSet, load_prompt_sets
 from dflash.run.checks import resolve_layer_ids, validate_drafter
+from dflash.target.gguf import local_target
+from dflash.target.model import FrozenTarget, load_target_config, resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -79,7 +79,7 @@ def refuse_what_cannot_fit(target_cfg: TargetConfig, config, device: torch.devic
     the device's free memory."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from dflash.models.fp8 import is_fp8_checkpoint, weight_bytes
+    from dflash.target.fp8 import is_fp8_checkpoint, weight_bytes
 
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(config)

@@ -21,14 +21,10 @@ from dflash import __version__
 from dflash.config.components import build
 from dflash.config.schema import Config, pipeline_name
 from dflash.data.dataset import TokenDataset
-from dflash.data.schedule import BatchPlanner, build_planner, held_out_ids
+from dflash.data.scheduler import BatchPlanner, build_planner, held_out_ids
+from dflash.drafters.backbone import DFlashDrafter
 from dflash.export.card import TrainingFacts
 from dflash.export.zlab import load_drafter_weights, read_drafter_config
-from dflash.models.compile import CompileCounter
-from dflash.models.drafter import DFlashDrafter
-from dflash.models.feature_check import check_target_features
-from dflash.models.target import FrozenTarget
-from dflash.models.target_head import TargetHead, heads_for
 from dflash.monitor.callbacks import TrainingCallbacks, build_callbacks
 from dflash.monitor.sinks import SinkContext, build_sinks
 from dflash.run.inputs import load_training_data, training_data_identity
@@ -44,6 +40,10 @@ from dflash.step.build import (
     uses_compile,
 )
 from dflash.step.step import BlockSettings, DrafterStep
+from dflash.target.feature_check import check_target_features
+from dflash.target.model import FrozenTarget
+from dflash.target.target_head import TargetHead, heads_for
+from dflash.torch_runtime.compile import CompileCounter
 from dflash.trainer.async_trainer import FaultInjection
 from dflash.trainer.lifecycle import TRAINER_INPUTS, Trainer, TrainerInputs
 from dflash.trainer.periodic_eval import PeriodicEval
@@ -178,7 +178,7 @@ def build_schedule(checked: Checked, models: Models) -> Schedule:
 
 def check_features(checked: Checked, models: Models, dataset: TokenDataset) -> None:
     """Every target's captured features on the first training sample, before any step
-    (dflash/models/feature_check.py); rank 0 writes the figures into the run dir."""
+    (dflash/target/feature_check.py); rank 0 writes the figures into the run dir."""
     source = (
         f"target.path={checked.target_cfg.path}"
         if checked.target_cfg.path

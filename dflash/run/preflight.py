@@ -28,9 +28,7 @@ from dflash.distributed import (
     require_same_layout,
     visible_cuda_devices,
 )
-from dflash.eval.prompts import PromptSet
-from dflash.models.identity import target_identity
-from dflash.models.target import load_target_config
+from dflash.eval.prompt_sets import PromptSet
 from dflash.monitor.sinks import (
     MLFLOW_RUN_FILE,
     SINK_LIBRARIES,
@@ -44,6 +42,8 @@ from dflash.run.inputs import eval_prompt_sets, local_target_config
 from dflash.run.ownership import refuse_earlier_run, set_aside_untrained_attempt
 from dflash.run.resume import check_resume_matches
 from dflash.step.build import STEP_KEYS, build_variant, run_drafter_config
+from dflash.target.model import load_target_config
+from dflash.target.target_identity import target_identity
 from dflash.trainer.lifecycle import TRAINER_INPUTS
 
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ class Checked:
     process_group: ProcessGroupInfo
     run_dir: Path
     run_config_yaml: str
-    target_identity: dict  # dflash/models/identity.py
+    target_identity: dict  # dflash/target/target_identity.py
 
 
 # The runtime keyword arguments the launcher builds each component with (dflash/run/launch.py),

@@ -33,9 +33,9 @@ from omegaconf import DictConfig, OmegaConf, open_dict, read_write
 
 from dflash.errors import exit_for_user_error, full_errors_requested
 from dflash.lock import RunDirInUse, RunDirLock, holds_run_dir_lock, launch_rank
-from dflash.models.feature_check import REPORT_FILE as FEATURE_CHECK_FILE
 from dflash.run.ownership import refuse_earlier_run, refuse_earlier_sweep
 from dflash.run.sweep_results import SweepResults
+from dflash.target.feature_check import REPORT_FILE as FEATURE_CHECK_FILE
 from dflash.trainer.signals import (
     StopRequested,
     begin_shutdown,

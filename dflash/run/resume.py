@@ -14,9 +14,9 @@ from transformers import Qwen3Config
 
 from dflash.data.dataset import TokenDataset
 from dflash.data.identity import appended, data_changes, read_data_identity
+from dflash.drafters.registry import drafter_class_for, extends_backbone, registered_drafters
 from dflash.export.zlab import read_drafter_config
-from dflash.models.identity import identity_differences, read_identity
-from dflash.models.variants import drafter_class_for, extends_backbone, registered_drafters
+from dflash.target.target_identity import identity_differences, read_identity
 from dflash.trainer.checkpoint import RUN_CONFIG_FILE
 
 log = logging.getLogger(__name__)
@@ -58,7 +58,7 @@ def _target_differences(
     directory: Path, run_target: dict[str, Any], run_identity: dict[str, Any] | None
 ) -> list[tuple[str, Any, Any]]:
     """Which target a checkpoint was trained on, against this run's: by content where the
-    checkpoint records it (dflash/models/identity.py), else by the run config's target fields
+    checkpoint records it (dflash/target/target_identity.py), else by the run config's target fields
     (a path compared as the directory it names)."""
     saved_identity = read_identity(directory)
     # A random-init target is its config fields, compared below key by key (names the key).

@@ -17,16 +17,16 @@ import torch
 from dflash.config.schema import Config, DeviceKind, pipeline_name
 from dflash.distributed import ProcessGroupInfo, visible_cuda_devices
 from dflash.eval.evaluate import evaluate, planned_decodings
-from dflash.eval.prompts import PromptSet
-from dflash.eval.report import lossless_line
+from dflash.eval.prompt_sets import PromptSet
+from dflash.eval.results import lossless_line
 from dflash.export.card import write_model_card
-from dflash.models.compile import CompileCounter
-from dflash.models.target import faster_target_settings
 from dflash.monitor.callbacks import TrainingCallbacks
 from dflash.pipeline.roles import role_lines
 from dflash.run.inputs import eval_prompts_description
 from dflash.run.record import replace_text
 from dflash.step.variant_registry import registered_variants, variant_figure_names
+from dflash.target.model import faster_target_settings
+from dflash.torch_runtime.compile import CompileCounter
 from dflash.trainer.checkpoint import LAST, checkpoint_behind_last, publish_last
 from dflash.trainer.lifecycle import Trainer
 from dflash.trainer.signals import StopRequested, stop_on_signals

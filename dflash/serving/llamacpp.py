@@ -12,8 +12,8 @@ import sys
 from dataclasses import dataclass
 from pathlib import Path
 
+from dflash.drafters.backbone import DFlashDrafter
 from dflash.export.registry import export_for
-from dflash.models.drafter import DFlashDrafter
 
 VERSION = "11434.0.0"
 BUILD_COMMAND = "bash scripts/build_llamacpp.sh"

@@ -23,13 +23,13 @@ from dflash.config.schema import (
     OptimizerConfig,
     VariantConfig,
 )
-from dflash.models.drafter import DFlashDrafter, drafter_config
-from dflash.models.target_head import TargetHead
-from dflash.models.variants import drafter_class_for
+from dflash.drafters.backbone import DFlashDrafter, drafter_config
+from dflash.drafters.registry import drafter_class_for
 from dflash.step.loss import BlockLoss
 from dflash.step.noise import NoiseSchedule
 from dflash.step.step import BlockSettings, DrafterStep
 from dflash.step.variant import DFlashVariant
+from dflash.target.target_head import TargetHead
 
 
 def build_variant(node: VariantConfig | None) -> DFlashVariant:

@@ -3,7 +3,7 @@
 Per supervised block position k (it predicts token g = a + k, as in DFlash), with w_k its position
 weight, U the unary logits (the target's frozen LM head on the drafter's final hidden state h_k),
 C = top-K(U) sorted by U, p the true token before g (ids[a + k - 1]; the anchor for k = 1):
-    score_j = U[C_j] + < A[p] * (H h_k), B[C_j] >           (dflash/models/dflash2.py)
+    score_j = U[C_j] + < A[p] * (H h_k), B[C_j] >           (dflash/drafters/dflash2.py)
     CE_k    = -log softmax(U)[g]                              (DFlash's term, full vocabulary)
     gold injection: when g is not in C, the last (weakest) candidate is replaced by g, scored with
                     its own unary logit U[g]; j* = the index of g among the candidates
@@ -39,10 +39,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.models.compile import compile_shared
-from dflash.models.dflash2 import UNARY_KEYS, DFlash2Drafter
+from dflash.drafters.dflash2 import UNARY_KEYS, DFlash2Drafter
 from dflash.step.blocks import DraftBlocks
 from dflash.step.loss import LossStats, block_acceptance, chunk_ce_and_grad, fused_head_dtype, labelled_rows
+from dflash.torch_runtime.compile import compile_shared
 
 
 @dataclass

@@ -40,11 +40,11 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash.config.schema import FusedTerms
-from dflash.models.compile import compile_shared
-from dflash.models.dspark import DSparkDrafter
-from dflash.models.kernels import triton_runs
+from dflash.drafters.dspark import DSparkDrafter
 from dflash.step.blocks import DraftBlocks
 from dflash.step.loss import LossStats, block_acceptance, fused_head_dtype, labelled_rows
+from dflash.torch_runtime.compile import compile_shared
+from dflash.torch_runtime.kernel_libraries import triton_runs
 
 
 @dataclass(frozen=True)

@@ -1,6 +1,6 @@
 """LiLiCorr loss: DFlash's weighted CE plus the lattice terms of the recipe, with no outer factor.
 
-With the lattice of a block (dflash/models/lilicorr.py: candidates C_s = top-K of the drafter's
+With the lattice of a block (dflash/drafters/lilicorr.py: candidates C_s = top-K of the drafter's
 logits at slot s = block position s + 1, start factors z_0 = start, pair factors pair[s]),
 g_s the true token's index in C_s, and the node factors teacher-forced on the true path,
     z_0 = start,    z_s = pair[s - 1][g_{s-1}, :]        (s >= 1)
@@ -36,7 +36,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.models.lilicorr import LiLiCorrDrafter, greedy_walk
+from dflash.drafters.lilicorr import LiLiCorrDrafter, greedy_walk
 from dflash.step.blocks import DraftBlocks
 from dflash.step.loss import LossStats, block_acceptance, draft_loss
 

@@ -14,8 +14,8 @@ from typing import ClassVar
 from transformers import Qwen3Config
 
 from dflash.config.variant_schema import LiLiCorrVariantConfig, VariantConfig, variant_options
-from dflash.models.drafter import DFlashDrafter
-from dflash.models.lilicorr import GEOMETRY, LiLiCorrDrafter, add_lilicorr_fields
+from dflash.drafters.backbone import DFlashDrafter
+from dflash.drafters.lilicorr import GEOMETRY, LiLiCorrDrafter, add_lilicorr_fields
 from dflash.step.lilicorr_loss import LatticeWeights, lilicorr_loss
 from dflash.step.lilicorr_metrics import LILICORR_FIELDS, LILICORR_FIGURES, lilicorr_figures
 from dflash.step.metrics import Field

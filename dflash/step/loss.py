@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.models.compile import compile_shared
 from dflash.step.blocks import DraftBlocks, position_weights
+from dflash.torch_runtime.compile import compile_shared
 
 if TYPE_CHECKING:  # the variants' losses build on this module's: they import it
     from dflash.step.variant import DFlashVariant

@@ -13,15 +13,15 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash.data.collate import Batch
-from dflash.models.compile import compiled_calls
-from dflash.models.drafter import DFlashDrafter
-from dflash.models.target_head import TargetHead
+from dflash.drafters.backbone import DFlashDrafter
 from dflash.step.block_mask import KvTiles, flex_block_mask, tiles_by_window
 from dflash.step.blocks import DraftBlocks, build_blocks, layer_masks
 from dflash.step.loss import BlockLoss, LossStats
 from dflash.step.metrics import StepMetrics
 from dflash.step.noise import NoiseSchedule
 from dflash.step.variant import DFlashVariant
+from dflash.target.target_head import TargetHead
+from dflash.torch_runtime.compile import compiled_calls
 
 
 @dataclass
@@ -56,7 +56,7 @@ def make_blocks(
 
 
 def split_final_state(features_BSF: torch.Tensor, hidden_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """A target's `features` with `final_state` on (dflash/models/target.py): the fused feature
+    """A target's `features` with `final_state` on (dflash/target/model.py): the fused feature
     layers and, in its last `hidden_size` columns, the final hidden state (views, no copy)."""
     return features_BSF[..., :-hidden_size], features_BSF[..., -hidden_size:]
 

@@ -1,6 +1,6 @@
 """The drafter variant (config group `variant`): which drafter a run trains and how it is scored.
 
-Not `dflash/step/variants.py` (the step's reference and fast paths by name). A variant says:
+Not `dflash/step/step_paths.py` (the step's reference and fast paths by name). A variant says:
 - which drafter class is built and which fields its config carries (`drafter_config`, `drafter`);
 - which token each block position predicts: position k of anchor a predicts token
   a + k + `label_offset` (DFlash: 0, so position 0, the anchor itself, predicts nothing;
@@ -44,10 +44,9 @@ from dflash.config.schema import (
 )
 from dflash.config.shape_defaults import default_conv_group_size, default_selector_top_k
 from dflash.config.variant_schema import variant_options
-from dflash.models.dflash2 import DFlash2Drafter, add_dflash2_fields
-from dflash.models.drafter import DFlashDrafter
-from dflash.models.dspark import DSparkDrafter, add_dspark_fields, markov_head_class
-from dflash.models.kernels import installed
+from dflash.drafters.backbone import DFlashDrafter
+from dflash.drafters.dflash2 import DFlash2Drafter, add_dflash2_fields
+from dflash.drafters.dspark import DSparkDrafter, add_dspark_fields, markov_head_class
 from dflash.step.blocks import DraftBlocks
 from dflash.step.dflash2_loss import dflash2_loss
 from dflash.step.dflash2_metrics import DFLASH2_FIELDS, DFLASH2_FIGURES, dflash2_figures
@@ -55,6 +54,7 @@ from dflash.step.dspark_loss import DSparkWeights, dspark_loss, resolve_fused_te
 from dflash.step.dspark_metrics import DSPARK_FIELDS, DSPARK_FIGURES, dspark_figures
 from dflash.step.loss import LossStats, draft_loss
 from dflash.step.metrics import Field
+from dflash.torch_runtime.kernel_libraries import installed
 
 
 @dataclass(frozen=True)

@@ -7,12 +7,12 @@ variant's name, by one public call.
     @register_variant
     class MyVariant(DFlashVariant):
         name = "mine"                      # == MyDrafter.variant_name
-        drafter_class = MyDrafter          # a DFlashDrafter subclass (dflash/models/drafter.py)
+        drafter_class = MyDrafter          # a DFlashDrafter subclass (dflash/drafters/backbone.py)
         options = MyVariantConfig          # a VariantConfig dataclass, _target_ naming MyVariant
         metric_fields = (...)              # figure_names, figures, summary_key, summary_line, ...
 
 `register_variant` puts the drafter class in the models floor's registry
-(dflash/models/variants.py `register_drafter`: decoding, export and resume find it there), the
+(dflash/drafters/registry.py `register_drafter`: decoding, export and resume find it there), the
 training class here (the trainer, the metrics, the run summary and the checks ask it), and the
 options in `COMPONENT_OPTIONS["variant"]`, so the variant's keys are checked at composition;
 a variant with no conf/variant/<name>.yaml gets its schema as the option `variant=<name>`. Two
@@ -30,7 +30,7 @@ import dataclasses
 from importlib import resources
 
 from dflash.config.schema import COMPONENT_OPTIONS
-from dflash.models.variants import register_drafter, registered_drafters
+from dflash.drafters.registry import register_drafter, registered_drafters
 from dflash.step.lilicorr_variant import LiLiCorrVariant
 from dflash.step.variant import DFlash2Variant, DFlashVariant, DSparkVariant
 

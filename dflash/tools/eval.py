@@ -38,11 +38,11 @@ from dflash.tools.hydra_app import run_hydra_app
 if TYPE_CHECKING:  # torch and the evaluation load once the arguments parse
     import torch
 
+    from dflash.drafters.backbone import DFlashDrafter
     from dflash.eval.evaluate import Decoders
     from dflash.eval.journal import EvalJournal
-    from dflash.eval.report import EvalReport
-    from dflash.models.drafter import DFlashDrafter
-    from dflash.models.target import FrozenTarget
+    from dflash.eval.results import EvalReport
+    from dflash.target.model import FrozenTarget
 
 register_configs()
 log = logging.getLogger(__name__)
@@ -68,7 +68,7 @@ def check_pairing(drafter_config: Any, target_config: Any, drafter_dir: Path, ta
 def check_same_target(drafter_dir: Path, target_cfg: TargetConfig, target_key: str) -> None:
     """A checkpoint that records its target by content (target.json) is evaluated against that
     target only: a same-shape target with other weights decodes, and accepts about nothing."""
-    from dflash.models.identity import pairing_differences
+    from dflash.target.target_identity import pairing_differences
 
     differences = pairing_differences(drafter_dir, target_cfg)
     if differences:
@@ -91,7 +91,7 @@ def target_for(
     target_overridden (`target=NAME` on the command line): the command line's target. Otherwise
     the checkpoint's run config names it, amended by `target_fields`, the keys (under `target.`)
     the command line overrides (e.g. dtype, for target.dtype=float32: an exact lossless check)."""
-    from dflash.models.gguf import local_target
+    from dflash.target.gguf import local_target
     from dflash.trainer.checkpoint import RUN_CONFIG_FILE
 
     run_config = ckpt / RUN_CONFIG_FILE
@@ -126,8 +126,8 @@ def eval_inputs(
     """The drafter (`ckpt`), the target it is paired with (checked) and the prompt sets to
     decode: what `dflash eval` and `dflash served` read from the same overrides."""
     from dflash.export.zlab import read_drafter_config
-    from dflash.models.target import load_target_config
     from dflash.run.inputs import eval_prompt_sets
+    from dflash.target.model import load_target_config
 
     if not cfg.ckpt:
         raise ValueError(f"{tool} needs ckpt=DIR, a drafter directory (config.json + model.safetensors)")
@@ -185,11 +185,11 @@ def journal_settings(
     eval_cfg: Any, *, drafter_dir: Path, target_cfg: TargetConfig, device: Any
 ) -> dict[str, Any]:
     """What a prompt's outcome depends on, recorded in the journal: a resume under other settings
-    is refused. The target by content (dflash.models.identity, as resume and pairing compare it),
+    is refused. The target by content (dflash.target.target_identity, as resume and pairing compare it),
     the drafter by its files' digests. The prompt count and the benchmarks are not among them: a
     resume may add prompts (the first 47 of a benchmark decoded, then all 80) or benchmarks."""
     from dflash.digest import file_digest
-    from dflash.models.identity import target_identity
+    from dflash.target.target_identity import target_identity
 
     return {
         "drafter": {name: file_digest(drafter_dir / name) for name in ("config.json", "model.safetensors")},
@@ -280,7 +280,7 @@ def _load_decoders(
     """The target, the drafter in the target's dtype, and decoders sized for the prompt sets."""
     from dflash.eval.evaluate import Decoders
     from dflash.export.zlab import load_drafter
-    from dflash.models.target import FrozenTarget
+    from dflash.target.model import FrozenTarget
 
     target = FrozenTarget.from_config(
         inputs.target_cfg, inputs.drafter_config.dflash_config["target_layer_ids"], device

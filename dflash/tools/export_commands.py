@@ -24,8 +24,8 @@ from dflash.export.card import TrainingFacts, write_model_card
 from dflash.export.contract import check_export, reader_limits, trained_block_problems
 from dflash.export.registry import export_for, layout_named
 from dflash.export.zlab import load_drafter, write_layout
-from dflash.models.families import IMAGE_TEXT_TYPES
-from dflash.models.identity import pairing_differences
+from dflash.target.families import IMAGE_TEXT_TYPES
+from dflash.target.target_identity import pairing_differences
 from dflash.tools.export import TOOL
 from dflash.trainer.checkpoint import RUN_CONFIG_FILE, STATE_FILE, load_trainer_state
 
@@ -45,7 +45,7 @@ def target_text_config(directory: Path) -> dict[str, Any]:
 
 
 def refuse_another_target(drafter_dir: Path, target_dir: Path) -> None:
-    """The pairing rule dflash eval and resume apply (dflash/models/identity.py): a drafter that
+    """The pairing rule dflash eval and resume apply (dflash/target/target_identity.py): a drafter that
     records its target (target.json, or a speculators verifier directory) is paired with that
     target only; a same-shape target with other weights or another tokenizer passes every shape
     rule and accepts about nothing."""

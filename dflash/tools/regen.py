@@ -40,8 +40,8 @@ def build_backend(cfg: RegenConfig):
     import torch
 
     from dflash.data.chat import load_chat_renderer
-    from dflash.models.gguf import local_target
-    from dflash.models.target import FrozenTarget, load_target_config
+    from dflash.target.gguf import local_target
+    from dflash.target.model import FrozenTarget, load_target_config
 
     target_cfg = local_target(cfg.target, cfg.paths.cache_dir)  # cfg: the typed RegenConfig
     renderer = load_chat_renderer(target_cfg, "dflash regen")

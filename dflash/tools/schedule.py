@@ -60,7 +60,7 @@ def main(argv: list[str] | None = None) -> None:
     args, overrides = flags_and_overrides(parser, argv)
 
     from dflash.config.schema import InterleaveSchedulerConfig, ShuffleSchedulerConfig
-    from dflash.data.schedule import build_planner
+    from dflash.data.scheduler import build_planner
     from dflash.run.inputs import load_training_data
 
     cfg = composed_or_refused("schedule", overrides)

@@ -82,10 +82,10 @@ def run_served(cfg: DictConfig, *, target_overridden: bool, target_fields: tuple
     from dflash.distributed import visible_cuda_devices
     from dflash.eval.evaluate import target_eos_ids
     from dflash.export.zlab import load_drafter
-    from dflash.models.target import FrozenTarget
     from dflash.serving.llamacpp import find_build, speculation_flags
     from dflash.serving.measure import measure_benchmark
     from dflash.serving.server import LlamaServer
+    from dflash.target.model import FrozenTarget
     from dflash.tools.eval import eval_inputs
 
     refuse_unknown_keys(cfg, Config)

@@ -22,8 +22,8 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from dflash.models.families import is_deltanet_layer
-from dflash.models.target import FrozenTarget
+from dflash.target.families import is_deltanet_layer
+from dflash.target.model import FrozenTarget
 
 PARTS = ("full attention", "linear attention", "router", "experts", "shared expert", "dense MLP")
 

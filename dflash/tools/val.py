@@ -43,7 +43,7 @@ def unseen_by_init(val_ids: np.ndarray, *, trained_on: int, count: int, seed: in
         raise SystemExit(f"--init-trained-on {trained_on}: must exceed data.val_samples={count}")
     import numpy as np
 
-    from dflash.data.schedule import held_out_ids
+    from dflash.data.scheduler import held_out_ids
 
     earlier = set(held_out_ids(trained_on, count, seed).tolist())
     return np.array([i for i in val_ids.tolist() if i >= trained_on or i in earlier], dtype=val_ids.dtype)

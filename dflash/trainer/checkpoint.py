@@ -13,7 +13,7 @@ whenever a file is added to its checkpoint (the trackers' run records, the final
       trainer_state.pt    optimizer, LR schedule, RNG, data position: tensors and plain
                           containers only, loaded with weights_only=True (never arbitrary pickles)
       config.yaml         the resolved run config
-      target.json         the target's identity by content (dflash.models.identity)
+      target.json         the target's identity by content (dflash.target.target_identity)
       data.json           what it trained on: files, digests, template, sizes (dflash.data.identity)
       README.md           the model card (dflash.export.card): target, shape, training, serving
 """
@@ -32,10 +32,10 @@ import torch
 from safetensors import SafetensorError
 
 from dflash.data.identity import DATA_FILE
+from dflash.drafters.backbone import DFlashDrafter
 from dflash.export.card import TrainingFacts, write_model_card
 from dflash.export.zlab import export_drafter
-from dflash.models.drafter import DFlashDrafter
-from dflash.models.identity import IDENTITY_FILE
+from dflash.target.target_identity import IDENTITY_FILE
 
 STATE_FILE = "trainer_state.pt"
 RUN_CONFIG_FILE = "config.yaml"

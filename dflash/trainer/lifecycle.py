@@ -31,9 +31,8 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash.data.dataset import TokenDataset
-from dflash.data.schedule import BatchPlanner
+from dflash.data.scheduler import BatchPlanner
 from dflash.distributed import ProcessGroupInfo
-from dflash.models.target import FrozenTarget
 from dflash.monitor.callbacks import TrainingCallbacks
 from dflash.monitor.monitor import Monitor
 from dflash.pipeline.cadence import Cadence
@@ -41,6 +40,7 @@ from dflash.pipeline.counters import WorkCounters
 from dflash.pipeline.replicas import check_replicas_identical
 from dflash.pipeline.roles import role_summary
 from dflash.step.step import DrafterStep
+from dflash.target.model import FrozenTarget
 from dflash.trainer import state
 from dflash.trainer.checkpoint import publish_last
 from dflash.trainer.periodic_eval import PeriodicEval

@@ -22,11 +22,11 @@ from collections.abc import Callable
 import torch
 
 from dflash.config.schema import EvalConfig
+from dflash.drafters.backbone import DFlashDrafter
 from dflash.eval.evaluate import Decoders, evaluate
-from dflash.eval.prompts import PromptSet
-from dflash.models.drafter import DFlashDrafter
-from dflash.models.target import FrozenTarget
+from dflash.eval.prompt_sets import PromptSet
 from dflash.monitor.monitor import Monitor
+from dflash.target.model import FrozenTarget
 from dflash.trainer.validation import Validation
 
 log = logging.getLogger(__name__)

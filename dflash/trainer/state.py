@@ -40,7 +40,7 @@ class CheckpointSettings:
     every_steps: int
     keep_last: int
     run_config_yaml: str
-    target_identity: dict[str, Any] | None = None  # dflash/models/identity.py: kept as target.json
+    target_identity: dict[str, Any] | None = None  # dflash/target/target_identity.py: kept as target.json
     data_identity: dict[str, Any] | None = None  # dflash/data/identity.py: kept as data.json
     card: TrainingFacts | None = None  # the model card's facts; its steps are each checkpoint's own
 

@@ -22,14 +22,14 @@ import torch
 
 from dflash.data.collate import collate
 from dflash.data.dataset import TokenDataset
-from dflash.data.schedule import BlockBudget, PlannedBatch, pack_bucket
-from dflash.models.drafter import DFlashDrafter
-from dflash.models.target import FrozenTarget
-from dflash.models.target_head import TargetHead
+from dflash.data.scheduler import BlockBudget, PlannedBatch, pack_bucket
+from dflash.drafters.backbone import DFlashDrafter
 from dflash.step.block_mask import tiles_by_window
 from dflash.step.loss import VAL_FIGURES, objective_figures
 from dflash.step.metrics import StepMetrics
 from dflash.step.step import BlockSettings, drafter_forward_loss, make_blocks
+from dflash.target.model import FrozenTarget
+from dflash.target.target_head import TargetHead
 
 log = logging.getLogger(__name__)
 

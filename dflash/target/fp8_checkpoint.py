@@ -5,7 +5,7 @@ transformers checks neither: a quantized weight without its `weight_scale_inv` i
 (its FP8 values unscaled, up to 448: the features' rms went from 0.075 to 104 in a run that
 trained on), a scale grid of another shape is taken to describe another block size (or fails
 deep in the loader), and a malformed `quantization_config` ends in a ZeroDivisionError or a
-TypeError. Both loading paths of dflash/models/fp8.py (dequantized at load on the CPU, kept FP8
+TypeError. Both loading paths of dflash/target/fp8.py (dequantized at load on the CPU, kept FP8
 on CUDA) read only what these checks let through; each refusal is one line naming the file and
 the key or tensor.
 """
@@ -16,7 +16,7 @@ import json
 from pathlib import Path
 from typing import Any
 
-from dflash.models.size import StoredTensor, stored_tensors
+from dflash.target.size import StoredTensor, stored_tensors
 
 QUANTIZATION = "quantization_config"
 # The one FP8 format the published checkpoints store and dflash dequantizes (safetensors' name,

@@ -22,7 +22,7 @@ Both GEMMs accumulate in fp32 and round once; the eager experts round after each
 the two agree within bf16 rounding (tests/test_fused_experts.py, on CUDA). Routed experts in the
 published FP8 layout (e4m3 weights, one scale per 128 x 128 block, `*_scale_inv`) are read as
 they are stored: each weight tile lies inside one scale block, so a tile's product is scaled
-once, `dot(a, w_fp8) * s`, and the layer's weights never exist in bf16 (dflash/models/fp8.py
+once, `dot(a, w_fp8) * s`, and the layer's weights never exist in bf16 (dflash/target/fp8.py
 routes `BlockFP8Experts` here when the model's experts implementation is `fused`).
 
 Needs CUDA and triton (the `gpu` extra). The routing metadata is plain torch and is tested on
@@ -37,7 +37,7 @@ from typing import Optional
 
 import torch
 
-from dflash.models.experts_tiling import FP8_BLOCK, ExpertsTiling, KernelTiling, call_tiling, default_tiling
+from dflash.target.experts_tiling import FP8_BLOCK, ExpertsTiling, KernelTiling, call_tiling, default_tiling
 
 EXPERTS_IMPLEMENTATION = "fused"  # the name under transformers' ALL_EXPERTS_FUNCTIONS
 # The same kernels; on FP8 experts the activations are quantized too (w8a8, `quantize_groups`)
@@ -101,7 +101,7 @@ def _kernels():
     """The Triton kernels, imported on first use (triton is the `gpu` extra; CPU runs never import it)."""
     import triton
 
-    from dflash.models import fused_experts_kernels
+    from dflash.target import fused_experts_kernels
 
     return triton, fused_experts_kernels.gate_up_swiglu, fused_experts_kernels.down_weighted
 

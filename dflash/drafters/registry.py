@@ -12,10 +12,10 @@ from __future__ import annotations
 
 from typing import Any
 
-from dflash.models.dflash2 import DFlash2Drafter
-from dflash.models.drafter import DFlashDrafter
-from dflash.models.dspark import DSparkDrafter
-from dflash.models.lilicorr import LiLiCorrDrafter
+from dflash.drafters.backbone import DFlashDrafter
+from dflash.drafters.dflash2 import DFlash2Drafter
+from dflash.drafters.dspark import DSparkDrafter
+from dflash.drafters.lilicorr import LiLiCorrDrafter
 
 _DRAFTERS: dict[str, type[DFlashDrafter]] = {}
 

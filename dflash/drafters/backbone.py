@@ -24,8 +24,8 @@ from transformers.models.qwen3.modeling_qwen3 import (
 )
 
 from dflash.config.schema import DrafterConfig, LayerType
-from dflash.models.compile import compile_shared
-from dflash.models.rope import rotate
+from dflash.drafters.rope import rotate
+from dflash.torch_runtime.compile import compile_shared
 
 # Qwen3 fields a drafter copies from its target (hidden size must match: KV injection and the
 # shared embed_tokens / lm_head see the target's hidden states).
@@ -189,7 +189,7 @@ class DFlashDecoderLayer(nn.Module):
         self.mlp = Qwen3MLP(config)
         self.input_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
         self.post_attention_layernorm = Qwen3RMSNorm(config.hidden_size, eps=config.rms_norm_eps)
-        # DFlash2 (dflash/models/dflash2.py) sets a block-local convolution around each sublayer.
+        # DFlash2 (dflash/drafters/dflash2.py) sets a block-local convolution around each sublayer.
         self.attention_conv: nn.Module | None = None
         self.mlp_conv: nn.Module | None = None
 
@@ -228,7 +228,7 @@ class DFlashDrafter(nn.Module):
     the object, never its class): `drafts_per_block`, `verify_len`, `samples_drafts`,
     `draft_block` and `add_round_figures`."""
 
-    # The variant's registered name (dflash.models.variants).
+    # The variant's registered name (dflash.drafters.registry).
     variant_name: ClassVar[str] = "dflash"
     # Whether drafts can be sampled at a temperature (`draft_block` reads its chooser's noise);
     # a DFlash drafter proposes its argmax at every temperature.

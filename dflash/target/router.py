@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.models.kernels import triton_runs
+from dflash.torch_runtime.kernel_libraries import triton_runs
 
 # Experts per row the kernel holds in registers; wider rows keep torch.topk.
 MAX_EXPERTS = 1024
@@ -33,7 +33,7 @@ def router_top_k(probs_NE: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Te
         return torch.topk(probs_NE, k, dim=-1)
     import triton
 
-    from dflash.models.router_topk_kernel import rows_top_k
+    from dflash.target.router_topk_kernel import rows_top_k
 
     probs = probs_NE.contiguous()
     values = torch.empty(rows, k, device=probs.device, dtype=probs.dtype)

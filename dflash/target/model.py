@@ -22,25 +22,25 @@ except ImportError:
     install_output_hooks = None
 
 from dflash.config.schema import CompileScope, ExpertsKind, TargetConfig
-from dflash.models import experts_tiling, fused_experts
-from dflash.models.compile import compile_shared
-from dflash.models.deltanet import FeatureMixer
-from dflash.models.families import (
+from dflash.target import experts_tiling, fused_experts
+from dflash.target.deltanet_mixer import FeatureMixer
+from dflash.target.families import (
     IMAGE_TEXT_TYPES,
     is_deltanet_layer,
     model_types_of,
     refuse_unsupported,
     text_config,
 )
-from dflash.models.feature_graphs import FeatureGraphs
-from dflash.models.fp8 import BlockFP8Experts, build_random_fp8, is_fp8_checkpoint, load_fp8_checkpoint
-from dflash.models.fp8_checkpoint import check_fp8_checkpoint
-from dflash.models.kernels import triton_runs
-from dflash.models.model_dirs import refuse_missing_model_dir
-from dflash.models.router import is_top_k_router, use_feature_router
-from dflash.models.short_conv import use_fla_short_conv
-from dflash.models.size import refuse_missing_text_config, refuse_size_mismatch
-from dflash.models.thread_records import keep_records_per_thread
+from dflash.target.feature_graphs import FeatureGraphs
+from dflash.target.fp8 import BlockFP8Experts, build_random_fp8, is_fp8_checkpoint, load_fp8_checkpoint
+from dflash.target.fp8_checkpoint import check_fp8_checkpoint
+from dflash.target.model_dirs import refuse_missing_model_dir
+from dflash.target.router import is_top_k_router, use_feature_router
+from dflash.target.short_conv import use_fla_short_conv
+from dflash.target.size import refuse_missing_text_config, refuse_size_mismatch
+from dflash.torch_runtime.compile import compile_shared
+from dflash.torch_runtime.kernel_libraries import triton_runs
+from dflash.torch_runtime.thread_records import keep_records_per_thread
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ def load_target_config(cfg: TargetConfig) -> PretrainedConfig:
     """The target's language-model config, without loading any weights (used by validation).
 
     An image-text checkpoint (Qwen3.5, Qwen3.6) gives its `text_config`; a model_type outside
-    `SUPPORTED_FAMILIES` is refused here, before anything loads (dflash/models/families.py)."""
+    `SUPPORTED_FAMILIES` is refused here, before anything loads (dflash/target/families.py)."""
     if cfg.path is None:
         if not cfg.arch or cfg.model_type is None:
             raise ValueError(
@@ -296,8 +296,8 @@ class FrozenTarget(nn.Module):
         layers share their code, and dynamo keeps one graph per layer kind with the weights as
         inputs, so a 48-layer hybrid MoE stack compiles two graphs instead of one graph of 48
         unrolled layers. Either compiles a copy of the stack whose Gated DeltaNet mixers are
-        `FeatureMixer`s (dflash/models/deltanet.py) and whose MoE routers take their top-k as
-        one op (dflash/models/router.py)."""
+        `FeatureMixer`s (dflash/target/deltanet_mixer.py) and whose MoE routers take their top-k as
+        one op (dflash/target/router.py)."""
         if scope not in ("stack", "layers"):
             raise ValueError(f"target.compile_scope={scope!r}: expected 'stack' or 'layers'")
         stack = with_own_layers(self._feature_model[0])
@@ -431,7 +431,7 @@ class FrozenTarget(nn.Module):
 
     def use_feature_graphs(self, max_shapes: int) -> None:
         """`features` replayed from CUDA graphs, one per batch shape for up to `max_shapes` shapes
-        (target.cuda_graphs; dflash/models/feature_graphs.py); 0: none. Each graph is captured at its
+        (target.cuda_graphs; dflash/target/feature_graphs.py); 0: none. Each graph is captured at its
         shape's first call, from the stack `features` runs then (compiled, if
         `compile_features` ran before)."""
         if not max_shapes:

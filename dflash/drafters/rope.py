@@ -3,7 +3,7 @@ for the drafter and the static-cache decoder.
 
 transformers routes most families' `apply_rotary_pos_emb` through the `kernels` hub, whose
 active-function table a compiled graph that called it would guard on (state shared between
-threads while any thread compiles: dflash/models/thread_records.py keeps eager threads off it).
+threads while any thread compiles: dflash/torch_runtime/thread_records.py keeps eager threads off it).
 Computed here, the drafter's and the decoder's graphs read no library dispatch state at all.
 tests/test_rope.py holds this function to each family's own, bit for bit."""
 

@@ -17,8 +17,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from dflash.models.drafter import DFlashDrafter
-from dflash.models.variants import registered_drafters
+from dflash.drafters.backbone import DFlashDrafter
+from dflash.drafters.registry import registered_drafters
 
 RECORD_KEY = "dflash_variant"
 PACKAGE = "dflash"

@@ -1,4 +1,4 @@
-"""The Triton kernel of dflash/models/router.py (imported there on first use: triton is the `gpu`
+"""The Triton kernel of dflash/target/router.py (imported there on first use: triton is the `gpu`
 extra, and a CPU run never imports this module)."""
 
 import triton

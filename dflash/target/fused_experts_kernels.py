@@ -1,4 +1,4 @@
-"""The Triton kernels of dflash/models/fused_experts.py (imported there on first use: triton is
+"""The Triton kernels of dflash/target/fused_experts.py (imported there on first use: triton is
 the `gpu` extra, and a CPU run never imports this module). Each program computes one (row tile,
 column tile) of one expert's run of rows; see that module for the layout."""
 

@@ -31,9 +31,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.models.fp8 import BlockFP8Linear
-from dflash.models.kernels import fla_runs
-from dflash.models.short_conv import fla_causal_conv, fla_serves, reference_conv
+from dflash.target.fp8 import BlockFP8Linear
+from dflash.target.short_conv import fla_causal_conv, fla_serves, reference_conv
+from dflash.torch_runtime.kernel_libraries import fla_runs
 
 
 def project(mixer: nn.Module, x_NQH: torch.Tensor):

@@ -18,7 +18,7 @@ import copy
 import torch
 from torch import nn
 
-from dflash.models.target import FrozenTarget
+from dflash.target.model import FrozenTarget
 
 
 class TargetHead(nn.Module):

@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from transformers import AutoModelForCausalLM
 
-from dflash.models.families import IMAGE_TEXT_TYPES
+from dflash.target.families import IMAGE_TEXT_TYPES
 
 # The config may describe somewhat more than the files hold (buffers, a head tied on load);
 # beyond this factor it describes another model.

@@ -30,7 +30,7 @@ import torch
 from torch import nn
 from transformers import Qwen3Config
 
-from dflash.models.drafter import DFlashDrafter, differing_fields
+from dflash.drafters.backbone import DFlashDrafter, differing_fields
 
 # The reference's head types; any other `markov_head_type` is the import path of a user's class.
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
@@ -218,7 +218,7 @@ class DSparkDrafter(DFlashDrafter):
     records_num_anchors = True
     samples_drafts = True
     round_extra = "confidence"
-    described_by = "markov_rank (dflash.models.dspark.add_dspark_fields)"
+    described_by = "markov_rank (dflash.drafters.dspark.add_dspark_fields)"
 
     def __init__(self, config: Qwen3Config):
         super().__init__(config)

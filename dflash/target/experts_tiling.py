@@ -1,4 +1,4 @@
-"""The launch shapes of the fused MoE experts kernels (dflash/models/fused_experts.py): which tiles
+"""The launch shapes of the fused MoE experts kernels (dflash/target/fused_experts.py): which tiles
 they run with, which tiles they cannot run, and how much shared memory a tiling takes.
 
 Each experts module of a target keeps its complete `ExpertsTiling` (`use_tiling`, at target build,

@@ -9,7 +9,7 @@ its readers load:
 - the speculators layout (`speculators_model_type: dflash2`, vLLM's speculators path): the same
   fields flat beside `block_size`, and no field for the unary logits' transforms.
 
-Both hold the same tensors (dflash/models/dflash2.py): per layer `attention_conv` and `mlp_conv`
+Both hold the same tensors (dflash/drafters/dflash2.py): per layer `attention_conv` and `mlp_conv`
 (`base_kernel` [2, k, H]: side, tap, channel; `kernel_projection.weight` [2 k G, H]), and
 `candidate_selector.{predecessor,successor}_codebook` [V, r], stored WITHOUT `.weight` (SGLang
 skips a `.weight` codebook silently and drafts with zero codebooks), beside
@@ -22,8 +22,8 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from dflash.config.shape_defaults import largest_servable_top_k, selector_fits_llama_cpp
+from dflash.drafters.dflash2 import DFLASH2_ARCHITECTURE, DFLASH2_KEYS, UNARY_KEYS, DFlash2Drafter
 from dflash.export.rules import VariantExport, positive_int
-from dflash.models.dflash2 import DFLASH2_ARCHITECTURE, DFLASH2_KEYS, UNARY_KEYS, DFlash2Drafter
 
 # DFlash2SpeculatorConfig's defaults (speculators/models/dflash2/config.py): a field a
 # speculators config.json leaves out reads as these there.

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any
 
 from dflash.config.schema import TargetConfig
-from dflash.models.model_dirs import refuse_missing_model_dir
+from dflash.target.model_dirs import refuse_missing_model_dir
 
 
 def load_tokenizer(cfg: TargetConfig, needed_for: str) -> Any:

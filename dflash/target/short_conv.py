@@ -28,8 +28,8 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from dflash.models.families import is_deltanet_layer
-from dflash.models.kernels import installed
+from dflash.target.families import is_deltanet_layer
+from dflash.torch_runtime.kernel_libraries import installed
 
 FUNCTION = "causal_conv1d_fn"  # the module function transformers' DeltaNet forward calls
 # Arguments that describe packed sequences (several sequences in one row): fla's kernel would

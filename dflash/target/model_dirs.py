@@ -18,7 +18,7 @@ from pathlib import Path
 
 from omegaconf import DictConfig, OmegaConf
 
-from dflash.models.gguf import gguf_file, is_gguf
+from dflash.target.gguf import gguf_file, is_gguf
 
 # huggingface_hub.utils.validate_repo_id's form (it also refuses "--", ".." and over 96 characters).
 _HUB_ID = re.compile(r"[\w][\w.-]*(/[\w][\w.-]*)?")
@@ -54,7 +54,7 @@ def refuse_missing_model_dir(key: str, value: str | None) -> None:
 
 def refuse_missing_target_dirs(cfg: DictConfig) -> None:
     """A composed config's `target.path` (a GGUF file or `package:<name>` is checked as
-    dflash/models/gguf.py reads it) and `target.tokenizer`, before any model code is imported."""
+    dflash/target/gguf.py reads it) and `target.tokenizer`, before any model code is imported."""
     path = OmegaConf.select(cfg, "target.path", default=None)
     if is_gguf(path):
         gguf_file(os.path.expanduser(path))

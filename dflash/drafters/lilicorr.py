@@ -42,8 +42,8 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-from dflash.models.dflash2 import DFlash2Drafter, GroupedDynamicConv
-from dflash.models.drafter import DFlashDrafter, differing_fields
+from dflash.drafters.backbone import DFlashDrafter, differing_fields
+from dflash.drafters.dflash2 import DFlash2Drafter, GroupedDynamicConv
 
 CONV_MODULES = ("attention_conv", "mlp_conv")
 

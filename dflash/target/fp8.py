@@ -29,9 +29,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash.models import experts_tiling, fused_experts
-from dflash.models.fp8_checkpoint import check_fp8_checkpoint, fp8_block
-from dflash.models.size import StoredTensor, stored_tensors
+from dflash.target import experts_tiling, fused_experts
+from dflash.target.fp8_checkpoint import check_fp8_checkpoint, fp8_block
+from dflash.target.size import StoredTensor, stored_tensors
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
@@ -343,7 +343,7 @@ def load_fp8_checkpoint(path: str, *, dtype: torch.dtype, device: torch.device) 
     On CUDA the weights stay FP8 on the device: transformers' FP8 modules where its FP8 kernel
     can be loaded, else `BlockFP8Linear` / `BlockFP8Experts` over the same tensors (dequantized
     module by module as they run). Elsewhere transformers dequantizes them at load into `dtype`.
-    Either way the checkpoint's config and scales are checked first (dflash/models/fp8_checkpoint.py):
+    Either way the checkpoint's config and scales are checked first (dflash/target/fp8_checkpoint.py):
     transformers would apply a missing or misshapen scale silently."""
     from transformers import AutoConfig, AutoModelForCausalLM, FineGrainedFP8Config
 
