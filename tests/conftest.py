@@ -250,8 +250,8 @@ class VariantRegistries:
         from hydra.core.config_store import ConfigStore
 
         from dflash.config.schema import COMPONENT_OPTIONS
-        from dflash.drafters import registry as variants
-        from dflash.export import registry as exports
+        from dflash.drafters import drafter_registry as variants
+        from dflash.export import export_registry as exports
         from dflash.step import variant_registry
 
         self._monkeypatch = monkeypatch

@@ -90,7 +90,7 @@ EXPECTED = {
     ("dspark", "speculators"): "459baf28fd6800f7eee6caf5451d0e050bd45604c92967a690eab74e4e1533c1",
     ("dflash2", "native"): "6885a1bc342fa3fc5fab1706ec51b95654209a2b5f0466e09dff34a22c2ba9c6",
     ("dflash2", "speculators"): "5a3c98520dad4281b5e63523fd9a0ce7c770f25c9cb07a016616f54e29d32ea4",
-    # z-lab only: no other reader loads the lattice head (dflash/export/lilicorr.py).
+    # z-lab only: no other reader loads the lattice head (dflash/export/lilicorr_rules.py).
     ("lilicorr", "native"): "c237e98dd00c77c9a4f7fcd1fc8186e009392dd50e403ae49819b7b8ae088243",
     ("lilicorr-conv", "native"): "e72ef15aba8dfb136707f31551f1939fb35bceb64f63063cce1849a97aded4c7",
 }

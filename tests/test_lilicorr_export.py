@@ -1,4 +1,4 @@
-"""A LiLiCorr drafter's export (dflash/export/lilicorr.py): the z-lab layout SGLang's and vLLM's
+"""A LiLiCorr drafter's export (dflash/export/lilicorr_rules.py): the z-lab layout SGLang's and vLLM's
 LiLiCorr loaders read (`architectures: [LiLiCorrDraftModel]`, the `lilicorr_*` geometry in
 dflash_config, the `lilicorr.*` tensors), checked by the export contract; a broken geometry named
 one line each; every other layout refused in one line with exit code 2."""
@@ -12,8 +12,8 @@ import torch
 
 from dflash.drafters.lilicorr import LiLiCorrDrafter
 from dflash.export.contract import check_export
-from dflash.export.lilicorr import LiLiCorrExport
-from dflash.export.registry import export_for_config
+from dflash.export.export_registry import export_for_config
+from dflash.export.lilicorr_rules import LiLiCorrExport
 from dflash.export.zlab import export_drafter, load_drafter
 from dflash.tools.export import main as export_main
 from tests.test_dflash2_export import TINY_TARGET

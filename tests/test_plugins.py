@@ -26,7 +26,7 @@ ECHO_VARIANT = """
 from dataclasses import dataclass
 
 from dflash.config.variant_schema import VariantConfig, variant_options
-from dflash.export.registry import register_export
+from dflash.export.export_registry import register_export
 from dflash.export.rules import VariantExport
 from dflash.drafters.backbone import DFlashDrafter
 from dflash.step.variant import DFlashVariant
@@ -76,10 +76,10 @@ PLUGIN_MODULES = ("echo_variant", "broken_plugin", "my_pkg")
 
 @pytest.fixture
 def registry(variant_registries):
-    """The drafter registry (dflash/drafters/registry.py); every variant registry gets back its
+    """The drafter registry (dflash/drafters/drafter_registry.py); every variant registry gets back its
     entries afterwards and a plug-in module imported here is forgotten (other tests iterate every
     registered variant, and load the plug-in anew)."""
-    from dflash.drafters import registry as variants
+    from dflash.drafters import drafter_registry as variants
 
     before = set(sys.modules)
     yield variants
@@ -316,8 +316,8 @@ def test_the_built_in_variants_record_nothing():
     subclass that only instruments a variant is that variant, and records nothing either. The
     built-ins: the package's YAML options (a test module's own variant is a plug-in, and records)."""
     from dflash.drafters.backbone import DFlashDrafter
+    from dflash.drafters.drafter_registry import registered_drafters
     from dflash.drafters.plugin_record import variant_record
-    from dflash.drafters.registry import registered_drafters
     from dflash.tools.compose import CONF_DIR
 
     built_in = sorted(path.stem for path in (CONF_DIR / "variant").glob("*.yaml"))

@@ -1,8 +1,8 @@
 """Every registered drafter variant through the stages past training, by the one interface
-(dflash/drafters/backbone.py) and the registry (dflash/drafters/registry.py): both decoders lossless
+(dflash/drafters/backbone.py) and the registry (dflash/drafters/drafter_registry.py): both decoders lossless
 at fp32 greedy, drafting the same tokens round by round and reporting the same per-round
 figures; its native export read back as the same class with the same weights and the same
-drafts; every layout it declares (dflash/export/registry.py) written, checked, read back, warm
+drafts; every layout it declares (dflash/export/export_registry.py) written, checked, read back, warm
 started from (`drafter.init_from`) and converted to its other layouts and back. Among them a
 variant defined here, outside the package and registered through the public `register_drafter`
 and `register_export`: a new head needs nothing edited inside dflash/ to decode and export."""
@@ -20,10 +20,10 @@ from dflash.decoding import engine, reference
 from dflash.decoding.engine import StaticDecoder
 from dflash.decoding.reference import plain_generate, speculative_generate
 from dflash.drafters.backbone import DFlashDrafter
-from dflash.drafters.registry import register_drafter, registered_drafters
-from dflash.export import registry
+from dflash.drafters.drafter_registry import register_drafter, registered_drafters
+from dflash.export import export_registry as registry
 from dflash.export.contract import check_export
-from dflash.export.registry import export_for, register_export, registered_exports
+from dflash.export.export_registry import export_for, register_export, registered_exports
 from dflash.export.rules import VariantExport
 from dflash.export.zlab import (
     export_drafter,
@@ -244,7 +244,7 @@ def test_export_and_serving_reach_a_variants_export_code_through_the_registry_on
     found = []
     for path in scanned:
         relative = path.relative_to(PACKAGE).as_posix()
-        if relative == "export/registry.py" or relative in own_modules:
+        if relative == "export/export_registry.py" or relative in own_modules:
             continue
         for line, module in imports_of(path):
             for candidate in (module, *(f"{module}.{name}" for name in imported_names(path, line))):

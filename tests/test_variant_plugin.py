@@ -3,7 +3,7 @@ no code runs `isinstance` on a variant's drafter class or spells a variant's nam
 that branches on the class or the name (a decoder, an exporter, resume) treats a variant it was
 not written for as plain DFlash without an error; one that asks the drafter object
 (dflash/drafters/backbone.py: `draft_block`, `verify_len`, `native_layout`, ...) or the registry
-(dflash/drafters/registry.py) serves every registered variant alike."""
+(dflash/drafters/drafter_registry.py) serves every registered variant alike."""
 
 from __future__ import annotations
 
@@ -14,13 +14,18 @@ from pathlib import Path
 import pytest
 
 from dflash.drafters.backbone import DFlashDrafter
-from dflash.drafters.registry import register_drafter, registered_drafters
+from dflash.drafters.drafter_registry import register_drafter, registered_drafters
 
 PACKAGE = Path(__file__).resolve().parent.parent / "dflash"
 
 # Where variants are listed by name: the drafter registry, the training side's variant classes
 # (each its own `name`) and the config group's options with their dataclasses.
-REGISTRIES = {"drafters/registry.py", "step/variant.py", "config/schema.py", "config/variant_schema.py"}
+REGISTRIES = {
+    "drafters/drafter_registry.py",
+    "step/variant.py",
+    "config/schema.py",
+    "config/variant_schema.py",
+}
 # A variant's own files besides those whose name carries the variant's (dspark.py, dspark_loss.py).
 OWN_FILES = {"dspark": {"export/deepspec.py"}}
 # Still branching on a variant's name, to move onto the variant objects: each entry names what

@@ -20,7 +20,7 @@ import torch
 
 from dflash.config.schema import VariantConfig
 from dflash.drafters.backbone import DFlashDrafter
-from dflash.drafters.registry import registered_drafters
+from dflash.drafters.drafter_registry import registered_drafters
 from dflash.export.zlab import load_drafter
 from dflash.run.runner import figure, is_defined
 from dflash.step.loss import LossStats

@@ -228,12 +228,12 @@ class DFlashDrafter(nn.Module):
     the object, never its class): `drafts_per_block`, `verify_len`, `samples_drafts`,
     `draft_block` and `add_round_figures`."""
 
-    # The variant's registered name (dflash.drafters.registry).
+    # The variant's registered name (dflash.drafters.drafter_registry).
     variant_name: ClassVar[str] = "dflash"
     # Whether drafts can be sampled at a temperature (`draft_block` reads its chooser's noise);
     # a DFlash drafter proposes its argmax at every temperature.
     samples_drafts: ClassVar[bool] = False
-    # The layout its export takes (a layout of dflash/export/registry.py), and how it is named
+    # The layout its export takes (a layout of dflash/export/export_registry.py), and how it is named
     # to a user.
     native_layout: ClassVar[str] = "zlab"
     display_name: ClassVar[str] = "DFlash"

@@ -5,7 +5,7 @@ from __future__ import annotations
 from transformers import Qwen3Config
 
 from dflash.drafters.backbone import DFlashDrafter
-from dflash.drafters.registry import drafter_class_for
+from dflash.drafters.drafter_registry import drafter_class_for
 
 
 def drafter_from_config(config: Qwen3Config) -> DFlashDrafter:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from typing import Any
 
 from dflash.drafters.backbone import DFlashDrafter
-from dflash.drafters.registry import registered_drafters
+from dflash.drafters.drafter_registry import registered_drafters
 
 RECORD_KEY = "dflash_variant"
 PACKAGE = "dflash"

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from dflash.drafters.backbone import DFlashDrafter
-from dflash.drafters.registry import drafter_class_for
+from dflash.drafters.drafter_registry import drafter_class_for
 
 CARD_FILE = "README.md"
 # A Hugging Face Hub model id (`org/name`), as opposed to a local path: what `base_model` takes.

@@ -22,7 +22,7 @@ import yaml
 from safetensors import SafetensorError, safe_open
 
 from dflash.drafters.drafter_class import drafter_from_config
-from dflash.export.registry import ZLAB, bundled_tables, export_for_config, layout_named, layout_of
+from dflash.export.export_registry import ZLAB, bundled_tables, export_for_config, layout_named, layout_of
 from dflash.export.rules import positive_int
 from dflash.export.zlab import exported_state, nonfinite_problem, read_drafter_config
 
@@ -95,7 +95,7 @@ def config_problems(
     heads) are `deepspec.deepspec_problems`, checked on the file as written; its readers run
     transformers 5 (DeepSpec pins 5.10.2) or read `rope_parameters` themselves: DeepSpec's
     released checkpoints carry no `rope_theta`, and every engine serves them. The variant's own
-    rules are its registered ones (dflash/export/registry.py)."""
+    rules are its registered ones (dflash/export/export_registry.py)."""
     records_depth = layout_named(layout).records_depth
     spec = export_for_config(config)
     problems = []

@@ -1,7 +1,7 @@
 """What export, convert, `dflash export check`, serving and the warm start ask about a drafter
 variant, and the shape of a layout (a reader's on-disk format). A variant's answers are one
 `VariantExport` subclass beside its layout code (DSpark's in dflash/export/deepspec.py, DFlash2's
-in dflash/export/dflash2_rules.py), registered once (dflash/export/registry.py `register_export`);
+in dflash/export/dflash2_rules.py), registered once (dflash/export/export_registry.py `register_export`);
 the consumers ask the registered object, never test a config or a class for a variant.
 
 `VariantExport` itself holds the DFlash backbone's answers: a variant overrides only what its
@@ -68,7 +68,7 @@ DFLASH_FIELDS = ("architectures", "block_size", "num_target_layers", "dflash_con
 
 class VariantExport:
     """One drafter variant's export rules, reader by reader; this class answers for the DFlash
-    backbone. `drafter` is the registered drafter class (dflash/drafters/registry.py): its
+    backbone. `drafter` is the registered drafter class (dflash/drafters/drafter_registry.py): its
     `native_layout` is the layout its checkpoints are written in, `other_layouts` the ones
     `dflash export convert` also writes. Configs are z-lab-form dicts unless a name says
     otherwise."""

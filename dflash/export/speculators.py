@@ -33,7 +33,7 @@ from dflash.export.rules import VariantExport
 
 BUNDLED_TENSORS = ("embed_tokens.weight", "lm_head.weight")  # the target's, [vocab, hidden]
 VOCAB_MAPS = ("d2t", "t2d")
-# speculators_model_type -> the registered variant's rules (dflash/export/registry.py).
+# speculators_model_type -> the registered variant's rules (dflash/export/export_registry.py).
 Known = Mapping[str, VariantExport]
 
 

@@ -32,10 +32,10 @@ from transformers import Qwen3Config
 
 from dflash.drafters.backbone import DFlashDrafter
 from dflash.drafters.drafter_class import drafter_from_config
+from dflash.drafters.drafter_registry import drafter_class_for
 from dflash.drafters.plugin_record import unregistered_variant, variant_record
-from dflash.drafters.registry import drafter_class_for
 from dflash.export import speculators
-from dflash.export.registry import export_for, export_for_config, layout_named, layout_of
+from dflash.export.export_registry import export_for, export_for_config, layout_named, layout_of
 
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -98,7 +98,7 @@ def write_layout(
     target_dir: Path | None = None,
     verifier: dict[str, Any] | None = None,
 ) -> None:
-    """The drafter in one of the layouts its variant declares (dflash/export/registry.py), with
+    """The drafter in one of the layouts its variant declares (dflash/export/export_registry.py), with
     the target's embedding and LM head bundled (in the drafter's dtype) where the layout holds
     them and `target_dir` gives them; a layout that must hold them refuses to be written
     without. ValueError for a layout the variant does not declare."""

@@ -14,7 +14,7 @@ from transformers import Qwen3Config
 
 from dflash.data.dataset import TokenDataset
 from dflash.data.identity import appended, data_changes, read_data_identity
-from dflash.drafters.registry import drafter_class_for, extends_backbone, registered_drafters
+from dflash.drafters.drafter_registry import drafter_class_for, extends_backbone, registered_drafters
 from dflash.export.zlab import read_drafter_config
 from dflash.target.target_identity import identity_differences, read_identity
 from dflash.trainer.checkpoint import RUN_CONFIG_FILE

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from dflash.drafters.backbone import DFlashDrafter
-from dflash.export.registry import export_for
+from dflash.export.export_registry import export_for
 
 VERSION = "11434.0.0"
 BUILD_COMMAND = "bash scripts/build_llamacpp.sh"

@@ -24,7 +24,7 @@ from dflash.config.schema import (
     VariantConfig,
 )
 from dflash.drafters.backbone import DFlashDrafter, drafter_config
-from dflash.drafters.registry import drafter_class_for
+from dflash.drafters.drafter_registry import drafter_class_for
 from dflash.step.loss import BlockLoss
 from dflash.step.noise import NoiseSchedule
 from dflash.step.step import BlockSettings, DrafterStep

@@ -12,7 +12,7 @@ variant's name, by one public call.
         metric_fields = (...)              # figure_names, figures, summary_key, summary_line, ...
 
 `register_variant` puts the drafter class in the models floor's registry
-(dflash/drafters/registry.py `register_drafter`: decoding, export and resume find it there), the
+(dflash/drafters/drafter_registry.py `register_drafter`: decoding, export and resume find it there), the
 training class here (the trainer, the metrics, the run summary and the checks ask it), and the
 options in `COMPONENT_OPTIONS["variant"]`, so the variant's keys are checked at composition;
 a variant with no conf/variant/<name>.yaml gets its schema as the option `variant=<name>`. Two
@@ -30,7 +30,7 @@ import dataclasses
 from importlib import resources
 
 from dflash.config.schema import COMPONENT_OPTIONS
-from dflash.drafters.registry import register_drafter, registered_drafters
+from dflash.drafters.drafter_registry import register_drafter, registered_drafters
 from dflash.step.lilicorr_variant import LiLiCorrVariant
 from dflash.step.variant import DFlash2Variant, DFlashVariant, DSparkVariant
 

@@ -43,7 +43,7 @@ from dflash.config.plugins import load_plugins_or_exit
 from dflash.errors import exit_for_user_error
 
 TOOL = "dflash export"  # the command users type: `dflash export check DIR`
-# The registered layouts' names (dflash/export/registry.py; tests/test_variant_contract.py keeps
+# The registered layouts' names (dflash/export/export_registry.py; tests/test_variant_contract.py keeps
 # the two equal), spelled here so that `--help` and a usage error import no torch.
 LAYOUTS = ("speculators", "zlab", "deepspec")
 

@@ -22,7 +22,7 @@ from dflash.config.schema import TargetConfig
 from dflash.errors import USER_ERROR_EXIT, exit_for_user_error
 from dflash.export.card import TrainingFacts, write_model_card
 from dflash.export.contract import check_export, reader_limits, trained_block_problems
-from dflash.export.registry import export_for, layout_named
+from dflash.export.export_registry import export_for, layout_named
 from dflash.export.zlab import load_drafter, write_layout
 from dflash.target.families import IMAGE_TEXT_TYPES
 from dflash.target.target_identity import pairing_differences

@@ -18,8 +18,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from dflash.drafters.backbone import DFlashDrafter
-from dflash.export import deepspec, lilicorr, speculators
-from dflash.export import dflash2_rules as dflash2
+from dflash.export import deepspec, dflash2_rules, lilicorr_rules, speculators
 from dflash.export.rules import Config, Layout, VariantExport
 
 _EXPORTS: dict[str, VariantExport] = {}
@@ -57,7 +56,7 @@ def export_for(drafter: DFlashDrafter | type[DFlashDrafter]) -> VariantExport:
     if spec is None:
         raise ValueError(
             f"the drafter variant {drafter.variant_name!r} registers no export rules: "
-            "register them with dflash.export.registry.register_export"
+            "register them with dflash.export.export_registry.register_export"
         )
     return spec
 
@@ -139,5 +138,5 @@ SPECULATORS = Layout(
 
 for _layout in (SPECULATORS, deepspec.DEEPSPEC, ZLAB):
     register_layout(_layout)
-for _spec in (VariantExport(), deepspec.DSparkExport(), dflash2.DFlash2Export(), lilicorr.LiLiCorrExport()):
+for _spec in (VariantExport(), deepspec.DSparkExport(), dflash2_rules.DFlash2Export(), lilicorr_rules.LiLiCorrExport()):
     register_export(_spec)
