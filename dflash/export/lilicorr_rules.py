@@ -33,6 +33,11 @@ def describes_tensors(config: dict[str, Any]) -> bool:
     return not field_problems(config)
 
 
+def _linear(name: str, out_features: int, in_features: int) -> dict[str, tuple[int, ...]]:
+    """An `nn.Linear`'s two tensors by name and shape."""
+    return {f"{name}.weight": (out_features, in_features), f"{name}.bias": (out_features,)}
+
+
 def tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     """The head's tensors by name and shape (dflash/drafters/lilicorr.py's LatticeHead)."""
     settings = lilicorr_settings(config)
@@ -47,25 +52,20 @@ def tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         f"{head}.rank_embedding": (1, 1, 1, topk, width),
         f"{head}.relative_slot_bias": (heads, 2 * slots + 1),
         f"{head}.same_slot_bias": (heads,),
-        f"{head}.pass_hidden_proj.weight": (width, model),
-        f"{head}.pass_hidden_proj.bias": (width,),
+        **_linear(f"{head}.pass_hidden_proj", width, model),
         f"{head}.feature_mlp.0.weight": (NUM_CANDIDATE_FEATURES,),
         f"{head}.feature_mlp.0.bias": (NUM_CANDIDATE_FEATURES,),
-        f"{head}.feature_mlp.1.weight": (width, NUM_CANDIDATE_FEATURES),
-        f"{head}.feature_mlp.1.bias": (width,),
-        f"{head}.feature_mlp.3.weight": (width, width),
-        f"{head}.feature_mlp.3.bias": (width,),
-        f"{head}.context_proj.weight": (width, model),
-        f"{head}.context_proj.bias": (width,),
+        **_linear(f"{head}.feature_mlp.1", width, NUM_CANDIDATE_FEATURES),
+        **_linear(f"{head}.feature_mlp.3", width, width),
+        **_linear(f"{head}.context_proj", width, model),
         f"{head}.output_norm.weight": (width,),
         f"{head}.anchor_norm.weight": (width,),
-        f"{head}.factor_input_proj.weight": (width, 3 * width),
-        f"{head}.factor_input_proj.bias": (width,),
+        **_linear(f"{head}.factor_input_proj", width, 3 * width),
     }
     if width != model:
-        shapes.update({f"{head}.token_proj.weight": (width, model), f"{head}.token_proj.bias": (width,)})
+        shapes.update(_linear(f"{head}.token_proj", width, model))
     for name in ("out_head", "in_head", "anchor_out_head"):
-        shapes.update({f"{head}.{name}.weight": (factor, width), f"{head}.{name}.bias": (factor,)})
+        shapes.update(_linear(f"{head}.{name}", factor, width))
     if "conv_kernel_size" in settings:  # DFlash2's tensors (dflash/export/dflash2_rules.py)
         kernel, groups = settings["conv_kernel_size"], model // settings["conv_group_size"]
         for i in range(config["num_hidden_layers"]):
@@ -79,13 +79,10 @@ def tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
                 f"{layer}.attn_norm.weight": (width,),
                 f"{layer}.attn.in_proj_weight": (3 * width, width),
                 f"{layer}.attn.in_proj_bias": (3 * width,),
-                f"{layer}.attn.out_proj.weight": (width, width),
-                f"{layer}.attn.out_proj.bias": (width,),
+                **_linear(f"{layer}.attn.out_proj", width, width),
                 f"{layer}.mlp_norm.weight": (width,),
-                f"{layer}.mlp.0.weight": (inner, width),
-                f"{layer}.mlp.0.bias": (inner,),
-                f"{layer}.mlp.2.weight": (width, inner),
-                f"{layer}.mlp.2.bias": (width,),
+                **_linear(f"{layer}.mlp.0", inner, width),
+                **_linear(f"{layer}.mlp.2", width, inner),
             }
         )
     return shapes
