@@ -222,6 +222,20 @@ def differing_fields(
     ]
 
 
+class PickRecorder:
+    """For a drafter whose head re-picks among the backbone's candidates (DFlash2's selector,
+    LiLiCorr's lattice walk): `draft_block`'s extra is the backbone's own argmax ("unary"), and
+    each round records where the pick changed it and how those drafts fared (the decode result's
+    selector tallies). Listed before DFlashDrafter in the drafter's bases."""
+
+    round_extra: ClassVar[str | None] = "unary"
+
+    def add_round_figures(self, result: Any, extra: list | None, **outcome: Any) -> None:
+        """Where the head changed the backbone's argmax, and how those drafts fared."""
+        if extra is not None:
+            result.add_selector_round(unary=extra, **outcome)
+
+
 class DFlashDrafter(nn.Module):
     """The DFlash backbone, and the decoding interface every drafter variant answers (a variant
     subclasses it and overrides what it drafts differently; the decoders, export and reports ask

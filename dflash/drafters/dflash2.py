@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen3Config
 
-from dflash.drafters.backbone import DFlashDrafter, differing_fields
+from dflash.drafters.backbone import DFlashDrafter, PickRecorder, differing_fields
 
 DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
 # dflash_config keys of a DFlash2 drafter (the released config.json's names), beside DFlash's.
@@ -282,7 +282,7 @@ def apply_unary_transforms(logits: torch.Tensor, settings: dict[str, Any]) -> to
     return logits
 
 
-class DFlash2Drafter(DFlashDrafter):
+class DFlash2Drafter(PickRecorder, DFlashDrafter):
     """DFlashDrafter + a `GroupedDynamicConv` around each layer's attention and MLP (identity at
     init) + `candidate_selector`. `forward` / `draft` / `context_kv` are the backbone's: they
     return the hidden states the selector reads; the convolutions run inside the layers."""
@@ -303,7 +303,6 @@ class DFlash2Drafter(DFlashDrafter):
         ("selector rank", "selector_rank"),
     )
     samples_drafts = True
-    round_extra = "unary"
     described_by = "dflash_config.selector_top_k (add_dflash2_fields)"
 
     def __init__(self, config: Qwen3Config):
@@ -348,11 +347,6 @@ class DFlash2Drafter(DFlashDrafter):
             self.unary_logits(logits_1PV), hidden_1PH, anchor_1.view(1), choose.among
         )
         return tokens_1P[0], unary_1P[0]
-
-    def add_round_figures(self, result: Any, extra: list | None, **outcome: Any) -> None:
-        """Where the selector changed the unary argmax, and how those drafts fared."""
-        if extra is not None:
-            result.add_selector_round(unary=extra, **outcome)
 
     @classmethod
     def describes(cls, config: Any) -> bool:

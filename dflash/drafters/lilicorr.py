@@ -42,7 +42,7 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-from dflash.drafters.backbone import DFlashDrafter, differing_fields
+from dflash.drafters.backbone import DFlashDrafter, PickRecorder, differing_fields
 from dflash.drafters.dflash2 import DFlash2Drafter, GroupedDynamicConv
 
 CONV_MODULES = ("attention_conv", "mlp_conv")
@@ -334,7 +334,7 @@ def candidate_lattice(logits_NSV: torch.Tensor, topk: int) -> tuple[torch.Tensor
     return ids, log_probs
 
 
-class LiLiCorrDrafter(DFlashDrafter):
+class LiLiCorrDrafter(PickRecorder, DFlashDrafter):
     """DFlashDrafter + `lilicorr` (LatticeHead). `forward` / `draft` / `context_kv` are the
     backbone's; the head reads their hidden states, the target head's logits on them and the
     projected context row before the anchor."""
@@ -342,7 +342,6 @@ class LiLiCorrDrafter(DFlashDrafter):
     added_modules = ("lilicorr", *CONV_MODULES)
     variant_name = "lilicorr"
     display_name = "LiLiCorr"
-    round_extra = "unary"
     reads_anchor_row = True
     # A DFlash2 checkpoint starts it too (drafter.init_from): its backbone and convolutions load,
     # its candidate selector, which the lattice head replaces, is left out.
@@ -435,11 +434,6 @@ class LiLiCorrDrafter(DFlashDrafter):
         )
         picks = greedy_walk(start, pair)
         return ids.gather(-1, picks[..., None])[0, :, 0], ids[0, :, 0]
-
-    def add_round_figures(self, result: Any, extra: list | None, **outcome: Any) -> None:
-        """Where the walk changed the backbone's argmax, and how those drafts fared."""
-        if extra is not None:
-            result.add_selector_round(unary=extra, **outcome)
 
     @classmethod
     def describes(cls, config: Any) -> bool:
