@@ -50,7 +50,7 @@ VariantClass = TypeVar("VariantClass", bound=type)
 
 def variant_options(config_class: type[VariantConfig]) -> Callable[[VariantClass], VariantClass]:
     """A class decorator for a variant's training side, applied under `@dataclass`: the class
-    gains `config_class`'s options (every field but `_target_`) as fields of its own, with their
+    takes `config_class` as its `options` and gains its options (every field but `_target_`) as fields of its own, with their
     types and defaults, in their order. A variant built without a config (a test, a tool) then
     has the same defaults a composed `variant=NAME` has, and adding an option is one field here.
 
@@ -77,6 +77,7 @@ def variant_options(config_class: type[VariantConfig]) -> Callable[[VariantClass
             elif option.default_factory is not NO_DEFAULT:
                 setattr(cls, option.name, field(default_factory=option.default_factory))
         cls.__annotations__ = own
+        cls.options = config_class  # the schema `variant=NAME` composes, named once here
         return cls
 
     return take

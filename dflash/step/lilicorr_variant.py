@@ -7,19 +7,15 @@ before each anchor (`needs_context`). Registered once, with its drafter class an
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import ClassVar
 
 from transformers import Qwen3Config
 
-from dflash.config.variant_schema import LiLiCorrVariantConfig, VariantConfig, variant_options
-from dflash.drafters.backbone import DFlashDrafter
+from dflash.config.variant_schema import LiLiCorrVariantConfig, variant_options
 from dflash.drafters.lilicorr import GEOMETRY, LiLiCorrDrafter, add_lilicorr_fields
 from dflash.step.lilicorr_loss import LatticeWeights, lilicorr_loss
 from dflash.step.lilicorr_metrics import LILICORR_FIELDS, LILICORR_FIGURES, lilicorr_figures
-from dflash.step.metrics import Field
-from dflash.step.variant import DFlashVariant
+from dflash.step.variant import DFlashVariant, unmeasured_taus
 
 
 @dataclass(frozen=True)
@@ -29,28 +25,24 @@ class LiLiCorrVariant(DFlashVariant):
     distractor penalty. Its options and defaults (ModelOpt's `lilicorr.yaml`, its `base`
     composition) are LiLiCorrVariantConfig's (dflash/config/variant_schema.py)."""
 
-    name: ClassVar[str] = "lilicorr"
-    needs_final_state: ClassVar[bool] = True
-    needs_context: ClassVar[bool] = True
+    name = "lilicorr"
+    needs_final_state = True
+    needs_context = True
     # ModelOpt's lilicorr.yaml trains it with the static decay (dflash_loss_decay_factor 7.0) and
     # no D-PACE weighting; the lattice's terms are per slot, outside the weights D-PACE sets, so
     # loss=dpace would reweigh only the backbone's CE against a recipe that never did.
-    dpace_applies: ClassVar[bool] = False
-    drafter_class: ClassVar[type[DFlashDrafter]] = LiLiCorrDrafter
-    options: ClassVar[type[VariantConfig]] = LiLiCorrVariantConfig
-    metric_fields: ClassVar[tuple[Field, ...]] = LILICORR_FIELDS
-    figure_names: ClassVar[tuple[str, ...]] = LILICORR_FIGURES
-    undefined_because: ClassVar[Mapping[str, str]] = {
-        **dict.fromkeys(
-            ("top1_tau_block", "top1_tau_decode", "oracle_tau_block", "oracle_tau_decode"),
-            "no block measured",
-        ),
+    dpace_applies = False
+    drafter_class = LiLiCorrDrafter
+    metric_fields = LILICORR_FIELDS
+    figure_names = LILICORR_FIGURES
+    undefined_because = {
+        **unmeasured_taus("top1"),
         **dict.fromkeys(("lattice_ce", "lattice_margin", "lattice_penalty"), "no supervised slot"),
     }
     # The served decision path's tau is the standard tau_decode (the walk's picks); the summary
     # sets it beside what the backbone's argmax alone would reach.
-    summary_key: ClassVar[str | None] = "train/top1_tau_decode"
-    console_figures: ClassVar[tuple[str, ...]] = ("top1_tau_decode", "lattice_ce")
+    summary_key = "train/top1_tau_decode"
+    console_figures = ("top1_tau_decode", "lattice_ce")
 
     def drafter_config(self, config: Qwen3Config) -> Qwen3Config:
         return add_lilicorr_fields(
@@ -60,9 +52,7 @@ class LiLiCorrVariant(DFlashVariant):
             **{name: getattr(self, name) for name in GEOMETRY},
         )
 
-    @classmethod
-    def figures(cls, sums):
-        return lilicorr_figures(sums)
+    figures = staticmethod(lilicorr_figures)
 
     @classmethod
     def summary_line(cls, summary, figure, defined):
@@ -88,30 +78,5 @@ class LiLiCorrVariant(DFlashVariant):
             margin_width=self.margin,
         )
 
-    def block_loss(
-        self,
-        hidden_BQH,
-        *,
-        lm_head,
-        drafter,
-        blocks,
-        final_BSH,
-        logits_chunk,
-        compiled,
-        embed_tokens,
-        features_BSF,
-    ):
-        if final_BSH is None:
-            raise ValueError("variant=lilicorr needs the target's final hidden states (none were passed)")
-        return lilicorr_loss(
-            hidden_BQH,
-            lm_head=lm_head,
-            embed_tokens=embed_tokens,
-            drafter=drafter,
-            blocks=blocks,
-            features_BSF=features_BSF,
-            final_BSH=final_BSH,
-            weights=self.weights,
-            logits_chunk=logits_chunk,
-            compiled=compiled,
-        )
+    def block_loss(self, hidden_BQH, *, final_BSH, **step):
+        return lilicorr_loss(hidden_BQH, final_BSH=self.final_state(final_BSH), weights=self.weights, **step)

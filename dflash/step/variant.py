@@ -57,6 +57,13 @@ from dflash.step.metrics import Field
 from dflash.torch_runtime.kernel_libraries import installed
 
 
+def unmeasured_taus(pick: str) -> dict[str, str]:
+    """Why the block and decode taus of a head's `pick` and of the oracle over its candidates
+    can be undefined: a window that measured no block."""
+    names = (f"{pick}_tau_block", f"{pick}_tau_decode", "oracle_tau_block", "oracle_tau_decode")
+    return dict.fromkeys(names, "no block measured")
+
+
 @dataclass(frozen=True)
 class DFlashVariant:
     """Plain DFlash (z-lab): position k >= 1 predicts token a + k; hard-label CE."""
@@ -71,7 +78,8 @@ class DFlashVariant:
     # The drafter's weights start at the target's init std (its config's initializer_range)
     # rather than Qwen3Config's 0.02.
     init_std_from_target: ClassVar[bool] = False
-    # The drafter it trains (registered under `name`) and its config group option's schema.
+    # The drafter it trains (registered under `name`) and its config group option's schema (a
+    # subclass's is set by @variant_options).
     drafter_class: ClassVar[type[DFlashDrafter]] = DFlashDrafter
     options: ClassVar[type[VariantConfig]] = DFlashVariantConfig
     # The sums its loss statistics add to the metric vector after DFlash's (each a field of the
@@ -145,7 +153,17 @@ class DFlashVariant:
         logits_chunk: int,
         compiled: bool,
     ) -> LossStats:
+        """The loss over the block positions. A subclass that reads only some of these takes the
+        others as `**step` and passes them on to its loss by name (its loss takes lm_head,
+        drafter, blocks, logits_chunk and compiled under the same names)."""
         return draft_loss(hidden_BQH, lm_head, blocks, logits_chunk, compiled=compiled)
+
+    def final_state(self, final_BSH: torch.Tensor | None) -> torch.Tensor:
+        """The target's final hidden states a `needs_final_state` variant's loss reads; refused
+        when the step passed none."""
+        if final_BSH is None:
+            raise ValueError(f"variant={self.name} needs the target's final hidden states (none were passed)")
+        return final_BSH
 
 
 @dataclass(frozen=True)
@@ -155,22 +173,21 @@ class DSparkVariant(DFlashVariant):
     head; every position predicts the token after it; loss ce_weight CE + tv_weight L1 +
     confidence_weight BCE against the target's own distribution (dflash/step/dspark_loss.py)."""
 
-    name: ClassVar[str] = "dspark"
-    summary_key: ClassVar[str | None] = "train/tau_prob"
-    label_offset: ClassVar[int] = 1
+    name = "dspark"
+    summary_key = "train/tau_prob"
+    label_offset = 1
     # DeepSpec and ModelOpt's dspark.yaml train DSpark with the static decay only.
-    dpace_applies: ClassVar[bool] = False
-    needs_final_state: ClassVar[bool] = True
-    needs_prev_ids: ClassVar[bool] = True
+    dpace_applies = False
+    needs_final_state = True
+    needs_prev_ids = True
     # DeepSpec's draft config is a deep copy of the target's, initializer_range included
     # (SmolLM2-135M's 1/sqrt(576) = 0.042).
-    init_std_from_target: ClassVar[bool] = True
-    drafter_class: ClassVar[type[DFlashDrafter]] = DSparkDrafter
-    options: ClassVar[type[VariantConfig]] = DSparkVariantConfig
-    metric_fields: ClassVar[tuple[Field, ...]] = DSPARK_FIELDS
-    figure_names: ClassVar[tuple[str, ...]] = DSPARK_FIGURES
-    undefined_because: ClassVar[Mapping[str, str]] = {"tau_prob": "no block measured"}
-    console_figures: ClassVar[tuple[str, ...]] = ("tau_prob", "l1", "confidence_abs_error")
+    init_std_from_target = True
+    drafter_class = DSparkDrafter
+    metric_fields = DSPARK_FIELDS
+    figure_names = DSPARK_FIGURES
+    undefined_because = {"tau_prob": "no block measured"}
+    console_figures = ("tau_prob", "l1", "confidence_abs_error")
 
     @property
     def head_type(self) -> str:
@@ -188,9 +205,7 @@ class DSparkVariant(DFlashVariant):
             confidence_with_markov=self.confidence_with_markov,
         )
 
-    @classmethod
-    def figures(cls, sums):
-        return dspark_figures(sums)
+    figures = staticmethod(dspark_figures)
 
     @classmethod
     def run_refusal(cls, *, variant, noise):
@@ -214,19 +229,13 @@ class DSparkVariant(DFlashVariant):
     def weights(self) -> DSparkWeights:
         return DSparkWeights(ce=self.ce_weight, tv=self.tv_weight, confidence=self.confidence_weight)
 
-    def block_loss(self, hidden_BQH, *, lm_head, drafter, blocks, final_BSH, logits_chunk, compiled):
-        if final_BSH is None:
-            raise ValueError("variant=dspark needs the target's final hidden states (none were passed)")
+    def block_loss(self, hidden_BQH, *, final_BSH, **step):
         return dspark_loss(
             hidden_BQH,
-            lm_head=lm_head,
-            drafter=drafter,
-            blocks=blocks,
-            final_BSH=final_BSH,
+            final_BSH=self.final_state(final_BSH),
             weights=self.weights,
-            logits_chunk=logits_chunk,
-            compiled=compiled,
             fused_terms=resolve_fused_terms(FusedTerms(self.fused_terms), hidden_BQH.device),
+            **step,
         )
 
     @classmethod
@@ -246,18 +255,14 @@ class DFlash2Variant(DFlashVariant):
     a selector over the unary top-K; positions predict as in DFlash; loss CE + selector_alpha x
     the selector's K-way CE with gold injection (dflash/step/dflash2_loss.py)."""
 
-    name: ClassVar[str] = "dflash2"
-    summary_key: ClassVar[str | None] = "train/selector_ce"
-    needs_prev_ids: ClassVar[bool] = True
-    drafter_class: ClassVar[type[DFlashDrafter]] = DFlash2Drafter
-    options: ClassVar[type[VariantConfig]] = DFlash2VariantConfig
-    metric_fields: ClassVar[tuple[Field, ...]] = DFLASH2_FIELDS
-    figure_names: ClassVar[tuple[str, ...]] = DFLASH2_FIGURES
-    undefined_because: ClassVar[Mapping[str, str]] = {
-        **dict.fromkeys(
-            ("unary_tau_block", "unary_tau_decode", "oracle_tau_block", "oracle_tau_decode"),
-            "no block measured",
-        ),
+    name = "dflash2"
+    summary_key = "train/selector_ce"
+    needs_prev_ids = True
+    drafter_class = DFlash2Drafter
+    metric_fields = DFLASH2_FIELDS
+    figure_names = DFLASH2_FIGURES
+    undefined_because = {
+        **unmeasured_taus("unary"),
         **dict.fromkeys(
             ("candidate_recall", "candidate_mass", "selector_changed", "unary_acc"), "no supervised position"
         ),
@@ -276,20 +281,10 @@ class DFlash2Variant(DFlashVariant):
             ),
         )
 
-    @classmethod
-    def figures(cls, sums):
-        return dflash2_figures(sums)
+    figures = staticmethod(dflash2_figures)
 
-    def block_loss(self, hidden_BQH, *, lm_head, drafter, blocks, final_BSH, logits_chunk, compiled):
-        return dflash2_loss(
-            hidden_BQH,
-            lm_head=lm_head,
-            drafter=drafter,
-            blocks=blocks,
-            selector_alpha=self.selector_alpha,
-            logits_chunk=logits_chunk,
-            compiled=compiled,
-        )
+    def block_loss(self, hidden_BQH, *, final_BSH, **step):
+        return dflash2_loss(hidden_BQH, selector_alpha=self.selector_alpha, **step)
 
     @classmethod
     def summary_line(cls, summary, figure, defined):
