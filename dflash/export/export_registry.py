@@ -138,5 +138,10 @@ SPECULATORS = Layout(
 
 for _layout in (SPECULATORS, deepspec.DEEPSPEC, ZLAB):
     register_layout(_layout)
-for _spec in (VariantExport(), deepspec.DSparkExport(), dflash2_rules.DFlash2Export(), lilicorr_rules.LiLiCorrExport()):
+for _spec in (
+    VariantExport(),
+    deepspec.DSparkExport(),
+    dflash2_rules.DFlash2Export(),
+    lilicorr_rules.LiLiCorrExport(),
+):
     register_export(_spec)
