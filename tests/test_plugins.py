@@ -328,3 +328,11 @@ def test_the_built_in_variants_record_nothing():
 
     assert [variant_record(registered_drafters()[name]) for name in built_in] == [{}] * len(built_in)
     assert variant_record(Instrumented) == {}
+
+
+def test_the_plugins_are_read_from_the_environment_as_it_is_at_the_call(plugin_dir, registry, monkeypatch):
+    """A command reads DFLASH_PLUGINS when it starts, whatever mapping `os.environ` was when
+    dflash.config.plugins was imported (a default argument bound then would keep an old one)."""
+    monkeypatch.setattr(os, "environ", {**os.environ, ENV_VAR: "echo_variant"})
+    assert [p.module for p in load_plugins()] == ["echo_variant"]
+    assert "echo" in registry.registered_drafters()

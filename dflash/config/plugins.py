@@ -59,9 +59,11 @@ class Plugin:
             ) from exc
 
 
-def declared_plugins(environ: Mapping[str, str] = os.environ) -> list[Plugin]:
+def declared_plugins(environ: Mapping[str, str] | None = None) -> list[Plugin]:
     """The installed packages' `dflash.plugins` entry points (by distribution, then name), then
-    the modules DFLASH_PLUGINS names, in its order; a module declared twice is imported once."""
+    the modules DFLASH_PLUGINS names, in its order; a module declared twice is imported once.
+    `environ`: the process environment as it is at the call (None), not as it was at import."""
+    environ = os.environ if environ is None else environ
     found = []
     entry_points = sorted(metadata.entry_points(group=ENTRY_POINT_GROUP), key=_distribution_and_name)
     for entry_point in entry_points:
@@ -86,7 +88,7 @@ def declared_plugins(environ: Mapping[str, str] = os.environ) -> list[Plugin]:
     return list(unique.values())
 
 
-def load_plugins(environ: Mapping[str, str] = os.environ) -> list[Plugin]:
+def load_plugins(environ: Mapping[str, str] | None = None) -> list[Plugin]:
     """Import every declared plug-in (each once per process: Python keeps the modules it
     imported); PluginError naming the first that fails."""
     plugins = declared_plugins(environ)
