@@ -8,7 +8,7 @@ import pytest
 
 from dflash.decoding.reference import DecodeResult
 from dflash.serving.agreement import RoundCount, engine_count
-from dflash.serving.llamacpp import BUILD_COMMAND, find_build, speculation_flags
+from dflash.serving.llamacpp import BUILD_COMMAND, find_build, spec_type_for
 from dflash.serving.server import speculation_counters
 from tests.test_gguf import needs_smollm2
 
@@ -85,9 +85,11 @@ def test_each_variant_is_served_with_its_spec_type_and_its_drafts_per_block():
     from tests.test_dspark_export import tiny_dspark
 
     target = tiny_target()
-    assert speculation_flags(tiny_drafter(target)) == ("draft-dflash", 3)
-    assert speculation_flags(tiny_dspark(target, block_size=4)) == ("draft-dspark", 4)
-    assert speculation_flags(tiny_dflash2(target)) == ("draft-dflash", 3)
+    flags = [
+        (spec_type_for(d), d.drafts_per_block)
+        for d in (tiny_drafter(target), tiny_dspark(target, block_size=4), tiny_dflash2(target))
+    ]
+    assert flags == [("draft-dflash", 3), ("draft-dspark", 4), ("draft-dflash", 3)]
 
 
 def test_a_missing_build_names_the_command_that_makes_it(tmp_path):
