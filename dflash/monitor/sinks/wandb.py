@@ -9,9 +9,8 @@ import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
 
-from dflash.monitor.sinks.background import BackgroundSink
+from dflash.monitor.sinks.background import background_factory
 from dflash.monitor.sinks.base import SinkContext, refuse_unwritable_dir, sweep_naming
 
 log = logging.getLogger(__name__)
@@ -196,10 +195,5 @@ def resumed_wandb_run(resume_dir: Path | None) -> str | None:
         raise ValueError(f"resume={resume_dir}: {WANDB_RUN_FILE} names no W&B run ({exc})") from exc
 
 
-def wandb_sink(
-    *, context: SinkContext, queue_size: int = 100, finish_timeout_s: float = 30.0, **settings: Any
-):
-    """logger.sinks.wandb: a WandbSink on its own thread (BackgroundSink), `queue_size` ticks deep
-    (the oldest dropped, and counted, when W&B stalls), given `finish_timeout_s` to finish."""
-    sink = WandbSink(context=context, finish_timeout_s=finish_timeout_s, **settings)
-    return BackgroundSink("wandb", sink, queue_size=queue_size, close_timeout_s=finish_timeout_s)
+# logger.sinks.wandb (conf/logger/wandb.yaml): WandbSink's settings, plus `queue_size`.
+wandb_sink = background_factory("wandb", WandbSink)
