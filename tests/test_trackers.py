@@ -436,3 +436,21 @@ def test_a_mistyped_tracker_setting_is_refused_before_anything_loads(
 
     with pytest.raises(ValueError, match=rf"^logger.sinks.{library}: .*'{typo}'"):
         build_run(make_cfg(overrides))
+
+
+@pytest.mark.parametrize(
+    ("target", "subdir", "says"),
+    [
+        ("dflash.monitor.sinks.TensorBoardSink", "tensorboard", "logger.sinks.mine.subdir"),
+        ("dflash.monitor.sinks.wandb_sink", "wandb", "logger.sinks.mine"),
+    ],
+)
+def test_an_entry_that_leaves_its_settings_out_is_checked_where_the_sink_will_write(
+    target, subdir, says, tmp_path
+):
+    """An entry of `_target_` alone: its destination is checked with the sink's own defaults."""
+    from dflash.monitor.sinks import check_sink_destinations
+
+    (tmp_path / subdir).write_text("")  # a file where the sink's directory would go
+    with pytest.raises(ValueError, match=rf"^{re.escape(says)}: .*{subdir} cannot be a directory"):
+        check_sink_destinations({"mine": {"_target_": target}}, run_dir=tmp_path, resume_dir=None)

@@ -11,7 +11,7 @@ import urllib.request
 from pathlib import Path
 
 from dflash.monitor.sinks.background import background_factory
-from dflash.monitor.sinks.base import SinkContext, refuse_unwritable_dir, sweep_naming
+from dflash.monitor.sinks.base import SinkContext, SinkDestination, refuse_unwritable_dir, sweep_naming
 
 log = logging.getLogger(__name__)
 
@@ -60,19 +60,14 @@ def http_failure(url: str, timeout_s: float) -> str | None:
         return f"does not answer ({exc.strerror or exc})"
 
 
-def check_wandb_destination(
-    *,
-    key: str,
-    run_dir: Path,
-    resume_dir: Path | None,
-    mode: str | None = None,
-    connect_timeout_s: float = CONNECT_TIMEOUT_S,
-    **_settings_not_checked_here,
-) -> None:
+def check_wandb_destination(destination: SinkDestination) -> None:
     """logger.sinks.NAME of a W&B sink, before any weights load: the run's W&B directory takes
     files (offline and online), and online, the server answers."""
-    refuse_unwritable_dir(run_dir / "wandb", key)
-    check_wandb_server(key=key, mode=wandb_mode(mode), connect_timeout_s=connect_timeout_s)
+    key, settings = destination.key, destination.settings
+    refuse_unwritable_dir(destination.run_dir / "wandb", key)
+    check_wandb_server(
+        key=key, mode=wandb_mode(settings["mode"]), connect_timeout_s=settings["connect_timeout_s"]
+    )
 
 
 def check_wandb_server(*, key: str, mode: str, connect_timeout_s: float) -> None:
