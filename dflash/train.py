@@ -9,14 +9,12 @@ from __future__ import annotations
 
 from typing import Any
 
-import hydra
 from omegaconf import DictConfig
 
 from dflash.config.plugins import load_plugins
 from dflash.config.schema import register_configs
 from dflash.target.model_dirs import refuse_missing_target_dirs
-from dflash.tools.compose import CONF_PATH
-from dflash.tools.hydra_app import run_hydra_app
+from dflash.tools.hydra_app import hydra_command
 
 register_configs()
 
@@ -60,20 +58,8 @@ COMMON_OVERRIDES = (
 )
 
 
-def main() -> None:
-    """`dflash train` / `dflash-train`."""
-    run_hydra_app(
-        hydra_main,
-        tool="dflash train",
-        summary="Train a DFlash drafter against a frozen target. With no overrides: the tiny CPU "
-        "drafter end to end\n(data, training, evaluation, summary), about a minute.",
-        config_name="config",
-        overrides=COMMON_OVERRIDES,
-    )
-
-
-@hydra.main(version_base="1.3", config_path=CONF_PATH, config_name="config")
-def hydra_main(cfg: DictConfig) -> float:
+def train_job(cfg: DictConfig) -> float:
+    """What `dflash train` runs on the composed config: the objective a sweep's search reads."""
     # A signal ends train() with StopRequested after a checkpoint; the run-record callback
     # records the job as interrupted and exits with 128 + signal.
     summary = train(cfg)
@@ -82,6 +68,16 @@ def hydra_main(cfg: DictConfig) -> float:
     if cfg.objective not in summary:
         raise ValueError(f"objective={cfg.objective!r} is not a summary metric; have {sorted(summary)}")
     return float(summary[cfg.objective])
+
+
+main = hydra_command(
+    train_job,
+    tool="dflash train",
+    summary="Train a DFlash drafter against a frozen target. With no overrides: the tiny CPU "
+    "drafter end to end\n(data, training, evaluation, summary), about a minute.",
+    config_name="config",
+    overrides=COMMON_OVERRIDES,
+)
 
 
 if __name__ == "__main__":

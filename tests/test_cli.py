@@ -77,6 +77,15 @@ def test_a_hydra_commands_help_lists_each_group_with_its_options_and_no_schema(c
     assert dflash(command, "--version").stdout.strip() == f"dflash {__version__}"
 
 
+@pytest.mark.parametrize("command", HYDRA_COMMANDS)
+def test_a_hydra_commands_job_is_named_after_the_command(command):
+    """Hydra names the job (the run record's job name, the job's `<name>.log`) after the module of
+    the function it decorates: each command's job keeps its own name, whoever builds its entry."""
+    result = dflash(command, "--cfg", "hydra", "--package", "hydra.job")
+    assert result.returncode == 0, result.stderr
+    assert re.search(rf"^name: {command}$", result.stdout, re.M), result.stdout
+
+
 @pytest.mark.parametrize(
     ("override", "says"),
     [

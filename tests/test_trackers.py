@@ -413,3 +413,44 @@ def test_an_offline_wandb_run_that_cannot_start_is_one_line_naming_the_key(
         ValueError, match=r"^logger.sinks.wandb \(mode=offline\): W&B could not start the run"
     ):
         WandbSink(context=SinkContext(run_dir=run_dir, config={}, total_steps=1), mode="offline")
+
+
+@pytest.mark.parametrize(
+    ("library", "overrides", "typo"),
+    [
+        (
+            "wandb",
+            ["logger=wandb", "logger.sinks.wandb.mode=offline", "+logger.sinks.wandb.projct=mine"],
+            "projct",
+        ),
+        ("mlflow", ["logger=mlflow", "+logger.sinks.mlflow.experimnt=mine"], "experimnt"),
+    ],
+)
+def test_a_mistyped_tracker_setting_is_refused_before_anything_loads(
+    library, overrides, typo, make_cfg, no_weights_load
+):
+    """A tracker's factory takes its sink's own settings: a key the sink does not take is named
+    before the weights load, not as the factory's failure once training is ready to log."""
+    pytest.importorskip(library)
+    from dflash.run.launch import build_run
+
+    with pytest.raises(ValueError, match=rf"^logger.sinks.{library}: .*'{typo}'"):
+        build_run(make_cfg(overrides))
+
+
+@pytest.mark.parametrize(
+    ("target", "subdir", "says"),
+    [
+        ("dflash.monitor.sinks.TensorBoardSink", "tensorboard", "logger.sinks.mine.subdir"),
+        ("dflash.monitor.sinks.wandb_sink", "wandb", "logger.sinks.mine"),
+    ],
+)
+def test_an_entry_that_leaves_its_settings_out_is_checked_where_the_sink_will_write(
+    target, subdir, says, tmp_path
+):
+    """An entry of `_target_` alone: its destination is checked with the sink's own defaults."""
+    from dflash.monitor.sinks import check_sink_destinations
+
+    (tmp_path / subdir).write_text("")  # a file where the sink's directory would go
+    with pytest.raises(ValueError, match=rf"^{re.escape(says)}: .*{subdir} cannot be a directory"):
+        check_sink_destinations({"mine": {"_target_": target}}, run_dir=tmp_path, resume_dir=None)

@@ -28,12 +28,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from dflash.config.schema import Config, EvalConfig, TargetConfig, VerifyRule, register_configs
-from dflash.tools.compose import CONF_PATH
-from dflash.tools.hydra_app import run_hydra_app
+from dflash.tools.hydra_app import hydra_command
 
 if TYPE_CHECKING:  # torch and the evaluation load once the arguments parse
     import torch
@@ -371,21 +369,9 @@ def run_eval(
     return payload
 
 
-def main() -> None:
-    """`dflash eval` / `dflash eval`."""
-    run_hydra_app(
-        hydra_main,
-        tool="dflash eval",
-        summary="Decode prompts with a target and an exported drafter: tau, acceptance histogram, "
-        "losslessness and\nspeedup per benchmark, as a table and a JSON report.",
-        config_name="config",
-        overrides=(
-            "ckpt=outputs/RUN/checkpoints/last                 the drafter (its run's target by default)",
-            "target=hf target.path=/models/MyModel gpu=single  a drafter exported by other tools",
-            "eval=humaneval_mtbench eval.num_prompts=64        benchmarks and how many prompts",
-            "'eval.temperatures=[0,1]'                          greedy and sampled decoding",
-        ),
-    )
+def eval_job(cfg: DictConfig) -> dict:
+    """What `dflash eval` runs on the composed config, with what the command line says of the target."""
+    return run_eval(cfg, **target_overrides())
 
 
 def target_overrides() -> dict[str, Any]:
@@ -400,9 +386,19 @@ def target_overrides() -> dict[str, Any]:
     }
 
 
-@hydra.main(version_base="1.3", config_path=CONF_PATH, config_name="config")
-def hydra_main(cfg: DictConfig) -> None:
-    run_eval(cfg, **target_overrides())
+main = hydra_command(
+    eval_job,
+    tool="dflash eval",
+    summary="Decode prompts with a target and an exported drafter: tau, acceptance histogram, "
+    "losslessness and\nspeedup per benchmark, as a table and a JSON report.",
+    config_name="config",
+    overrides=(
+        "ckpt=outputs/RUN/checkpoints/last                 the drafter (its run's target by default)",
+        "target=hf target.path=/models/MyModel gpu=single  a drafter exported by other tools",
+        "eval=humaneval_mtbench eval.num_prompts=64        benchmarks and how many prompts",
+        "'eval.temperatures=[0,1]'                          greedy and sampled decoding",
+    ),
+)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""How the Hydra commands (`dflash train|eval|regen|prep|served`) start: their help, `--version`,
-the plug-ins (dflash/config/plugins.py) imported before the config is composed, and one line with
+"""How the Hydra commands (`dflash train|eval|regen|prep|served`) start: their entry (`main`, made
+by hydra_command from the job function and its help), their help, `--version`, the plug-ins (dflash/config/plugins.py) imported before the config is composed, and one line with
 exit 2 for a mistake in the overrides, Hydra's composition errors included.
 
 Hydra reports a composition error (an unknown key, an option that does not exist, a value of the
@@ -19,10 +19,13 @@ from collections.abc import Callable
 from importlib import resources
 from typing import Any
 
+import hydra
+from omegaconf import DictConfig
+
 from dflash import __version__
 from dflash.config.plugins import load_plugins_or_exit
 from dflash.errors import exit_for_user_error, full_errors_requested, refuse_unquoted_home
-from dflash.tools.compose import CONF_MODULE
+from dflash.tools.compose import CONF_MODULE, CONF_PATH
 
 # The end of the line for a group option nothing resembles: it may be a plug-in's, not given here.
 PLUGIN_OPTION_HINT = (
@@ -93,6 +96,30 @@ def _defaults(config_name: str) -> dict[str, str]:
                 if isinstance(option, str):
                     chosen[group.removeprefix("override ").strip()] = option
     return chosen
+
+
+def hydra_command(
+    job: Callable[[DictConfig], Any],
+    *,
+    tool: str,
+    summary: str,
+    config_name: str,
+    overrides: tuple[str, ...],
+) -> Callable[[], None]:
+    """The entry point (`main`: `dflash COMMAND` and pyproject.toml's alias) of the Hydra command
+    `tool`: `job` run on the config `config_name` of the package's conf/, by run_hydra_app.
+
+    `job` itself is what `hydra.main` decorates: Hydra names the job (`hydra.job.name`, in the run
+    record and a job's `<name>.log`) after the module of the function it decorates
+    (hydra/_internal/utils.py: detect_calling_file_or_module_from_task_function), so a job defined
+    in dflash/tools/prep.py runs as `prep`, as it did when each command decorated its own."""
+    hydra_main = hydra.main(version_base="1.3", config_path=CONF_PATH, config_name=config_name)(job)
+
+    def main() -> None:
+        run_hydra_app(hydra_main, tool=tool, summary=summary, config_name=config_name, overrides=overrides)
+
+    main.__doc__ = f"`{tool}`."
+    return main
 
 
 def run_hydra_app(

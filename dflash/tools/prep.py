@@ -9,12 +9,10 @@ one training reads: the training run then starts without tokenizing anything.
 
 from __future__ import annotations
 
-import hydra
 from omegaconf import DictConfig
 
 from dflash.config.schema import register_configs
-from dflash.tools.compose import CONF_PATH
-from dflash.tools.hydra_app import run_hydra_app
+from dflash.tools.hydra_app import hydra_command
 
 register_configs()
 
@@ -32,25 +30,18 @@ def prep(cfg: DictConfig) -> dict:
     return {"samples": len(dataset), "stats": stats}
 
 
-@hydra.main(version_base="1.3", config_path=CONF_PATH, config_name="config")
-def hydra_main(cfg: DictConfig) -> None:
-    prep(cfg)
-
-
-def main() -> None:
-    """`dflash prep` / `dflash-prep`."""
-    run_hydra_app(
-        hydra_main,
-        tool="dflash prep",
-        summary="Tokenize the training data a `dflash train` with the same overrides will read, "
-        "and say what went in\nand what was skipped.",
-        config_name="config",
-        overrides=(
-            "data=conversations data.files=[chat.jsonl]   conversation files (JSON, JSONL, Parquet, .zst)",
-            "target=hf target.path=/models/MyModel        the target whose tokenizer and template apply",
-            "data.max_length=4096                         longer samples are cut",
-        ),
-    )
+main = hydra_command(
+    prep,
+    tool="dflash prep",
+    summary="Tokenize the training data a `dflash train` with the same overrides will read, "
+    "and say what went in\nand what was skipped.",
+    config_name="config",
+    overrides=(
+        "data=conversations data.files=[chat.jsonl]   conversation files (JSON, JSONL, Parquet, .zst)",
+        "target=hf target.path=/models/MyModel        the target whose tokenizer and template apply",
+        "data.max_length=4096                         longer samples are cut",
+    ),
+)
 
 
 if __name__ == "__main__":

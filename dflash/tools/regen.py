@@ -9,13 +9,11 @@ import json
 import os
 import signal
 
-import hydra
 from omegaconf import DictConfig, OmegaConf
 
 from dflash.config.schema import RegenBackend, RegenConfig, register_configs
 from dflash.data.conversations import record_layout
-from dflash.tools.compose import CONF_PATH
-from dflash.tools.hydra_app import run_hydra_app
+from dflash.tools.hydra_app import hydra_command
 from dflash.trainer.signals import StopRequested, on_signals
 
 register_configs()
@@ -133,25 +131,18 @@ def regen(cfg: DictConfig):
     return stats
 
 
-@hydra.main(version_base="1.3", config_path=CONF_PATH, config_name="regen")
-def hydra_main(cfg: DictConfig) -> None:
-    regen(cfg)
-
-
-def main() -> None:
-    """`dflash regen` / `dflash-regen`."""
-    run_hydra_app(
-        hydra_main,
-        tool="dflash regen",
-        summary="The target writes the assistant replies of a conversation set, turn by turn "
-        "(training data in the\ntarget's own words). Resumable: rerun the same command after an interruption.",
-        config_name="regen",
-        overrides=(
-            "target=hf target.path=/models/MyModel input=[chat.jsonl] output=regen.jsonl",
-            "backend=http url=http://localhost:8000/v1 model=NAME     a running vLLM / SGLang server",
-            "batch_size=64 sampling.max_new_tokens=1024 limit=1000   replies at once, their length, how many",
-        ),
-    )
+main = hydra_command(
+    regen,
+    tool="dflash regen",
+    summary="The target writes the assistant replies of a conversation set, turn by turn "
+    "(training data in the\ntarget's own words). Resumable: rerun the same command after an interruption.",
+    config_name="regen",
+    overrides=(
+        "target=hf target.path=/models/MyModel input=[chat.jsonl] output=regen.jsonl",
+        "backend=http url=http://localhost:8000/v1 model=NAME     a running vLLM / SGLang server",
+        "batch_size=64 sampling.max_new_tokens=1024 limit=1000   replies at once, their length, how many",
+    ),
+)
 
 
 if __name__ == "__main__":

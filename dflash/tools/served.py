@@ -22,12 +22,10 @@ import json
 import logging
 from pathlib import Path
 
-import hydra
 from omegaconf import DictConfig
 
 from dflash.config.schema import Config, register_configs
-from dflash.tools.compose import CONF_PATH
-from dflash.tools.hydra_app import run_hydra_app
+from dflash.tools.hydra_app import hydra_command
 
 register_configs()
 log = logging.getLogger(__name__)
@@ -153,29 +151,27 @@ def run_served(cfg: DictConfig, *, target_overridden: bool, target_fields: tuple
     )
 
 
-def main() -> None:
-    """`dflash served`."""
-    run_hydra_app(
-        hydra_main,
-        tool="dflash served",
-        summary="Serve an exported drafter with llama.cpp beside dflash's own decoder on the same prompts:\n"
-        "served and own tau, acceptance per draft position, tokens/s and per-prompt agreement.",
-        config_name="config",
-        overrides=(
-            "ckpt=outputs/RUN/checkpoints/last                 the drafter (its run's target by default)",
-            "target=hf target.path=/models/MyModel             a drafter exported by other tools",
-            "eval=humaneval_mtbench eval.num_prompts=80        benchmarks and how many prompts",
-            "gpu.cpu_threads=8                                 threads for llama.cpp (and dflash's decoder on a CPU)",
-            "gpu=single                                        dflash's decoder on the GPU (the engine stays on the CPU)",
-        ),
-    )
-
-
-@hydra.main(version_base="1.3", config_path=CONF_PATH, config_name="config")
-def hydra_main(cfg: DictConfig) -> None:
+def served_job(cfg: DictConfig) -> dict:
+    """What `dflash served` runs on the composed config, with what the command line says of the target."""
     from dflash.tools.eval import target_overrides
 
-    run_served(cfg, **target_overrides())
+    return run_served(cfg, **target_overrides())
+
+
+main = hydra_command(
+    served_job,
+    tool="dflash served",
+    summary="Serve an exported drafter with llama.cpp beside dflash's own decoder on the same prompts:\n"
+    "served and own tau, acceptance per draft position, tokens/s and per-prompt agreement.",
+    config_name="config",
+    overrides=(
+        "ckpt=outputs/RUN/checkpoints/last                 the drafter (its run's target by default)",
+        "target=hf target.path=/models/MyModel             a drafter exported by other tools",
+        "eval=humaneval_mtbench eval.num_prompts=80        benchmarks and how many prompts",
+        "gpu.cpu_threads=8                                 threads for llama.cpp (and dflash's decoder on a CPU)",
+        "gpu=single                                        dflash's decoder on the GPU (the engine stays on the CPU)",
+    ),
+)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from dflash.monitor.sinks.base import (
     MetricSink,
     OptionalLibrary,
     SinkContext,
+    SinkDestination,
     hydra_choice,
     sweep_naming,
 )
@@ -75,6 +76,7 @@ __all__ = [
     "OptionalLibrary",
     "ProgressSink",
     "SinkContext",
+    "SinkDestination",
     "TensorBoardSink",
     "WandbSink",
     "build_sinks",

@@ -1,16 +1,22 @@
-"""A slow sink (a tracker on the network) on its own thread, so it never holds up training."""
+"""A slow sink (a tracker on the network) on its own thread, so it never holds up training, and
+the `logger.sinks` factory that puts a sink class there (background_factory)."""
 
 from __future__ import annotations
 
+import inspect
 import logging
 import threading
 from collections import deque
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from dflash.monitor.sinks.base import MetricSink
 
 log = logging.getLogger(__name__)
+
+# Ticks a background sink holds for its thread, unless its entry's `queue_size` says otherwise.
+QUEUE_SIZE = 100
 
 
 class BackgroundSink:
@@ -77,3 +83,36 @@ class BackgroundSink:
                 "%s sink: still busy after %.0f s; closing with ticks unsent", self.name, self.close_timeout_s
             )
         self.sink.close(ok)
+
+
+def background_factory(name: str, sink_class: type) -> Callable[..., BackgroundSink]:
+    """The `logger.sinks` factory of a slow sink: `sink_class` built with the entry's settings and
+    run on its own thread (BackgroundSink), `queue_size` ticks deep; the class's own
+    `finish_timeout_s` also bounds the wait for that thread at close.
+
+    The factory's signature is the class's plus `queue_size`, so the checks before any weights
+    load (dflash/config/components.py: check_buildable) refuse a key the class does not take,
+    as they would for the class itself."""
+    queue_size = inspect.Parameter(
+        "queue_size", inspect.Parameter.KEYWORD_ONLY, default=QUEUE_SIZE, annotation="int"
+    )
+    signature = inspect.signature(sink_class)
+    signature = signature.replace(parameters=[*signature.parameters.values(), queue_size])
+
+    def factory(**arguments: Any) -> BackgroundSink:
+        bound = signature.bind(**arguments)  # a key the class does not take: TypeError, named
+        bound.apply_defaults()
+        settings = dict(bound.arguments)
+        queued = settings.pop("queue_size")
+        return BackgroundSink(
+            name, sink_class(**settings), queue_size=queued, close_timeout_s=settings["finish_timeout_s"]
+        )
+
+    factory.__signature__ = signature
+    factory.__name__ = factory.__qualname__ = f"{name}_sink"
+    factory.__module__ = sink_class.__module__
+    factory.__doc__ = (
+        f"logger.sinks.{name}: a {sink_class.__name__} on its own thread, `queue_size` ticks deep (the "
+        "oldest dropped, and counted, when it stalls), given `finish_timeout_s` to finish."
+    )
+    return factory

@@ -31,6 +31,18 @@ class SinkContext:
 
 
 @dataclass(frozen=True)
+class SinkDestination:
+    """A `logger.sinks` entry as its destination check sees it, before any weights load: the
+    entry's key (logger.sinks.NAME), the run dir, the checkpoint a resumed run continues, and
+    the settings the sink will be built with (the entry's keys over its signature's defaults)."""
+
+    key: str
+    run_dir: Path
+    resume_dir: Path | None
+    settings: dict[str, Any]
+
+
+@dataclass(frozen=True)
 class OptionalLibrary:
     """The library a sink needs that dflash does not install by default: its module, the dflash
     extra that installs it and the logger option that uses it. Checked before any weights load

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from dflash.monitor.sinks.background import BackgroundSink
+from dflash.monitor.sinks.background import background_factory
 from dflash.monitor.sinks.base import SinkContext, hydra_choice, sweep_naming
 from dflash.monitor.sinks.mlflow_store import (
     CONNECT_TIMEOUT_S,
@@ -227,27 +227,5 @@ class MlflowSink:
             log.warning("mlflow: the run did not finish within %.0f s; continuing", self.timeout_s)
 
 
-def mlflow_sink(
-    *,
-    context: SinkContext,
-    tracking_uri: str | None = None,
-    experiment: str | None = None,
-    run_name: str | None = None,
-    tags: dict[str, Any] | None = None,
-    queue_size: int = 100,
-    finish_timeout_s: float = 30.0,
-    connect_timeout_s: float = CONNECT_TIMEOUT_S,
-):
-    """logger.sinks.mlflow: an MlflowSink on its own thread (BackgroundSink), `queue_size` ticks
-    deep (the oldest dropped, and counted, when the store stalls), given `finish_timeout_s` to
-    finish the run; a store that does not answer within `connect_timeout_s` is refused."""
-    sink = MlflowSink(
-        context=context,
-        tracking_uri=tracking_uri,
-        experiment=experiment,
-        run_name=run_name,
-        tags=tags,
-        finish_timeout_s=finish_timeout_s,
-        connect_timeout_s=connect_timeout_s,
-    )
-    return BackgroundSink("mlflow", sink, queue_size=queue_size, close_timeout_s=finish_timeout_s)
+# logger.sinks.mlflow (conf/logger/mlflow.yaml): MlflowSink's settings, plus `queue_size`.
+mlflow_sink = background_factory("mlflow", MlflowSink)

@@ -18,7 +18,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from dflash.monitor.sinks.base import OptionalLibrary, refuse_unwritable_dir
+from dflash.monitor.sinks.base import OptionalLibrary, SinkDestination, refuse_unwritable_dir
 
 MLFLOW = OptionalLibrary(module="mlflow", extra="mlflow", option="mlflow")
 # Kept in every checkpoint: the MLflow run a `resume=` of that checkpoint continues, and its store.
@@ -206,21 +206,13 @@ def request_failure(exc: BaseException, timeout_s: float) -> str:
     return f"refused the request ({line if len(line) <= 200 else line[:200] + ' ...'})"
 
 
-def check_mlflow_destination(
-    *,
-    key: str,
-    run_dir: Path,
-    resume_dir: Path | None,
-    tracking_uri: str | None = None,
-    connect_timeout_s: float = CONNECT_TIMEOUT_S,
-    **_settings_not_checked_here,
-) -> None:
+def check_mlflow_destination(destination: SinkDestination) -> None:
     """logger.sinks.NAME of an MLflow sink, before any weights load: the store it will log to."""
     store = tracking_store(
-        key=key,
-        tracking_uri=tracking_uri,
-        resumed=resumed_mlflow_run(resume_dir),
-        resume_dir=resume_dir,
-        run_dir=run_dir,
+        key=destination.key,
+        tracking_uri=destination.settings["tracking_uri"],
+        resumed=resumed_mlflow_run(destination.resume_dir),
+        resume_dir=destination.resume_dir,
+        run_dir=destination.run_dir,
     )
-    check_store(store, key=key, connect_timeout_s=connect_timeout_s)
+    check_store(store, key=destination.key, connect_timeout_s=destination.settings["connect_timeout_s"])

@@ -3,6 +3,7 @@ weights load."""
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -10,7 +11,7 @@ from typing import Any
 from omegaconf import OmegaConf
 
 from dflash.config.components import build, check_buildable
-from dflash.monitor.sinks.base import MetricSink, OptionalLibrary, SinkContext
+from dflash.monitor.sinks.base import MetricSink, OptionalLibrary, SinkContext, SinkDestination
 from dflash.monitor.sinks.console import ConsoleSink
 from dflash.monitor.sinks.mlflow import MlflowSink, mlflow_sink
 from dflash.monitor.sinks.mlflow_store import MLFLOW, check_mlflow_destination
@@ -26,9 +27,8 @@ SINK_LIBRARIES: dict[Any, OptionalLibrary] = {
 }
 
 # Where each sink that writes outside metrics.jsonl writes (a directory, a store, a server),
-# checked before any weights load: called with the entry's key (logger.sinks.NAME), the run dir,
-# the checkpoint a resumed run continues and the entry's own settings.
-SINK_DESTINATIONS: dict[Any, Callable[..., None]] = {
+# checked before any weights load, given the entry as a SinkDestination.
+SINK_DESTINATIONS: dict[Any, Callable[[SinkDestination], None]] = {
     TensorBoardSink: check_tensorboard_destination,
     MlflowSink: check_mlflow_destination,
     mlflow_sink: check_mlflow_destination,
@@ -42,11 +42,20 @@ def check_sink_destinations(nodes: dict[str, Any], *, run_dir: Path, resume_dir:
     naming the entry's key otherwise."""
     for name, node in nodes.items():
         key = f"logger.sinks.{name}"
-        check = SINK_DESTINATIONS.get(check_buildable(node, key, runtime=("context",)))
+        built_by = check_buildable(node, key, runtime=("context",))
+        check = SINK_DESTINATIONS.get(built_by)
         if check is not None:
-            settings = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
-            settings.pop("_target_", None)
-            check(key=key, run_dir=run_dir, resume_dir=resume_dir, **settings)
+            settings = sink_settings(built_by, node)
+            check(SinkDestination(key=key, run_dir=run_dir, resume_dir=resume_dir, settings=settings))
+
+
+def sink_settings(built_by: Callable[..., Any], node: Any) -> dict[str, Any]:
+    """What the sink will be built with: the entry's keys over the defaults of its signature, so
+    a check looks where the sink will write whichever keys the entry leaves out."""
+    given = OmegaConf.to_container(node, resolve=True) if OmegaConf.is_config(node) else dict(node)
+    given.pop("_target_", None)
+    parameters = inspect.signature(built_by).parameters.values()
+    return {**{p.name: p.default for p in parameters if p.default is not p.empty}, **given}
 
 
 def build_sinks(nodes: dict[str, Any], context: SinkContext) -> list[MetricSink]:

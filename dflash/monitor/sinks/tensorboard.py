@@ -3,26 +3,19 @@
 from __future__ import annotations
 
 import math
-from pathlib import Path
 
-from dflash.monitor.sinks.base import OptionalLibrary, SinkContext, refuse_unwritable_dir
+from dflash.monitor.sinks.base import OptionalLibrary, SinkContext, SinkDestination, refuse_unwritable_dir
 
 TENSORBOARD = OptionalLibrary(module="tensorboard", extra="tensorboard", option="tensorboard")
 SINK_KEY = "logger.sinks.tensorboard"
 
 
-def check_tensorboard_destination(
-    *,
-    key: str,
-    run_dir: Path,
-    resume_dir: Path | None,
-    subdir: str = "tensorboard",
-    **_settings_not_checked_here,
-) -> None:
+def check_tensorboard_destination(destination: SinkDestination) -> None:
     """logger.sinks.NAME of a TensorBoard sink, before any weights load: its event files' directory
     (`subdir`, under the run dir unless absolute) takes files. Left to the writer, a directory it
     cannot create is a traceback after the weights load."""
-    refuse_unwritable_dir(run_dir / subdir, f"{key}.subdir")
+    directory = destination.run_dir / destination.settings["subdir"]
+    refuse_unwritable_dir(directory, f"{destination.key}.subdir")
 
 
 class TensorBoardSink:

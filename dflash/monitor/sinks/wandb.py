@@ -9,10 +9,9 @@ import threading
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
 
-from dflash.monitor.sinks.background import BackgroundSink
-from dflash.monitor.sinks.base import SinkContext, refuse_unwritable_dir, sweep_naming
+from dflash.monitor.sinks.background import background_factory
+from dflash.monitor.sinks.base import SinkContext, SinkDestination, refuse_unwritable_dir, sweep_naming
 
 log = logging.getLogger(__name__)
 
@@ -61,19 +60,14 @@ def http_failure(url: str, timeout_s: float) -> str | None:
         return f"does not answer ({exc.strerror or exc})"
 
 
-def check_wandb_destination(
-    *,
-    key: str,
-    run_dir: Path,
-    resume_dir: Path | None,
-    mode: str | None = None,
-    connect_timeout_s: float = CONNECT_TIMEOUT_S,
-    **_settings_not_checked_here,
-) -> None:
+def check_wandb_destination(destination: SinkDestination) -> None:
     """logger.sinks.NAME of a W&B sink, before any weights load: the run's W&B directory takes
     files (offline and online), and online, the server answers."""
-    refuse_unwritable_dir(run_dir / "wandb", key)
-    check_wandb_server(key=key, mode=wandb_mode(mode), connect_timeout_s=connect_timeout_s)
+    key, settings = destination.key, destination.settings
+    refuse_unwritable_dir(destination.run_dir / "wandb", key)
+    check_wandb_server(
+        key=key, mode=wandb_mode(settings["mode"]), connect_timeout_s=settings["connect_timeout_s"]
+    )
 
 
 def check_wandb_server(*, key: str, mode: str, connect_timeout_s: float) -> None:
@@ -196,10 +190,5 @@ def resumed_wandb_run(resume_dir: Path | None) -> str | None:
         raise ValueError(f"resume={resume_dir}: {WANDB_RUN_FILE} names no W&B run ({exc})") from exc
 
 
-def wandb_sink(
-    *, context: SinkContext, queue_size: int = 100, finish_timeout_s: float = 30.0, **settings: Any
-):
-    """logger.sinks.wandb: a WandbSink on its own thread (BackgroundSink), `queue_size` ticks deep
-    (the oldest dropped, and counted, when W&B stalls), given `finish_timeout_s` to finish."""
-    sink = WandbSink(context=context, finish_timeout_s=finish_timeout_s, **settings)
-    return BackgroundSink("wandb", sink, queue_size=queue_size, close_timeout_s=finish_timeout_s)
+# logger.sinks.wandb (conf/logger/wandb.yaml): WandbSink's settings, plus `queue_size`.
+wandb_sink = background_factory("wandb", WandbSink)
