@@ -4,11 +4,13 @@
 is its own (`export_for_config`), and a directory's layout by asking each layout
 (`layout_of`); none tests for a variant.
 
-A variant of one's own registers a `VariantExport` subclass (dflash/export/rules.py) with
-`register_export`, beside its drafter class's `register_drafter`; a drafter without one is
-refused at its first export, naming the call that is missing. The registry refuses a second
-rule set under a taken name, and can be iterated, so one test runs every entry through every
-layout it declares.
+The built-in variants' rules and layouts are entered from the package's one list of them
+(dflash/config/variant_schema.py BUILT_IN_VARIANTS), each by its import path in this floor; this
+module names no variant. A variant of one's own registers a `VariantExport` subclass
+(dflash/export/rules.py) with `register_export`, beside its drafter class's `register_drafter`;
+a drafter without one is refused at its first export, naming the call that is missing. The
+registry refuses a second rule set under a taken name, and can be iterated, so one test runs
+every entry through every layout it declares.
 """
 
 from __future__ import annotations
@@ -17,8 +19,9 @@ from functools import partial
 from types import SimpleNamespace
 from typing import Any
 
+from dflash.config.variant_schema import BUILT_IN_VARIANTS, built_in_piece
 from dflash.drafters.backbone import DFlashDrafter
-from dflash.export import deepspec, dflash2_rules, lilicorr_rules, speculators
+from dflash.export import speculators
 from dflash.export.rules import Config, Layout, VariantExport
 
 _EXPORTS: dict[str, VariantExport] = {}
@@ -136,12 +139,9 @@ SPECULATORS = Layout(
     read_state=speculators.drafter_state,
 )
 
-for _layout in (SPECULATORS, deepspec.DEEPSPEC, ZLAB):
-    register_layout(_layout)
-for _spec in (
-    VariantExport(),
-    deepspec.DSparkExport(),
-    dflash2_rules.DFlash2Export(),
-    lilicorr_rules.LiLiCorrExport(),
-):
-    register_export(_spec)
+register_layout(SPECULATORS)
+for _variant in BUILT_IN_VARIANTS:
+    register_export(built_in_piece(_variant.export, floor="dflash.export")())
+    for _layout in _variant.layouts:
+        register_layout(built_in_piece(_layout, floor="dflash.export"))
+register_layout(ZLAB)
