@@ -16,7 +16,6 @@ every entry through every layout it declares.
 from __future__ import annotations
 
 from functools import partial
-from types import SimpleNamespace
 from typing import Any
 
 from dflash.config.variant_schema import BUILT_IN_VARIANTS, built_in_piece
@@ -65,17 +64,14 @@ def export_for(drafter: DFlashDrafter | type[DFlashDrafter]) -> VariantExport:
 
 
 def export_for_config(config: Config) -> VariantExport:
-    """The rules of the variant a z-lab-form config describes, else the backbone's. Where two
-    variants' rules recognise it (LiLiCorr's convolutions take DFlash2's keys, which DFlash2's
-    rules read as a DFlash2 export to check), the variant whose drafter class the config builds
-    wins: the rules follow the drafter the checkpoint loads as."""
-    claims = [
+    """The rules of the variant a z-lab-form config describes, else the backbone's. Each
+    variant's rules claim a config by fields no other variant's carries, so at most one claims a
+    config dflash writes (tests/test_variant_contract.py); one carrying two variants' fields
+    is held to the first registered one's rules."""
+    claims = (
         spec for spec in _EXPORTS.values() if spec.drafter is not DFlashDrafter and spec.describes(config)
-    ]
-    if len(claims) > 1:
-        built = [spec for spec in claims if spec.drafter.describes(SimpleNamespace(**config))]
-        claims = built or claims
-    return claims[0] if claims else _EXPORTS[DFlashDrafter.variant_name]
+    )
+    return next(claims, _EXPORTS[DFlashDrafter.variant_name])
 
 
 def speculators_types() -> dict[str, VariantExport]:
