@@ -126,6 +126,9 @@ SPECULATORS = Layout(
     from_zlab=_speculators_of,
     described="a speculators config",
     bundled=speculators.BUNDLED_TENSORS,
+    # Its loader builds both tables uninitialised and fills them from the verifier only when they
+    # read as NaN, which memory transformers leaves uninitialised does not: a directory without
+    # them drafts from garbage tables without an error.
     tables_required=(
         "speculators' loader reads the target's embedding and LM head from the drafter directory "
         "(its own save_pretrained writes both)"
