@@ -380,15 +380,18 @@ def test_regen_refuses_an_unknown_key(tmp_path):
         (lambda s: s.AdamWConfig(weight_decay=-0.1), "optimizer.weight_decay must be >= 0, got -0.1"),
         (lambda s: s.AdamWConfig(eps=-1e-8), "optimizer.eps must be >= 0"),
         # Built directly (no typed conversion before it), nan still fails the field's own rule.
-        (lambda s: s.DSparkVariantConfig(ce_weight=float("nan")), "variant.ce_weight=nan: must be >= 0"),
         (
-            lambda s: s.DSparkVariantConfig(
+            lambda s: s.COMPONENT_OPTIONS["variant"]["dspark"](ce_weight=float("nan")),
+            "variant.ce_weight=nan: must be >= 0",
+        ),
+        (
+            lambda s: s.COMPONENT_OPTIONS["variant"]["dspark"](
                 ce_weight=0, tv_weight=0, confidence_weight=0, confidence_head=False
             ),
             "variant=dspark with .* all 0 has no loss term",
         ),
         (
-            lambda s: s.DFlash2VariantConfig(selector_alpha=float("nan")),
+            lambda s: s.COMPONENT_OPTIONS["variant"]["dflash2"](selector_alpha=float("nan")),
             "variant.selector_alpha=nan: must be >= 0",
         ),
         (lambda s: s.MaskRampNoiseConfig(warmup_steps=0), "noise=mask_ramp needs noise.warmup_steps >= 1"),

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 from dflash.drafters.backbone import DFlashDrafter
 from dflash.drafters.dflash2 import DFlash2Drafter, GroupedDynamicConv, add_dflash2_fields
 from dflash.export.contract import check_export, reader_limits
-from dflash.export.zlab import export_drafter, export_speculators, load_drafter, load_drafter_weights
+from dflash.export.zlab import export_drafter, load_drafter, load_drafter_weights, write_layout
 from dflash.run.resume import check_resume_matches, warm_starts_new_parts
 from dflash.target.model import FrozenTarget
 from dflash.tools.export import main as export_main
@@ -391,7 +391,7 @@ def test_a_broken_dflash2_export_is_named_one_line_each(export, capsys, config_e
 )
 def test_a_broken_speculators_dflash2_config_is_named(export, tmp_path, tiny_qwen3_dir, edit, expected):
     spec = tmp_path / "spec"
-    export_speculators(load_drafter(export), spec, verifier=VERIFIER, target_dir=tiny_qwen3_dir)
+    write_layout(load_drafter(export), spec, "speculators", target_dir=tiny_qwen3_dir, verifier=VERIFIER)
     assert check_export(spec) == []
     edit_config(spec, edit)
     problems = check_export(spec)
@@ -405,7 +405,7 @@ def test_a_speculators_dflash2_export_without_the_targets_tables_is_named(
     """speculators' loader builds both tables uninitialised and fills them from the verifier
     only when they read as NaN: a directory without them drafts from garbage, silently."""
     spec = tmp_path / "spec"
-    export_speculators(load_drafter(export), spec, verifier=VERIFIER, target_dir=tiny_qwen3_dir)
+    write_layout(load_drafter(export), spec, "speculators", target_dir=tiny_qwen3_dir, verifier=VERIFIER)
     edit_weights(spec, lambda w: {name: t for name, t in w.items() if name != table})
     problems = check_export(spec)
     assert len(problems) == 1, problems

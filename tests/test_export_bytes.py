@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 
 from dflash.drafters.backbone import DFlashDrafter
 from dflash.drafters.lilicorr import LiLiCorrDrafter
-from dflash.export.zlab import export_deepspec, export_drafter, export_speculators
+from dflash.export.zlab import export_drafter, write_layout
 from tests.test_dflash2_export import tiny_dflash2
 from tests.test_dflash_rules import tiny_drafter, tiny_target
 from tests.test_dspark_export import tiny_dspark
@@ -76,9 +76,9 @@ def write(kind: str, layout: str, tmp_path: Path) -> Path:
     if layout == "native":
         export_drafter(drafter, out)
     elif layout == "deepspec-bundled":
-        export_deepspec(drafter, out, target_dir=target_dir(tmp_path))
+        write_layout(drafter, out, "deepspec", target_dir=target_dir(tmp_path))
     else:
-        export_speculators(drafter, out, verifier=VERIFIER, target_dir=target_dir(tmp_path))
+        write_layout(drafter, out, "speculators", target_dir=target_dir(tmp_path), verifier=VERIFIER)
     return out
 
 

@@ -19,7 +19,7 @@ import yaml
 from safetensors.torch import load_file, save_file
 
 from dflash.export.contract import check_export
-from dflash.export.zlab import export_drafter, export_speculators, load_drafter
+from dflash.export.zlab import export_drafter, load_drafter, write_layout
 from dflash.tools.export import main as export_main
 from dflash.train import train
 from tests.conftest import run_module
@@ -205,7 +205,7 @@ def test_an_infinite_value_is_refused_too(tmp_path):
 
 def speculators_export(tmp_path: Path, tiny_qwen3_dir: Path, kind: str) -> Path:
     drafter = tiny_dspark(tiny_target()) if kind == "dspark" else tiny_speculators_drafter()
-    export_speculators(drafter, tmp_path / kind, verifier=VERIFIER, target_dir=tiny_qwen3_dir)
+    write_layout(drafter, tmp_path / kind, "speculators", target_dir=tiny_qwen3_dir, verifier=VERIFIER)
     assert check_export(tmp_path / kind) == []
     return tmp_path / kind
 

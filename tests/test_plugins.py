@@ -297,13 +297,17 @@ def test_a_plugin_drafter_converted_to_speculators_is_refused_without_the_plugin
 ):
     """The speculators layout nests the record with the layer's fields; read back, it still
     names the variant: refused without the plug-in, the variant's drafter with it."""
-    from dflash.export.zlab import export_speculators, load_drafter
+    from dflash.export.zlab import load_drafter, write_layout
     from tests.test_export_bytes import VERIFIER, target_dir
 
     load_plugins({ENV_VAR: "echo_variant"})
     converted = tmp_path / "echo-speculators"
-    export_speculators(
-        load_drafter(echo_checkpoint), converted, verifier=VERIFIER, target_dir=target_dir(tmp_path)
+    write_layout(
+        load_drafter(echo_checkpoint),
+        converted,
+        "speculators",
+        target_dir=target_dir(tmp_path),
+        verifier=VERIFIER,
     )
     assert type(load_drafter(converted)).variant_name == "echo"
     variant_registries.forget("echo_variant")

@@ -10,6 +10,7 @@ and `register_export`: a new head needs nothing edited inside dflash/ to decode 
 from __future__ import annotations
 
 import copy
+import json
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -23,7 +24,7 @@ from dflash.drafters.backbone import DFlashDrafter
 from dflash.drafters.drafter_registry import register_drafter, registered_drafters
 from dflash.export import export_registry as registry
 from dflash.export.contract import check_export
-from dflash.export.export_registry import export_for, register_export, registered_exports
+from dflash.export.export_registry import export_for, layout_of, register_export, registered_exports
 from dflash.export.rules import VariantExport
 from dflash.export.zlab import (
     export_drafter,
@@ -39,7 +40,7 @@ from tests.test_dflash2_decoding import RoundRecorder, prompt_of
 from tests.test_dflash2_export import same_weights, tiny_dflash2
 from tests.test_dflash_rules import tiny_drafter, tiny_drafter_config, tiny_target
 from tests.test_dspark_export import tiny_dspark
-from tests.test_export_bytes import moved
+from tests.test_export_bytes import DRAFTERS, moved
 from tests.test_lilicorr import tiny_lilicorr
 
 
@@ -142,6 +143,23 @@ def test_a_variant_decodes_losslessly_alike_and_exports_round_trip(name, monkeyp
     for prompt in prompts:
         speculative_generate(target, loaded, prompt, 20)
     assert recorder.rounds == rounds
+
+
+@pytest.mark.parametrize("name", sorted({*MAKERS, "lilicorr-conv"}))
+def test_a_variants_export_is_claimed_by_its_own_rules_alone(name, tmp_path):
+    """Each variant's rules claim its exports and no other variant's, so none needs a tie-break:
+    LiLiCorr's with convolutions (DFlash2's keys in its dflash_config) among them. The
+    backbone's rules are what no other claims."""
+    drafter = (MAKERS.get(name) or DRAFTERS[name])(tiny_target())
+    export_drafter(drafter, tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    config = layout_of(raw).to_zlab(raw)
+    claims = [
+        spec.variant
+        for spec in registered_exports().values()
+        if spec.drafter is not DFlashDrafter and spec.describes(config)
+    ]
+    assert claims == ([] if type(drafter) is DFlashDrafter else [drafter.variant_name])
 
 
 VERIFIER = {"name_or_path": "tiny", "architectures": ["Qwen3ForCausalLM"]}

@@ -13,19 +13,26 @@ from pathlib import Path
 
 import pytest
 
+from dflash.config.variant_schema import BUILT_IN_VARIANTS, built_in_piece
 from dflash.drafters.backbone import DFlashDrafter
 from dflash.drafters.drafter_registry import register_drafter, registered_drafters
 
 PACKAGE = Path(__file__).resolve().parent.parent / "dflash"
 
-# Where variants are listed by name: the drafter registry, the training side's variant classes
-# (each its own `name`) and the config group's options with their dataclasses.
+# Where variants are listed by name: the one list of the built-ins beside their options
+# (BUILT_IN_VARIANTS), and the training side's variant classes (each its own `name`).
 REGISTRIES = {
-    "drafters/drafter_registry.py",
     "step/variant.py",
-    "config/schema.py",
     "config/variant_schema.py",
 }
+# The registries a variant enters and the config group's options: each reads BUILT_IN_VARIANTS
+# and names no variant's piece, so a built-in is added by one entry there.
+LIST_READERS = (
+    "drafters/drafter_registry.py",
+    "step/variant_registry.py",
+    "export/export_registry.py",
+    "config/schema.py",
+)
 # A variant's own files besides those whose name carries the variant's (dspark.py, dspark_loss.py).
 OWN_FILES = {"dspark": {"export/deepspec.py"}}
 # Still branching on a variant's name, to move onto the variant objects: each entry names what
@@ -113,6 +120,85 @@ def test_the_guard_sees_a_type_test_and_a_name():
     summary_line = 'def line(ce):\n    return f"dspark            ce {ce}"\n'
     assert offences(summary_line, "run/runner.py") == ["run/runner.py:2: the variant name 'dspark'"]
     assert offences('"""How dspark drafts."""\nPATH = "dflash.drafters.dspark"\n', "run/runner.py") == []
+
+
+def piece_paths(variant) -> tuple[str, ...]:
+    return (variant.drafter, variant.export, variant.options._target_, *variant.layouts)
+
+
+def built_in_pieces() -> set[str]:
+    """The names the built-in variants' own pieces go by in code (their classes, layouts and
+    modules), the backbone's (the base classes every registry types with) left out."""
+    backbone, *others = BUILT_IN_VARIANTS
+    shared = {path.rpartition(".")[0].rpartition(".")[2] for path in piece_paths(backbone)}
+    names = set()
+    for variant in others:
+        for path in piece_paths(variant):
+            module, _, name = path.rpartition(".")
+            names |= {name, module.rpartition(".")[2]}
+        names.add(variant.options.__name__)
+    return names - shared
+
+
+def names_used(source: str) -> set[str]:
+    """Every identifier a module's code uses: names, attributes, imported modules and names."""
+    used = set()
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.Name):
+            used.add(node.id)
+        elif isinstance(node, ast.Attribute):
+            used.add(node.attr)
+        elif isinstance(node, ast.alias):
+            used |= set(node.name.split("."))
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            used |= set(node.module.split("."))
+    return used
+
+
+@pytest.mark.parametrize("relative", LIST_READERS)
+def test_the_registries_name_no_built_in_variant(relative):
+    """Adding a built-in edits BUILT_IN_VARIANTS alone: no registry imports or names a variant's
+    class, rules, layout or module (a plug-in's go through the same register_* calls)."""
+    named = names_used((PACKAGE / relative).read_text()) & built_in_pieces()
+    assert not named, f"{relative} names {sorted(named)}"
+
+
+def test_the_guard_sees_a_registry_naming_a_built_in():
+    pieces = built_in_pieces()
+    assert {"DSparkDrafter", "DFlash2Export", "DEEPSPEC", "LiLiCorrVariantConfig", "lilicorr_rules"} <= pieces
+    assert not pieces & {"DFlashDrafter", "VariantExport", "DFlashVariant", "variant", "rules"}
+    assert names_used("from dflash.export import deepspec\nx = deepspec.DEEPSPEC\n") & pieces == {
+        "deepspec",
+        "DEEPSPEC",
+    }
+
+
+def test_the_built_in_list_is_what_every_registry_holds():
+    """Each entry's name is its drafter's `variant_name` and its training class's `name`, and
+    every registry and the config group hold the entries, in the list's order, before any other."""
+    from dflash.config.schema import COMPONENT_OPTIONS
+    from dflash.export.export_registry import registered_exports
+    from dflash.step.variant_registry import registered_variants
+
+    names = [variant.name for variant in BUILT_IN_VARIANTS]
+    for registry in (
+        registered_drafters(),
+        registered_variants(),
+        registered_exports(),
+        COMPONENT_OPTIONS["variant"],
+    ):
+        assert list(registry)[: len(names)] == names
+    for variant in BUILT_IN_VARIANTS:
+        drafter = registered_drafters()[variant.name]
+        assert drafter.variant_name == registered_variants()[variant.name].name == variant.name
+        assert registered_exports()[variant.name].drafter is drafter
+        assert COMPONENT_OPTIONS["variant"][variant.name] is variant.options
+
+
+def test_a_built_in_piece_is_imported_from_its_registrys_floor_only():
+    with pytest.raises(ValueError, match="outside dflash.drafters"):
+        built_in_piece("dflash.step.variant.DSparkVariant", floor="dflash.drafters")
+    assert built_in_piece("dflash.drafters.backbone.DFlashDrafter", floor="dflash.drafters") is DFlashDrafter
 
 
 def test_the_registry_refuses_a_second_class_under_a_taken_name():

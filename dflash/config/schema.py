@@ -8,7 +8,8 @@ Each config group's dataclasses sit in a module of their own beside this one (ta
 drafter_schema, data_schema, component_schema, variant_schema, run_schema, eval_schema,
 regen_schema), field declarations with their one-line meanings, read beside conf/<group>/. This
 module composes them into the root, registers every component option, and re-exports every
-name, so `from dflash.config.schema import X` serves for all of them.
+name but the built-in variants' own options (variant_schema.py lists them in BUILT_IN_VARIANTS),
+so `from dflash.config.schema import X` serves for the others.
 
 This module and the group modules import only the standard library, omegaconf and hydra (no
 torch), so that `dflash-train --help`, `--cfg job` and tab completion stay fast.
@@ -78,11 +79,8 @@ from dflash.config.target_schema import (
     TargetConfig,
 )
 from dflash.config.variant_schema import (
-    DFlash2VariantConfig,
-    DFlashVariantConfig,
-    DSparkVariantConfig,
+    BUILT_IN_VARIANTS,
     FusedTerms,
-    LiLiCorrVariantConfig,
     MarkovHeadType,
     VariantConfig,
 )
@@ -98,10 +96,6 @@ __all__ = [
     "ConstantLrScheduleConfig",
     "ConversationLayoutConfig",
     "CosineLrScheduleConfig",
-    "DFlash2VariantConfig",
-    "LiLiCorrVariantConfig",
-    "DFlashVariantConfig",
-    "DSparkVariantConfig",
     "DataConfig",
     "DataKind",
     "DebugConfig",
@@ -190,12 +184,9 @@ COMPONENT_OPTIONS: dict[str, dict[str, type]] = {
     "optimizer": {"adamw": AdamWConfig},
     "lr_schedule": {"cosine": CosineLrScheduleConfig, "constant": ConstantLrScheduleConfig},
     "loss": {"default": LossConfig, "dpace": DPaceLossConfig},
-    "variant": {
-        "dflash": DFlashVariantConfig,
-        "dspark": DSparkVariantConfig,
-        "dflash2": DFlash2VariantConfig,
-        "lilicorr": LiLiCorrVariantConfig,
-    },
+    # The built-in variants' (dflash/config/variant_schema.py); a plug-in's enters with
+    # `register_variant` (dflash/step/variant_registry.py).
+    "variant": {variant.name: variant.options for variant in BUILT_IN_VARIANTS},
     "noise": {"none": NoNoiseConfig, "mask_ramp": MaskRampNoiseConfig, "feature": FeatureNoiseConfig},
     "pipeline": {"sync": SyncPipelineConfig, "async": AsyncPipelineConfig},
     "monitor": {"default": MonitorConfig},

@@ -6,15 +6,19 @@ says what it does. The YAML option (conf/variant/NAME.yaml) starts from the data
 none of them; the training side's class takes them with `variant_options`. `dflash train
 variant=NAME --cfg job` prints them composed.
 
+The built-in variants are listed once, at the end (BUILT_IN_VARIANTS): each with its options and
+where its other pieces live, so the registries of every floor name none of them.
+
 No torch here: see dflash/config/schema.py."""
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Callable
 from dataclasses import MISSING as NO_DEFAULT
 from dataclasses import dataclass, field, fields
 from enum import Enum
-from typing import Optional, TypeVar, get_type_hints
+from typing import Any, Optional, TypeVar, get_type_hints
 
 from omegaconf import MISSING
 
@@ -248,3 +252,62 @@ class LiLiCorrVariantConfig(VariantConfig):
             )
         if self.margin_weight > 0 and not self.margin > 0:
             raise ValueError(f"variant.margin={self.margin}: must be > 0 when variant.margin_weight > 0")
+
+
+@dataclass(frozen=True)
+class BuiltInVariant:
+    """One of the package's own drafter variants, each piece named where it lives: its options
+    (the class above; their `_target_` is the training class, dflash/step), its drafter class
+    (dflash/drafters), its export rules and any layout of its own (dflash/export; the z-lab and
+    speculators layouts are every variant's). The pieces above this floor are import paths, not
+    imports: each floor's registry imports its own pieces of every entry (`built_in_piece`), so
+    imports keep pointing down (tests/test_layers.py)."""
+
+    name: str
+    options: type[VariantConfig]
+    drafter: str
+    export: str
+    layouts: tuple[str, ...] = ()
+
+
+# The built-in variants, in registration order (the backbone first): a built-in is one entry here.
+# The drafter registry (dflash/drafters/drafter_registry.py), the training side's
+# (dflash/step/variant_registry.py), the export rules' and layouts' (dflash/export/export_registry.py)
+# and the config group's options (dflash/config/schema.py COMPONENT_OPTIONS) read this list and
+# name no variant; a plug-in's variant enters the same registries through their register_* calls.
+BUILT_IN_VARIANTS: tuple[BuiltInVariant, ...] = (
+    BuiltInVariant(
+        "dflash",
+        DFlashVariantConfig,
+        drafter="dflash.drafters.backbone.DFlashDrafter",
+        export="dflash.export.rules.VariantExport",
+    ),
+    BuiltInVariant(
+        "dspark",
+        DSparkVariantConfig,
+        drafter="dflash.drafters.dspark.DSparkDrafter",
+        export="dflash.export.deepspec.DSparkExport",
+        layouts=("dflash.export.deepspec.DEEPSPEC",),
+    ),
+    BuiltInVariant(
+        "dflash2",
+        DFlash2VariantConfig,
+        drafter="dflash.drafters.dflash2.DFlash2Drafter",
+        export="dflash.export.dflash2_rules.DFlash2Export",
+    ),
+    BuiltInVariant(
+        "lilicorr",
+        LiLiCorrVariantConfig,
+        drafter="dflash.drafters.lilicorr.LiLiCorrDrafter",
+        export="dflash.export.lilicorr_rules.LiLiCorrExport",
+    ),
+)
+
+
+def built_in_piece(path: str, *, floor: str) -> Any:
+    """The object at `path` ("package.module.name"), which must lie in the package `floor` (the
+    registry's own: a registry imports no module above it)."""
+    module, _, name = path.rpartition(".")
+    if not module.startswith(f"{floor}."):
+        raise ValueError(f"{path}: a built-in variant's piece outside {floor} (imported from {floor} only)")
+    return getattr(importlib.import_module(module), name)

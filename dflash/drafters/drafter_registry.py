@@ -3,19 +3,20 @@
 drafter object itself (`DFlashDrafter`'s interface: what it drafts, how it verifies, which
 layout it exports, which config fields it adds), never by testing a class or a name.
 
-A variant of one's own registers its drafter class with `register_drafter` (next to
-`COMPONENT_OPTIONS` for its training side); the registry refuses a second class under a taken
-name, and can be iterated, so one test runs every entry through every stage.
+The built-in variants' drafter classes are entered from the package's one list of them
+(dflash/config/variant_schema.py BUILT_IN_VARIANTS), each by its import path in this floor; this
+module names none. A variant of one's own registers its drafter class with `register_drafter`
+(`register_variant`, dflash/step/variant_registry.py, does it with its training side); the
+registry refuses a second class under a taken name, and can be iterated, so one test runs every
+entry through every stage.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+from dflash.config.variant_schema import BUILT_IN_VARIANTS, built_in_piece
 from dflash.drafters.backbone import DFlashDrafter
-from dflash.drafters.dflash2 import DFlash2Drafter
-from dflash.drafters.dspark import DSparkDrafter
-from dflash.drafters.lilicorr import LiLiCorrDrafter
 
 _DRAFTERS: dict[str, type[DFlashDrafter]] = {}
 
@@ -49,5 +50,5 @@ def extends_backbone(config: Any) -> bool:
     return drafter_class_for(config) is not DFlashDrafter
 
 
-for _drafter_class in (DFlashDrafter, DSparkDrafter, DFlash2Drafter, LiLiCorrDrafter):
-    register_drafter(_drafter_class)
+for _variant in BUILT_IN_VARIANTS:
+    register_drafter(built_in_piece(_variant.drafter, floor="dflash.drafters"))

@@ -26,7 +26,9 @@ from dflash.export.rules import DFLASH_FIELDS, Layout, VariantExport
 DEEPSPEC_ARCHITECTURE = "Qwen3DSparkModel"  # deepspec/modeling/dspark/qwen3/config.py
 # The heads' config.json keys, the reference's names (deepspec/modeling/dspark/qwen3/modeling.py).
 HEAD_FIELDS = ("markov_rank", "markov_head_type", "enable_confidence_head", "confidence_head_with_markov")
-BUNDLED_TENSORS = ("embed_tokens.weight", "lm_head.weight")  # the target's, [vocab, hidden]
+# The target's tables, [vocab, hidden]: DeepSpec's own loader takes both from the drafter
+# directory (the engines take the target's), so a directory for it bundles them.
+BUNDLED_TENSORS = ("embed_tokens.weight", "lm_head.weight")
 # DSparkSpeculatorConfig's defaults (speculators/models/dspark/config.py): a field it left out
 # of config.json reads as these.
 SPECULATORS_DEFAULTS = {
@@ -36,11 +38,6 @@ SPECULATORS_DEFAULTS = {
     "enable_confidence_head": True,
     "confidence_head_with_markov": True,
 }
-
-
-def is_dspark(config: dict[str, Any]) -> bool:
-    """A DSpark drafter's config.json (either layout dflash writes, or ours in memory)."""
-    return "markov_rank" in config
 
 
 def is_deepspec(config: dict[str, Any]) -> bool:
@@ -213,9 +210,6 @@ class DSparkExport(VariantExport):
     speculators_top_fields = DFLASH_FIELDS + HEAD_FIELDS + ("mask_token_id", "target_layer_ids")
     llama_cpp_spec_type = "draft-dspark"
     size_fields = ("vocab_size",)  # the heads' shapes are vocabulary-wide
-
-    def describes(self, config: dict[str, Any]) -> bool:
-        return is_dspark(config)
 
     def tensor_shapes(self, config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         return head_tensors(config)

@@ -35,6 +35,9 @@ SPECULATORS_DEFAULTS = {
     "sliding_window_non_causal": True,
     "sample_from_anchor": False,
 }
+# The DFlash2 fields no other variant's config carries (LiLiCorr's convolutions take the other
+# two, under DFlash2's names).
+SELECTOR_KEYS = ("selector_rank", "selector_top_k")
 CONV_MODULES = ("attention_conv", "mlp_conv")
 SELECTOR = "candidate_selector"
 CODEBOOKS = (f"{SELECTOR}.predecessor_codebook", f"{SELECTOR}.successor_codebook")
@@ -48,11 +51,12 @@ _PART_OF = {
 
 
 def is_dflash2(config: dict[str, Any]) -> bool:
-    """A DFlash2 drafter's config (z-lab form): its architecture, or a DFlash2 field inside
-    dflash_config or at the top level (a misplaced field is a DFlash2 export to check)."""
+    """A DFlash2 drafter's config (z-lab form): its architecture, or a selector field inside
+    dflash_config or at the top level (a misplaced field is a DFlash2 export to check). The
+    convolutions' fields claim nothing: a LiLiCorr drafter's convolutions carry them too."""
     nested = _settings(config)
     return DFLASH2_ARCHITECTURE in (config.get("architectures") or []) or any(
-        key in nested or key in config for key in DFLASH2_KEYS
+        key in nested or key in config for key in SELECTOR_KEYS
     )
 
 

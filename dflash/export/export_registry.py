@@ -4,21 +4,23 @@
 is its own (`export_for_config`), and a directory's layout by asking each layout
 (`layout_of`); none tests for a variant.
 
-A variant of one's own registers a `VariantExport` subclass (dflash/export/rules.py) with
-`register_export`, beside its drafter class's `register_drafter`; a drafter without one is
-refused at its first export, naming the call that is missing. The registry refuses a second
-rule set under a taken name, and can be iterated, so one test runs every entry through every
-layout it declares.
+The built-in variants' rules and layouts are entered from the package's one list of them
+(dflash/config/variant_schema.py BUILT_IN_VARIANTS), each by its import path in this floor; this
+module names no variant. A variant of one's own registers a `VariantExport` subclass
+(dflash/export/rules.py) with `register_export`, beside its drafter class's `register_drafter`;
+a drafter without one is refused at its first export, naming the call that is missing. The
+registry refuses a second rule set under a taken name, and can be iterated, so one test runs
+every entry through every layout it declares.
 """
 
 from __future__ import annotations
 
 from functools import partial
-from types import SimpleNamespace
 from typing import Any
 
+from dflash.config.variant_schema import BUILT_IN_VARIANTS, built_in_piece
 from dflash.drafters.backbone import DFlashDrafter
-from dflash.export import deepspec, dflash2_rules, lilicorr_rules, speculators
+from dflash.export import speculators
 from dflash.export.rules import Config, Layout, VariantExport
 
 _EXPORTS: dict[str, VariantExport] = {}
@@ -62,17 +64,14 @@ def export_for(drafter: DFlashDrafter | type[DFlashDrafter]) -> VariantExport:
 
 
 def export_for_config(config: Config) -> VariantExport:
-    """The rules of the variant a z-lab-form config describes, else the backbone's. Where two
-    variants' rules recognise it (LiLiCorr's convolutions take DFlash2's keys, which DFlash2's
-    rules read as a DFlash2 export to check), the variant whose drafter class the config builds
-    wins: the rules follow the drafter the checkpoint loads as."""
-    claims = [
+    """The rules of the variant a z-lab-form config describes, else the backbone's. Each
+    variant's rules claim a config by fields no other variant's carries, so at most one claims a
+    config dflash writes (tests/test_variant_contract.py); one carrying two variants' fields
+    is held to the first registered one's rules."""
+    claims = (
         spec for spec in _EXPORTS.values() if spec.drafter is not DFlashDrafter and spec.describes(config)
-    ]
-    if len(claims) > 1:
-        built = [spec for spec in claims if spec.drafter.describes(SimpleNamespace(**config))]
-        claims = built or claims
-    return claims[0] if claims else _EXPORTS[DFlashDrafter.variant_name]
+    )
+    return next(claims, _EXPORTS[DFlashDrafter.variant_name])
 
 
 def speculators_types() -> dict[str, VariantExport]:
@@ -127,6 +126,9 @@ SPECULATORS = Layout(
     from_zlab=_speculators_of,
     described="a speculators config",
     bundled=speculators.BUNDLED_TENSORS,
+    # Its loader builds both tables uninitialised and fills them from the verifier only when they
+    # read as NaN, which memory transformers leaves uninitialised does not: a directory without
+    # them drafts from garbage tables without an error.
     tables_required=(
         "speculators' loader reads the target's embedding and LM head from the drafter directory "
         "(its own save_pretrained writes both)"
@@ -136,12 +138,9 @@ SPECULATORS = Layout(
     read_state=speculators.drafter_state,
 )
 
-for _layout in (SPECULATORS, deepspec.DEEPSPEC, ZLAB):
-    register_layout(_layout)
-for _spec in (
-    VariantExport(),
-    deepspec.DSparkExport(),
-    dflash2_rules.DFlash2Export(),
-    lilicorr_rules.LiLiCorrExport(),
-):
-    register_export(_spec)
+register_layout(SPECULATORS)
+for _variant in BUILT_IN_VARIANTS:
+    register_export(built_in_piece(_variant.export, floor="dflash.export")())
+    for _layout in _variant.layouts:
+        register_layout(built_in_piece(_layout, floor="dflash.export"))
+register_layout(ZLAB)

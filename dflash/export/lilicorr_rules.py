@@ -16,7 +16,6 @@ from dflash.drafters.lilicorr import (
     LILICORR_ARCHITECTURE,
     NUM_CANDIDATE_FEATURES,
     LiLiCorrDrafter,
-    is_lilicorr_config,
     lattice_problems,
     lilicorr_settings,
 )
@@ -100,9 +99,6 @@ class LiLiCorrExport(VariantExport):
     speculators_architecture: ClassVar[str | None] = None
     # llama.cpp's converter and server know DFlash, DSpark and DFlash2 drafters only.
     llama_cpp_spec_type: ClassVar[str | None] = None
-
-    def describes(self, config: dict[str, Any]) -> bool:
-        return is_lilicorr_config(config)
 
     def field_problems(self, config: dict[str, Any]) -> list[str]:
         return field_problems(config)

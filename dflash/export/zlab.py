@@ -124,13 +124,6 @@ def export_drafter(drafter: DFlashDrafter, directory: Path) -> None:
     write_layout(drafter, directory, drafter.native_layout)
 
 
-def export_deepspec(drafter: DFlashDrafter, directory: Path, *, target_dir: Path) -> None:
-    """A DSpark drafter in DeepSpec's layout with the target's embedding and LM head bundled (in
-    the drafter's dtype): what DeepSpec's own loader needs (it takes both from the drafter
-    directory; the engines take the target's)."""
-    write_layout(drafter, directory, "deepspec", target_dir=target_dir)
-
-
 def _target_tables(drafter: DFlashDrafter, target_dir: Path, dtype: torch.dtype) -> dict[str, torch.Tensor]:
     """The target's embedding and LM head, checked against the drafter's [vocab, hidden]."""
     tables = speculators.target_tables(target_dir)
@@ -142,18 +135,6 @@ def _target_tables(drafter: DFlashDrafter, target_dir: Path, dtype: torch.dtype)
                 "another target than the drafter was trained for"
             )
     return {name: table.to(dtype).contiguous() for name, table in tables.items()}
-
-
-def export_speculators(
-    drafter: DFlashDrafter, directory: Path, *, verifier: dict[str, Any], target_dir: Path
-) -> None:
-    """The same drafter in the speculators layout (dflash/export/speculators.py), with the
-    target's embedding and LM head bundled in the drafter's dtype, as speculators'
-    `save_pretrained` writes every DFlash, DSpark and DFlash2 drafter: its loader builds both
-    tables uninitialised and fills them from the verifier only when they read as NaN, which
-    memory transformers leaves uninitialised does not, so a directory without them drafts
-    from garbage tables without an error."""
-    write_layout(drafter, directory, "speculators", target_dir=target_dir, verifier=verifier)
 
 
 def _raw_config(directory: Path) -> dict[str, Any]:

@@ -34,17 +34,19 @@ from torch import nn
 from transformers import Qwen3Config
 
 from dflash.config.schema import (
-    DFlash2VariantConfig,
-    DFlashVariantConfig,
     DPaceLossConfig,
-    DSparkVariantConfig,
     FusedTerms,
     MarkovHeadType,
     MaskRampNoiseConfig,
     VariantConfig,
 )
 from dflash.config.shape_defaults import default_conv_group_size, default_selector_top_k
-from dflash.config.variant_schema import variant_options
+from dflash.config.variant_schema import (
+    DFlash2VariantConfig,
+    DFlashVariantConfig,
+    DSparkVariantConfig,
+    variant_options,
+)
 from dflash.drafters.backbone import DFlashDrafter
 from dflash.drafters.dflash2 import DFlash2Drafter, add_dflash2_fields
 from dflash.drafters.dspark import DSparkDrafter, add_dspark_fields, markov_head_class

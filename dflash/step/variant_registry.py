@@ -22,6 +22,11 @@ call, so the two never disagree.
 Each name is taken once: a second class under a taken name is refused (the same class again is
 a no-op), and nothing is registered unless all of it can be. `registered_variants()` iterates
 them in registration order (the built-ins first), so one test runs every entry through training.
+
+The built-ins go through the same call, from the package's one list of them
+(dflash/config/variant_schema.py BUILT_IN_VARIANTS): each entry's options name the training class
+(`_target_`), whose `drafter_class` must be the one the drafter registry entered from the same
+entry, so the list cannot name two halves of different variants.
 """
 
 from __future__ import annotations
@@ -30,9 +35,9 @@ import dataclasses
 from importlib import resources
 
 from dflash.config.schema import COMPONENT_OPTIONS
+from dflash.config.variant_schema import BUILT_IN_VARIANTS, built_in_piece
 from dflash.drafters.drafter_registry import register_drafter, registered_drafters
-from dflash.step.lilicorr_variant import LiLiCorrVariant
-from dflash.step.variant import DFlash2Variant, DFlashVariant, DSparkVariant
+from dflash.step.variant import DFlashVariant
 
 _VARIANTS: dict[str, type[DFlashVariant]] = {}
 _CONF_MODULE = "dflash.conf"  # the package's YAML options (dflash/tools/compose.py reads them)
@@ -107,5 +112,6 @@ def variant_figure_names() -> set[str]:
     return {name for variant in _VARIANTS.values() for name in variant.figure_names}
 
 
-for _variant_class in (DFlashVariant, DSparkVariant, DFlash2Variant, LiLiCorrVariant):
-    register_variant(_variant_class)
+for _variant in BUILT_IN_VARIANTS:
+    # The training class is the one the options build (their `_target_`).
+    register_variant(built_in_piece(_variant.options._target_, floor="dflash.step"))
