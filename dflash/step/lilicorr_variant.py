@@ -13,9 +13,10 @@ from transformers import Qwen3Config
 
 from dflash.config.variant_schema import LiLiCorrVariantConfig, variant_options
 from dflash.drafters.lilicorr import GEOMETRY, LiLiCorrDrafter, add_lilicorr_fields
+from dflash.step.candidate_taus import unmeasured_taus
 from dflash.step.lilicorr_loss import LatticeWeights, lilicorr_loss
 from dflash.step.lilicorr_metrics import LILICORR_FIELDS, LILICORR_FIGURES, lilicorr_figures
-from dflash.step.variant import DFlashVariant, unmeasured_taus
+from dflash.step.variant import DFlashVariant
 
 
 @dataclass(frozen=True)

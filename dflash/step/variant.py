@@ -49,6 +49,7 @@ from dflash.drafters.backbone import DFlashDrafter
 from dflash.drafters.dflash2 import DFlash2Drafter, add_dflash2_fields
 from dflash.drafters.dspark import DSparkDrafter, add_dspark_fields, markov_head_class
 from dflash.step.blocks import DraftBlocks
+from dflash.step.candidate_taus import unmeasured_taus
 from dflash.step.dflash2_loss import dflash2_loss
 from dflash.step.dflash2_metrics import DFLASH2_FIELDS, DFLASH2_FIGURES, dflash2_figures
 from dflash.step.dspark_loss import DSparkWeights, dspark_loss, resolve_fused_terms
@@ -56,13 +57,6 @@ from dflash.step.dspark_metrics import DSPARK_FIELDS, DSPARK_FIGURES, dspark_fig
 from dflash.step.loss import LossStats, draft_loss
 from dflash.step.metrics import Field
 from dflash.torch_runtime.kernel_libraries import installed
-
-
-def unmeasured_taus(pick: str) -> dict[str, str]:
-    """Why the block and decode taus of a head's `pick` and of the oracle over its candidates
-    can be undefined: a window that measured no block."""
-    names = (f"{pick}_tau_block", f"{pick}_tau_decode", "oracle_tau_block", "oracle_tau_decode")
-    return dict.fromkeys(names, "no block measured")
 
 
 @dataclass(frozen=True)
