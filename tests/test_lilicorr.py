@@ -20,7 +20,7 @@ from dflash.drafters.lilicorr import (
     greedy_walk,
 )
 from dflash.export.zlab import load_drafter
-from dflash.run.runner import figure, format_summary, is_defined
+from dflash.run.runner import format_summary, variant_summary_lines
 from dflash.step.lilicorr_loss import LatticeWeights, lattice_terms, lilicorr_loss, node_factors
 from dflash.step.lilicorr_variant import LiLiCorrVariant
 from dflash.step.variant import DFlash2Variant
@@ -277,10 +277,10 @@ def test_the_summary_line_is_lilicorrs_only_and_says_why_a_figure_is_missing():
     """Only a summary holding LiLiCorr's figures gets its line; an undefined argmax tau reads as
     LiLiCorr states it, never `nan`."""
     summary = {"train/tau_decode": 1.5, "train/top1_tau_decode": float("nan"), "train/ce": 2.0}
-    lines = LiLiCorrVariant.summary_lines(summary, figure, is_defined)
+    lines = variant_summary_lines(summary)
     assert len(lines) == 1 and "walk 1.500, backbone argmax n/a (no block measured)" in lines[0]
     assert "held out" not in lines[0] and "nan" not in lines[0]
-    assert LiLiCorrVariant.summary_lines({"train/tau_decode": 1.5}, figure, is_defined) == []
+    assert variant_summary_lines({"train/tau_decode": 1.5}) == []
 
 
 def test_a_dflash_checkpoint_warm_starts_the_backbone_and_the_head_starts_fresh(make_cfg, tmp_path):

@@ -10,8 +10,8 @@ Not `dflash/step/step_paths.py` (the step's reference and fast paths by name). A
   true previous token (`needs_prev_ids`: DSpark's Markov head, DFlash2's selector);
 - the loss over the block positions (`block_loss`);
 - what it reports: the sums its loss adds to the metric vector (`metric_fields`), the figures
-  computed from them (`figure_names`, `figures`, `undefined_because`) and its own line in the
-  run summary (`summary_key`, `summary_line`);
+  computed from them (`figure_names`, `figures`, `undefined_because`) and its one line in the
+  run summary (`summary_line`, printed where the summary holds its `summary_key`);
 - which run settings outside its own node it refuses (`run_refusal`: a noise schedule, ...).
 
 A variant is registered once, with its drafter class and its config options, by
@@ -117,23 +117,17 @@ class DFlashVariant:
     # references train it with the static decay only says False and `loss=dpace` is refused.
     dpace_applies: ClassVar[bool] = True
 
-    # The figure whose presence in a run summary means it holds the variant's own (None: the
-    # variant prints no line of its own).
+    # The figure whose presence in a run summary means the summary holds this variant's figures
+    # (one of its `figure_names`, as train/<name>; None: it prints no line of its own).
     summary_key: ClassVar[str | None] = None
 
     @classmethod
-    def summary_lines(cls, summary: Mapping[str, Any], figure: Callable, defined: Callable) -> list[str]:
-        """The variant's own lines in the run summary (dflash/run/runner.py), where `summary`
-        holds its figures; `figure(summary, key)` formats one, `defined(value)` says whether a
-        value is a finite number."""
-        if cls.summary_key is None or cls.summary_key not in summary:
-            return []
-        return [cls.summary_line(summary, figure, defined)]
-
-    @classmethod
     def summary_line(cls, summary: Mapping[str, Any], figure: Callable, defined: Callable) -> str:
-        """The line `summary_lines` prints (a variant with a `summary_key` writes it)."""
-        return ""
+        """The variant's one line in the run summary (dflash/run/runner.py), asked only of a
+        summary that holds its `summary_key`; `figure(summary, key)` formats a figure (`n/a
+        (why)` where it is undefined), `defined(value)` says whether a value is a finite
+        number. A variant with a `summary_key` writes it (registration refuses one without)."""
+        raise NotImplementedError(f"variant {cls.name!r} has a summary_key but no summary_line of its own")
 
     def device_refusal(self, device: torch.device) -> str | None:
         """Why this variant's settings cannot train on `device` (None: they can); asked when the
