@@ -59,6 +59,17 @@ from dflash.step.metrics import Field
 from dflash.torch_runtime.kernel_libraries import installed
 
 
+def static_decay_only(name: str, loss: Any) -> str | None:
+    """The refusal of loss=dpace (dflash/step/dpace.py) by variant `name`, whose references
+    train it with the static decay only (None: `loss` is another)."""
+    if isinstance(loss, DPaceLossConfig):
+        return (
+            f"loss=dpace reweighs the block CE, but variant={name}'s references train it with the "
+            f"static decay; with variant={name} use loss=default"
+        )
+    return None
+
+
 @dataclass(frozen=True)
 class DFlashVariant:
     """Plain DFlash (z-lab): position k >= 1 predicts token a + k; hard-label CE."""
@@ -105,17 +116,11 @@ class DFlashVariant:
         can), in one line naming the config key; asked before any weights load
         (dflash/run/checks.py). A variant whose positions predict the token after them
         (`label_offset` 1) refuses a noise schedule that keeps positions unmasked: a kept
-        position shows its true token, the label of the position before it. One that says
-        `dpace_applies` False refuses loss=dpace."""
+        position shows its true token, the label of the position before it. A variant that
+        refuses more says so here (`static_decay_only` for loss=dpace) and asks this one too."""
         if cls.label_offset and isinstance(noise, MaskRampNoiseConfig):
             return f"noise=mask_ramp is DFlash's: with variant={cls.name} use noise=none or noise=feature"
-        if isinstance(loss, DPaceLossConfig) and not cls.dpace_applies:
-            return f"loss=dpace reweighs the block CE, but variant={cls.name}'s references train it with the static decay; with variant={cls.name} use loss=default"
         return None
-
-    # Whether loss=dpace (dflash/step/dpace.py) may weigh this variant's block CE; a variant whose
-    # references train it with the static decay only says False and `loss=dpace` is refused.
-    dpace_applies: ClassVar[bool] = True
 
     # The figure whose presence in a run summary means the summary holds this variant's figures
     # (one of its `figure_names`, as train/<name>; None: it prints no line of its own).
@@ -168,8 +173,6 @@ class DSparkVariant(DFlashVariant):
     name = "dspark"
     summary_key = "train/tau_prob"
     label_offset = 1
-    # DeepSpec and ModelOpt's dspark.yaml train DSpark with the static decay only.
-    dpace_applies = False
     needs_final_state = True
     needs_prev_ids = True
     # DeepSpec's draft config is a deep copy of the target's, initializer_range included
@@ -206,7 +209,10 @@ class DSparkVariant(DFlashVariant):
                 markov_head_class(variant.markov_head_class)
             except ValueError as exc:
                 return f"variant.markov_head_class: {exc}"
-        return super().run_refusal(variant=variant, noise=noise, loss=loss)
+        # DeepSpec and ModelOpt's dspark.yaml train DSpark with the static decay only.
+        return super().run_refusal(variant=variant, noise=noise, loss=loss) or static_decay_only(
+            cls.name, loss
+        )
 
     def device_refusal(self, device: torch.device) -> str | None:
         if FusedTerms(self.fused_terms) is not FusedTerms.triton:
