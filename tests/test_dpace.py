@@ -135,6 +135,26 @@ def test_dpace_with_dspark_is_refused_before_it_trains(make_cfg):
         train(make_cfg(["variant=dspark", "loss=dpace"]))
 
 
+def test_each_variant_says_itself_whether_it_refuses_dpace():
+    """The variants whose references train with the static decay only (DSpark, LiLiCorr) refuse
+    loss=dpace from their `run_refusal`, the one hook for settings outside their node; the others
+    train under it. A setting refused already (DSpark's kept positions under noise=mask_ramp)
+    is still the one named."""
+    from dflash.config.schema import DPaceLossConfig, MaskRampNoiseConfig, NoNoiseConfig
+    from dflash.step.variant_registry import registered_variants
+
+    builtin = {name: registered_variants()[name] for name in ("dflash", "dspark", "dflash2", "lilicorr")}
+    refusals = {
+        name: variant.run_refusal(variant=variant.options(), noise=NoNoiseConfig(), loss=DPaceLossConfig())
+        for name, variant in builtin.items()
+    }
+    assert {name for name, refusal in refusals.items() if refusal} == {"dspark", "lilicorr"}
+    assert all(f"with variant={name} use loss=default" in refusals[name] for name in ("dspark", "lilicorr"))
+    dspark = builtin["dspark"]
+    both = dspark.run_refusal(variant=dspark.options(), noise=MaskRampNoiseConfig(), loss=DPaceLossConfig())
+    assert both.startswith("noise=mask_ramp is DFlash's")
+
+
 @pytest.mark.slow
 def test_dpace_with_dspark_is_one_line_and_exit_2(tmp_path):
     result = dflash(

@@ -20,9 +20,10 @@ from dflash.drafters.lilicorr import (
     greedy_walk,
 )
 from dflash.export.zlab import load_drafter
-from dflash.run.runner import figure, format_summary, is_defined
+from dflash.run.runner import format_summary, variant_summary_lines
 from dflash.step.lilicorr_loss import LatticeWeights, lattice_terms, lilicorr_loss, node_factors
 from dflash.step.lilicorr_variant import LiLiCorrVariant
+from dflash.step.variant import DFlash2Variant
 from dflash.train import train
 from tests.test_dflash_rules import blocks_for, tiny_drafter_config
 from tests.test_dspark import tiny_target
@@ -243,6 +244,29 @@ def test_variant_lilicorr_trains_end_to_end_and_its_loss_falls(make_cfg):
     assert f"({summary['val/tau_decode']:.3f}, {summary['val/top1_tau_decode']:.3f}," in line
 
 
+@pytest.mark.parametrize("variant, pick", [(LiLiCorrVariant, "top1"), (DFlash2Variant, "unary")])
+def test_the_pick_and_oracle_taus_are_one_rule_for_lilicorr_and_dflash2(variant, pick):
+    """Both heads that pick among candidates report their plain pick's and the oracle's taus by
+    the same rule (dflash/step/candidate_taus.py): 1 + the mean leading run, and blocks over
+    rounds; undefined, for the same reason, where no block was measured."""
+    names = [f"{pick}_tau_block", f"{pick}_tau_decode", "oracle_tau_block", "oracle_tau_decode"]
+    sums_of = [f"{pick}_accepted", f"{pick}_rounds", "oracle_accepted", "oracle_rounds"]
+    assert set(names) <= set(variant.figure_names)
+    assert set(sums_of) <= {field.name for field in variant.metric_fields}
+    sums = {
+        field.name: [0.0] * BLOCK if field.width == "position" else 0.0 for field in variant.metric_fields
+    }
+    sums.update(weight=1.0, counted=[0.0, 1.0, 1.0, 1.0], blocks=4.0)
+    sums.update(
+        {f"{pick}_accepted": 2.0, f"{pick}_rounds": 3.2, "oracle_accepted": 6.0, "oracle_rounds": 2.0}
+    )
+    figures = variant.figures(sums)
+    assert [figures[name] for name in names] == pytest.approx([1.5, 1.25, 2.5, 2.0])
+    unmeasured = variant.figures({**sums, **dict.fromkeys(("blocks", *sums_of), 0.0)})
+    assert all(math.isnan(unmeasured[name]) for name in names)
+    assert {variant.undefined_because[name] for name in names} == {"no block measured"}
+
+
 def test_dpace_with_lilicorr_is_refused_before_it_trains(make_cfg):
     """ModelOpt's lilicorr.yaml trains with the static decay only: loss=dpace is refused."""
     with pytest.raises(ValueError, match="loss=dpace .* with variant=lilicorr use loss=default"):
@@ -253,10 +277,10 @@ def test_the_summary_line_is_lilicorrs_only_and_says_why_a_figure_is_missing():
     """Only a summary holding LiLiCorr's figures gets its line; an undefined argmax tau reads as
     LiLiCorr states it, never `nan`."""
     summary = {"train/tau_decode": 1.5, "train/top1_tau_decode": float("nan"), "train/ce": 2.0}
-    lines = LiLiCorrVariant.summary_lines(summary, figure, is_defined)
+    lines = variant_summary_lines(summary)
     assert len(lines) == 1 and "walk 1.500, backbone argmax n/a (no block measured)" in lines[0]
     assert "held out" not in lines[0] and "nan" not in lines[0]
-    assert LiLiCorrVariant.summary_lines({"train/tau_decode": 1.5}, figure, is_defined) == []
+    assert variant_summary_lines({"train/tau_decode": 1.5}) == []
 
 
 def test_a_dflash_checkpoint_warm_starts_the_backbone_and_the_head_starts_fresh(make_cfg, tmp_path):

@@ -198,6 +198,24 @@ def test_every_declared_layout_round_trips_through_export_init_from_and_convert(
     round_trip(MAKERS[name](tiny_target()), layout, tmp_path, tiny_qwen3_dir)
 
 
+def test_which_checkpoints_start_a_variant_is_the_run_drafters_one_answer():
+    """drafter.init_from from another drafter class (`warm_starts`): a DFlash drafter starts every
+    variant, a variant of one's own included with nothing declared; a DFlash2 one starts LiLiCorr,
+    which names it; no other pair, and no class starts itself as new parts (a resume, or a start
+    from the same variant, must fit in every part). Resume asks exactly this."""
+    drafters = registered_drafters()
+    starts = {
+        (source, run)
+        for source, source_class in drafters.items()
+        for run, run_class in drafters.items()
+        if run_class.warm_starts(source_class)
+    }
+    variants = {name for name, drafter_class in drafters.items() if drafter_class is not DFlashDrafter}
+    backbone = DFlashDrafter.variant_name
+    assert "test_margin" in variants
+    assert starts == {(backbone, name) for name in variants} | {("dflash2", "lilicorr")}
+
+
 def test_convert_offers_every_registered_layout():
     assert set(LAYOUTS) == set(registry._LAYOUTS)
 

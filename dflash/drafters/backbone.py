@@ -265,8 +265,9 @@ class DFlashDrafter(nn.Module):
     # parameter's dotted name): a DFlash drafter's weights warm-starting the subclass
     # (drafter.init_from) hold none of them, and they keep their fresh init.
     added_modules: ClassVar[tuple[str, ...]] = ()
-    # Variants (by name) whose checkpoints may start this one too (drafter.init_from): the parts
-    # both have load, the source's other added modules are left out, this one's own start fresh.
+    # Variants (by name) whose checkpoints may start this one too, beside the backbone's
+    # (drafter.init_from, `warm_starts`): the parts both have load, the source's other added
+    # modules are left out, this one's own start fresh.
     warm_starts_from: ClassVar[tuple[str, ...]] = ()
     # Whether `draft_block` also takes the target's `embed_tokens=` and `anchor_row_1H=`, the
     # projected context row before the anchor (`context` of the features at anchor - 1): the
@@ -451,6 +452,18 @@ class DFlashDrafter(nn.Module):
     def describes(cls, config: Any) -> bool:
         """Whether a drafter config carries this variant's fields (the backbone: any config)."""
         return True
+
+    @classmethod
+    def warm_starts(cls, source: type[DFlashDrafter]) -> bool:
+        """Whether a checkpoint of the `source` class starts this variant (drafter.init_from)
+        though their parts differ: what both have loads, this one's `added_modules` start fresh,
+        the source's own are left out (dflash/run/resume.py asks this alone). The DFlash
+        backbone starts every variant: it has no part of its own, so nothing of it is lost.
+        Another variant, whose own parts would be lost, only where this one names it in
+        `warm_starts_from`. A drafter of this very class is not a warm start: every part must fit."""
+        if source is cls:
+            return False
+        return source is DFlashDrafter or source.variant_name in cls.warm_starts_from
 
     @classmethod
     def config_differences(cls, saved: Any, run: Any) -> list[tuple[str, Any, Any]]:

@@ -14,7 +14,7 @@ from transformers import Qwen3Config
 
 from dflash.data.dataset import TokenDataset
 from dflash.data.identity import appended, data_changes, read_data_identity
-from dflash.drafters.drafter_registry import drafter_class_for, extends_backbone, registered_drafters
+from dflash.drafters.drafter_registry import drafter_class_for, registered_drafters
 from dflash.export.zlab import read_drafter_config
 from dflash.target.target_identity import identity_differences, read_identity
 from dflash.trainer.checkpoint import RUN_CONFIG_FILE
@@ -37,21 +37,16 @@ RESUME_FIELDS = {
 RESUME_TARGET_FIELDS = ("name", "path", "model_type", "init_seed", "arch")
 
 
-# What a variant adds to the DFlash backbone: DSpark's heads (variant=dspark), DFlash2's
-# convolutions and selector (variant=dflash2, fields in dflash_config). A plain DFlash drafter
-# may start such a run (drafter.init_from: its backbone loads, the added parts start fresh);
-# otherwise they must agree.
 def warm_starts_new_parts(saved: Qwen3Config, run_config: Qwen3Config, key: str) -> bool:
-    """A DFlash drafter starting a DSpark, DFlash2 or LiLiCorr run, or a drafter of a variant the
-    run's lists in `warm_starts_from` (a DFlash2 one starting LiLiCorr), by drafter.init_from: what
-    the run's variant adds starts fresh, what only the source has is left out."""
+    """Whether drafter.init_from starts this run's drafter from one whose parts differ, as the
+    run's drafter class answers (`DFlashDrafter.warm_starts`: a DFlash drafter starting a DSpark,
+    DFlash2 or LiLiCorr run, a DFlash2 one starting LiLiCorr): the backbone's fields must still
+    match and its weights load, the variants' own fields are not compared, what the run's variant
+    adds starts fresh and what only the source has is left out. A resume, or a start from the
+    same variant, must match in every part."""
     if key != "drafter.init_from":
         return False
-    from_backbone = not extends_backbone(saved) and extends_backbone(run_config)
-    return (
-        from_backbone
-        or drafter_class_for(saved).variant_name in drafter_class_for(run_config).warm_starts_from
-    )
+    return drafter_class_for(run_config).warm_starts(drafter_class_for(saved))
 
 
 def _target_differences(

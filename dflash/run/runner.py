@@ -229,12 +229,7 @@ def format_summary(summary: dict[str, Any]) -> str:
         f"train loss        {figure(summary, 'train/loss_first_window')} -> {figure(summary, 'train/loss')}{since}",
         f"train accuracy    {figure(summary, 'train/acc_first_window')} -> {figure(summary, 'train/acc')}{since}",
         _tau_line(summary),
-        # Each variant's own line, where the summary holds its figures (dflash/step/variant.py).
-        *(
-            line
-            for variant in registered_variants().values()
-            for line in variant.summary_lines(summary, figure, is_defined)
-        ),
+        *variant_summary_lines(summary),
     ]
     if "perf/samples_per_s" in summary:
         lines.append(
@@ -244,6 +239,16 @@ def format_summary(summary: dict[str, Any]) -> str:
     lines += _evaluation_lines(summary)
     lines.extend(role_lines(summary))
     return "\n".join(lines)
+
+
+def variant_summary_lines(summary: dict[str, Any]) -> list[str]:
+    """Each variant's own line, where the summary holds its figures: its `summary_key`
+    (dflash/step/variant.py). Several variants share figure names (`ce`); the key is its own."""
+    return [
+        variant.summary_line(summary, figure, is_defined)
+        for variant in registered_variants().values()
+        if variant.summary_key is not None and variant.summary_key in summary
+    ]
 
 
 def _steps_line(summary: dict[str, Any]) -> str:

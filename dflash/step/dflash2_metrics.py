@@ -7,7 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from dflash.step.loss import tau_from_rounds, tau_from_runs
+from dflash.step.candidate_taus import candidate_tau_fields, candidate_tau_names, candidate_taus
 from dflash.step.metrics import Field
 
 # The sums of dflash/step/dflash2_loss.py's DFlash2LossStats, after DFlash's.
@@ -18,10 +18,7 @@ DFLASH2_FIELDS: tuple[Field, ...] = (
     Field("candidate_mass"),
     Field("selector_changed"),
     Field("selector_changed_correct"),
-    Field("unary_accepted"),
-    Field("unary_rounds"),
-    Field("oracle_accepted"),
-    Field("oracle_rounds"),
+    *candidate_tau_fields("unary"),  # the unary argmax's and the oracle's runs and rounds
     Field("unary_correct", width="position"),
 )
 
@@ -34,10 +31,7 @@ DFLASH2_FIGURES = (
     "selector_changed",
     "selector_changed_correct",
     "unary_acc",
-    "unary_tau_block",
-    "unary_tau_decode",
-    "oracle_tau_block",
-    "oracle_tau_decode",
+    *candidate_tau_names("unary"),
 )
 
 
@@ -63,8 +57,5 @@ def dflash2_figures(sums: Mapping[str, Any]) -> dict[str, float]:
         "selector_changed": share(sums["selector_changed"], supervised),
         "selector_changed_correct": share(sums["selector_changed_correct"], sums["selector_changed"]),
         "unary_acc": share(sum(sums["unary_correct"][1:]), supervised),
-        "unary_tau_block": tau_from_runs(sums["unary_accepted"], sums["blocks"]),
-        "unary_tau_decode": tau_from_rounds(sums["blocks"], sums["unary_rounds"]),
-        "oracle_tau_block": tau_from_runs(sums["oracle_accepted"], sums["blocks"]),
-        "oracle_tau_decode": tau_from_rounds(sums["blocks"], sums["oracle_rounds"]),
+        **candidate_taus(sums, "unary"),
     }

@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
-from dflash.step.loss import tau_from_rounds, tau_from_runs
+from dflash.step.candidate_taus import candidate_tau_fields, candidate_tau_names, candidate_taus
 from dflash.step.metrics import Field
 
 # The sums of dflash/step/lilicorr_loss.py's LiLiCorrLossStats, after DFlash's.
@@ -18,10 +18,8 @@ LILICORR_FIELDS: tuple[Field, ...] = (
     Field("lattice_margin"),
     Field("lattice_penalty"),
     Field("lattice_slots"),  # supervised slots
-    Field("top1_accepted"),  # leading runs of the backbone's argmax hits
-    Field("top1_rounds"),
-    Field("oracle_accepted"),  # leading runs of slots whose true token is a candidate
-    Field("oracle_rounds"),
+    # The backbone argmax's and the oracle's (slots whose true token is a candidate) runs and rounds.
+    *candidate_tau_fields("top1"),
 )
 
 # Reported as train/ and val/ keys, in the run summary, and what `objective` may name.
@@ -30,10 +28,7 @@ LILICORR_FIGURES = (
     "lattice_ce",
     "lattice_margin",
     "lattice_penalty",
-    "top1_tau_block",
-    "top1_tau_decode",
-    "oracle_tau_block",
-    "oracle_tau_decode",
+    *candidate_tau_names("top1"),
 )
 
 
@@ -50,8 +45,5 @@ def lilicorr_figures(sums: Mapping[str, Any]) -> dict[str, float]:
             name: sums[name] / slots if slots > 0 else float("nan")
             for name in ("lattice_ce", "lattice_margin", "lattice_penalty")
         },
-        "top1_tau_block": tau_from_runs(sums["top1_accepted"], sums["blocks"]),
-        "top1_tau_decode": tau_from_rounds(sums["blocks"], sums["top1_rounds"]),
-        "oracle_tau_block": tau_from_runs(sums["oracle_accepted"], sums["blocks"]),
-        "oracle_tau_decode": tau_from_rounds(sums["blocks"], sums["oracle_rounds"]),
+        **candidate_taus(sums, "top1"),
     }

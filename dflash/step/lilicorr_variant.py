@@ -13,9 +13,10 @@ from transformers import Qwen3Config
 
 from dflash.config.variant_schema import LiLiCorrVariantConfig, variant_options
 from dflash.drafters.lilicorr import GEOMETRY, LiLiCorrDrafter, add_lilicorr_fields
+from dflash.step.candidate_taus import unmeasured_taus
 from dflash.step.lilicorr_loss import LatticeWeights, lilicorr_loss
 from dflash.step.lilicorr_metrics import LILICORR_FIELDS, LILICORR_FIGURES, lilicorr_figures
-from dflash.step.variant import DFlashVariant, unmeasured_taus
+from dflash.step.variant import DFlashVariant, static_decay_only
 
 
 @dataclass(frozen=True)
@@ -28,10 +29,6 @@ class LiLiCorrVariant(DFlashVariant):
     name = "lilicorr"
     needs_final_state = True
     needs_context = True
-    # ModelOpt's lilicorr.yaml trains it with the static decay (dflash_loss_decay_factor 7.0) and
-    # no D-PACE weighting; the lattice's terms are per slot, outside the weights D-PACE sets, so
-    # loss=dpace would reweigh only the backbone's CE against a recipe that never did.
-    dpace_applies = False
     drafter_class = LiLiCorrDrafter
     metric_fields = LILICORR_FIELDS
     figure_names = LILICORR_FIGURES
@@ -53,6 +50,15 @@ class LiLiCorrVariant(DFlashVariant):
         )
 
     figures = staticmethod(lilicorr_figures)
+
+    @classmethod
+    def run_refusal(cls, *, variant, noise, loss=None):
+        # ModelOpt's lilicorr.yaml trains it with the static decay (dflash_loss_decay_factor 7.0)
+        # and no D-PACE weighting; the lattice's terms are per slot, outside the weights D-PACE
+        # sets, so loss=dpace would reweigh only the backbone's CE against a recipe that never did.
+        return super().run_refusal(variant=variant, noise=noise, loss=loss) or static_decay_only(
+            cls.name, loss
+        )
 
     @classmethod
     def summary_line(cls, summary, figure, defined):

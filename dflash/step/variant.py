@@ -10,8 +10,8 @@ Not `dflash/step/step_paths.py` (the step's reference and fast paths by name). A
   true previous token (`needs_prev_ids`: DSpark's Markov head, DFlash2's selector);
 - the loss over the block positions (`block_loss`);
 - what it reports: the sums its loss adds to the metric vector (`metric_fields`), the figures
-  computed from them (`figure_names`, `figures`, `undefined_because`) and its own line in the
-  run summary (`summary_key`, `summary_line`);
+  computed from them (`figure_names`, `figures`, `undefined_because`) and its one line in the
+  run summary (`summary_line`, printed where the summary holds its `summary_key`);
 - which run settings outside its own node it refuses (`run_refusal`: a noise schedule, ...).
 
 A variant is registered once, with its drafter class and its config options, by
@@ -51,6 +51,7 @@ from dflash.drafters.backbone import DFlashDrafter
 from dflash.drafters.dflash2 import DFlash2Drafter, add_dflash2_fields
 from dflash.drafters.dspark import DSparkDrafter, add_dspark_fields, markov_head_class
 from dflash.step.blocks import DraftBlocks
+from dflash.step.candidate_taus import unmeasured_taus
 from dflash.step.dflash2_loss import dflash2_loss
 from dflash.step.dflash2_metrics import DFLASH2_FIELDS, DFLASH2_FIGURES, dflash2_figures
 from dflash.step.dspark_loss import DSparkWeights, dspark_loss, resolve_fused_terms
@@ -60,11 +61,15 @@ from dflash.step.metrics import Field
 from dflash.torch_runtime.kernel_libraries import installed
 
 
-def unmeasured_taus(pick: str) -> dict[str, str]:
-    """Why the block and decode taus of a head's `pick` and of the oracle over its candidates
-    can be undefined: a window that measured no block."""
-    names = (f"{pick}_tau_block", f"{pick}_tau_decode", "oracle_tau_block", "oracle_tau_decode")
-    return dict.fromkeys(names, "no block measured")
+def static_decay_only(name: str, loss: Any) -> str | None:
+    """The refusal of loss=dpace (dflash/step/dpace.py) by variant `name`, whose references
+    train it with the static decay only (None: `loss` is another)."""
+    if isinstance(loss, DPaceLossConfig):
+        return (
+            f"loss=dpace reweighs the block CE, but variant={name}'s references train it with the "
+            f"static decay; with variant={name} use loss=default"
+        )
+    return None
 
 
 @dataclass(frozen=True)
@@ -113,35 +118,23 @@ class DFlashVariant:
         can), in one line naming the config key; asked before any weights load
         (dflash/run/checks.py). A variant whose positions predict the token after them
         (`label_offset` 1) refuses a noise schedule that keeps positions unmasked: a kept
-        position shows its true token, the label of the position before it. One that says
-        `dpace_applies` False refuses loss=dpace."""
+        position shows its true token, the label of the position before it. A variant that
+        refuses more says so here (`static_decay_only` for loss=dpace) and asks this one too."""
         if cls.label_offset and isinstance(noise, MaskRampNoiseConfig):
             return f"noise=mask_ramp is DFlash's: with variant={cls.name} use noise=none or noise=feature"
-        if isinstance(loss, DPaceLossConfig) and not cls.dpace_applies:
-            return f"loss=dpace reweighs the block CE, but variant={cls.name}'s references train it with the static decay; with variant={cls.name} use loss=default"
         return None
 
-    # Whether loss=dpace (dflash/step/dpace.py) may weigh this variant's block CE; a variant whose
-    # references train it with the static decay only says False and `loss=dpace` is refused.
-    dpace_applies: ClassVar[bool] = True
-
-    # The figure whose presence in a run summary means it holds the variant's own (None: the
-    # variant prints no line of its own).
+    # The figure whose presence in a run summary means the summary holds this variant's figures
+    # (one of its `figure_names`, as train/<name>; None: it prints no line of its own).
     summary_key: ClassVar[str | None] = None
 
     @classmethod
-    def summary_lines(cls, summary: Mapping[str, Any], figure: Callable, defined: Callable) -> list[str]:
-        """The variant's own lines in the run summary (dflash/run/runner.py), where `summary`
-        holds its figures; `figure(summary, key)` formats one, `defined(value)` says whether a
-        value is a finite number."""
-        if cls.summary_key is None or cls.summary_key not in summary:
-            return []
-        return [cls.summary_line(summary, figure, defined)]
-
-    @classmethod
     def summary_line(cls, summary: Mapping[str, Any], figure: Callable, defined: Callable) -> str:
-        """The line `summary_lines` prints (a variant with a `summary_key` writes it)."""
-        return ""
+        """The variant's one line in the run summary (dflash/run/runner.py), asked only of a
+        summary that holds its `summary_key`; `figure(summary, key)` formats a figure (`n/a
+        (why)` where it is undefined), `defined(value)` says whether a value is a finite
+        number. A variant with a `summary_key` writes it (registration refuses one without)."""
+        raise NotImplementedError(f"variant {cls.name!r} has a summary_key but no summary_line of its own")
 
     def device_refusal(self, device: torch.device) -> str | None:
         """Why this variant's settings cannot train on `device` (None: they can); asked when the
@@ -182,8 +175,6 @@ class DSparkVariant(DFlashVariant):
     name = "dspark"
     summary_key = "train/tau_prob"
     label_offset = 1
-    # DeepSpec and ModelOpt's dspark.yaml train DSpark with the static decay only.
-    dpace_applies = False
     needs_final_state = True
     needs_prev_ids = True
     # DeepSpec's draft config is a deep copy of the target's, initializer_range included
@@ -220,7 +211,10 @@ class DSparkVariant(DFlashVariant):
                 markov_head_class(variant.markov_head_class)
             except ValueError as exc:
                 return f"variant.markov_head_class: {exc}"
-        return super().run_refusal(variant=variant, noise=noise, loss=loss)
+        # DeepSpec and ModelOpt's dspark.yaml train DSpark with the static decay only.
+        return super().run_refusal(variant=variant, noise=noise, loss=loss) or static_decay_only(
+            cls.name, loss
+        )
 
     def device_refusal(self, device: torch.device) -> str | None:
         if FusedTerms(self.fused_terms) is not FusedTerms.triton:
