@@ -45,10 +45,5 @@ def drafter_class_for(config: Any) -> type[DFlashDrafter]:
     return DFlashDrafter
 
 
-def extends_backbone(config: Any) -> bool:
-    """Whether a config describes a variant that adds parts to the DFlash backbone."""
-    return drafter_class_for(config) is not DFlashDrafter
-
-
 for _variant in BUILT_IN_VARIANTS:
     register_drafter(built_in_piece(_variant.drafter, floor="dflash.drafters"))

@@ -20,9 +20,9 @@ the weights in hand (dflash/step/loss.py), and D-PACE's weight of position k dep
 confidences of the positions after it. So the labelled rows go through the LM head once more,
 without autograd, chunk by chunk (one more forward matmul per labelled row).
 
-Not for DSpark: its references (DeepSpec, ModelOpt's dspark.yaml) train its CE + TV + confidence
-loss with the static decay only; `loss=dpace` with `variant=dspark` is refused before any weights
-load (dflash/run/checks.py).
+Not for DSpark or LiLiCorr: their references (DeepSpec and ModelOpt's dspark.yaml; ModelOpt's
+lilicorr.yaml) train with the static decay only; `loss=dpace` with either is refused before any
+weights load, by the variant's own `run_refusal`.
 """
 
 from __future__ import annotations
