@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dflash.decoding.engine import StaticDecoder
+from dflash.decoding.settings import DecodeSettings
 from dflash.decoding.side_by_side import SideBySideDecoders
 from tests.test_dflash2_decoding import tiny_dflash2
 from tests.test_dflash_rules import tiny_drafter, tiny_target
@@ -33,10 +34,16 @@ def test_each_prompt_decoded_side_by_side_is_decoded_as_alone(variant, temperatu
     prompts = [torch.randint(0, 480, (length,)).tolist() for length in (7, 19, 12)]
     seeds = [11, 12, 13]
     alone = decoders(target, drafter, 1)[0]
-    free_run = alone.speculative(prompts[2], 24, temperature, seeds[2], sampled_drafts=sampled_drafts)
+    free_run = alone.speculative(
+        prompts[2], DecodeSettings(24, temperature=temperature, seed=seeds[2]), sampled_drafts=sampled_drafts
+    )
     stop = frozenset([free_run.output_ids[6]])
     expected = [
-        alone.speculative(prompt, 24, temperature, seed, stop, sampled_drafts=sampled_drafts)
+        alone.speculative(
+            prompt,
+            DecodeSettings(24, temperature=temperature, seed=seed, stop_ids=stop),
+            sampled_drafts=sampled_drafts,
+        )
         for prompt, seed in zip(prompts, seeds)
     ]
     assert len(expected[2].output_ids) <= 7  # prompt 2 stops at its token

@@ -26,6 +26,7 @@ import torch
 
 from dflash.decoding.engine import StaticDecoder
 from dflash.decoding.reference import DecodeResult
+from dflash.decoding.settings import DecodeSettings
 from dflash.drafters.backbone import DFlashDrafter
 
 
@@ -78,10 +79,9 @@ class SideBySideDecoders:
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 return self.decoders[index].speculative(
                     prompts[index],
-                    max_new_tokens,
-                    temperature,
-                    seeds[index],
-                    stop_ids,
+                    DecodeSettings(
+                        max_new_tokens, temperature=temperature, seed=seeds[index], stop_ids=stop_ids
+                    ),
                     sampled_drafts=self.sampled_drafts,
                 )
 

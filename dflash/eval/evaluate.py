@@ -35,6 +35,7 @@ from dflash.decoding.continuous import ContinuousBatcher
 from dflash.decoding.engine import StaticDecoder
 from dflash.decoding.reference import DecodeResult, drafts_per_round, plain_generate, speculative_generate
 from dflash.decoding.sampling import Sampler
+from dflash.decoding.settings import DecodeSettings
 from dflash.decoding.side_by_side import SideBySideDecoders
 from dflash.drafters.backbone import DFlashDrafter
 from dflash.eval.journal import EvalJournal, PromptOutcome
@@ -106,14 +107,14 @@ class BatchedReferences:
 
 @dataclass
 class Decoders:
-    """DFlash and plain decoding of one prompt: `(prompt, max_new, temperature, seed, stop_ids)`;
+    """DFlash and plain decoding of one prompt: `(prompt, settings)`, settings a DecodeSettings;
     `load_drafter(drafter)` makes later calls decode with that drafter's weights; `prefill(prompt)`
     runs the prefill both start with, alone (None where the path has no separate prefill);
     `references`: plain greedy outputs of several prompts at once (None: one at a time, `plain`);
     `side_by_side`: DFlash decodings of several prompts at once (None: one at a time, `speculative`)."""
 
-    speculative: Callable[..., DecodeResult]
-    plain: Callable[..., DecodeResult]
+    speculative: Callable[[list[int], DecodeSettings], DecodeResult]
+    plain: Callable[[list[int], DecodeSettings], DecodeResult]
     load_drafter: Callable[[DFlashDrafter], None]
     prefill: Callable[[list[int]], None] | None = None
     references: BatchedReferences | None = None
@@ -161,22 +162,13 @@ class Decoders:
                 )
         current = {"drafter": drafter}
 
-        def speculative(prompt, max_new, temperature, seed, stop_ids):
+        def speculative(prompt: list[int], settings: DecodeSettings) -> DecodeResult:
             return speculative_generate(
-                target,
-                current["drafter"],
-                prompt,
-                max_new,
-                temperature,
-                seed,
-                None,
-                stop_ids,
-                sampled_drafts=sampled_drafts,
-                verify=verify,
+                target, current["drafter"], prompt, settings, sampled_drafts=sampled_drafts, verify=verify
             )
 
-        def plain(prompt, max_new, temperature, seed, stop_ids):
-            return plain_generate(target, prompt, max_new, temperature, seed, None, stop_ids)
+        def plain(prompt: list[int], settings: DecodeSettings) -> DecodeResult:
+            return plain_generate(target, prompt, settings)
 
         return cls(speculative, plain, lambda new: current.update(drafter=new))
 
@@ -199,10 +191,8 @@ class Decoders:
         sampled = tuple(t for t in temperatures if t > 0) if sampled_drafts else ()
         static.capture_every_shape(sampled)  # outside every timed decode
 
-        def static_speculative(prompt, max_new, temperature, seed, stop_ids):
-            return static.speculative(
-                prompt, max_new, temperature, seed, stop_ids, sampled_drafts=sampled_drafts
-            )
+        def static_speculative(prompt: list[int], settings: DecodeSettings) -> DecodeResult:
+            return static.speculative(prompt, settings, sampled_drafts=sampled_drafts)
 
         references = None
         if reference_slots > 1:
@@ -280,8 +270,12 @@ def evaluate_set(
     drafts = block_size - 1 if drafts is None else drafts
     stop = prompt_set.stop_ids | target_eos_ids(target)
     for prompt in prompt_set.prompts[:warmup_prompts] if timing else []:
-        decoders.speculative(prompt, max_new_tokens, temperature, seed, stop)
-        decoders.plain(prompt, max_new_tokens, temperature, seed, stop)
+        decoders.speculative(
+            prompt, DecodeSettings(max_new_tokens, temperature=temperature, seed=seed, stop_ids=stop)
+        )
+        decoders.plain(
+            prompt, DecodeSettings(max_new_tokens, temperature=temperature, seed=seed, stop_ids=stop)
+        )
     decoding = _SetDecoding(
         target,
         decoders,
@@ -381,8 +375,10 @@ class _SetDecoding:
     def _timed(
         self, decode: Callable[..., DecodeResult], index: int, prompt: list[int]
     ) -> tuple[DecodeResult, float]:
-        args = (prompt, self.max_new_tokens, self.temperature, self.seed + index, self.stop)
-        return self.stopwatch(decode, *args)
+        settings = DecodeSettings(
+            self.max_new_tokens, temperature=self.temperature, seed=self.seed + index, stop_ids=self.stop
+        )
+        return self.stopwatch(decode, prompt, settings)
 
     def _reference(self, index: int, prompt: list[int]) -> list[int]:
         """The prompt's plain output: decoded now (timed), or taken from the batch holding it."""
@@ -429,7 +425,9 @@ def _check_side_by_side(
     time: decoders replaying at once on one GPU must not change an outcome (graphs sharing scratch
     memory once did), and no figure comes from that path unless it held here, on this device."""
     for (index, prompt), seed in zip(prompts.items(), seeds):
-        alone = decoders.speculative(prompt, max_new_tokens, temperature, seed, stop)
+        alone = decoders.speculative(
+            prompt, DecodeSettings(max_new_tokens, temperature=temperature, seed=seed, stop_ids=stop)
+        )
         if alone != results[index]:
             raise ValueError(
                 f"eval.decode_streams={decoders.side_by_side.width}: prompt {index} of {benchmark!r} "

@@ -18,6 +18,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dflash.decoding.reference import DecodeResult, speculative_generate
+from dflash.decoding.settings import DecodeSettings
 from dflash.serving.agreement import PromptAgreement, RoundCount, agreement, engine_count
 from dflash.serving.server import ServedDecode
 
@@ -120,7 +121,9 @@ def measure_benchmark(
     lengths: list[int] = []
     for prompt in prompts:
         started = time.perf_counter()
-        own: DecodeResult = speculative_generate(target, drafter, prompt, max_new_tokens, stop_ids=stop_ids)
+        own: DecodeResult = speculative_generate(
+            target, drafter, prompt, DecodeSettings(max_new_tokens, stop_ids=stop_ids)
+        )
         own_seconds += time.perf_counter() - started
         own_tokens += len(own.output_ids)
         lengths += own.acceptance_lengths
