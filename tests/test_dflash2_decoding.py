@@ -147,12 +147,12 @@ def test_both_decoders_draft_the_selector_walk_from_the_block_hidden_states():
         expected_sampled = walk_by_hand(drafter, unary, hidden[1:], anchor, noise, temperature=1.5)
     assert len(expected) == drafter.block_size - 1
     assert context.draft(target, anchor) == expected
-    assert context.unary == unary.argmax(-1).tolist() != expected
-    tokens, static_unary = static.draft_dflash2(torch.tensor([anchor]), torch.tensor([12]), kv_len=32)
-    assert tokens.tolist() == expected and static_unary.tolist() == context.unary
+    assert context.extra == unary.argmax(-1).tolist() != expected
+    tokens, static_unary = static.draft_block(torch.tensor([anchor]), torch.tensor([12]), kv_len=32)
+    assert tokens.tolist() == expected and static_unary.tolist() == context.extra
     context.choose = DraftChooser(1.5, noise)
     assert context.draft(target, anchor) == expected_sampled
-    tokens, _ = static.draft_dflash2(
+    tokens, _ = static.draft_block(
         torch.tensor([anchor]), torch.tensor([12]), noise, kv_len=32, temperature=1.5
     )
     assert tokens.tolist() == expected_sampled != expected

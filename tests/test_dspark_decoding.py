@@ -107,11 +107,11 @@ def test_markov_drafting_equals_the_step_by_step_reference(head):
         expected, survival = step_by_step(drafter, target, hidden, anchor)
     # The reference decoder's draft: B tokens (the anchor's slot drafts too).
     assert context.draft(target, anchor) == expected and len(expected) == drafter.block_size
-    torch.testing.assert_close(torch.tensor(context.confidence), torch.tensor(survival))
+    torch.testing.assert_close(torch.tensor(context.extra), torch.tensor(survival))
     # The static decoder's draft, from its own cache of the same context.
     static = StaticCacheDrafter(drafter, target, max_len=32)
     static.write(features[:, :12], torch.arange(12)[None])
-    tokens, static_survival = static.draft_dspark(torch.tensor([anchor]), torch.tensor([12]), kv_len=32)
+    tokens, static_survival = static.draft_block(torch.tensor([anchor]), torch.tensor([12]), kv_len=32)
     assert tokens.tolist() == expected
     torch.testing.assert_close(static_survival, torch.tensor(survival))
     # The test can fail: without the bias, or with every slot biased by the anchor, others come out.

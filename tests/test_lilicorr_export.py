@@ -106,3 +106,22 @@ def test_converting_to_its_own_layout_keeps_every_weight(export, tmp_path, tiny_
     )
     before, after = load_drafter(export).state_dict(), load_drafter(tmp_path / "again").state_dict()
     assert before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+
+
+def test_the_convolutions_taps_are_held_to_the_block_wherever_the_block_size_is_written(tmp_path):
+    """LiLiCorr's convolutions follow DFlash2's rule (one function): taps past the block are refused
+    whether `block_size` stands at the top level or only inside dflash_config."""
+    from dflash.drafters.lilicorr import lattice_problems
+    from tests.test_lilicorr import lilicorr_config
+
+    drafter = LiLiCorrDrafter(lilicorr_config(tiny_target(), conv_kernel_size=2, conv_group_size=16))
+    export_drafter(drafter, tmp_path / "conv")
+    config = json.loads((tmp_path / "conv" / "config.json").read_text())
+    block = config["block_size"]
+    config["dflash_config"]["conv_kernel_size"] = block + 1
+    nested_only = {key: value for key, value in config.items() if key != "block_size"}
+    nested_only["dflash_config"] = {**config["dflash_config"], "block_size": block}
+    for written in (config, nested_only):
+        assert [p for p in lattice_problems(written) if "conv_kernel_size" in p] == [
+            f"dflash_config.conv_kernel_size={block + 1}: must be in 1..block_size ({block})"
+        ]

@@ -40,20 +40,37 @@ def test_the_matched_experiment_trains_each_variant_by_its_own_recipe(variant, t
         assert OmegaConf.select(cfg, key) == value, key
 
 
+LILICORR_KEYS = {
+    f"variant.{name}"
+    for name in (
+        "ce_weight", "margin_weight", "penalty_weight", "margin", "candidate_topk",
+        "num_layers", "num_heads", "mlp_ratio", "logit_scale", "vector_eps",
+    )
+}  # fmt: skip
+
+
 def test_the_lilicorr_recipe_reaches_its_own_keys(tmp_path):
-    """Its reranker's values (its loss weights, top-K, lattice geometry) reach variant=lilicorr's
-    keys, outside the matched experiment too."""
-    cfg = composed(["variant=lilicorr", "experiment/recipe=lilicorr"], tmp_path)
+    """Its reranker's values (loss weights, top-K, lattice geometry) reach variant=lilicorr's keys.
+    The recipe's values are the schema's defaults (the dataclass took them from the same source),
+    so the file is composed a second time with every one of them moved: each moved value must
+    arrive, which a recipe whose `variant:` block never reached the config would not do."""
     values = file_values(RECIPES / "lilicorr.yaml")
-    assert {key for key in values if key.startswith("variant.")} >= {
-        "variant.ce_weight",
-        "variant.margin_weight",
-        "variant.penalty_weight",
-        "variant.margin",
-        "variant.candidate_topk",
-    }
+    assert {key for key in values if key.startswith("variant.")} == LILICORR_KEYS
+    cfg = composed(["variant=lilicorr", "experiment/recipe=lilicorr"], tmp_path)
     for key, value in values.items():
         assert OmegaConf.select(cfg, key) == value, key
+    spec = yaml.safe_load((RECIPES / "lilicorr.yaml").read_text())
+    moved = {name: value * 2 for name, value in spec["variant"].items()}
+    (tmp_path / "experiment" / "recipe").mkdir(parents=True)
+    header = "# @package _global_\n"
+    (tmp_path / "experiment" / "recipe" / "probe.yaml").write_text(
+        header + yaml.safe_dump({**spec, "variant": moved})
+    )
+    cfg = composed(
+        ["variant=lilicorr", "experiment/recipe=probe", f"hydra.searchpath=[file://{tmp_path}]"], tmp_path
+    )
+    for name, value in moved.items():
+        assert OmegaConf.select(cfg, f"variant.{name}") == value, name
 
 
 def test_without_an_experiment_no_recipe_applies(tmp_path):

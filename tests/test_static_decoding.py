@@ -353,17 +353,17 @@ def test_bench_decode_times_the_variants_own_draft_and_round(variant, verify_row
     import sys
     from pathlib import Path
 
-    import dflash.decoding.static_drafter as static_drafter
+    from dflash.drafters.drafter_registry import registered_drafters
 
     walks = []
-    for name in ("draft_dspark", "draft_dflash2"):
-        original = getattr(static_drafter.StaticCacheDrafter, name)
+    for drafter_class in {registered_drafters()[name] for name in ("dspark", "dflash2")}:
+        original = drafter_class.draft_block
 
-        def recorded(self, *args, _name=name, _original=original, **kwargs):
-            walks.append(_name)
+        def recorded(self, *args, _original=original, **kwargs):
+            walks.append(self.variant_name)
             return _original(self, *args, **kwargs)
 
-        monkeypatch.setattr(static_drafter.StaticCacheDrafter, name, recorded)
+        monkeypatch.setattr(drafter_class, "draft_block", recorded)
     script = Path(__file__).resolve().parent.parent / "scripts" / "bench_decode.py"
     arguments = ["--reps", "2", "--context", "16", "--skip-dynamic", "target=tiny", "drafter=tiny"]
     arguments += ["drafter.mask_token_id=511", "gpu=cpu", f"variant={variant}", "variant.markov_rank=8"]
@@ -373,4 +373,4 @@ def test_bench_decode_times_the_variants_own_draft_and_round(variant, verify_row
     runpy.run_path(str(script), run_name="__main__")
     out = capsys.readouterr().out
     assert f"{verify_row} [static]" in out and "round [static]" in out, out
-    assert set(walks) == {f"draft_{variant}"}, walks
+    assert set(walks) == {variant}, walks

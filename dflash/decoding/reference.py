@@ -241,16 +241,6 @@ class DrafterContext:
         # `reads_anchor_row`): the last committed position's, as `extend` receives committed rows only.
         self.anchor_row: torch.Tensor | None = None
 
-    @property
-    def confidence(self) -> list[float] | None:
-        """The last draft's survival probabilities (a DSpark drafter with a confidence head)."""
-        return self.extra if self.drafter.round_extra == "confidence" else None
-
-    @property
-    def unary(self) -> list[int] | None:
-        """The last draft's unary argmax tokens (a DFlash2 drafter)."""
-        return self.extra if self.drafter.round_extra == "unary" else None
-
     def extend(self, features_1NF: torch.Tensor) -> None:
         count = features_1NF.shape[1]
         positions = torch.arange(self.length, self.length + count, device=features_1NF.device)

@@ -69,9 +69,6 @@ class StaticCacheDrafter(nn.Module):
             # The layers compiled; a variant's left-to-right walk after them (Markov head,
             # candidate selector) stays eager (a graph captures it all the same).
             self._hidden = compile_shared(self._hidden_eager, backend=compile_backend, dynamic=True)
-        # The round's draft entry: the variant's own name for it where it has one (what a
-        # benchmark patches to see whose walk ran), else `draft_block`.
-        self.walk = getattr(self, f"draft_{drafter.variant_name}", self.draft_block)
 
     @torch.no_grad()
     def write(self, features_1QF: torch.Tensor, positions_1Q: torch.Tensor) -> None:
@@ -105,10 +102,6 @@ class StaticCacheDrafter(nn.Module):
             inputs = {"embed_tokens": self.target.embed_tokens, "anchor_row_1H": row}
         return self.drafter.draft_block(self.target.lm_head, hidden, anchor_1, choose, **inputs)
 
-    # The entries by the variants' names (tests and benchmarks call and patch them).
-    draft_dspark = draft_block
-    draft_dflash2 = draft_block
-
     def round_draft(
         self,
         anchor_1: torch.Tensor,
@@ -120,7 +113,7 @@ class StaticCacheDrafter(nn.Module):
         nothing beside it (what a test's oracle replaces), else the variant's walk. Capturable."""
         if noise_BV is None and self.drafter.round_extra is None:
             return self.draft(anchor_1, anchor_pos_1, kv_len=kwargs["kv_len"]), None
-        return self.walk(anchor_1, anchor_pos_1, noise_BV, **kwargs)
+        return self.draft_block(anchor_1, anchor_pos_1, noise_BV, **kwargs)
 
     def _write_eager(self, features_1QF: torch.Tensor, positions_1Q: torch.Tensor) -> None:
         for index, (k, v) in enumerate(self.drafter.context_kv(features_1QF, positions_1Q)):

@@ -87,6 +87,21 @@ def add_dflash2_fields(
     return config
 
 
+def conv_problems(settings: dict[str, Any], raw: dict[str, Any], *, prefix: str) -> list[str]:
+    """The block-local convolutions' rules (every reader's; LiLiCorr's optional convolutions
+    are these): the taps inside the block (`block_size` at the top level or in dflash_config;
+    taps past the block's start read zeros only, speculators refuses them too) and the group
+    dividing the hidden size."""
+    kernel, group, hidden = settings["conv_kernel_size"], settings["conv_group_size"], raw["hidden_size"]
+    block = raw.get("block_size") or (raw.get("dflash_config") or {}).get("block_size")
+    problems = []
+    if kernel < 1 or (block is not None and kernel > block):
+        problems.append(f"{prefix}conv_kernel_size={kernel}: must be in 1..block_size ({block})")
+    if group < 1 or hidden % group:
+        problems.append(f"{prefix}conv_group_size={group} must divide the hidden size ({hidden})")
+    return problems
+
+
 def check_dflash2_shape(config: Any, prefix: str = "dflash_config.") -> None:
     """The rules every reader applies to the DFlash2 fields; the message names the key with
     `prefix` (a config.json's `dflash_config.`, a run's `variant.`)."""
@@ -95,15 +110,10 @@ def check_dflash2_shape(config: Any, prefix: str = "dflash_config.") -> None:
     if missing:
         raise ValueError(f"a DFlash2 drafter config needs {', '.join(prefix + key for key in missing)}")
     raw = config if isinstance(config, dict) else vars(config)
-    hidden, vocab = raw["hidden_size"], raw["vocab_size"]
-    block_size = raw.get("block_size") or (raw.get("dflash_config") or {}).get("block_size")
-    kernel = settings["conv_kernel_size"]
-    if kernel < 1 or (block_size is not None and kernel > block_size):
-        # Taps past the block's start read zeros only (speculators refuses them too).
-        raise ValueError(f"{prefix}conv_kernel_size={kernel}: must be in 1..block_size ({block_size})")
-    group = settings["conv_group_size"]
-    if group < 1 or hidden % group:
-        raise ValueError(f"{prefix}conv_group_size={group} must divide the hidden size ({hidden})")
+    vocab = raw["vocab_size"]
+    problems = conv_problems(settings, raw, prefix=prefix)
+    if problems:
+        raise ValueError(problems[0])
     if settings["selector_rank"] < 1:
         raise ValueError(f"{prefix}selector_rank={settings['selector_rank']}: must be >= 1")
     if not 1 <= settings["selector_top_k"] <= vocab:

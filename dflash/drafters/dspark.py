@@ -34,13 +34,6 @@ from dflash.drafters.backbone import DFlashDrafter, differing_fields
 
 # The reference's head types; any other `markov_head_type` is the import path of a user's class.
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
-# config.json keys of a DSpark drafter (the reference's names), beside the DFlash ones.
-DSPARK_CONFIG_KEYS = (
-    "markov_rank",
-    "markov_head_type",
-    "enable_confidence_head",
-    "confidence_head_with_markov",
-)
 
 
 class MarkovHead(nn.Module):

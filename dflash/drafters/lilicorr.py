@@ -43,7 +43,7 @@ from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
 from dflash.drafters.backbone import DFlashDrafter, PickRecorder, differing_fields
-from dflash.drafters.dflash2 import DFlash2Drafter, GroupedDynamicConv
+from dflash.drafters.dflash2 import DFlash2Drafter, GroupedDynamicConv, conv_problems
 
 CONV_MODULES = ("attention_conv", "mlp_conv")
 
@@ -113,25 +113,19 @@ def lattice_problems(config: Any, prefix: str = "dflash_config.lilicorr_") -> li
             problems.append(f"{prefix}{name}={settings[name]}: must be > 0")
     if topk > raw["vocab_size"]:
         problems.append(f"{prefix}candidate_topk={topk}: more than the vocabulary ({raw['vocab_size']})")
-    return problems + conv_problems(settings, raw, prefix=prefix.removesuffix("lilicorr_"))
+    return problems + optional_conv_problems(settings, raw, prefix=prefix.removesuffix("lilicorr_"))
 
 
-def conv_problems(settings: dict[str, Any], raw: dict[str, Any], *, prefix: str) -> list[str]:
-    """The convolutions' keys: both or neither, the group dividing the hidden size, the taps
-    inside the block (the rules of DFlash2's readers, whose convolution this is)."""
+def optional_conv_problems(settings: dict[str, Any], raw: dict[str, Any], *, prefix: str) -> list[str]:
+    """The convolutions' keys: both or neither, then DFlash2's rules (`conv_problems`), whose
+    convolution this is."""
     present = [key for key in CONV_KEYS if key in settings]
     if not present:
         return []
     if len(present) == 1:
         missing = next(key for key in CONV_KEYS if key not in settings)
         return [f"{prefix}{present[0]} is set without {prefix}{missing}: the convolutions need both"]
-    kernel, group, block = settings["conv_kernel_size"], settings["conv_group_size"], raw.get("block_size")
-    problems = []
-    if kernel < 1 or (block is not None and kernel > block):
-        problems.append(f"{prefix}conv_kernel_size={kernel}: must be in 1..block_size ({block})")
-    if group < 1 or raw["hidden_size"] % group:
-        problems.append(f"{prefix}conv_group_size={group} must divide the hidden size ({raw['hidden_size']})")
-    return problems
+    return conv_problems(settings, raw, prefix=prefix)
 
 
 def add_lilicorr_fields(

@@ -98,6 +98,8 @@ class LiLiCorrExport(VariantExport):
     zlab_architecture = LILICORR_ARCHITECTURE
     speculators_type: ClassVar[str | None] = None
     speculators_architecture: ClassVar[str | None] = None
+    # llama.cpp's converter and server know DFlash, DSpark and DFlash2 drafters only.
+    llama_cpp_spec_type: ClassVar[str | None] = None
 
     def describes(self, config: dict[str, Any]) -> bool:
         return is_lilicorr_config(config)

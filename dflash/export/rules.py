@@ -85,8 +85,9 @@ class VariantExport:
     speculators_defaults: ClassVar[Config] = {}
     speculators_top_fields: ClassVar[tuple[str, ...]] = DFLASH_FIELDS
     speculators_class_reason: ClassVar[str] = "the class speculators builds and vLLM maps"
-    # llama-server's --spec-type for the drafter (dflash/serving/llamacpp.py).
-    llama_cpp_spec_type: ClassVar[str] = "draft-dflash"
+    # llama-server's --spec-type for the drafter (dflash/serving/llamacpp.py); None: llama.cpp
+    # has no loader for the variant, and `dflash served` refuses it before converting anything.
+    llama_cpp_spec_type: ClassVar[str | None] = "draft-dflash"
     # Config fields beyond the backbone's sizes that the tensors' shapes read.
     size_fields: ClassVar[tuple[str, ...]] = ()
 

@@ -18,7 +18,6 @@ from dflash.config.schema import (
     AttentionKind,
     DataKind,
     DeviceKind,
-    DPaceLossConfig,
     LayerType,
     pipeline_name,
 )
@@ -201,11 +200,6 @@ def _validate_variant(cfg: Any) -> None:
     `__post_init__`). A class of the user's own without the hook has none."""
     variant_class = check_buildable(cfg.variant, "variant")
     asked = getattr(variant_class, "run_refusal", None)
-    refusal = asked(variant=cfg.variant, noise=cfg.noise) if asked is not None else None
+    refusal = asked(variant=cfg.variant, noise=cfg.noise, loss=cfg.loss) if asked is not None else None
     if refusal is not None:
         raise ValueError(refusal)
-    if isinstance(cfg.loss, DPaceLossConfig) and not getattr(variant_class, "dpace_applies", True):
-        # Its references train it with the static decay only (the variant's dpace_applies says whose).
-        raise ValueError(
-            f"loss=dpace weighs DFlash's and DFlash2's CE; with variant={variant_class.name} use loss=default"
-        )

@@ -61,11 +61,18 @@ class LlamaCppBuild:
         return out
 
 
-def speculation_flags(drafter: DFlashDrafter) -> tuple[str, int]:
-    """llama-server's `--spec-type` for the drafter (its variant's registered export rules:
-    draft-dflash for DFlash and DFlash2, draft-dspark for DSpark) and `--spec-draft-n-max`, its
-    drafts per block (B-1, or B for DSpark's anchor-first block; the server's default is 3)."""
-    return export_for(drafter).llama_cpp_spec_type, drafter.drafts_per_block
+def spec_type_for(drafter: DFlashDrafter | type[DFlashDrafter]) -> str:
+    """llama-server's `--spec-type` for a drafter (its variant's registered export rules:
+    draft-dflash for DFlash and DFlash2, draft-dspark for DSpark); a variant llama.cpp has no
+    loader for is refused in one line. `--spec-draft-n-max` is the drafter's drafts per block
+    (B-1, or B for DSpark's anchor-first block; the server's default, 3, would cut every draft)."""
+    spec_type = export_for(drafter).llama_cpp_spec_type
+    if spec_type is None:
+        raise ValueError(
+            f"llama.cpp {VERSION} has no loader for {drafter.variant_name} drafters: "
+            "serve this export with an engine that reads it (docs/EXPORT.md)"
+        )
+    return spec_type
 
 
 def find_build(root: Path | None = None) -> LlamaCppBuild:

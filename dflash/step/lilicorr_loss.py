@@ -88,9 +88,8 @@ def lattice_terms(
     gold_score = nodes_NSK.gather(-1, gold_NS[..., None])[..., 0]
     is_gold = F.one_hot(gold_NS, nodes_NSK.shape[-1]).bool()
     runner_up = nodes_NSK.masked_fill(is_gold, float("-inf")).max(dim=-1).values
+    # No competitor (K = 1): the runner-up is -inf and the hinge 0, nothing to separate from.
     hinge = torch.relu(margin_width - (gold_score - runner_up))
-    if nodes_NSK.shape[-1] == 1:  # no competitor: nothing to separate from
-        hinge = torch.zeros_like(gold_score)
     penalty = (log_probs.exp() * rejection_NSK).sum(dim=-1)
     return (ce * mask).sum(), (hinge * mask).sum(), (penalty * mask).sum()
 

@@ -36,6 +36,7 @@ from transformers import Qwen3Config
 from dflash.config.schema import (
     DFlash2VariantConfig,
     DFlashVariantConfig,
+    DPaceLossConfig,
     DSparkVariantConfig,
     FusedTerms,
     MarkovHeadType,
@@ -105,14 +106,17 @@ class DFlashVariant:
         return {}
 
     @classmethod
-    def run_refusal(cls, *, variant: VariantConfig, noise: Any) -> str | None:
+    def run_refusal(cls, *, variant: VariantConfig, noise: Any, loss: Any = None) -> str | None:
         """Why the run's settings outside the variant's own node cannot train it (None: they
         can), in one line naming the config key; asked before any weights load
         (dflash/run/checks.py). A variant whose positions predict the token after them
         (`label_offset` 1) refuses a noise schedule that keeps positions unmasked: a kept
-        position shows its true token, the label of the position before it."""
+        position shows its true token, the label of the position before it. One that says
+        `dpace_applies` False refuses loss=dpace."""
         if cls.label_offset and isinstance(noise, MaskRampNoiseConfig):
             return f"noise=mask_ramp is DFlash's: with variant={cls.name} use noise=none or noise=feature"
+        if isinstance(loss, DPaceLossConfig) and not cls.dpace_applies:
+            return f"loss=dpace reweighs the block CE, but variant={cls.name}'s references train it with the static decay; with variant={cls.name} use loss=default"
         return None
 
     # Whether loss=dpace (dflash/step/dpace.py) may weigh this variant's block CE; a variant whose
@@ -208,13 +212,13 @@ class DSparkVariant(DFlashVariant):
     figures = staticmethod(dspark_figures)
 
     @classmethod
-    def run_refusal(cls, *, variant, noise):
+    def run_refusal(cls, *, variant, noise, loss=None):
         if variant.markov_head_class:
             try:
                 markov_head_class(variant.markov_head_class)
             except ValueError as exc:
                 return f"variant.markov_head_class: {exc}"
-        return super().run_refusal(variant=variant, noise=noise)
+        return super().run_refusal(variant=variant, noise=noise, loss=loss)
 
     def device_refusal(self, device: torch.device) -> str | None:
         if FusedTerms(self.fused_terms) is not FusedTerms.triton:

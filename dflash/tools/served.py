@@ -80,9 +80,10 @@ def run_served(cfg: DictConfig, *, target_overridden: bool, target_fields: tuple
     from dflash.config.keys import refuse_unknown_keys
     from dflash.config.typed import typed_config
     from dflash.distributed import visible_cuda_devices
+    from dflash.drafters.drafter_registry import drafter_class_for
     from dflash.eval.evaluate import target_eos_ids
     from dflash.export.zlab import load_drafter
-    from dflash.serving.llamacpp import find_build, speculation_flags
+    from dflash.serving.llamacpp import find_build, spec_type_for
     from dflash.serving.measure import measure_benchmark
     from dflash.serving.server import LlamaServer
     from dflash.target.model import FrozenTarget
@@ -95,8 +96,9 @@ def run_served(cfg: DictConfig, *, target_overridden: bool, target_fields: tuple
     )
     # Before the conversions: a device this machine lacks is named at once.
     device = torch.device(resolve_device_split(cfg, visible_cuda_devices())[0][0])
-    build = find_build()
     drafter_dir, drafter_config, target_cfg = inputs.drafter_dir, inputs.drafter_config, inputs.target_cfg
+    spec_type = spec_type_for(drafter_class_for(drafter_config))  # one llama.cpp cannot load: said first
+    build = find_build()
     target_key, prompt_sets = inputs.target_key, inputs.prompt_sets
     if not target_cfg.path:
         raise ValueError(
@@ -116,7 +118,7 @@ def run_served(cfg: DictConfig, *, target_overridden: bool, target_fields: tuple
     target_cfg = dataclasses.replace(target_cfg, dtype="float32")
     target = FrozenTarget.from_config(target_cfg, drafter_config.dflash_config["target_layer_ids"], device)
     drafter = load_drafter(drafter_dir, device).float().eval()
-    spec_type, drafts = speculation_flags(drafter)
+    drafts = drafter.drafts_per_block
     longest = max(len(p) for s in prompt_sets for p in s.prompts)
     results = []
     with LlamaServer(
