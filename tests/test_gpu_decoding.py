@@ -259,9 +259,7 @@ def test_prompts_decoded_side_by_side_on_streams_decode_as_alone():
     for _ in range(3):  # the same decoders again: their caches hold the last prompts' entries
         prompts = [torch.randint(0, 500, (length,)).tolist() for length in (8, 27, 15)]
         expected = [alone.speculative(prompt, DecodeSettings(40)) for prompt in prompts]
-        got = side_by_side.speculative(
-            prompts, [0, 0, 0], max_new_tokens=40, temperature=0.0, stop_ids=frozenset()
-        )
+        got = side_by_side.speculative(prompts, [DecodeSettings(40)] * 3)
         assert got == expected
         assert [r.output_ids for r in got] == [
             plain_generate(target, p, DecodeSettings(40)).output_ids for p in prompts
