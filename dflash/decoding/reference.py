@@ -108,11 +108,6 @@ def selector_outcome(
     return sum(changed), sum(changed[:accepted]), int(unary_right)
 
 
-def drafts_per_round(drafter: DFlashDrafter) -> int:
-    """Tokens a drafter proposes per block (its `drafts_per_block`)."""
-    return drafter.drafts_per_block
-
-
 def gumbel_noise(generator: torch.Generator, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
     """-log(-log(U)), U uniform: argmax(logits / T + noise) is a sample from softmax(logits / T)
     (the Gumbel-max trick, as vLLM's DSpark drafter samples: `gumbel_sample` in

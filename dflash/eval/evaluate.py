@@ -33,7 +33,7 @@ import torch
 from dflash.config.schema import EvalConfig, VerifyRule
 from dflash.decoding.continuous import ContinuousBatcher
 from dflash.decoding.engine import StaticDecoder
-from dflash.decoding.reference import DecodeResult, drafts_per_round, plain_generate, speculative_generate
+from dflash.decoding.reference import DecodeResult, plain_generate, speculative_generate
 from dflash.decoding.sampling import Sampler
 from dflash.decoding.settings import DecodeSettings
 from dflash.decoding.side_by_side import SideBySideDecoders
@@ -491,7 +491,7 @@ def evaluate(
                     decoders,
                     prompt_set,
                     block_size=drafter.block_size,
-                    drafts=drafts_per_round(drafter),
+                    drafts=drafter.drafts_per_block,
                     max_new_tokens=cfg.max_new_tokens,
                     temperature=temperature,
                     seed=cfg.seed,
