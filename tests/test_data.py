@@ -8,6 +8,7 @@ from dflash.config.schema import DataConfig, SyntheticText, TargetConfig
 from dflash.data import synthetic
 from dflash.data.synthetic import load_or_generate
 from dflash.decoding.reference import plain_generate
+from dflash.decoding.settings import DecodeSettings
 from tests.test_dflash_rules import tiny_target
 
 TARGET_CFG = TargetConfig(name="tiny", arch={"vocab_size": 512})
@@ -36,7 +37,9 @@ def test_samples_are_prompt_then_the_targets_greedy_continuation(tmp_path):
         prompt_len = int((mask == 0).sum())
         assert mask[:prompt_len].sum() == 0 and mask[prompt_len:].all()  # prompt = context only
         assert 511 not in ids[:prompt_len].tolist()  # the mask id never appears in a prompt
-        continuation = plain_generate(target, ids[:prompt_len].tolist(), len(ids) - prompt_len).output_ids
+        continuation = plain_generate(
+            target, ids[:prompt_len].tolist(), DecodeSettings(len(ids) - prompt_len)
+        ).output_ids
         assert ids[prompt_len:].tolist() == continuation
 
 

@@ -23,6 +23,7 @@ from dflash.decoding.reference import (
     selector_outcome,
     speculative_generate,
 )
+from dflash.decoding.settings import DecodeSettings
 from dflash.decoding.static_drafter import StaticCacheDrafter
 from dflash.drafters.backbone import DFlashDrafter, drafter_config
 from dflash.drafters.dflash2 import DFlash2Drafter, add_dflash2_fields
@@ -166,9 +167,9 @@ def test_greedy_dflash2_decoding_equals_plain_greedy_and_both_decoders_draft_ali
     changed = 0
     for seed in range(3):
         prompt = prompt_of(seed, 6 + 5 * seed)
-        plain = plain_generate(target, prompt, 24).output_ids
-        ours = speculative_generate(target, drafter, prompt, 24)
-        static = decoder.speculative(prompt, 24)
+        plain = plain_generate(target, prompt, DecodeSettings(24)).output_ids
+        ours = speculative_generate(target, drafter, prompt, DecodeSettings(24))
+        static = decoder.speculative(prompt, DecodeSettings(24))
         assert ours.output_ids == plain and static.output_ids == plain
         assert all(1 <= n <= drafter.block_size for n in ours.acceptance_lengths)  # B verified, not B + 1
         assert static.acceptance_lengths == ours.acceptance_lengths
@@ -194,8 +195,10 @@ def test_sampled_dflash2_drafts_are_the_same_on_both_decoders(monkeypatch):
     prompt = prompt_of(2, 9)
     ours_rounds = RoundRecorder(monkeypatch, reference)
     static_rounds = RoundRecorder(monkeypatch, engine)
-    ours = speculative_generate(target, drafter, prompt, 30, temperature=1.5, seed=4, sampled_drafts=True)
-    static = decoder.speculative(prompt, 30, temperature=1.5, seed=4, sampled_drafts=True)
+    ours = speculative_generate(
+        target, drafter, prompt, DecodeSettings(30, temperature=1.5, seed=4), sampled_drafts=True
+    )
+    static = decoder.speculative(prompt, DecodeSettings(30, temperature=1.5, seed=4), sampled_drafts=True)
     assert static.output_ids == ours.output_ids
     assert static_rounds.rounds == ours_rounds.rounds
     assert static.selector_changed == ours.selector_changed
@@ -204,7 +207,9 @@ def test_sampled_dflash2_drafts_are_the_same_on_both_decoders(monkeypatch):
     # wherever no draft was accepted.
     sampled_drafts = [draft for draft, _ in ours_rounds.rounds]
     ours_rounds.rounds.clear()
-    argmax_drafted = speculative_generate(target, drafter, prompt, 30, temperature=1.5, seed=4)
+    argmax_drafted = speculative_generate(
+        target, drafter, prompt, DecodeSettings(30, temperature=1.5, seed=4)
+    )
     assert [draft for draft, _ in ours_rounds.rounds] != sampled_drafts
     assert set(ours.accepted_drafts) == set(argmax_drafted.accepted_drafts) == {0}
     assert argmax_drafted.output_ids == ours.output_ids
@@ -219,12 +224,14 @@ def test_sampled_dflash2_decoding_commits_exactly_the_targets_samples(monkeypatc
     drafter = tiny_dflash2(target)
     decoder = StaticDecoder(target, drafter, max_len=64, graphs=False, kv_bucket=16)
     prompt = prompt_of(8, 8)
-    plain = plain_generate(target, prompt, 30, temperature=1.0).output_ids
+    plain = plain_generate(target, prompt, DecodeSettings(30, temperature=1.0)).output_ids
     assert len(set(plain)) > 10  # really sampled
-    assert decoder.plain(prompt, 30, temperature=1.0).output_ids == plain
+    assert decoder.plain(prompt, DecodeSettings(30, temperature=1.0)).output_ids == plain
     for sampled in (False, True):
-        ours = speculative_generate(target, drafter, prompt, 30, temperature=1.0, sampled_drafts=sampled)
-        static = decoder.speculative(prompt, 30, temperature=1.0, sampled_drafts=sampled)
+        ours = speculative_generate(
+            target, drafter, prompt, DecodeSettings(30, temperature=1.0), sampled_drafts=sampled
+        )
+        static = decoder.speculative(prompt, DecodeSettings(30, temperature=1.0), sampled_drafts=sampled)
         assert ours.output_ids == plain and static.output_ids == plain
 
 
@@ -246,8 +253,8 @@ def test_with_the_bilinear_term_zeroed_the_drafts_are_plain_dflash_argmax_drafts
         decoder = StaticDecoder(target, model, max_len=64, graphs=False, kv_bucket=16)
         for seed in range(2):
             prompt = prompt_of(seed, 7 + 4 * seed)
-            result = speculative_generate(target, model, prompt, 20)
-            decoder.speculative(prompt, 20)
+            result = speculative_generate(target, model, prompt, DecodeSettings(20))
+            decoder.speculative(prompt, DecodeSettings(20))
             if name == "dflash2":
                 assert sum(result.selector_changed) == 0
         assert ours.rounds == static.rounds
@@ -312,7 +319,9 @@ def test_the_evaluation_reports_the_selectors_changes_and_their_acceptance():
     assert greedy.lossless_frac == 1.0
     assert len(greedy.acceptance_histogram) == drafter.block_size + 1  # up to B per round
     # The figures are the decodes' own: recount them from the reference decoder's rounds.
-    decoded = [speculative_generate(target, drafter, prompt, 20) for prompt in prompts.prompts]
+    decoded = [
+        speculative_generate(target, drafter, prompt, DecodeSettings(20)) for prompt in prompts.prompts
+    ]
     changed = sum(sum(r.selector_changed) for r in decoded)
     positions = sum(len(r.selector_changed) for r in decoded) * (drafter.block_size - 1)
     assert 0 < changed < positions

@@ -19,6 +19,7 @@ from dflash.decoding.reference import (
     plain_generate,
     speculative_generate,
 )
+from dflash.decoding.settings import DecodeSettings
 from dflash.decoding.static_drafter import StaticCacheDrafter
 from dflash.eval.evaluate import Decoders, evaluate_set
 from dflash.eval.prompt_sets import PromptSet
@@ -158,9 +159,9 @@ def test_greedy_dspark_decoding_equals_plain_greedy_on_both_decoders(heads):
         prompt = torch.randint(
             0, 500, (6 + 5 * seed,), generator=torch.Generator().manual_seed(seed)
         ).tolist()
-        plain = plain_generate(target, prompt, 24).output_ids
-        ours = speculative_generate(target, drafter, prompt, 24)
-        static = decoder.speculative(prompt, 24)
+        plain = plain_generate(target, prompt, DecodeSettings(24)).output_ids
+        ours = speculative_generate(target, drafter, prompt, DecodeSettings(24))
+        static = decoder.speculative(prompt, DecodeSettings(24))
         assert ours.output_ids == plain and static.output_ids == plain
         assert sum(ours.acceptance_lengths) == 24 - 1
         assert all(1 <= n <= drafter.block_size + 1 for n in ours.acceptance_lengths)
@@ -179,14 +180,14 @@ def test_a_perfect_dspark_drafter_is_accepted_block_plus_one(monkeypatch):
     target = tiny_target()
     drafter = tiny_dspark(target).eval()
     prompt = torch.randint(0, 500, (10,)).tolist()
-    truth = plain_generate(target, prompt, 41).output_ids
+    truth = plain_generate(target, prompt, DecodeSettings(41)).output_ids
 
     def oracle(context, target_, anchor_token):
         start = context.length + 1 - len(prompt)
         return truth[start : start + drafter.block_size]
 
     monkeypatch.setattr(reference, "drafter_guess", oracle)
-    result = speculative_generate(target, drafter, prompt, 41)
+    result = speculative_generate(target, drafter, prompt, DecodeSettings(41))
     assert result.output_ids == truth
     assert result.acceptance_lengths == [drafter.block_size + 1] * 8
     assert result.accepted_drafts == [drafter.block_size] * 8
@@ -197,14 +198,16 @@ def test_sampled_dspark_drafts_are_the_same_on_both_decoders():
     drafter = loud_markov(tiny_dspark(target, head_type="gated"))
     decoder = StaticDecoder(target, drafter, max_len=64, graphs=False, kv_bucket=16)
     prompt = torch.randint(0, 500, (9,), generator=torch.Generator().manual_seed(2)).tolist()
-    ours = speculative_generate(target, drafter, prompt, 30, temperature=1.5, seed=4, sampled_drafts=True)
-    static = decoder.speculative(prompt, 30, temperature=1.5, seed=4, sampled_drafts=True)
+    ours = speculative_generate(
+        target, drafter, prompt, DecodeSettings(30, temperature=1.5, seed=4), sampled_drafts=True
+    )
+    static = decoder.speculative(prompt, DecodeSettings(30, temperature=1.5, seed=4), sampled_drafts=True)
     assert static.output_ids == ours.output_ids
     assert static.acceptance_lengths == ours.acceptance_lengths
     # The drafts are other tokens than the argmax ones (the confidence head reads each draft's
     # predecessor), and sampling them leaves the target's own stream of choices as it is: this
     # untrained drafter is never accepted, so both write the same sampled output.
-    argmax_drafts = speculative_generate(target, drafter, prompt, 30, temperature=1.5, seed=4)
+    argmax_drafts = speculative_generate(target, drafter, prompt, DecodeSettings(30, temperature=1.5, seed=4))
     assert argmax_drafts.confidence != ours.confidence
     assert set(ours.accepted_drafts) == set(argmax_drafts.accepted_drafts) == {0}
     assert argmax_drafts.output_ids == ours.output_ids
@@ -215,9 +218,11 @@ def test_sampled_dspark_decoding_commits_exactly_the_targets_samples(monkeypatch
     target = tiny_target()
     drafter = loud_markov(tiny_dspark(target))
     prompt = torch.randint(0, 500, (8,)).tolist()
-    plain = plain_generate(target, prompt, 30, temperature=1.0).output_ids
+    plain = plain_generate(target, prompt, DecodeSettings(30, temperature=1.0)).output_ids
     for sampled in (False, True):
-        result = speculative_generate(target, drafter, prompt, 30, temperature=1.0, sampled_drafts=sampled)
+        result = speculative_generate(
+            target, drafter, prompt, DecodeSettings(30, temperature=1.0), sampled_drafts=sampled
+        )
         assert result.output_ids == plain
 
 
@@ -233,10 +238,13 @@ def test_dspark_on_a_hybrid_target_equals_plain_greedy_and_exports(arch, request
     assert check_export(tmp_path, target=shape) == []
     decoder = StaticDecoder(target, drafter, max_len=64, graphs=False, kv_bucket=16)
     prompt = torch.randint(0, 500, (7,), generator=torch.Generator().manual_seed(1)).tolist()
-    plain = plain_generate(target, prompt, 20).output_ids
-    static = decoder.speculative(prompt, 20)
+    plain = plain_generate(target, prompt, DecodeSettings(20)).output_ids
+    static = decoder.speculative(prompt, DecodeSettings(20))
     assert static.output_ids == plain
-    assert static.acceptance_lengths == speculative_generate(target, drafter, prompt, 20).acceptance_lengths
+    assert (
+        static.acceptance_lengths
+        == speculative_generate(target, drafter, prompt, DecodeSettings(20)).acceptance_lengths
+    )
 
 
 def test_the_confidence_tally_sets_predicted_beside_measured_acceptance():

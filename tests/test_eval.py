@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash.config.schema import DrafterConfig, TargetConfig
+from dflash.decoding.settings import DecodeSettings
 from dflash.drafters.backbone import DFlashDrafter, drafter_config
 from dflash.eval.evaluate import Decoders
 from dflash.export.zlab import export_drafter
@@ -336,7 +337,7 @@ def test_first_divergence_locates_the_difference_and_measures_the_targets_prefer
 
     target = tiny_target()
     prompt = torch.randint(0, 500, (6,)).tolist()
-    plain = plain_generate(target, prompt, 8).output_ids
+    plain = plain_generate(target, prompt, DecodeSettings(8)).output_ids
     other = plain[:3] + [(plain[3] + 1) % 500] + plain[4:]
     index, gap = first_divergence(target, prompt, plain, other)
     logits = target(torch.tensor([prompt + plain[:3]])).logits[0, -1]
@@ -436,10 +437,10 @@ def test_speedup_divides_each_paths_time_by_its_own_output_and_reports_the_round
         def __call__(self, fn, *args):
             return fn(*args), seconds[fn.__name__]
 
-    def speculative(prompt, max_new, temperature, seed, stop_ids):
+    def speculative(prompt, settings):
         return DecodeResult(output_ids=list(range(10)), acceptance_lengths=[5, 4])  # + 1 from the prefill
 
-    def plain(prompt, max_new, temperature, seed, stop_ids):
+    def plain(prompt, settings):
         return DecodeResult(output_ids=list(range(20)))  # 1 from the prefill + 19 steps
 
     def prefill(prompt):
@@ -660,14 +661,17 @@ def test_references_decoded_together_equal_each_prompts_plain_greedy_output():
         index: torch.randint(0, 480, (length,)).tolist() for index, length in enumerate([5, 17, 9, 30, 12])
     }
     plain = StaticDecoder(target, None, max_len=64, graphs=False, kv_bucket=16)
-    free_run = plain.plain(prompts[1], 12).output_ids
+    free_run = plain.plain(prompts[1], DecodeSettings(12)).output_ids
     stop = frozenset([free_run[5]])  # met by prompt 1's output, perhaps by others
-    expected = {index: plain.plain(prompt, 12, stop_ids=stop).output_ids for index, prompt in prompts.items()}
+    expected = {
+        index: plain.plain(prompt, DecodeSettings(12, stop_ids=stop)).output_ids
+        for index, prompt in prompts.items()
+    }
     assert expected[1][-1] in stop and len(expected[1]) <= 6
     together = BatchedReferences(target, slots=2, max_len=64, graphs=False, compile=False)
     assert together(prompts, 12, stop) == expected
     assert together(prompts, 12, frozenset()) == {
-        i: plain.plain(p, 12).output_ids for i, p in prompts.items()
+        i: plain.plain(p, DecodeSettings(12)).output_ids for i, p in prompts.items()
     }
 
 

@@ -9,6 +9,7 @@ from transformers import AutoModelForCausalLM
 
 from dflash.decoding.engine import StaticDecoder
 from dflash.decoding.reference import plain_generate
+from dflash.decoding.settings import DecodeSettings
 from dflash.target.model import FrozenTarget
 from tests.test_dflash_rules import tiny_drafter, tiny_target
 from tests.test_static_decoding import check_continuous_batching_equals_greedy
@@ -33,17 +34,17 @@ def test_graphed_decoding_equals_eager_and_plain_greedy_in_fp32():
     for seed in range(4):
         torch.manual_seed(seed)
         prompt = torch.randint(0, 500, (6 + 9 * seed,)).tolist()
-        reference = plain_generate(target, prompt, 40).output_ids
-        assert graphed.plain(prompt, 40).output_ids == reference
-        spec = graphed.speculative(prompt, 40)
+        reference = plain_generate(target, prompt, DecodeSettings(40)).output_ids
+        assert graphed.plain(prompt, DecodeSettings(40)).output_ids == reference
+        spec = graphed.speculative(prompt, DecodeSettings(40))
         assert spec.output_ids == reference  # lossless with the graphs on
-        assert spec.acceptance_lengths == eager.speculative(prompt, 40).acceptance_lengths
+        assert spec.acceptance_lengths == eager.speculative(prompt, DecodeSettings(40)).acceptance_lengths
     # One graph per (kind, attended-length bucket): prompts up to 33 + 40 new + a block reach
     # positions < 96, i.e. buckets 32, 64, 96 for each of the two kinds.
     assert 0 < graphed.captures <= 6
     before = graphed.captures
-    graphed.speculative(prompt, 40)
-    graphed.plain(prompt, 40)
+    graphed.speculative(prompt, DecodeSettings(40))
+    graphed.plain(prompt, DecodeSettings(40))
     assert graphed.captures == before  # a shape seen before replays; nothing recaptures per token
 
 
@@ -55,9 +56,10 @@ def test_graphs_captured_at_start_up_leave_nothing_to_capture_while_decoding():
     assert decoder.capture_every_shape() == 8
     torch.manual_seed(7)
     prompt = torch.randint(0, 500, (30,)).tolist()
-    reference = plain_generate(target, prompt, 60).output_ids
-    assert decoder.speculative(prompt, 60).output_ids == reference  # the dummy capture writes are gone
-    assert decoder.plain(prompt, 60).output_ids == reference
+    reference = plain_generate(target, prompt, DecodeSettings(60)).output_ids
+    # the dummy capture writes are gone
+    assert decoder.speculative(prompt, DecodeSettings(60)).output_ids == reference
+    assert decoder.plain(prompt, DecodeSettings(60)).output_ids == reference
     assert decoder.captures == 8
 
 
@@ -77,9 +79,9 @@ def test_compiled_graphs_decode_the_same_tokens_in_fp32():
     compiled = StaticDecoder(target, drafter, max_len=96, graphs=True, compile=True, kv_bucket=32)
     torch.manual_seed(5)
     prompt = torch.randint(0, 500, (20,)).tolist()
-    reference = plain_generate(target, prompt, 40).output_ids
-    assert compiled.plain(prompt, 40).output_ids == reference
-    assert compiled.speculative(prompt, 40).output_ids == reference
+    reference = plain_generate(target, prompt, DecodeSettings(40)).output_ids
+    assert compiled.plain(prompt, DecodeSettings(40)).output_ids == reference
+    assert compiled.speculative(prompt, DecodeSettings(40)).output_ids == reference
 
 
 def test_captured_rounds_replay_with_the_weights_loaded_after_the_capture():
@@ -133,12 +135,12 @@ def test_hybrid_graphs_decode_the_tokens_eager_decodes(tiny_qwen3_5_dir, compile
     for seed in range(3):
         torch.manual_seed(seed)
         prompt = torch.randint(0, 500, (6 + 9 * seed,)).tolist()
-        plain = eager.plain(prompt, 40).output_ids
-        assert graphed.plain(prompt, 40).output_ids == plain
-        spec = graphed.speculative(prompt, 40)
+        plain = eager.plain(prompt, DecodeSettings(40)).output_ids
+        assert graphed.plain(prompt, DecodeSettings(40)).output_ids == plain
+        spec = graphed.speculative(prompt, DecodeSettings(40))
         assert spec.output_ids == plain
-        assert spec.acceptance_lengths == eager.speculative(prompt, 40).acceptance_lengths
-        sequence = prompt + eager.plain(prompt, 40 + block).output_ids
+        assert spec.acceptance_lengths == eager.speculative(prompt, DecodeSettings(40)).acceptance_lengths
+        sequence = prompt + eager.plain(prompt, DecodeSettings(40 + block)).output_ids
 
         def oracle(anchor_1, anchor_pos_1, *, kv_len, sequence=sequence):
             anchor = int(anchor_pos_1)  # a host read: this drafter runs eagerly, outside the graph
@@ -152,7 +154,7 @@ def test_hybrid_graphs_decode_the_tokens_eager_decodes(tiny_qwen3_5_dir, compile
             decoder.drafter_cache.draft = oracle
         # Graphs off for the oracle (it reads the host), on for the target's commit and steps:
         graphed._round.enabled = False
-        assert graphed.speculative(prompt, 40).output_ids == plain
+        assert graphed.speculative(prompt, DecodeSettings(40)).output_ids == plain
         graphed._round.enabled = True
         del graphed.drafter_cache.draft, eager.drafter_cache.draft
     assert graphed._commit.captures == 1
@@ -166,7 +168,7 @@ def test_hybrid_continuous_batching_with_graphs_equals_one_by_one_greedy(tiny_qw
     batcher = check_continuous_batching_equals_greedy(
         target,
         max_new=24,
-        greedy=lambda _, prompt, max_new: eager.plain(prompt, max_new),
+        greedy=lambda _, prompt, settings: eager.plain(prompt, settings),
         slots=4,
         max_len=128,
         graphs=True,
@@ -192,16 +194,19 @@ def test_graphed_dspark_rounds_equal_eager_ones_greedy_and_sampled():
     assert graphed.capture_every_shape((1.0,)) == 12
     torch.manual_seed(3)
     prompt = torch.randint(0, 500, (20,)).tolist()
-    greedy = graphed.speculative(prompt, 40)
-    assert greedy.output_ids == plain_generate(target, prompt, 40).output_ids
-    assert greedy.acceptance_lengths == eager.speculative(prompt, 40).acceptance_lengths
+    greedy = graphed.speculative(prompt, DecodeSettings(40))
+    assert greedy.output_ids == plain_generate(target, prompt, DecodeSettings(40)).output_ids
+    assert greedy.acceptance_lengths == eager.speculative(prompt, DecodeSettings(40)).acceptance_lengths
     torch.testing.assert_close(
-        torch.tensor(greedy.confidence), torch.tensor(eager.speculative(prompt, 40).confidence)
+        torch.tensor(greedy.confidence),
+        torch.tensor(eager.speculative(prompt, DecodeSettings(40)).confidence),
     )
-    sampled = graphed.speculative(prompt, 40, temperature=1.0, seed=2, sampled_drafts=True)
+    sampled = graphed.speculative(prompt, DecodeSettings(40, temperature=1.0, seed=2), sampled_drafts=True)
     assert (
         sampled.output_ids
-        == eager.speculative(prompt, 40, temperature=1.0, seed=2, sampled_drafts=True).output_ids
+        == eager.speculative(
+            prompt, DecodeSettings(40, temperature=1.0, seed=2), sampled_drafts=True
+        ).output_ids
     )
     assert graphed.captures == 12
 
@@ -222,13 +227,15 @@ def test_graphed_dflash2_rounds_equal_eager_ones_greedy_and_sampled():
     assert graphed.capture_every_shape((1.0,)) == 12
     torch.manual_seed(3)
     prompt = torch.randint(0, 500, (20,)).tolist()
-    greedy = graphed.speculative(prompt, 40)
-    eager_greedy = eager.speculative(prompt, 40)
-    assert greedy.output_ids == plain_generate(target, prompt, 40).output_ids
+    greedy = graphed.speculative(prompt, DecodeSettings(40))
+    eager_greedy = eager.speculative(prompt, DecodeSettings(40))
+    assert greedy.output_ids == plain_generate(target, prompt, DecodeSettings(40)).output_ids
     assert greedy.acceptance_lengths == eager_greedy.acceptance_lengths
     assert greedy.selector_changed == eager_greedy.selector_changed and sum(greedy.selector_changed) > 0
-    sampled = graphed.speculative(prompt, 40, temperature=1.0, seed=2, sampled_drafts=True)
-    eager_sampled = eager.speculative(prompt, 40, temperature=1.0, seed=2, sampled_drafts=True)
+    sampled = graphed.speculative(prompt, DecodeSettings(40, temperature=1.0, seed=2), sampled_drafts=True)
+    eager_sampled = eager.speculative(
+        prompt, DecodeSettings(40, temperature=1.0, seed=2), sampled_drafts=True
+    )
     assert sampled.output_ids == eager_sampled.output_ids
     assert sampled.selector_changed == eager_sampled.selector_changed
     assert graphed.captures == 12
@@ -251,10 +258,10 @@ def test_prompts_decoded_side_by_side_on_streams_decode_as_alone():
     torch.manual_seed(9)
     for _ in range(3):  # the same decoders again: their caches hold the last prompts' entries
         prompts = [torch.randint(0, 500, (length,)).tolist() for length in (8, 27, 15)]
-        expected = [alone.speculative(prompt, 40) for prompt in prompts]
-        got = side_by_side.speculative(
-            prompts, [0, 0, 0], max_new_tokens=40, temperature=0.0, stop_ids=frozenset()
-        )
+        expected = [alone.speculative(prompt, DecodeSettings(40)) for prompt in prompts]
+        got = side_by_side.speculative(prompts, [DecodeSettings(40)] * 3)
         assert got == expected
-        assert [r.output_ids for r in got] == [plain_generate(target, p, 40).output_ids for p in prompts]
+        assert [r.output_ids for r in got] == [
+            plain_generate(target, p, DecodeSettings(40)).output_ids for p in prompts
+        ]
     assert [decoder.captures for decoder in decoders] == captured

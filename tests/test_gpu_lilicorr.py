@@ -8,6 +8,7 @@ import torch
 
 from dflash.decoding.engine import StaticDecoder
 from dflash.decoding.reference import plain_generate
+from dflash.decoding.settings import DecodeSettings
 from dflash.step.lilicorr_loss import LatticeWeights, lilicorr_loss
 from tests.test_dflash_rules import tiny_target
 from tests.test_lilicorr import loss_inputs, tiny_lilicorr
@@ -27,8 +28,11 @@ def test_graphed_lilicorr_decoding_equals_eager_and_plain_greedy_in_fp32():
     for seed in range(3):
         torch.manual_seed(seed)
         prompt = torch.randint(0, 500, (6 + 9 * seed,)).tolist()
-        reference = plain_generate(target, prompt, 40).output_ids
-        spec, slow = graphed.speculative(prompt, 40), eager.speculative(prompt, 40)
+        reference = plain_generate(target, prompt, DecodeSettings(40)).output_ids
+        spec, slow = (
+            graphed.speculative(prompt, DecodeSettings(40)),
+            eager.speculative(prompt, DecodeSettings(40)),
+        )
         assert spec.output_ids == reference and slow.output_ids == reference
         assert spec.acceptance_lengths == slow.acceptance_lengths
         assert spec.selector_changed == slow.selector_changed

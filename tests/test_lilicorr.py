@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from dflash.decoding.settings import DecodeSettings
 from dflash.drafters.lilicorr import (
     LiLiCorrDrafter,
     add_lilicorr_fields,
@@ -399,11 +400,11 @@ def test_both_decoders_draft_the_walk_from_the_context_row_before_each_anchor(mo
 
     monkeypatch.setattr(LiLiCorrDrafter, "draft_block", recording)
     prompt = torch.randint(0, 500, (9,), generator=torch.Generator().manual_seed(4)).tolist()
-    plain = plain_generate(target, prompt, 16).output_ids
+    plain = plain_generate(target, prompt, DecodeSettings(16)).output_ids
     decoder = StaticDecoder(target, drafter, max_len=64, graphs=False, kv_bucket=16)
     for decode in (
-        lambda: speculative_generate(target, drafter, prompt, 16),
-        lambda: decoder.speculative(prompt, 16),
+        lambda: speculative_generate(target, drafter, prompt, DecodeSettings(16)),
+        lambda: decoder.speculative(prompt, DecodeSettings(16)),
     ):
         rows.clear()
         result = decode()

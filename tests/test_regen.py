@@ -15,6 +15,7 @@ from transformers import AutoTokenizer
 from dflash.config.schema import RegenBackend, SamplingConfig, TargetConfig
 from dflash.data.chat import ChatRenderer
 from dflash.decoding.reference import plain_generate
+from dflash.decoding.settings import DecodeSettings
 from dflash.regen.backends import HttpBackend, TransformersBackend
 from dflash.regen.regenerate import regenerate
 from dflash.target.model import FrozenTarget
@@ -68,7 +69,7 @@ def test_replies_are_the_targets_greedy_continuations_turn_by_turn(tmp_path, cha
             if message["role"] != "assistant":
                 continue
             prompt = renderer.prompt_ids(messages[:index])  # includes earlier regenerated replies
-            ids = plain_generate(target, prompt, GREEDY.max_new_tokens).output_ids
+            ids = plain_generate(target, prompt, DecodeSettings(GREEDY.max_new_tokens)).output_ids
             ids = ids[: ids.index(eos)] if eos in ids else ids
             assert message["content"] == renderer.tokenizer.decode(ids, skip_special_tokens=True)
             assert message["content"] not in [t["value"] for t in original["conversations"]]

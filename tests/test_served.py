@@ -194,6 +194,36 @@ def test_dflash_served_puts_llama_cpps_acceptance_beside_dflashs(tmp_path, make_
     assert report["served_tau"] > 1.2 and report["within_tolerance"], report
 
 
+def test_a_served_benchmarks_own_tau_is_the_one_dflash_eval_reports(monkeypatch):
+    """own_tau pools every round of every prompt, as dflash-eval's tau does: 3 + 2 rounds producing
+    11 tokens give 2.2 (the mean of the prompts' means would be 2.25)."""
+    from dflash.eval.journal import PromptOutcome
+    from dflash.eval.tally import OutcomeTally
+    from dflash.serving import measure
+    from dflash.serving.server import ServedDecode
+
+    own = {(1,): decoded([2, 0, 1], drafts=3, max_new=7), (2,): decoded([3, 0], drafts=3, max_new=6)}
+    monkeypatch.setattr(
+        measure, "speculative_generate", lambda target, drafter, prompt, settings: own[tuple(prompt)]
+    )
+    served = measure.measure_benchmark(
+        "chat",
+        [[1], [2]],
+        target=None,
+        drafter=None,
+        serve=lambda prompt, max_new: ServedDecode(
+            own[tuple(prompt)].output_ids, drafted=0, accepted=0, verifications=0
+        ),
+        max_new_tokens=7,
+        drafts_per_round=3,
+        stop_ids=frozenset(),
+    )
+    tally = OutcomeTally(3)
+    for result in own.values():
+        tally.add(PromptOutcome(result))
+    assert served.own_tau == tally.result(benchmark="chat", temperature=0.0).tau == 2.2
+
+
 def test_a_served_report_keeps_each_prompts_agreement():
     """served.json lists every prompt, in order: whether the target outputs are the same and each
     side's accepted drafts and verifications, so a difference can be found where it lies."""

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from dflash.decoding.engine import StaticDecoder
+from dflash.decoding.settings import DecodeSettings
 from dflash.decoding.side_by_side import SideBySideDecoders
 from tests.test_dflash2_decoding import tiny_dflash2
 from tests.test_dflash_rules import tiny_drafter, tiny_target
@@ -33,21 +34,20 @@ def test_each_prompt_decoded_side_by_side_is_decoded_as_alone(variant, temperatu
     prompts = [torch.randint(0, 480, (length,)).tolist() for length in (7, 19, 12)]
     seeds = [11, 12, 13]
     alone = decoders(target, drafter, 1)[0]
-    free_run = alone.speculative(prompts[2], 24, temperature, seeds[2], sampled_drafts=sampled_drafts)
+    free_run = alone.speculative(
+        prompts[2], DecodeSettings(24, temperature=temperature, seed=seeds[2]), sampled_drafts=sampled_drafts
+    )
     stop = frozenset([free_run.output_ids[6]])
+    settings = [DecodeSettings(24, temperature=temperature, seed=seed, stop_ids=stop) for seed in seeds]
     expected = [
-        alone.speculative(prompt, 24, temperature, seed, stop, sampled_drafts=sampled_drafts)
-        for prompt, seed in zip(prompts, seeds)
+        alone.speculative(prompt, each, sampled_drafts=sampled_drafts)
+        for prompt, each in zip(prompts, settings)
     ]
     assert len(expected[2].output_ids) <= 7  # prompt 2 stops at its token
     side_by_side = SideBySideDecoders(decoders(target, drafter, 3), sampled_drafts=sampled_drafts)
-    got = side_by_side.speculative(prompts, seeds, max_new_tokens=24, temperature=temperature, stop_ids=stop)
-    assert got == expected
+    assert side_by_side.speculative(prompts, settings) == expected
     # Fewer prompts than decoders, in another order: each still its own outcome.
-    got = side_by_side.speculative(
-        prompts[::-1][:2], seeds[::-1][:2], max_new_tokens=24, temperature=temperature, stop_ids=stop
-    )
-    assert got == expected[::-1][:2]
+    assert side_by_side.speculative(prompts[::-1][:2], settings[::-1][:2]) == expected[::-1][:2]
 
 
 def test_a_failure_in_one_decoding_thread_reaches_the_caller_with_its_message():
@@ -62,9 +62,9 @@ def test_a_failure_in_one_decoding_thread_reaches_the_caller_with_its_message():
     broken.speculative = fail
     with pytest.raises(RuntimeError, match="decoder 1 broke"):
         side_by_side.speculative(
-            [[1, 2, 3], [4, 5, 6]], [0, 1], max_new_tokens=4, temperature=0.0, stop_ids=frozenset()
+            [[1, 2, 3], [4, 5, 6]], [DecodeSettings(4, seed=0), DecodeSettings(4, seed=1)]
         )
-    with pytest.raises(ValueError, match="3 prompts and 3 seeds for 2 decoders"):
-        side_by_side.speculative(
-            [[1]] * 3, [0, 1, 2], max_new_tokens=4, temperature=0.0, stop_ids=frozenset()
-        )
+    with pytest.raises(ValueError, match="3 prompts and 3 settings for 2 decoders"):
+        side_by_side.speculative([[1]] * 3, [DecodeSettings(4)] * 3)
+    with pytest.raises(ValueError, match="2 prompts and 1 settings for 2 decoders"):
+        side_by_side.speculative([[1], [2]], [DecodeSettings(4)])

@@ -14,11 +14,12 @@ from dflash.decoding.reference import (
     speculative_generate,
     supports_cache_crop,
 )
+from dflash.decoding.settings import DecodeSettings
 from tests.test_dflash_rules import tiny_drafter, tiny_target
 
 
 def greedy(target, prompt, n, cached=None):
-    return plain_generate(target, prompt, n, cached=cached).output_ids
+    return plain_generate(target, prompt, DecodeSettings(n), cached=cached).output_ids
 
 
 @pytest.mark.parametrize("cached", [True, False])
@@ -26,7 +27,7 @@ def test_output_equals_plain_greedy_even_with_an_untrained_drafter(cached):
     target = tiny_target()
     drafter = tiny_drafter(target).eval()
     prompt = torch.randint(0, 500, (12,)).tolist()
-    result = speculative_generate(target, drafter, prompt, 20, cached=cached)
+    result = speculative_generate(target, drafter, prompt, DecodeSettings(20), cached=cached)
     assert result.output_ids == greedy(target, prompt, 20, cached=False)
     assert sum(result.acceptance_lengths) == 20 - 1  # the first token comes from the prefill
     assert all(1 <= n <= drafter.block_size for n in result.acceptance_lengths)
@@ -75,7 +76,7 @@ def test_a_perfect_drafter_is_accepted_whole_blocks(monkeypatch):
         return truth[start : start + drafter.block_size - 1]
 
     monkeypatch.setattr(reference, "drafter_guess", oracle)
-    result = speculative_generate(target, drafter, prompt, 40)
+    result = speculative_generate(target, drafter, prompt, DecodeSettings(40))
     assert result.output_ids == truth
     assert result.acceptance_lengths[:-1] == [drafter.block_size] * (len(result.acceptance_lengths) - 1)
 
@@ -110,7 +111,7 @@ def test_sampled_decoding_commits_exactly_the_targets_samples(drafter_kind, monk
     target = tiny_target()
     drafter = tiny_drafter(target).eval()
     prompt = torch.randint(0, 500, (8,)).tolist()
-    plain = plain_generate(target, prompt, 30, temperature=1.0).output_ids
+    plain = plain_generate(target, prompt, DecodeSettings(30, temperature=1.0)).output_ids
     assert len(set(plain)) > 10  # really sampled: not a greedy loop
     if drafter_kind == "oracle":  # proposes the plain sampled continuation: whole blocks accepted
 
@@ -122,7 +123,7 @@ def test_sampled_decoding_commits_exactly_the_targets_samples(drafter_kind, monk
     elif drafter_kind == "always_wrong":
         never = next(t for t in range(500) if t not in plain)  # a token this trajectory never samples
         monkeypatch.setattr(reference, "drafter_guess", lambda c, t, a: [never] * (drafter.block_size - 1))
-    result = speculative_generate(target, drafter, prompt, 30, temperature=1.0)
+    result = speculative_generate(target, drafter, prompt, DecodeSettings(30, temperature=1.0))
     assert result.output_ids == plain
     if drafter_kind == "oracle":
         assert result.acceptance_lengths[:-1] == [drafter.block_size] * (len(result.acceptance_lengths) - 1)
@@ -136,7 +137,7 @@ def test_fp32_drafter_drives_a_bf16_target():
     drafter = tiny_drafter(target).eval()
     target.model.to(torch.bfloat16)
     prompt = torch.randint(0, 500, (8,)).tolist()
-    result = speculative_generate(target, drafter, prompt, 6)
+    result = speculative_generate(target, drafter, prompt, DecodeSettings(6))
     assert result.output_ids == greedy(target, prompt, 6)
 
 
@@ -152,7 +153,7 @@ def test_hybrid_targets_fall_back_to_exact_recomputation(tmp_path):
     assert not supports_cache_crop(target)
     drafter = tiny_drafter(target).eval()
     prompt = torch.randint(0, 500, (8,)).tolist()
-    result = speculative_generate(target, drafter, prompt, 10)
+    result = speculative_generate(target, drafter, prompt, DecodeSettings(10))
     assert result.output_ids == greedy(target, prompt, 10)
 
 
@@ -163,8 +164,10 @@ def test_both_decoders_stop_at_the_first_stop_token_inclusive():
     full = greedy(target, prompt, 30)
     stop = full[7]
     expected = full[: full.index(stop) + 1]
-    assert plain_generate(target, prompt, 30, stop_ids=frozenset([stop])).output_ids == expected
-    result = speculative_generate(target, drafter, prompt, 30, stop_ids=frozenset([stop]))
+    assert (
+        plain_generate(target, prompt, DecodeSettings(30, stop_ids=frozenset([stop]))).output_ids == expected
+    )
+    result = speculative_generate(target, drafter, prompt, DecodeSettings(30, stop_ids=frozenset([stop])))
     assert result.output_ids == expected and sum(result.acceptance_lengths) == len(expected) - 1
 
 
@@ -214,6 +217,6 @@ def test_a_sliding_window_target_decodes_past_its_window_with_rejected_drafts():
     target = FrozenTarget(AutoModelForCausalLM.from_config(config).eval(), [1, 3])
     drafter = tiny_drafter(target).eval()
     prompt = torch.randint(0, 500, (12,)).tolist()
-    result = speculative_generate(target, drafter, prompt, 24)
+    result = speculative_generate(target, drafter, prompt, DecodeSettings(24))
     assert result.output_ids == greedy(target, prompt, 24, cached=False)
     assert any(n < drafter.block_size for n in result.acceptance_lengths)  # drafts were rejected

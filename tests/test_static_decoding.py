@@ -15,6 +15,7 @@ from dflash.decoding.continuous import ContinuousBatcher
 from dflash.decoding.engine import StaticDecoder
 from dflash.decoding.reference import plain_generate, speculative_generate
 from dflash.decoding.sampling import Sampler
+from dflash.decoding.settings import DecodeSettings
 from dflash.decoding.static_target import StaticCacheTarget, static_decoding_refusal
 from dflash.target.families import TARGET_FAMILIES
 from dflash.target.model import FrozenTarget
@@ -107,14 +108,15 @@ def test_static_plain_and_dflash_greedy_equal_transformers_greedy(arch, request)
     for seed in range(3):
         torch.manual_seed(seed)
         prompt = torch.randint(0, 500, (5 + 7 * seed,)).tolist()
-        reference = plain_generate(target, prompt, 24).output_ids
-        assert decoder.plain(prompt, 24).output_ids == reference
-        result = decoder.speculative(prompt, 24)
+        reference = plain_generate(target, prompt, DecodeSettings(24)).output_ids
+        assert decoder.plain(prompt, DecodeSettings(24)).output_ids == reference
+        result = decoder.speculative(prompt, DecodeSettings(24))
         assert result.output_ids == reference
         assert sum(result.acceptance_lengths) == 24 - 1
         # The same drafts as the dynamic-cache decoder: the same acceptance lengths.
         assert (
-            result.acceptance_lengths == speculative_generate(target, drafter, prompt, 24).acceptance_lengths
+            result.acceptance_lengths
+            == speculative_generate(target, drafter, prompt, DecodeSettings(24)).acceptance_lengths
         )
 
 
@@ -135,7 +137,7 @@ def test_partly_accepted_drafts_roll_back_exactly(arch, request):
     block, max_new = drafter.block_size, 48
     torch.manual_seed(11)
     prompt = torch.randint(0, 500, (9,)).tolist()
-    sequence = prompt + plain_generate(target, prompt, max_new + block).output_ids
+    sequence = prompt + plain_generate(target, prompt, DecodeSettings(max_new + block)).output_ids
 
     def oracle(anchor_1, anchor_pos_1, *, kv_len):
         anchor = int(anchor_pos_1)
@@ -146,7 +148,7 @@ def test_partly_accepted_drafts_roll_back_exactly(arch, request):
         return drafts
 
     decoder.drafter_cache.draft = oracle
-    result = decoder.speculative(prompt, max_new)
+    result = decoder.speculative(prompt, DecodeSettings(max_new))
     assert result.output_ids == sequence[len(prompt) : len(prompt) + max_new]
     expected, anchor = [], len(prompt)
     while sum(expected) < max_new - 1:
@@ -162,15 +164,15 @@ def test_static_dflash_sampling_and_stop_tokens_follow_the_reference():
     drafter = tiny_drafter(target).eval()
     decoder = StaticDecoder(target, drafter, max_len=64, graphs=False, kv_bucket=16)
     prompt = torch.randint(0, 500, (10,)).tolist()
-    greedy = plain_generate(target, prompt, 30).output_ids
+    greedy = plain_generate(target, prompt, DecodeSettings(30)).output_ids
     stop = greedy[11]
     expected = greedy[: greedy.index(stop) + 1]
-    assert decoder.plain(prompt, 30, stop_ids=frozenset([stop])).output_ids == expected
-    assert decoder.speculative(prompt, 30, stop_ids=frozenset([stop])).output_ids == expected
-    sampled = decoder.speculative(prompt, 30, temperature=1.0, seed=5)
+    assert decoder.plain(prompt, DecodeSettings(30, stop_ids=frozenset([stop]))).output_ids == expected
+    assert decoder.speculative(prompt, DecodeSettings(30, stop_ids=frozenset([stop]))).output_ids == expected
+    sampled = decoder.speculative(prompt, DecodeSettings(30, temperature=1.0, seed=5))
     assert len(sampled.output_ids) == 30 and sum(sampled.acceptance_lengths) == 29
-    assert decoder.plain(prompt, 30, temperature=1.0, seed=5).output_ids == (
-        plain_generate(target, prompt, 30, temperature=1.0, seed=5).output_ids
+    assert decoder.plain(prompt, DecodeSettings(30, temperature=1.0, seed=5)).output_ids == (
+        plain_generate(target, prompt, DecodeSettings(30, temperature=1.0, seed=5)).output_ids
     )
 
 
@@ -178,7 +180,7 @@ def test_a_prompt_beyond_the_static_cache_is_refused_with_its_size():
     target = tiny_target()
     decoder = StaticDecoder(target, max_len=32, graphs=False, kv_bucket=16)
     with pytest.raises(ValueError, match="45 tokens \\+ 8 new does not fit"):
-        decoder.plain(list(range(45)), 8)
+        decoder.plain(list(range(45)), DecodeSettings(8))
 
 
 def test_a_sliding_window_target_is_refused_and_keeps_the_dynamic_path():
@@ -194,13 +196,13 @@ def check_continuous_batching_equals_greedy(
     target, *, max_new: int, greedy=plain_generate, **batcher_options
 ) -> ContinuousBatcher:
     """11 prompts of different lengths through a batcher with fewer slots (refills): every reply
-    is the target's one-by-one greedy continuation (`greedy(target, prompt, max_new)`), up to
+    is the target's one-by-one greedy continuation (`greedy(target, prompt, settings)`), up to
     (not including) a stop token some replies reach, with the right finish reason; the
     generated-token count includes the stops. Shared by the CPU test (graphs off) and the GPU
     tests (graphs, compiled)."""
     torch.manual_seed(0)
     prompts = [torch.randint(0, 500, (int(n),)).tolist() for n in torch.randint(3, 30, (11,))]
-    references = [greedy(target, p, max_new).output_ids for p in prompts]
+    references = [greedy(target, p, DecodeSettings(max_new)).output_ids for p in prompts]
     stop = references[1][4]
     batcher = ContinuousBatcher(
         target,

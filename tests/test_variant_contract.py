@@ -20,6 +20,7 @@ import torch
 from dflash.decoding import engine, reference
 from dflash.decoding.engine import StaticDecoder
 from dflash.decoding.reference import plain_generate, speculative_generate
+from dflash.decoding.settings import DecodeSettings
 from dflash.drafters.backbone import DFlashDrafter
 from dflash.drafters.drafter_registry import register_drafter, registered_drafters
 from dflash.export import export_registry as registry
@@ -107,9 +108,9 @@ def decode(target, drafter, monkeypatch, prompts) -> tuple[list, list]:
     ours_rounds, static_rounds = RoundRecorder(monkeypatch, reference), RoundRecorder(monkeypatch, engine)
     results = []
     for prompt in prompts:
-        plain = plain_generate(target, prompt, 20).output_ids
-        ours = speculative_generate(target, drafter, prompt, 20)
-        static = decoder.speculative(prompt, 20)
+        plain = plain_generate(target, prompt, DecodeSettings(20)).output_ids
+        ours = speculative_generate(target, drafter, prompt, DecodeSettings(20))
+        static = decoder.speculative(prompt, DecodeSettings(20))
         assert ours.output_ids == plain and static.output_ids == plain
         assert ours.acceptance_lengths == static.acceptance_lengths
         assert all(1 <= n <= drafter.verify_len for n in ours.acceptance_lengths)
@@ -141,7 +142,7 @@ def test_a_variant_decodes_losslessly_alike_and_exports_round_trip(name, monkeyp
     # The export reads back into a drafter that drafts the same tokens, round by round.
     recorder = RoundRecorder(monkeypatch, reference)
     for prompt in prompts:
-        speculative_generate(target, loaded, prompt, 20)
+        speculative_generate(target, loaded, prompt, DecodeSettings(20))
     assert recorder.rounds == rounds
 
 

@@ -9,6 +9,7 @@ import torch
 
 from dflash.config.schema import VerifyRule
 from dflash.decoding.reference import DraftChooser, gumbel_noise, speculative_generate
+from dflash.decoding.settings import DecodeSettings
 from dflash.decoding.verify import rejection_round
 from dflash.eval.evaluate import Decoders
 from tests.test_dflash_rules import tiny_target
@@ -102,8 +103,11 @@ def test_decoding_with_rejection_sampling_settles_each_round_by_the_rule(monkeyp
     target = tiny_target()
     drafter = loud_markov(tiny_dspark(target, head_type="gated"))
     prompt = torch.randint(0, 500, (9,), generator=torch.Generator().manual_seed(2)).tolist()
-    greedy = speculative_generate(target, drafter, prompt, 30)
-    assert speculative_generate(target, drafter, prompt, 30, verify=VerifyRule.rejection) == greedy
+    greedy = speculative_generate(target, drafter, prompt, DecodeSettings(30))
+    assert (
+        speculative_generate(target, drafter, prompt, DecodeSettings(30), verify=VerifyRule.rejection)
+        == greedy
+    )
 
     rounds = []
 
@@ -115,7 +119,12 @@ def test_decoding_with_rejection_sampling_settles_each_round_by_the_rule(monkeyp
 
     monkeypatch.setattr(reference, "rejection_round", settled_as_an_oracle_says)
     sampled = speculative_generate(
-        target, drafter, prompt, 30, temperature=1.0, seed=4, sampled_drafts=True, verify=VerifyRule.rejection
+        target,
+        drafter,
+        prompt,
+        DecodeSettings(30, temperature=1.0, seed=4),
+        sampled_drafts=True,
+        verify=VerifyRule.rejection,
     )
     blocks = drafter.block_size
     assert rounds and len(rounds) == len(sampled.accepted_drafts)

@@ -34,6 +34,7 @@ from dflash.decoding.reference import (
     samples_drafts,
     settle_round,
 )
+from dflash.decoding.settings import DecodeSettings
 from dflash.decoding.static_drafter import StaticCacheDrafter
 from dflash.decoding.static_target import StaticCacheTarget, static_decoding_refusal
 from dflash.drafters.backbone import DFlashDrafter
@@ -216,20 +217,13 @@ class StaticDecoder:
             )
 
     @torch.no_grad()
-    def plain(
-        self,
-        prompt: list[int],
-        max_new_tokens: int,
-        temperature: float = 0.0,
-        seed: int = 0,
-        stop_ids: frozenset[int] = frozenset(),
-    ) -> DecodeResult:
+    def plain(self, prompt: list[int], settings: DecodeSettings) -> DecodeResult:
         """One target forward per token (the reference DFlash is timed against)."""
-        self._check_room(prompt, max_new_tokens)
-        choose = TokenChooser(temperature, self.target.device, seed)
+        self._check_room(prompt, settings.max_new_tokens)
+        choose = TokenChooser(settings.temperature, self.target.device, settings.seed)
         logits, _ = self._prefill(prompt)
         output = choose(logits)
-        while len(output) < max_new_tokens and output[-1] not in stop_ids:
+        while len(output) < settings.max_new_tokens and output[-1] not in settings.stop_ids:
             position = len(prompt) + len(output) - 1
             self._set(output[-1], position)
             kv_len = self.target_cache.kv_len_for(position + 1)
@@ -239,25 +233,19 @@ class StaticDecoder:
 
     @torch.no_grad()
     def speculative(
-        self,
-        prompt: list[int],
-        max_new_tokens: int,
-        temperature: float = 0.0,
-        seed: int = 0,
-        stop_ids: frozenset[int] = frozenset(),
-        sampled_drafts: bool = False,
+        self, prompt: list[int], settings: DecodeSettings, *, sampled_drafts: bool = False
     ) -> DecodeResult:
         """`sampled_drafts`: a drafter that can sample its drafts (DSpark, DFlash2) samples them at
-        `temperature` (> 0) instead of taking their argmax
+        `settings.temperature` (> 0) instead of taking their argmax
         (dflash.decoding.reference.speculative_generate)."""
         if self.drafter_cache is None:
             raise ValueError("StaticDecoder built without a drafter cannot decode speculatively")
-        self._check_room(prompt, max_new_tokens)
-        choose = TokenChooser(temperature, self.target.device, seed)
+        self._check_room(prompt, settings.max_new_tokens)
+        choose = TokenChooser(settings.temperature, self.target.device, settings.seed)
         noise = None
-        if samples_drafts(self.drafter_cache.drafter, temperature, sampled_drafts):
+        if samples_drafts(self.drafter_cache.drafter, settings.temperature, sampled_drafts):
             noise = torch.Generator(device=self.target.device)
-            noise.manual_seed(seed + DRAFT_NOISE_SEED_OFFSET)
+            noise.manual_seed(settings.seed + DRAFT_NOISE_SEED_OFFSET)
         logits, features = self._prefill(prompt)
         positions = torch.arange(len(prompt), device=self.target.device).unsqueeze(0)
         self.drafter_cache.write(features, positions)
@@ -268,7 +256,7 @@ class StaticDecoder:
         # round's outcome, for the drafter's figures.
         extras: list[torch.Tensor] = []
         outcomes: list[dict] = []
-        while len(output) < max_new_tokens and output[-1] not in stop_ids:
+        while len(output) < settings.max_new_tokens and output[-1] not in settings.stop_ids:
             self._set(output[-1], committed)
             kv_len = self.target_cache.kv_len_for(committed + self.verify_len)
             if noise is None:
@@ -276,11 +264,11 @@ class StaticDecoder:
             else:
                 self._noise.copy_(gumbel_noise(noise, tuple(self._noise.shape), self.target.device))
                 drafts, logits, extra = self._round(
-                    self._ids, self._pos, self._noise, kv_len=kv_len, temperature=temperature
+                    self._ids, self._pos, self._noise, kv_len=kv_len, temperature=settings.temperature
                 )
             draft, choices = self._read(drafts, logits, choose)
-            room = max_new_tokens - len(output)
-            produced, accepted, stopped = settle_round(draft, choices, room, stop_ids)
+            room = settings.max_new_tokens - len(output)
+            produced, accepted, stopped = settle_round(draft, choices, room, settings.stop_ids)
             output += produced
             result.acceptance_lengths.append(len(produced))
             result.accepted_drafts.append(accepted)

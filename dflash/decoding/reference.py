@@ -52,6 +52,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers import DynamicCache
 
+from dflash.decoding.settings import DecodeSettings
 from dflash.decoding.verify import VerifyRule, rejection_round
 from dflash.drafters.backbone import DFlashDrafter
 from dflash.step.blocks import layer_masks
@@ -105,11 +106,6 @@ def selector_outcome(
     changed = [d != u for d, u in zip(draft, unary)]
     unary_right = accepted < len(draft) and unary[accepted] == choices[accepted]
     return sum(changed), sum(changed[:accepted]), int(unary_right)
-
-
-def drafts_per_round(drafter: DFlashDrafter) -> int:
-    """Tokens a drafter proposes per block (its `drafts_per_block`)."""
-    return drafter.drafts_per_block
 
 
 def gumbel_noise(generator: torch.Generator, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
@@ -315,18 +311,16 @@ def settle_round(
 def plain_generate(
     target: FrozenTarget,
     prompt_ids: list[int],
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    seed: int = 0,
+    settings: DecodeSettings,
+    *,
     cached: bool | None = None,
-    stop_ids: frozenset[int] = frozenset(),
 ) -> DecodeResult:
-    """The reference: one target forward per token, until `max_new_tokens` or a stop token."""
+    """The reference: one target forward per token, until `settings.max_new_tokens` or a stop token."""
     session = TargetSession(target, cached)
-    choose = TokenChooser(temperature, target.device, seed)
+    choose = TokenChooser(settings.temperature, target.device, settings.seed)
     logits, _ = session.run(list(prompt_ids))
     output = choose(logits[-1:])
-    while len(output) < max_new_tokens and output[-1] not in stop_ids:
+    while len(output) < settings.max_new_tokens and output[-1] not in settings.stop_ids:
         logits, _ = session.run(output[-1:])
         output += choose(logits)
     return DecodeResult(output_ids=output)
@@ -343,33 +337,31 @@ def speculative_generate(
     target: FrozenTarget,
     drafter: DFlashDrafter,
     prompt_ids: list[int],
-    max_new_tokens: int,
-    temperature: float = 0.0,
-    seed: int = 0,
+    settings: DecodeSettings,
+    *,
     cached: bool | None = None,
-    stop_ids: frozenset[int] = frozenset(),
     sampled_drafts: bool = False,
     verify: VerifyRule = VerifyRule.match,
 ) -> DecodeResult:
     """`verify`: how drafts are kept at a temperature > 0 (dflash.decoding.verify)."""
     session = TargetSession(target, cached)
     context = DrafterContext(drafter)
-    choose = TokenChooser(temperature, target.device, seed)
-    rejection = VerifyRule(verify) is VerifyRule.rejection and temperature > 0
+    choose = TokenChooser(settings.temperature, target.device, settings.seed)
+    rejection = VerifyRule(verify) is VerifyRule.rejection and settings.temperature > 0
     noise = None
-    if samples_drafts(drafter, temperature, sampled_drafts):
+    if samples_drafts(drafter, settings.temperature, sampled_drafts):
         noise = torch.Generator(device=target.device)
-        noise.manual_seed(seed + DRAFT_NOISE_SEED_OFFSET)
+        noise.manual_seed(settings.seed + DRAFT_NOISE_SEED_OFFSET)
     logits, features = session.run(list(prompt_ids))
     context.extend(features)
     output = choose(logits[-1:])  # the first anchor comes from the target
     result = DecodeResult(output_ids=output)
-    while len(output) < max_new_tokens and output[-1] not in stop_ids:
+    while len(output) < settings.max_new_tokens and output[-1] not in settings.stop_ids:
         committed = len(prompt_ids) + len(output) - 1  # the anchor is not committed yet
         if noise is not None:
             shape = (drafter.block_size, target.lm_head.weight.shape[0])
             noise_KV = gumbel_noise(noise, shape, target.device)
-            context.choose = DraftChooser(temperature, noise_KV, record=rejection)
+            context.choose = DraftChooser(settings.temperature, noise_KV, record=rejection)
         draft = drafter_guess(context, target, output[-1])
         logits, features = session.run([output[-1], *draft])
         if rejection:
@@ -377,13 +369,15 @@ def speculative_generate(
                 draft,
                 draft_probs_PV=None if noise is None else context.choose.drafted_distributions(),
                 target_logits_NV=logits,
-                temperature=temperature,
+                temperature=settings.temperature,
                 generator=choose.generator,
             )
             choices = draft[:kept] + [token]  # the token is never the rejected draft (residual)
         else:
             choices = choose(logits)
-        produced, accepted, stopped = settle_round(draft, choices, max_new_tokens - len(output), stop_ids)
+        produced, accepted, stopped = settle_round(
+            draft, choices, settings.max_new_tokens - len(output), settings.stop_ids
+        )
         output += produced
         result.acceptance_lengths.append(len(produced))
         result.accepted_drafts.append(accepted)

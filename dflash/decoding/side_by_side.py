@@ -26,6 +26,7 @@ import torch
 
 from dflash.decoding.engine import StaticDecoder
 from dflash.decoding.reference import DecodeResult
+from dflash.decoding.settings import DecodeSettings
 from dflash.drafters.backbone import DFlashDrafter
 
 
@@ -56,18 +57,12 @@ class SideBySideDecoders:
             decoder.load_drafter_weights(drafter)
 
     def speculative(
-        self,
-        prompts: Sequence[list[int]],
-        seeds: Sequence[int],
-        *,
-        max_new_tokens: int,
-        temperature: float,
-        stop_ids: frozenset[int],
+        self, prompts: Sequence[list[int]], settings: Sequence[DecodeSettings]
     ) -> list[DecodeResult]:
-        """`StaticDecoder.speculative` of each prompt (with its seed), at most `width` of them,
-        in the order given."""
-        if len(prompts) != len(seeds) or len(prompts) > self.width:
-            raise ValueError(f"{len(prompts)} prompts and {len(seeds)} seeds for {self.width} decoders")
+        """`StaticDecoder.speculative` of each prompt with its settings (a seed of its own, say),
+        at most `width` of them, in the order given."""
+        if len(prompts) != len(settings) or len(prompts) > self.width:
+            raise ValueError(f"{len(prompts)} prompts and {len(settings)} settings for {self.width} decoders")
 
         caller = torch.cuda.current_stream(self.streams[0].device) if self.streams[0] is not None else None
 
@@ -77,12 +72,7 @@ class SideBySideDecoders:
                 stream.wait_stream(caller)
             with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
                 return self.decoders[index].speculative(
-                    prompts[index],
-                    max_new_tokens,
-                    temperature,
-                    seeds[index],
-                    stop_ids,
-                    sampled_drafts=self.sampled_drafts,
+                    prompts[index], settings[index], sampled_drafts=self.sampled_drafts
                 )
 
         if len(prompts) == 1:

@@ -25,7 +25,7 @@ from __future__ import annotations
 import copy
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Generic, TypeVar
 
 import torch
@@ -33,8 +33,9 @@ import torch
 from dflash.config.schema import EvalConfig, VerifyRule
 from dflash.decoding.continuous import ContinuousBatcher
 from dflash.decoding.engine import StaticDecoder
-from dflash.decoding.reference import DecodeResult, drafts_per_round, plain_generate, speculative_generate
+from dflash.decoding.reference import DecodeResult, plain_generate, speculative_generate
 from dflash.decoding.sampling import Sampler
+from dflash.decoding.settings import DecodeSettings
 from dflash.decoding.side_by_side import SideBySideDecoders
 from dflash.drafters.backbone import DFlashDrafter
 from dflash.eval.journal import EvalJournal, PromptOutcome
@@ -106,14 +107,14 @@ class BatchedReferences:
 
 @dataclass
 class Decoders:
-    """DFlash and plain decoding of one prompt: `(prompt, max_new, temperature, seed, stop_ids)`;
+    """DFlash and plain decoding of one prompt: `(prompt, settings)`, settings a DecodeSettings;
     `load_drafter(drafter)` makes later calls decode with that drafter's weights; `prefill(prompt)`
     runs the prefill both start with, alone (None where the path has no separate prefill);
     `references`: plain greedy outputs of several prompts at once (None: one at a time, `plain`);
     `side_by_side`: DFlash decodings of several prompts at once (None: one at a time, `speculative`)."""
 
-    speculative: Callable[..., DecodeResult]
-    plain: Callable[..., DecodeResult]
+    speculative: Callable[[list[int], DecodeSettings], DecodeResult]
+    plain: Callable[[list[int], DecodeSettings], DecodeResult]
     load_drafter: Callable[[DFlashDrafter], None]
     prefill: Callable[[list[int]], None] | None = None
     references: BatchedReferences | None = None
@@ -161,22 +162,13 @@ class Decoders:
                 )
         current = {"drafter": drafter}
 
-        def speculative(prompt, max_new, temperature, seed, stop_ids):
+        def speculative(prompt: list[int], settings: DecodeSettings) -> DecodeResult:
             return speculative_generate(
-                target,
-                current["drafter"],
-                prompt,
-                max_new,
-                temperature,
-                seed,
-                None,
-                stop_ids,
-                sampled_drafts=sampled_drafts,
-                verify=verify,
+                target, current["drafter"], prompt, settings, sampled_drafts=sampled_drafts, verify=verify
             )
 
-        def plain(prompt, max_new, temperature, seed, stop_ids):
-            return plain_generate(target, prompt, max_new, temperature, seed, None, stop_ids)
+        def plain(prompt: list[int], settings: DecodeSettings) -> DecodeResult:
+            return plain_generate(target, prompt, settings)
 
         return cls(speculative, plain, lambda new: current.update(drafter=new))
 
@@ -199,10 +191,8 @@ class Decoders:
         sampled = tuple(t for t in temperatures if t > 0) if sampled_drafts else ()
         static.capture_every_shape(sampled)  # outside every timed decode
 
-        def static_speculative(prompt, max_new, temperature, seed, stop_ids):
-            return static.speculative(
-                prompt, max_new, temperature, seed, stop_ids, sampled_drafts=sampled_drafts
-            )
+        def static_speculative(prompt: list[int], settings: DecodeSettings) -> DecodeResult:
+            return static.speculative(prompt, settings, sampled_drafts=sampled_drafts)
 
         references = None
         if reference_slots > 1:
@@ -279,20 +269,11 @@ def evaluate_set(
     prompts decoded here, so dflash-eval refuses a resume with timing)."""
     drafts = block_size - 1 if drafts is None else drafts
     stop = prompt_set.stop_ids | target_eos_ids(target)
+    settings = DecodeSettings(max_new_tokens, temperature=temperature, seed=seed, stop_ids=stop)
     for prompt in prompt_set.prompts[:warmup_prompts] if timing else []:
-        decoders.speculative(prompt, max_new_tokens, temperature, seed, stop)
-        decoders.plain(prompt, max_new_tokens, temperature, seed, stop)
-    decoding = _SetDecoding(
-        target,
-        decoders,
-        prompt_set,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        seed=seed,
-        stop=stop,
-        timing=timing,
-        journal=journal,
-    )
+        decoders.speculative(prompt, settings)
+        decoders.plain(prompt, settings)
+    decoding = _SetDecoding(target, decoders, prompt_set, settings=settings, timing=timing, journal=journal)
     tally = OutcomeTally(drafts)
     for index, prompt in enumerate(prompt_set.prompts):
         if should_stop is not None and should_stop():
@@ -317,7 +298,8 @@ class _SetDecoding:
     """Each prompt's outcome, decoded: DFlash, and plain where a greedy reference or timing
     needs it. Timed, one prompt at a time on the stopwatch (`times`); untimed, the greedy
     references decoded together and the DFlash decodings side by side where the decoders offer
-    them, each a batch of the upcoming prompts the journal lacks at a time."""
+    them, each a batch of the upcoming prompts the journal lacks at a time. `settings`: the set's,
+    its seed that of prompt 0 (prompt i decodes with seed + i, wherever it is decoded)."""
 
     def __init__(
         self,
@@ -325,24 +307,22 @@ class _SetDecoding:
         decoders: Decoders,
         prompt_set: PromptSet,
         *,
-        max_new_tokens: int,
-        temperature: float,
-        seed: int,
-        stop: frozenset[int],
+        settings: DecodeSettings,
         timing: bool,
         journal: EvalJournal | None,
     ):
         self.target, self.decoders, self.prompt_set = target, decoders, prompt_set
-        self.max_new_tokens, self.temperature, self.seed, self.stop = max_new_tokens, temperature, seed, stop
-        self.timing, self.journal = timing, journal
-        self.greedy = temperature <= 0
+        self.settings, self.timing, self.journal = settings, timing, journal
+        self.greedy = settings.temperature <= 0
         self.stopwatch = Stopwatch(target.device)
         self.times = DecodeTimes()
         batched = decoders.references if self.greedy and not timing else None
         self.references = None
         if batched is not None:
             self.references = _Ahead(
-                batched.slots, self._undecoded, lambda prompts: batched(prompts, max_new_tokens, stop)
+                batched.slots,
+                self._undecoded,
+                lambda prompts: batched(prompts, settings.max_new_tokens, settings.stop_ids),
             )
         side_by_side = decoders.side_by_side if not timing else None
         self.decoded = (
@@ -351,18 +331,15 @@ class _SetDecoding:
         self.unchecked = True
 
     def _undecoded(self, index: int, count: int) -> dict[int, list[int]]:
-        return _undecoded(self.prompt_set, self.temperature, self.journal, start=index, count=count)
+        return _undecoded(self.prompt_set, self.settings.temperature, self.journal, start=index, count=count)
+
+    def _prompt_settings(self, index: int) -> DecodeSettings:
+        return replace(self.settings, seed=self.settings.seed + index)
 
     def _together(self, prompts: dict[int, list[int]]) -> dict[int, DecodeResult]:
         """DFlash decodings of `prompts` side by side; the first batch checked against decoding alone."""
-        seeds = [self.seed + index for index in prompts]
-        decoded = self.decoders.side_by_side.speculative(
-            list(prompts.values()),
-            seeds,
-            max_new_tokens=self.max_new_tokens,
-            temperature=self.temperature,
-            stop_ids=self.stop,
-        )
+        settings = [self._prompt_settings(index) for index in prompts]
+        decoded = self.decoders.side_by_side.speculative(list(prompts.values()), settings)
         results = dict(zip(prompts, decoded))
         if self.unchecked:
             _check_side_by_side(
@@ -370,19 +347,15 @@ class _SetDecoding:
                 benchmark=self.prompt_set.name,
                 prompts=prompts,
                 results=results,
-                seeds=seeds,
-                max_new_tokens=self.max_new_tokens,
-                temperature=self.temperature,
-                stop=self.stop,
+                settings=settings,
             )
             self.unchecked = False
         return results
 
     def _timed(
-        self, decode: Callable[..., DecodeResult], index: int, prompt: list[int]
+        self, decode: Callable[[list[int], DecodeSettings], DecodeResult], index: int, prompt: list[int]
     ) -> tuple[DecodeResult, float]:
-        args = (prompt, self.max_new_tokens, self.temperature, self.seed + index, self.stop)
-        return self.stopwatch(decode, *args)
+        return self.stopwatch(decode, prompt, self._prompt_settings(index))
 
     def _reference(self, index: int, prompt: list[int]) -> list[int]:
         """The prompt's plain output: decoded now (timed), or taken from the batch holding it."""
@@ -420,20 +393,17 @@ def _check_side_by_side(
     benchmark: str,
     prompts: dict[int, list[int]],
     results: dict[int, DecodeResult],
-    seeds: list[int],
-    max_new_tokens: int,
-    temperature: float,
-    stop: frozenset[int],
+    settings: list[DecodeSettings],
 ) -> None:
     """The first side-by-side batch of a benchmark and temperature decoded again one prompt at a
     time: decoders replaying at once on one GPU must not change an outcome (graphs sharing scratch
     memory once did), and no figure comes from that path unless it held here, on this device."""
-    for (index, prompt), seed in zip(prompts.items(), seeds):
-        alone = decoders.speculative(prompt, max_new_tokens, temperature, seed, stop)
+    for (index, prompt), each in zip(prompts.items(), settings):
+        alone = decoders.speculative(prompt, each)
         if alone != results[index]:
             raise ValueError(
                 f"eval.decode_streams={decoders.side_by_side.width}: prompt {index} of {benchmark!r} "
-                f"(temperature {temperature}) decoded side by side differs from decoding it alone on "
+                f"(temperature {each.temperature}) decoded side by side differs from decoding it alone on "
                 "this device; set eval.decode_streams=1"
             )
 
@@ -521,7 +491,7 @@ def evaluate(
                     decoders,
                     prompt_set,
                     block_size=drafter.block_size,
-                    drafts=drafts_per_round(drafter),
+                    drafts=drafter.drafts_per_block,
                     max_new_tokens=cfg.max_new_tokens,
                     temperature=temperature,
                     seed=cfg.seed,

@@ -18,6 +18,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from dflash.decoding.reference import DecodeResult, speculative_generate
+from dflash.decoding.settings import DecodeSettings
+from dflash.eval.results import acceptance_figures
 from dflash.serving.agreement import PromptAgreement, RoundCount, agreement, engine_count
 from dflash.serving.server import ServedDecode
 
@@ -120,7 +122,9 @@ def measure_benchmark(
     lengths: list[int] = []
     for prompt in prompts:
         started = time.perf_counter()
-        own: DecodeResult = speculative_generate(target, drafter, prompt, max_new_tokens, stop_ids=stop_ids)
+        own: DecodeResult = speculative_generate(
+            target, drafter, prompt, DecodeSettings(max_new_tokens, stop_ids=stop_ids)
+        )
         own_seconds += time.perf_counter() - started
         own_tokens += len(own.output_ids)
         lengths += own.acceptance_lengths
@@ -136,7 +140,7 @@ def measure_benchmark(
                 served_output=served.output_ids,
             )
         )
-    result.own_tau = sum(lengths) / max(1, len(lengths))
+    result.own_tau, _ = acceptance_figures(lengths)  # pooled over every round, as dflash-eval's
     result.own_tokens_per_s = own_tokens / max(own_seconds, 1e-9)
     result.served_tokens_per_s = served_tokens / served_seconds if served_seconds else 0.0
     return result
