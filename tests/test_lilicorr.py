@@ -27,6 +27,7 @@ from dflash.step.lilicorr_loss import lattice_terms, node_factors
 from dflash.step.lilicorr_variant import LiLiCorrVariant
 from dflash.step.step import split_final_state
 from dflash.train import train
+from tests.test_dflash2_export import without_tensor
 from tests.test_dflash_rules import blocks_for, tiny_drafter_config
 from tests.test_dspark import tiny_target
 
@@ -370,8 +371,8 @@ def test_the_summary_line_is_lilicorrs_only_and_says_why_a_figure_is_missing():
 
 def test_a_dflash_checkpoint_warm_starts_the_backbone_and_the_head_starts_fresh(make_cfg, tmp_path):
     """drafter.init_from a DFlash checkpoint through a run's own preflight and loader: every
-    backbone weight loads, the lattice head keeps its fresh init; a missing backbone weight is
-    still refused."""
+    backbone weight loads, the lattice head keeps its fresh init; a checkpoint missing a backbone
+    weight is still refused, in one line naming it."""
     from dflash.run.launch import build_models
     from dflash.run.preflight import check_before_loading
 
@@ -384,6 +385,13 @@ def test_a_dflash_checkpoint_warm_starts_the_backbone_and_the_head_starts_fresh(
     assert all(torch.equal(state[name], tensor) for name, tensor in source.items())
     added = {name for name in state if name not in source}
     assert added == {name for name in state if name.startswith("lilicorr.")} and added
+    broken = without_tensor(Path(plain["checkpoint"]), tmp_path / "broken", "fc.weight")
+    broken_cfg = make_cfg(LILICORR + [f"drafter.init_from={broken}"], tmp_path / "refused")
+    with pytest.raises(
+        ValueError, match=r"drafter.init_from=.*missing: \['fc\.weight'\]; unexpected: none"
+    ) as refused:
+        build_models(check_before_loading(broken_cfg))
+    assert "\n" not in str(refused.value)
 
 
 DFLASH2_RUN = ["variant=dflash2", "variant.selector_rank=16", "variant.selector_top_k=7"]
@@ -395,7 +403,8 @@ def test_a_dflash2_checkpoint_warm_starts_the_backbone_and_convolutions_without_
 ):
     """drafter.init_from a DFlash2 checkpoint into LiLiCorr with the same convolutions: the
     backbone and every convolution load, DFlash2's selector is left out (the lattice head replaces
-    it) and the head starts fresh; without the convolutions the checkpoint is refused, naming them."""
+    it) and the head starts fresh; without the convolutions the checkpoint is refused, naming them,
+    and so is one that lost a convolution tensor (both drafters have them: none starts fresh)."""
     from dflash.run.launch import build_models
     from dflash.run.preflight import check_before_loading
 
@@ -416,6 +425,12 @@ def test_a_dflash2_checkpoint_warm_starts_the_backbone_and_convolutions_without_
     plain_cfg = make_cfg(LILICORR + [f"drafter.init_from={source_run['checkpoint']}"], tmp_path / "plain")
     with pytest.raises(ValueError, match="unexpected: .*attention_conv"):
         build_models(check_before_loading(plain_cfg))
+    lost = "layers.0.mlp_conv.base_kernel"
+    broken = without_tensor(Path(source_run["checkpoint"]), tmp_path / "broken", lost)
+    broken_cfg = make_cfg(LILICORR + CONV + [f"drafter.init_from={broken}"], tmp_path / "refused")
+    with pytest.raises(ValueError, match=rf"missing: \['{lost}'\]; unexpected: none") as refused:
+        build_models(check_before_loading(broken_cfg))
+    assert "\n" not in str(refused.value)
 
 
 @pytest.mark.parametrize(
