@@ -152,9 +152,10 @@ def loss_inputs(seed: int = 0):
     return target, drafter, blocks, hidden.requires_grad_(True), features
 
 
-def variant_block_loss(variant, *, target, drafter, blocks, hidden, features):
+def variant_block_loss(variant, *, target, drafter, blocks, hidden, features, logits_chunk=0, compiled=False):
     """The variant's loss as the step calls it (dflash/step/step.py: drafter_forward_loss): the
-    target's features split by the drafter's width, the context handed over."""
+    target's features split by the drafter's width, the context handed over; `target` anything
+    with the target's `lm_head` and `embed_tokens`."""
     fused, final = split_final_state(features, drafter.config.hidden_size)
     return variant.block_loss(
         hidden,
@@ -162,8 +163,8 @@ def variant_block_loss(variant, *, target, drafter, blocks, hidden, features):
         drafter=drafter,
         blocks=blocks,
         final_BSH=final,
-        logits_chunk=0,
-        compiled=False,
+        logits_chunk=logits_chunk,
+        compiled=compiled,
         embed_tokens=target.embed_tokens,
         features_BSF=fused,
     )
