@@ -1,6 +1,7 @@
 """A LiLiCorr drafter's export (dflash/export/lilicorr_rules.py): the z-lab layout SGLang's and vLLM's
 LiLiCorr loaders read (`architectures: [LiLiCorrDraftModel]`, the `lilicorr_*` geometry in
-dflash_config, the `lilicorr.*` tensors), checked by the export contract; a broken geometry named
+dflash_config, the `lilicorr.*` tensors), checked by the export contract; the drafter's tensors
+written under its own names bit for bit and loaded back to them; a broken geometry named
 one line each; every other layout refused in one line with exit code 2."""
 
 from __future__ import annotations
