@@ -7,6 +7,7 @@ a DFlash drafter warm-starts a DFlash2 one with its convolutions at the identity
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -571,6 +572,13 @@ def test_drafter_init_from_a_released_dflash2_checkpoint(tmp_path):
         check_resume_matches(plain, other, {}, key="drafter.init_from")
 
 
+def without_tensor(directory: Path, destination: Path, name: str) -> Path:
+    """A copy of the drafter checkpoint `directory` whose model.safetensors lacks tensor `name`."""
+    shutil.copytree(directory, destination)
+    edit_weights(destination, lambda weights: {k: v for k, v in weights.items() if k != name})
+    return destination
+
+
 def test_a_dflash_drafter_warm_starts_dflash2_with_identity_convolutions(tmp_path):
     """drafter.init_from a DFlash drafter into a DFlash2 run: the backbone loads, the
     convolutions stay the identity and the selector its fresh init, so the warm-started drafter's
@@ -591,6 +599,12 @@ def test_a_dflash_drafter_warm_starts_dflash2_with_identity_convolutions(tmp_pat
     selector = {k: v.clone() for k, v in fresh.candidate_selector.state_dict().items()}
     with pytest.raises(ValueError, match="missing: .*attention_conv.base_kernel"):
         load_drafter_weights(fresh, tmp_path / "dflash")
+    # Warm-starting excuses the added modules only: a backbone tensor the checkpoint lost is named.
+    broken = without_tensor(tmp_path / "dflash", tmp_path / "broken", "layers.1.mlp.down_proj.weight")
+    with pytest.raises(
+        ValueError, match=r"missing: \['layers\.1\.mlp\.down_proj\.weight'\]; unexpected: none"
+    ):
+        load_drafter_weights(fresh, broken, new_parts=True)
     load_drafter_weights(fresh, tmp_path / "dflash", new_parts=True)
     for layer in fresh.layers:
         for conv in (layer.attention_conv, layer.mlp_conv):

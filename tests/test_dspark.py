@@ -25,6 +25,7 @@ from dflash.step.dspark_loss import DSparkWeights, dspark_loss
 from dflash.target.model import FrozenTarget
 from dflash.train import train
 from tests.conftest import TINY_ARCH
+from tests.test_dflash2_export import without_tensor
 from tests.test_dflash_rules import blocks_for
 
 MASK_ID = 511
@@ -501,6 +502,13 @@ def test_a_dflash_checkpoint_warm_starts_dspark_and_a_dspark_checkpoint_resumes(
         "confidence_head.proj.weight",
         "confidence_head.proj.bias",
     }
+    # Only the heads start fresh: a checkpoint that lost a backbone tensor is refused, naming it.
+    lost = "layers.0.self_attn.o_proj.weight"
+    broken = without_tensor(Path(plain["checkpoint"]), tmp_path / "broken", lost)
+    with pytest.raises(ValueError, match=rf"missing: \['{lost}'\]; unexpected: none"):
+        build_models(
+            check_before_loading(make_cfg(DSPARK + [f"drafter.init_from={broken}"], tmp_path / "no"))
+        )
     # Resumed mid-run (heads and their optimizer state included), the losses are the
     # uninterrupted run's, bitwise on CPU.
     every = ["train.total_steps=4", "logger.every_steps=1", "checkpoint.every_steps=2"]

@@ -1,7 +1,8 @@
 """variant=lilicorr (dflash/drafters/lilicorr.py, dflash/step/lilicorr_loss.py): the greedy walk and
-the lattice terms against the formulas worked by hand, the head's scores against its formula, the
-figures scoring the walk's picks, training end to end (the loss falls), warm start from a DFlash
-checkpoint, and the config's refusals."""
+the lattice terms against the formulas worked by hand, the variant's loss (the path a run trains
+through) and its gradients against the formulas computed block by block, the head's scores against
+its formula, the figures scoring the walk's picks, training end to end (the loss falls), warm start
+from a DFlash or DFlash2 checkpoint, and the config's refusals."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 from dflash.decoding.settings import DecodeSettings
 from dflash.drafters.lilicorr import (
@@ -22,10 +24,12 @@ from dflash.drafters.lilicorr import (
 )
 from dflash.export.zlab import load_drafter
 from dflash.run.runner import format_summary, variant_summary_lines
-from dflash.step.lilicorr_loss import LatticeWeights, lattice_terms, lilicorr_loss, node_factors
+from dflash.step.lilicorr_loss import lattice_terms, node_factors
 from dflash.step.lilicorr_variant import LiLiCorrVariant
+from dflash.step.step import split_final_state
 from dflash.step.variant import DFlash2Variant
 from dflash.train import train
+from tests.test_dflash2_export import without_tensor
 from tests.test_dflash_rules import blocks_for, tiny_drafter_config
 from tests.test_dspark import tiny_target
 
@@ -120,52 +124,159 @@ def test_the_head_scores_are_scaled_cosines_of_its_vectors():
     assert start.abs().max() <= 8.0 + 1e-4 and pair.abs().max() <= 8.0 + 1e-4
 
 
+# The variant's own options (a run's `variant.*`): weights and hinge width all different, so a
+# term read under another's weight shows.
+VARIANT = LiLiCorrVariant(**GEOMETRY, ce_weight=0.3, margin_weight=0.5, penalty_weight=0.2, margin=1.5)
+
+
 def loss_inputs(seed: int = 0):
+    """The tiny target (its features carry the final state, as a run's do for LiLiCorr), the
+    drafter, blocks of which one has unsupervised labels, and hidden states pointing at the
+    labels' head rows (the label is a candidate there) except at two positions."""
     target = tiny_target()
     drafter = tiny_lilicorr(target)
     torch.manual_seed(seed)
     ids = torch.randint(0, 500, (2, 18))
-    blocks = blocks_for(ids, torch.ones(2, 18), block_size=BLOCK, num_anchors=3, gamma=4.0)
-    hidden = torch.randn(2, blocks.labels.shape[1], 64)
-    # Most positions point at their label's head row: the label is a candidate there.
-    rows = target.lm_head.weight[blocks.labels]
-    hidden = 3.0 * rows / rows.norm(dim=-1, keepdim=True) + 0.3 * hidden
+    loss_mask = torch.ones(2, 18)
+    loss_mask[1, 12:14] = 0  # the block anchored at 10 has its first label only
+    blocks = blocks_for(ids, loss_mask, block_size=BLOCK, num_anchors=3, gamma=4.0)
+    noise = torch.randn(2, blocks.labels.shape[1], 64)
+    label_rows = F.normalize(target.lm_head.weight[blocks.labels], dim=-1)
+    # Every other position also points at a decoy token, a little harder: the label is a
+    # candidate there but not the argmax (the true path runs through several ranks).
+    decoy_rows = F.normalize(target.lm_head.weight[torch.randint(0, 500, blocks.labels.shape)], dim=-1)
+    decoyed = (torch.arange(blocks.labels.shape[1]) % 2 == 1)[None, :, None]
+    hidden = 3.0 * label_rows + 0.3 * noise + decoyed * 3.3 * decoy_rows
+    aimed = torch.ones(2, blocks.labels.shape[1], 1, dtype=torch.bool)
+    aimed[0, [2, 7]] = False  # sample 0: block 0's second slot and block 1's last slot
+    hidden = torch.where(aimed, hidden, noise)
     features = target.features(ids)
     return target, drafter, blocks, hidden.requires_grad_(True), features
 
 
-def test_the_loss_is_dflash_ce_plus_the_weighted_lattice_terms_and_scores_the_walk():
-    target, drafter, blocks, hidden, features = loss_inputs()
-    features_BSF, final_BSH = features[..., :-64], features[..., -64:]
-    weights = LatticeWeights(ce=0.25, margin=0.5, penalty=0.25, margin_width=2.0)
+def variant_block_loss(variant, *, target, drafter, blocks, hidden, features, logits_chunk=0, compiled=False):
+    """The variant's loss as the step calls it (dflash/step/step.py: drafter_forward_loss): the
+    target's features split by the drafter's width, the context handed over; `target` anything
+    with the target's `lm_head` and `embed_tokens`."""
+    fused, final = split_final_state(features, drafter.config.hidden_size)
+    return variant.block_loss(
+        hidden,
+        lm_head=target.lm_head,
+        drafter=drafter,
+        blocks=blocks,
+        final_BSH=final,
+        logits_chunk=logits_chunk,
+        compiled=compiled,
+        embed_tokens=target.embed_tokens,
+        features_BSF=fused,
+    )
 
-    def run(w):
-        return lilicorr_loss(
-            hidden,
-            lm_head=target.lm_head,
-            embed_tokens=target.embed_tokens,
-            drafter=drafter,
-            blocks=blocks,
-            features_BSF=features_BSF,
-            final_BSH=final_BSH,
-            weights=w,
-        )
 
-    stats = run(weights)
-    plain = run(LatticeWeights(ce=0.0, margin=0.0, penalty=0.0, margin_width=2.0))
-    assert stats.lattice_slots > 0 and stats.lattice_penalty > 0
+def lilicorr_loss_by_hand(variant, *, target, drafter, blocks, hidden, features):
+    """dflash/step/lilicorr_loss.py's formulas, block by block and slot by slot: DFlash's
+    sum_k w_k CE_k, then per block (scored alone) the lattice's prefix of slots whose label is a
+    candidate (none if any label of the block is unsupervised), z_0 = start and
+    z_s = pair[s - 1][g_{s-1}], CE, hinge against the best other candidate, and the penalty
+    sum_k p_k relu(T[gold] - T[c_k]) with T the target's full logits at position a + s.
+    Returns the numerator (DFlash's CE + the lattice mean times the weight sum), the weight sum
+    and the lattice's sums (CE, hinge, penalty, slots, the true path's candidate ranks)."""
+    width = drafter.config.hidden_size
+    fused, final = features[..., :-width], features[..., -width:]
+    head = target.lm_head.weight
+    dflash_ce, weight = torch.zeros(()), 0.0
+    for b, q in zip(*torch.nonzero(blocks.weights, as_tuple=True)):
+        w = float(blocks.weights[b, q])
+        dflash_ce = dflash_ce - w * torch.log_softmax(head @ hidden[b, q], -1)[blocks.labels[b, q]]
+        weight += w
+    ce = hinge = penalty = torch.zeros(())
+    slots, ranks = 0, set()
+    for b in range(hidden.shape[0]):
+        for i, anchor in enumerate(blocks.anchors[b].tolist()):
+            block = slice(i * BLOCK + 1, (i + 1) * BLOCK)  # positions 1..B-1: the draft slots
+            labels, valid = blocks.labels[b, block], blocks.valid[b, block]
+            if not bool(valid.all()):
+                continue
+            h = hidden[b, block]
+            # The lattice: each slot's top-K tokens, their log-probabilities under the full
+            # softmax (live: the lattice terms train the backbone through them), the target's
+            # embeddings of them, the context row before the anchor (none at anchor 0).
+            log_p_all = torch.log_softmax(target.lm_head(h), -1)
+            ids = log_p_all.topk(variant.candidate_topk, dim=-1).indices[None]
+            with torch.no_grad():
+                token_emb = target.embed_tokens(ids)
+            start, pair = drafter.lilicorr(
+                token_emb_NSKH=token_emb,
+                log_probs_NSK=log_p_all.gather(-1, ids[0])[None],
+                pass_hidden_NSH=h[None],
+                anchor_row_NH=drafter.context(fused[b, max(anchor - 1, 0)][None]),
+                anchor_valid_N=torch.tensor([anchor >= 1 and bool(blocks.anchor_valid[b, i])]),
+            )
+            previous = None
+            for s, label in enumerate(labels.tolist()):
+                candidates = ids[0, s].tolist()
+                if label not in candidates:
+                    break  # the prefix the lattice can produce ends here
+                gold = candidates.index(label)
+                z = start[0] if s == 0 else pair[0, s - 1, previous]
+                log_p = torch.log_softmax(z, -1)
+                ce = ce - log_p[gold]
+                best_other = torch.cat([z[:gold], z[gold + 1 :]]).max()
+                hinge = hinge + torch.relu(variant.margin - (z[gold] - best_other))
+                with torch.no_grad():
+                    logits = head @ final[b, anchor + s]
+                    rejection = (logits[label] - logits[ids[0, s]]).clamp_min(0.0)
+                penalty = penalty + (log_p.exp() * rejection).sum()
+                slots, previous = slots + 1, gold
+                ranks.add(gold)
     lattice = (
-        0.25 * stats.lattice_ce + 0.5 * stats.lattice_margin + 0.25 * stats.lattice_penalty
-    ) / stats.lattice_slots
-    torch.testing.assert_close(stats.loss(), plain.loss() + lattice)
-    # The penalty weights by hand: the target's logits at a + s for slot s's candidates.
-    stats.loss().backward()
-    assert all(p.grad is not None for p in drafter.lilicorr.parameters() if p.requires_grad)
-    assert drafter.fc.weight.grad.abs().sum() > 0  # the anchor row trains the backbone's fc
-    # The figures score the walk's picks: count them by hand.
+        variant.ce_weight * ce + variant.margin_weight * hinge + variant.penalty_weight * penalty
+    ) / max(slots, 1)
+    return dflash_ce + lattice * weight, weight, (ce, hinge, penalty, slots, ranks)
+
+
+def test_the_variants_loss_is_dflash_ce_plus_the_weighted_lattice_mean_worked_by_hand():
+    """LiLiCorrVariant.block_loss (the path a run trains through) against the docstring's
+    formulas computed block by block here: the numerator, its terms, the supervised slots, and
+    the gradients of the hidden states, the head and the backbone's fc (the anchor row)."""
+    target, drafter, blocks, hidden, features = loss_inputs()
+    stats = variant_block_loss(
+        VARIANT, target=target, drafter=drafter, blocks=blocks, hidden=hidden, features=features
+    )
+    expected, weight, (ce, hinge, penalty, slots, ranks) = lilicorr_loss_by_hand(
+        VARIANT, target=target, drafter=drafter, blocks=blocks, hidden=hidden, features=features
+    )
+    # The tiny case covers every branch: supervised slots, slots past the lattice's prefix, a
+    # block cut for an unsupervised label, a true path off the argmax, a hinge and a penalty.
+    whole_blocks = blocks.valid.view(-1, BLOCK)[:, 1:].all(dim=-1)
+    assert 0 < slots < int(whole_blocks.sum()) * (BLOCK - 1) and not whole_blocks.all()
+    assert hinge > 0 and penalty > 0 and len(ranks) > 1
+    assert float(stats.weight) == pytest.approx(weight)
+    assert int(stats.lattice_slots) == slots
+    torch.testing.assert_close(stats.lattice_ce, ce.detach())
+    torch.testing.assert_close(stats.lattice_margin, hinge.detach())
+    torch.testing.assert_close(stats.lattice_penalty, penalty.detach())
+    torch.testing.assert_close(stats.weighted_ce, expected, rtol=1e-5, atol=1e-5)
+    trained = [hidden, drafter.fc.weight, *drafter.lilicorr.parameters()]
+    got = torch.autograd.grad(stats.weighted_ce, trained, allow_unused=True)
+    want = torch.autograd.grad(expected, trained, allow_unused=True)
+    assert want[1].abs().sum() > 0  # the anchor row trains the backbone's fc
+    for name, g, w in zip(["hidden", "fc.weight", *dict(drafter.lilicorr.named_parameters())], got, want):
+        if w is None:
+            assert g is None or not g.any(), name
+        else:
+            # fp32 sums in another order: held to the gradient's own scale.
+            torch.testing.assert_close(g, w, rtol=1e-4, atol=1e-5 * float(w.abs().max()), msg=name)
+
+
+def test_the_figures_score_the_walks_picks_not_the_backbones_argmax():
+    target, drafter, blocks, hidden, features = loss_inputs()
+    stats = variant_block_loss(
+        VARIANT, target=target, drafter=drafter, blocks=blocks, hidden=hidden, features=features
+    )
+    fused = features[..., : -drafter.config.hidden_size]
     slots = BLOCK - 1
     hidden_slots = hidden.detach().view(2, -1, BLOCK, 64)[:, :, 1:].flatten(0, 1)
-    rows, has_row = drafter.anchor_rows(features_BSF, blocks.anchors)
+    rows, has_row = drafter.anchor_rows(fused, blocks.anchors)
     with torch.no_grad():
         ids, start, pair = drafter.score(
             logits_NSV=target.lm_head(hidden_slots),
@@ -286,8 +397,8 @@ def test_the_summary_line_is_lilicorrs_only_and_says_why_a_figure_is_missing():
 
 def test_a_dflash_checkpoint_warm_starts_the_backbone_and_the_head_starts_fresh(make_cfg, tmp_path):
     """drafter.init_from a DFlash checkpoint through a run's own preflight and loader: every
-    backbone weight loads, the lattice head keeps its fresh init; a missing backbone weight is
-    still refused."""
+    backbone weight loads, the lattice head keeps its fresh init; a checkpoint missing a backbone
+    weight is still refused, in one line naming it."""
     from dflash.run.launch import build_models
     from dflash.run.preflight import check_before_loading
 
@@ -300,6 +411,13 @@ def test_a_dflash_checkpoint_warm_starts_the_backbone_and_the_head_starts_fresh(
     assert all(torch.equal(state[name], tensor) for name, tensor in source.items())
     added = {name for name in state if name not in source}
     assert added == {name for name in state if name.startswith("lilicorr.")} and added
+    broken = without_tensor(Path(plain["checkpoint"]), tmp_path / "broken", "fc.weight")
+    broken_cfg = make_cfg(LILICORR + [f"drafter.init_from={broken}"], tmp_path / "refused")
+    with pytest.raises(
+        ValueError, match=r"drafter.init_from=.*missing: \['fc\.weight'\]; unexpected: none"
+    ) as refused:
+        build_models(check_before_loading(broken_cfg))
+    assert "\n" not in str(refused.value)
 
 
 DFLASH2_RUN = ["variant=dflash2", "variant.selector_rank=16", "variant.selector_top_k=7"]
@@ -311,7 +429,8 @@ def test_a_dflash2_checkpoint_warm_starts_the_backbone_and_convolutions_without_
 ):
     """drafter.init_from a DFlash2 checkpoint into LiLiCorr with the same convolutions: the
     backbone and every convolution load, DFlash2's selector is left out (the lattice head replaces
-    it) and the head starts fresh; without the convolutions the checkpoint is refused, naming them."""
+    it) and the head starts fresh; without the convolutions the checkpoint is refused, naming them,
+    and so is one that lost a convolution tensor (both drafters have them: none starts fresh)."""
     from dflash.run.launch import build_models
     from dflash.run.preflight import check_before_loading
 
@@ -332,6 +451,12 @@ def test_a_dflash2_checkpoint_warm_starts_the_backbone_and_convolutions_without_
     plain_cfg = make_cfg(LILICORR + [f"drafter.init_from={source_run['checkpoint']}"], tmp_path / "plain")
     with pytest.raises(ValueError, match="unexpected: .*attention_conv"):
         build_models(check_before_loading(plain_cfg))
+    lost = "layers.0.mlp_conv.base_kernel"
+    broken = without_tensor(Path(source_run["checkpoint"]), tmp_path / "broken", lost)
+    broken_cfg = make_cfg(LILICORR + CONV + [f"drafter.init_from={broken}"], tmp_path / "refused")
+    with pytest.raises(ValueError, match=rf"missing: \['{lost}'\]; unexpected: none") as refused:
+        build_models(check_before_loading(broken_cfg))
+    assert "\n" not in str(refused.value)
 
 
 @pytest.mark.parametrize(

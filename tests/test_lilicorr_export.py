@@ -1,6 +1,7 @@
 """A LiLiCorr drafter's export (dflash/export/lilicorr_rules.py): the z-lab layout SGLang's and vLLM's
 LiLiCorr loaders read (`architectures: [LiLiCorrDraftModel]`, the `lilicorr_*` geometry in
-dflash_config, the `lilicorr.*` tensors), checked by the export contract; a broken geometry named
+dflash_config, the `lilicorr.*` tensors), checked by the export contract; the drafter's tensors
+written under its own names bit for bit and loaded back to them; a broken geometry named
 one line each; every other layout refused in one line with exit code 2."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from dflash.drafters.lilicorr import LiLiCorrDrafter
 from dflash.export.contract import check_export
@@ -22,10 +24,39 @@ from tests.test_export_contract import edit_config
 from tests.test_lilicorr import tiny_lilicorr
 
 
+def off_init(drafter: LiLiCorrDrafter) -> LiLiCorrDrafter:
+    """Every weight moved off its init, as training moves it: a tensor written or read back
+    from anywhere but the drafter shows."""
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for parameter in drafter.parameters():
+            parameter.add_(torch.randn_like(parameter) * 0.05)
+    return drafter
+
+
+def assert_same_tensors(directory, drafter: LiLiCorrDrafter) -> None:
+    """The export holds the drafter's tensors under the drafter's own names (the served readers'
+    names: `state_dict()` is the export as is), bit for bit, and loads back to them."""
+    state = drafter.state_dict()
+    written = load_file(str(directory / "model.safetensors"))
+    assert sorted(written) == sorted(state)
+    assert [name for name in state if not torch.equal(written[name], state[name])] == []
+    loaded = load_drafter(directory)
+    assert isinstance(loaded, LiLiCorrDrafter)
+    back = loaded.state_dict()
+    assert sorted(back) == sorted(state)
+    assert [name for name in state if not torch.equal(back[name], state[name])] == []
+
+
 @pytest.fixture
-def export(tmp_path):
+def trained() -> LiLiCorrDrafter:
+    return off_init(tiny_lilicorr(tiny_target()))
+
+
+@pytest.fixture
+def export(tmp_path, trained):
     directory = tmp_path / "lilicorr"
-    export_drafter(tiny_lilicorr(tiny_target()), directory)
+    export_drafter(trained, directory)
     return directory
 
 
@@ -34,18 +65,21 @@ def test_the_convolutions_export_under_dflash2s_names_and_keep_the_contract(tmp_
 
     target = tiny_target()
     config = lilicorr_config(target, conv_kernel_size=2, conv_group_size=16)
-    drafter = LiLiCorrDrafter(config)
+    drafter = off_init(LiLiCorrDrafter(config))
     export_drafter(drafter, tmp_path / "conv")
     assert check_export(tmp_path / "conv", target=TINY_TARGET) == []
-    loaded = load_drafter(tmp_path / "conv")
-    assert loaded.layers[0].attention_conv.base_kernel.shape == (2, 2, 64)
+    assert_same_tensors(tmp_path / "conv", drafter)
+    assert drafter.layers[0].attention_conv.base_kernel.shape == (2, 2, 64)
+    assert {"layers.1.mlp_conv.base_kernel", "layers.1.attention_conv.kernel_projection.weight"} <= set(
+        drafter.state_dict()
+    )  # DFlash2's names
     written = json.loads((tmp_path / "conv" / "config.json").read_text())
     assert written["dflash_config"]["conv_group_size"] == 16
     # DFlash2's rules recognise its convolution keys too; the drafter it loads as decides.
     assert isinstance(export_for_config(written), LiLiCorrExport)
 
 
-def test_the_export_is_the_layout_the_served_loaders_read(export):
+def test_the_export_is_the_layout_the_served_loaders_read(export, trained):
     config = json.loads((export / "config.json").read_text())
     assert config["architectures"] == ["LiLiCorrDraftModel"]
     assert config["dflash_config"]["lilicorr_enabled"] is True
@@ -58,8 +92,8 @@ def test_the_export_is_the_layout_the_served_loaders_read(export):
         "factor_dim": 8,
     }
     assert check_export(export, target=TINY_TARGET) == []
-    loaded = load_drafter(export)
-    assert isinstance(loaded, LiLiCorrDrafter)
+    assert_same_tensors(export, trained)
+    assert "lilicorr.layers.0.attn.in_proj_weight" in trained.state_dict()  # nn.MultiheadAttention's name
 
 
 @pytest.mark.parametrize(

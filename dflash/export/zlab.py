@@ -194,8 +194,8 @@ def load_drafter_weights(drafter: DFlashDrafter, directory: Path, *, new_parts: 
     """model.safetensors of `directory` into `drafter`; every key must match both ways, except,
     with `new_parts` (a DFlash drafter warm-starting a DSpark or DFlash2 one), the modules the
     drafter's class adds to DFlash (`added_modules`: DSpark's heads, DFlash2's convolutions and
-    selector), which the directory lacks: they keep their fresh init (DFlash2's convolutions
-    the identity, so the warm-started drafter starts as the DFlash it was)."""
+    selector) and the directory's variant does not have: they keep their fresh init (DFlash2's
+    convolutions the identity, so the warm-started drafter starts as the DFlash it was)."""
     path = Path(directory) / WEIGHTS_FILE
     raw = _raw_config(directory)
     layout = layout_of(raw)
@@ -218,10 +218,14 @@ def load_drafter_weights(drafter: DFlashDrafter, directory: Path, *, new_parts: 
         raise ValueError(f"{path}: weights do not fit the drafter ({exc})") from exc
     if new_parts:
         added = set(drafter.added_modules)
-        missing = [name for name in missing if added.isdisjoint(name.split("."))]
+        brought = set(drafter_class_for(read_drafter_config(directory)).added_modules)
+        # Only what the source's variant lacks starts fresh: a module both have (DFlash2's
+        # convolutions starting LiLiCorr's) must load whole, or a lost tensor would train from init.
+        fresh = added - brought
+        missing = [name for name in missing if fresh.isdisjoint(name.split("."))]
         # A variant it warm-starts from (`warm_starts_from`) brings modules of its own this one
         # replaces (DFlash2's selector): left out. A module both have must still fit.
-        left_out = set(drafter_class_for(read_drafter_config(directory)).added_modules) - added
+        left_out = brought - added
         unexpected = [name for name in unexpected if left_out.isdisjoint(name.split("."))]
     if missing or unexpected:
         raise ValueError(
