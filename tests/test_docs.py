@@ -72,6 +72,16 @@ def test_every_repository_path_a_doc_names_exists(doc: Path):
     assert not missing, f"{doc.relative_to(ROOT)} names {sorted(missing)}"
 
 
+def test_every_test_file_has_its_row_in_the_tests_readme_and_every_row_its_file():
+    """tests/README.md is where a newcomer finds which file holds a behaviour to; a file
+    without a row is found only by grepping, a row without a file sends them nowhere."""
+    table = (ROOT / "tests" / "README.md").read_text()
+    listed = set(re.findall(r"^\| `(test_\w+\.py)` \|", table, flags=re.MULTILINE))
+    present = {path.name for path in (ROOT / "tests").glob("test_*.py")}
+    assert sorted(present - listed) == [], "test files without a row in tests/README.md"
+    assert sorted(listed - present) == [], "rows of tests/README.md naming no test file"
+
+
 def test_the_readme_opens_with_the_setup_and_keeps_no_history():
     """Set-up, `make train` and `make test` on the first screen; short enough to read through; and
     no timing history (a measurement's commit belongs in benchmarks/RESULTS.md)."""
