@@ -33,7 +33,7 @@ import torch
 from dflash.config.schema import EvalConfig, VerifyRule
 from dflash.decoding.continuous import ContinuousBatcher
 from dflash.decoding.engine import StaticDecoder
-from dflash.decoding.reference import DecodeResult, drafts_per_round, plain_generate, speculative_generate
+from dflash.decoding.reference import DecodeResult, plain_generate, speculative_generate
 from dflash.decoding.sampling import Sampler
 from dflash.decoding.settings import DecodeSettings
 from dflash.decoding.side_by_side import SideBySideDecoders
@@ -257,17 +257,16 @@ def evaluate_set(
     warmup_prompts: int = 0,
     should_stop: Callable[[], bool] | None = None,
     on_prompt: PromptDone | None = None,
-    drafts: int | None = None,
+    drafter: DFlashDrafter | None = None,
     journal: EvalJournal | None = None,
 ) -> BenchmarkResult:
     """Decode every prompt of the set with DFlash (and plainly when a reference or timing needs
     it); `should_stop` is asked before each prompt, and the result covers the prompts done;
-    `on_prompt` hears of each prompt as it finishes. `drafts`: tokens the drafter proposes per
-    round (a round produces up to drafts + 1); None: block_size - 1, a DFlash drafter's.
+    `on_prompt` hears of each prompt as it finishes. `drafter`: the one decoding, whose drafts per
+    round and per-round figures the result reports (None: block_size - 1 drafts, no figures).
     `journal`: each prompt's outcome is recorded there, and a prompt it already holds is taken
     from it instead of decoded (a resumed evaluation: its time figures would cover only the
     prompts decoded here, so dflash-eval refuses a resume with timing)."""
-    drafts = block_size - 1 if drafts is None else drafts
     stop = prompt_set.stop_ids | target_eos_ids(target)
     for prompt in prompt_set.prompts[:warmup_prompts] if timing else []:
         decoders.speculative(
@@ -287,7 +286,7 @@ def evaluate_set(
         timing=timing,
         journal=journal,
     )
-    tally = OutcomeTally(drafts)
+    tally = OutcomeTally(block_size - 1) if drafter is None else OutcomeTally.of(drafter)
     for index, prompt in enumerate(prompt_set.prompts):
         if should_stop is not None and should_stop():
             break
@@ -519,7 +518,7 @@ def evaluate(
                     decoders,
                     prompt_set,
                     block_size=drafter.block_size,
-                    drafts=drafts_per_round(drafter),
+                    drafter=drafter,
                     max_new_tokens=cfg.max_new_tokens,
                     temperature=temperature,
                     seed=cfg.seed,
