@@ -209,7 +209,12 @@ def test_a_plugin_variants_round_figures_reach_the_evaluation_result_and_resume_
     assert (
         result.lossless_frac == 1.0 and result.confidence_tau is None and result.selector_change_frac is None
     )
-    assert EvalReport(results=[result]).to_json()["results"][0]["variant_figures"] == result.variant_figures
+    report = EvalReport(results=[result])
+    assert report.to_json()["results"][0]["variant_figures"] == result.variant_figures
+    assert report.metrics()["eval/random/margin_rejected"] == result.variant_figures["margin_rejected"]
+    figures = result.variant_figures
+    cells = f"margin_accepted {figures['margin_accepted']}  margin_rejected {figures['margin_rejected']}"
+    assert f"  random t=0  {cells}" in report.table().splitlines()
     resumed = EvalJournal(journal_file, {}, resume=True)
     assert journaled(resumed) == result and resumed.taken == len(prompts.prompts)
 

@@ -69,9 +69,15 @@ class BenchmarkResult:
                     f"a drafter's round tally reports {name!r}, a figure the evaluation fills itself"
                 )
 
-
-# BenchmarkResult's DFlash2 selector figures, each also a per-benchmark metric of that name.
-SELECTOR_FIGURES = ("selector_change_frac", "selector_change_accepted_frac", "selector_change_unary_frac")
+    def tallied_figures(self) -> dict[str, Any]:
+        """What the drafter's round tally filled: its `tallied` fields holding a value, then
+        `variant_figures`. Each number among them is also a per-benchmark metric of its name."""
+        filled = {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.metadata.get("tallied") and getattr(self, f.name) is not None
+        }
+        return {**filled, **self.variant_figures}
 
 
 def acceptance_figures(lengths: list[int], *, slots: int = 0) -> tuple[float, list[float]]:
@@ -114,7 +120,8 @@ class EvalReport:
 
     def metrics(self) -> dict[str, float]:
         """Flat floats for the monitor / summary: eval/tau and eval/lossless_frac over the
-        greedy results, per-benchmark eval/<name>/tau, the pooled acceptance histogram."""
+        greedy results, per-benchmark eval/<name>/tau (and each number the drafter's round tally
+        reports, `tallied_figures`), the pooled acceptance histogram."""
         greedy = self.greedy() or self.results
         if not greedy:
             return {"eval/num_prompts": 0.0}
@@ -139,12 +146,9 @@ class EvalReport:
                 out[f"eval/{r.benchmark}/round_cost{suffix}"] = r.round_cost
             if r.prefill_ms is not None:
                 out[f"eval/{r.benchmark}/prefill_ms{suffix}"] = r.prefill_ms
-            if r.confidence_tau is not None:
-                out[f"eval/{r.benchmark}/confidence_tau{suffix}"] = r.confidence_tau
-                out[f"eval/{r.benchmark}/accepted_tau{suffix}"] = r.accepted_tau
-            for name in SELECTOR_FIGURES:
-                if getattr(r, name) is not None:
-                    out[f"eval/{r.benchmark}/{name}{suffix}"] = getattr(r, name)
+            for name, value in r.tallied_figures().items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    out[f"eval/{r.benchmark}/{name}{suffix}"] = value
         counts = sum(np.array(r.acceptance_histogram) * r.verifications for r in greedy)
         pooled = counts / max(1, sum(r.verifications for r in greedy))
         for k in range(1, len(pooled)):
@@ -208,6 +212,13 @@ class EvalReport:
                     f"accepted {_share(r.selector_change_accepted_frac)}  "
                     f"unary right {_share(r.selector_change_unary_frac)}"
                 )
+        reporting = [r for r in self.results if r.variant_figures]
+        if reporting:
+            rows.append("")
+            rows.append("the drafter's own figures:")
+            for r in reporting:
+                cells = "  ".join(f"{name} {value}" for name, value in r.variant_figures.items())
+                rows.append(f"  {r.benchmark} t={r.temperature:g}  {cells}")
         return "\n".join(rows)
 
     def lossless_line(self) -> str | None:
