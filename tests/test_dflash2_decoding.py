@@ -20,20 +20,19 @@ from dflash.decoding.reference import (
     gumbel_noise,
     plain_generate,
     samples_drafts,
-    selector_outcome,
     speculative_generate,
 )
 from dflash.decoding.settings import DecodeSettings
 from dflash.decoding.static_drafter import StaticCacheDrafter
 from dflash.drafters.backbone import DFlashDrafter, drafter_config
 from dflash.drafters.dflash2 import DFlash2Drafter, add_dflash2_fields
-from dflash.eval.evaluate import Decoders, evaluate_set
+from dflash.drafters.pick_recorder import SELECTOR_ROUND_FIGURES, SelectorTally, selector_outcome
+from dflash.eval.evaluate import Decoders
 from dflash.eval.prompt_sets import PromptSet
 from dflash.eval.results import EvalReport
-from dflash.eval.tally import SelectorTally
 from dflash.run.checks import is_summary_metric
 from tests.test_dflash_rules import MASK_ID, tiny_target
-from tests.test_dspark_decoding import block_hidden
+from tests.test_dspark_decoding import block_hidden, evaluated
 from tests.test_spec_decode import ContextKeyedSampler
 
 TOP_K = 4
@@ -175,11 +174,10 @@ def test_greedy_dflash2_decoding_equals_plain_greedy_and_both_decoders_draft_ali
         assert static.acceptance_lengths == ours.acceptance_lengths
         assert static.accepted_drafts == ours.accepted_drafts
         rounds = len(ours.acceptance_lengths)
-        assert len(ours.selector_changed) == len(ours.selector_changed_accepted) == rounds
-        assert static.selector_changed == ours.selector_changed
-        assert static.selector_changed_accepted == ours.selector_changed_accepted
-        assert static.selector_changed_unary_right == ours.selector_changed_unary_right
-        changed += sum(ours.selector_changed)
+        assert set(ours.round_figures) == set(SELECTOR_ROUND_FIGURES)
+        assert all(len(figure) == rounds for figure in ours.round_figures.values())
+        assert static.round_figures == ours.round_figures
+        changed += sum(ours.round_figures["selector_changed"])
     # Round by round, the static decoder drafted the reference decoder's tokens.
     assert static_rounds.rounds == ours_rounds.rounds and len(ours_rounds.rounds) > 10
     assert all(len(draft) == drafter.block_size - 1 for draft, _ in ours_rounds.rounds)
@@ -201,7 +199,7 @@ def test_sampled_dflash2_drafts_are_the_same_on_both_decoders(monkeypatch):
     static = decoder.speculative(prompt, DecodeSettings(30, temperature=1.5, seed=4), sampled_drafts=True)
     assert static.output_ids == ours.output_ids
     assert static_rounds.rounds == ours_rounds.rounds
-    assert static.selector_changed == ours.selector_changed
+    assert static.round_figures == ours.round_figures
     # Sampling the drafts leaves the target's stream of choices as it is (its own generator):
     # the argmax-drafted decode at the same seed drafts other tokens and writes the same output
     # wherever no draft was accepted.
@@ -256,7 +254,7 @@ def test_with_the_bilinear_term_zeroed_the_drafts_are_plain_dflash_argmax_drafts
             result = speculative_generate(target, model, prompt, DecodeSettings(20))
             decoder.speculative(prompt, DecodeSettings(20))
             if name == "dflash2":
-                assert sum(result.selector_changed) == 0
+                assert sum(result.round_figures["selector_changed"]) == 0
         assert ours.rounds == static.rounds
         rounds[name] = ours.rounds
         monkeypatch.undo()
@@ -278,9 +276,11 @@ def test_selector_outcome_counts_changes_their_acceptance_and_the_unary_alternat
     tally.add(
         DecodeResult(
             output_ids=[],
-            selector_changed=[2, 2, 0],
-            selector_changed_accepted=[1, 0, 0],
-            selector_changed_unary_right=[0, 1, 0],
+            round_figures={
+                "selector_changed": [2, 2, 0],
+                "selector_changed_accepted": [1, 0, 0],
+                "selector_changed_unary_right": [0, 1, 0],
+            },
         )
     )
     tally.add(DecodeResult(output_ids=[], accepted_drafts=[3]))  # no selector: not counted
@@ -290,7 +290,9 @@ def test_selector_outcome_counts_changes_their_acceptance_and_the_unary_alternat
         "selector_change_unary_frac": 0.25,
     }
     quiet = SelectorTally(drafts=4)
-    quiet.add(DecodeResult(output_ids=[], selector_changed=[0], selector_changed_accepted=[0]))
+    quiet.add(
+        DecodeResult(output_ids=[], round_figures={"selector_changed": [0], "selector_changed_accepted": [0]})
+    )
     assert quiet.fields()["selector_change_accepted_frac"] is None
     assert SelectorTally(drafts=4).fields() == {}
 
@@ -302,19 +304,7 @@ def test_the_evaluation_reports_the_selectors_changes_and_their_acceptance():
     decoders = Decoders.build(
         target, drafter, max_len=8 + 20, graphs=False, sampled_drafts=True, temperatures=(0.0, 1.0)
     )
-    results = [
-        evaluate_set(
-            target,
-            decoders,
-            prompts,
-            block_size=drafter.block_size,
-            max_new_tokens=20,
-            temperature=temperature,
-            seed=0,
-            timing=False,
-        )
-        for temperature in (0.0, 1.0)
-    ]
+    results = [evaluated(target, decoders, drafter, prompts, temperature=t) for t in (0.0, 1.0)]
     greedy = results[0]
     assert greedy.lossless_frac == 1.0
     assert len(greedy.acceptance_histogram) == drafter.block_size + 1  # up to B per round
@@ -322,12 +312,12 @@ def test_the_evaluation_reports_the_selectors_changes_and_their_acceptance():
     decoded = [
         speculative_generate(target, drafter, prompt, DecodeSettings(20)) for prompt in prompts.prompts
     ]
-    changed = sum(sum(r.selector_changed) for r in decoded)
-    positions = sum(len(r.selector_changed) for r in decoded) * (drafter.block_size - 1)
+    changed = sum(sum(r.round_figures["selector_changed"]) for r in decoded)
+    positions = sum(len(r.round_figures["selector_changed"]) for r in decoded) * (drafter.block_size - 1)
     assert 0 < changed < positions
     assert greedy.selector_change_frac == round(changed / positions, 4)
     assert greedy.selector_change_accepted_frac == round(
-        sum(sum(r.selector_changed_accepted) for r in decoded) / changed, 4
+        sum(sum(r.round_figures["selector_changed_accepted"]) for r in decoded) / changed, 4
     )
     assert results[1].selector_change_frac is not None
     report = EvalReport(results=results)

@@ -21,12 +21,15 @@ from dflash.decoding.reference import (
 )
 from dflash.decoding.settings import DecodeSettings
 from dflash.decoding.static_drafter import StaticCacheDrafter
+from dflash.drafters.backbone import DFlashDrafter
+from dflash.drafters.dspark_tally import ConfidenceTally
 from dflash.eval.evaluate import Decoders, evaluate_set
+from dflash.eval.journal import EvalJournal
 from dflash.eval.prompt_sets import PromptSet
-from dflash.eval.results import EvalReport
-from dflash.eval.tally import ConfidenceTally
+from dflash.eval.results import BenchmarkResult, EvalReport
 from dflash.run.checks import is_summary_metric
 from dflash.step.blocks import layer_masks
+from dflash.target.model import FrozenTarget
 from tests.test_dflash_rules import MASK_ID, tiny_target
 from tests.test_dspark_export import tiny_dspark
 from tests.test_spec_decode import ContextKeyedSampler
@@ -169,10 +172,13 @@ def test_greedy_dspark_decoding_equals_plain_greedy_on_both_decoders(heads):
         assert static.acceptance_lengths == ours.acceptance_lengths
         assert static.accepted_drafts == ours.accepted_drafts
         if drafter.confidence_head is not None:
-            assert len(ours.confidence) == len(ours.acceptance_lengths)
-            torch.testing.assert_close(torch.tensor(static.confidence), torch.tensor(ours.confidence))
+            assert len(ours.round_figures["confidence"]) == len(ours.acceptance_lengths)
+            torch.testing.assert_close(
+                torch.tensor(static.round_figures["confidence"]),
+                torch.tensor(ours.round_figures["confidence"]),
+            )
         else:
-            assert ours.confidence == [] and static.confidence == []
+            assert ours.round_figures == {} and static.round_figures == {}
 
 
 def test_a_perfect_dspark_drafter_is_accepted_block_plus_one(monkeypatch):
@@ -208,7 +214,7 @@ def test_sampled_dspark_drafts_are_the_same_on_both_decoders():
     # predecessor), and sampling them leaves the target's own stream of choices as it is: this
     # untrained drafter is never accepted, so both write the same sampled output.
     argmax_drafts = speculative_generate(target, drafter, prompt, DecodeSettings(30, temperature=1.5, seed=4))
-    assert argmax_drafts.confidence != ours.confidence
+    assert argmax_drafts.round_figures["confidence"] != ours.round_figures["confidence"]
     assert set(ours.accepted_drafts) == set(argmax_drafts.accepted_drafts) == {0}
     assert argmax_drafts.output_ids == ours.output_ids
 
@@ -250,9 +256,15 @@ def test_dspark_on_a_hybrid_target_equals_plain_greedy_and_exports(arch, request
 def test_the_confidence_tally_sets_predicted_beside_measured_acceptance():
     tally = ConfidenceTally(drafts=3)
     tally.add(
-        DecodeResult(output_ids=[], accepted_drafts=[0, 3], confidence=[[0.5, 0.5, 1.0], [1.0, 0.8, 0.5]])
+        DecodeResult(
+            output_ids=[],
+            accepted_drafts=[0, 3],
+            round_figures={"confidence": [[0.5, 0.5, 1.0], [1.0, 0.8, 0.5]]},
+        )
     )
-    tally.add(DecodeResult(output_ids=[], accepted_drafts=[2], confidence=[[0.9, 1.0, 0.0]]))
+    tally.add(
+        DecodeResult(output_ids=[], accepted_drafts=[2], round_figures={"confidence": [[0.9, 1.0, 0.0]]})
+    )
     tally.add(DecodeResult(output_ids=[], accepted_drafts=[1]))  # no confidence head: not counted
     fields = tally.fields()
     # survival products per round: [.5 .25 .25], [1 .8 .4], [.9 .9 0]
@@ -264,21 +276,36 @@ def test_the_confidence_tally_sets_predicted_beside_measured_acceptance():
     assert ConfidenceTally(drafts=3).fields() == {}
 
 
-def test_the_evaluation_reports_the_confidence_head_beside_the_acceptance():
-    target = tiny_target()
-    drafter = loud_markov(tiny_dspark(target))
-    prompts = PromptSet("random", [torch.randint(0, 500, (8,)).tolist() for _ in range(2)])
-    decoders = Decoders.build(target, drafter, max_len=8 + 20, graphs=False)
-    result = evaluate_set(
+def evaluated(
+    target: FrozenTarget,
+    decoders: Decoders,
+    drafter: DFlashDrafter,
+    prompts: PromptSet,
+    *,
+    temperature: float = 0.0,
+    journal: EvalJournal | None = None,
+) -> BenchmarkResult:
+    """A prompt set through `evaluate_set` by `drafter`'s decoders: untimed, 20 new tokens, seed 0."""
+    return evaluate_set(
         target,
         decoders,
         prompts,
         block_size=drafter.block_size,
-        drafts=drafter.block_size,
+        drafter=drafter,
         max_new_tokens=20,
-        temperature=0.0,
+        temperature=temperature,
         seed=0,
         timing=False,
+        journal=journal,
+    )
+
+
+def test_the_evaluation_reports_the_confidence_head_beside_the_acceptance():
+    target = tiny_target()
+    drafter = loud_markov(tiny_dspark(target))
+    prompts = PromptSet("random", [torch.randint(0, 500, (8,)).tolist() for _ in range(2)])
+    result = evaluated(
+        target, Decoders.build(target, drafter, max_len=8 + 20, graphs=False), drafter, prompts
     )
     assert result.lossless_frac == 1.0
     assert len(result.acceptance_histogram) == drafter.block_size + 2  # up to B + 1 per round

@@ -646,6 +646,37 @@ def test_a_resume_under_other_settings_or_with_timing_or_a_changed_prompt_is_ref
     assert by_name == {"math": 3, "chat": 2}
 
 
+def test_a_journal_written_with_each_variant_figure_as_a_field_resumes_with_them_as_round_figures(tmp_path):
+    """Journals kept every variant's per-round figures as fields of the decode result, empty where
+    the drafter recorded none: a resume reads the recorded ones as round figures, and refuses a
+    line whose extra field is no per-round list, naming the line."""
+    from dflash.eval.journal import JOURNAL_KIND, EvalJournal, prompt_digest, read_outcomes
+
+    earlier = {
+        "output_ids": [4, 5, 6],
+        "acceptance_lengths": [2, 1],
+        "accepted_drafts": [1, 0],
+        "confidence": [[0.9, 0.5], [0.4, 0.2]],
+        "selector_changed": [],
+        "selector_changed_accepted": [],
+        "selector_changed_unary_right": [],
+    }
+    row = {"benchmark": "set", "temperature": 0.0, "index": 0, "prompt_digest": prompt_digest([1, 2])}
+    header = json.dumps({"journal": JOURNAL_KIND, "settings": {"seed": 0}})
+    path = tmp_path / "eval.prompts.jsonl"
+    line = {**row, "result": earlier, "identical": True, "divergence": None}
+    path.write_text(f"{header}\n{json.dumps(line)}\n")
+    journal = EvalJournal(path, {"seed": 0}, resume=True)
+    resumed = journal.outcome("set", 0.0, 0, [1, 2])
+    journal.close()
+    assert resumed.result.round_figures == {"confidence": [[0.9, 0.5], [0.4, 0.2]]}
+    assert resumed.result.accepted_drafts == [1, 0] and resumed.identical is True
+    bad = {**line, "result": {**earlier, "confidence": 0.5}}
+    path.write_text(f"{header}\n{json.dumps(bad)}\n{json.dumps(line)}\n")
+    with pytest.raises(ValueError, match=r"eval.resume: .*eval.prompts.jsonl:2 is not a prompt outcome"):
+        read_outcomes(path)
+
+
 # Untimed greedy references decoded together (eval.reference_slots): the same outputs as one
 # prompt at a time, so the same figures.
 def test_references_decoded_together_equal_each_prompts_plain_greedy_output():

@@ -198,8 +198,8 @@ def test_graphed_dspark_rounds_equal_eager_ones_greedy_and_sampled():
     assert greedy.output_ids == plain_generate(target, prompt, DecodeSettings(40)).output_ids
     assert greedy.acceptance_lengths == eager.speculative(prompt, DecodeSettings(40)).acceptance_lengths
     torch.testing.assert_close(
-        torch.tensor(greedy.confidence),
-        torch.tensor(eager.speculative(prompt, DecodeSettings(40)).confidence),
+        torch.tensor(greedy.round_figures["confidence"]),
+        torch.tensor(eager.speculative(prompt, DecodeSettings(40)).round_figures["confidence"]),
     )
     sampled = graphed.speculative(prompt, DecodeSettings(40, temperature=1.0, seed=2), sampled_drafts=True)
     assert (
@@ -231,13 +231,14 @@ def test_graphed_dflash2_rounds_equal_eager_ones_greedy_and_sampled():
     eager_greedy = eager.speculative(prompt, DecodeSettings(40))
     assert greedy.output_ids == plain_generate(target, prompt, DecodeSettings(40)).output_ids
     assert greedy.acceptance_lengths == eager_greedy.acceptance_lengths
-    assert greedy.selector_changed == eager_greedy.selector_changed and sum(greedy.selector_changed) > 0
+    assert greedy.round_figures == eager_greedy.round_figures
+    assert sum(greedy.round_figures["selector_changed"]) > 0
     sampled = graphed.speculative(prompt, DecodeSettings(40, temperature=1.0, seed=2), sampled_drafts=True)
     eager_sampled = eager.speculative(
         prompt, DecodeSettings(40, temperature=1.0, seed=2), sampled_drafts=True
     )
     assert sampled.output_ids == eager_sampled.output_ids
-    assert sampled.selector_changed == eager_sampled.selector_changed
+    assert sampled.round_figures == eager_sampled.round_figures
     assert graphed.captures == 12
 
 

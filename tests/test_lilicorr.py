@@ -534,7 +534,7 @@ def test_both_decoders_draft_the_walk_from_the_context_row_before_each_anchor(mo
         rows.clear()
         result = decode()
         assert result.output_ids == plain
-        assert sum(result.selector_changed) > 0
+        assert sum(result.round_figures["selector_changed"]) > 0
         with torch.no_grad():
             context = drafter.context(target.features(torch.tensor([prompt + plain])))[0]
         anchors = [len(prompt) + sum(result.acceptance_lengths[:r]) for r in range(len(rows))]

@@ -23,6 +23,10 @@ from dflash.decoding.reference import plain_generate, speculative_generate
 from dflash.decoding.settings import DecodeSettings
 from dflash.drafters.backbone import DFlashDrafter
 from dflash.drafters.drafter_registry import register_drafter, registered_drafters
+from dflash.eval.evaluate import Decoders
+from dflash.eval.journal import EvalJournal
+from dflash.eval.prompt_sets import PromptSet
+from dflash.eval.results import BenchmarkResult, EvalReport
 from dflash.export import export_registry as registry
 from dflash.export.contract import check_export
 from dflash.export.export_registry import export_for, layout_of, register_export, registered_exports
@@ -40,19 +44,46 @@ from dflash.tools.export import main as export_main
 from tests.test_dflash2_decoding import RoundRecorder, prompt_of
 from tests.test_dflash2_export import same_weights, tiny_dflash2
 from tests.test_dflash_rules import tiny_drafter, tiny_drafter_config, tiny_target
+from tests.test_dspark_decoding import evaluated
 from tests.test_dspark_export import tiny_dspark
 from tests.test_export_bytes import DRAFTERS, moved
 from tests.test_lilicorr import tiny_lilicorr
 
 
+class MarginTally:
+    """The Margin head's round figure over an evaluation: the mean margin of the drafts the
+    target accepted and of those it rejected (a margin worth reading separates the two)."""
+
+    figures: ClassVar[tuple[str, ...]] = ("margins",)
+
+    def __init__(self, drafts: int):
+        self.accepted: list[float] = []
+        self.rejected: list[float] = []
+
+    def add(self, result: Any) -> None:
+        for margins, accepted in zip(result.round_figures.get("margins", []), result.accepted_drafts):
+            self.accepted += margins[:accepted]
+            self.rejected += margins[accepted:]
+
+    def fields(self) -> dict[str, Any]:
+        if not self.accepted and not self.rejected:
+            return {}
+        return {
+            "margin_accepted": round(sum(self.accepted) / len(self.accepted), 4) if self.accepted else None,
+            "margin_rejected": round(sum(self.rejected) / len(self.rejected), 4) if self.rejected else None,
+        }
+
+
 @register_drafter
 class MarginDrafter(DFlashDrafter):
     """A trivial head: DFlash's drafts, and beside them each draft's logit margin over the
-    runner-up (what a confidence head would learn to predict), recorded per round."""
+    runner-up (what a confidence head would learn to predict), recorded per round and tallied
+    by its own `MarginTally`."""
 
     variant_name: ClassVar[str] = "test_margin"
     display_name: ClassVar[str] = "Margin"
     round_extra: ClassVar[str | None] = "margin"
+    round_tally = MarginTally
 
     @classmethod
     def describes(cls, config: Any) -> bool:
@@ -66,7 +97,7 @@ class MarginDrafter(DFlashDrafter):
 
     def add_round_figures(self, result: Any, extra: list | None, **outcome: Any) -> None:
         if extra is not None:
-            result.__dict__.setdefault("margins", []).append(extra)
+            result.record_round({"margins": extra})
 
 
 class MarginExport(VariantExport):
@@ -128,12 +159,14 @@ def test_a_variant_decodes_losslessly_alike_and_exports_round_trip(name, monkeyp
     prompts = [prompt_of(seed, 6 + 5 * seed) for seed in range(2)]
     rounds, results = decode(target, drafter, monkeypatch, prompts)
     if name == "test_margin":  # the hook ran: an out-of-package variant's figures are recorded
-        assert all(len(ours.margins) == len(ours.acceptance_lengths) for ours, _ in results)
+        assert all(len(ours.round_figures["margins"]) == len(ours.acceptance_lengths) for ours, _ in results)
     for ours, static in results:
-        # The variant's own per-round figures reach both decoders' results alike.
-        for figure in ("confidence", "selector_changed", "margins"):
-            mine, theirs = getattr(ours, figure, []), getattr(static, figure, [])
-            torch.testing.assert_close(torch.tensor(theirs), torch.tensor(mine))
+        # The variant's own per-round figures reach both decoders' results alike, under the
+        # names its tally reads.
+        assert ours.round_figures.keys() == static.round_figures.keys()
+        assert set(ours.round_figures) <= set(getattr(drafter.round_tally, "figures", ()))
+        for figure, mine in ours.round_figures.items():
+            torch.testing.assert_close(torch.tensor(static.round_figures[figure]), torch.tensor(mine))
     export_drafter(drafter, tmp_path / name)
     loaded = load_drafter(tmp_path / name).eval()
     assert type(loaded) is type(drafter)
@@ -161,6 +194,55 @@ def test_a_variants_export_is_claimed_by_its_own_rules_alone(name, tmp_path):
         if spec.drafter is not DFlashDrafter and spec.describes(config)
     ]
     assert claims == ([] if type(drafter) is DFlashDrafter else [drafter.variant_name])
+
+
+def test_a_plugin_variants_round_figures_reach_the_evaluation_result_and_resume_from_its_journal(tmp_path):
+    """The Margin head's per-round figure, recorded by its own hook and summed by its own tally,
+    reaches the evaluation's result and report with nothing in dflash/ naming it; its journal
+    keeps the figure, so a resumed evaluation reports the same."""
+    target = tiny_target()
+    drafter = margin_drafter(target).eval()
+    prompts = PromptSet("random", [prompt_of(seed, 8) for seed in range(3)])
+    decoders = Decoders.build(target, drafter, max_len=8 + 20, graphs=False)
+    journal_file = tmp_path / "eval.prompts.jsonl"
+
+    def journaled(journal: EvalJournal) -> BenchmarkResult:
+        result = evaluated(target, decoders, drafter, prompts, journal=journal)
+        journal.close()
+        return result
+
+    result = journaled(EvalJournal(journal_file, {}, resume=False))
+    # The figures are the decodes' own: recount them from the reference decoder's rounds.
+    accepted, rejected = [], []
+    for prompt in prompts.prompts:
+        decoded = speculative_generate(target, drafter, prompt, DecodeSettings(20))
+        for margins, kept in zip(decoded.round_figures["margins"], decoded.accepted_drafts):
+            accepted += margins[:kept]
+            rejected += margins[kept:]
+    assert rejected  # an untrained head: its drafts are mostly rejected, maybe all
+    assert result.variant_figures == {
+        "margin_accepted": round(sum(accepted) / len(accepted), 4) if accepted else None,
+        "margin_rejected": round(sum(rejected) / len(rejected), 4),
+    }
+    assert (
+        result.lossless_frac == 1.0 and result.confidence_tau is None and result.selector_change_frac is None
+    )
+    report = EvalReport(results=[result])
+    assert report.to_json()["results"][0]["variant_figures"] == result.variant_figures
+    assert report.metrics()["eval/random/margin_rejected"] == result.variant_figures["margin_rejected"]
+    figures = result.variant_figures
+    cells = f"margin_accepted {figures['margin_accepted']}  margin_rejected {figures['margin_rejected']}"
+    assert f"  random t=0  {cells}" in report.table().splitlines()
+    resumed = EvalJournal(journal_file, {}, resume=True)
+    assert journaled(resumed) == result and resumed.taken == len(prompts.prompts)
+
+
+def test_a_round_tally_cannot_overwrite_a_figure_the_evaluation_fills_itself():
+    report = BenchmarkResult("set", 0.0, 1, 10, 2, 5.0, [0.0])
+    report.add_figures({"confidence_tau": 2.5, "margin": 1.0})
+    assert report.confidence_tau == 2.5 and report.variant_figures == {"margin": 1.0}
+    with pytest.raises(ValueError, match="round tally reports 'tau', a figure the evaluation fills itself"):
+        report.add_figures({"tau": 9.0})
 
 
 VERIFIER = {"name_or_path": "tiny", "architectures": ["Qwen3ForCausalLM"]}

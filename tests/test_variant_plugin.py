@@ -109,6 +109,56 @@ def test_no_variant_is_found_by_its_type_or_name_outside_its_own_files():
     )
 
 
+def figure_homes(name: str) -> set[str]:
+    """The modules (relative to dflash/) that define a variant's drafter class, its bases past
+    the backbone and its round tally: where its per-round figures are recorded and read."""
+    drafter = variants()[name]
+    classes = [cls for cls in drafter.__mro__ if cls.__module__.startswith("dflash.")]
+    if drafter.round_tally is not None:
+        classes.append(drafter.round_tally)
+    return {cls.__module__.removeprefix("dflash.").replace(".", "/") + ".py" for cls in classes}
+
+
+def figure_offences(source: str, relative: str, figures: dict[str, set[str]]) -> list[str]:
+    """Where the module at `relative` reads or spells a variant's per-round figure (`figures`:
+    figure name -> the variants recording it), as a string or an attribute, outside those
+    variants' own files and the modules that record and tally it: shared code that knows a
+    variant's figures."""
+    found = []
+    for node in ast.walk(ast.parse(source, filename=relative)):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str):
+            spelled = node.value
+        elif isinstance(node, ast.Attribute):
+            spelled = node.attr
+        else:
+            continue
+        owners = figures.get(spelled, set())
+        if owners and not any(is_own(relative, owner) or relative in figure_homes(owner) for owner in owners):
+            found.append(f"{relative}:{node.lineno}: the round figure {spelled!r} of {sorted(owners)}")
+    return found
+
+
+def test_no_variants_round_figure_is_read_outside_the_variant():
+    """The decoders carry, the journal keeps and the evaluation tallies a variant's per-round
+    figures by asking the drafter (`add_round_figures`, `round_tally`): none of them spells one."""
+    from tests.test_variant_contract import MarginDrafter  # registers a variant defined outside dflash/
+
+    figures: dict[str, set[str]] = {}
+    for name, drafter in variants().items():
+        for figure in getattr(drafter.round_tally, "figures", ()):
+            figures.setdefault(figure, set()).add(name)
+    assert {"confidence", "selector_changed", *MarginDrafter.round_tally.figures} <= set(figures)
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE).as_posix()
+        if relative not in REGISTRIES:
+            found += figure_offences(path.read_text(), relative, figures)
+    assert not found, found
+    # The scan itself: a decoder appending a figure, a tally reading one by its string.
+    probe = 'def probe(result, extra):\n    result.confidence.append(extra)\n    return result.round_figures["selector_changed"]\n'
+    assert len(figure_offences(probe, "decoding/reference.py", figures)) == 2
+
+
 def test_the_guard_sees_a_type_test_and_a_name():
     """The scan itself: a module testing a variant's class, or naming it, is reported; the
     variant's own files may."""

@@ -33,7 +33,8 @@ a Gumbel-max sample from them (noise drawn per round from a generator of its own
 target's choices draw the same stream as without it). Verification is the same: a round
 verifies [anchor, B drafts] and produces up to B + 1 tokens. With a confidence head, each draft
 also gets the head's probability that it is accepted given that every draft before it was
-(`DecodeResult.confidence`), to set beside the acceptance measured (`accepted_drafts`).
+(a round figure, `DecodeResult.round_figures`), to set beside the acceptance measured
+(`accepted_drafts`).
 
 A DFlash2 drafter (dflash.drafters.dflash2) drafts B-1 tokens from one block forward as DFlash does,
 then its candidate selector walks the draft positions left to right: each position's top-K
@@ -42,12 +43,14 @@ given the token chosen before it (the anchor first), the argmax of the scores or
 `sampled_drafts` at a temperature > 0, a Gumbel-max sample over the K candidates (the same noise
 rows DSpark reads, one per position, taken at the candidates' ids). Verification is DFlash's.
 Each round also records where the selector's token differs from the unary argmax (what plain
-DFlash would have drafted) and how those drafts fared (`DecodeResult.selector_changed` ...).
+DFlash would have drafted) and how those drafts fared (round figures, `DecodeResult.round_figures`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from transformers import DynamicCache
@@ -74,38 +77,15 @@ class DecodeResult:
     acceptance_lengths: list[int] = field(default_factory=list)
     # Per round: drafts accepted (before the bonus; not cut by max_new_tokens or a stop token).
     accepted_drafts: list[int] = field(default_factory=list)
-    # DSpark with a confidence head, per round: each draft's predicted probability of acceptance
-    # given that every draft before it was accepted (sigmoid of the head's logit).
-    confidence: list[list[float]] = field(default_factory=list)
-    # DFlash2, per round (`selector_outcome`): draft positions where the selector's token is not
-    # the unary argmax; how many of those drafts were accepted; at how many of them the unary
-    # token was the target's choice (a rejected change that keeping the unary token would have
-    # had accepted).
-    selector_changed: list[int] = field(default_factory=list)
-    selector_changed_accepted: list[int] = field(default_factory=list)
-    selector_changed_unary_right: list[int] = field(default_factory=list)
+    # Per round, the drafter's own figures by name (`DFlashDrafter.add_round_figures`: a DSpark
+    # confidence head's survival probabilities, a DFlash2 selector's changes): one entry per
+    # round that recorded the figure; tallied by the drafter's `round_tally`.
+    round_figures: dict[str, list] = field(default_factory=dict)
 
-    def add_selector_round(
-        self, *, draft: list[int], unary: list[int], choices: list[int], accepted: int
-    ) -> None:
-        changed, changed_accepted, unary_right = selector_outcome(
-            draft=draft, unary=unary, choices=choices, accepted=accepted
-        )
-        self.selector_changed.append(changed)
-        self.selector_changed_accepted.append(changed_accepted)
-        self.selector_changed_unary_right.append(unary_right)
-
-
-def selector_outcome(
-    *, draft: list[int], unary: list[int], choices: list[int], accepted: int
-) -> tuple[int, int, int]:
-    """One DFlash2 round's selector figures: (positions where the draft is not the unary argmax,
-    those among the `accepted` drafts, and those where the unary token equals the target's
-    choice). Only the first rejected position can be the last kind: before it every draft is the
-    target's choice, and after it the target chose given another prefix."""
-    changed = [d != u for d, u in zip(draft, unary)]
-    unary_right = accepted < len(draft) and unary[accepted] == choices[accepted]
-    return sum(changed), sum(changed[:accepted]), int(unary_right)
+    def record_round(self, figures: Mapping[str, Any]) -> None:
+        """One round's figures, each appended to the list of its name."""
+        for name, value in figures.items():
+            self.round_figures.setdefault(name, []).append(value)
 
 
 def gumbel_noise(generator: torch.Generator, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:

@@ -25,6 +25,7 @@ from transformers.models.qwen3.modeling_qwen3 import (
 
 from dflash.config.schema import DrafterConfig, LayerType
 from dflash.drafters.rope import rotate
+from dflash.drafters.round_tally import DecodedRounds, RoundTally
 from dflash.torch_runtime.compile import compile_shared
 
 # Qwen3 fields a drafter copies from its target (hidden size must match: KV injection and the
@@ -222,25 +223,19 @@ def differing_fields(
     ]
 
 
-class PickRecorder:
-    """For a drafter whose head re-picks among the backbone's candidates (DFlash2's selector,
-    LiLiCorr's lattice walk): `draft_block`'s extra is the backbone's own argmax ("unary"), and
-    each round records where the pick changed it and how those drafts fared (the decode result's
-    selector tallies). Listed before DFlashDrafter in the drafter's bases."""
-
-    round_extra: ClassVar[str | None] = "unary"
-
-    def add_round_figures(self, result: Any, extra: list | None, **outcome: Any) -> None:
-        """Where the head changed the backbone's argmax, and how those drafts fared."""
-        if extra is not None:
-            result.add_selector_round(unary=extra, **outcome)
-
-
 class DFlashDrafter(nn.Module):
     """The DFlash backbone, and the decoding interface every drafter variant answers (a variant
     subclasses it and overrides what it drafts differently; the decoders, export and reports ask
     the object, never its class): `drafts_per_block`, `verify_len`, `samples_drafts`,
-    `draft_block` and `add_round_figures`."""
+    `draft_block` and `add_round_figures`.
+
+    Per-round figures: `draft_block` may return an extra beside the drafts (`round_extra` names
+    it); after each round the decoders hand it, read to the host, with the round's outcome to
+    `add_round_figures`, which records the variant's figures on the decode result by name
+    (`result.record_round({name: value})`; the result keeps one list per name). `round_tally`
+    names the class that sums those figures over an evaluation's decodings and turns them into
+    the evaluation result's fields (dflash.drafters.round_tally.RoundTally); the evaluation asks
+    the drafter for it, so a variant defined anywhere records and reports its own figures."""
 
     # The variant's registered name (dflash.drafters.drafter_registry).
     variant_name: ClassVar[str] = "dflash"
@@ -261,6 +256,8 @@ class DFlashDrafter(nn.Module):
     # What the second output of `draft_block` is, by the name the reference decoder's context
     # exposes it under (None: the variant returns none).
     round_extra: ClassVar[str | None] = None
+    # The tally of the figures `add_round_figures` records (None: it records none).
+    round_tally: ClassVar[type[RoundTally] | None] = None
     # Submodules a subclass adds to the DFlash backbone, by attribute name (found anywhere in a
     # parameter's dotted name): a DFlash drafter's weights warm-starting the subclass
     # (drafter.init_from) hold none of them, and they keep their fresh init.
@@ -496,9 +493,10 @@ class DFlashDrafter(nn.Module):
         # The drafter may run in fp32 (master weights) in front of a bf16 target head.
         return lm_head(hidden_1BH.to(lm_head.weight.dtype))[0, 1:].argmax(-1), None
 
-    def add_round_figures(self, result: Any, extra: list | None, **outcome: Any) -> None:
-        """Record a round's variant figures on the decode `result` from `draft_block`'s extra
-        (read to the host) and the round's `draft`, `choices` and `accepted`. None here."""
+    def add_round_figures(self, result: DecodedRounds, extra: list | None, **outcome: Any) -> None:
+        """Record a round's variant figures on the decode `result` (`record_round`) from
+        `draft_block`'s extra (read to the host) and the round's `draft`, `choices` and
+        `accepted`, under the names its `round_tally` reads. None here."""
 
     def forward(
         self,

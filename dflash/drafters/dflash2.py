@@ -36,7 +36,8 @@ import torch.nn.functional as F
 from torch import nn
 from transformers import Qwen3Config
 
-from dflash.drafters.backbone import DFlashDrafter, PickRecorder, differing_fields
+from dflash.drafters.backbone import DFlashDrafter, differing_fields
+from dflash.drafters.pick_recorder import PickRecorder
 
 DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
 # dflash_config keys of a DFlash2 drafter (the released config.json's names), beside DFlash's.

@@ -31,6 +31,8 @@ from torch import nn
 from transformers import Qwen3Config
 
 from dflash.drafters.backbone import DFlashDrafter, differing_fields
+from dflash.drafters.dspark_tally import CONFIDENCE, ConfidenceTally
+from dflash.drafters.round_tally import DecodedRounds
 
 # The reference's head types; any other `markov_head_type` is the import path of a user's class.
 MARKOV_HEAD_TYPES = ("vanilla", "gated", "rnn")
@@ -211,6 +213,7 @@ class DSparkDrafter(DFlashDrafter):
     records_num_anchors = True
     samples_drafts = True
     round_extra = "confidence"
+    round_tally = ConfidenceTally
     described_by = "markov_rank (dflash.drafters.dspark.add_dspark_fields)"
 
     def __init__(self, config: Qwen3Config):
@@ -311,10 +314,10 @@ class DSparkDrafter(DFlashDrafter):
         previous = torch.cat([anchor_1.view(1), tokens_1B[0, :-1]])  # the token before each draft
         return tokens_1B[0], torch.sigmoid(self.confidence_logits(hidden_1BH[0], previous))
 
-    def add_round_figures(self, result: Any, extra: list | None, **outcome: Any) -> None:
-        """The round's survival probabilities, beside the acceptance measured."""
+    def add_round_figures(self, result: DecodedRounds, extra: list | None, **outcome: Any) -> None:
+        """The round's survival probabilities, beside the acceptance measured (ConfidenceTally)."""
         if extra is not None:
-            result.confidence.append(extra)
+            result.record_round({CONFIDENCE: extra})
 
     @classmethod
     def describes(cls, config: Any) -> bool:

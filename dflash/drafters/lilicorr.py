@@ -42,8 +42,9 @@ from torch import nn
 from transformers import Qwen3Config
 from transformers.models.qwen3.modeling_qwen3 import Qwen3RMSNorm
 
-from dflash.drafters.backbone import DFlashDrafter, PickRecorder, differing_fields
+from dflash.drafters.backbone import DFlashDrafter, differing_fields
 from dflash.drafters.dflash2 import DFlash2Drafter, GroupedDynamicConv, conv_problems
+from dflash.drafters.pick_recorder import PickRecorder
 
 CONV_MODULES = ("attention_conv", "mlp_conv")
 

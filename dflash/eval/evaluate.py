@@ -257,24 +257,23 @@ def evaluate_set(
     warmup_prompts: int = 0,
     should_stop: Callable[[], bool] | None = None,
     on_prompt: PromptDone | None = None,
-    drafts: int | None = None,
+    drafter: DFlashDrafter | None = None,
     journal: EvalJournal | None = None,
 ) -> BenchmarkResult:
     """Decode every prompt of the set with DFlash (and plainly when a reference or timing needs
     it); `should_stop` is asked before each prompt, and the result covers the prompts done;
-    `on_prompt` hears of each prompt as it finishes. `drafts`: tokens the drafter proposes per
-    round (a round produces up to drafts + 1); None: block_size - 1, a DFlash drafter's.
+    `on_prompt` hears of each prompt as it finishes. `drafter`: the one decoding, whose drafts per
+    round and per-round figures the result reports (None: block_size - 1 drafts, no figures).
     `journal`: each prompt's outcome is recorded there, and a prompt it already holds is taken
     from it instead of decoded (a resumed evaluation: its time figures would cover only the
     prompts decoded here, so dflash-eval refuses a resume with timing)."""
-    drafts = block_size - 1 if drafts is None else drafts
     stop = prompt_set.stop_ids | target_eos_ids(target)
     settings = DecodeSettings(max_new_tokens, temperature=temperature, seed=seed, stop_ids=stop)
     for prompt in prompt_set.prompts[:warmup_prompts] if timing else []:
         decoders.speculative(prompt, settings)
         decoders.plain(prompt, settings)
     decoding = _SetDecoding(target, decoders, prompt_set, settings=settings, timing=timing, journal=journal)
-    tally = OutcomeTally(drafts)
+    tally = OutcomeTally(block_size - 1) if drafter is None else OutcomeTally.of(drafter)
     for index, prompt in enumerate(prompt_set.prompts):
         if should_stop is not None and should_stop():
             break
@@ -491,7 +490,7 @@ def evaluate(
                     decoders,
                     prompt_set,
                     block_size=drafter.block_size,
-                    drafts=drafter.drafts_per_block,
+                    drafter=drafter,
                     max_new_tokens=cfg.max_new_tokens,
                     temperature=temperature,
                     seed=cfg.seed,

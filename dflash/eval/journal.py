@@ -53,10 +53,27 @@ class PromptOutcome:
     def from_json(cls, row: dict[str, Any]) -> PromptOutcome:
         divergence = row["divergence"]
         return cls(
-            result=DecodeResult(**row["result"]),
+            result=decode_result(row["result"]),
             identical=row["identical"],
             divergence=(int(divergence[0]), float(divergence[1])) if divergence is not None else None,
         )
+
+
+def decode_result(recorded: dict[str, Any]) -> DecodeResult:
+    """A journal line's decode result. A journal written before a decoding kept its variant's
+    per-round figures under `round_figures` held each figure as a field of its own beside the
+    acceptance, every variant's in every line (empty where the drafter records none): each of
+    those that holds rounds becomes the round figure of its name, so such a journal resumes."""
+    known = {field.name for field in dataclasses.fields(DecodeResult)}
+    result = DecodeResult(**{name: value for name, value in recorded.items() if name in known})
+    for name, rounds in recorded.items():
+        if name in known:
+            continue
+        if not isinstance(rounds, list):
+            raise TypeError(f"{name!r} is no per-round figure")
+        if rounds:
+            result.round_figures[name] = rounds
+    return result
 
 
 class EvalJournal:

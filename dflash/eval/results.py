@@ -4,10 +4,15 @@ metrics for the monitor and summary, a table for people, JSON for files."""
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 import numpy as np
+
+
+def tallied() -> Any:
+    """A field a drafter's round tally may fill (`BenchmarkResult.add_figures`); None until it does."""
+    return field(default=None, metadata={"tallied": True})
 
 
 @dataclass
@@ -31,23 +36,48 @@ class BenchmarkResult:
     round_cost: float | None = None  # a DFlash round's time in plain decoding steps (no prefill)
     prefill_ms: float | None = None  # the target's prefill of a prompt, the mean, timed apart
     timing_device: str | None = None
-    # A DSpark drafter with a confidence head (dflash.eval.tally.ConfidenceTally), per block
+    # A drafter's per-round figures, as its `round_tally` reports them: each onto the field of
+    # its name below where there is one (the built-in variants', `tallied`), the others in
+    # `variant_figures`.
+    # A DSpark drafter with a confidence head (dflash.drafters.dspark_tally.ConfidenceTally), per block
     # position k: the head's predicted probability that draft k is accepted, and the share of
     # rounds that accepted it; and 1 + the expected accepted drafts by each.
-    confidence_by_position: list[float] | None = None
-    accepted_by_position: list[float] | None = None
-    confidence_tau: float | None = None
-    accepted_tau: float | None = None
-    # A DFlash2 drafter (dflash.eval.tally.SelectorTally): the share of draft positions where
+    confidence_by_position: list[float] | None = tallied()
+    accepted_by_position: list[float] | None = tallied()
+    confidence_tau: float | None = tallied()
+    accepted_tau: float | None = tallied()
+    # A DFlash2 drafter (dflash.drafters.pick_recorder.SelectorTally): the share of draft positions where
     # its candidate selector drafted another token than the unary argmax; of those drafts, the
     # share accepted and the share rejected where the unary token was the target's choice.
-    selector_change_frac: float | None = None
-    selector_change_accepted_frac: float | None = None
-    selector_change_unary_frac: float | None = None
+    selector_change_frac: float | None = tallied()
+    selector_change_accepted_frac: float | None = tallied()
+    selector_change_unary_frac: float | None = tallied()
+    # Another variant's figures, by the names its round tally gives them.
+    variant_figures: dict[str, Any] = field(default_factory=dict)
 
+    def add_figures(self, figures: dict[str, Any]) -> None:
+        """A drafter's round-tally fields (`RoundTally.fields`): each onto this result's `tallied`
+        field of that name where it has one, else into `variant_figures`."""
+        declared = {f.name: f.metadata.get("tallied", False) for f in fields(self)}
+        for name, value in figures.items():
+            if name not in declared:
+                self.variant_figures[name] = value
+            elif declared[name]:
+                setattr(self, name, value)
+            else:
+                raise ValueError(
+                    f"a drafter's round tally reports {name!r}, a figure the evaluation fills itself"
+                )
 
-# BenchmarkResult's DFlash2 selector figures, each also a per-benchmark metric of that name.
-SELECTOR_FIGURES = ("selector_change_frac", "selector_change_accepted_frac", "selector_change_unary_frac")
+    def tallied_figures(self) -> dict[str, Any]:
+        """What the drafter's round tally filled: its `tallied` fields holding a value, then
+        `variant_figures`. Each number among them is also a per-benchmark metric of its name."""
+        filled = {
+            f.name: getattr(self, f.name)
+            for f in fields(self)
+            if f.metadata.get("tallied") and getattr(self, f.name) is not None
+        }
+        return {**filled, **self.variant_figures}
 
 
 def acceptance_figures(lengths: list[int], *, slots: int = 0) -> tuple[float, list[float]]:
@@ -90,7 +120,8 @@ class EvalReport:
 
     def metrics(self) -> dict[str, float]:
         """Flat floats for the monitor / summary: eval/tau and eval/lossless_frac over the
-        greedy results, per-benchmark eval/<name>/tau, the pooled acceptance histogram."""
+        greedy results, per-benchmark eval/<name>/tau (and each number the drafter's round tally
+        reports, `tallied_figures`), the pooled acceptance histogram."""
         greedy = self.greedy() or self.results
         if not greedy:
             return {"eval/num_prompts": 0.0}
@@ -115,12 +146,9 @@ class EvalReport:
                 out[f"eval/{r.benchmark}/round_cost{suffix}"] = r.round_cost
             if r.prefill_ms is not None:
                 out[f"eval/{r.benchmark}/prefill_ms{suffix}"] = r.prefill_ms
-            if r.confidence_tau is not None:
-                out[f"eval/{r.benchmark}/confidence_tau{suffix}"] = r.confidence_tau
-                out[f"eval/{r.benchmark}/accepted_tau{suffix}"] = r.accepted_tau
-            for name in SELECTOR_FIGURES:
-                if getattr(r, name) is not None:
-                    out[f"eval/{r.benchmark}/{name}{suffix}"] = getattr(r, name)
+            for name, value in r.tallied_figures().items():
+                if isinstance(value, (int, float)) and not isinstance(value, bool):
+                    out[f"eval/{r.benchmark}/{name}{suffix}"] = value
         counts = sum(np.array(r.acceptance_histogram) * r.verifications for r in greedy)
         pooled = counts / max(1, sum(r.verifications for r in greedy))
         for k in range(1, len(pooled)):
@@ -184,6 +212,13 @@ class EvalReport:
                     f"accepted {_share(r.selector_change_accepted_frac)}  "
                     f"unary right {_share(r.selector_change_unary_frac)}"
                 )
+        reporting = [r for r in self.results if r.variant_figures]
+        if reporting:
+            rows.append("")
+            rows.append("the drafter's own figures:")
+            for r in reporting:
+                cells = "  ".join(f"{name} {value}" for name, value in r.variant_figures.items())
+                rows.append(f"  {r.benchmark} t={r.temperature:g}  {cells}")
         return "\n".join(rows)
 
     def lossless_line(self) -> str | None:

@@ -1,0 +1,38 @@
+"""What a drafter variant's per-round figures are recorded on, and how an evaluation tallies them
+(the contract `DFlashDrafter.round_tally` and `add_round_figures` answer; written out in
+DFlashDrafter's docstring). The evaluation sums every prompt's decoding into one tally of the
+drafter's own class and reports its fields beside tau, never asking which variant drafted.
+
+Nothing here names a figure: each tally reads the figures its drafter records, under the names
+its `figures` lists."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any, ClassVar, Protocol
+
+
+class DecodedRounds(Protocol):
+    """A decoding's rounds as a tally reads them (dflash.decoding.reference.DecodeResult)."""
+
+    # Per round: drafts accepted (before the bonus).
+    accepted_drafts: list[int]
+    # Per figure name, one entry per round that recorded it.
+    round_figures: dict[str, list]
+
+    def record_round(self, figures: Mapping[str, Any]) -> None: ...
+
+
+class RoundTally(Protocol):
+    """A drafter's per-round figures over an evaluation's decodings at one temperature: built
+    with the drafter's drafts per round, `add` each decoding, `fields` the evaluation result's
+    figures ({} when no round recorded any)."""
+
+    # The round figures it reads, by the names the drafter records them under.
+    figures: ClassVar[tuple[str, ...]]
+
+    def __init__(self, drafts: int) -> None: ...
+
+    def add(self, result: DecodedRounds) -> None: ...
+
+    def fields(self) -> dict[str, Any]: ...
