@@ -481,7 +481,7 @@ def test_a_dflash2_checkpoint_with_other_convolutions_is_refused_before_weights_
 ):
     """The convolutions both variants have load from the source, so their shapes must agree: the
     preflight refuses another kernel or group in one line naming the run's key and the checkpoint
-    (the loader would fail on a torch size mismatch naming neither)."""
+    (the loader would stop later, at a tensor's shape, naming no key)."""
     from dflash.run.preflight import check_before_loading
 
     conv = [f"variant.conv_kernel_size={kernel}", f"variant.conv_group_size={group}"]

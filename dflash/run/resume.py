@@ -54,8 +54,8 @@ def variant_differences(saved: Qwen3Config, run_config: Qwen3Config, key: str) -
     key, saved value, run value). A resume, or a start from the same variant: every registered
     variant's fields. A warm start (`warm_starts_new_parts`): the run's variant's fields that the
     source records too, since the modules they shape load from it (DFlash2's convolutions
-    starting LiLiCorr's: another `conv_kernel_size` would pass here and fail in the loader as a
-    torch size mismatch naming no key). The fields only the run's variant adds (the source
+    starting LiLiCorr's: another `conv_kernel_size` would pass here and stop the loader at a
+    tensor's shape, naming no key). The fields only the run's variant adds (the source
     records none: None) shape the parts that start fresh; the source's own (DFlash2's selector)
     are left out with their modules."""
     if not warm_starts_new_parts(saved, run_config, key):
