@@ -23,6 +23,7 @@ from dflash.drafters.lilicorr import (
     greedy_walk,
 )
 from dflash.export.zlab import load_drafter
+from dflash.run.resume import check_resume_matches
 from dflash.run.runner import format_summary, variant_summary_lines
 from dflash.step.lilicorr_loss import lattice_terms, node_factors
 from dflash.step.lilicorr_variant import LiLiCorrVariant
@@ -31,7 +32,7 @@ from dflash.step.variant import DFlash2Variant
 from dflash.train import train
 from tests.conftest import FAST, compose_config
 from tests.test_cli import dflash
-from tests.test_dflash2_export import without_tensor
+from tests.test_dflash2_export import SLIDING, without_tensor, write_as_released
 from tests.test_dflash_rules import blocks_for, tiny_drafter_config
 from tests.test_dspark import tiny_target
 
@@ -491,6 +492,22 @@ def test_a_dflash2_checkpoint_with_other_convolutions_is_refused_before_weights_
     message = str(refused.value)
     assert message.startswith(f"drafter.init_from={dflash2_checkpoint} was trained for another drafter")
     assert f"({refusal})" in message and "\n" not in message
+
+
+def test_a_released_dflash2_checkpoint_that_scales_its_logits_does_not_start_lilicorr(tmp_path):
+    """A released DFlash2 drafter's backbone was trained under its logit transforms, which
+    LiLiCorr trains without (a 5x logit difference): the warm start is refused naming them, as a
+    DFlash2 run refuses it; the same checkpoint without them starts LiLiCorr+conv."""
+    target = tiny_target()
+    backbone = tiny_drafter_config(target, BLOCK, layer_types=SLIDING, sliding_window=8)
+    run_config = add_lilicorr_fields(backbone, conv_kernel_size=2, conv_group_size=16, **GEOMETRY)
+    write_as_released(tmp_path / "plain", unary=False)
+    check_resume_matches(tmp_path / "plain", run_config, {}, key="drafter.init_from")
+    write_as_released(tmp_path / "scaled")
+    with pytest.raises(
+        ValueError, match=r"dflash_config.output_multiplier .*: checkpoint 0.196.*this run None"
+    ):
+        check_resume_matches(tmp_path / "scaled", run_config, {}, key="drafter.init_from")
 
 
 def test_dflash_train_refuses_other_convolutions_in_one_line_and_exit_2(tmp_path, dflash2_checkpoint):

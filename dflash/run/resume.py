@@ -55,21 +55,22 @@ def variant_differences(saved: Qwen3Config, run_config: Qwen3Config, key: str) -
     variant's fields. A warm start (`warm_starts_new_parts`): the run's variant's fields that the
     source records too, since the modules they shape load from it (DFlash2's convolutions
     starting LiLiCorr's: another `conv_kernel_size` would pass here and stop the loader at a
-    tensor's shape, naming no key). The fields only the run's variant adds (the source
-    records none: None) shape the parts that start fresh; the source's own (DFlash2's selector)
-    are left out with their modules."""
+    tensor's shape, naming no key), and the source's fields that change what its backbone
+    computes (`backbone_differences`: a released DFlash2's logit transforms). The fields only the
+    run's variant adds (the source records none: None) shape the parts that start fresh; the
+    source's other own fields (DFlash2's selector) are left out with their modules."""
     if not warm_starts_new_parts(saved, run_config, key):
         return [
             difference
             for drafter_class in registered_drafters().values()
             for difference in drafter_class.config_differences(saved, run_config)
         ]
-    run_class = drafter_class_for(run_config)
-    return [
+    shared = [
         (field, old, new)
-        for field, old, new in run_class.config_differences(saved, run_config)
+        for field, old, new in drafter_class_for(run_config).config_differences(saved, run_config)
         if old is not None
     ]
+    return shared + drafter_class_for(saved).backbone_differences(saved, run_config)
 
 
 def _target_differences(
