@@ -572,6 +572,24 @@ def test_drafter_init_from_a_released_dflash2_checkpoint(tmp_path):
         check_resume_matches(plain, other, {}, key="drafter.init_from")
 
 
+def test_weights_of_other_shapes_are_refused_in_one_line_naming_the_tensor_and_the_file(tmp_path):
+    """The loader's net under the preflight's config comparison: a tensor of another shape than
+    the drafter's is one line naming it, both shapes, how many more differ and the file (torch's
+    own refusal is a line per tensor naming no file)."""
+    target = tiny_target()
+    narrower = tiny_dflash2(target, conv_kernel_size=2)
+    export_drafter(narrower, tmp_path / "k2")
+    wider = DFlash2Drafter(dflash2_config(target, conv_kernel_size=3))
+    with pytest.raises(ValueError) as refused:
+        load_drafter_weights(wider, tmp_path / "k2")
+    message = str(refused.value)
+    assert "\n" not in message and message.startswith(f"{tmp_path / 'k2' / 'model.safetensors'}: ")
+    first = "layers.0.attention_conv.base_kernel"
+    there, here = (list(drafter.state_dict()[first].shape) for drafter in (narrower, wider))
+    # Each of the 2 layers' 2 convolutions: its base kernel and its kernel projection.
+    assert f"tensor {first} is {there} there, {here} in the drafter (and 7 more tensors" in message
+
+
 def without_tensor(directory: Path, destination: Path, name: str) -> Path:
     """A copy of the drafter checkpoint `directory` whose model.safetensors lacks tensor `name`."""
     shutil.copytree(directory, destination)

@@ -509,6 +509,15 @@ def test_a_dflash_checkpoint_warm_starts_dspark_and_a_dspark_checkpoint_resumes(
         build_models(
             check_before_loading(make_cfg(DSPARK + [f"drafter.init_from={broken}"], tmp_path / "no"))
         )
+    # A backbone of another width is refused before any weights load, in one line naming the
+    # checkpoint, the width and the key that sets it (the heads, which start fresh, are not compared).
+    narrow = DSPARK + ["target.arch.hidden_size=32", f"drafter.init_from={plain['checkpoint']}"]
+    with pytest.raises(ValueError) as refused:
+        check_before_loading(make_cfg(narrow, tmp_path / "narrow"))
+    message = str(refused.value)
+    assert message.startswith(f"drafter.init_from={plain['checkpoint']} was trained for another drafter")
+    assert "target hidden size: checkpoint 64, this run 32" in message and "target.arch:" in message
+    assert "variant." not in message and "\n" not in message
     # Resumed mid-run (heads and their optimizer state included), the losses are the
     # uninterrupted run's, bitwise on CPU.
     every = ["train.total_steps=4", "logger.every_steps=1", "checkpoint.every_steps=2"]

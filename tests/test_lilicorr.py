@@ -23,13 +23,16 @@ from dflash.drafters.lilicorr import (
     greedy_walk,
 )
 from dflash.export.zlab import load_drafter
+from dflash.run.resume import check_resume_matches
 from dflash.run.runner import format_summary, variant_summary_lines
 from dflash.step.lilicorr_loss import lattice_terms, node_factors
 from dflash.step.lilicorr_variant import LiLiCorrVariant
 from dflash.step.step import split_final_state
 from dflash.step.variant import DFlash2Variant
 from dflash.train import train
-from tests.test_dflash2_export import without_tensor
+from tests.conftest import FAST, compose_config
+from tests.test_cli import dflash
+from tests.test_dflash2_export import SLIDING, without_tensor, write_as_released
 from tests.test_dflash_rules import blocks_for, tiny_drafter_config
 from tests.test_dspark import tiny_target
 
@@ -424,21 +427,29 @@ DFLASH2_RUN = ["variant=dflash2", "variant.selector_rank=16", "variant.selector_
 CONV = ["variant.conv_kernel_size=2", "variant.conv_group_size=16"]  # DFlash2's defaults at hidden 64
 
 
+@pytest.fixture(scope="module")
+def dflash2_checkpoint(tmp_path_factory, data_cache) -> Path:
+    """A DFlash2 drafter trained two steps (convolutions of kernel 2, group 16: `CONV`), the
+    source of the warm starts below."""
+    cfg = compose_config(
+        FAST + DFLASH2_RUN + ["train.total_steps=2"], tmp_path_factory.mktemp("d2"), data_cache
+    )
+    return Path(train(cfg)["checkpoint"])
+
+
 def test_a_dflash2_checkpoint_warm_starts_the_backbone_and_convolutions_without_its_selector(
-    make_cfg, tmp_path
+    make_cfg, tmp_path, dflash2_checkpoint
 ):
     """drafter.init_from a DFlash2 checkpoint into LiLiCorr with the same convolutions: the
     backbone and every convolution load, DFlash2's selector is left out (the lattice head replaces
-    it) and the head starts fresh; without the convolutions the checkpoint is refused, naming them,
-    and so is one that lost a convolution tensor (both drafters have them: none starts fresh)."""
+    it) and the head starts fresh; without the convolutions the checkpoint is refused before any
+    weights load, naming them, and so is one that lost a convolution tensor (both drafters have
+    them: none starts fresh)."""
     from dflash.run.launch import build_models
     from dflash.run.preflight import check_before_loading
 
-    source_run = train(make_cfg(DFLASH2_RUN + ["train.total_steps=2"], output_dir=tmp_path / "dflash2"))
-    source = load_drafter(source_run["checkpoint"]).state_dict()
-    warm_cfg = make_cfg(
-        LILICORR + CONV + [f"drafter.init_from={source_run['checkpoint']}"], tmp_path / "warm"
-    )
+    source = load_drafter(dflash2_checkpoint).state_dict()
+    warm_cfg = make_cfg(LILICORR + CONV + [f"drafter.init_from={dflash2_checkpoint}"], tmp_path / "warm")
     warm = build_models(check_before_loading(warm_cfg)).drafters[0]
     assert isinstance(warm, LiLiCorrDrafter)
     state = warm.state_dict()
@@ -448,15 +459,76 @@ def test_a_dflash2_checkpoint_warm_starts_the_backbone_and_convolutions_without_
     assert {name for name in state if name not in source} == {
         name for name in state if name.startswith("lilicorr.")
     }
-    plain_cfg = make_cfg(LILICORR + [f"drafter.init_from={source_run['checkpoint']}"], tmp_path / "plain")
-    with pytest.raises(ValueError, match="unexpected: .*attention_conv"):
-        build_models(check_before_loading(plain_cfg))
+    plain_cfg = make_cfg(LILICORR + [f"drafter.init_from={dflash2_checkpoint}"], tmp_path / "plain")
+    with pytest.raises(ValueError, match=r"variant.conv_kernel_size: checkpoint 2, this run None"):
+        check_before_loading(plain_cfg)
     lost = "layers.0.mlp_conv.base_kernel"
-    broken = without_tensor(Path(source_run["checkpoint"]), tmp_path / "broken", lost)
+    broken = without_tensor(dflash2_checkpoint, tmp_path / "broken", lost)
     broken_cfg = make_cfg(LILICORR + CONV + [f"drafter.init_from={broken}"], tmp_path / "refused")
     with pytest.raises(ValueError, match=rf"missing: \['{lost}'\]; unexpected: none") as refused:
         build_models(check_before_loading(broken_cfg))
     assert "\n" not in str(refused.value)
+
+
+@pytest.mark.parametrize(
+    ("kernel", "group", "refusal"),
+    [
+        (3, 16, "variant.conv_kernel_size: checkpoint 2, this run 3"),
+        (2, 32, "variant.conv_group_size: checkpoint 16, this run 32"),
+    ],
+)
+def test_a_dflash2_checkpoint_with_other_convolutions_is_refused_before_weights_load(
+    make_cfg, tmp_path, dflash2_checkpoint, kernel, group, refusal
+):
+    """The convolutions both variants have load from the source, so their shapes must agree: the
+    preflight refuses another kernel or group in one line naming the run's key and the checkpoint
+    (the loader would stop later, at a tensor's shape, naming no key)."""
+    from dflash.run.preflight import check_before_loading
+
+    conv = [f"variant.conv_kernel_size={kernel}", f"variant.conv_group_size={group}"]
+    cfg = make_cfg(LILICORR + conv + [f"drafter.init_from={dflash2_checkpoint}"], tmp_path / "run")
+    with pytest.raises(ValueError) as refused:
+        check_before_loading(cfg)
+    message = str(refused.value)
+    assert message.startswith(f"drafter.init_from={dflash2_checkpoint} was trained for another drafter")
+    assert f"({refusal})" in message and "\n" not in message
+
+
+def test_a_released_dflash2_checkpoint_that_scales_its_logits_does_not_start_lilicorr(tmp_path):
+    """A released DFlash2 drafter's backbone was trained under its logit transforms, which
+    LiLiCorr trains without (a 5x logit difference): the warm start is refused naming them, as a
+    DFlash2 run refuses it; the same checkpoint without them starts LiLiCorr+conv."""
+    target = tiny_target()
+    backbone = tiny_drafter_config(target, BLOCK, layer_types=SLIDING, sliding_window=8)
+    run_config = add_lilicorr_fields(backbone, conv_kernel_size=2, conv_group_size=16, **GEOMETRY)
+    write_as_released(tmp_path / "plain", unary=False)
+    check_resume_matches(tmp_path / "plain", run_config, {}, key="drafter.init_from")
+    write_as_released(tmp_path / "scaled")
+    with pytest.raises(
+        ValueError, match=r"dflash_config.output_multiplier .*: checkpoint 0.196.*this run None"
+    ):
+        check_resume_matches(tmp_path / "scaled", run_config, {}, key="drafter.init_from")
+
+
+def test_dflash_train_refuses_other_convolutions_in_one_line_and_exit_2(tmp_path, dflash2_checkpoint):
+    """The same refusal as a user meets it: `dflash train` ends in one line naming the key and
+    the checkpoint, exit 2, before anything trained."""
+    run_dir = tmp_path / "run"
+    result = dflash(
+        "train",
+        *LILICORR,
+        "variant.conv_kernel_size=3",
+        "variant.conv_group_size=16",
+        f"drafter.init_from={dflash2_checkpoint}",
+        "debug=fast",
+        f"hydra.run.dir={run_dir}",
+    )
+    assert result.returncode == 2, result.stderr
+    lines = result.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("dflash train: error: "), result.stderr
+    assert f"drafter.init_from={dflash2_checkpoint}" in lines[0]
+    assert "variant.conv_kernel_size: checkpoint 2, this run 3" in lines[0]
+    assert not (run_dir / "checkpoints").exists()
 
 
 @pytest.mark.parametrize(

@@ -469,6 +469,14 @@ class DFlashDrafter(nn.Module):
         return []
 
     @classmethod
+    def backbone_differences(cls, saved: Any, run: Any) -> list[tuple[str, Any, Any]]:
+        """The fields of a checkpoint of this variant that change what its backbone's weights
+        compute (DFlash2's logit transforms), where the config of a drafter of another variant it
+        warm-starts (`warm_starts`) differs: that drafter loads the backbone, so they must match
+        there too (dflash/run/resume.py). None here."""
+        return []
+
+    @classmethod
     def drafts_for(cls, block_size: int) -> int:
         """Tokens drafted per block of `block_size`: every position after the anchor."""
         return block_size - 1

@@ -53,13 +53,12 @@ def dflash2_settings(config: Any) -> dict[str, Any]:
     return {key: nested[key] for key in (*DFLASH2_KEYS, *UNARY_KEYS) if nested.get(key) is not None}
 
 
+# A released drafter's transforms of its unary logits: its backbone was trained under them, and
+# no run here trains with them (a resumed DFlash2 one, or another variant it starts).
+UNARY_FIELDS = {key: f"dflash_config.{key} (dflash trains without it)" for key in UNARY_KEYS}
 # The dflash_config fields a checkpoint must share with the run resuming it, by the run config
 # key that sets each (variant=dflash2).
-RESUME_FIELDS = {
-    **{key: f"variant.{key}" for key in DFLASH2_KEYS},
-    # A released drafter's transforms of its unary logits: a run trains without them.
-    **{key: f"dflash_config.{key} (variant=dflash2 trains without it)" for key in UNARY_KEYS},
-}
+RESUME_FIELDS = {**{key: f"variant.{key}" for key in DFLASH2_KEYS}, **UNARY_FIELDS}
 
 
 def is_dflash2_config(config: Any) -> bool:
@@ -366,3 +365,7 @@ class DFlash2Drafter(PickRecorder, DFlashDrafter):
     @classmethod
     def config_differences(cls, saved: Any, run: Any) -> list[tuple[str, Any, Any]]:
         return differing_fields(RESUME_FIELDS, saved.dflash_config, run.dflash_config)
+
+    @classmethod
+    def backbone_differences(cls, saved: Any, run: Any) -> list[tuple[str, Any, Any]]:
+        return differing_fields(UNARY_FIELDS, saved.dflash_config, run.dflash_config)

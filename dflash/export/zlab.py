@@ -190,6 +190,22 @@ def nonfinite_problem(path: Path, name: str, tensor: torch.Tensor) -> str | None
     return f"{path}: tensor {name} holds {bad} non-finite values (NaN or inf) of {tensor.numel()}"
 
 
+def shape_mismatch(path: Path, state: dict[str, torch.Tensor], own: dict[str, torch.Tensor]) -> str | None:
+    """One line naming the first tensor of `path` whose shape is not the drafter's, both shapes
+    and how many more differ; None when every shared tensor fits. torch's own refusal lists each
+    tensor on a line of its own and names no file: the preflight compares the configs first
+    (dflash/run/resume.py), so this is the net under what they do not describe."""
+    misshapen = [name for name, tensor in state.items() if name in own and tensor.shape != own[name].shape]
+    if not misshapen:
+        return None
+    name = misshapen[0]
+    more = f" (and {len(misshapen) - 1} more tensors of other shapes)" if len(misshapen) > 1 else ""
+    return (
+        f"{path}: tensor {name} is {list(state[name].shape)} there, {list(own[name].shape)} in the "
+        f"drafter{more}: the drafter's config describes other weights"
+    )
+
+
 def load_drafter_weights(drafter: DFlashDrafter, directory: Path, *, new_parts: bool = False) -> None:
     """model.safetensors of `directory` into `drafter`; every key must match both ways, except,
     with `new_parts` (a DFlash drafter warm-starting a DSpark or DFlash2 one), the modules the
@@ -212,10 +228,10 @@ def load_drafter_weights(drafter: DFlashDrafter, directory: Path, *, new_parts: 
     ]
     if nonfinite:
         raise ValueError("; ".join(nonfinite))
-    try:
-        missing, unexpected = drafter.load_state_dict(state, strict=False)
-    except RuntimeError as exc:
-        raise ValueError(f"{path}: weights do not fit the drafter ({exc})") from exc
+    misshapen = shape_mismatch(path, state, drafter.state_dict())
+    if misshapen:
+        raise ValueError(misshapen)
+    missing, unexpected = drafter.load_state_dict(state, strict=False)
     if new_parts:
         added = set(drafter.added_modules)
         brought = set(drafter_class_for(read_drafter_config(directory)).added_modules)

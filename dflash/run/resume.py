@@ -41,12 +41,36 @@ def warm_starts_new_parts(saved: Qwen3Config, run_config: Qwen3Config, key: str)
     """Whether drafter.init_from starts this run's drafter from one whose parts differ, as the
     run's drafter class answers (`DFlashDrafter.warm_starts`: a DFlash drafter starting a DSpark,
     DFlash2 or LiLiCorr run, a DFlash2 one starting LiLiCorr): the backbone's fields must still
-    match and its weights load, the variants' own fields are not compared, what the run's variant
-    adds starts fresh and what only the source has is left out. A resume, or a start from the
-    same variant, must match in every part."""
+    match and its weights load, and so must the fields of the parts both variants have
+    (`variant_differences`); what the run's variant adds starts fresh and what only the source
+    has is left out. A resume, or a start from the same variant, must match in every part."""
     if key != "drafter.init_from":
         return False
     return drafter_class_for(run_config).warm_starts(drafter_class_for(saved))
+
+
+def variant_differences(saved: Qwen3Config, run_config: Qwen3Config, key: str) -> list[tuple[str, Any, Any]]:
+    """The variants' own fields where a drafter directory and this run differ, as (run config
+    key, saved value, run value). A resume, or a start from the same variant: every registered
+    variant's fields. A warm start (`warm_starts_new_parts`): the run's variant's fields that the
+    source records too, since the modules they shape load from it (DFlash2's convolutions
+    starting LiLiCorr's: another `conv_kernel_size` would pass here and stop the loader at a
+    tensor's shape, naming no key), and the source's fields that change what its backbone
+    computes (`backbone_differences`: a released DFlash2's logit transforms). The fields only the
+    run's variant adds (the source records none: None) shape the parts that start fresh; the
+    source's other own fields (DFlash2's selector) are left out with their modules."""
+    if not warm_starts_new_parts(saved, run_config, key):
+        return [
+            difference
+            for drafter_class in registered_drafters().values()
+            for difference in drafter_class.config_differences(saved, run_config)
+        ]
+    shared = [
+        (field, old, new)
+        for field, old, new in drafter_class_for(run_config).config_differences(saved, run_config)
+        if old is not None
+    ]
+    return shared + drafter_class_for(saved).backbone_differences(saved, run_config)
 
 
 def _target_differences(
@@ -97,9 +121,7 @@ def check_resume_matches(
         for name, key in RESUME_FIELDS.items()
         if name not in unrecorded and getattr(saved, name, None) != getattr(run_config, name, None)
     ]
-    if not warm_starts_new_parts(saved, run_config, key):
-        for drafter_class in registered_drafters().values():
-            differences += drafter_class.config_differences(saved, run_config)
+    differences += variant_differences(saved, run_config, key)
     for name in ("target_layer_ids", "mask_token_id"):
         if saved.dflash_config.get(name) != run_config.dflash_config[name]:
             differences.append(
