@@ -38,6 +38,7 @@ from dflash.export.zlab import (
     read_drafter_config,
     write_layout,
 )
+from dflash.run.checks import is_summary_metric
 from dflash.run.resume import warm_starts_new_parts
 from dflash.tools.export import LAYOUTS
 from dflash.tools.export import main as export_main
@@ -245,7 +246,8 @@ def test_a_plugin_variants_round_figures_reach_the_evaluation_result_and_resume_
     report = EvalReport(results=[result])
     assert report.to_json()["results"][0]["variant_figures"] == result.variant_figures
     assert report.metrics()["eval/random/margin_rejected"] == result.variant_figures["margin_rejected"]
-    # Its table section is its tally's own, asked for as the built-in tallies' are.
+    # Its table section is its tally's own, asked for as the built-in tallies' are; and each
+    # of its figures is a per-benchmark metric `objective=` may name.
     figures = result.variant_figures
     table = report.table().splitlines()
     at = table.index("margin head: mean logit margin over the runner-up, accepted / rejected drafts:")
@@ -255,6 +257,7 @@ def test_a_plugin_variants_round_figures_reach_the_evaluation_result_and_resume_
         f"  random t=0  {figures['margin_accepted']} / {figures['margin_rejected']}",
     ]
     assert "the drafter's own figures:" not in table
+    assert [key for key in report.metrics() if not is_summary_metric(key)] == []
     resumed = EvalJournal(journal_file, {}, resume=True)
     assert journaled(resumed) == result and resumed.taken == len(prompts.prompts)
 
