@@ -311,6 +311,25 @@ def test_cross_field_errors_name_the_key_before_any_model_loads(overrides, messa
         build_run(make_cfg(overrides))
 
 
+@pytest.mark.parametrize("suffix", ["", "_t0.7"])
+def test_a_plugin_variants_eval_figure_may_be_the_objective(suffix, make_cfg):
+    """Each field a registered drafter's round tally reports is a per-benchmark eval figure
+    `objective=` may name, greedy or at a temperature, as the built-in variants' are: a variant
+    defined outside the package among them. A name no tally reports is still refused."""
+    from dflash.config.typed import typed_config
+    from dflash.run.checks import validate
+    from tests.test_variant_contract import MarginTally  # registers its variant, defined outside dflash/
+
+    def checked(objective: str) -> None:
+        cfg = typed_config(make_cfg([f"objective={objective}"]))
+        validate(cfg, num_target_layers=36, target_vocab_size=262144, visible_cuda_devices=1)
+
+    for name in (*MarginTally.reports, "confidence_tau", "selector_change_unary_frac"):
+        checked(f"eval/gsm8k/{name}{suffix}")
+    with pytest.raises(ValueError, match="is not a summary metric"):
+        checked(f"eval/gsm8k/margin{suffix}")
+
+
 def test_real_target_without_path_names_the_key(tmp_path):
     cfg = compose_config(["target=qwen3_8b", f"paths.output_dir={tmp_path}"])
     with pytest.raises(Exception, match="target.path"):

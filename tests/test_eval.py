@@ -16,6 +16,7 @@ from dflash.config.schema import DrafterConfig, TargetConfig
 from dflash.decoding.settings import DecodeSettings
 from dflash.drafters.backbone import DFlashDrafter, drafter_config
 from dflash.eval.evaluate import Decoders
+from dflash.eval.results import BenchmarkResult, EvalReport
 from dflash.export.zlab import export_drafter
 from dflash.target.model import FrozenTarget
 from tests.conftest import compose_config
@@ -465,7 +466,6 @@ def test_speedup_divides_each_paths_time_by_its_own_output_and_reports_the_round
     # (100 - 10) ms / 2 rounds against (400 - 10) ms / 19 steps
     assert result.round_cost == pytest.approx((0.09 / 2) / (0.39 / 19))
     # Every figure the report emits is one `objective=` may name.
-    from dflash.eval.results import EvalReport
     from dflash.run.checks import is_summary_metric
 
     metrics = EvalReport(results=[result]).metrics()
@@ -864,3 +864,71 @@ def test_dflash_eval_stops_naming_the_key_when_prompts_side_by_side_decode_other
     ):
         run_eval(eval_cfg(run_dir, tiny_chat_dir, exported_drafter, benchmark_files, settings))
     assert not (run_dir / "eval_run" / "eval.json").exists()
+
+
+def tallied_result(benchmark: str, temperature: float, **figures) -> BenchmarkResult:
+    result = BenchmarkResult(benchmark, temperature, 2, 40, 10, 3.25, [0.0, 0.5, 0.25, 0.25])
+    result.add_figures(figures)
+    return result
+
+
+def tallied_sections(report: EvalReport) -> list[str]:
+    """The table past the acceptance histogram: the round tallies' sections."""
+    table = report.table().splitlines()
+    return table[table.index("acceptance-length histogram (share of verifications producing k tokens):") :][
+        1 + len(report.results) :
+    ]
+
+
+def test_each_built_in_tally_prints_its_own_section_of_the_table():
+    """DSpark's confidence head and DFlash2's candidate selector, each in its tally's words
+    (asked of every registered drafter's tally), on the results holding its fields only."""
+    confidence = dict(
+        confidence_by_position=[0.91234, 0.5, 0.125],
+        accepted_by_position=[0.8, 0.4, 0.1],
+        confidence_tau=2.537,
+        accepted_tau=2.3,
+    )
+    report = EvalReport(
+        results=[
+            tallied_result("gsm8k", 0.0, **confidence),
+            tallied_result("mt", 0.7, **confidence),
+            tallied_result("plain", 0.0),
+        ]
+    )
+    assert tallied_sections(report) == [
+        "",
+        "confidence head: draft k accepted, predicted / measured (share of rounds):",
+        "  gsm8k t=0  0:0.91/0.80 1:0.50/0.40 2:0.12/0.10  tau 2.537/2.300",
+        "  mt t=0.7  0:0.91/0.80 1:0.50/0.40 2:0.12/0.10  tau 2.537/2.300",
+    ]
+    # A selector that changed nothing has no shares of its changes.
+    unchanged = dict(
+        selector_change_frac=0.0, selector_change_accepted_frac=None, selector_change_unary_frac=None
+    )
+    selector = dict(
+        selector_change_frac=0.12345, selector_change_accepted_frac=0.5, selector_change_unary_frac=0.25
+    )
+    report = EvalReport(
+        results=[tallied_result("gsm8k", 0.0, **selector), tallied_result("mt", 1.0, **unchanged)]
+    )
+    assert tallied_sections(report) == [
+        "",
+        "candidate selector: drafts changed from the unary argmax (share of draft positions); of those, "
+        "accepted / rejected where the unary token was the target's:",
+        "  gsm8k t=0  changed 12.3%  accepted 50.0%  unary right 25.0%",
+        "  mt t=1  changed 0.0%  accepted -  unary right -",
+    ]
+
+
+def test_a_figure_no_registered_tally_prints_is_listed_by_name():
+    """A round tally without lines of its own (or an unregistered drafter's) still reaches the
+    table: its figures as `name value`."""
+    report = EvalReport(
+        results=[tallied_result("gsm8k", 0.0, margin=1.5, spread=None), tallied_result("mt", 0.0)]
+    )
+    assert tallied_sections(report) == [
+        "",
+        "the drafter's own figures:",
+        "  gsm8k t=0  margin 1.5  spread None",
+    ]

@@ -38,6 +38,7 @@ from dflash.export.zlab import (
     read_drafter_config,
     write_layout,
 )
+from dflash.run.checks import is_summary_metric
 from dflash.run.resume import warm_starts_new_parts
 from dflash.tools.export import LAYOUTS
 from dflash.tools.export import main as export_main
@@ -55,6 +56,7 @@ class MarginTally:
     target accepted and of those it rejected (a margin worth reading separates the two)."""
 
     figures: ClassVar[tuple[str, ...]] = ("margins",)
+    reports: ClassVar[tuple[str, ...]] = ("margin_accepted", "margin_rejected")
 
     def __init__(self, drafts: int):
         self.accepted: list[float] = []
@@ -72,6 +74,15 @@ class MarginTally:
             "margin_accepted": round(sum(self.accepted) / len(self.accepted), 4) if self.accepted else None,
             "margin_rejected": round(sum(self.rejected) / len(self.rejected), 4) if self.rejected else None,
         }
+
+    @classmethod
+    def table_lines(cls, results: list) -> list[str]:
+        lines = ["margin head: mean logit margin over the runner-up, accepted / rejected drafts:"]
+        for result in results:
+            figures = result.tallied_figures()
+            accepted, rejected = (figures[name] for name in cls.reports)
+            lines.append(f"  {result.benchmark} t={result.temperature:g}  {accepted} / {rejected}")
+        return lines
 
 
 @register_drafter
@@ -167,6 +178,11 @@ def test_a_variant_decodes_losslessly_alike_and_exports_round_trip(name, monkeyp
         assert set(ours.round_figures) <= set(getattr(drafter.round_tally, "figures", ()))
         for figure, mine in ours.round_figures.items():
             torch.testing.assert_close(torch.tensor(static.round_figures[figure]), torch.tensor(mine))
+    if drafter.round_tally is not None:  # the fields its tally reports are those it declares
+        tally = drafter.round_tally(drafter.drafts_per_block)
+        for ours, _ in results:
+            tally.add(ours)
+        assert set(tally.fields()) <= set(drafter.round_tally.reports)
     export_drafter(drafter, tmp_path / name)
     loaded = load_drafter(tmp_path / name).eval()
     assert type(loaded) is type(drafter)
@@ -230,9 +246,18 @@ def test_a_plugin_variants_round_figures_reach_the_evaluation_result_and_resume_
     report = EvalReport(results=[result])
     assert report.to_json()["results"][0]["variant_figures"] == result.variant_figures
     assert report.metrics()["eval/random/margin_rejected"] == result.variant_figures["margin_rejected"]
+    # Its table section is its tally's own, asked for as the built-in tallies' are; and each
+    # of its figures is a per-benchmark metric `objective=` may name.
     figures = result.variant_figures
-    cells = f"margin_accepted {figures['margin_accepted']}  margin_rejected {figures['margin_rejected']}"
-    assert f"  random t=0  {cells}" in report.table().splitlines()
+    table = report.table().splitlines()
+    at = table.index("margin head: mean logit margin over the runner-up, accepted / rejected drafts:")
+    assert table[at - 1 : at + 2] == [
+        "",
+        table[at],
+        f"  random t=0  {figures['margin_accepted']} / {figures['margin_rejected']}",
+    ]
+    assert "the drafter's own figures:" not in table
+    assert [key for key in report.metrics() if not is_summary_metric(key)] == []
     resumed = EvalJournal(journal_file, {}, resume=True)
     assert journaled(resumed) == result and resumed.taken == len(prompts.prompts)
 

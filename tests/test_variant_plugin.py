@@ -159,6 +159,59 @@ def test_no_variants_round_figure_is_read_outside_the_variant():
     assert len(figure_offences(probe, "decoding/reference.py", figures)) == 2
 
 
+def reported_figures() -> dict[str, set[str]]:
+    """Each field a registered variant's round tally reports (`reports`): name -> the variants."""
+    reported: dict[str, set[str]] = {}
+    for name, drafter in variants().items():
+        for field in getattr(drafter.round_tally, "reports", ()):
+            reported.setdefault(field, set()).add(name)
+    return reported
+
+
+def eval_figure_offences(source: str, relative: str, reported: dict[str, set[str]]) -> list[str]:
+    """Where the module at `relative` spells a variant's evaluation figure (`reported`: field
+    name -> the variants whose tally reports it), as a word of a string (a metric pattern, a
+    lookup) or an attribute, outside those variants' own files and their tallies' modules."""
+    found = []
+    tree = ast.parse(source, filename=relative)
+    prose = docstrings(tree)
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in prose:
+            spelled = [
+                field for field in reported if re.search(rf"(?<!\w){re.escape(field)}(?!\w)", node.value)
+            ]
+        elif isinstance(node, ast.Attribute):
+            spelled = [node.attr] if node.attr in reported else []
+        else:
+            continue
+        for field in spelled:
+            owners = reported[field]
+            if not any(is_own(relative, owner) or relative in figure_homes(owner) for owner in owners):
+                found.append(f"{relative}:{node.lineno}: the evaluation figure {field!r} of {sorted(owners)}")
+    return found
+
+
+def test_no_variants_evaluation_figure_is_named_outside_the_variant():
+    """The checks take a tally's fields as `objective=` and the evaluation table prints them by
+    asking the registered drafters' tallies (`reports`, `table_lines`): no shared module (the
+    report, the objective's patterns) spells one. The result's fields of the built-ins' names,
+    declared for the output's sake, are the exception (declarations, not spellings)."""
+    from tests.test_variant_contract import MarginDrafter  # registers a variant defined outside dflash/
+
+    reported = reported_figures()
+    assert {"confidence_tau", "selector_change_frac", *MarginDrafter.round_tally.reports} <= set(reported)
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE).as_posix()
+        if relative not in REGISTRIES:
+            found += eval_figure_offences(path.read_text(), relative, reported)
+    assert not found, found
+    # The scan itself: an objective pattern listing a figure, a table reading one.
+    probe = 'PATTERN = r"eval/[^/]+/(tau|confidence_tau)"\ndef line(r):\n    return f"{r.selector_change_frac:.1%}"\n'
+    assert len(eval_figure_offences(probe, "run/checks.py", reported)) == 2
+    assert eval_figure_offences(probe, "drafters/dspark_tally.py", {"confidence_tau": {"dspark"}}) == []
+
+
 def test_the_guard_sees_a_type_test_and_a_name():
     """The scan itself: a module testing a variant's class, or naming it, is reported; the
     variant's own files may."""

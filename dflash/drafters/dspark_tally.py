@@ -4,11 +4,12 @@ measured over an evaluation's rounds (dflash.drafters.round_tally.RoundTally).""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
 
-from dflash.drafters.round_tally import DecodedRounds
+from dflash.drafters.round_tally import DecodedRounds, TalliedResult
 
 # The round figure: each draft's predicted probability of acceptance given that every draft
 # before it was accepted (sigmoid of the head's logit).
@@ -22,6 +23,12 @@ class ConfidenceTally:
     accepted at least k + 1 drafts."""
 
     figures: ClassVar[tuple[str, ...]] = (CONFIDENCE,)
+    reports: ClassVar[tuple[str, ...]] = (
+        "confidence_by_position",
+        "accepted_by_position",
+        "confidence_tau",
+        "accepted_tau",
+    )
 
     def __init__(self, drafts: int):
         self.predicted = np.zeros(drafts)
@@ -43,7 +50,7 @@ class ConfidenceTally:
         if not self.rounds:
             return {}
         predicted, accepted = self.predicted / self.rounds, self.accepted / self.rounds
-        return {
+        return {  # as `reports` names them
             "confidence_by_position": [round(float(p), 4) for p in predicted],
             "accepted_by_position": [round(float(a), 4) for a in accepted],
             # 1 + expected accepted drafts, as predicted and as measured (rounds uncut by the
@@ -51,3 +58,22 @@ class ConfidenceTally:
             "confidence_tau": float(1 + predicted.sum()),
             "accepted_tau": float(1 + accepted.sum()),
         }
+
+    @classmethod
+    def table_lines(cls, results: Sequence[TalliedResult]) -> list[str]:
+        """The evaluation table's section: per result, each position's predicted / measured
+        acceptance, and the two taus."""
+        lines = ["confidence head: draft k accepted, predicted / measured (share of rounds):"]
+        for result in results:
+            figures = result.tallied_figures()
+            cells = " ".join(
+                f"{k}:{p:.2f}/{a:.2f}"
+                for k, (p, a) in enumerate(
+                    zip(figures["confidence_by_position"], figures["accepted_by_position"])
+                )
+            )
+            lines.append(
+                f"  {result.benchmark} t={result.temperature:g}  {cells}  "
+                f"tau {figures['confidence_tau']:.3f}/{figures['accepted_tau']:.3f}"
+            )
+        return lines

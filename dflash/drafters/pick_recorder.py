@@ -5,9 +5,10 @@ argmax, and how those drafts fared) and their tally over an evaluation
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
-from dflash.drafters.round_tally import DecodedRounds
+from dflash.drafters.round_tally import DecodedRounds, TalliedResult
 
 # The round figures, per round (`selector_outcome`): draft positions where the pick is not the
 # unary argmax; how many of those drafts were accepted; at how many of them the unary token was
@@ -34,6 +35,11 @@ class SelectorTally:
     draft accepted)."""
 
     figures: ClassVar[tuple[str, ...]] = SELECTOR_ROUND_FIGURES
+    reports: ClassVar[tuple[str, ...]] = (
+        "selector_change_frac",
+        "selector_change_accepted_frac",
+        "selector_change_unary_frac",
+    )
 
     def __init__(self, drafts: int):
         self.drafts = drafts
@@ -53,11 +59,32 @@ class SelectorTally:
         shares of changes None when the selector changed nothing)."""
         if not self.rounds:
             return {}
-        return {
+        return {  # as `reports` names them
             "selector_change_frac": round(self.changed / (self.rounds * self.drafts), 4),
             "selector_change_accepted_frac": round(self.accepted / self.changed, 4) if self.changed else None,
             "selector_change_unary_frac": round(self.unary_right / self.changed, 4) if self.changed else None,
         }
+
+    @classmethod
+    def table_lines(cls, results: Sequence[TalliedResult]) -> list[str]:
+        """The evaluation table's section: per result, the share of drafts changed and how the
+        changes fared."""
+        lines = [
+            "candidate selector: drafts changed from the unary argmax (share of draft positions); "
+            "of those, accepted / rejected where the unary token was the target's:"
+        ]
+        for result in results:
+            figures = result.tallied_figures()
+            lines.append(
+                f"  {result.benchmark} t={result.temperature:g}  changed {figures['selector_change_frac']:.1%}  "
+                f"accepted {_share(figures.get('selector_change_accepted_frac'))}  "
+                f"unary right {_share(figures.get('selector_change_unary_frac'))}"
+            )
+        return lines
+
+
+def _share(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1%}"
 
 
 class PickRecorder:

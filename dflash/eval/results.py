@@ -9,6 +9,9 @@ from typing import Any
 
 import numpy as np
 
+from dflash.drafters.drafter_registry import registered_drafters
+from dflash.drafters.round_tally import RoundTally
+
 
 def tallied() -> Any:
     """A field a drafter's round tally may fill (`BenchmarkResult.add_figures`); None until it does."""
@@ -88,8 +91,45 @@ def acceptance_figures(lengths: list[int], *, slots: int = 0) -> tuple[float, li
     return (float(np.mean(lengths)) if lengths else 0.0), [round(float(h), 4) for h in histogram]
 
 
-def _share(value: float | None) -> str:
-    return "-" if value is None else f"{value:.1%}"
+def registered_tallies() -> list[type[RoundTally]]:
+    """The registered drafters' round tallies, each once, in registration order (the built-ins
+    first)."""
+    tallies = (drafter.round_tally for drafter in registered_drafters().values())
+    return list(dict.fromkeys(tally for tally in tallies if tally is not None))
+
+
+def tallied_figure_names() -> set[str]:
+    """Every field a registered drafter's round tally reports (`RoundTally.reports`): with
+    `eval/<benchmark>/`, a per-benchmark metric when it is a number."""
+    return {name for tally in registered_tallies() for name in tally.reports}
+
+
+def tally_sections(results: list[BenchmarkResult]) -> list[str]:
+    """The evaluation table's sections on the drafter's round-tally fields: each registered
+    tally's own (`table_lines`, on the results holding any of its `reports`), then every other
+    tallied field (a tally without lines of its own, or an unregistered drafter's) as
+    `name value` under "the drafter's own figures:"."""
+    rows: list[str] = []
+    shown: set[str] = set()
+    for tally in registered_tallies():
+        own_lines = getattr(tally, "table_lines", None)
+        if own_lines is None:
+            continue
+        shown |= set(tally.reports)
+        holding = [r for r in results if set(tally.reports) & r.tallied_figures().keys()]
+        if holding:
+            rows += ["", *own_lines(holding)]
+    others = [
+        (r, {name: value for name, value in r.tallied_figures().items() if name not in shown})
+        for r in results
+    ]
+    others = [(r, figures) for r, figures in others if figures]
+    if others:
+        rows += ["", "the drafter's own figures:"]
+        for r, figures in others:
+            cells = "  ".join(f"{name} {value}" for name, value in figures.items())
+            rows.append(f"  {r.benchmark} t={r.temperature:g}  {cells}")
+    return rows
 
 
 def lossless_line(metrics: dict[str, float]) -> str:
@@ -186,39 +226,7 @@ class EvalReport:
         for r in self.results:
             cells = " ".join(f"{k}:{h:.2f}" for k, h in enumerate(r.acceptance_histogram) if k >= 1)
             rows.append(f"  {r.benchmark} t={r.temperature:g}  {cells}")
-        confident = [r for r in self.results if r.confidence_by_position is not None]
-        if confident:
-            rows.append("")
-            rows.append("confidence head: draft k accepted, predicted / measured (share of rounds):")
-            for r in confident:
-                cells = " ".join(
-                    f"{k}:{p:.2f}/{a:.2f}"
-                    for k, (p, a) in enumerate(zip(r.confidence_by_position, r.accepted_by_position))
-                )
-                rows.append(
-                    f"  {r.benchmark} t={r.temperature:g}  {cells}  "
-                    f"tau {r.confidence_tau:.3f}/{r.accepted_tau:.3f}"
-                )
-        selecting = [r for r in self.results if r.selector_change_frac is not None]
-        if selecting:
-            rows.append("")
-            rows.append(
-                "candidate selector: drafts changed from the unary argmax (share of draft positions); "
-                "of those, accepted / rejected where the unary token was the target's:"
-            )
-            for r in selecting:
-                rows.append(
-                    f"  {r.benchmark} t={r.temperature:g}  changed {r.selector_change_frac:.1%}  "
-                    f"accepted {_share(r.selector_change_accepted_frac)}  "
-                    f"unary right {_share(r.selector_change_unary_frac)}"
-                )
-        reporting = [r for r in self.results if r.variant_figures]
-        if reporting:
-            rows.append("")
-            rows.append("the drafter's own figures:")
-            for r in reporting:
-                cells = "  ".join(f"{name} {value}" for name, value in r.variant_figures.items())
-                rows.append(f"  {r.benchmark} t={r.temperature:g}  {cells}")
+        rows += tally_sections(self.results)
         return "\n".join(rows)
 
     def lossless_line(self) -> str | None:

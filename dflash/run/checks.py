@@ -24,10 +24,15 @@ from dflash.config.schema import (
 from dflash.data.conversations import expand_files
 from dflash.data.files import is_saved_dataset
 from dflash.drafters.layer_ids import default_target_layer_ids
+from dflash.eval.results import tallied_figure_names
 from dflash.step.variant_registry import variant_figure_names
 
+# A per-benchmark figure's key past greedy decoding: eval/<benchmark>/<name>_t<temperature>.
+TEMPERATURE_SUFFIX = r"(_t[0-9.e+-]+)?"
 # The numeric keys of summary.json (the run summary, the evaluation report's metrics, the role
-# figures): what `objective` may name. tests/test_train.py checks a real summary against them.
+# figures): what `objective` may name, besides the registered variants' own figures (their
+# train/ and val/ figures, and their drafters' round tallies' eval/<benchmark>/ fields).
+# tests/test_train.py checks a real summary against them.
 OBJECTIVE_PATTERNS = (
     r"steps|resumed_from_step|wall_s|first_step_s|replicas|node_gpus|(target|drafter)_compiled_graphs",
     r"perf/(samples|tokens)_per_s",
@@ -35,8 +40,7 @@ OBJECTIVE_PATTERNS = (
     r"val/(loss|acc|tau_sim|tau_block|tau_decode)|val_samples",
     r"eval/(tau|num_prompts|lossless_frac|divergence_max_logit_gap)",
     r"eval/accept_len_\d+_frac",
-    r"eval/[^/]+/(tau|speedup|round_cost|prefill_ms|confidence_tau|accepted_tau)(_t[0-9.e+-]+)?",
-    r"eval/[^/]+/selector_change(_accepted|_unary)?_frac(_t[0-9.e+-]+)?",
+    rf"eval/[^/]+/(tau|speedup|round_cost|prefill_ms){TEMPERATURE_SUFFIX}",
     r"roles/(target|drafter)_(busy_frac|s_per_batch)|roles/data_wait_frac",
 )
 
@@ -44,6 +48,9 @@ OBJECTIVE_PATTERNS = (
 def is_summary_metric(key: str) -> bool:
     if key.startswith(("train/", "val/")) and key.split("/", 1)[1] in variant_figure_names():
         return True  # a registered variant's own figure (dflash/step/variant.py: figure_names)
+    tallied = "|".join(re.escape(name) for name in sorted(tallied_figure_names()))
+    if tallied and re.fullmatch(rf"eval/[^/]+/({tallied}){TEMPERATURE_SUFFIX}", key):
+        return True  # a registered drafter's round-tally field (dflash/drafters/round_tally.py: reports)
     return any(re.fullmatch(pattern, key) for pattern in OBJECTIVE_PATTERNS)
 
 
