@@ -315,7 +315,8 @@ def test_cross_field_errors_name_the_key_before_any_model_loads(overrides, messa
 def test_a_plugin_variants_eval_figure_may_be_the_objective(suffix, make_cfg):
     """Each field a registered drafter's round tally reports is a per-benchmark eval figure
     `objective=` may name, greedy or at a temperature, as the built-in variants' are: a variant
-    defined outside the package among them. A name no tally reports is still refused."""
+    defined outside the package among them. A name no tally reports, or a per-position list
+    (no number to optimise), is refused before anything loads."""
     from dflash.config.typed import typed_config
     from dflash.run.checks import validate
     from tests.test_variant_contract import MarginTally  # registers its variant, defined outside dflash/
@@ -326,8 +327,9 @@ def test_a_plugin_variants_eval_figure_may_be_the_objective(suffix, make_cfg):
 
     for name in (*MarginTally.reports, "confidence_tau", "selector_change_unary_frac"):
         checked(f"eval/gsm8k/{name}{suffix}")
-    with pytest.raises(ValueError, match="is not a summary metric"):
-        checked(f"eval/gsm8k/margin{suffix}")
+    for refused in ("margin", "confidence_by_position"):
+        with pytest.raises(ValueError, match="is not a summary metric"):
+            checked(f"eval/gsm8k/{refused}{suffix}")
 
 
 def test_real_target_without_path_names_the_key(tmp_path):

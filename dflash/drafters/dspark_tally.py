@@ -29,6 +29,7 @@ class ConfidenceTally:
         "confidence_tau",
         "accepted_tau",
     )
+    per_position: ClassVar[tuple[str, ...]] = ("confidence_by_position", "accepted_by_position")
 
     def __init__(self, drafts: int):
         self.predicted = np.zeros(drafts)

@@ -53,6 +53,8 @@ class RoundTally(Protocol):
     # them is a per-benchmark figure of the evaluation's metrics (`eval/<benchmark>/<name>`,
     # `_t<temperature>` appended past greedy), so a sweep's `objective` may name it.
     reports: ClassVar[tuple[str, ...]]
+    # Optionally `per_position: ClassVar[tuple[str, ...]]`: those of `reports` that are lists (a
+    # figure per draft position), in the result and the table but never a metric or an objective.
 
     def __init__(self, drafts: int) -> None: ...
 

@@ -98,10 +98,16 @@ def registered_tallies() -> list[type[RoundTally]]:
     return list(dict.fromkeys(tally for tally in tallies if tally is not None))
 
 
-def tallied_figure_names() -> set[str]:
-    """Every field a registered drafter's round tally reports (`RoundTally.reports`): with
-    `eval/<benchmark>/`, a per-benchmark metric when it is a number."""
-    return {name for tally in registered_tallies() for name in tally.reports}
+def tallied_metric_names() -> set[str]:
+    """The fields registered drafters' round tallies report as numbers (`RoundTally.reports`
+    less its `per_position` lists): with `eval/<benchmark>/`, the per-benchmark metrics a sweep's
+    objective may name."""
+    return {
+        name
+        for tally in registered_tallies()
+        for name in tally.reports
+        if name not in getattr(tally, "per_position", ())
+    }
 
 
 def tally_sections(results: list[BenchmarkResult]) -> list[str]:

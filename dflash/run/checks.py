@@ -24,7 +24,7 @@ from dflash.config.schema import (
 from dflash.data.conversations import expand_files
 from dflash.data.files import is_saved_dataset
 from dflash.drafters.layer_ids import default_target_layer_ids
-from dflash.eval.results import tallied_figure_names
+from dflash.eval.results import tallied_metric_names
 from dflash.step.variant_registry import variant_figure_names
 
 # A per-benchmark figure's key past greedy decoding: eval/<benchmark>/<name>_t<temperature>.
@@ -48,7 +48,7 @@ OBJECTIVE_PATTERNS = (
 def is_summary_metric(key: str) -> bool:
     if key.startswith(("train/", "val/")) and key.split("/", 1)[1] in variant_figure_names():
         return True  # a registered variant's own figure (dflash/step/variant.py: figure_names)
-    tallied = "|".join(re.escape(name) for name in sorted(tallied_figure_names()))
+    tallied = "|".join(re.escape(name) for name in sorted(tallied_metric_names()))
     if tallied and re.fullmatch(rf"eval/[^/]+/({tallied}){TEMPERATURE_SUFFIX}", key):
         return True  # a registered drafter's round-tally field (dflash/drafters/round_tally.py: reports)
     return any(re.fullmatch(pattern, key) for pattern in OBJECTIVE_PATTERNS)
