@@ -138,6 +138,16 @@ def figure_offences(source: str, relative: str, figures: dict[str, set[str]]) ->
     return found
 
 
+def package_offences(scan, names: dict[str, set[str]]) -> list[str]:
+    """What `scan` finds in every module of the package outside the registries."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        relative = path.relative_to(PACKAGE).as_posix()
+        if relative not in REGISTRIES:
+            found += scan(path.read_text(), relative, names)
+    return found
+
+
 def test_no_variants_round_figure_is_read_outside_the_variant():
     """The decoders carry, the journal keeps and the evaluation tallies a variant's per-round
     figures by asking the drafter (`add_round_figures`, `round_tally`): none of them spells one."""
@@ -148,11 +158,7 @@ def test_no_variants_round_figure_is_read_outside_the_variant():
         for figure in getattr(drafter.round_tally, "figures", ()):
             figures.setdefault(figure, set()).add(name)
     assert {"confidence", "selector_changed", *MarginDrafter.round_tally.figures} <= set(figures)
-    found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        relative = path.relative_to(PACKAGE).as_posix()
-        if relative not in REGISTRIES:
-            found += figure_offences(path.read_text(), relative, figures)
+    found = package_offences(figure_offences, figures)
     assert not found, found
     # The scan itself: a decoder appending a figure, a tally reading one by its string.
     probe = 'def probe(result, extra):\n    result.confidence.append(extra)\n    return result.round_figures["selector_changed"]\n'
@@ -200,11 +206,7 @@ def test_no_variants_evaluation_figure_is_named_outside_the_variant():
 
     reported = reported_figures()
     assert {"confidence_tau", "selector_change_frac", *MarginDrafter.round_tally.reports} <= set(reported)
-    found = []
-    for path in sorted(PACKAGE.rglob("*.py")):
-        relative = path.relative_to(PACKAGE).as_posix()
-        if relative not in REGISTRIES:
-            found += eval_figure_offences(path.read_text(), relative, reported)
+    found = package_offences(eval_figure_offences, reported)
     assert not found, found
     # The scan itself: an objective pattern listing a figure, a table reading one.
     probe = 'PATTERN = r"eval/[^/]+/(tau|confidence_tau)"\ndef line(r):\n    return f"{r.selector_change_frac:.1%}"\n'
