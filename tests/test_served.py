@@ -224,6 +224,83 @@ def test_a_served_benchmarks_own_tau_is_the_one_dflash_eval_reports(monkeypatch)
     assert served.own_tau == tally.result(benchmark="chat", temperature=0.0).tau == 2.2
 
 
+def test_with_overlap_the_engine_serves_a_prompt_while_dflash_decodes_it_and_the_figures_are_the_same(
+    monkeypatch,
+):
+    """overlap=True (dflash's decoder on a GPU): the engine's request for a prompt is in flight
+    while dflash decodes that prompt, and the benchmark's figures are those of taking turns. The
+    own decoder here waits for the engine's request to begin, so taking turns would never end."""
+    import threading
+
+    from dflash.serving import measure
+    from dflash.serving.server import ServedDecode
+
+    own = {(1,): decoded([2, 0, 1], drafts=3, max_new=7), (2,): decoded([3, 0], drafts=3, max_new=6)}
+    serving = {prompt: threading.Event() for prompt in own}
+
+    def serve(prompt, max_new):
+        serving[tuple(prompt)].set()
+        result = own[tuple(prompt)]
+        return ServedDecode(
+            result.output_ids, drafted=9, accepted=sum(result.accepted_drafts), verifications=3
+        )
+
+    def measured(*, overlap: bool, own_decode):
+        monkeypatch.setattr(measure, "speculative_generate", own_decode)
+        return measure.measure_benchmark(
+            "chat",
+            [[1], [2]],
+            target=None,
+            drafter=None,
+            serve=serve,
+            max_new_tokens=7,
+            drafts_per_round=3,
+            stop_ids=frozenset(),
+            overlap=overlap,
+        )
+
+    def waits_for_the_engine(target, drafter, prompt, settings):
+        assert serving[tuple(prompt)].wait(timeout=120), "the engine's request was not in flight"
+        return own[tuple(prompt)]
+
+    overlapped = measured(overlap=True, own_decode=waits_for_the_engine)
+    in_turns = measured(
+        overlap=False, own_decode=lambda target, drafter, prompt, settings: own[tuple(prompt)]
+    )
+    assert overlapped.prompts == in_turns.prompts and overlapped.own_tau == in_turns.own_tau
+
+
+def test_with_overlap_a_failed_request_stops_the_benchmark_with_its_own_error(monkeypatch):
+    """An engine request that fails on the second thread raises in the caller as itself, and no
+    later prompt is sent."""
+    from dflash.serving import measure
+
+    sent = []
+
+    def serve(prompt, max_new):
+        sent.append(prompt)
+        raise ConnectionResetError("llama-server closed the connection")
+
+    monkeypatch.setattr(
+        measure,
+        "speculative_generate",
+        lambda target, drafter, prompt, settings: decoded([0], drafts=3, max_new=2),
+    )
+    with pytest.raises(ConnectionResetError, match="llama-server closed the connection"):
+        measure.measure_benchmark(
+            "chat",
+            [[1], [2], [3]],
+            target=None,
+            drafter=None,
+            serve=serve,
+            max_new_tokens=2,
+            drafts_per_round=3,
+            stop_ids=frozenset(),
+            overlap=True,
+        )
+    assert sent == [[1]]
+
+
 def test_a_served_report_keeps_each_prompts_agreement():
     """served.json lists every prompt, in order: whether the target outputs are the same and each
     side's accepted drafts and verifications, so a difference can be found where it lies."""

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from dflash.decoding.reference import DecodeResult, speculative_generate
@@ -115,31 +116,45 @@ def measure_benchmark(
     max_new_tokens: int,
     drafts_per_round: int,
     stop_ids: frozenset[int],
+    overlap: bool = False,
 ) -> ServedBenchmark:
-    """Each prompt decoded by dflash (timed on the wall clock) and by `serve`, greedy."""
+    """Each prompt decoded by dflash (timed on the wall clock) and by `serve`, greedy.
+
+    `overlap`: the engine's request for a prompt runs on a second thread while dflash decodes
+    the same prompt, for a dflash decoder on a GPU: the engine's CPU threads and the decoder's GPU
+    then work at once, and neither side's figures change (the engine times its own decoding; a GPU
+    decoder's host thread takes one core beside the engine's). On the CPU the two would share the
+    cores, so they take turns."""
     result = ServedBenchmark(name)
     own_tokens = own_seconds = served_tokens = served_seconds = 0.0
     lengths: list[int] = []
-    for prompt in prompts:
-        started = time.perf_counter()
-        own: DecodeResult = speculative_generate(
-            target, drafter, prompt, DecodeSettings(max_new_tokens, stop_ids=stop_ids)
-        )
-        own_seconds += time.perf_counter() - started
-        own_tokens += len(own.output_ids)
-        lengths += own.acceptance_lengths
-        served = serve(prompt, max_new_tokens)
-        if served.tokens_per_s > 0:
-            served_tokens += len(served.output_ids)
-            served_seconds += len(served.output_ids) / served.tokens_per_s
-        result.prompts.append(
-            agreement(
-                engine_count(own, max_new_tokens=max_new_tokens, drafts_per_round=drafts_per_round),
-                RoundCount(served.accepted, served.verifications, tuple(served.accepted_per_position)),
-                own_output=own.output_ids,
-                served_output=served.output_ids,
+    engine = ThreadPoolExecutor(max_workers=1, thread_name_prefix="served") if overlap else None
+    try:
+        for prompt in prompts:
+            request = engine.submit(serve, prompt, max_new_tokens) if engine else None
+            started = time.perf_counter()
+            own: DecodeResult = speculative_generate(
+                target, drafter, prompt, DecodeSettings(max_new_tokens, stop_ids=stop_ids)
             )
-        )
+            own_seconds += time.perf_counter() - started
+            own_tokens += len(own.output_ids)
+            lengths += own.acceptance_lengths
+            # A failed request raises here with its own traceback, and no further prompt is sent.
+            served = request.result() if request else serve(prompt, max_new_tokens)
+            if served.tokens_per_s > 0:
+                served_tokens += len(served.output_ids)
+                served_seconds += len(served.output_ids) / served.tokens_per_s
+            result.prompts.append(
+                agreement(
+                    engine_count(own, max_new_tokens=max_new_tokens, drafts_per_round=drafts_per_round),
+                    RoundCount(served.accepted, served.verifications, tuple(served.accepted_per_position)),
+                    own_output=own.output_ids,
+                    served_output=served.output_ids,
+                )
+            )
+    finally:
+        if engine:
+            engine.shutdown(wait=True, cancel_futures=True)
     result.own_tau, _ = acceptance_figures(lengths)  # pooled over every round, as dflash-eval's
     result.own_tokens_per_s = own_tokens / max(own_seconds, 1e-9)
     result.served_tokens_per_s = served_tokens / served_seconds if served_seconds else 0.0

@@ -11,7 +11,8 @@ The drafter and target are converted by llama.cpp's own converter (the drafter w
 `--spec-draft-n-max` set to the drafter's block (B-1 drafts for DFlash and DFlash2, B for DSpark).
 Greedy only (eval.temperatures is not read), float32 on both sides, one prompt at a time. The
 engine runs on the CPU with `gpu.cpu_threads` threads; dflash's decoder runs where `gpu` says
-(gpu=cpu, the default, with the same threads; gpu=single on a GPU, float32 matmuls without TF32).
+(gpu=cpu, the default, with the same threads; gpu=single on a GPU, float32 matmuls without TF32,
+and the engine's request for a prompt sent while the GPU decodes it).
 The JSON goes to <run dir>/served.json.
 """
 
@@ -140,6 +141,7 @@ def run_served(cfg: DictConfig, *, target_overridden: bool, target_fields: tuple
                     max_new_tokens=cfg.eval.max_new_tokens,
                     drafts_per_round=drafts,
                     stop_ids=target_eos_ids(target),
+                    overlap=device.type == "cuda",
                 )
             )
     return write_report(
