@@ -27,7 +27,7 @@ from dflash.run.resume import check_resume_matches
 from dflash.run.runner import format_summary, variant_summary_lines
 from dflash.step.lilicorr_loss import lattice_terms, node_factors
 from dflash.step.lilicorr_variant import LiLiCorrVariant
-from dflash.step.step import split_final_state
+from dflash.step.step import split_final_state, variant_loss
 from dflash.step.variant import DFlash2Variant
 from dflash.train import train
 from tests.conftest import FAST, compose_config
@@ -158,20 +158,20 @@ def loss_inputs(seed: int = 0):
 
 
 def variant_block_loss(variant, *, target, drafter, blocks, hidden, features, logits_chunk=0, compiled=False):
-    """The variant's loss as the step calls it (dflash/step/step.py: drafter_forward_loss): the
-    target's features split by the drafter's width, the context handed over; `target` anything
-    with the target's `lm_head` and `embed_tokens`."""
+    """The variant's loss as the step computes it (dflash/step/step.py: drafter_forward_loss splits
+    the target's features by the drafter's width, then `variant_loss`); `target` anything with the
+    target's `lm_head` and `embed_tokens`."""
     fused, final = split_final_state(features, drafter.config.hidden_size)
-    return variant.block_loss(
+    return variant_loss(
+        variant,
         hidden,
-        lm_head=target.lm_head,
+        head=target,
         drafter=drafter,
         blocks=blocks,
+        features_BSF=fused,
         final_BSH=final,
         logits_chunk=logits_chunk,
         compiled=compiled,
-        embed_tokens=target.embed_tokens,
-        features_BSF=fused,
     )
 
 

@@ -8,6 +8,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dflash.step.candidate_taus import candidate_tau_fields, candidate_tau_names, candidate_taus
+from dflash.step.loss import share
 from dflash.step.metrics import Field
 
 # The sums of dflash/step/dflash2_loss.py's DFlash2LossStats, after DFlash's.
@@ -45,9 +46,6 @@ def dflash2_figures(sums: Mapping[str, Any]) -> dict[str, float]:
     most a selector over these candidates can reach). The standard acc and tau_* score the
     selector's picks (dflash/step/dflash2_loss.py)."""
     weight, supervised = sums["weight"], sum(sums["counted"][1:])
-
-    def share(value: float, total: float) -> float:
-        return value / total if total > 0 else float("nan")
 
     return {
         "ce": share(sums["ce"], weight),

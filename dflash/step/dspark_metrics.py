@@ -7,6 +7,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from dflash.step.loss import share, tau_from_runs
 from dflash.step.metrics import Field
 
 # The sums of dflash/step/dspark_loss.py's DSparkLossStats, after DFlash's.
@@ -37,11 +38,11 @@ def dspark_figures(sums: Mapping[str, Any]) -> dict[str, float]:
     weight, counted = sums["weight"], sums["counted"]
 
     def per_weight(name: str) -> float:
-        return sums[name] / weight if weight > 0 else float("nan")
+        return share(sums[name], weight)
 
     def per_position(name: str, label: str) -> dict[str, float]:
         return {
-            f"{label}_pos_{j}": value / n if n > 0 else float("nan")
+            f"{label}_pos_{j}": share(value, n)
             for j, (value, n) in enumerate(zip(sums[name], counted))
             if j >= 1
         }
@@ -56,7 +57,7 @@ def dspark_figures(sums: Mapping[str, Any]) -> dict[str, float]:
     )
     return {
         **{name: per_weight(name) for name in names},
-        "tau_prob": 1.0 + sums["prob_accepted"] / sums["blocks"] if sums["blocks"] > 0 else float("nan"),
+        "tau_prob": tau_from_runs(sums["prob_accepted"], sums["blocks"]),
         **per_position("soft_accepted", "accept"),
         **per_position("confidence_predicted", "confidence"),
     }

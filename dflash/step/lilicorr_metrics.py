@@ -9,6 +9,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from dflash.step.candidate_taus import candidate_tau_fields, candidate_tau_names, candidate_taus
+from dflash.step.loss import share
 from dflash.step.metrics import Field
 
 # The sums of dflash/step/lilicorr_loss.py's LiLiCorrLossStats, after DFlash's.
@@ -40,10 +41,7 @@ def lilicorr_figures(sums: Mapping[str, Any]) -> dict[str, float]:
     path)."""
     slots = sums["lattice_slots"]
     return {
-        "ce": sums["ce"] / sums["weight"] if sums["weight"] > 0 else float("nan"),
-        **{
-            name: sums[name] / slots if slots > 0 else float("nan")
-            for name in ("lattice_ce", "lattice_margin", "lattice_penalty")
-        },
+        "ce": share(sums["ce"], sums["weight"]),
+        **{name: share(sums[name], slots) for name in ("lattice_ce", "lattice_margin", "lattice_penalty")},
         **candidate_taus(sums, "top1"),
     }

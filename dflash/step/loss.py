@@ -257,9 +257,14 @@ def block_acceptance(
     return (run * counted).sum().float(), counted.sum(), (counted / (1 + run)).sum()
 
 
+def share(value: float, total: float) -> float:
+    """value / total of a window's sums; nan where the window counted nothing (total 0)."""
+    return value / total if total > 0 else float("nan")
+
+
 def tau_from_runs(accepted: float, blocks: float) -> float:
     """tau_block = 1 + the mean leading run of correct predictions (see `block_acceptance`)."""
-    return 1.0 + accepted / blocks if blocks > 0 else float("nan")
+    return 1.0 + share(accepted, blocks)
 
 
 def tau_from_rounds(blocks: float, rounds: float) -> float:
@@ -268,7 +273,7 @@ def tau_from_rounds(blocks: float, rounds: float) -> float:
     decoder walking it spends 1 / L rounds per token, so tokens / rounds is this harmonic mean;
     tau_block, the arithmetic mean, weighs easy stretches as much as hard ones and reads high
     whenever acceptance varies along the text (see `block_acceptance`)."""
-    return blocks / rounds if rounds > 0 else float("nan")
+    return share(blocks, rounds)
 
 
 def tau_from_accuracy(acc_per_position: list[float]) -> float:
@@ -290,7 +295,7 @@ def objective_figures(sums: Mapping[str, Any], variant: DFlashVariant | None = N
     of the run's `variant` (dflash/step/variant.py: `figures`, from the sums it added; None:
     plain DFlash, none)."""
     correct, counted = sums["correct"], sums["counted"]
-    acc = [c / n if n > 0 else float("nan") for c, n in zip(correct, counted)]
+    acc = [share(c, n) for c, n in zip(correct, counted)]
     figures = {
         "loss": sums["weighted_ce"] / sums["weight"] if sums["weight"] > 0 else 0.0,
         "acc": sum(correct[1:]) / max(1.0, sum(counted[1:])),

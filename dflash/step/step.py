@@ -102,19 +102,48 @@ def drafter_forward_loss(
         hidden = drafter(features_BSF, block_emb, blocks.positions, mask, feature_noise_std, noise_generator)
         if block_loss is not None:  # weights that follow the drafter's own predictions (loss=dpace)
             blocks = block_loss.weigh(hidden, head.lm_head, blocks)
-        context = (
-            {"embed_tokens": head.embed_tokens, "features_BSF": features_BSF} if variant.needs_context else {}
-        )
-        return variant.block_loss(
+        return variant_loss(
+            variant,
             hidden,
-            lm_head=head.lm_head,
+            head=head,
             drafter=drafter,
             blocks=blocks,
+            features_BSF=features_BSF,
             final_BSH=final_BSH,
             logits_chunk=logits_chunk,
             compiled=compiled_loss,
-            **context,
         )
+
+
+def variant_loss(
+    variant: DFlashVariant,
+    hidden_BQH: torch.Tensor,
+    *,
+    head: TargetHead,
+    drafter: DFlashDrafter,
+    blocks: DraftBlocks,
+    features_BSF: torch.Tensor,
+    final_BSH: torch.Tensor | None,
+    logits_chunk: int = 0,
+    compiled: bool = False,
+) -> LossStats:
+    """The variant's loss on the drafter's hidden states at the block positions: `features_BSF`
+    the fused feature layers (`split_final_state`'s first part when the variant
+    `needs_final_state`, `final_BSH` its second, else None); the target's embeddings and those
+    features go to a variant that `needs_context`."""
+    context = (
+        {"embed_tokens": head.embed_tokens, "features_BSF": features_BSF} if variant.needs_context else {}
+    )
+    return variant.block_loss(
+        hidden_BQH,
+        lm_head=head.lm_head,
+        drafter=drafter,
+        blocks=blocks,
+        final_BSH=final_BSH,
+        logits_chunk=logits_chunk,
+        compiled=compiled,
+        **context,
+    )
 
 
 class DrafterStep:
