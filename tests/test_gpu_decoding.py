@@ -20,10 +20,11 @@ pytestmark = [
 ]
 
 
-def fp32_cuda_pair():
+def fp32_cuda_pair(make_drafter=tiny_drafter):
+    """The tiny fp32 target on the GPU and a drafter for it (`make_drafter(target)`), in eval mode."""
     target = tiny_target()
     target.model.to("cuda")
-    drafter = tiny_drafter(target).to("cuda").eval()
+    drafter = make_drafter(target).to("cuda").eval()
     return target, drafter
 
 

@@ -16,9 +16,9 @@ from dflash.decoding.engine import StaticDecoder
 from dflash.step.lilicorr_variant import LiLiCorrVariant
 from dflash.target.target_head import TargetHead
 from dflash.torch_runtime.compile import compiled_calls
-from tests.test_dflash_rules import blocks_for, tiny_target
+from tests.test_dflash_rules import blocks_for
 from tests.test_dspark import tiny_target as tiny_target_with_final_state
-from tests.test_gpu_decoding import check_graphed_equals_eager_and_plain_greedy
+from tests.test_gpu_decoding import check_graphed_equals_eager_and_plain_greedy, fp32_cuda_pair
 from tests.test_lilicorr import BLOCK, GEOMETRY, tiny_lilicorr, variant_block_loss
 
 pytestmark = [
@@ -28,9 +28,7 @@ pytestmark = [
 
 
 def test_graphed_lilicorr_decoding_equals_eager_and_plain_greedy_in_fp32():
-    target = tiny_target()
-    target.model.to("cuda")
-    drafter = tiny_lilicorr(target).to("cuda").eval()
+    target, drafter = fp32_cuda_pair(tiny_lilicorr)
     graphed = StaticDecoder(target, drafter, max_len=128, graphs=True, kv_bucket=32)
     eager = StaticDecoder(target, drafter, max_len=128, graphs=False, kv_bucket=32)
     check_graphed_equals_eager_and_plain_greedy(target, graphed, eager, prompts=3)
