@@ -20,25 +20,38 @@ pytestmark = [
 ]
 
 
-def fp32_cuda_pair():
+def fp32_cuda_pair(make_drafter=tiny_drafter):
+    """The tiny fp32 target on the GPU and a drafter for it (`make_drafter(target)`), in eval mode."""
     target = tiny_target()
     target.model.to("cuda")
-    drafter = tiny_drafter(target).to("cuda").eval()
+    drafter = make_drafter(target).to("cuda").eval()
     return target, drafter
+
+
+def check_graphed_equals_eager_and_plain_greedy(
+    target: FrozenTarget, graphed: StaticDecoder, eager: StaticDecoder, *, prompts: int
+) -> list[int]:
+    """On `prompts` random prompts (6, 15, 24, ... tokens; 40 new): the graphed decoder's plain and
+    speculative tokens are plain greedy's (lossless with the graphs on), and its rounds are the
+    eager decoder's (acceptance lengths and the drafter's round figures). The last prompt back."""
+    for seed in range(prompts):
+        torch.manual_seed(seed)
+        prompt = torch.randint(0, 500, (6 + 9 * seed,)).tolist()
+        reference = plain_generate(target, prompt, DecodeSettings(40)).output_ids
+        assert graphed.plain(prompt, DecodeSettings(40)).output_ids == reference
+        spec = graphed.speculative(prompt, DecodeSettings(40))
+        slow = eager.speculative(prompt, DecodeSettings(40))
+        assert spec.output_ids == reference and slow.output_ids == reference
+        assert spec.acceptance_lengths == slow.acceptance_lengths
+        assert spec.round_figures == slow.round_figures
+    return prompt
 
 
 def test_graphed_decoding_equals_eager_and_plain_greedy_in_fp32():
     target, drafter = fp32_cuda_pair()
     graphed = StaticDecoder(target, drafter, max_len=128, graphs=True, kv_bucket=32)
     eager = StaticDecoder(target, drafter, max_len=128, graphs=False, kv_bucket=32)
-    for seed in range(4):
-        torch.manual_seed(seed)
-        prompt = torch.randint(0, 500, (6 + 9 * seed,)).tolist()
-        reference = plain_generate(target, prompt, DecodeSettings(40)).output_ids
-        assert graphed.plain(prompt, DecodeSettings(40)).output_ids == reference
-        spec = graphed.speculative(prompt, DecodeSettings(40))
-        assert spec.output_ids == reference  # lossless with the graphs on
-        assert spec.acceptance_lengths == eager.speculative(prompt, DecodeSettings(40)).acceptance_lengths
+    prompt = check_graphed_equals_eager_and_plain_greedy(target, graphed, eager, prompts=4)
     # One graph per (kind, attended-length bucket): prompts up to 33 + 40 new + a block reach
     # positions < 96, i.e. buckets 32, 64, 96 for each of the two kinds.
     assert 0 < graphed.captures <= 6

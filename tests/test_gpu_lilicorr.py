@@ -13,13 +13,12 @@ import torch
 from torch import nn
 
 from dflash.decoding.engine import StaticDecoder
-from dflash.decoding.reference import plain_generate
-from dflash.decoding.settings import DecodeSettings
 from dflash.step.lilicorr_variant import LiLiCorrVariant
 from dflash.target.target_head import TargetHead
 from dflash.torch_runtime.compile import compiled_calls
-from tests.test_dflash_rules import blocks_for, tiny_target
+from tests.test_dflash_rules import blocks_for
 from tests.test_dspark import tiny_target as tiny_target_with_final_state
+from tests.test_gpu_decoding import check_graphed_equals_eager_and_plain_greedy, fp32_cuda_pair
 from tests.test_lilicorr import BLOCK, GEOMETRY, tiny_lilicorr, variant_block_loss
 
 pytestmark = [
@@ -29,22 +28,10 @@ pytestmark = [
 
 
 def test_graphed_lilicorr_decoding_equals_eager_and_plain_greedy_in_fp32():
-    target = tiny_target()
-    target.model.to("cuda")
-    drafter = tiny_lilicorr(target).to("cuda").eval()
+    target, drafter = fp32_cuda_pair(tiny_lilicorr)
     graphed = StaticDecoder(target, drafter, max_len=128, graphs=True, kv_bucket=32)
     eager = StaticDecoder(target, drafter, max_len=128, graphs=False, kv_bucket=32)
-    for seed in range(3):
-        torch.manual_seed(seed)
-        prompt = torch.randint(0, 500, (6 + 9 * seed,)).tolist()
-        reference = plain_generate(target, prompt, DecodeSettings(40)).output_ids
-        spec, slow = (
-            graphed.speculative(prompt, DecodeSettings(40)),
-            eager.speculative(prompt, DecodeSettings(40)),
-        )
-        assert spec.output_ids == reference and slow.output_ids == reference
-        assert spec.acceptance_lengths == slow.acceptance_lengths
-        assert spec.round_figures == slow.round_figures
+    check_graphed_equals_eager_and_plain_greedy(target, graphed, eager, prompts=3)
 
 
 # The recipe's weights (ModelOpt's lilicorr.yaml `base`): the hinge is reported, not trained, so

@@ -24,6 +24,25 @@ def decoded(accepted: list[int], *, drafts: int, max_new: int) -> DecodeResult:
     return DecodeResult(output_ids=list(range(max_new)), acceptance_lengths=lengths, accepted_drafts=accepted)
 
 
+def measured(monkeypatch, prompts, *, own_decode, serve, max_new_tokens, overlap=False):
+    """measure_benchmark over `prompts` with dflash's decoder replaced by `own_decode` (no target
+    or drafter is loaded), three drafts a round, no stop token."""
+    from dflash.serving import measure
+
+    monkeypatch.setattr(measure, "speculative_generate", own_decode)
+    return measure.measure_benchmark(
+        "chat",
+        prompts,
+        target=None,
+        drafter=None,
+        serve=serve,
+        max_new_tokens=max_new_tokens,
+        drafts_per_round=3,
+        stop_ids=frozenset(),
+        overlap=overlap,
+    )
+
+
 def test_rounds_away_from_the_cap_count_the_same():
     # 1 + 4 + 1 + 3 + 2 + 2 = 13: the last round has 2 places left, room for its 1 accepted draft.
     result = decoded([3, 0, 2, 1, 1], drafts=3, max_new=13)
@@ -199,24 +218,17 @@ def test_a_served_benchmarks_own_tau_is_the_one_dflash_eval_reports(monkeypatch)
     11 tokens give 2.2 (the mean of the prompts' means would be 2.25)."""
     from dflash.eval.journal import PromptOutcome
     from dflash.eval.tally import OutcomeTally
-    from dflash.serving import measure
     from dflash.serving.server import ServedDecode
 
     own = {(1,): decoded([2, 0, 1], drafts=3, max_new=7), (2,): decoded([3, 0], drafts=3, max_new=6)}
-    monkeypatch.setattr(
-        measure, "speculative_generate", lambda target, drafter, prompt, settings: own[tuple(prompt)]
-    )
-    served = measure.measure_benchmark(
-        "chat",
+    served = measured(
+        monkeypatch,
         [[1], [2]],
-        target=None,
-        drafter=None,
+        own_decode=lambda target, drafter, prompt, settings: own[tuple(prompt)],
         serve=lambda prompt, max_new: ServedDecode(
             own[tuple(prompt)].output_ids, drafted=0, accepted=0, verifications=0
         ),
         max_new_tokens=7,
-        drafts_per_round=3,
-        stop_ids=frozenset(),
     )
     tally = OutcomeTally(3)
     for result in own.values():
@@ -232,7 +244,6 @@ def test_with_overlap_the_engine_serves_a_prompt_while_dflash_decodes_it_and_the
     own decoder here waits for the engine's request to begin, so taking turns would never end."""
     import threading
 
-    from dflash.serving import measure
     from dflash.serving.server import ServedDecode
 
     own = {(1,): decoded([2, 0, 1], drafts=3, max_new=7), (2,): decoded([3, 0], drafts=3, max_new=6)}
@@ -245,27 +256,19 @@ def test_with_overlap_the_engine_serves_a_prompt_while_dflash_decodes_it_and_the
             result.output_ids, drafted=9, accepted=sum(result.accepted_drafts), verifications=3
         )
 
-    def measured(*, overlap: bool, own_decode):
-        monkeypatch.setattr(measure, "speculative_generate", own_decode)
-        return measure.measure_benchmark(
-            "chat",
-            [[1], [2]],
-            target=None,
-            drafter=None,
-            serve=serve,
-            max_new_tokens=7,
-            drafts_per_round=3,
-            stop_ids=frozenset(),
-            overlap=overlap,
-        )
-
     def waits_for_the_engine(target, drafter, prompt, settings):
         assert serving[tuple(prompt)].wait(timeout=120), "the engine's request was not in flight"
         return own[tuple(prompt)]
 
-    overlapped = measured(overlap=True, own_decode=waits_for_the_engine)
+    overlapped = measured(
+        monkeypatch, [[1], [2]], own_decode=waits_for_the_engine, serve=serve, max_new_tokens=7, overlap=True
+    )
     in_turns = measured(
-        overlap=False, own_decode=lambda target, drafter, prompt, settings: own[tuple(prompt)]
+        monkeypatch,
+        [[1], [2]],
+        own_decode=lambda target, drafter, prompt, settings: own[tuple(prompt)],
+        serve=serve,
+        max_new_tokens=7,
     )
     assert overlapped.prompts == in_turns.prompts and overlapped.own_tau == in_turns.own_tau
 
@@ -273,29 +276,19 @@ def test_with_overlap_the_engine_serves_a_prompt_while_dflash_decodes_it_and_the
 def test_with_overlap_a_failed_request_stops_the_benchmark_with_its_own_error(monkeypatch):
     """An engine request that fails on the second thread raises in the caller as itself, and no
     later prompt is sent."""
-    from dflash.serving import measure
-
     sent = []
 
     def serve(prompt, max_new):
         sent.append(prompt)
         raise ConnectionResetError("llama-server closed the connection")
 
-    monkeypatch.setattr(
-        measure,
-        "speculative_generate",
-        lambda target, drafter, prompt, settings: decoded([0], drafts=3, max_new=2),
-    )
     with pytest.raises(ConnectionResetError, match="llama-server closed the connection"):
-        measure.measure_benchmark(
-            "chat",
+        measured(
+            monkeypatch,
             [[1], [2], [3]],
-            target=None,
-            drafter=None,
+            own_decode=lambda target, drafter, prompt, settings: decoded([0], drafts=3, max_new=2),
             serve=serve,
             max_new_tokens=2,
-            drafts_per_round=3,
-            stop_ids=frozenset(),
             overlap=True,
         )
     assert sent == [[1]]
