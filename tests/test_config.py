@@ -400,6 +400,9 @@ def test_regen_refuses_an_unknown_key(tmp_path):
         (lambda s: s.AdamWConfig(betas=[0.9, 1.0]), r"optimizer.betas must be two numbers in \[0, 1\)"),
         (lambda s: s.AdamWConfig(weight_decay=-0.1), "optimizer.weight_decay must be >= 0, got -0.1"),
         (lambda s: s.AdamWConfig(eps=-1e-8), "optimizer.eps must be >= 0"),
+        (lambda s: s.AdamWConfig(weight_decay=float("nan")), "optimizer.weight_decay must be >= 0, got nan"),
+        # The shared bound check (dflash/config/bounds.py) refuses nan, which compares false both ways.
+        (lambda s: s.TrainConfig(epochs=float("nan")), "train.epochs must be >= 1, got nan"),
         # Built directly (no typed conversion before it), nan still fails the field's own rule.
         (
             lambda s: s.COMPONENT_OPTIONS["variant"]["dspark"](ce_weight=float("nan")),
