@@ -332,6 +332,17 @@ def test_a_plugin_variants_eval_figure_may_be_the_objective(suffix, make_cfg):
             checked(f"eval/gsm8k/{refused}{suffix}")
 
 
+def test_a_variant_target_that_is_no_drafter_variant_is_refused_naming_the_key(make_cfg):
+    """`variant._target_` must build a drafter variant (dflash/step/variant.py): any other class
+    that takes the node's keys would pass every check and fail mid-run on a missing hook."""
+    from dflash.config.typed import typed_config
+    from dflash.run.checks import validate
+
+    cfg = typed_config(make_cfg(["variant._target_=argparse.Namespace"]))
+    with pytest.raises(ValueError, match=r"variant._target_='argparse.Namespace' is not a drafter variant"):
+        validate(cfg, num_target_layers=36, target_vocab_size=262144, visible_cuda_devices=1)
+
+
 def test_real_target_without_path_names_the_key(tmp_path):
     cfg = compose_config(["target=qwen3_8b", f"paths.output_dir={tmp_path}"])
     with pytest.raises(Exception, match="target.path"):
