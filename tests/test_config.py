@@ -226,6 +226,7 @@ def test_gpu_split_from_config():
         (["drafter.target_layer_ids=[1,9]"], "drafter.target_layer_ids"),
         (["drafter.mask_token_id=512"], "drafter.mask_token_id"),
         (["drafter.block_size=1"], "drafter.block_size"),
+        (["drafter.num_layers=0"], "drafter.num_layers must be >= 1, got 0"),
         (
             ["drafter.layer_types=[sliding_attention]"],
             "drafter.layer_types has 1 entries for drafter.num_layers=2",

@@ -12,6 +12,7 @@ from __future__ import annotations
 import re
 from typing import Any
 
+from dflash.config.bounds import at_least
 from dflash.config.components import check_buildable, target_of
 from dflash.config.devices import ProcessSlot, resolve_device_split
 from dflash.config.schema import (
@@ -197,8 +198,7 @@ def validate_drafter(cfg: Any, *, num_target_layers: int, target_vocab_size: int
             f"drafter.block_size must be >= 2 (anchor + at least one draft), got {drafter.block_size}"
         )
     for key in ("num_layers", "num_anchors"):
-        if getattr(drafter, key) < 1:
-            raise ValueError(f"drafter.{key} must be >= 1, got {getattr(drafter, key)}")
+        at_least(f"drafter.{key}", getattr(drafter, key), 1)
     _validate_layer_types(drafter)
 
 
