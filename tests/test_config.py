@@ -226,6 +226,7 @@ def test_gpu_split_from_config():
         (["drafter.target_layer_ids=[1,9]"], "drafter.target_layer_ids"),
         (["drafter.mask_token_id=512"], "drafter.mask_token_id"),
         (["drafter.block_size=1"], "drafter.block_size"),
+        (["drafter.num_layers=0"], "drafter.num_layers must be >= 1, got 0"),
         (
             ["drafter.layer_types=[sliding_attention]"],
             "drafter.layer_types has 1 entries for drafter.num_layers=2",
@@ -332,6 +333,17 @@ def test_a_plugin_variants_eval_figure_may_be_the_objective(suffix, make_cfg):
             checked(f"eval/gsm8k/{refused}{suffix}")
 
 
+def test_a_variant_target_that_is_no_drafter_variant_is_refused_naming_the_key(make_cfg):
+    """`variant._target_` must build a drafter variant (dflash/step/variant.py): any other class
+    that takes the node's keys would pass every check and fail mid-run on a missing hook."""
+    from dflash.config.typed import typed_config
+    from dflash.run.checks import validate
+
+    cfg = typed_config(make_cfg(["variant._target_=argparse.Namespace"]))
+    with pytest.raises(ValueError, match=r"variant._target_='argparse.Namespace' is not a drafter variant"):
+        validate(cfg, num_target_layers=36, target_vocab_size=262144, visible_cuda_devices=1)
+
+
 def test_real_target_without_path_names_the_key(tmp_path):
     cfg = compose_config(["target=qwen3_8b", f"paths.output_dir={tmp_path}"])
     with pytest.raises(Exception, match="target.path"):
@@ -400,6 +412,9 @@ def test_regen_refuses_an_unknown_key(tmp_path):
         (lambda s: s.AdamWConfig(betas=[0.9, 1.0]), r"optimizer.betas must be two numbers in \[0, 1\)"),
         (lambda s: s.AdamWConfig(weight_decay=-0.1), "optimizer.weight_decay must be >= 0, got -0.1"),
         (lambda s: s.AdamWConfig(eps=-1e-8), "optimizer.eps must be >= 0"),
+        (lambda s: s.AdamWConfig(weight_decay=float("nan")), "optimizer.weight_decay must be >= 0, got nan"),
+        # The shared bound check (dflash/config/bounds.py) refuses nan, which compares false both ways.
+        (lambda s: s.TrainConfig(epochs=float("nan")), "train.epochs must be >= 1, got nan"),
         # Built directly (no typed conversion before it), nan still fails the field's own rule.
         (
             lambda s: s.COMPONENT_OPTIONS["variant"]["dspark"](ce_weight=float("nan")),

@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 
 from omegaconf import MISSING
 
+from dflash.config.bounds import at_least
+
 
 @dataclass
 class SchedulerConfig:
@@ -76,8 +78,7 @@ class AdamWConfig(OptimizerConfig):
             raise ValueError(f"optimizer.betas must be two numbers in [0, 1), got {list(self.betas)}")
         # torch refuses these too, but only once the drafter is built, and without the key.
         for key in ("weight_decay", "eps"):
-            if not getattr(self, key) >= 0:
-                raise ValueError(f"optimizer.{key} must be >= 0, got {getattr(self, key)}")
+            at_least(f"optimizer.{key}", getattr(self, key), 0)
         super().__post_init__()
 
 

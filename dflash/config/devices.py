@@ -22,6 +22,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
+from dflash.config.bounds import at_least
 from dflash.config.schema import DeviceKind
 
 
@@ -84,8 +85,7 @@ def resolve_device_split(
     """
     gpu = cfg.gpu
     slot = slot or ProcessSlot()
-    if gpu.target < 1:
-        raise ValueError(f"gpu.target must be >= 1, got {gpu.target}")
+    at_least("gpu.target", gpu.target, 1)
     if gpu.drafter is not None and gpu.drafter < 1:
         raise ValueError(f"gpu.drafter must be >= 1 (or null for the rest), got {gpu.drafter}")
     if gpu.device is DeviceKind.cpu:

@@ -141,18 +141,33 @@ def tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
     `base_kernel` [2 sides, k taps, H], `kernel_projection` [2 k G, H] (its output viewed as
     side, tap, group), the codebooks [V, r] without `.weight`, `hidden_projection` [r, H]."""
     settings = _settings(config)
-    hidden, vocab = config["hidden_size"], config["vocab_size"]
-    kernel, rank = settings["conv_kernel_size"], settings["selector_rank"]
-    groups = hidden // settings["conv_group_size"]
-    shapes: dict[str, tuple[int, ...]] = {}
-    for i in range(config["num_hidden_layers"]):
-        for conv in CONV_MODULES:
-            shapes[f"layers.{i}.{conv}.base_kernel"] = (2, kernel, hidden)
-            shapes[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * kernel * groups, hidden)
+    hidden, vocab, rank = config["hidden_size"], config["vocab_size"], settings["selector_rank"]
+    shapes = conv_tensor_shapes(
+        config, kernel_size=settings["conv_kernel_size"], group_size=settings["conv_group_size"]
+    )
     shapes[f"{SELECTOR}.hidden_projection.weight"] = (rank, hidden)
     for codebook in CODEBOOKS:
         shapes[codebook] = (vocab, rank)
     return shapes
+
+
+def conv_tensor_shapes(
+    config: dict[str, Any], *, kernel_size: int, group_size: int
+) -> dict[str, tuple[int, ...]]:
+    """Tensor name -> shape of the block-local convolutions around every layer's attention and
+    MLP: `base_kernel` [2 sides, k taps, H], `kernel_projection` [2 k G, H] (G = H / group size).
+    DFlash2's, and LiLiCorr's when it carries them (dflash/export/lilicorr_rules.py)."""
+    hidden = config["hidden_size"]
+    groups = hidden // group_size
+    return {
+        f"layers.{i}.{conv}.{tensor}": shape
+        for i in range(config["num_hidden_layers"])
+        for conv in CONV_MODULES
+        for tensor, shape in (
+            ("base_kernel", (2, kernel_size, hidden)),
+            ("kernel_projection.weight", (2 * kernel_size * groups, hidden)),
+        )
+    }
 
 
 def unexpected_tensor_reason(name: str) -> str | None:

@@ -12,13 +12,13 @@ from __future__ import annotations
 from typing import Any, ClassVar
 
 from dflash.drafters.lilicorr import (
-    CONV_MODULES,
     LILICORR_ARCHITECTURE,
     NUM_CANDIDATE_FEATURES,
     LiLiCorrDrafter,
     lattice_problems,
     lilicorr_settings,
 )
+from dflash.export.dflash2_rules import conv_tensor_shapes
 from dflash.export.rules import VariantExport
 
 
@@ -65,12 +65,12 @@ def tensor_shapes(config: dict[str, Any]) -> dict[str, tuple[int, ...]]:
         shapes.update(_linear(f"{head}.token_proj", width, model))
     for name in ("out_head", "in_head", "anchor_out_head"):
         shapes.update(_linear(f"{head}.{name}", factor, width))
-    if "conv_kernel_size" in settings:  # DFlash2's tensors (dflash/export/dflash2_rules.py)
-        kernel, groups = settings["conv_kernel_size"], model // settings["conv_group_size"]
-        for i in range(config["num_hidden_layers"]):
-            for conv in CONV_MODULES:
-                shapes[f"layers.{i}.{conv}.base_kernel"] = (2, kernel, model)
-                shapes[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * kernel * groups, model)
+    if "conv_kernel_size" in settings:  # DFlash2's convolutions
+        shapes.update(
+            conv_tensor_shapes(
+                config, kernel_size=settings["conv_kernel_size"], group_size=settings["conv_group_size"]
+            )
+        )
     for i in range(settings["num_layers"]):
         layer = f"{head}.layers.{i}"
         shapes.update(

@@ -12,7 +12,8 @@ from __future__ import annotations
 import re
 from typing import Any
 
-from dflash.config.components import check_buildable
+from dflash.config.bounds import at_least
+from dflash.config.components import check_buildable, target_of
 from dflash.config.devices import ProcessSlot, resolve_device_split
 from dflash.config.schema import (
     AttentionKind,
@@ -25,6 +26,7 @@ from dflash.data.conversations import expand_files
 from dflash.data.files import is_saved_dataset
 from dflash.drafters.layer_ids import default_target_layer_ids
 from dflash.eval.results import tallied_metric_names
+from dflash.step.variant import DFlashVariant
 from dflash.step.variant_registry import variant_figure_names
 
 # A per-benchmark figure's key past greedy decoding: eval/<benchmark>/<name>_t<temperature>.
@@ -196,17 +198,21 @@ def validate_drafter(cfg: Any, *, num_target_layers: int, target_vocab_size: int
             f"drafter.block_size must be >= 2 (anchor + at least one draft), got {drafter.block_size}"
         )
     for key in ("num_layers", "num_anchors"):
-        if getattr(drafter, key) < 1:
-            raise ValueError(f"drafter.{key} must be >= 1, got {getattr(drafter, key)}")
+        at_least(f"drafter.{key}", getattr(drafter, key), 1)
     _validate_layer_types(drafter)
 
 
 def _validate_variant(cfg: Any) -> None:
     """The variant's rules that reach outside its node, as its class states them
     (dflash/step/variant.py: `run_refusal`; those on its own keys are in its options'
-    `__post_init__`). A class of the user's own without the hook has none."""
+    `__post_init__`). `_target_` must build a drafter variant: another class that takes the
+    node's keys would pass here and fail mid-run on the first hook it lacks."""
     variant_class = check_buildable(cfg.variant, "variant")
-    asked = getattr(variant_class, "run_refusal", None)
-    refusal = asked(variant=cfg.variant, noise=cfg.noise, loss=cfg.loss) if asked is not None else None
+    if not (isinstance(variant_class, type) and issubclass(variant_class, DFlashVariant)):
+        raise ValueError(
+            f"variant._target_={target_of(cfg.variant, 'variant')!r} is not a drafter variant "
+            "(a dflash.step.variant.DFlashVariant subclass, registered with register_variant)"
+        )
+    refusal = variant_class.run_refusal(variant=cfg.variant, noise=cfg.noise, loss=cfg.loss)
     if refusal is not None:
         raise ValueError(refusal)
