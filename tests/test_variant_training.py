@@ -128,6 +128,11 @@ def test_a_variant_trains_resumes_exactly_and_reports_its_own_figures(name, make
     own += [f"train/{field.name}" for field in variant.metric_fields if field.per is not None]
     assert all(key in row for row in full.values() for key in own), (own, sorted(full[4]))
     assert all(f"train/{figure_name}" in summary for figure_name in variant.figure_names)
+    # Some of them measured: `same` below lets an undefined figure (no rejected slot, no changed
+    # pick in a tiny run) equal itself, so figures that were all undefined would pass the resume
+    # check vacuously.
+    measured = [key for key in own if full[4][key] is not None and math.isfinite(full[4][key])]
+    assert measured or not own, full[4]
 
     # Its console figures on each window's console line.
     console = [line for line in printed if line.startswith("step ")]
