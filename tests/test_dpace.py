@@ -114,10 +114,18 @@ def read_losses(cfg) -> list[float]:
     "variant",
     [["variant=dflash"], ["variant=dflash2", "variant.selector_rank=16", "variant.selector_top_k=8"]],
 )
-def test_dflash_and_dflash2_train_under_dpace(make_cfg, variant):
+def test_dflash_and_dflash2_train_under_dpace(make_cfg, variant, monkeypatch):
     overrides = ["loss=dpace", "train.total_steps=24", "logger.every_steps=4", "optimizer.lr=3e-3"]
     cfg = make_cfg([*variant, *overrides, "data.val_samples=16"])
+    # The steps weigh their positions by D-PACE (a run that fell back to the static weights
+    # would train and converge as well).
+    weighed = []
+    weigh = DPaceLoss.weigh
+    monkeypatch.setattr(
+        DPaceLoss, "weigh", lambda self, *a, **k: weighed.append(self.alpha) or weigh(self, *a, **k)
+    )
     summary = train(cfg)
+    assert len(weighed) >= 24 and set(weighed) == {0.5}
     losses = read_losses(cfg)
     assert summary["steps"] == 24 and all(math.isfinite(value) for value in losses)
     assert math.isfinite(summary["val/loss"])  # the held-out split is scored under the same weights
