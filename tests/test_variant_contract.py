@@ -17,6 +17,7 @@ from typing import Any, ClassVar
 import pytest
 import torch
 
+from dflash.config.variant_schema import BUILT_IN_VARIANTS
 from dflash.decoding import engine, reference
 from dflash.decoding.engine import StaticDecoder
 from dflash.decoding.reference import plain_generate, speculative_generate
@@ -136,6 +137,12 @@ MAKERS = {
     "lilicorr": tiny_lilicorr,
     "test_margin": margin_drafter,
 }
+
+
+def test_every_built_in_variant_has_a_maker():
+    """The tests below run the variants MAKERS builds: a built-in variant without an entry
+    would skip every stage past training unnoticed."""
+    assert {variant.name for variant in BUILT_IN_VARIANTS} <= set(MAKERS)
 
 
 def test_every_registered_variant_is_in_the_contract():
