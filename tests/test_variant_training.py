@@ -176,7 +176,10 @@ class Forgetful(MarginVariant):
 
 
 def test_a_registration_that_forgets_or_takes_a_piece_is_refused_and_registers_nothing():
+    from dflash.config.schema import COMPONENT_OPTIONS
+
     variants, drafters = registered_variants(), registered_drafters()
+    options = dict(COMPONENT_OPTIONS["variant"])
 
     class Impostor(DSparkVariant):  # a second class under a taken name
         pass
@@ -207,6 +210,7 @@ def test_a_registration_that_forgets_or_takes_a_piece_is_refused_and_registers_n
         with pytest.raises(ValueError, match=re.escape(message)):
             register_variant(variant_class)
     assert registered_variants() == variants and registered_drafters() == drafters
+    assert COMPONENT_OPTIONS["variant"] == options  # nor its options: `variant=NAME` composes nothing
     assert register_variant(MarginVariant) is MarginVariant  # the same class again: nothing new
     assert registered_variants() == variants
 
