@@ -138,9 +138,15 @@ def test_an_alpha_out_of_range_is_refused_naming_the_key(make_cfg, alpha):
         train(make_cfg(["loss=dpace", f"loss.alpha={alpha}"]))
 
 
-def test_dpace_with_dspark_is_refused_before_it_trains(make_cfg):
-    with pytest.raises(ValueError, match="loss=dpace .* with variant=dspark use loss=default"):
-        train(make_cfg(["variant=dspark", "loss=dpace"]))
+@pytest.mark.parametrize("variant", ["dspark", "lilicorr"])
+def test_dpace_with_a_variant_that_refuses_it_is_refused_before_any_weights_load(
+    make_cfg, variant, monkeypatch
+):
+    from dflash.target.model import FrozenTarget
+
+    monkeypatch.setattr(FrozenTarget, "from_config", lambda *args, **kwargs: pytest.fail("a model loaded"))
+    with pytest.raises(ValueError, match=f"loss=dpace .* with variant={variant} use loss=default"):
+        train(make_cfg([f"variant={variant}", "loss=dpace"]))
 
 
 def test_each_variant_says_itself_whether_it_refuses_dpace():
