@@ -155,9 +155,10 @@ def test_each_variant_says_itself_whether_it_refuses_dpace():
     train under it. A setting refused already (DSpark's kept positions under noise=mask_ramp)
     is still the one named."""
     from dflash.config.schema import DPaceLossConfig, MaskRampNoiseConfig, NoNoiseConfig
+    from dflash.config.variant_schema import BUILT_IN_VARIANTS
     from dflash.step.variant_registry import registered_variants
 
-    builtin = {name: registered_variants()[name] for name in ("dflash", "dspark", "dflash2", "lilicorr")}
+    builtin = {variant.name: registered_variants()[variant.name] for variant in BUILT_IN_VARIANTS}
     refusals = {
         name: variant.run_refusal(variant=variant.options(), noise=NoNoiseConfig(), loss=DPaceLossConfig())
         for name, variant in builtin.items()
