@@ -114,10 +114,18 @@ def read_losses(cfg) -> list[float]:
     "variant",
     [["variant=dflash"], ["variant=dflash2", "variant.selector_rank=16", "variant.selector_top_k=8"]],
 )
-def test_dflash_and_dflash2_train_under_dpace(make_cfg, variant):
+def test_dflash_and_dflash2_train_under_dpace(make_cfg, variant, monkeypatch):
     overrides = ["loss=dpace", "train.total_steps=24", "logger.every_steps=4", "optimizer.lr=3e-3"]
     cfg = make_cfg([*variant, *overrides, "data.val_samples=16"])
+    # The steps weigh their positions by D-PACE (a run that fell back to the static weights
+    # would train and converge as well).
+    weighed = []
+    weigh = DPaceLoss.weigh
+    monkeypatch.setattr(
+        DPaceLoss, "weigh", lambda self, *a, **k: weighed.append(self.alpha) or weigh(self, *a, **k)
+    )
     summary = train(cfg)
+    assert len(weighed) >= 24 and set(weighed) == {0.5}
     losses = read_losses(cfg)
     assert summary["steps"] == 24 and all(math.isfinite(value) for value in losses)
     assert math.isfinite(summary["val/loss"])  # the held-out split is scored under the same weights
@@ -130,9 +138,15 @@ def test_an_alpha_out_of_range_is_refused_naming_the_key(make_cfg, alpha):
         train(make_cfg(["loss=dpace", f"loss.alpha={alpha}"]))
 
 
-def test_dpace_with_dspark_is_refused_before_it_trains(make_cfg):
-    with pytest.raises(ValueError, match="loss=dpace .* with variant=dspark use loss=default"):
-        train(make_cfg(["variant=dspark", "loss=dpace"]))
+@pytest.mark.parametrize("variant", ["dspark", "lilicorr"])
+def test_dpace_with_a_variant_that_refuses_it_is_refused_before_any_weights_load(
+    make_cfg, variant, monkeypatch
+):
+    from dflash.target.model import FrozenTarget
+
+    monkeypatch.setattr(FrozenTarget, "from_config", lambda *args, **kwargs: pytest.fail("a model loaded"))
+    with pytest.raises(ValueError, match=f"loss=dpace .* with variant={variant} use loss=default"):
+        train(make_cfg([f"variant={variant}", "loss=dpace"]))
 
 
 def test_each_variant_says_itself_whether_it_refuses_dpace():
@@ -141,9 +155,10 @@ def test_each_variant_says_itself_whether_it_refuses_dpace():
     train under it. A setting refused already (DSpark's kept positions under noise=mask_ramp)
     is still the one named."""
     from dflash.config.schema import DPaceLossConfig, MaskRampNoiseConfig, NoNoiseConfig
+    from dflash.config.variant_schema import BUILT_IN_VARIANTS
     from dflash.step.variant_registry import registered_variants
 
-    builtin = {name: registered_variants()[name] for name in ("dflash", "dspark", "dflash2", "lilicorr")}
+    builtin = {variant.name: registered_variants()[variant.name] for variant in BUILT_IN_VARIANTS}
     refusals = {
         name: variant.run_refusal(variant=variant.options(), noise=NoNoiseConfig(), loss=DPaceLossConfig())
         for name, variant in builtin.items()

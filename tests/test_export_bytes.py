@@ -14,8 +14,10 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+from dflash.config.variant_schema import BUILT_IN_VARIANTS
 from dflash.drafters.backbone import DFlashDrafter
 from dflash.drafters.lilicorr import LiLiCorrDrafter
+from dflash.export.export_registry import registered_exports
 from dflash.export.zlab import export_drafter, write_layout
 from tests.test_dflash2_export import tiny_dflash2
 from tests.test_dflash_rules import tiny_drafter, tiny_target
@@ -99,3 +101,13 @@ EXPECTED = {
 @pytest.mark.parametrize("kind, layout", sorted(EXPECTED))
 def test_each_variants_export_is_byte_identical_to_the_recorded_one(kind, layout, tmp_path):
     assert digest(write(kind, layout, tmp_path)) == EXPECTED[kind, layout]
+
+
+def test_every_layout_a_built_in_variant_writes_has_its_recorded_bytes():
+    """The test above runs the recorded pairs alone: a built-in variant, or a layout one declares,
+    without its entry in EXPECTED would be written by users and checked by nothing."""
+    for variant in BUILT_IN_VARIANTS:
+        spec = registered_exports()[variant.name]
+        for layout in spec.layouts:
+            recorded = "native" if layout == spec.drafter.native_layout else layout
+            assert (variant.name, recorded) in EXPECTED, (variant.name, layout)

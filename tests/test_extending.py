@@ -394,3 +394,26 @@ def test_a_component_whose_constructor_raises_is_one_line_naming_the_key(
             build_run(make_cfg([f"{prefix}{key}._target_=raising_component.Broken"]))
     finally:
         sys.modules.pop("raising_component", None)
+
+
+def test_the_documented_variant_pieces_name_every_hook_a_built_in_variant_answers():
+    """docs/extending.md's "Add a drafter variant" names each hook of the drafter class and the
+    training class that a built-in variant answers differently from DFlash: a hook added or
+    renamed in the code is named there too, or a user writing a variant never hears of it."""
+    from dflash.config.variant_schema import BUILT_IN_VARIANTS
+    from dflash.drafters.backbone import DFlashDrafter
+    from dflash.drafters.drafter_registry import registered_drafters
+    from dflash.step.variant import DFlashVariant
+    from dflash.step.variant_registry import registered_variants
+
+    section = DOC.read_text().split("## Add a drafter variant", 1)[1].split("\n## ", 1)[0]
+    named = set(re.findall(r"\w+", section))
+    unnamed = {}
+    for base, registry in ((DFlashDrafter, registered_drafters()), (DFlashVariant, registered_variants())):
+        for variant in BUILT_IN_VARIANTS:
+            for cls in registry[variant.name].__mro__[: registry[variant.name].__mro__.index(base)]:
+                hooks = {key for key in vars(cls) if hasattr(base, key) and not key.startswith("_")}
+                # reset_parameters: torch's own hook for the weights' init, not dflash's
+                for hook in hooks - named - {"reset_parameters"}:
+                    unnamed.setdefault(base.__name__, set()).add(hook)
+    assert not unnamed, unnamed

@@ -8,12 +8,13 @@ import pytest
 import yaml
 from omegaconf import OmegaConf
 
+from dflash.config.variant_schema import BUILT_IN_VARIANTS
 from dflash.tools.compose import CONF_DIR, compose_config
 from tests.conftest import yaml_leaves
 
 RECIPES = CONF_DIR / "experiment" / "recipe"
 MATCHED = "matched_smollm2"
-VARIANTS = ["dflash", "dspark", "dflash2", "lilicorr"]
+VARIANTS = [variant.name for variant in BUILT_IN_VARIANTS]
 
 
 def file_values(path) -> dict:
@@ -141,6 +142,13 @@ PUBLISHED = {
         "lr_schedule._target_": "dflash.step.lr_schedule.cosine_with_warmup",
     },
 }
+
+
+def test_each_built_in_variant_has_a_recipe_and_its_sources():
+    """A built-in variant added without a recipe (or a recipe without its sources' values here)
+    would otherwise drop out of the tests above unnoticed."""
+    assert VARIANTS and sorted(path.stem for path in RECIPES.glob("*.yaml")) == sorted(VARIANTS)
+    assert sorted(PUBLISHED) == sorted(VARIANTS)
 
 
 @pytest.mark.parametrize("variant", sorted(PUBLISHED))

@@ -314,6 +314,29 @@ def test_the_registry_refuses_a_second_class_under_a_taken_name():
         register_drafter(Impostor)
 
 
+def test_the_export_registry_refuses_other_rules_or_a_second_layout_under_a_taken_name():
+    """The export side keeps the same promise (docs/extending.md): another class's rules for a
+    taken variant, or another layout under a taken name, are refused and the first ones stay;
+    the same rules again (a plug-in imported twice) change nothing."""
+    import dataclasses
+
+    from dflash.export import export_registry as registry
+    from dflash.export.deepspec import DEEPSPEC, DSparkExport
+
+    class ImpostorExport(DSparkExport):
+        pass
+
+    before = registry.registered_exports()
+    with pytest.raises(ValueError, match=r"export rules of 'dspark' are registered already \(DSparkExport\)"):
+        registry.register_export(ImpostorExport())
+    registry.register_export(DSparkExport())
+    assert registry.registered_exports().keys() == before.keys()
+    assert type(registry.registered_exports()["dspark"]) is DSparkExport
+    with pytest.raises(ValueError, match="the layout 'deepspec' is registered already"):
+        registry.register_layout(dataclasses.replace(DEEPSPEC))
+    assert registry.register_layout(DEEPSPEC) is DEEPSPEC and registry.layout_named("deepspec") is DEEPSPEC
+
+
 def test_each_training_variant_is_a_registered_drafter_variant_and_prints_its_summary_line():
     """The training side's variants (dflash/step/variant.py) go by the registered drafters' names,
     and a run summary holding a variant's figures prints that variant's own line, word for word

@@ -128,6 +128,11 @@ def test_a_variant_trains_resumes_exactly_and_reports_its_own_figures(name, make
     own += [f"train/{field.name}" for field in variant.metric_fields if field.per is not None]
     assert all(key in row for row in full.values() for key in own), (own, sorted(full[4]))
     assert all(f"train/{figure_name}" in summary for figure_name in variant.figure_names)
+    # Some of them measured: `same` below lets an undefined figure (no rejected slot, no changed
+    # pick in a tiny run) equal itself, so figures that were all undefined would pass the resume
+    # check vacuously.
+    measured = [key for key in own if full[4][key] is not None and math.isfinite(full[4][key])]
+    assert measured or not own, full[4]
 
     # Its console figures on each window's console line.
     console = [line for line in printed if line.startswith("step ")]
@@ -171,7 +176,10 @@ class Forgetful(MarginVariant):
 
 
 def test_a_registration_that_forgets_or_takes_a_piece_is_refused_and_registers_nothing():
+    from dflash.config.schema import COMPONENT_OPTIONS
+
     variants, drafters = registered_variants(), registered_drafters()
+    options = dict(COMPONENT_OPTIONS["variant"])
 
     class Impostor(DSparkVariant):  # a second class under a taken name
         pass
@@ -202,6 +210,7 @@ def test_a_registration_that_forgets_or_takes_a_piece_is_refused_and_registers_n
         with pytest.raises(ValueError, match=re.escape(message)):
             register_variant(variant_class)
     assert registered_variants() == variants and registered_drafters() == drafters
+    assert COMPONENT_OPTIONS["variant"] == options  # nor its options: `variant=NAME` composes nothing
     assert register_variant(MarginVariant) is MarginVariant  # the same class again: nothing new
     assert registered_variants() == variants
 
